@@ -1,0 +1,3 @@
+//! The CPU device: f32 compute ops (the reference twins of the CUDA kernels).
+
+pub mod ops;

@@ -1,0 +1,118 @@
+//! Generation for one request: prefill the prompt, then decode token by token.
+
+pub mod sampler;
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+
+use crate::kv::{ContiguousKv, KvView};
+use crate::model::Model;
+pub use sampler::{Sampler, SamplingParams};
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Stop at any of these ids (the model's eos ids unless overridden).
+    pub stop_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct GenerationOutput {
+    pub token_ids: Vec<u32>,
+    pub prompt_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    /// Tokens produced by decode steps (the first token comes from prefill).
+    pub decode_steps: usize,
+}
+
+impl GenerationOutput {
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
+    }
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        if self.decode_steps == 0 {
+            0.0
+        } else {
+            self.decode_steps as f64 / self.decode_secs.max(1e-9)
+        }
+    }
+}
+
+/// Checks a prompt against the model's context before any work is done.
+pub fn check_prompt(model: &Model, prompt: &[u32], max_tokens: usize, max_model_len: usize) -> Result<()> {
+    if prompt.is_empty() {
+        bail!("empty prompt: nothing to generate from");
+    }
+    if prompt.len() >= max_model_len {
+        bail!(
+            "prompt is {} tokens, longer than the model's maximum context of {} (leave room for at least one new token)",
+            prompt.len(),
+            max_model_len
+        );
+    }
+    let _ = (model, max_tokens);
+    Ok(())
+}
+
+/// Runs one request to completion on a fresh contiguous KV cache, calling `on_token`
+/// with each new token as it is produced.
+pub fn generate(
+    model: &Model,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    max_model_len: usize,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationOutput> {
+    let cfg = &model.cfg;
+    check_prompt(model, prompt, opts.max_tokens, max_model_len)?;
+    let capacity = (prompt.len() + opts.max_tokens).min(max_model_len);
+    let mut kv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity);
+    generate_with(model, &mut kv, capacity, prompt, opts, on_token)
+}
+
+/// The prefill/decode loop over any KV view with room for `capacity` tokens.
+pub fn generate_with(
+    model: &Model,
+    kv: &mut dyn KvView,
+    capacity: usize,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationOutput> {
+    opts.sampling.validate()?;
+    let mut sampler = Sampler::new(opts.sampling.clone());
+    let mut out = GenerationOutput { prompt_tokens: prompt.len(), ..Default::default() };
+    if opts.max_tokens == 0 {
+        return Ok(out);
+    }
+    let t0 = Instant::now();
+    let logits = model.forward(prompt, 0, kv)?;
+    let mut next = sampler.sample(&logits);
+    out.prefill_secs = t0.elapsed().as_secs_f64();
+    out.token_ids.push(next);
+    on_token(next)?;
+    let t1 = Instant::now();
+    let mut pos = prompt.len();
+    // Stop at max_tokens, at a stop id, or when the context is full.
+    while out.token_ids.len() < opts.max_tokens && !opts.stop_ids.contains(&next) && pos < capacity {
+        let logits = model.forward(&[next], pos, kv)?;
+        pos += 1;
+        next = sampler.sample(&logits);
+        out.token_ids.push(next);
+        out.decode_steps += 1;
+        on_token(next)?;
+    }
+    out.decode_secs = t1.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+/// Peak resident memory of this process in bytes (Linux `VmHWM`), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -1,0 +1,9 @@
+//! strata: an LLM inference runtime built around layerwise KV-cache offload.
+//!
+//! Layout: `model` (config, weights, tokenizer, the layer loop), `device` (compute ops
+//! and devices), `kv` (the KV seam and caches), `engine` (generation, sampling).
+
+pub mod device;
+pub mod engine;
+pub mod kv;
+pub mod model;

@@ -1,0 +1,357 @@
+//! Model hyper-parameters, read from a Hugging Face `config.json` (transformers 4.x or 5.x)
+//! or from GGUF metadata, normalised into one `ModelConfig`.
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The decoder architectures strata runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen3,
+}
+
+/// RoPE frequency scaling (only the Llama-3 style is used by supported models).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Llama 3.x "llama3" scaling of the low frequencies.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: usize,
+    },
+    /// Plain position interpolation: every frequency divided by `factor`.
+    Linear { factor: f32 },
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Qwen3: RMSNorm over each head of q and k before RoPE.
+    pub qk_norm: bool,
+    /// Bias on the q/k/v projections (Qwen2-style checkpoints of the Llama family).
+    pub attention_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// Default sampling (from `generation_config.json`; greedy when absent).
+    pub generation: GenerationDefaults,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationDefaults {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+}
+
+impl Default for GenerationDefaults {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0 }
+    }
+}
+
+impl GenerationDefaults {
+    /// Reads `generation_config.json`: `do_sample: false` (or absent) means greedy.
+    pub fn from_json(v: &Value) -> Self {
+        if !v.get("do_sample").and_then(Value::as_bool).unwrap_or(false) {
+            return Self::default();
+        }
+        Self {
+            temperature: v.get("temperature").and_then(Value::as_f64).unwrap_or(1.0) as f32,
+            top_k: v.get("top_k").and_then(Value::as_u64).unwrap_or(0) as usize,
+            top_p: v.get("top_p").and_then(Value::as_f64).unwrap_or(1.0) as f32,
+        }
+    }
+}
+
+impl ModelConfig {
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Rejects configurations the forward pass cannot run, with the reason.
+    pub fn validate(&self) -> Result<()> {
+        let checks = [
+            (self.hidden_size > 0, "hidden_size must be > 0"),
+            (self.num_layers > 0, "num_hidden_layers must be > 0"),
+            (self.num_heads > 0, "num_attention_heads must be > 0"),
+            (self.num_kv_heads > 0, "num_key_value_heads must be > 0"),
+            (self.head_dim > 0 && self.head_dim % 2 == 0, "head_dim must be even and > 0"),
+            (self.vocab_size > 0, "vocab_size must be > 0"),
+            (self.intermediate_size > 0, "intermediate_size must be > 0"),
+            (self.rope_theta > 0.0, "rope_theta must be > 0"),
+            (self.rms_norm_eps >= 0.0, "rms_norm_eps must be >= 0"),
+            (self.max_position_embeddings > 0, "max_position_embeddings must be > 0"),
+        ];
+        for (ok, msg) in checks {
+            if !ok {
+                bail!("invalid model config: {msg}");
+            }
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            bail!(
+                "invalid model config: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                self.num_heads,
+                self.num_kv_heads
+            );
+        }
+        Ok(())
+    }
+
+    /// Parses a Hugging Face `config.json` text.
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        let raw: HfConfig = serde_json::from_str(text).context("malformed config.json")?;
+        raw.into_config()
+    }
+
+    /// Builds the config from GGUF metadata (`<arch>.block_count` and friends).
+    pub fn from_gguf(md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>) -> Result<Self> {
+        use candle_core::quantized::gguf_file::Value;
+        let arch_name = md
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .context("GGUF metadata has no general.architecture")?
+            .clone();
+        let arch = match arch_name.as_str() {
+            "llama" => Arch::Llama,
+            "qwen3" => Arch::Qwen3,
+            other => bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen3)"),
+        };
+        let num = |key: &str| -> Result<Option<f64>> {
+            let Some(v) = md.get(&format!("{arch_name}.{key}")) else { return Ok(None) };
+            let x = match v {
+                Value::U8(x) => *x as f64,
+                Value::I8(x) => *x as f64,
+                Value::U16(x) => *x as f64,
+                Value::I16(x) => *x as f64,
+                Value::U32(x) => *x as f64,
+                Value::I32(x) => *x as f64,
+                Value::U64(x) => *x as f64,
+                Value::I64(x) => *x as f64,
+                Value::F32(x) => *x as f64,
+                Value::F64(x) => *x,
+                other => bail!("GGUF key {arch_name}.{key} is not a number: {other:?}"),
+            };
+            Ok(Some(x))
+        };
+        let need = |key: &str| -> Result<f64> {
+            num(key)?.with_context(|| format!("GGUF metadata is missing {arch_name}.{key}"))
+        };
+        let hidden_size = need("embedding_length")? as usize;
+        let num_heads = need("attention.head_count")? as usize;
+        let num_kv_heads = num("attention.head_count_kv")?.map(|x| x as usize).unwrap_or(num_heads);
+        let head_dim = match num("attention.key_length")? {
+            Some(x) => x as usize,
+            None if num_heads > 0 => hidden_size / num_heads,
+            None => 0,
+        };
+        let vocab_size = match num("vocab_size")? {
+            Some(v) => v as usize,
+            None => md
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.to_vec().ok())
+                .map(|v| v.len())
+                .context("GGUF metadata has neither vocab_size nor tokenizer.ggml.tokens")?,
+        };
+        let scaling = match md
+            .get(&format!("{arch_name}.rope.scaling.type"))
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
+        {
+            Some("linear") => RopeScaling::Linear { factor: need("rope.scaling.factor")? as f32 },
+            Some("none") | None => RopeScaling::None,
+            Some(other) => bail!("unsupported RoPE scaling `{other}` in GGUF"),
+        };
+        let u32_key = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
+        let cfg = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: need("feed_forward_length")? as usize,
+            num_layers: need("block_count")? as usize,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            rms_norm_eps: need("attention.layer_norm_rms_epsilon")? as f32,
+            rope_theta: num("rope.freq_base")?.unwrap_or(10_000.0) as f32,
+            rope_scaling: scaling,
+            max_position_embeddings: num("context_length")?.map(|x| x as usize).unwrap_or(2048),
+            tie_word_embeddings: false, // decided by the loader: no `output.weight` means tied
+            qk_norm: arch == Arch::Qwen3,
+            attention_bias: false,
+            bos_token_id: u32_key("tokenizer.ggml.bos_token_id"),
+            eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            generation: GenerationDefaults::default(),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// `config.json` as transformers 4.x and 5.x write it (5.x may nest RoPE settings
+/// in `rope_parameters` and the text model in `text_config`).
+#[derive(Deserialize)]
+struct HfConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    bos_token_id: Option<Value>,
+    eos_token_id: Option<Value>,
+}
+
+impl HfConfig {
+    fn into_config(self) -> Result<ModelConfig> {
+        let names = self.architectures.clone().unwrap_or_default();
+        let arch = names
+            .iter()
+            .find_map(|a| match a.as_str() {
+                "LlamaForCausalLM" | "MistralForCausalLM" => Some(Arch::Llama),
+                "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+                _ => None,
+            })
+            .or(match self.model_type.as_deref() {
+                Some("llama") | Some("mistral") if names.is_empty() => Some(Arch::Llama),
+                Some("qwen3") if names.is_empty() => Some(Arch::Qwen3),
+                _ => None,
+            });
+        let Some(arch) = arch else {
+            let shown = if names.is_empty() {
+                format!("model_type {:?}", self.model_type.unwrap_or_default())
+            } else {
+                names.join(", ")
+            };
+            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, Qwen3ForCausalLM)");
+        };
+        // transformers 5.x: rope_theta and rope type live in `rope_parameters`.
+        let rope_params = self.rope_parameters.as_ref().filter(|v| v.is_object());
+        let rope_theta = self
+            .rope_theta
+            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
+            .unwrap_or(10_000.0);
+        let scaling_src = self.rope_scaling.as_ref().filter(|v| v.is_object()).or(rope_params);
+        let rope_scaling = match scaling_src {
+            None => RopeScaling::None,
+            Some(s) => parse_rope_scaling(s)?,
+        };
+        let head_dim = self.head_dim.unwrap_or(if self.num_attention_heads > 0 {
+            self.hidden_size / self.num_attention_heads
+        } else {
+            0
+        });
+        let ids = |v: &Option<Value>| -> Vec<u32> {
+            match v {
+                Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+                Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+                _ => vec![],
+            }
+        };
+        let cfg = ModelConfig {
+            arch,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_layers: self.num_hidden_layers,
+            num_heads: self.num_attention_heads,
+            num_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
+            head_dim,
+            vocab_size: self.vocab_size,
+            rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta: rope_theta as f32,
+            rope_scaling,
+            max_position_embeddings: self.max_position_embeddings.unwrap_or(2048),
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            qk_norm: arch == Arch::Qwen3,
+            attention_bias: self.attention_bias.unwrap_or(false),
+            bos_token_id: ids(&self.bos_token_id).first().copied(),
+            eos_token_ids: ids(&self.eos_token_id),
+            generation: GenerationDefaults::default(),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+fn parse_rope_scaling(s: &Value) -> Result<RopeScaling> {
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let f = |k: &str| s.get(k).and_then(Value::as_f64);
+    Ok(match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: f("factor").context("rope scaling `linear` needs `factor`")? as f32,
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: f("factor").context("rope scaling `llama3` needs `factor`")? as f32,
+            low_freq_factor: f("low_freq_factor").unwrap_or(1.0) as f32,
+            high_freq_factor: f("high_freq_factor").unwrap_or(4.0) as f32,
+            original_max_position_embeddings: f("original_max_position_embeddings").unwrap_or(8192.0)
+                as usize,
+        },
+        other => bail!("unsupported rope scaling type `{other}` (supported: default, linear, llama3)"),
+    })
+}
+
+/// Inverse frequencies for RoPE, `head_dim / 2` of them, after any scaling.
+pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
+    let half = cfg.head_dim / 2;
+    let base: Vec<f64> = (0..half)
+        .map(|i| 1.0 / (cfg.rope_theta as f64).powf(2.0 * i as f64 / cfg.head_dim as f64))
+        .collect();
+    let scaled: Vec<f64> = match cfg.rope_scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.iter().map(|f| f / factor as f64).collect(),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            let (factor, low, high) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64);
+            let old = original_max_position_embeddings as f64;
+            let low_wavelen = old / low;
+            let high_wavelen = old / high;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    };
+    scaled.into_iter().map(|f| f as f32).collect()
+}

@@ -1,0 +1,262 @@
+//! Tokenizer and chat template, from a Hugging Face directory or from GGUF metadata.
+//!
+//! GGUF tokenizers are rebuilt from the file's vocab + merges according to
+//! `tokenizer.ggml.pre`; an unknown `pre` type is refused rather than guessed, since a
+//! wrong pre-tokenizer silently produces different token ids.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file::Value;
+use tokenizers::{
+    decoders::byte_level::ByteLevel as ByteLevelDecoder,
+    models::bpe::BPE,
+    normalizers::unicode::NFC,
+    pre_tokenizers::{
+        byte_level::ByteLevel, digits::Digits, sequence::Sequence, split::Split, split::SplitPattern,
+        PreTokenizerWrapper,
+    },
+    processors::byte_level::ByteLevel as ByteLevelProcessor,
+    AddedToken, SplitDelimiterBehavior,
+};
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    /// Prepend BOS to plain (non-chat) prompts (GGUF `add_bos_token`; HF does it in its post-processor).
+    add_bos: Option<u32>,
+    /// Ids that end generation (from generation_config / tokenizer metadata).
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// The regexes llama.cpp names by `tokenizer.ggml.pre` (same as the models' tokenizer.json).
+const REGEX_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const REGEX_LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+fn regex_then_bytelevel(regex: &str) -> Result<PreTokenizerWrapper> {
+    let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false)
+        .map_err(|e| anyhow::anyhow!("tokenizer regex: {e}"))?;
+    Ok(Sequence::new(vec![split.into(), ByteLevel::new(false, false, false).into()]).into())
+}
+
+fn gguf_strings(md: &HashMap<String, Value>, key: &str) -> Result<Vec<String>> {
+    let arr = md.get(key).with_context(|| format!("GGUF metadata is missing {key}"))?;
+    let arr = arr.to_vec().map_err(|_| anyhow::anyhow!("GGUF {key} is not an array"))?;
+    arr.iter()
+        .map(|v| v.to_string().cloned().map_err(|_| anyhow::anyhow!("GGUF {key} holds a non-string")))
+        .collect()
+}
+
+fn gguf_u32(md: &HashMap<String, Value>, key: &str) -> Option<u32> {
+    md.get(key).and_then(|v| match v {
+        Value::U32(x) => Some(*x),
+        Value::I32(x) => Some(*x as u32),
+        Value::U64(x) => Some(*x as u32),
+        Value::I64(x) => Some(*x as u32),
+        Value::U16(x) => Some(*x as u32),
+        Value::U8(x) => Some(*x as u32),
+        _ => None,
+    })
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes (BPE `gpt2` models only).
+    pub fn from_gguf(md: &HashMap<String, Value>) -> Result<Self> {
+        let model = md.get("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).map(String::as_str);
+        if model != Some("gpt2") {
+            bail!("unsupported GGUF tokenizer model {:?} (supported: gpt2 byte-level BPE)", model.unwrap_or("none"));
+        }
+        let tokens = gguf_strings(md, "tokenizer.ggml.tokens")?;
+        let merges: Vec<(String, String)> = gguf_strings(md, "tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).context("malformed GGUF merge entry"))
+            .collect::<Result<_>>()?;
+        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| anyhow::anyhow!("building BPE from GGUF: {e}"))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+
+        let pre = md.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).map(String::as_str).unwrap_or("default");
+        let pre_tokenizer: PreTokenizerWrapper = match pre {
+            // SmolLM2's tokenizer.json: Digits(individual) then ByteLevel(add_prefix_space=false).
+            "smollm" => {
+                Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into()
+            }
+            "qwen2" => {
+                inner.with_normalizer(Some(NFC)).map_err(|e| anyhow::anyhow!("{e}"))?;
+                regex_then_bytelevel(REGEX_QWEN2)?
+            }
+            "llama-bpe" | "llama3" | "smaug-bpe" => regex_then_bytelevel(REGEX_LLAMA3)?,
+            other => bail!("unsupported GGUF tokenizer pre-tokenizer `{other}` (supported: smollm, qwen2, llama-bpe)"),
+        };
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        inner.with_post_processor(Some(ByteLevelProcessor::new(false, false, false)));
+
+        // Control tokens (type 3) are matched whole in text and skipped when decoding.
+        let types = md.get("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok());
+        if let Some(types) = types {
+            let specials: Vec<AddedToken> = types
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| matches!(t, Value::I32(3) | Value::U32(3)))
+                .map(|(i, _)| AddedToken::from(tokens[i].clone(), true))
+                .collect();
+            inner.add_special_tokens(specials).map_err(|e| anyhow::anyhow!("adding special tokens: {e}"))?;
+        }
+        let bos_id = gguf_u32(md, "tokenizer.ggml.bos_token_id");
+        let eos_id = gguf_u32(md, "tokenizer.ggml.eos_token_id");
+        let add_bos = md.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false);
+        let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
+        Ok(Self {
+            chat_template: md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
+            bos_token: name(bos_id),
+            eos_token: name(eos_id),
+            add_bos: if add_bos { bos_id } else { None },
+            eos_token_ids: eos_id.into_iter().collect(),
+            inner,
+        })
+    }
+
+    /// Loads `tokenizer.json`, `tokenizer_config.json` (or `chat_template.jinja`) and
+    /// `generation_config.json` from a Hugging Face model directory.
+    pub fn from_hf_dir(dir: &Path, config_eos: &[u32]) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let read_json = |name: &str| -> Result<Option<serde_json::Value>> {
+            let p = dir.join(name);
+            if !p.exists() {
+                return Ok(None);
+            }
+            let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+            Ok(Some(serde_json::from_str(&text).with_context(|| format!("malformed {}", p.display()))?))
+        };
+        let tok_cfg = read_json("tokenizer_config.json")?.unwrap_or_default();
+        let gen_cfg = read_json("generation_config.json")?.unwrap_or_default();
+        let token_str = |v: Option<&serde_json::Value>| -> Option<String> {
+            match v? {
+                serde_json::Value::String(s) => Some(s.clone()),
+                obj => obj.get("content").and_then(|c| c.as_str()).map(String::from),
+            }
+        };
+        let mut chat_template = match tok_cfg.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            // A list of named templates: take "default".
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(String::from)),
+            _ => None,
+        };
+        let jinja = dir.join("chat_template.jinja");
+        if chat_template.is_none() && jinja.exists() {
+            chat_template = Some(std::fs::read_to_string(&jinja).with_context(|| format!("reading {}", jinja.display()))?);
+        }
+        let eos_token = token_str(tok_cfg.get("eos_token"));
+        let mut eos_token_ids: Vec<u32> = match gen_cfg.get("eos_token_id") {
+            Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+            _ => vec![],
+        };
+        if eos_token_ids.is_empty() {
+            eos_token_ids = config_eos.to_vec();
+        }
+        if eos_token_ids.is_empty() {
+            eos_token_ids.extend(eos_token.as_deref().and_then(|t| inner.token_to_id(t)));
+        }
+        Ok(Self {
+            chat_template,
+            bos_token: token_str(tok_cfg.get("bos_token")),
+            eos_token,
+            add_bos: None,
+            eos_token_ids,
+            inner,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Encodes a prompt. `special` adds the model's own special tokens (BOS) for plain
+    /// text; a rendered chat template already carries them.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, special).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        let mut ids = enc.get_ids().to_vec();
+        if let (true, Some(bos)) = (special, self.add_bos) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(|e| anyhow::anyhow!("detokenizing: {e}"))
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders the chat template with the prompt as one user turn, ready for generation.
+    pub fn apply_chat_template(&self, user: &str) -> Result<String> {
+        let template = self.chat_template.as_deref().context("the model has no chat template")?;
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", template).map_err(|e| anyhow::anyhow!("invalid chat template: {e}"))?;
+        let ctx = minijinja::context! {
+            messages => vec![minijinja::context! { role => "user", content => user }],
+            add_generation_prompt => true,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        };
+        env.get_template("chat")
+            .and_then(|t| t.render(ctx))
+            .map_err(|e| anyhow::anyhow!("rendering chat template: {e}"))
+    }
+}
+
+/// Turns a growing list of token ids into text pieces as soon as they are complete UTF-8,
+/// so multi-token characters (emoji, CJK) print whole.
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    printed: usize, // bytes of the decoded text already emitted
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        Self { ids: Vec::new(), printed: 0 }
+    }
+
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids, true)?;
+        if text.ends_with('\u{FFFD}') || text.len() <= self.printed {
+            return Ok(None);
+        }
+        let Some(piece) = text.get(self.printed..).map(String::from) else { return Ok(None) };
+        self.printed = text.len();
+        Ok(Some(piece))
+    }
+}
+
+impl Default for StreamDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}

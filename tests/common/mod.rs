@@ -1,0 +1,170 @@
+//! Helpers shared by the integration tests: tiny random models written to disk.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// A fresh directory under the target dir, removed first if it exists.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+pub struct TinySpec {
+    pub qwen3: bool,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub inter: usize,
+    pub vocab: usize,
+    pub tie: bool,
+    pub dtype: DType,
+}
+
+impl TinySpec {
+    pub fn llama() -> Self {
+        Self { qwen3: false, hidden: 64, layers: 3, heads: 4, kv_heads: 2, head_dim: 16, inter: 96, vocab: 320, tie: true, dtype: DType::F32 }
+    }
+    pub fn qwen3() -> Self {
+        // head_dim * heads != hidden on purpose, as in real Qwen3 configs.
+        Self { qwen3: true, hidden: 48, layers: 2, heads: 4, kv_heads: 2, head_dim: 16, inter: 80, vocab: 300, tie: false, dtype: DType::BF16 }
+    }
+
+    pub fn config_json(&self) -> String {
+        if self.qwen3 {
+            serde_json::json!({
+                "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.inter,
+                "num_hidden_layers": self.layers, "num_attention_heads": self.heads, "head_dim": self.head_dim,
+                "attention_bias": false, "num_key_value_heads": self.kv_heads, "max_position_embeddings": 512,
+                "sliding_window": null, "max_window_layers": self.layers, "tie_word_embeddings": self.tie,
+                "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "use_sliding_window": false, "hidden_act": "silu",
+                "bos_token_id": 1, "eos_token_id": 2
+            })
+            .to_string()
+        } else {
+            // transformers 5.x style: rope settings inside `rope_parameters`, with llama3 scaling.
+            serde_json::json!({
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.inter,
+                "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "max_position_embeddings": 512,
+                "tie_word_embeddings": self.tie, "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                "bos_token_id": 1, "eos_token_id": 2
+            })
+            .to_string()
+        }
+    }
+
+    /// The same Llama config as transformers 4.x writes it (rope settings at the top level),
+    /// which is also the form candle-transformers reads.
+    pub fn config_json_v4(&self) -> String {
+        let mut v: serde_json::Value = serde_json::from_str(&self.config_json()).unwrap();
+        if let Some(rp) = v.as_object_mut().unwrap().remove("rope_parameters") {
+            v["rope_theta"] = rp["rope_theta"].clone();
+            let mut scaling = rp.clone();
+            scaling.as_object_mut().unwrap().remove("rope_theta");
+            v["rope_scaling"] = scaling;
+        }
+        v.to_string()
+    }
+
+    /// Random weights with HF names, as candle tensors of `self.dtype`.
+    pub fn weights(&self, seed: u64) -> HashMap<String, Tensor> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut t = HashMap::new();
+        let mut add = |name: String, shape: &[usize], scale: f32, offset: f32| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = (0..n).map(|_| offset + scale * rng.random_range(-1.0f32..1.0)).collect();
+            let ten = Tensor::from_vec(data, shape, &Device::Cpu).unwrap().to_dtype(self.dtype).unwrap();
+            t.insert(name, ten);
+        };
+        let (h, q, kv) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        add("model.embed_tokens.weight".into(), &[self.vocab, h], 1.0, 0.0);
+        for i in 0..self.layers {
+            let p = format!("model.layers.{i}");
+            add(format!("{p}.self_attn.q_proj.weight"), &[q, h], 0.3, 0.0);
+            add(format!("{p}.self_attn.k_proj.weight"), &[kv, h], 0.3, 0.0);
+            add(format!("{p}.self_attn.v_proj.weight"), &[kv, h], 0.3, 0.0);
+            add(format!("{p}.self_attn.o_proj.weight"), &[h, q], 0.3, 0.0);
+            if self.qwen3 {
+                add(format!("{p}.self_attn.q_norm.weight"), &[self.head_dim], 0.2, 1.0);
+                add(format!("{p}.self_attn.k_norm.weight"), &[self.head_dim], 0.2, 1.0);
+            }
+            add(format!("{p}.input_layernorm.weight"), &[h], 0.2, 1.0);
+            add(format!("{p}.post_attention_layernorm.weight"), &[h], 0.2, 1.0);
+            add(format!("{p}.mlp.gate_proj.weight"), &[self.inter, h], 0.3, 0.0);
+            add(format!("{p}.mlp.up_proj.weight"), &[self.inter, h], 0.3, 0.0);
+            add(format!("{p}.mlp.down_proj.weight"), &[h, self.inter], 0.3, 0.0);
+        }
+        add("model.norm.weight".into(), &[h], 0.2, 1.0);
+        if !self.tie {
+            add("lm_head.weight".into(), &[self.vocab, h], 0.3, 0.0);
+        }
+        t
+    }
+
+    /// Writes config.json, model.safetensors and a small byte-level tokenizer.json.
+    pub fn write(&self, dir: &Path, seed: u64) -> HashMap<String, Tensor> {
+        std::fs::write(dir.join("config.json"), self.config_json()).unwrap();
+        let w = self.weights(seed);
+        candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
+        write_tokenizer(dir, self.vocab);
+        w
+    }
+}
+
+/// A byte-level BPE tokenizer whose vocab is the 256 byte symbols plus specials.
+pub fn write_tokenizer(dir: &Path, vocab_size: usize) {
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    let alphabet = ByteLevel::alphabet();
+    let mut symbols: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    let mut chars: Vec<char> = alphabet.into_iter().collect();
+    chars.sort();
+    symbols.extend(chars.iter().map(|c| c.to_string()));
+    symbols.truncate(vocab_size);
+    let vocab: tokenizers::models::bpe::Vocab =
+        symbols.iter().enumerate().map(|(i, s)| (s.clone(), i as u32)).collect();
+    let bpe = BPE::builder().vocab_and_merges(vocab, vec![]).unk_token("<unk>".into()).build().unwrap();
+    let mut tok = tokenizers::Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tok.with_decoder(Some(ByteLevel::default()));
+    tok.add_special_tokens(vec![
+        tokenizers::AddedToken::from("<s>", true),
+        tokenizers::AddedToken::from("</s>", true),
+    ])
+    .unwrap();
+    tok.save(dir.join("tokenizer.json"), false).unwrap();
+    let tc = serde_json::json!({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] | trim }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).unwrap();
+}
+
+/// Largest |a - b| over two equally long slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn default_model_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// The real model, or a panic that says how to get it (CI fetches it first).
+pub fn require_default_model() -> PathBuf {
+    let p = default_model_path();
+    assert!(p.exists(), "{} is missing: run models/fetch.sh", p.display());
+    p
+}

@@ -1,0 +1,105 @@
+//! Logits of tiny random Llama and Qwen3 models match candle-transformers' own
+//! implementations (the independent reference) on the same weights, for a prefill and
+//! for decode steps against the KV cache.
+//!
+//! Tolerance: max |strata - candle| <= 1e-4 * (1 + max |candle|) per logit vector. Both
+//! compute in f32; the difference is summation order in GEMMs and softmax.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use common::{max_abs_diff, scratch_dir, TinySpec};
+use strata::kv::ContiguousKv;
+use strata::model::{weights, Model, ModelConfig};
+
+const PROMPT: [u32; 11] = [1, 17, 250, 3, 99, 42, 7, 7, 180, 64, 5];
+const DECODE: [u32; 4] = [31, 2, 200, 77];
+
+fn tolerance(reference: &[f32]) -> f32 {
+    1e-4 * (1.0 + reference.iter().fold(0.0f32, |m, x| m.max(x.abs())))
+}
+
+fn load_strata(dir: &std::path::Path) -> Model {
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let mut cfg = ModelConfig::from_hf_json(&text).unwrap();
+    let w = weights::load_safetensors(dir, &mut cfg, false).unwrap();
+    Model::new(cfg, w)
+}
+
+/// Runs prefill then decode steps, returning each step's last-position logits.
+fn strata_logits(model: &Model) -> Vec<Vec<f32>> {
+    let c = &model.cfg;
+    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, 64);
+    let mut out = vec![model.forward(&PROMPT, 0, &mut kv).unwrap()];
+    for (i, &t) in DECODE.iter().enumerate() {
+        out.push(model.forward(&[t], PROMPT.len() + i, &mut kv).unwrap());
+    }
+    out
+}
+
+fn input(ids: &[u32]) -> Tensor {
+    Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+}
+
+fn to_vec(t: Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1().unwrap()
+}
+
+fn compare(ours: &[Vec<f32>], theirs: &[Vec<f32>]) {
+    for (step, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        let err = max_abs_diff(a, b);
+        let tol = tolerance(b);
+        assert!(err <= tol, "step {step}: max abs logit difference {err} > {tol}");
+    }
+}
+
+#[test]
+fn tiny_llama_matches_candle_transformers() {
+    use candle_transformers::models::llama;
+    let spec = TinySpec::llama();
+    let dir = scratch_dir("ref_llama");
+    let w = spec.write(&dir, 11);
+    let ours = strata_logits(&load_strata(&dir));
+
+    let cfg: llama::LlamaConfig = serde_json::from_str(&spec.config_json_v4()).unwrap();
+    let cfg = cfg.into_config(false);
+    let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
+    let model = llama::Llama::load(vb, &cfg).unwrap();
+    let mut cache = llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
+    let mut theirs = vec![to_vec(model.forward(&input(&PROMPT), 0, &mut cache).unwrap())];
+    for (i, &t) in DECODE.iter().enumerate() {
+        theirs.push(to_vec(model.forward(&input(&[t]), PROMPT.len() + i, &mut cache).unwrap()));
+    }
+    compare(&ours, &theirs);
+}
+
+#[test]
+fn tiny_qwen3_matches_candle_transformers() {
+    use candle_transformers::models::qwen3;
+    let spec = TinySpec::qwen3();
+    let dir = scratch_dir("ref_qwen3");
+    let w = spec.write(&dir, 12);
+    let ours = strata_logits(&load_strata(&dir));
+
+    let cfg: qwen3::Config = serde_json::from_str(&spec.config_json()).unwrap();
+    // Weights are stored in bf16; both sides widen them to f32.
+    let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
+    let mut model = qwen3::ModelForCausalLM::new(&cfg, vb).unwrap();
+    let mut theirs = vec![to_vec(model.forward(&input(&PROMPT), 0).unwrap())];
+    for (i, &t) in DECODE.iter().enumerate() {
+        theirs.push(to_vec(model.forward(&input(&[t]), PROMPT.len() + i).unwrap()));
+    }
+    compare(&ours, &theirs);
+}
+
+#[test]
+fn hf_config_4x_and_5x_forms_agree() {
+    let spec = TinySpec::llama();
+    let a = ModelConfig::from_hf_json(&spec.config_json()).unwrap();
+    let b = ModelConfig::from_hf_json(&spec.config_json_v4()).unwrap();
+    assert_eq!(a.rope_theta, 500000.0);
+    assert_eq!(a.rope_theta, b.rope_theta);
+    assert_eq!(a.rope_scaling, b.rope_scaling);
+    assert!(matches!(a.rope_scaling, strata::model::config::RopeScaling::Llama3 { .. }));
+}

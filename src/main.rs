@@ -13,7 +13,11 @@ use strata::model::tokenizer::StreamDecoder;
 use strata::model::Model;
 
 #[derive(Parser)]
-#[command(name = "strata", version, about = "LLM inference with layerwise KV-cache offload")]
+#[command(
+    name = "strata",
+    version,
+    about = "LLM inference with layerwise KV-cache offload"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -31,7 +35,11 @@ struct GenerateArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt text.
-    #[arg(long, conflicts_with = "prompt_file", required_unless_present = "prompt_file")]
+    #[arg(
+        long,
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
     prompt: Option<String>,
     /// Read the prompt from a file.
     #[arg(long)]
@@ -104,7 +112,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     device::check_available(args.device)?;
     let prompt_text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading prompt file {}", f.display()))?,
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("reading prompt file {}", f.display()))?,
         (None, None) => bail!("give --prompt or --prompt-file"),
     };
     if prompt_text.is_empty() {
@@ -114,7 +123,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let (model, tok) = Model::load(&model_path, !args.json)?;
     let cfg = &model.cfg;
 
-    let text = if args.chat { tok.apply_chat_template(&prompt_text)? } else { prompt_text };
+    let text = if args.chat {
+        tok.apply_chat_template(&prompt_text)?
+    } else {
+        prompt_text
+    };
     let prompt = tok.encode(&text, !args.chat)?;
     let max_model_len = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
     if max_model_len > cfg.max_position_embeddings {
@@ -131,7 +144,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         seed: args.seed,
     };
     sampling.validate()?;
-    let opts = GenerateOptions { max_tokens: args.max_tokens, sampling, stop_ids: cfg.eos_token_ids.clone() };
+    let opts = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling,
+        stop_ids: cfg.eos_token_ids.clone(),
+    };
 
     let mut stream = StreamDecoder::new();
     let stdout = std::io::stdout();

@@ -13,17 +13,35 @@ fn generate_err(model: &Path, extra: &[&str], expect: &str) {
         .arg("generate")
         .arg("--model")
         .arg(model)
-        .args(if extra.iter().any(|a| a.starts_with("--prompt")) { vec![] } else { vec!["--prompt", "hello"] })
+        .args(if extra.iter().any(|a| a.starts_with("--prompt")) {
+            vec![]
+        } else {
+            vec!["--prompt", "hello"]
+        })
         .args(extra)
         .arg("--json") // no progress bar: stderr holds only the error
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure for {expect:?}, got success");
-    assert_eq!(out.status.code(), Some(1), "exit code for {expect:?}: {stderr}");
-    assert!(!stderr.contains("panicked"), "panic for {expect:?}: {stderr}");
+    assert!(
+        !out.status.success(),
+        "expected failure for {expect:?}, got success"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "exit code for {expect:?}: {stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "panic for {expect:?}: {stderr}"
+    );
     let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "expected one line for {expect:?}, got: {stderr}");
+    assert_eq!(
+        lines.len(),
+        1,
+        "expected one line for {expect:?}, got: {stderr}"
+    );
     assert!(lines[0].starts_with("error: "), "{stderr}");
     assert!(stderr.contains(expect), "expected {expect:?} in: {stderr}");
     assert!(out.stdout.is_empty(), "nothing on stdout on error");
@@ -36,7 +54,10 @@ fn tiny_dir(name: &str) -> std::path::PathBuf {
 }
 
 /// Rewrites the tiny model's weights after `edit` changes the tensor map.
-fn with_tensors(name: &str, edit: impl FnOnce(&mut std::collections::HashMap<String, candle_core::Tensor>)) -> std::path::PathBuf {
+fn with_tensors(
+    name: &str,
+    edit: impl FnOnce(&mut std::collections::HashMap<String, candle_core::Tensor>),
+) -> std::path::PathBuf {
     let dir = tiny_dir(name);
     let mut w = TinySpec::llama().weights(5);
     edit(&mut w);
@@ -46,7 +67,11 @@ fn with_tensors(name: &str, edit: impl FnOnce(&mut std::collections::HashMap<Str
 
 #[test]
 fn missing_model_file() {
-    generate_err(Path::new("/nonexistent/model.gguf"), &[], "model not found: /nonexistent/model.gguf");
+    generate_err(
+        Path::new("/nonexistent/model.gguf"),
+        &[],
+        "model not found: /nonexistent/model.gguf",
+    );
 }
 
 #[test]
@@ -72,16 +97,23 @@ fn header_claims_more_bytes_than_the_file_has() {
 #[test]
 fn wrong_shape() {
     let dir = with_tensors("err_shape", |w| {
-        let t = candle_core::Tensor::zeros((3, 7), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let t =
+            candle_core::Tensor::zeros((3, 7), candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap();
         w.insert("model.layers.0.self_attn.q_proj.weight".into(), t);
     });
-    generate_err(&dir, &[], "tensor `model.layers.0.self_attn.q_proj.weight` has shape [3, 7], expected [64, 64]");
+    generate_err(
+        &dir,
+        &[],
+        "tensor `model.layers.0.self_attn.q_proj.weight` has shape [3, 7], expected [64, 64]",
+    );
 }
 
 #[test]
 fn wrong_dtype() {
     let dir = with_tensors("err_dtype", |w| {
-        let t = candle_core::Tensor::zeros(64, candle_core::DType::U8, &candle_core::Device::Cpu).unwrap();
+        let t = candle_core::Tensor::zeros(64, candle_core::DType::U8, &candle_core::Device::Cpu)
+            .unwrap();
         w.insert("model.norm.weight".into(), t);
     });
     generate_err(&dir, &[], "unsupported dtype");
@@ -92,13 +124,19 @@ fn missing_tensor() {
     let dir = with_tensors("err_missing", |w| {
         w.remove("model.layers.1.mlp.down_proj.weight");
     });
-    generate_err(&dir, &[], "missing tensor `model.layers.1.mlp.down_proj.weight`");
+    generate_err(
+        &dir,
+        &[],
+        "missing tensor `model.layers.1.mlp.down_proj.weight`",
+    );
 }
 
 #[test]
 fn unknown_architecture() {
     let dir = tiny_dir("err_arch");
-    let cfg = TinySpec::llama().config_json().replace("LlamaForCausalLM", "GPTNeoXForCausalLM");
+    let cfg = TinySpec::llama()
+        .config_json()
+        .replace("LlamaForCausalLM", "GPTNeoXForCausalLM");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     generate_err(&dir, &[], "unsupported architecture `GPTNeoXForCausalLM`");
 }
@@ -113,7 +151,9 @@ fn malformed_config() {
 #[test]
 fn invalid_config_values() {
     let dir = tiny_dir("err_config_values");
-    let cfg = TinySpec::llama().config_json().replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3");
+    let cfg = TinySpec::llama()
+        .config_json()
+        .replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     generate_err(&dir, &[], "not a multiple of num_key_value_heads");
 }
@@ -146,7 +186,11 @@ fn prompt_longer_than_context() {
     let dir = tiny_dir("err_long");
     // The tiny tokenizer is byte-level: 600 bytes are 600 tokens, over max_position_embeddings 512.
     let long = "a".repeat(600);
-    generate_err(&dir, &["--prompt", &long], "longer than the model's maximum context of 512");
+    generate_err(
+        &dir,
+        &["--prompt", &long],
+        "longer than the model's maximum context of 512",
+    );
 }
 
 #[test]
@@ -154,5 +198,9 @@ fn no_cuda_device() {
     if strata::device::cuda::probe().is_ok() {
         return; // a machine with CUDA: nothing to check here
     }
-    generate_err(&tiny_dir("err_cuda"), &["--device", "cuda"], "no CUDA driver found");
+    generate_err(
+        &tiny_dir("err_cuda"),
+        &["--device", "cuda"],
+        "no CUDA driver found",
+    );
 }

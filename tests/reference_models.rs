@@ -39,18 +39,29 @@ fn strata_logits(model: &Model) -> Vec<Vec<f32>> {
 }
 
 fn input(ids: &[u32]) -> Tensor {
-    Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+    Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
 }
 
 fn to_vec(t: Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1().unwrap()
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 fn compare(ours: &[Vec<f32>], theirs: &[Vec<f32>]) {
     for (step, (a, b)) in ours.iter().zip(theirs).enumerate() {
         let err = max_abs_diff(a, b);
         let tol = tolerance(b);
-        assert!(err <= tol, "step {step}: max abs logit difference {err} > {tol}");
+        assert!(
+            err <= tol,
+            "step {step}: max abs logit difference {err} > {tol}"
+        );
     }
 }
 
@@ -67,9 +78,15 @@ fn tiny_llama_matches_candle_transformers() {
     let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
     let model = llama::Llama::load(vb, &cfg).unwrap();
     let mut cache = llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
-    let mut theirs = vec![to_vec(model.forward(&input(&PROMPT), 0, &mut cache).unwrap())];
+    let mut theirs = vec![to_vec(
+        model.forward(&input(&PROMPT), 0, &mut cache).unwrap(),
+    )];
     for (i, &t) in DECODE.iter().enumerate() {
-        theirs.push(to_vec(model.forward(&input(&[t]), PROMPT.len() + i, &mut cache).unwrap()));
+        theirs.push(to_vec(
+            model
+                .forward(&input(&[t]), PROMPT.len() + i, &mut cache)
+                .unwrap(),
+        ));
     }
     compare(&ours, &theirs);
 }
@@ -88,7 +105,9 @@ fn tiny_qwen3_matches_candle_transformers() {
     let mut model = qwen3::ModelForCausalLM::new(&cfg, vb).unwrap();
     let mut theirs = vec![to_vec(model.forward(&input(&PROMPT), 0).unwrap())];
     for (i, &t) in DECODE.iter().enumerate() {
-        theirs.push(to_vec(model.forward(&input(&[t]), PROMPT.len() + i).unwrap()));
+        theirs.push(to_vec(
+            model.forward(&input(&[t]), PROMPT.len() + i).unwrap(),
+        ));
     }
     compare(&ours, &theirs);
 }
@@ -101,5 +120,8 @@ fn hf_config_4x_and_5x_forms_agree() {
     assert_eq!(a.rope_theta, 500000.0);
     assert_eq!(a.rope_theta, b.rope_theta);
     assert_eq!(a.rope_scaling, b.rope_scaling);
-    assert!(matches!(a.rope_scaling, strata::model::config::RopeScaling::Llama3 { .. }));
+    assert!(matches!(
+        a.rope_scaling,
+        strata::model::config::RopeScaling::Llama3 { .. }
+    ));
 }

@@ -17,13 +17,21 @@ const STEPS: usize = 24;
 const PROMPT: &str = "Write a short story about a robot who learns to paint.";
 
 /// HF-named f32 tensors from the GGUF, Q/K rows restored to HF order.
-fn reference_weights(path: &std::path::Path, heads: usize, kv_heads: usize) -> HashMap<String, Tensor> {
+fn reference_weights(
+    path: &std::path::Path,
+    heads: usize,
+    kv_heads: usize,
+) -> HashMap<String, Tensor> {
     let mut f = std::fs::File::open(path).unwrap();
     let content = gguf_file::Content::read(&mut f).unwrap();
     let dev = Device::Cpu;
     let mut out = HashMap::new();
     for name in content.tensor_infos.keys() {
-        let t = content.tensor(&mut f, name, &dev).unwrap().dequantize(&dev).unwrap();
+        let t = content
+            .tensor(&mut f, name, &dev)
+            .unwrap()
+            .dequantize(&dev)
+            .unwrap();
         let hf = if let Some(rest) = name.strip_prefix("blk.") {
             let (i, part) = rest.split_once('.').unwrap();
             let p = match part {
@@ -78,12 +86,23 @@ fn greedy_continuation_matches_candle_llama() {
     let path = common::require_default_model();
     let (model, tok) = Model::load(&path, false).unwrap();
     let c = &model.cfg;
-    assert_eq!((c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim), (30, 9, 3, 64));
-    let prompt = tok.encode(&tok.apply_chat_template(PROMPT).unwrap(), false).unwrap();
+    assert_eq!(
+        (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim),
+        (30, 9, 3, 64)
+    );
+    let prompt = tok
+        .encode(&tok.apply_chat_template(PROMPT).unwrap(), false)
+        .unwrap();
 
     // strata, greedy, no stop token so both run the full length.
-    let opts = GenerateOptions { max_tokens: STEPS, sampling: SamplingParams::default(), stop_ids: vec![] };
-    let ours = engine::generate(&model, &prompt, &opts, 8192, &mut |_| Ok(())).unwrap().token_ids;
+    let opts = GenerateOptions {
+        max_tokens: STEPS,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+    };
+    let ours = engine::generate(&model, &prompt, &opts, 8192, &mut |_| Ok(()))
+        .unwrap()
+        .token_ids;
 
     // candle-transformers llama on the same dequantized weights.
     let cfg = llama::Config {
@@ -109,13 +128,31 @@ fn greedy_continuation_matches_candle_llama() {
     let mut input = prompt.clone();
     let mut pos = 0;
     for _ in 0..STEPS {
-        let x = Tensor::new(input.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let logits: Vec<f32> = reference.forward(&x, pos, &mut cache).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let x = Tensor::new(input.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits: Vec<f32> = reference
+            .forward(&x, pos, &mut cache)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         pos += input.len();
         let next = strata::engine::sampler::argmax(&logits);
         theirs.push(next);
         input = vec![next];
     }
-    assert_eq!(ours, theirs, "strata: {:?}\ncandle: {:?}", tok.decode(&ours, false), tok.decode(&theirs, false));
-    assert!(!ours.contains(&2), "the continuation ended early; pick a prompt with a longer answer");
+    assert_eq!(
+        ours,
+        theirs,
+        "strata: {:?}\ncandle: {:?}",
+        tok.decode(&ours, false),
+        tok.decode(&theirs, false)
+    );
+    assert!(
+        !ours.contains(&2),
+        "the continuation ended early; pick a prompt with a longer answer"
+    );
 }

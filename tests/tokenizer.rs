@@ -7,7 +7,9 @@ mod common;
 use strata::model::Model;
 
 fn smollm() -> strata::model::Tokenizer {
-    Model::load(&common::require_default_model(), false).unwrap().1
+    Model::load(&common::require_default_model(), false)
+        .unwrap()
+        .1
 }
 
 #[test]
@@ -33,18 +35,26 @@ fn digits_are_split_and_no_prefix_space_is_added() {
     let digits = tok.encode("12345", false).unwrap();
     assert_eq!(digits.len(), 5, "SmolLM2 splits every digit: {digits:?}");
     // No prefix space: "Hello" and " Hello" are different tokens.
-    assert_ne!(tok.encode("Hello", false).unwrap(), tok.encode(" Hello", false).unwrap());
+    assert_ne!(
+        tok.encode("Hello", false).unwrap(),
+        tok.encode(" Hello", false).unwrap()
+    );
     assert_eq!(tok.encode("Hello", false).unwrap().len(), 1);
 }
 
 #[test]
 fn control_tokens_are_single_ids_without_added_spaces() {
     let tok = smollm();
-    let ids = tok.encode("<|im_start|>user\nHi<|im_end|>\n", false).unwrap();
+    let ids = tok
+        .encode("<|im_start|>user\nHi<|im_end|>\n", false)
+        .unwrap();
     assert_eq!(ids[0], 1, "<|im_start|> is id 1");
     assert!(ids.contains(&2), "<|im_end|> is id 2");
     // candle's TokenizerFromGguf inserts spaces around specials; ours must not.
-    assert_eq!(tok.decode(&ids, false).unwrap(), "<|im_start|>user\nHi<|im_end|>\n");
+    assert_eq!(
+        tok.decode(&ids, false).unwrap(),
+        "<|im_start|>user\nHi<|im_end|>\n"
+    );
     assert_eq!(tok.decode(&ids, true).unwrap(), "user\nHi\n");
 }
 
@@ -65,7 +75,13 @@ fn hf_directory_tokenizer_and_template() {
     common::TinySpec::llama().write(&dir, 1);
     let (model, tok) = Model::load(&dir, false).unwrap();
     assert_eq!(model.cfg.eos_token_ids, vec![2]);
-    assert_eq!(tok.apply_chat_template("  hi  ").unwrap(), "<s>user: hi\nassistant:");
+    assert_eq!(
+        tok.apply_chat_template("  hi  ").unwrap(),
+        "<s>user: hi\nassistant:"
+    );
     let s = "héllo wörld";
-    assert_eq!(tok.decode(&tok.encode(s, false).unwrap(), false).unwrap(), s);
+    assert_eq!(
+        tok.decode(&tok.encode(s, false).unwrap(), false).unwrap(),
+        s
+    );
 }

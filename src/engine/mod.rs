@@ -42,7 +42,12 @@ impl GenerationOutput {
 }
 
 /// Checks a prompt against the model's context before any work is done.
-pub fn check_prompt(model: &Model, prompt: &[u32], max_tokens: usize, max_model_len: usize) -> Result<()> {
+pub fn check_prompt(
+    model: &Model,
+    prompt: &[u32],
+    max_tokens: usize,
+    max_model_len: usize,
+) -> Result<()> {
     if prompt.is_empty() {
         bail!("empty prompt: nothing to generate from");
     }
@@ -84,7 +89,10 @@ pub fn generate_with(
 ) -> Result<GenerationOutput> {
     opts.sampling.validate()?;
     let mut sampler = Sampler::new(opts.sampling.clone());
-    let mut out = GenerationOutput { prompt_tokens: prompt.len(), ..Default::default() };
+    let mut out = GenerationOutput {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
     if opts.max_tokens == 0 {
         return Ok(out);
     }
@@ -97,7 +105,8 @@ pub fn generate_with(
     let t1 = Instant::now();
     let mut pos = prompt.len();
     // Stop at max_tokens, at a stop id, or when the context is full.
-    while out.token_ids.len() < opts.max_tokens && !opts.stop_ids.contains(&next) && pos < capacity {
+    while out.token_ids.len() < opts.max_tokens && !opts.stop_ids.contains(&next) && pos < capacity
+    {
         let logits = model.forward(&[next], pos, kv)?;
         pos += 1;
         next = sampler.sample(&logits);

@@ -15,14 +15,22 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
 impl SamplingParams {
     pub fn validate(&self) -> anyhow::Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            anyhow::bail!("--temperature must be a finite number >= 0, got {}", self.temperature);
+            anyhow::bail!(
+                "--temperature must be a finite number >= 0, got {}",
+                self.temperature
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             anyhow::bail!("--top-p must be in (0, 1], got {}", self.top_p);
@@ -60,14 +68,23 @@ impl Sampler {
         }
         // Candidates sorted by logit, cut to top-k.
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        let k = if p.top_k == 0 { logits.len() } else { p.top_k.min(logits.len()) };
+        let k = if p.top_k == 0 {
+            logits.len()
+        } else {
+            p.top_k.min(logits.len())
+        };
         if k < idx.len() {
-            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            idx.select_nth_unstable_by(k - 1, |&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize])
+            });
             idx.truncate(k);
         }
         idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
         let max = logits[idx[0] as usize];
-        let mut probs: Vec<f32> = idx.iter().map(|&i| ((logits[i as usize] - max) / p.temperature).exp()).collect();
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((logits[i as usize] - max) / p.temperature).exp())
+            .collect();
         let sum: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= sum);
         // Nucleus: keep the smallest prefix whose mass reaches top_p.
@@ -109,14 +126,27 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_seed_repeats() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 101) as f32 / 10.0).collect();
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, seed: 1 });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: 1,
+        });
         assert_eq!(s.sample(&logits), argmax(&logits));
-        let p = SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.9, seed: 42 };
+        let p = SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.9,
+            seed: 42,
+        };
         let (mut a, mut b) = (Sampler::new(p.clone()), Sampler::new(p));
         let xs: Vec<u32> = (0..50).map(|_| a.sample(&logits)).collect();
         let ys: Vec<u32> = (0..50).map(|_| b.sample(&logits)).collect();
         assert_eq!(xs, ys);
-        assert!(xs.iter().any(|&x| x != xs[0]), "temperature sampling never varied");
+        assert!(
+            xs.iter().any(|&x| x != xs[0]),
+            "temperature sampling never varied"
+        );
     }
 
     #[test]
@@ -124,7 +154,12 @@ mod tests {
         // One token holds ~0.97 of the mass: top_p 0.5 must always pick it.
         let mut logits = vec![0.0f32; 10];
         logits[4] = 6.0;
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.5, seed: 9 });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.5,
+            seed: 9,
+        });
         assert!((0..200).all(|_| s.sample(&logits) == 4));
     }
 }

@@ -57,7 +57,10 @@ impl KvView for ContiguousKv {
 
     fn layer(&mut self, layer: usize, end: usize) -> Result<LayerKv<'_>> {
         if end > self.capacity {
-            bail!("KV cache full: {end} tokens needed, room for {}", self.capacity);
+            bail!(
+                "KV cache full: {end} tokens needed, room for {}",
+                self.capacity
+            );
         }
         let need = end * self.row;
         for buf in [&mut self.k[layer], &mut self.v[layer]] {
@@ -67,7 +70,10 @@ impl KvView for ContiguousKv {
                 buf.resize(target, 0.0);
             }
         }
-        Ok(LayerKv { k: &mut self.k[layer], v: &mut self.v[layer] })
+        Ok(LayerKv {
+            k: &mut self.k[layer],
+            v: &mut self.v[layer],
+        })
     }
 
     fn end_layer(&mut self, _layer: usize) -> Result<()> {

@@ -24,7 +24,9 @@ pub enum RopeScaling {
         original_max_position_embeddings: usize,
     },
     /// Plain position interpolation: every frequency divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -61,7 +63,11 @@ pub struct GenerationDefaults {
 
 impl Default for GenerationDefaults {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+        }
     }
 }
 
@@ -94,19 +100,25 @@ impl ModelConfig {
             (self.num_layers > 0, "num_hidden_layers must be > 0"),
             (self.num_heads > 0, "num_attention_heads must be > 0"),
             (self.num_kv_heads > 0, "num_key_value_heads must be > 0"),
-            (self.head_dim > 0 && self.head_dim % 2 == 0, "head_dim must be even and > 0"),
+            (
+                self.head_dim > 0 && self.head_dim.is_multiple_of(2),
+                "head_dim must be even and > 0",
+            ),
             (self.vocab_size > 0, "vocab_size must be > 0"),
             (self.intermediate_size > 0, "intermediate_size must be > 0"),
             (self.rope_theta > 0.0, "rope_theta must be > 0"),
             (self.rms_norm_eps >= 0.0, "rms_norm_eps must be >= 0"),
-            (self.max_position_embeddings > 0, "max_position_embeddings must be > 0"),
+            (
+                self.max_position_embeddings > 0,
+                "max_position_embeddings must be > 0",
+            ),
         ];
         for (ok, msg) in checks {
             if !ok {
                 bail!("invalid model config: {msg}");
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!(
                 "invalid model config: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_heads,
@@ -123,7 +135,9 @@ impl ModelConfig {
     }
 
     /// Builds the config from GGUF metadata (`<arch>.block_count` and friends).
-    pub fn from_gguf(md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>) -> Result<Self> {
+    pub fn from_gguf(
+        md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
+    ) -> Result<Self> {
         use candle_core::quantized::gguf_file::Value;
         let arch_name = md
             .get("general.architecture")
@@ -136,7 +150,9 @@ impl ModelConfig {
             other => bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen3)"),
         };
         let num = |key: &str| -> Result<Option<f64>> {
-            let Some(v) = md.get(&format!("{arch_name}.{key}")) else { return Ok(None) };
+            let Some(v) = md.get(&format!("{arch_name}.{key}")) else {
+                return Ok(None);
+            };
             let x = match v {
                 Value::U8(x) => *x as f64,
                 Value::I8(x) => *x as f64,
@@ -157,7 +173,9 @@ impl ModelConfig {
         };
         let hidden_size = need("embedding_length")? as usize;
         let num_heads = need("attention.head_count")? as usize;
-        let num_kv_heads = num("attention.head_count_kv")?.map(|x| x as usize).unwrap_or(num_heads);
+        let num_kv_heads = num("attention.head_count_kv")?
+            .map(|x| x as usize)
+            .unwrap_or(num_heads);
         let head_dim = match num("attention.key_length")? {
             Some(x) => x as usize,
             None if num_heads > 0 => hidden_size / num_heads,
@@ -176,7 +194,9 @@ impl ModelConfig {
             .and_then(|v| v.to_string().ok())
             .map(String::as_str)
         {
-            Some("linear") => RopeScaling::Linear { factor: need("rope.scaling.factor")? as f32 },
+            Some("linear") => RopeScaling::Linear {
+                factor: need("rope.scaling.factor")? as f32,
+            },
             Some("none") | None => RopeScaling::None,
             Some(other) => bail!("unsupported RoPE scaling `{other}` in GGUF"),
         };
@@ -257,22 +277,32 @@ impl HfConfig {
         let rope_params = self.rope_parameters.as_ref().filter(|v| v.is_object());
         let rope_theta = self
             .rope_theta
-            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
+            .or_else(|| {
+                rope_params
+                    .and_then(|p| p.get("rope_theta"))
+                    .and_then(Value::as_f64)
+            })
             .unwrap_or(10_000.0);
-        let scaling_src = self.rope_scaling.as_ref().filter(|v| v.is_object()).or(rope_params);
+        let scaling_src = self
+            .rope_scaling
+            .as_ref()
+            .filter(|v| v.is_object())
+            .or(rope_params);
         let rope_scaling = match scaling_src {
             None => RopeScaling::None,
             Some(s) => parse_rope_scaling(s)?,
         };
-        let head_dim = self.head_dim.unwrap_or(if self.num_attention_heads > 0 {
-            self.hidden_size / self.num_attention_heads
-        } else {
-            0
-        });
+        let head_dim = self
+            .head_dim
+            .unwrap_or(self.hidden_size.checked_div(self.num_attention_heads).unwrap_or(0));
         let ids = |v: &Option<Value>| -> Vec<u32> {
             match v {
                 Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-                Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect(),
                 _ => vec![],
             }
         };
@@ -317,10 +347,12 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling> {
             factor: f("factor").context("rope scaling `llama3` needs `factor`")? as f32,
             low_freq_factor: f("low_freq_factor").unwrap_or(1.0) as f32,
             high_freq_factor: f("high_freq_factor").unwrap_or(4.0) as f32,
-            original_max_position_embeddings: f("original_max_position_embeddings").unwrap_or(8192.0)
-                as usize,
+            original_max_position_embeddings: f("original_max_position_embeddings")
+                .unwrap_or(8192.0) as usize,
         },
-        other => bail!("unsupported rope scaling type `{other}` (supported: default, linear, llama3)"),
+        other => {
+            bail!("unsupported rope scaling type `{other}` (supported: default, linear, llama3)")
+        }
     })
 }
 
@@ -333,8 +365,17 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
     let scaled: Vec<f64> = match cfg.rope_scaling {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.iter().map(|f| f / factor as f64).collect(),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-            let (factor, low, high) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64);
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let (factor, low, high) = (
+                factor as f64,
+                low_freq_factor as f64,
+                high_freq_factor as f64,
+            );
             let old = original_max_position_embeddings as f64;
             let low_wavelen = old / low;
             let high_wavelen = old / high;

@@ -48,7 +48,11 @@ impl ModelSource {
 impl Model {
     pub fn new(cfg: ModelConfig, weights: ModelWeights) -> Self {
         let inv_freq = config::rope_inv_freq(&cfg);
-        Self { cfg, weights, inv_freq }
+        Self {
+            cfg,
+            weights,
+            inv_freq,
+        }
     }
 
     /// Loads weights and tokenizer from a GGUF file or a Hugging Face directory.
@@ -58,8 +62,10 @@ impl Model {
                 let mut gguf = weights::GgufFile::open(&p)?;
                 let mut cfg = ModelConfig::from_gguf(&gguf.content.metadata)
                     .with_context(|| format!("{}", p.display()))?;
-                let tok = Tokenizer::from_gguf(&gguf.content.metadata).with_context(|| format!("{}", p.display()))?;
-                let w = weights::load_gguf(&mut gguf, &mut cfg, progress).with_context(|| format!("{}", p.display()))?;
+                let tok = Tokenizer::from_gguf(&gguf.content.metadata)
+                    .with_context(|| format!("{}", p.display()))?;
+                let w = weights::load_gguf(&mut gguf, &mut cfg, progress)
+                    .with_context(|| format!("{}", p.display()))?;
                 if cfg.eos_token_ids.is_empty() {
                     cfg.eos_token_ids = tok.eos_token_ids.clone();
                 }
@@ -67,18 +73,21 @@ impl Model {
             }
             ModelSource::HfDir(dir) => {
                 let cfg_path = dir.join("config.json");
-                let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
-                let mut cfg = ModelConfig::from_hf_json(&text).with_context(|| format!("{}", cfg_path.display()))?;
+                let text = std::fs::read_to_string(&cfg_path)
+                    .with_context(|| format!("reading {}", cfg_path.display()))?;
+                let mut cfg = ModelConfig::from_hf_json(&text)
+                    .with_context(|| format!("{}", cfg_path.display()))?;
                 let tok = Tokenizer::from_hf_dir(&dir, &cfg.eos_token_ids)?;
                 cfg.eos_token_ids = tok.eos_token_ids.clone();
                 let gen_path = dir.join("generation_config.json");
                 if gen_path.exists() {
                     let text = std::fs::read_to_string(&gen_path)?;
-                    let v: serde_json::Value =
-                        serde_json::from_str(&text).with_context(|| format!("malformed {}", gen_path.display()))?;
+                    let v: serde_json::Value = serde_json::from_str(&text)
+                        .with_context(|| format!("malformed {}", gen_path.display()))?;
                     cfg.generation = config::GenerationDefaults::from_json(&v);
                 }
-                let w = weights::load_safetensors(&dir, &mut cfg, progress).with_context(|| format!("{}", dir.display()))?;
+                let w = weights::load_safetensors(&dir, &mut cfg, progress)
+                    .with_context(|| format!("{}", dir.display()))?;
                 Ok((Self::new(cfg, w), tok))
             }
         }
@@ -114,7 +123,12 @@ impl Model {
         if t == 0 {
             bail!("forward called with no tokens");
         }
-        let (h, qd, kvd, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+        let (h, qd, kvd, inter) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
         let qkv_dim = qd + 2 * kvd;
         let eps = cfg.rms_norm_eps;
 
@@ -123,7 +137,10 @@ impl Model {
         for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
             let id = id as usize;
             if id >= cfg.vocab_size {
-                bail!("token id {id} is outside the vocabulary ({})", cfg.vocab_size);
+                bail!(
+                    "token id {id} is outside the vocabulary ({})",
+                    cfg.vocab_size
+                );
             }
             row.copy_from_slice(&w.embed[id * h..(id + 1) * h]);
         }
@@ -145,11 +162,35 @@ impl Model {
             // 2. Qwen3: per-head RMSNorm of q and k, before RoPE.
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 ops::head_rms_norm(&mut qkv, t, cfg.num_heads, cfg.head_dim, qkv_dim, qn, eps);
-                ops::head_rms_norm(&mut qkv[qd..], t, cfg.num_kv_heads, cfg.head_dim, qkv_dim, kn, eps);
+                ops::head_rms_norm(
+                    &mut qkv[qd..],
+                    t,
+                    cfg.num_kv_heads,
+                    cfg.head_dim,
+                    qkv_dim,
+                    kn,
+                    eps,
+                );
             }
             // 3. RoPE on q and k.
-            ops::rope(&mut qkv, t, cfg.num_heads, cfg.head_dim, qkv_dim, &cos, &sin);
-            ops::rope(&mut qkv[qd..], t, cfg.num_kv_heads, cfg.head_dim, qkv_dim, &cos, &sin);
+            ops::rope(
+                &mut qkv,
+                t,
+                cfg.num_heads,
+                cfg.head_dim,
+                qkv_dim,
+                &cos,
+                &sin,
+            );
+            ops::rope(
+                &mut qkv[qd..],
+                t,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                qkv_dim,
+                &cos,
+                &sin,
+            );
             for (dst, src) in q.chunks_exact_mut(qd).zip(qkv.chunks_exact(qkv_dim)) {
                 dst.copy_from_slice(&src[..qd]);
             }
@@ -180,15 +221,45 @@ impl Model {
             for r0 in (0..t).step_by(chunk) {
                 let n = chunk.min(t - r0);
                 let rows = r0 * h..(r0 + n) * h;
-                ops::linear(&hn[rows.clone()], &lw.w_gate_up, None, &mut gu[..n * 2 * inter], n, h, 2 * inter);
+                ops::linear(
+                    &hn[rows.clone()],
+                    &lw.w_gate_up,
+                    None,
+                    &mut gu[..n * 2 * inter],
+                    n,
+                    h,
+                    2 * inter,
+                );
                 ops::silu_mul(&gu[..n * 2 * inter], inter, &mut act[..n * inter]);
-                ops::linear(&act[..n * inter], &lw.w_down, None, &mut proj[rows.clone()], n, inter, h);
-                ops::add_rms_norm(&mut x[rows.clone()], &proj[rows.clone()], next_norm, eps, &mut hn[rows]);
+                ops::linear(
+                    &act[..n * inter],
+                    &lw.w_down,
+                    None,
+                    &mut proj[rows.clone()],
+                    n,
+                    inter,
+                    h,
+                );
+                ops::add_rms_norm(
+                    &mut x[rows.clone()],
+                    &proj[rows.clone()],
+                    next_norm,
+                    eps,
+                    &mut hn[rows],
+                );
             }
         }
         // 7. lm_head on the last position only.
         let mut logits = vec![0.0f32; cfg.vocab_size];
-        ops::linear(&hn[(t - 1) * h..], w.lm_head(), None, &mut logits, 1, h, cfg.vocab_size);
+        ops::linear(
+            &hn[(t - 1) * h..],
+            w.lm_head(),
+            None,
+            &mut logits,
+            1,
+            h,
+            cfg.vocab_size,
+        );
         Ok(logits)
     }
 }

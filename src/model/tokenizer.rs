@@ -14,8 +14,8 @@ use tokenizers::{
     models::bpe::BPE,
     normalizers::unicode::NFC,
     pre_tokenizers::{
-        byte_level::ByteLevel, digits::Digits, sequence::Sequence, split::Split, split::SplitPattern,
-        PreTokenizerWrapper,
+        byte_level::ByteLevel, digits::Digits, sequence::Sequence, split::Split,
+        split::SplitPattern, PreTokenizerWrapper,
     },
     processors::byte_level::ByteLevel as ByteLevelProcessor,
     AddedToken, SplitDelimiterBehavior,
@@ -37,16 +37,32 @@ const REGEX_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'
 const REGEX_LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn regex_then_bytelevel(regex: &str) -> Result<PreTokenizerWrapper> {
-    let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false)
-        .map_err(|e| anyhow::anyhow!("tokenizer regex: {e}"))?;
-    Ok(Sequence::new(vec![split.into(), ByteLevel::new(false, false, false).into()]).into())
+    let split = Split::new(
+        SplitPattern::Regex(regex.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(|e| anyhow::anyhow!("tokenizer regex: {e}"))?;
+    Ok(Sequence::new(vec![
+        split.into(),
+        ByteLevel::new(false, false, false).into(),
+    ])
+    .into())
 }
 
 fn gguf_strings(md: &HashMap<String, Value>, key: &str) -> Result<Vec<String>> {
-    let arr = md.get(key).with_context(|| format!("GGUF metadata is missing {key}"))?;
-    let arr = arr.to_vec().map_err(|_| anyhow::anyhow!("GGUF {key} is not an array"))?;
+    let arr = md
+        .get(key)
+        .with_context(|| format!("GGUF metadata is missing {key}"))?;
+    let arr = arr
+        .to_vec()
+        .map_err(|_| anyhow::anyhow!("GGUF {key} is not an array"))?;
     arr.iter()
-        .map(|v| v.to_string().cloned().map_err(|_| anyhow::anyhow!("GGUF {key} holds a non-string")))
+        .map(|v| {
+            v.to_string()
+                .cloned()
+                .map_err(|_| anyhow::anyhow!("GGUF {key} holds a non-string"))
+        })
         .collect()
 }
 
@@ -65,23 +81,41 @@ fn gguf_u32(md: &HashMap<String, Value>, key: &str) -> Option<u32> {
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes (BPE `gpt2` models only).
     pub fn from_gguf(md: &HashMap<String, Value>) -> Result<Self> {
-        let model = md.get("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).map(String::as_str);
+        let model = md
+            .get("tokenizer.ggml.model")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str);
         if model != Some("gpt2") {
-            bail!("unsupported GGUF tokenizer model {:?} (supported: gpt2 byte-level BPE)", model.unwrap_or("none"));
+            bail!(
+                "unsupported GGUF tokenizer model {:?} (supported: gpt2 byte-level BPE)",
+                model.unwrap_or("none")
+            );
         }
         let tokens = gguf_strings(md, "tokenizer.ggml.tokens")?;
         let merges: Vec<(String, String)> = gguf_strings(md, "tokenizer.ggml.merges")?
             .into_iter()
-            .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).context("malformed GGUF merge entry"))
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .context("malformed GGUF merge entry")
+            })
             .collect::<Result<_>>()?;
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
             .map_err(|e| anyhow::anyhow!("building BPE from GGUF: {e}"))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
 
-        let pre = md.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).map(String::as_str).unwrap_or("default");
+        let pre = md
+            .get("tokenizer.ggml.pre")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
+            .unwrap_or("default");
         let pre_tokenizer: PreTokenizerWrapper = match pre {
             // SmolLM2's tokenizer.json: Digits(individual) then ByteLevel(add_prefix_space=false).
             "smollm" => {
@@ -99,7 +133,9 @@ impl Tokenizer {
         inner.with_post_processor(Some(ByteLevelProcessor::new(false, false, false)));
 
         // Control tokens (type 3) are matched whole in text and skipped when decoding.
-        let types = md.get("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok());
+        let types = md
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.to_vec().ok());
         if let Some(types) = types {
             let specials: Vec<AddedToken> = types
                 .iter()
@@ -107,14 +143,22 @@ impl Tokenizer {
                 .filter(|(_, t)| matches!(t, Value::I32(3) | Value::U32(3)))
                 .map(|(i, _)| AddedToken::from(tokens[i].clone(), true))
                 .collect();
-            inner.add_special_tokens(specials).map_err(|e| anyhow::anyhow!("adding special tokens: {e}"))?;
+            inner
+                .add_special_tokens(specials)
+                .map_err(|e| anyhow::anyhow!("adding special tokens: {e}"))?;
         }
         let bos_id = gguf_u32(md, "tokenizer.ggml.bos_token_id");
         let eos_id = gguf_u32(md, "tokenizer.ggml.eos_token_id");
-        let add_bos = md.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false);
+        let add_bos = md
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false);
         let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
         Ok(Self {
-            chat_template: md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
+            chat_template: md
+                .get("tokenizer.chat_template")
+                .and_then(|v| v.to_string().ok())
+                .cloned(),
             bos_token: name(bos_id),
             eos_token: name(eos_id),
             add_bos: if add_bos { bos_id } else { None },
@@ -134,15 +178,22 @@ impl Tokenizer {
             if !p.exists() {
                 return Ok(None);
             }
-            let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-            Ok(Some(serde_json::from_str(&text).with_context(|| format!("malformed {}", p.display()))?))
+            let text =
+                std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+            Ok(Some(
+                serde_json::from_str(&text)
+                    .with_context(|| format!("malformed {}", p.display()))?,
+            ))
         };
         let tok_cfg = read_json("tokenizer_config.json")?.unwrap_or_default();
         let gen_cfg = read_json("generation_config.json")?.unwrap_or_default();
         let token_str = |v: Option<&serde_json::Value>| -> Option<String> {
             match v? {
                 serde_json::Value::String(s) => Some(s.clone()),
-                obj => obj.get("content").and_then(|c| c.as_str()).map(String::from),
+                obj => obj
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .map(String::from),
             }
         };
         let mut chat_template = match tok_cfg.get("chat_template") {
@@ -156,12 +207,21 @@ impl Tokenizer {
         };
         let jinja = dir.join("chat_template.jinja");
         if chat_template.is_none() && jinja.exists() {
-            chat_template = Some(std::fs::read_to_string(&jinja).with_context(|| format!("reading {}", jinja.display()))?);
+            chat_template = Some(
+                std::fs::read_to_string(&jinja)
+                    .with_context(|| format!("reading {}", jinja.display()))?,
+            );
         }
         let eos_token = token_str(tok_cfg.get("eos_token"));
         let mut eos_token_ids: Vec<u32> = match gen_cfg.get("eos_token_id") {
-            Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+            Some(serde_json::Value::Number(n)) => {
+                n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+            }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect(),
             _ => vec![],
         };
         if eos_token_ids.is_empty() {
@@ -191,7 +251,10 @@ impl Tokenizer {
     /// Encodes a prompt. `special` adds the model's own special tokens (BOS) for plain
     /// text; a rendered chat template already carries them.
     pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, special).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        let enc = self
+            .inner
+            .encode(text, special)
+            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         let mut ids = enc.get_ids().to_vec();
         if let (true, Some(bos)) = (special, self.add_bos) {
             if ids.first() != Some(&bos) {
@@ -202,7 +265,9 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(|e| anyhow::anyhow!("detokenizing: {e}"))
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| anyhow::anyhow!("detokenizing: {e}"))
     }
 
     pub fn has_chat_template(&self) -> bool {
@@ -211,14 +276,24 @@ impl Tokenizer {
 
     /// Renders the chat template with the prompt as one user turn, ready for generation.
     pub fn apply_chat_template(&self, user: &str) -> Result<String> {
-        let template = self.chat_template.as_deref().context("the model has no chat template")?;
+        let template = self
+            .chat_template
+            .as_deref()
+            .context("the model has no chat template")?;
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", template).map_err(|e| anyhow::anyhow!("invalid chat template: {e}"))?;
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", template)
+            .map_err(|e| anyhow::anyhow!("invalid chat template: {e}"))?;
         let ctx = minijinja::context! {
             messages => vec![minijinja::context! { role => "user", content => user }],
             add_generation_prompt => true,
@@ -240,7 +315,10 @@ pub struct StreamDecoder {
 
 impl StreamDecoder {
     pub fn new() -> Self {
-        Self { ids: Vec::new(), printed: 0 }
+        Self {
+            ids: Vec::new(),
+            printed: 0,
+        }
     }
 
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
@@ -249,7 +327,9 @@ impl StreamDecoder {
         if text.ends_with('\u{FFFD}') || text.len() <= self.printed {
             return Ok(None);
         }
-        let Some(piece) = text.get(self.printed..).map(String::from) else { return Ok(None) };
+        let Some(piece) = text.get(self.printed..).map(String::from) else {
+            return Ok(None);
+        };
         self.printed = text.len();
         Ok(Some(piece))
     }

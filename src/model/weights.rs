@@ -12,21 +12,21 @@ use super::config::{Arch, ModelConfig};
 
 /// One decoder layer's weights, row-major `[out, in]` as Hugging Face stores them.
 pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,     // [hidden]
-    pub wqkv: Vec<f32>,          // [q_dim + 2 * kv_dim, hidden]  rows: q, then k, then v
-    pub bqkv: Option<Vec<f32>>,  // [q_dim + 2 * kv_dim]
+    pub attn_norm: Vec<f32>,      // [hidden]
+    pub wqkv: Vec<f32>,           // [q_dim + 2 * kv_dim, hidden]  rows: q, then k, then v
+    pub bqkv: Option<Vec<f32>>,   // [q_dim + 2 * kv_dim]
     pub q_norm: Option<Vec<f32>>, // [head_dim] (Qwen3)
     pub k_norm: Option<Vec<f32>>, // [head_dim] (Qwen3)
-    pub wo: Vec<f32>,            // [hidden, q_dim]
-    pub mlp_norm: Vec<f32>,      // [hidden]
-    pub w_gate_up: Vec<f32>,     // [2 * inter, hidden]  rows: gate, then up
-    pub w_down: Vec<f32>,        // [hidden, inter]
+    pub wo: Vec<f32>,             // [hidden, q_dim]
+    pub mlp_norm: Vec<f32>,       // [hidden]
+    pub w_gate_up: Vec<f32>,      // [2 * inter, hidden]  rows: gate, then up
+    pub w_down: Vec<f32>,         // [hidden, inter]
 }
 
 pub struct ModelWeights {
     pub embed: Vec<f32>, // [vocab, hidden]
     pub layers: Vec<LayerWeights>,
-    pub final_norm: Vec<f32>,       // [hidden]
+    pub final_norm: Vec<f32>,      // [hidden]
     pub lm_head: Option<Vec<f32>>, // [vocab, hidden]; None = tied to `embed`
 }
 
@@ -103,8 +103,18 @@ const GGUF_NAMES: Names = Names {
 };
 
 /// Loads and checks every tensor the config calls for, fusing as it goes.
-fn build(cfg: &mut ModelConfig, src: &mut dyn TensorSource, names: &Names, progress: bool) -> Result<ModelWeights> {
-    let (h, q, kv, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+fn build(
+    cfg: &mut ModelConfig,
+    src: &mut dyn TensorSource,
+    names: &Names,
+    progress: bool,
+) -> Result<ModelWeights> {
+    let (h, q, kv, inter) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+    );
     let per_layer = 9 + 2 * cfg.qk_norm as usize;
     let bar = progress_bar(progress, (cfg.num_layers * per_layer + 3) as u64);
     let has_lm_head = src.has(names.lm_head);
@@ -135,7 +145,10 @@ fn build(cfg: &mut ModelConfig, src: &mut dyn TensorSource, names: &Names, progr
             None
         };
         let (q_norm, k_norm) = if cfg.qk_norm {
-            (Some(get(&n("q_norm"), &[cfg.head_dim])?), Some(get(&n("k_norm"), &[cfg.head_dim])?))
+            (
+                Some(get(&n("q_norm"), &[cfg.head_dim])?),
+                Some(get(&n("k_norm"), &[cfg.head_dim])?),
+            )
         } else {
             (None, None)
         };
@@ -162,7 +175,12 @@ fn build(cfg: &mut ModelConfig, src: &mut dyn TensorSource, names: &Names, progr
         None
     };
     bar.finish_and_clear();
-    Ok(ModelWeights { embed, layers, final_norm, lm_head })
+    Ok(ModelWeights {
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+    })
 }
 
 fn progress_bar(show: bool, len: u64) -> ProgressBar {
@@ -199,25 +217,34 @@ impl SafetensorsSource {
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .with_context(|| format!("{} has no weight_map", index_path.display()))?;
-            let mut shards: Vec<String> = map.values().filter_map(|s| s.as_str().map(String::from)).collect();
+            let mut shards: Vec<String> = map
+                .values()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect();
             shards.sort();
             shards.dedup();
             shards
         } else if dir.join("model.safetensors").exists() {
             vec!["model.safetensors".to_string()]
         } else {
-            bail!("no model.safetensors or model.safetensors.index.json in {}", dir.display());
+            bail!(
+                "no model.safetensors or model.safetensors.index.json in {}",
+                dir.display()
+            );
         };
         let mut files = Vec::new();
         let mut index = HashMap::new();
         for name in shard_names {
             let path = dir.join(&name);
-            let file = std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+            let file = std::fs::File::open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
             // SAFETY: the map is read-only; a file changed under us mid-load is the user's
             // problem, as with every memory-mapped weight loader.
-            let mmap = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
-            let st = safetensors::SafeTensors::deserialize(&mmap)
-                .map_err(|e| anyhow::anyhow!("{}: invalid safetensors file: {e}", path.display()))?;
+            let mmap = unsafe { memmap2::Mmap::map(&file) }
+                .with_context(|| format!("mapping {}", path.display()))?;
+            let st = safetensors::SafeTensors::deserialize(&mmap).map_err(|e| {
+                anyhow::anyhow!("{}: invalid safetensors file: {e}", path.display())
+            })?;
             for (tname, _) in st.tensors() {
                 index.insert(tname, files.len());
             }
@@ -239,7 +266,10 @@ impl TensorSource for SafetensorsSource {
         let view = st.tensor(name).map_err(|e| anyhow::anyhow!("{e}"))?;
         let bytes = view.data();
         let data: Vec<f32> = match view.dtype() {
-            safetensors::Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            safetensors::Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
             safetensors::Dtype::BF16 => bytes
                 .chunks_exact(2)
                 .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
@@ -265,7 +295,8 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let mut file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let mut file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
         let mut magic = [0u8; 4];
         use std::io::Read;
         if file.read_exact(&mut magic).is_err() || &magic != b"GGUF" {
@@ -277,7 +308,8 @@ impl GgufFile {
             .map_err(|e| anyhow::anyhow!("{}: invalid GGUF file: {e}", path.display()))?;
         let len = file.metadata()?.len();
         for (name, info) in &content.tensor_infos {
-            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size()
+                * info.ggml_dtype.type_size();
             let end = content.tensor_data_offset + info.offset + bytes as u64;
             if end > len {
                 bail!(
@@ -286,7 +318,11 @@ impl GgufFile {
                 );
             }
         }
-        Ok(Self { content, file, path: path.to_path_buf() })
+        Ok(Self {
+            content,
+            file,
+            path: path.to_path_buf(),
+        })
     }
 }
 
@@ -309,9 +345,14 @@ impl TensorSource for GgufSource<'_> {
             .content
             .tensor(&mut g.file, name, &candle_core::Device::Cpu)
             .map_err(|e| anyhow::anyhow!("{}: {e}", g.path.display()))?;
-        let t = qt.dequantize(&candle_core::Device::Cpu).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let t = qt
+            .dequantize(&candle_core::Device::Cpu)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let shape = t.dims().to_vec();
-        let mut data = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut data = t
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         if self.unpermute && shape.len() == 2 {
             if name.ends_with("attn_q.weight") {
                 data = unpermute_rows(&data, self.num_heads, shape[0], shape[1]);
@@ -347,7 +388,11 @@ pub fn load_safetensors(dir: &Path, cfg: &mut ModelConfig, progress: bool) -> Re
     build(cfg, &mut src, &HF_NAMES, progress)
 }
 
-pub fn load_gguf(gguf: &mut GgufFile, cfg: &mut ModelConfig, progress: bool) -> Result<ModelWeights> {
+pub fn load_gguf(
+    gguf: &mut GgufFile,
+    cfg: &mut ModelConfig,
+    progress: bool,
+) -> Result<ModelWeights> {
     let mut src = GgufSource {
         unpermute: cfg.arch == Arch::Llama,
         num_heads: cfg.num_heads,

@@ -30,11 +30,33 @@ pub struct TinySpec {
 
 impl TinySpec {
     pub fn llama() -> Self {
-        Self { qwen3: false, hidden: 64, layers: 3, heads: 4, kv_heads: 2, head_dim: 16, inter: 96, vocab: 320, tie: true, dtype: DType::F32 }
+        Self {
+            qwen3: false,
+            hidden: 64,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            inter: 96,
+            vocab: 320,
+            tie: true,
+            dtype: DType::F32,
+        }
     }
     pub fn qwen3() -> Self {
         // head_dim * heads != hidden on purpose, as in real Qwen3 configs.
-        Self { qwen3: true, hidden: 48, layers: 2, heads: 4, kv_heads: 2, head_dim: 16, inter: 80, vocab: 300, tie: false, dtype: DType::BF16 }
+        Self {
+            qwen3: true,
+            hidden: 48,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            inter: 80,
+            vocab: 300,
+            tie: false,
+            dtype: DType::BF16,
+        }
     }
 
     pub fn config_json(&self) -> String {
@@ -84,12 +106,26 @@ impl TinySpec {
         let mut t = HashMap::new();
         let mut add = |name: String, shape: &[usize], scale: f32, offset: f32| {
             let n: usize = shape.iter().product();
-            let data: Vec<f32> = (0..n).map(|_| offset + scale * rng.random_range(-1.0f32..1.0)).collect();
-            let ten = Tensor::from_vec(data, shape, &Device::Cpu).unwrap().to_dtype(self.dtype).unwrap();
+            let data: Vec<f32> = (0..n)
+                .map(|_| offset + scale * rng.random_range(-1.0f32..1.0))
+                .collect();
+            let ten = Tensor::from_vec(data, shape, &Device::Cpu)
+                .unwrap()
+                .to_dtype(self.dtype)
+                .unwrap();
             t.insert(name, ten);
         };
-        let (h, q, kv) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim);
-        add("model.embed_tokens.weight".into(), &[self.vocab, h], 1.0, 0.0);
+        let (h, q, kv) = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+        );
+        add(
+            "model.embed_tokens.weight".into(),
+            &[self.vocab, h],
+            1.0,
+            0.0,
+        );
         for i in 0..self.layers {
             let p = format!("model.layers.{i}");
             add(format!("{p}.self_attn.q_proj.weight"), &[q, h], 0.3, 0.0);
@@ -97,14 +133,44 @@ impl TinySpec {
             add(format!("{p}.self_attn.v_proj.weight"), &[kv, h], 0.3, 0.0);
             add(format!("{p}.self_attn.o_proj.weight"), &[h, q], 0.3, 0.0);
             if self.qwen3 {
-                add(format!("{p}.self_attn.q_norm.weight"), &[self.head_dim], 0.2, 1.0);
-                add(format!("{p}.self_attn.k_norm.weight"), &[self.head_dim], 0.2, 1.0);
+                add(
+                    format!("{p}.self_attn.q_norm.weight"),
+                    &[self.head_dim],
+                    0.2,
+                    1.0,
+                );
+                add(
+                    format!("{p}.self_attn.k_norm.weight"),
+                    &[self.head_dim],
+                    0.2,
+                    1.0,
+                );
             }
             add(format!("{p}.input_layernorm.weight"), &[h], 0.2, 1.0);
-            add(format!("{p}.post_attention_layernorm.weight"), &[h], 0.2, 1.0);
-            add(format!("{p}.mlp.gate_proj.weight"), &[self.inter, h], 0.3, 0.0);
-            add(format!("{p}.mlp.up_proj.weight"), &[self.inter, h], 0.3, 0.0);
-            add(format!("{p}.mlp.down_proj.weight"), &[h, self.inter], 0.3, 0.0);
+            add(
+                format!("{p}.post_attention_layernorm.weight"),
+                &[h],
+                0.2,
+                1.0,
+            );
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                &[self.inter, h],
+                0.3,
+                0.0,
+            );
+            add(
+                format!("{p}.mlp.up_proj.weight"),
+                &[self.inter, h],
+                0.3,
+                0.0,
+            );
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                &[h, self.inter],
+                0.3,
+                0.0,
+            );
         }
         add("model.norm.weight".into(), &[h], 0.2, 1.0);
         if !self.tie {
@@ -133,9 +199,16 @@ pub fn write_tokenizer(dir: &Path, vocab_size: usize) {
     chars.sort();
     symbols.extend(chars.iter().map(|c| c.to_string()));
     symbols.truncate(vocab_size);
-    let vocab: tokenizers::models::bpe::Vocab =
-        symbols.iter().enumerate().map(|(i, s)| (s.clone(), i as u32)).collect();
-    let bpe = BPE::builder().vocab_and_merges(vocab, vec![]).unk_token("<unk>".into()).build().unwrap();
+    let vocab: tokenizers::models::bpe::Vocab = symbols
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, vec![])
+        .unk_token("<unk>".into())
+        .build()
+        .unwrap();
     let mut tok = tokenizers::Tokenizer::new(bpe);
     tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tok.with_decoder(Some(ByteLevel::default()));
@@ -155,7 +228,10 @@ pub fn write_tokenizer(dir: &Path, vocab_size: usize) {
 /// Largest |a - b| over two equally long slices.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 pub fn default_model_path() -> PathBuf {
@@ -165,6 +241,10 @@ pub fn default_model_path() -> PathBuf {
 /// The real model, or a panic that says how to get it (CI fetches it first).
 pub fn require_default_model() -> PathBuf {
     let p = default_model_path();
-    assert!(p.exists(), "{} is missing: run models/fetch.sh", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run models/fetch.sh",
+        p.display()
+    );
     p
 }

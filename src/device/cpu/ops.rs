@@ -4,7 +4,15 @@
 use rayon::prelude::*;
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` (+ `bias[n]`): a linear layer with HF `[out, in]` weights.
-pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, out: &mut [f32], m: usize, k: usize, n: usize) {
+pub fn linear(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) {
     debug_assert_eq!(x.len(), m * k);
     debug_assert_eq!(w.len(), n * k);
     debug_assert_eq!(out.len(), m * n);
@@ -12,16 +20,34 @@ pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, out: &mut [f32], m: us
         matvec_rows(x, w, out, m, k, n);
     } else {
         let threads = rayon::current_num_threads();
-        let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+        let par = if threads > 1 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
         // SAFETY: the three slices have the lengths asserted above and the strides
         // describe exactly those row-major layouts; `out` does not alias the inputs.
         unsafe {
             gemm::gemm(
-                m, n, k,
-                out.as_mut_ptr(), 1, n as isize, false,
-                x.as_ptr(), 1, k as isize,
-                w.as_ptr(), k as isize, 1,
-                0.0, 1.0, false, false, false, par,
+                m,
+                n,
+                k,
+                out.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                par,
             );
         }
     }
@@ -38,14 +64,16 @@ pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, out: &mut [f32], m: us
 fn matvec_rows(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
     const ROWS_PER_TASK: usize = 64;
     let mut tmp = vec![0.0f32; n * m]; // [n, m], transposed into `out` below
-    tmp.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, chunk)| {
-        for (r, dst) in chunk.chunks_exact_mut(m).enumerate() {
-            let row = &w[(c * ROWS_PER_TASK + r) * k..][..k];
-            for (i, d) in dst.iter_mut().enumerate() {
-                *d = dot(row, &x[i * k..(i + 1) * k]);
+    tmp.par_chunks_mut(ROWS_PER_TASK * m)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            for (r, dst) in chunk.chunks_exact_mut(m).enumerate() {
+                let row = &w[(c * ROWS_PER_TASK + r) * k..][..k];
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = dot(row, &x[i * k..(i + 1) * k]);
+                }
             }
-        }
-    });
+        });
     for j in 0..n {
         for i in 0..m {
             out[i * n + j] = tmp[j * m + i];
@@ -74,11 +102,13 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// RMSNorm of each `dim`-wide row: `out = x / sqrt(mean(x²) + eps) * w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let dim = w.len();
-    out.par_chunks_mut(dim * 16).zip(x.par_chunks(dim * 16)).for_each(|(o, x)| {
-        for (o, x) in o.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
-            rms_norm_row(x, w, eps, o);
-        }
-    });
+    out.par_chunks_mut(dim * 16)
+        .zip(x.par_chunks(dim * 16))
+        .for_each(|(o, x)| {
+            for (o, x) in o.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
+                rms_norm_row(x, w, eps, o);
+            }
+        });
 }
 
 #[inline]
@@ -97,7 +127,11 @@ pub fn add_rms_norm(x: &mut [f32], delta: &[f32], w: &[f32], eps: f32, out: &mut
         .zip(x.par_chunks_mut(dim * 16))
         .zip(delta.par_chunks(dim * 16))
         .for_each(|((o, x), d)| {
-            for ((o, x), d) in o.chunks_exact_mut(dim).zip(x.chunks_exact_mut(dim)).zip(d.chunks_exact(dim)) {
+            for ((o, x), d) in o
+                .chunks_exact_mut(dim)
+                .zip(x.chunks_exact_mut(dim))
+                .zip(d.chunks_exact(dim))
+            {
                 for (x, d) in x.iter_mut().zip(d) {
                     *x += d;
                 }
@@ -109,20 +143,34 @@ pub fn add_rms_norm(x: &mut [f32], delta: &[f32], w: &[f32], eps: f32, out: &mut
 /// Rotary embedding, NeoX/HF convention (pairs `i` and `i + d/2`), in place on
 /// `x[tokens, heads, head_dim]` (rows may be strided by `row_stride`); `cos`/`sin` are
 /// `[tokens, head_dim / 2]`.
-pub fn rope(x: &mut [f32], tokens: usize, heads: usize, head_dim: usize, row_stride: usize, cos: &[f32], sin: &[f32]) {
+pub fn rope(
+    x: &mut [f32],
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    row_stride: usize,
+    cos: &[f32],
+    sin: &[f32],
+) {
     let half = head_dim / 2;
-    x.par_chunks_mut(row_stride).take(tokens).enumerate().for_each(|(t, row)| {
-        let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
-        for h in 0..heads {
-            let v = &mut row[h * head_dim..(h + 1) * head_dim];
-            let (a, b) = v.split_at_mut(half);
-            for i in 0..half {
-                let (x0, x1) = (a[i], b[i]);
-                a[i] = x0 * c[i] - x1 * s[i];
-                b[i] = x0 * s[i] + x1 * c[i];
+    x.par_chunks_mut(row_stride)
+        .take(tokens)
+        .enumerate()
+        .for_each(|(t, row)| {
+            let (c, s) = (
+                &cos[t * half..(t + 1) * half],
+                &sin[t * half..(t + 1) * half],
+            );
+            for h in 0..heads {
+                let v = &mut row[h * head_dim..(h + 1) * head_dim];
+                let (a, b) = v.split_at_mut(half);
+                for i in 0..half {
+                    let (x0, x1) = (a[i], b[i]);
+                    a[i] = x0 * c[i] - x1 * s[i];
+                    b[i] = x0 * s[i] + x1 * c[i];
+                }
             }
-        }
-    });
+        });
 }
 
 /// `cos`, `sin` tables `[positions, head_dim / 2]` for positions `pos0..pos0 + n`.
@@ -143,16 +191,26 @@ pub fn rope_tables(inv_freq: &[f32], pos0: usize, n: usize) -> (Vec<f32>, Vec<f3
 
 /// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]`, with `gu` = `[tokens, 2 * inter]` (gate, up).
 pub fn silu_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
-    out.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(o, gu)| {
-        let (g, u) = gu.split_at(inter);
-        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-            *o = g / (1.0 + (-g).exp()) * u;
-        }
-    });
+    out.par_chunks_mut(inter)
+        .zip(gu.par_chunks(2 * inter))
+        .for_each(|(o, gu)| {
+            let (g, u) = gu.split_at(inter);
+            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + exp_fast(-g)) * u;
+            }
+        });
 }
 
 /// Per-head RMSNorm (Qwen3 q/k norm) on `x[tokens, heads, head_dim]` with row stride `row_stride`.
-pub fn head_rms_norm(x: &mut [f32], tokens: usize, heads: usize, head_dim: usize, row_stride: usize, w: &[f32], eps: f32) {
+pub fn head_rms_norm(
+    x: &mut [f32],
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    row_stride: usize,
+    w: &[f32],
+    eps: f32,
+) {
     x.par_chunks_mut(row_stride).take(tokens).for_each(|row| {
         let mut tmp = vec![0.0f32; head_dim];
         for h in 0..heads {
@@ -163,25 +221,67 @@ pub fn head_rms_norm(x: &mut [f32], tokens: usize, heads: usize, head_dim: usize
     });
 }
 
-/// `exp(x)` for `x <= 0`, vectorizable: 2ⁿ · e^r with |r| ≤ ln2/2 and a degree-6
-/// polynomial (relative error ≈ 2e-7, below f32 rounding of the softmax sums).
+/// `exp(x)` for `x <= 0` (softmax after subtracting the row max).
 #[inline(always)]
 pub fn exp_nonpos(x: f32) -> f32 {
+    exp_fast(x)
+}
+
+/// `exp(x)`, vectorizable: 2ⁿ · e^r with |r| ≤ ln2/2 and a degree-6 polynomial
+/// (relative error ≈ 2e-7, at f32 rounding level); saturates outside [-87, 88].
+#[inline(always)]
+pub fn exp_fast(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2: f32 = std::f32::consts::LN_2;
+    // ln 2 split in two (Cody-Waite) so `n · ln2` stays exact for |n| up to ~128.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
     const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³: adding it rounds to an integer
-    let x = x.max(-87.0);
+    let x = x.clamp(-87.0, 88.0);
     let n = (x * LOG2E + MAGIC) - MAGIC;
-    let r = x - n * LN2;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Largest element (−∞ for an empty slice), in 8 lanes so it vectorizes.
+#[inline]
+fn max_of(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] = acc[i].max(c[i]);
+        }
+    }
+    rest.iter()
+        .chain(&acc)
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Sum in 8 lanes so it vectorizes.
+#[inline]
+fn sum_of(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }
 
 /// Shapes of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
-    pub tokens: usize,       // new query tokens
-    pub pos0: usize,         // absolute position of the first query token
+    pub tokens: usize, // new query tokens
+    pub pos0: usize,   // absolute position of the first query token
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
@@ -198,7 +298,13 @@ const DECODE_SPLIT: usize = 512; // keys per task when there are few queries (fl
 /// `q[tokens, num_heads, head_dim]`; `k`, `v`: `[>= pos0 + tokens, num_kv_heads, head_dim]`
 /// (the layer's cache, the new tokens already stored); `out[tokens, num_heads, head_dim]`.
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], s: AttnShape) {
-    let AttnShape { tokens, pos0, num_heads, num_kv_heads, head_dim: hd } = s;
+    let AttnShape {
+        tokens,
+        pos0,
+        num_heads,
+        num_kv_heads,
+        head_dim: hd,
+    } = s;
     let group = num_heads / num_kv_heads;
     let keys_total = pos0 + tokens;
     let q_tiles = tokens.div_ceil(Q_TILE);
@@ -232,7 +338,10 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], s: AttnShape)
         for j in 0..group {
             for i in 0..nq {
                 let r = j * nq + i;
-                let m = chunk.iter().map(|p| p.m[r]).fold(f32::NEG_INFINITY, f32::max);
+                let m = chunk
+                    .iter()
+                    .map(|p| p.m[r])
+                    .fold(f32::NEG_INFINITY, f32::max);
                 let dst = &mut out[(t0 + i) * row_stride + (g * group + j) * hd..][..hd];
                 dst.fill(0.0);
                 let mut l = 0.0;
@@ -262,7 +371,16 @@ struct Partial {
 /// One task: rows = the `group` heads × `nq` queries of KV head `g`, keys `ks..ke`.
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
-    q: &[f32], k: &[f32], v: &[f32], s: AttnShape, g: usize, group: usize, t0: usize, nq: usize, ks: usize, ke: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: AttnShape,
+    g: usize,
+    group: usize,
+    t0: usize,
+    nq: usize,
+    ks: usize,
+    ke: usize,
 ) -> Partial {
     let hd = s.head_dim;
     let rows = group * nq;
@@ -293,11 +411,25 @@ fn attend_tile(
         // each, kn rows from kb; sc has rows × K_TILE ≥ rows × kn entries.
         unsafe {
             gemm::gemm(
-                rows, kn, hd,
-                sc.as_mut_ptr(), 1, K_TILE as isize, false,
-                qg.as_ptr(), 1, hd as isize,
-                kbase.as_ptr(), kv_stride as isize, 1,
-                0.0, 1.0, false, false, false, gemm::Parallelism::None,
+                rows,
+                kn,
+                hd,
+                sc.as_mut_ptr(),
+                1,
+                K_TILE as isize,
+                false,
+                qg.as_ptr(),
+                1,
+                hd as isize,
+                kbase.as_ptr(),
+                kv_stride as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
             );
         }
         for j in 0..group {
@@ -310,14 +442,13 @@ fn attend_tile(
                     row.fill(0.0);
                     continue;
                 }
-                let mx = row[..visible].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let m_new = m[r].max(mx);
+                let m_new = m[r].max(max_of(&row[..visible]));
                 let corr = exp_nonpos(m[r] - m_new);
-                let mut sum = 0.0;
+                // Separate map and sum loops: each vectorizes, a fused one would not.
                 for x in row[..visible].iter_mut() {
                     *x = exp_nonpos(*x - m_new);
-                    sum += *x;
                 }
+                let sum = sum_of(&row[..visible]);
                 row[visible..].fill(0.0);
                 l[r] = l[r] * corr + sum;
                 m[r] = m_new;
@@ -330,11 +461,25 @@ fn attend_tile(
         // SAFETY: as above, V has the same layout as K.
         unsafe {
             gemm::gemm(
-                rows, hd, kn,
-                o.as_mut_ptr(), 1, hd as isize, true,
-                sc.as_ptr(), 1, K_TILE as isize,
-                vbase.as_ptr(), 1, kv_stride as isize,
-                1.0, 1.0, false, false, false, gemm::Parallelism::None,
+                rows,
+                hd,
+                kn,
+                o.as_mut_ptr(),
+                1,
+                hd as isize,
+                true,
+                sc.as_ptr(),
+                1,
+                K_TILE as isize,
+                vbase.as_ptr(),
+                1,
+                kv_stride as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
             );
         }
         kb += kn;
@@ -355,7 +500,11 @@ pub fn attention_naive(q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> Vec<f32
             let scores: Vec<f64> = (0..=p)
                 .map(|j| {
                     let kv = &k[(j * s.num_kv_heads + g) * hd..][..hd];
-                    qv.iter().zip(kv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (hd as f64).sqrt()
+                    qv.iter()
+                        .zip(kv)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        / (hd as f64).sqrt()
                 })
                 .collect();
             let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -384,9 +533,9 @@ mod tests {
 
     #[test]
     fn exp_matches_std() {
-        for i in 0..20000 {
-            let x = -(i as f32) * 0.005;
-            let (a, b) = (exp_nonpos(x), x.exp());
+        for i in -17000..17000 {
+            let x = i as f32 * 0.005;
+            let (a, b) = (exp_fast(x), x.exp());
             assert!((a - b).abs() <= 3e-7 * b.max(1e-30), "exp({x}): {a} vs {b}");
         }
     }
@@ -395,18 +544,32 @@ mod tests {
     fn attention_matches_naive() {
         let mut rng = StdRng::seed_from_u64(7);
         // (tokens, pos0, heads, kv_heads, head_dim): prefill tiles, decode splits, GQA.
-        for &(tokens, pos0, nh, nkv, hd) in
-            &[(1, 0, 2, 1, 8), (37, 0, 4, 2, 16), (5, 700, 6, 2, 32), (1, 1500, 9, 3, 64), (200, 90, 4, 4, 8)]
-        {
+        for &(tokens, pos0, nh, nkv, hd) in &[
+            (1, 0, 2, 1, 8),
+            (37, 0, 4, 2, 16),
+            (5, 700, 6, 2, 32),
+            (1, 1500, 9, 3, 64),
+            (200, 90, 4, 4, 8),
+        ] {
             let total = pos0 + tokens;
             let q = rand_vec(&mut rng, tokens * nh * hd);
             let k = rand_vec(&mut rng, total * nkv * hd);
             let v = rand_vec(&mut rng, total * nkv * hd);
-            let s = AttnShape { tokens, pos0, num_heads: nh, num_kv_heads: nkv, head_dim: hd };
+            let s = AttnShape {
+                tokens,
+                pos0,
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+            };
             let mut out = vec![0.0; tokens * nh * hd];
             attention(&q, &k, &v, &mut out, s);
             let want = attention_naive(&q, &k, &v, s);
-            let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            let err = out
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
             assert!(err < 1e-5, "{s:?}: max abs error {err}");
         }
     }

@@ -73,7 +73,7 @@ struct Timing {
     decode_tps: f64,
 }
 
-fn run_strata(m: &Model, prompt: &[u32]) -> Timing {
+fn run_strata(m: &std::sync::Arc<Model>, prompt: &[u32]) -> Timing {
     let c = &m.cfg;
     let mut kv = ContiguousKv::new(
         c.num_layers,

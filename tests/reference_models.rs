@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use common::{max_abs_diff, scratch_dir, TinySpec};
@@ -20,15 +22,15 @@ fn tolerance(reference: &[f32]) -> f32 {
     1e-4 * (1.0 + reference.iter().fold(0.0f32, |m, x| m.max(x.abs())))
 }
 
-fn load_strata(dir: &std::path::Path) -> Model {
+fn load_strata(dir: &std::path::Path) -> Arc<Model> {
     let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     let mut cfg = ModelConfig::from_hf_json(&text).unwrap();
     let w = weights::load_safetensors(dir, &mut cfg, false).unwrap();
-    Model::new(cfg, w)
+    Arc::new(Model::new(cfg, w))
 }
 
 /// Runs prefill then decode steps, returning each step's last-position logits.
-fn strata_logits(model: &Model) -> Vec<Vec<f32>> {
+fn strata_logits(model: &Arc<Model>) -> Vec<Vec<f32>> {
     let c = &model.cfg;
     let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, 64);
     let mut out = vec![model.forward(&PROMPT, 0, &mut kv).unwrap()];

@@ -2,6 +2,7 @@
 
 pub mod sampler;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -43,7 +44,7 @@ impl GenerationOutput {
 
 /// Checks a prompt against the model's context before any work is done.
 pub fn check_prompt(
-    model: &Model,
+    model: &Arc<Model>,
     prompt: &[u32],
     max_tokens: usize,
     max_model_len: usize,
@@ -65,7 +66,7 @@ pub fn check_prompt(
 /// Runs one request to completion on a fresh contiguous KV cache, calling `on_token`
 /// with each new token as it is produced.
 pub fn generate(
-    model: &Model,
+    model: &Arc<Model>,
     prompt: &[u32],
     opts: &GenerateOptions,
     max_model_len: usize,
@@ -80,7 +81,7 @@ pub fn generate(
 
 /// The prefill/decode loop over any KV view with room for `capacity` tokens.
 pub fn generate_with(
-    model: &Model,
+    model: &Arc<Model>,
     kv: &mut dyn KvView,
     capacity: usize,
     prompt: &[u32],

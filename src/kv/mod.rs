@@ -10,14 +10,32 @@ pub struct LayerKv<'a> {
     pub v: &'a mut [f32],
 }
 
-/// What the layer loop needs from a KV cache during one forward step.
+/// Work for the compute stream.
+pub type Work = Box<dyn FnOnce() + Send>;
+/// One layer's compute, handed that layer's KV when it runs.
+pub type LayerWork = Box<dyn for<'a> FnOnce(LayerKv<'a>) + Send>;
+
+/// What the layer loop needs from a KV cache during one forward step. Work is handed
+/// over, not run by the caller, so an implementation may queue it on a device stream and
+/// return at once; `synchronize` waits for all of it.
 pub trait KvView {
+    /// Runs non-layer work (embedding, lm_head) on the compute stream.
+    fn run(&mut self, name: &'static str, work: Work) -> Result<()>;
     /// Before layer `layer` attends: make its KV usable (e.g. wait for a prefetch).
     fn begin_layer(&mut self, layer: usize) -> Result<()>;
-    /// The layer's K/V, with room for positions `0..end` (`end` = after this step).
-    fn layer(&mut self, layer: usize, end: usize) -> Result<LayerKv<'_>>;
+    /// Runs layer `layer`'s compute, which stores K/V for positions `pos0..pos0 + tokens`
+    /// and attends over `0..pos0 + tokens`.
+    fn run_layer(
+        &mut self,
+        layer: usize,
+        pos0: usize,
+        tokens: usize,
+        work: LayerWork,
+    ) -> Result<()>;
     /// After layer `layer` is done with its KV (e.g. start an offload or the next prefetch).
     fn end_layer(&mut self, layer: usize) -> Result<()>;
+    /// Blocks until every piece of work handed over so far has run.
+    fn synchronize(&mut self) -> Result<()>;
 }
 
 /// A contiguous per-sequence cache in device memory: `num_layers × [capacity, kv_heads, head_dim]`
@@ -50,11 +68,7 @@ impl ContiguousKv {
     }
 }
 
-impl KvView for ContiguousKv {
-    fn begin_layer(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-
+impl ContiguousKv {
     fn layer(&mut self, layer: usize, end: usize) -> Result<LayerKv<'_>> {
         if end > self.capacity {
             bail!(
@@ -75,8 +89,35 @@ impl KvView for ContiguousKv {
             v: &mut self.v[layer],
         })
     }
+}
+
+/// Everything is resident and the caller's thread is the compute stream: work runs inline.
+impl KvView for ContiguousKv {
+    fn run(&mut self, _name: &'static str, work: Work) -> Result<()> {
+        work();
+        Ok(())
+    }
+
+    fn begin_layer(&mut self, _layer: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn run_layer(
+        &mut self,
+        layer: usize,
+        pos0: usize,
+        tokens: usize,
+        work: LayerWork,
+    ) -> Result<()> {
+        work(self.layer(layer, pos0 + tokens)?);
+        Ok(())
+    }
 
     fn end_layer(&mut self, _layer: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
         Ok(())
     }
 }

@@ -292,9 +292,11 @@ impl HfConfig {
             None => RopeScaling::None,
             Some(s) => parse_rope_scaling(s)?,
         };
-        let head_dim = self
-            .head_dim
-            .unwrap_or(self.hidden_size.checked_div(self.num_attention_heads).unwrap_or(0));
+        let head_dim = self.head_dim.unwrap_or(
+            self.hidden_size
+                .checked_div(self.num_attention_heads)
+                .unwrap_or(0),
+        );
         let ids = |v: &Option<Value>| -> Vec<u32> {
             match v {
                 Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),

@@ -5,11 +5,12 @@ pub mod tokenizer;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 
 use crate::device::cpu::ops::{self, AttnShape};
-use crate::kv::KvView;
+use crate::kv::{KvView, LayerKv};
 pub use config::{Arch, ModelConfig};
 pub use tokenizer::Tokenizer;
 use weights::ModelWeights;
@@ -56,7 +57,7 @@ impl Model {
     }
 
     /// Loads weights and tokenizer from a GGUF file or a Hugging Face directory.
-    pub fn load(path: &Path, progress: bool) -> Result<(Self, Tokenizer)> {
+    pub fn load(path: &Path, progress: bool) -> Result<(Arc<Self>, Tokenizer)> {
         match ModelSource::detect(path)? {
             ModelSource::Gguf(p) => {
                 let mut gguf = weights::GgufFile::open(&p)?;
@@ -69,7 +70,7 @@ impl Model {
                 if cfg.eos_token_ids.is_empty() {
                     cfg.eos_token_ids = tok.eos_token_ids.clone();
                 }
-                Ok((Self::new(cfg, w), tok))
+                Ok((Arc::new(Self::new(cfg, w)), tok))
             }
             ModelSource::HfDir(dir) => {
                 let cfg_path = dir.join("config.json");
@@ -88,7 +89,7 @@ impl Model {
                 }
                 let w = weights::load_safetensors(&dir, &mut cfg, progress)
                     .with_context(|| format!("{}", dir.display()))?;
-                Ok((Self::new(cfg, w), tok))
+                Ok((Arc::new(Self::new(cfg, w)), tok))
             }
         }
     }
@@ -116,13 +117,74 @@ impl Model {
 
     /// Runs `tokens` at positions `pos0..` through every layer, storing their K/V through
     /// `kv`, and returns the logits `[vocab]` of the last token.
-    pub fn forward(&self, tokens: &[u32], pos0: usize, kv: &mut dyn KvView) -> Result<Vec<f32>> {
+    pub fn forward(
+        self: &Arc<Self>,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvView,
+    ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
-        let w = &self.weights;
         let t = tokens.len();
         if t == 0 {
             bail!("forward called with no tokens");
         }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab_size) {
+            bail!(
+                "token id {id} is outside the vocabulary ({})",
+                cfg.vocab_size
+            );
+        }
+        let acts = Arc::new(Mutex::new(Activations::new(cfg, t)));
+        {
+            let (m, a, toks) = (Arc::clone(self), Arc::clone(&acts), tokens.to_vec());
+            kv.run(
+                "embed",
+                Box::new(move || m.embed(&toks, pos0, &mut lock(&a))),
+            )?;
+        }
+        for l in 0..cfg.num_layers {
+            kv.begin_layer(l)?;
+            let (m, a) = (Arc::clone(self), Arc::clone(&acts));
+            kv.run_layer(
+                l,
+                pos0,
+                t,
+                Box::new(move |lkv| m.layer(l, &mut lock(&a), lkv)),
+            )?;
+            kv.end_layer(l)?;
+        }
+        let logits = Arc::new(Mutex::new(Vec::new()));
+        {
+            let (m, a, out) = (Arc::clone(self), Arc::clone(&acts), Arc::clone(&logits));
+            kv.run("lm_head", Box::new(move || *lock(&out) = m.head(&lock(&a))))?;
+        }
+        kv.synchronize()?;
+        let logits = std::mem::take(&mut *lock(&logits));
+        Ok(logits)
+    }
+
+    /// Embedding gather and the first layer's input norm.
+    fn embed(&self, tokens: &[u32], pos0: usize, a: &mut Activations) {
+        let (w, h) = (&self.weights, self.cfg.hidden_size);
+        for (row, &id) in a.x.chunks_exact_mut(h).zip(tokens) {
+            row.copy_from_slice(&w.embed[id as usize * h..(id as usize + 1) * h]);
+        }
+        ops::rms_norm(
+            &a.x,
+            &w.layers[0].attn_norm,
+            self.cfg.rms_norm_eps,
+            &mut a.hn,
+        );
+        (a.cos, a.sin) = ops::rope_tables(&self.inv_freq, pos0, a.t);
+        a.pos0 = pos0;
+    }
+
+    /// One decoder layer: reads `a.hn` (normalised input), updates the residual `a.x`, and
+    /// leaves the next layer's normalised input in `a.hn`.
+    fn layer(&self, l: usize, a: &mut Activations, kv: LayerKv<'_>) {
+        let cfg = &self.cfg;
+        let lw = &self.weights.layers[l];
+        let (t, pos0) = (a.t, a.pos0);
         let (h, qd, kvd, inter) = (
             cfg.hidden_size,
             cfg.q_dim(),
@@ -131,135 +193,160 @@ impl Model {
         );
         let qkv_dim = qd + 2 * kvd;
         let eps = cfg.rms_norm_eps;
-
-        // x[t, h]: residual stream; hn[t, h]: its normalised copy feeding the next block.
-        let mut x = vec![0.0f32; t * h];
-        for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
-            let id = id as usize;
-            if id >= cfg.vocab_size {
-                bail!(
-                    "token id {id} is outside the vocabulary ({})",
-                    cfg.vocab_size
-                );
-            }
-            row.copy_from_slice(&w.embed[id * h..(id + 1) * h]);
-        }
-        let mut hn = vec![0.0f32; t * h];
-        ops::rms_norm(&x, &w.layers[0].attn_norm, eps, &mut hn);
-
-        let (cos, sin) = ops::rope_tables(&self.inv_freq, pos0, t);
-        let mut qkv = vec![0.0f32; t * qkv_dim]; // [t, q | k | v]
-        let mut q = vec![0.0f32; t * qd]; // [t, heads, head_dim]
-        let mut attn = vec![0.0f32; t * qd]; // [t, heads, head_dim]
-        let mut proj = vec![0.0f32; t * h]; // [t, h]
-        let chunk = t.min(MLP_CHUNK);
-        let mut gu = vec![0.0f32; chunk * 2 * inter]; // [chunk, gate | up]
-        let mut act = vec![0.0f32; chunk * inter]; // [chunk, inter]
-
-        for (l, lw) in w.layers.iter().enumerate() {
-            // 1. Fused QKV projection.
-            ops::linear(&hn, &lw.wqkv, lw.bqkv.as_deref(), &mut qkv, t, h, qkv_dim);
-            // 2. Qwen3: per-head RMSNorm of q and k, before RoPE.
-            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                ops::head_rms_norm(&mut qkv, t, cfg.num_heads, cfg.head_dim, qkv_dim, qn, eps);
-                ops::head_rms_norm(
-                    &mut qkv[qd..],
-                    t,
-                    cfg.num_kv_heads,
-                    cfg.head_dim,
-                    qkv_dim,
-                    kn,
-                    eps,
-                );
-            }
-            // 3. RoPE on q and k.
-            ops::rope(
-                &mut qkv,
-                t,
-                cfg.num_heads,
-                cfg.head_dim,
-                qkv_dim,
-                &cos,
-                &sin,
-            );
-            ops::rope(
-                &mut qkv[qd..],
+        // 1. Fused QKV projection.
+        ops::linear(
+            &a.hn,
+            &lw.wqkv,
+            lw.bqkv.as_deref(),
+            &mut a.qkv,
+            t,
+            h,
+            qkv_dim,
+        );
+        // 2. Qwen3: per-head RMSNorm of q and k, before RoPE.
+        if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+            ops::head_rms_norm(&mut a.qkv, t, cfg.num_heads, cfg.head_dim, qkv_dim, qn, eps);
+            ops::head_rms_norm(
+                &mut a.qkv[qd..],
                 t,
                 cfg.num_kv_heads,
                 cfg.head_dim,
                 qkv_dim,
-                &cos,
-                &sin,
+                kn,
+                eps,
             );
-            for (dst, src) in q.chunks_exact_mut(qd).zip(qkv.chunks_exact(qkv_dim)) {
-                dst.copy_from_slice(&src[..qd]);
-            }
-            // 4. Store the new K/V and attend over everything up to them.
-            kv.begin_layer(l)?;
-            {
-                let lkv = kv.layer(l, pos0 + t)?;
-                for (i, src) in qkv.chunks_exact(qkv_dim).enumerate() {
-                    let at = (pos0 + i) * kvd;
-                    lkv.k[at..at + kvd].copy_from_slice(&src[qd..qd + kvd]);
-                    lkv.v[at..at + kvd].copy_from_slice(&src[qd + kvd..]);
-                }
-                let shape = AttnShape {
-                    tokens: t,
-                    pos0,
-                    num_heads: cfg.num_heads,
-                    num_kv_heads: cfg.num_kv_heads,
-                    head_dim: cfg.head_dim,
-                };
-                ops::attention(&q, lkv.k, lkv.v, &mut attn, shape);
-            }
-            kv.end_layer(l)?;
-            // 5. Output projection, residual add, post-attention norm.
-            ops::linear(&attn, &lw.wo, None, &mut proj, t, qd, h);
-            ops::add_rms_norm(&mut x, &proj, &lw.mlp_norm, eps, &mut hn);
-            // 6. MLP in row chunks; the residual add is fused with the next block's norm.
-            let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.attn_norm);
-            for r0 in (0..t).step_by(chunk) {
-                let n = chunk.min(t - r0);
-                let rows = r0 * h..(r0 + n) * h;
-                ops::linear(
-                    &hn[rows.clone()],
-                    &lw.w_gate_up,
-                    None,
-                    &mut gu[..n * 2 * inter],
-                    n,
-                    h,
-                    2 * inter,
-                );
-                ops::silu_mul(&gu[..n * 2 * inter], inter, &mut act[..n * inter]);
-                ops::linear(
-                    &act[..n * inter],
-                    &lw.w_down,
-                    None,
-                    &mut proj[rows.clone()],
-                    n,
-                    inter,
-                    h,
-                );
-                ops::add_rms_norm(
-                    &mut x[rows.clone()],
-                    &proj[rows.clone()],
-                    next_norm,
-                    eps,
-                    &mut hn[rows],
-                );
-            }
         }
-        // 7. lm_head on the last position only.
-        let mut logits = vec![0.0f32; cfg.vocab_size];
+        // 3. RoPE on q and k.
+        ops::rope(
+            &mut a.qkv,
+            t,
+            cfg.num_heads,
+            cfg.head_dim,
+            qkv_dim,
+            &a.cos,
+            &a.sin,
+        );
+        ops::rope(
+            &mut a.qkv[qd..],
+            t,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            qkv_dim,
+            &a.cos,
+            &a.sin,
+        );
+        for (dst, src) in a.q.chunks_exact_mut(qd).zip(a.qkv.chunks_exact(qkv_dim)) {
+            dst.copy_from_slice(&src[..qd]);
+        }
+        // 4. Store the new K/V and attend over everything up to them.
+        for (i, src) in a.qkv.chunks_exact(qkv_dim).enumerate() {
+            let at = (pos0 + i) * kvd;
+            kv.k[at..at + kvd].copy_from_slice(&src[qd..qd + kvd]);
+            kv.v[at..at + kvd].copy_from_slice(&src[qd + kvd..]);
+        }
+        let shape = AttnShape {
+            tokens: t,
+            pos0,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        ops::attention(&a.q, kv.k, kv.v, &mut a.attn, shape);
+        // 5. Output projection, residual add, post-attention norm.
+        ops::linear(&a.attn, &lw.wo, None, &mut a.proj, t, qd, h);
+        ops::add_rms_norm(&mut a.x, &a.proj, &lw.mlp_norm, eps, &mut a.hn);
+        // 6. MLP in row chunks; the residual add is fused with the next block's norm.
+        let w = &self.weights;
+        let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.attn_norm);
+        let chunk = a.chunk;
+        for r0 in (0..t).step_by(chunk) {
+            let n = chunk.min(t - r0);
+            let rows = r0 * h..(r0 + n) * h;
+            ops::linear(
+                &a.hn[rows.clone()],
+                &lw.w_gate_up,
+                None,
+                &mut a.gu[..n * 2 * inter],
+                n,
+                h,
+                2 * inter,
+            );
+            ops::silu_mul(&a.gu[..n * 2 * inter], inter, &mut a.act[..n * inter]);
+            ops::linear(
+                &a.act[..n * inter],
+                &lw.w_down,
+                None,
+                &mut a.proj[rows.clone()],
+                n,
+                inter,
+                h,
+            );
+            ops::add_rms_norm(
+                &mut a.x[rows.clone()],
+                &a.proj[rows.clone()],
+                next_norm,
+                eps,
+                &mut a.hn[rows],
+            );
+        }
+    }
+
+    /// lm_head on the last position only (`a.hn` already holds the final norm).
+    fn head(&self, a: &Activations) -> Vec<f32> {
+        let (h, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let mut logits = vec![0.0f32; vocab];
         ops::linear(
-            &hn[(t - 1) * h..],
-            w.lm_head(),
+            &a.hn[(a.t - 1) * h..],
+            self.weights.lm_head(),
             None,
             &mut logits,
             1,
             h,
-            cfg.vocab_size,
+            vocab,
         );
-        Ok(logits)
+        logits
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The step's activations ("device memory" of the compute stream), sized for `t` tokens.
+struct Activations {
+    t: usize,
+    pos0: usize,
+    chunk: usize,   // MLP rows at once
+    x: Vec<f32>,    // [t, hidden] residual stream
+    hn: Vec<f32>,   // [t, hidden] normalised input of the next block
+    qkv: Vec<f32>,  // [t, q | k | v]
+    q: Vec<f32>,    // [t, heads, head_dim]
+    attn: Vec<f32>, // [t, heads, head_dim]
+    proj: Vec<f32>, // [t, hidden]
+    gu: Vec<f32>,   // [chunk, gate | up]
+    act: Vec<f32>,  // [chunk, inter]
+    cos: Vec<f32>,  // [t, head_dim / 2]
+    sin: Vec<f32>,  // [t, head_dim / 2]
+}
+
+impl Activations {
+    fn new(cfg: &ModelConfig, t: usize) -> Self {
+        let (h, qd, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.intermediate_size);
+        let chunk = t.min(MLP_CHUNK);
+        Self {
+            t,
+            pos0: 0,
+            chunk,
+            x: vec![0.0; t * h],
+            hn: vec![0.0; t * h],
+            qkv: vec![0.0; t * (qd + 2 * cfg.kv_dim())],
+            q: vec![0.0; t * qd],
+            attn: vec![0.0; t * qd],
+            proj: vec![0.0; t * h],
+            gu: vec![0.0; chunk * 2 * inter],
+            act: vec![0.0; chunk * inter],
+            cos: Vec::new(),
+            sin: Vec::new(),
+        }
     }
 }

@@ -1,3 +1,4 @@
 //! The CPU device: f32 compute ops (the reference twins of the CUDA kernels).
 
 pub mod ops;
+pub mod stream;

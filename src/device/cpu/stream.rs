@@ -1,0 +1,506 @@
+//! The asynchronous CPU device: streams are worker threads that run their queue in
+//! order, events complete when their stream reaches them, and device and host memory are
+//! separate allocations, so every offload and prefetch is a real copy running beside compute.
+//!
+//! Two debugging aids make ordering bugs visible: a link throttle (`link_gbps`) that makes
+//! host↔device copies take as long as they would over PCIe, and a sanitizer that delays
+//! every copy by a random amount (and lets the offload engine poison released slots).
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+/// Where a buffer lives. Only host↔device copies cross the (simulated) link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemSpace {
+    Device,
+    Host,
+}
+
+/// A block of f32 memory shared with stream workers. Access is ordered by streams and
+/// events, exactly as with real device memory: the type system does not police it, the
+/// event discipline (and the sanitizer) does.
+pub struct Buffer {
+    cell: Arc<BufCell>,
+}
+
+struct BufCell {
+    data: UnsafeCell<Box<[f32]>>,
+    len: usize,
+    space: MemSpace,
+}
+
+// SAFETY: concurrent access is ordered by stream/event discipline, as for GPU memory.
+unsafe impl Sync for BufCell {}
+unsafe impl Send for BufCell {}
+
+impl Clone for Buffer {
+    fn clone(&self) -> Self {
+        Self {
+            cell: Arc::clone(&self.cell),
+        }
+    }
+}
+
+impl Buffer {
+    /// Allocates `len` zeroed f32s, failing cleanly (not aborting) when memory runs out.
+    pub fn alloc(len: usize, space: MemSpace) -> Result<Self> {
+        let mut v: Vec<f32> = Vec::new();
+        if v.try_reserve_exact(len).is_err() {
+            let what = if space == MemSpace::Host {
+                "host"
+            } else {
+                "device"
+            };
+            bail!(
+                "out of {what} memory allocating {:.1} MiB",
+                len as f64 * 4.0 / (1 << 20) as f64
+            );
+        }
+        v.resize(len, 0.0);
+        Ok(Self {
+            cell: Arc::new(BufCell {
+                data: UnsafeCell::new(v.into_boxed_slice()),
+                len,
+                space,
+            }),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.cell.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn space(&self) -> MemSpace {
+        self.cell.space
+    }
+
+    /// # Safety
+    /// The caller must be ordered (by stream order or events) after every writer of the range.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self) -> &mut [f32] {
+        &mut *self.cell.data.get()
+    }
+
+    /// # Safety
+    /// As for `slice_mut`.
+    pub unsafe fn slice(&self) -> &[f32] {
+        &*self.cell.data.get()
+    }
+}
+
+/// An event: recorded on a stream, complete once that stream has run past it.
+/// Re-recording targets the newest record, as `cudaEventRecord` does.
+#[derive(Clone)]
+pub struct Event {
+    inner: Arc<EventInner>,
+}
+
+struct EventInner {
+    state: Mutex<(u64, u64)>, // (records issued, records completed)
+    cv: Condvar,
+}
+
+impl Default for Event {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Event {
+    pub fn new() -> Self {
+        Self {
+            inner: Arc::new(EventInner {
+                state: Mutex::new((0, 0)),
+                cv: Condvar::new(),
+            }),
+        }
+    }
+
+    /// True when every record issued so far has completed (an unrecorded event is complete).
+    pub fn query(&self) -> bool {
+        let s = self.inner.state.lock().expect("event lock");
+        s.1 >= s.0
+    }
+
+    /// Blocks the host until the newest record completes.
+    pub fn synchronize(&self) {
+        let target = self.inner.state.lock().expect("event lock").0;
+        self.wait_for(target);
+    }
+
+    fn issue(&self) -> u64 {
+        let mut s = self.inner.state.lock().expect("event lock");
+        s.0 += 1;
+        s.0
+    }
+
+    fn complete(&self, n: u64) {
+        let mut s = self.inner.state.lock().expect("event lock");
+        s.1 = s.1.max(n);
+        self.inner.cv.notify_all();
+    }
+
+    fn target(&self) -> u64 {
+        self.inner.state.lock().expect("event lock").0
+    }
+
+    fn wait_for(&self, n: u64) {
+        let mut s = self.inner.state.lock().expect("event lock");
+        while s.1 < n {
+            s = self.inner.cv.wait(s).expect("event lock");
+        }
+    }
+}
+
+/// One op as the trace shows it.
+#[derive(Clone, Debug)]
+pub struct TraceEvent {
+    pub stream: String,
+    pub name: String,
+    pub layer: Option<usize>,
+    pub bytes: usize,
+    pub start_us: f64,
+    pub end_us: f64,
+}
+
+/// Shared settings and the trace of one CPU device.
+pub struct CpuDevice {
+    epoch: Instant,
+    /// Simulated host↔device link speed in GB/s; 0 = unthrottled.
+    pub link_gbps: f64,
+    /// Random copy delays; the offload engine also poisons released slots.
+    pub sanitize: bool,
+    trace_on: AtomicBool,
+    trace: Mutex<Vec<TraceEvent>>,
+}
+
+impl CpuDevice {
+    pub fn new(link_gbps: f64, sanitize: bool) -> Arc<Self> {
+        Arc::new(Self {
+            epoch: Instant::now(),
+            link_gbps,
+            sanitize,
+            trace_on: AtomicBool::new(false),
+            trace: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn set_tracing(&self, on: bool) {
+        self.trace_on.store(on, Ordering::Relaxed);
+    }
+
+    pub fn take_trace(&self) -> Vec<TraceEvent> {
+        std::mem::take(&mut *self.trace.lock().expect("trace lock"))
+    }
+
+    fn now_us(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e6
+    }
+
+    fn record(&self, ev: TraceEvent) {
+        if self.trace_on.load(Ordering::Relaxed) {
+            self.trace.lock().expect("trace lock").push(ev);
+        }
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// An in-order queue of work run by its own thread.
+pub struct Stream {
+    name: String,
+    tx: Option<Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
+    dev: Arc<CpuDevice>,
+}
+
+/// What a traced op is, for the trace and the throttle.
+pub struct OpInfo {
+    pub name: &'static str,
+    pub layer: Option<usize>,
+    pub bytes: usize,
+}
+
+impl Stream {
+    pub fn new(dev: &Arc<CpuDevice>, name: &str) -> Self {
+        let (tx, rx) = channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name(format!("stream-{name}"))
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+            })
+            .expect("spawning a stream worker thread");
+        Self {
+            name: name.to_string(),
+            tx: Some(tx),
+            worker: Some(worker),
+            dev: Arc::clone(dev),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn push(&self, job: Job) {
+        self.tx
+            .as_ref()
+            .expect("stream open")
+            .send(job)
+            .expect("stream worker alive");
+    }
+
+    /// Enqueues `f`; it runs after everything enqueued before it on this stream.
+    pub fn launch(&self, info: OpInfo, f: impl FnOnce() + Send + 'static) {
+        let dev = Arc::clone(&self.dev);
+        let stream = self.name.clone();
+        self.push(Box::new(move || {
+            let start = dev.now_us();
+            f();
+            let end = dev.now_us();
+            dev.record(TraceEvent {
+                stream,
+                name: info.name.into(),
+                layer: info.layer,
+                bytes: info.bytes,
+                start_us: start,
+                end_us: end,
+            });
+        }));
+    }
+
+    /// Enqueues an async copy of `len` f32s, `src[src_off..]` → `dst[dst_off..]`.
+    /// Host↔device copies are throttled to the link speed; under the sanitizer every copy
+    /// first sleeps a random while, so a missing wait shows up.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy(
+        &self,
+        name: &'static str,
+        layer: Option<usize>,
+        src: &Buffer,
+        src_off: usize,
+        dst: &Buffer,
+        dst_off: usize,
+        len: usize,
+    ) {
+        assert!(
+            src_off + len <= src.len() && dst_off + len <= dst.len(),
+            "copy {name} out of bounds"
+        );
+        let (src, dst) = (src.clone(), dst.clone());
+        let dev = Arc::clone(&self.dev);
+        let crosses_link = src.space() != dst.space();
+        self.launch(
+            OpInfo {
+                name,
+                layer,
+                bytes: len * 4,
+            },
+            move || {
+                if dev.sanitize {
+                    std::thread::sleep(Duration::from_micros(rand::random_range(0..1500)));
+                }
+                let t0 = Instant::now();
+                // SAFETY: ordering is the caller's contract (events); ranges are in bounds.
+                unsafe {
+                    let s = &src.slice()[src_off..src_off + len];
+                    dst.slice_mut()[dst_off..dst_off + len].copy_from_slice(s);
+                }
+                if crosses_link && dev.link_gbps > 0.0 {
+                    let want = Duration::from_secs_f64(len as f64 * 4.0 / (dev.link_gbps * 1e9));
+                    if let Some(rest) = want.checked_sub(t0.elapsed()) {
+                        std::thread::sleep(rest);
+                    }
+                }
+            },
+        );
+    }
+
+    /// Enqueues a record of `ev`: it completes when this stream reaches this point.
+    pub fn record(&self, ev: &Event) {
+        let n = ev.issue();
+        let ev = ev.clone();
+        self.push(Box::new(move || ev.complete(n)));
+    }
+
+    /// Makes later work on this stream wait for the newest record of `ev` (as of now).
+    pub fn wait(&self, ev: &Event) {
+        let n = ev.target();
+        if n == 0 {
+            return;
+        }
+        let ev = ev.clone();
+        self.push(Box::new(move || ev.wait_for(n)));
+    }
+
+    /// Blocks the host until everything enqueued so far has run.
+    pub fn synchronize(&self) {
+        let ev = Event::new();
+        self.record(&ev);
+        ev.synchronize();
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        drop(self.tx.take()); // closes the queue; the worker drains it and exits
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn a_stream_runs_in_order() {
+        let dev = CpuDevice::new(0.0, false);
+        let s = Stream::new(&dev, "s");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..50 {
+            let log = log.clone();
+            s.launch(
+                OpInfo {
+                    name: "op",
+                    layer: None,
+                    bytes: 0,
+                },
+                move || log.lock().unwrap().push(i),
+            );
+        }
+        s.synchronize();
+        assert_eq!(*log.lock().unwrap(), (0..50).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_wait_holds_a_copy_until_the_event_is_reached() {
+        let dev = CpuDevice::new(0.0, false);
+        let (compute, copy) = (Stream::new(&dev, "compute"), Stream::new(&dev, "copy"));
+        let src = Buffer::alloc(4, MemSpace::Device).unwrap();
+        let dst = Buffer::alloc(4, MemSpace::Host).unwrap();
+        let done = Event::new();
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let g = gate.clone();
+        let s2 = src.clone();
+        compute.launch(
+            OpInfo {
+                name: "produce",
+                layer: None,
+                bytes: 0,
+            },
+            move || {
+                // Block until the test opens the gate, then write.
+                let (m, cv) = &*g;
+                let mut open = m.lock().unwrap();
+                while !*open {
+                    open = cv.wait(open).unwrap();
+                }
+                unsafe { s2.slice_mut().copy_from_slice(&[1.0, 2.0, 3.0, 4.0]) };
+            },
+        );
+        compute.record(&done);
+        copy.wait(&done);
+        copy.copy("d2h", None, &src, 0, &dst, 0, 4);
+        let copied = Event::new();
+        copy.record(&copied);
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(
+            !done.query() && !copied.query(),
+            "the copy ran before its event"
+        );
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        copied.synchronize();
+        assert!(done.query());
+        assert_eq!(unsafe { dst.slice() }, &[1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn a_wait_targets_the_record_current_when_it_was_enqueued() {
+        let dev = CpuDevice::new(0.0, false);
+        let (a, b) = (Stream::new(&dev, "a"), Stream::new(&dev, "b"));
+        let ev = Event::new();
+        assert!(ev.query(), "a never-recorded event is complete");
+        let hits = Arc::new(AtomicUsize::new(0));
+        a.record(&ev); // record 1
+        a.synchronize();
+        b.wait(&ev); // waits for record 1 only: must not block on the later record 2
+        let h = hits.clone();
+        b.launch(
+            OpInfo {
+                name: "after",
+                layer: None,
+                bytes: 0,
+            },
+            move || {
+                h.fetch_add(1, Ordering::SeqCst);
+            },
+        );
+        let gate = Arc::new(Mutex::new(()));
+        let hold = gate.lock().unwrap();
+        let g = gate.clone();
+        a.launch(
+            OpInfo {
+                name: "block",
+                layer: None,
+                bytes: 0,
+            },
+            move || drop(g.lock().unwrap()),
+        );
+        a.record(&ev); // record 2, stuck behind "block"
+        b.synchronize();
+        assert_eq!(hits.load(Ordering::SeqCst), 1);
+        assert!(!ev.query(), "record 2 is still pending");
+        drop(hold);
+        ev.synchronize();
+        assert!(ev.query());
+    }
+
+    #[test]
+    fn the_link_throttle_slows_host_device_copies_only() {
+        let dev = CpuDevice::new(0.1, false); // 0.1 GB/s: 4 MB takes 40 ms
+        let s = Stream::new(&dev, "copy");
+        let n = 1 << 20;
+        let (d1, d2, h) = (
+            Buffer::alloc(n, MemSpace::Device).unwrap(),
+            Buffer::alloc(n, MemSpace::Device).unwrap(),
+            Buffer::alloc(n, MemSpace::Host).unwrap(),
+        );
+        let t = Instant::now();
+        s.copy("d2d", None, &d1, 0, &d2, 0, n);
+        s.synchronize();
+        let d2d = t.elapsed();
+        let t = Instant::now();
+        s.copy("d2h", None, &d1, 0, &h, 0, n);
+        s.synchronize();
+        let d2h = t.elapsed();
+        assert!(
+            d2h >= Duration::from_millis(40),
+            "throttled copy took {d2h:?}"
+        );
+        assert!(d2d < d2h, "device-to-device copies are not throttled");
+    }
+
+    #[test]
+    fn allocation_failure_is_an_error() {
+        let err = Buffer::alloc(usize::MAX / 8, MemSpace::Host)
+            .err()
+            .expect("cannot allocate that much");
+        assert!(err.to_string().contains("out of host memory"), "{err}");
+    }
+}

@@ -7,3 +7,4 @@ pub mod device;
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod offload;

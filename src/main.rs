@@ -11,6 +11,8 @@ use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
 use strata::model::Model;
+use strata::offload::bench::{run_bench, OffloadBenchArgs};
+use strata::offload::{OffloadConfig, OffloadEngine};
 
 #[derive(Parser)]
 #[command(
@@ -27,6 +29,41 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt.
     Generate(GenerateArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Layerwise offload vs compute alone and transfer alone (simulated link on the CPU device).
+    Offload(BenchOffloadArgs),
+}
+
+#[derive(Args)]
+struct BenchOffloadArgs {
+    /// GGUF file or Hugging Face model directory [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt (context) length in tokens.
+    #[arg(long, default_value_t = 2048)]
+    context: usize,
+    /// Decode steps timed after the prefill.
+    #[arg(long, default_value_t = 32)]
+    decode_steps: usize,
+    #[arg(long, default_value_t = 4)]
+    num_kv_buffers: usize,
+    #[arg(long, default_value_t = 256)]
+    block_size: usize,
+    /// Simulated link speed [default: one layer's transfer ≈ one layer's decode compute]
+    #[arg(long)]
+    sim_link_gbps: Option<f64>,
+    /// Write the decode steps' Chrome/Perfetto trace here.
+    #[arg(long)]
+    trace_out: Option<PathBuf>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -71,12 +108,34 @@ struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Layerwise KV offload: the KV cache lives in host memory, layers stream through a device ring.
+    #[arg(long)]
+    enable_offload: bool,
+    /// Device ring slots (prefetch depth = slots - 1).
+    #[arg(long, default_value_t = 4, requires = "enable_offload")]
+    num_kv_buffers: usize,
+    /// Tokens per host KV block.
+    #[arg(long, default_value_t = 256, requires = "enable_offload")]
+    block_size: usize,
+    /// Host KV blocks per layer [default: enough for --max-model-len]
+    #[arg(long, requires = "enable_offload")]
+    num_cpu_blocks: Option<usize>,
+    /// Throttle host-device copies of the CPU device to this many GB/s (0 = unthrottled).
+    #[arg(long, default_value_t = 0.0, requires = "enable_offload")]
+    sim_link_gbps: f64,
+    /// Sanitizer: poison released ring slots and delay copies at random (also STRATA_SANITIZE=1).
+    #[arg(long, requires = "enable_offload")]
+    sanitize: bool,
+    /// Write a Chrome/Perfetto trace of every op on every stream.
+    #[arg(long, requires = "enable_offload")]
+    trace_out: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
+        Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -164,7 +223,47 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
         Ok(())
     };
-    let out = engine::generate(&model, &prompt, &opts, max_model_len, &mut on_token)?;
+    engine::check_prompt(&prompt, max_model_len)?;
+    let out = if args.enable_offload {
+        // Size the offload buffers for this request unless told otherwise.
+        let max_len = args
+            .max_model_len
+            .unwrap_or((prompt.len() + args.max_tokens).min(max_model_len));
+        let sanitize = args.sanitize || std::env::var("STRATA_SANITIZE").is_ok_and(|v| v == "1");
+        let ocfg = OffloadConfig {
+            num_kv_buffers: args.num_kv_buffers,
+            block_size: args.block_size,
+            max_model_len: max_len,
+            num_cpu_blocks: args.num_cpu_blocks,
+            link_gbps: args.sim_link_gbps,
+            sanitize,
+            drop_wait: None,
+        };
+        let plan = ocfg.plan(cfg)?;
+        let holds = max_len.min(plan.num_cpu_blocks * args.block_size);
+        if prompt.len() >= holds {
+            bail!(
+                "host KV too small for the prompt: {} tokens, the engine holds {holds} ({} blocks of {}, --max-model-len {max_len}); raise --num-cpu-blocks or --max-model-len",
+                prompt.len(),
+                plan.num_cpu_blocks,
+                args.block_size
+            );
+        }
+        eprintln!("{plan}");
+        let mut kv = OffloadEngine::new(cfg, ocfg)?;
+        kv.device().set_tracing(args.trace_out.is_some());
+        let cap = kv.capacity();
+        let out = engine::generate_with(&model, &mut kv, cap, &prompt, &opts, &mut on_token)?;
+        if let Some(path) = &args.trace_out {
+            kv.device().set_tracing(false);
+            let events = kv.device().take_trace();
+            strata::offload::trace::write_chrome_trace(path, &events)?;
+            eprintln!("trace: {} ops written to {}", events.len(), path.display());
+        }
+        out
+    } else {
+        engine::generate(&model, &prompt, &opts, max_model_len, &mut on_token)?
+    };
     let text = tok.decode(&out.token_ids, true)?;
     let peak = engine::peak_rss_bytes().unwrap_or(0);
     if json {
@@ -188,5 +287,32 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         out.decode_tokens_per_s(),
         peak as f64 / (1024.0 * 1024.0)
     );
+    Ok(())
+}
+
+fn run_bench_offload(args: BenchOffloadArgs) -> Result<()> {
+    let (model, _) = Model::load(&resolve_model(args.model)?, !args.json)?;
+    if args.context == 0 || args.context + args.decode_steps >= model.cfg.max_position_embeddings {
+        bail!(
+            "--context must be between 1 and the model's context ({}) minus --decode-steps",
+            model.cfg.max_position_embeddings
+        );
+    }
+    let report = run_bench(
+        &model,
+        &OffloadBenchArgs {
+            context: args.context,
+            decode_steps: args.decode_steps,
+            num_kv_buffers: args.num_kv_buffers,
+            block_size: args.block_size,
+            link_gbps: args.sim_link_gbps,
+            trace_out: args.trace_out,
+        },
+    )?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{report}");
+    }
     Ok(())
 }

@@ -204,3 +204,30 @@ fn no_cuda_device() {
         "no CUDA driver found",
     );
 }
+
+#[test]
+fn offload_needs_two_ring_slots() {
+    generate_err(
+        &tiny_dir("err_ring"),
+        &["--enable-offload", "--num-kv-buffers", "1"],
+        "--num-kv-buffers must be at least 2",
+    );
+}
+
+#[test]
+fn offload_host_kv_too_small_for_the_prompt() {
+    let long = "b".repeat(100);
+    generate_err(
+        &tiny_dir("err_host_kv"),
+        &[
+            "--prompt",
+            &long,
+            "--enable-offload",
+            "--block-size",
+            "16",
+            "--num-cpu-blocks",
+            "2",
+        ],
+        "host KV too small for the prompt: 100 tokens",
+    );
+}

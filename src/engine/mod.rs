@@ -43,12 +43,7 @@ impl GenerationOutput {
 }
 
 /// Checks a prompt against the model's context before any work is done.
-pub fn check_prompt(
-    model: &Arc<Model>,
-    prompt: &[u32],
-    max_tokens: usize,
-    max_model_len: usize,
-) -> Result<()> {
+pub fn check_prompt(prompt: &[u32], max_model_len: usize) -> Result<()> {
     if prompt.is_empty() {
         bail!("empty prompt: nothing to generate from");
     }
@@ -59,7 +54,6 @@ pub fn check_prompt(
             max_model_len
         );
     }
-    let _ = (model, max_tokens);
     Ok(())
 }
 
@@ -73,7 +67,7 @@ pub fn generate(
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<GenerationOutput> {
     let cfg = &model.cfg;
-    check_prompt(model, prompt, opts.max_tokens, max_model_len)?;
+    check_prompt(prompt, max_model_len)?;
     let capacity = (prompt.len() + opts.max_tokens).min(max_model_len);
     let mut kv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity);
     generate_with(model, &mut kv, capacity, prompt, opts, on_token)
@@ -97,6 +91,7 @@ pub fn generate_with(
     if opts.max_tokens == 0 {
         return Ok(out);
     }
+    kv.reset()?;
     let t0 = Instant::now();
     let logits = model.forward(prompt, 0, kv)?;
     let mut next = sampler.sample(&logits);

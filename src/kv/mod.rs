@@ -19,6 +19,14 @@ pub type LayerWork = Box<dyn for<'a> FnOnce(LayerKv<'a>) + Send>;
 /// over, not run by the caller, so an implementation may queue it on a device stream and
 /// return at once; `synchronize` waits for all of it.
 pub trait KvView {
+    /// Forgets everything of the previous request (called before each request's prefill).
+    fn reset(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// A forward step over positions `pos0..pos0 + tokens` begins (e.g. start prefetching).
+    fn begin_step(&mut self, _pos0: usize, _tokens: usize) -> Result<()> {
+        Ok(())
+    }
     /// Runs non-layer work (embedding, lm_head) on the compute stream.
     fn run(&mut self, name: &'static str, work: Work) -> Result<()>;
     /// Before layer `layer` attends: make its KV usable (e.g. wait for a prefetch).

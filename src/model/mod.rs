@@ -134,6 +134,7 @@ impl Model {
                 cfg.vocab_size
             );
         }
+        kv.begin_step(pos0, t)?;
         let acts = Arc::new(Mutex::new(Activations::new(cfg, t)));
         {
             let (m, a, toks) = (Arc::clone(self), Arc::clone(&acts), tokens.to_vec());

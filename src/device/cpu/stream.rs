@@ -182,6 +182,10 @@ pub struct CpuDevice {
     pub sanitize: bool,
     trace_on: AtomicBool,
     trace: Mutex<Vec<TraceEvent>>,
+    /// One lock per link direction: concurrent copies share the link's bandwidth, as on
+    /// PCIe (full duplex: H2D and D2H do not slow each other).
+    link_h2d: Mutex<()>,
+    link_d2h: Mutex<()>,
 }
 
 impl CpuDevice {
@@ -192,6 +196,8 @@ impl CpuDevice {
             sanitize,
             trace_on: AtomicBool::new(false),
             trace: Mutex::new(Vec::new()),
+            link_h2d: Mutex::new(()),
+            link_d2h: Mutex::new(()),
         })
     }
 
@@ -312,6 +318,16 @@ impl Stream {
                 if dev.sanitize {
                     std::thread::sleep(Duration::from_micros(rand::random_range(0..1500)));
                 }
+                // Hold the link's direction for the whole (throttled) copy.
+                let _link = match (crosses_link && dev.link_gbps > 0.0, dst.space()) {
+                    (false, _) => None,
+                    (true, MemSpace::Device) => {
+                        Some(dev.link_h2d.lock().unwrap_or_else(|e| e.into_inner()))
+                    }
+                    (true, MemSpace::Host) => {
+                        Some(dev.link_d2h.lock().unwrap_or_else(|e| e.into_inner()))
+                    }
+                };
                 let t0 = Instant::now();
                 // SAFETY: ordering is the caller's contract (events); ranges are in bounds.
                 unsafe {
@@ -336,13 +352,55 @@ impl Stream {
     }
 
     /// Makes later work on this stream wait for the newest record of `ev` (as of now).
-    pub fn wait(&self, ev: &Event) {
+    /// A wait that actually stalls the stream shows in the trace as `wait:<what>`.
+    pub fn wait(&self, ev: &Event, what: &'static str) {
         let n = ev.target();
         if n == 0 {
             return;
         }
         let ev = ev.clone();
-        self.push(Box::new(move || ev.wait_for(n)));
+        let dev = Arc::clone(&self.dev);
+        let stream = self.name.clone();
+        self.push(Box::new(move || {
+            if ev.inner.state.lock().expect("event lock").1 >= n {
+                return;
+            }
+            let start = dev.now_us();
+            ev.wait_for(n);
+            dev.record(TraceEvent {
+                stream,
+                name: format!("wait:{what}"),
+                layer: None,
+                bytes: 0,
+                start_us: start,
+                end_us: dev.now_us(),
+            });
+        }));
+    }
+
+    /// Enqueues a fill of `dst[off..off + len]` with `value` (the sanitizer's poison).
+    pub fn fill(
+        &self,
+        name: &'static str,
+        layer: Option<usize>,
+        dst: &Buffer,
+        off: usize,
+        len: usize,
+        value: f32,
+    ) {
+        assert!(off + len <= dst.len(), "fill {name} out of bounds");
+        let dst = dst.clone();
+        self.launch(
+            OpInfo {
+                name,
+                layer,
+                bytes: len * 4,
+            },
+            move || {
+                // SAFETY: ordering is the caller's contract; the range is in bounds.
+                unsafe { dst.slice_mut()[off..off + len].fill(value) };
+            },
+        );
     }
 
     /// Blocks the host until everything enqueued so far has run.
@@ -414,7 +472,7 @@ mod tests {
             },
         );
         compute.record(&done);
-        copy.wait(&done);
+        copy.wait(&done, "done");
         copy.copy("d2h", None, &src, 0, &dst, 0, 4);
         let copied = Event::new();
         copy.record(&copied);
@@ -439,7 +497,7 @@ mod tests {
         let hits = Arc::new(AtomicUsize::new(0));
         a.record(&ev); // record 1
         a.synchronize();
-        b.wait(&ev); // waits for record 1 only: must not block on the later record 2
+        b.wait(&ev, "ev"); // waits for record 1 only: must not block on the later record 2
         let h = hits.clone();
         b.launch(
             OpInfo {

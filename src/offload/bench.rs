@@ -1,0 +1,196 @@
+//! `strata bench offload`: layerwise offload against compute alone and transfer alone, on
+//! one model, side by side in one run. The simulated link is set (unless given) so that
+//! one layer's decode transfer takes about as long as one layer's decode compute, the
+//! point where hiding transfers behind compute matters most.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::{trace, OffloadConfig, OffloadEngine};
+use crate::device::cpu::stream::{Buffer, CpuDevice, MemSpace, Stream};
+use crate::engine::sampler::argmax;
+use crate::kv::{ContiguousKv, KvView};
+use crate::model::Model;
+
+#[derive(Debug, Clone)]
+pub struct OffloadBenchArgs {
+    pub context: usize,
+    pub decode_steps: usize,
+    pub num_kv_buffers: usize,
+    pub block_size: usize,
+    pub link_gbps: Option<f64>,
+    pub trace_out: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OffloadBenchReport {
+    pub context: usize,
+    pub num_kv_buffers: usize,
+    pub block_size: usize,
+    pub link_gbps: f64,
+    pub prefill_s_plain: f64,
+    pub prefill_s_offload: f64,
+    pub prefill_ratio: f64,
+    pub decode_step_ms_compute_only: f64,
+    pub decode_step_ms_transfer_only: f64,
+    pub decode_step_ms_offload: f64,
+    pub decode_ratio: f64,
+    pub overlap_fraction: f64,
+    pub h2d_bytes_per_step: f64,
+    pub min_bytes_per_step: f64,
+}
+
+/// Runs `steps` decode steps after a prefill of `prompt`; returns (prefill s, mean step s).
+fn run(
+    model: &Arc<Model>,
+    kv: &mut dyn KvView,
+    prompt: &[u32],
+    steps: usize,
+    before_decode: &dyn Fn(),
+) -> Result<(f64, f64)> {
+    kv.reset()?;
+    let t0 = Instant::now();
+    let mut logits = model.forward(prompt, 0, kv)?;
+    let prefill = t0.elapsed().as_secs_f64();
+    before_decode();
+    let t1 = Instant::now();
+    for i in 0..steps {
+        logits = model.forward(&[argmax(&logits)], prompt.len() + i, kv)?;
+    }
+    Ok((prefill, t1.elapsed().as_secs_f64() / steps.max(1) as f64))
+}
+
+/// Time to move `layers` layers of K and V (`bytes_per_layer` in all) over the link, alone.
+fn transfer_only_step(gbps: f64, layers: usize, bytes_per_layer: usize) -> Result<f64> {
+    let dev = CpuDevice::new(gbps, false);
+    let s = Stream::new(&dev, "h2d");
+    let n = bytes_per_layer / 8; // f32s per K (or V)
+    let (h, d) = (
+        Buffer::alloc(n, MemSpace::Host)?,
+        Buffer::alloc(n, MemSpace::Device)?,
+    );
+    let t = Instant::now();
+    for _ in 0..layers {
+        s.copy("h2d-k", None, &h, 0, &d, 0, n);
+        s.copy("h2d-v", None, &h, 0, &d, 0, n);
+    }
+    s.synchronize();
+    Ok(t.elapsed().as_secs_f64())
+}
+
+pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadBenchReport> {
+    let c = &model.cfg;
+    let mut rng = StdRng::seed_from_u64(1);
+    let prompt: Vec<u32> = (0..args.context)
+        .map(|_| rng.random_range(100..c.vocab_size as u32))
+        .collect();
+    let total = args.context + args.decode_steps + 1;
+
+    // 1. Compute alone: everything resident.
+    let mut plain = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, total);
+    run(
+        model,
+        &mut plain,
+        &prompt[..prompt.len().min(64)],
+        2,
+        &|| {},
+    )?; // warm-up
+    let (prefill_plain, step_compute) = run(model, &mut plain, &prompt, args.decode_steps, &|| {})?;
+
+    // 2. The link: one layer's decode transfer ≈ one layer's decode compute.
+    let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
+    let gbps = args
+        .link_gbps
+        .unwrap_or(bytes_per_layer as f64 / (step_compute / c.num_layers as f64) / 1e9);
+    let step_transfer = transfer_only_step(gbps, c.num_layers, bytes_per_layer)?;
+
+    // 3. Offload under that link, decode traced.
+    let cfg = OffloadConfig {
+        num_kv_buffers: args.num_kv_buffers,
+        block_size: args.block_size,
+        max_model_len: total,
+        link_gbps: gbps,
+        ..Default::default()
+    };
+    let mut engine = OffloadEngine::new(c, cfg)?;
+    let dev = Arc::clone(engine.device());
+    let (prefill_offload, step_offload) =
+        run(model, &mut engine, &prompt, args.decode_steps, &|| {
+            dev.take_trace();
+            dev.set_tracing(true);
+        })?;
+    dev.set_tracing(false);
+    let events = dev.take_trace();
+    if let Some(p) = &args.trace_out {
+        trace::write_chrome_trace(p, &events)?;
+    }
+    let (h2d, _) = trace::link_bytes(&events);
+    let steps = args.decode_steps.max(1) as f64;
+    Ok(OffloadBenchReport {
+        context: args.context,
+        num_kv_buffers: args.num_kv_buffers,
+        block_size: args.block_size,
+        link_gbps: gbps,
+        prefill_s_plain: prefill_plain,
+        prefill_s_offload: prefill_offload,
+        prefill_ratio: prefill_offload / prefill_plain,
+        decode_step_ms_compute_only: step_compute * 1e3,
+        decode_step_ms_transfer_only: step_transfer * 1e3,
+        decode_step_ms_offload: step_offload * 1e3,
+        decode_ratio: step_offload / step_compute.max(step_transfer),
+        overlap_fraction: trace::overlap_fraction(&events),
+        h2d_bytes_per_step: h2d as f64 / steps,
+        // Each step must bring in every layer's host-resident KV (full blocks) once.
+        min_bytes_per_step: (0..args.decode_steps)
+            .map(|i| {
+                ((args.context + i) / args.block_size
+                    * args.block_size
+                    * c.kv_dim()
+                    * 4
+                    * 2
+                    * c.num_layers) as f64
+            })
+            .sum::<f64>()
+            / steps,
+    })
+}
+
+impl std::fmt::Display for OffloadBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mark = |ok: bool| if ok { "met" } else { "MISSED" };
+        writeln!(
+            f,
+            "offload bench: context {} tokens, {} ring slots, block size {}, simulated link {:.2} GB/s",
+            self.context, self.num_kv_buffers, self.block_size, self.link_gbps
+        )?;
+        writeln!(
+            f,
+            "prefill: {:.3} s plain, {:.3} s offload -> ratio {:.3} (goal <= 1.10: {})",
+            self.prefill_s_plain,
+            self.prefill_s_offload,
+            self.prefill_ratio,
+            mark(self.prefill_ratio <= 1.10)
+        )?;
+        writeln!(
+            f,
+            "decode step: {:.2} ms compute only, {:.2} ms transfer only, {:.2} ms offload -> ratio to max {:.3} (goal <= 1.15: {})",
+            self.decode_step_ms_compute_only,
+            self.decode_step_ms_transfer_only,
+            self.decode_step_ms_offload,
+            self.decode_ratio,
+            mark(self.decode_ratio <= 1.15)
+        )?;
+        write!(
+            f,
+            "decode overlap: {:.1}% of link time hidden behind compute; H2D {:.2} MiB per step vs {:.2} MiB minimum ({:.2}x)",
+            self.overlap_fraction * 100.0,
+            self.h2d_bytes_per_step / (1 << 20) as f64,
+            self.min_bytes_per_step / (1 << 20) as f64,
+            self.h2d_bytes_per_step / self.min_bytes_per_step
+        )
+    }
+}

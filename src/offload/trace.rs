@@ -1,0 +1,149 @@
+//! Chrome / Perfetto trace output (`--trace-out`) and overlap figures read from a trace.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use crate::device::cpu::stream::TraceEvent;
+
+/// Writes `events` as Chrome trace JSON: one track per stream, one slice per op with
+/// its layer and bytes. Open in ui.perfetto.dev or chrome://tracing.
+pub fn write_chrome_trace(path: &Path, events: &[TraceEvent]) -> Result<()> {
+    let mut tids: BTreeMap<&str, usize> = BTreeMap::new();
+    for e in events {
+        let n = tids.len();
+        tids.entry(e.stream.as_str()).or_insert(n);
+    }
+    let mut out = Vec::with_capacity(events.len() + tids.len());
+    for (name, tid) in &tids {
+        out.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}));
+    }
+    for e in events {
+        out.push(serde_json::json!({
+            "name": e.name, "cat": if is_transfer(e) { "transfer" } else { "compute" }, "ph": "X",
+            "pid": 1, "tid": tids[e.stream.as_str()], "ts": e.start_us, "dur": (e.end_us - e.start_us).max(0.0),
+            "args": {"layer": e.layer, "bytes": e.bytes, "stream": e.stream},
+        }));
+    }
+    let doc = serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"});
+    std::fs::write(path, serde_json::to_vec(&doc)?)
+        .with_context(|| format!("writing trace {}", path.display()))
+}
+
+/// Host↔device copies (the link traffic).
+pub fn is_transfer(e: &TraceEvent) -> bool {
+    e.name.starts_with("h2d") || e.name.starts_with("d2h")
+}
+
+fn is_compute(e: &TraceEvent) -> bool {
+    e.stream == "compute" && !e.name.starts_with("wait:")
+}
+
+/// Union of intervals, sorted and merged.
+fn merged(mut iv: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    iv.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    for (s, e) in iv {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// Fraction of link-busy time during which the compute stream was also busy
+/// (1.0 = every transfer hidden behind compute).
+pub fn overlap_fraction(events: &[TraceEvent]) -> f64 {
+    let xfer = merged(
+        events
+            .iter()
+            .filter(|e| is_transfer(e))
+            .map(|e| (e.start_us, e.end_us))
+            .collect(),
+    );
+    let comp = merged(
+        events
+            .iter()
+            .filter(|e| is_compute(e))
+            .map(|e| (e.start_us, e.end_us))
+            .collect(),
+    );
+    let total: f64 = xfer.iter().map(|(s, e)| e - s).sum();
+    if total <= 0.0 {
+        return 0.0;
+    }
+    let mut both = 0.0;
+    for &(s, e) in &xfer {
+        for &(cs, ce) in &comp {
+            let (a, b) = (s.max(cs), e.min(ce));
+            if b > a {
+                both += b - a;
+            }
+        }
+    }
+    both / total
+}
+
+/// Bytes moved over the link, per direction: (host→device, device→host).
+pub fn link_bytes(events: &[TraceEvent]) -> (usize, usize) {
+    let sum = |p: &str| {
+        events
+            .iter()
+            .filter(|e| e.name.starts_with(p))
+            .map(|e| e.bytes)
+            .sum()
+    };
+    (sum("h2d"), sum("d2h"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(stream: &str, name: &str, s: f64, e: f64) -> TraceEvent {
+        TraceEvent {
+            stream: stream.into(),
+            name: name.into(),
+            layer: None,
+            bytes: 10,
+            start_us: s,
+            end_us: e,
+        }
+    }
+
+    #[test]
+    fn overlap_counts_only_time_shared_with_compute() {
+        let evs = [
+            ev("compute", "layer", 0.0, 10.0),
+            ev("h2d-prefetch", "h2d-k", 5.0, 15.0), // half hidden
+            ev("compute", "wait:slot-ready", 10.0, 15.0), // a stall is not compute
+        ];
+        assert!((overlap_fraction(&evs) - 0.5).abs() < 1e-9);
+        assert_eq!(link_bytes(&evs), (10, 0));
+    }
+
+    #[test]
+    fn trace_json_has_one_track_per_stream() {
+        let dir = std::env::temp_dir().join(format!("strata-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.json");
+        write_chrome_trace(
+            &p,
+            &[
+                ev("compute", "layer", 0.0, 1.0),
+                ev("d2h-offload-0", "d2h-k", 0.5, 2.0),
+            ],
+        )
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        let evs = v["traceEvents"].as_array().unwrap();
+        assert_eq!(evs.iter().filter(|e| e["ph"] == "M").count(), 2);
+        assert_eq!(evs.iter().filter(|e| e["ph"] == "X").count(), 2);
+        assert_eq!(
+            evs.iter().find(|e| e["name"] == "d2h-k").unwrap()["cat"],
+            "transfer"
+        );
+    }
+}

@@ -1,0 +1,210 @@
+//! Layerwise offload is bit-for-bit: greedy tokens with the offload engine equal tokens
+//! with everything resident, across ring sizes, block sizes, prompt lengths and decode
+//! that crosses block boundaries; under the sanitizer too; and the sanitizer catches a
+//! dropped event wait.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{scratch_dir, TinySpec};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::engine::{self, GenerateOptions, SamplingParams};
+use strata::kv::ContiguousKv;
+use strata::model::{weights, Model, ModelConfig};
+use strata::offload::{DropWait, OffloadConfig, OffloadEngine};
+
+fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
+    let dir = scratch_dir(name);
+    spec.write(&dir, 21);
+    let mut cfg =
+        ModelConfig::from_hf_json(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+            .unwrap();
+    let w = weights::load_safetensors(&dir, &mut cfg, false).unwrap();
+    Arc::new(Model::new(cfg, w))
+}
+
+fn greedy(n: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: n,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+    }
+}
+
+fn plain(model: &Arc<Model>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let c = &model.cfg;
+    let cap = prompt.len() + n;
+    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, cap);
+    engine::generate_with(model, &mut kv, cap, prompt, &greedy(n), &mut |_| Ok(()))
+        .unwrap()
+        .token_ids
+}
+
+fn offload_cfg(nb: usize, bs: usize, max_len: usize) -> OffloadConfig {
+    OffloadConfig {
+        num_kv_buffers: nb,
+        block_size: bs,
+        max_model_len: max_len,
+        ..Default::default()
+    }
+}
+
+fn offloaded(
+    model: &Arc<Model>,
+    cfg: OffloadConfig,
+    prompt: &[u32],
+    n: usize,
+) -> anyhow::Result<Vec<u32>> {
+    let mut kv = OffloadEngine::new(&model.cfg, cfg)?;
+    let cap = kv.capacity();
+    Ok(engine::generate_with(model, &mut kv, cap, prompt, &greedy(n), &mut |_| Ok(()))?.token_ids)
+}
+
+fn random_prompt(rng: &mut StdRng, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|_| rng.random_range(3..vocab as u32))
+        .collect()
+}
+
+#[test]
+fn tiny_models_match_across_ring_and_block_sizes() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for (spec, name) in [
+        (TinySpec::llama(), "off_llama"),
+        (TinySpec::qwen3(), "off_qwen3"),
+    ] {
+        let model = tiny(spec, name);
+        for &len in &[1usize, 37, 100] {
+            let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
+            let n = 40; // crosses 16- and 32-token block boundaries
+            let want = plain(&model, &prompt, n);
+            for nb in [2, 3, 4, 8] {
+                for bs in [16, 32, 64, 1024] {
+                    let got = offloaded(&model, offload_cfg(nb, bs, len + n), &prompt, n).unwrap();
+                    assert_eq!(
+                        got, want,
+                        "{name}: prompt {len}, num_kv_buffers {nb}, block_size {bs}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn smollm2_matches_with_offload() {
+    let (model, tok) = Model::load(&common::require_default_model(), false).unwrap();
+    let text = "The history of the lighthouse begins in ancient times. ".repeat(20);
+    let prompt = tok
+        .encode(
+            &tok.apply_chat_template(&format!("{text}\nSummarize this."))
+                .unwrap(),
+            false,
+        )
+        .unwrap();
+    assert!(
+        prompt.len() % 16 != 0 && prompt.len() > 200,
+        "prompt length {}",
+        prompt.len()
+    );
+    let n = 24;
+    let want = plain(&model, &prompt, n);
+    for (nb, bs) in [(2, 16), (3, 64), (4, 256), (8, 1024)] {
+        let got = offloaded(&model, offload_cfg(nb, bs, prompt.len() + n), &prompt, n).unwrap();
+        assert_eq!(got, want, "num_kv_buffers {nb}, block_size {bs}");
+    }
+}
+
+#[test]
+fn sanitized_runs_match_on_random_prompts() {
+    let model = tiny(TinySpec::llama(), "off_sanitize");
+    let mut rng = StdRng::seed_from_u64(2);
+    for case in 0..12 {
+        let len = rng.random_range(1..90);
+        let n = rng.random_range(1..40);
+        let nb = rng.random_range(2..6);
+        let bs = [8, 16, 32, 128][rng.random_range(0..4)];
+        let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
+        let want = plain(&model, &prompt, n);
+        let cfg = OffloadConfig {
+            sanitize: true,
+            ..offload_cfg(nb, bs, len + n)
+        };
+        let got = offloaded(&model, cfg, &prompt, n).unwrap();
+        assert_eq!(
+            got, want,
+            "case {case}: prompt {len}, decode {n}, num_kv_buffers {nb}, block_size {bs}"
+        );
+    }
+}
+
+/// The harness can fail: dropping one event wait makes the sanitized run diverge.
+#[test]
+fn a_dropped_wait_is_caught_by_the_sanitizer() {
+    let model = tiny(TinySpec::llama(), "off_drop");
+    let mut rng = StdRng::seed_from_u64(3);
+    let prompt = random_prompt(&mut rng, 50, model.cfg.vocab_size);
+    let n = 30;
+    let want = plain(&model, &prompt, n);
+    for drop in [DropWait::DecodeSlotReady, DropWait::PrefillSlotReuse] {
+        let cfg = OffloadConfig {
+            sanitize: true,
+            drop_wait: Some(drop),
+            ..offload_cfg(2, 16, 128)
+        };
+        let diverged = match offloaded(&model, cfg, &prompt, n) {
+            Ok(got) => got != want,
+            Err(_) => true,
+        };
+        assert!(diverged, "dropping {drop:?} went unnoticed");
+    }
+}
+
+#[test]
+fn requests_in_one_process_match_fresh_processes() {
+    let model = tiny(TinySpec::qwen3(), "off_seq");
+    let mut rng = StdRng::seed_from_u64(4);
+    let prompts: Vec<Vec<u32>> = [70, 5, 33, 64]
+        .iter()
+        .map(|&l| random_prompt(&mut rng, l, model.cfg.vocab_size))
+        .collect();
+    let n = 20;
+    let cfg = OffloadConfig {
+        sanitize: true,
+        ..offload_cfg(3, 16, 96)
+    };
+    let mut shared = OffloadEngine::new(&model.cfg, cfg.clone()).unwrap();
+    let cap = shared.capacity();
+    for (i, p) in prompts.iter().enumerate() {
+        let fresh = offloaded(&model, cfg.clone(), p, n).unwrap();
+        let reused =
+            engine::generate_with(&model, &mut shared, cap, p, &greedy(n), &mut |_| Ok(()))
+                .unwrap()
+                .token_ids;
+        assert_eq!(reused, fresh, "request {i} after {i} others");
+        assert_eq!(fresh, plain(&model, p, n), "request {i} vs resident KV");
+    }
+}
+
+#[test]
+fn bad_settings_are_refused() {
+    let model = tiny(TinySpec::llama(), "off_bad");
+    let c = &model.cfg;
+    let err = |cfg: OffloadConfig| {
+        OffloadEngine::new(c, cfg)
+            .err()
+            .expect("must fail")
+            .to_string()
+    };
+    assert!(err(offload_cfg(1, 16, 64)).contains("--num-kv-buffers must be at least 2"));
+    assert!(err(offload_cfg(2, 1 << 20, 64)).contains("--block-size 1048576 is too large"));
+    assert!(err(offload_cfg(2, 0, 64)).contains("--block-size must be at least 1"));
+    // Host KV smaller than the prompt: a clean error from the step, not a panic.
+    let cfg = OffloadConfig {
+        num_cpu_blocks: Some(1),
+        ..offload_cfg(2, 16, 64)
+    };
+    let r = offloaded(&model, cfg, &[5; 40], 4);
+    assert!(r.unwrap_err().to_string().contains("offload KV is full"));
+}

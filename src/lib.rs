@@ -7,4 +7,5 @@ pub mod device;
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod needle;
 pub mod offload;

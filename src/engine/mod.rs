@@ -27,6 +27,15 @@ pub struct GenerationOutput {
     pub decode_secs: f64,
     /// Tokens produced by decode steps (the first token comes from prefill).
     pub decode_steps: usize,
+    /// Log-probability of each chosen token under the model (before temperature).
+    pub logprobs: Vec<f32>,
+}
+
+/// `log softmax(logits)[id]`, in f64 so it is exact enough to compare runs.
+pub fn logprob(logits: &[f32], id: u32) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    (logits[id as usize] as f64 - max - sum.ln()) as f32
 }
 
 impl GenerationOutput {
@@ -95,6 +104,7 @@ pub fn generate_with(
     let t0 = Instant::now();
     let logits = model.forward(prompt, 0, kv)?;
     let mut next = sampler.sample(&logits);
+    out.logprobs.push(logprob(&logits, next));
     out.prefill_secs = t0.elapsed().as_secs_f64();
     out.token_ids.push(next);
     on_token(next)?;
@@ -106,6 +116,7 @@ pub fn generate_with(
         let logits = model.forward(&[next], pos, kv)?;
         pos += 1;
         next = sampler.sample(&logits);
+        out.logprobs.push(logprob(&logits, next));
         out.token_ids.push(next);
         out.decode_steps += 1;
         on_token(next)?;

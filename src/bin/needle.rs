@@ -1,0 +1,303 @@
+//! `needle`: needle-in-a-haystack retrieval at chosen input lengths and depths, with and
+//! without layerwise offload, and the offload accuracy comparison (`--compare-offload`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+use strata::device::{self, DeviceKind};
+use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
+use strata::kv::KvView;
+use strata::model::Model;
+use strata::needle::{answer_found, Case, NeedleKind};
+use strata::offload::{OffloadConfig, OffloadEngine};
+
+/// New tokens allowed for the answer: small models often restate the question first.
+const NEW_TOKENS: usize = 32;
+/// Room beyond the value's own tokens (a UUID alone can take 30+ tokens).
+const ANSWER_SLACK: usize = 24;
+
+#[derive(Parser)]
+#[command(
+    name = "needle",
+    version,
+    about = "Needle-in-a-haystack retrieval test for strata"
+)]
+struct Args {
+    /// GGUF file or Hugging Face model directory [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Context limit [default: the longest --input-len plus 32 answer tokens]
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Prompt lengths in tokens, chat template included (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1024")]
+    input_len: Vec<usize>,
+    /// Needle depths in [0, 1] (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "0.1,0.5,0.9")]
+    depth: Vec<f64>,
+    #[arg(long, value_enum, default_value_t = NeedleKind::MagicNumber)]
+    needle_kind: NeedleKind,
+    /// Seed for keys and values (reported with each case).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Run every case this many times in one process (catches state leaking between requests).
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
+    /// Run with layerwise KV offload.
+    #[arg(long)]
+    enable_offload: bool,
+    /// Run each case with and without offload; fail on any token mismatch.
+    #[arg(long, conflicts_with = "enable_offload")]
+    compare_offload: bool,
+    #[arg(long, default_value_t = 4)]
+    num_kv_buffers: usize,
+    #[arg(long, default_value_t = 256)]
+    block_size: usize,
+    /// Host KV blocks per layer [default: enough for --max-model-len]
+    #[arg(long)]
+    num_cpu_blocks: Option<usize>,
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    device: DeviceKind,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(serde::Serialize)]
+struct CaseReport {
+    input_len: usize,
+    depth: f64,
+    kind: NeedleKind,
+    repeat: usize,
+    seed: u64,
+    key: String,
+    value: String,
+    offload: bool,
+    passed: bool,
+    answer: String,
+    prefill_s: f64,
+    ttft_s: f64,
+    decode_tokens_per_s: f64,
+    peak_memory_mib: f64,
+    /// With --compare-offload: tokens identical with and without offload.
+    tokens_agree: Option<bool>,
+    /// With --compare-offload: largest |log p(offload) - log p(resident)| over the answer tokens.
+    max_logprob_diff: Option<f32>,
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn default_model() -> Result<PathBuf> {
+    let rel = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    let mut c = vec![PathBuf::from(rel)];
+    if let Some(root) = std::env::current_exe()
+        .ok()
+        .and_then(|e| Some(e.parent()?.parent()?.parent()?.to_path_buf()))
+    {
+        c.push(root.join(rel));
+    }
+    c.into_iter()
+        .find(|p| p.exists())
+        .context("no --model given and the default model is missing: run `models/fetch.sh`")
+}
+
+/// Generates the answer greedily; returns the output and the time to the first token.
+fn answer(
+    model: &Arc<Model>,
+    kv: Option<&mut OffloadEngine>,
+    ids: &[u32],
+    max_len: usize,
+    new_tokens: usize,
+) -> Result<(GenerationOutput, f64)> {
+    let opts = GenerateOptions {
+        max_tokens: new_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: model.cfg.eos_token_ids.clone(),
+    };
+    let start = Instant::now();
+    let mut ttft = None;
+    let mut on_token = |_| {
+        ttft.get_or_insert(start.elapsed().as_secs_f64());
+        Ok(())
+    };
+    let out = match kv {
+        Some(kv) => {
+            let cap = kv.capacity();
+            engine::generate_with(model, kv as &mut dyn KvView, cap, ids, &opts, &mut on_token)?
+        }
+        None => engine::generate(model, ids, &opts, max_len, &mut on_token)?,
+    };
+    Ok((out, ttft.unwrap_or(0.0)))
+}
+
+fn run(args: Args) -> Result<bool> {
+    device::check_available(args.device)?;
+    if args.repeats == 0 {
+        bail!("--repeats must be at least 1");
+    }
+    if let Some(d) = args.depth.iter().find(|d| !(0.0..=1.0).contains(*d)) {
+        bail!("--depth values must be in [0, 1], got {d}");
+    }
+    let (model, tok) = Model::load(
+        &args.model.clone().map_or_else(default_model, Ok)?,
+        !args.json,
+    )?;
+    let longest = *args
+        .input_len
+        .iter()
+        .max()
+        .context("give at least one --input-len")?;
+    let answer_room = if args.needle_kind == NeedleKind::Uuid {
+        2 * NEW_TOKENS
+    } else {
+        NEW_TOKENS
+    };
+    let max_len = args.max_model_len.unwrap_or(longest + answer_room);
+    if max_len > model.cfg.max_position_embeddings {
+        bail!(
+            "--max-model-len {max_len} exceeds the model's context of {} tokens",
+            model.cfg.max_position_embeddings
+        );
+    }
+    if longest + NEW_TOKENS > max_len {
+        bail!("--input-len {longest} leaves no room for the {NEW_TOKENS}-token answer within --max-model-len {max_len}");
+    }
+    let mut engine = if args.enable_offload || args.compare_offload {
+        let cfg = OffloadConfig {
+            num_kv_buffers: args.num_kv_buffers,
+            block_size: args.block_size,
+            max_model_len: max_len,
+            num_cpu_blocks: args.num_cpu_blocks,
+            ..Default::default()
+        };
+        if !args.json {
+            eprintln!("{}", cfg.plan(&model.cfg)?);
+        }
+        Some(OffloadEngine::new(&model.cfg, cfg)?)
+    } else {
+        None
+    };
+
+    let mut reports = Vec::new();
+    for repeat in 0..args.repeats {
+        for &input_len in &args.input_len {
+            for (i, &depth) in args.depth.iter().enumerate() {
+                let seed = args.seed + (repeat * 1000 + i) as u64;
+                let case = Case {
+                    input_len,
+                    depth,
+                    kind: args.needle_kind,
+                    seed,
+                };
+                let prompt = case.build(&tok)?;
+                let new_tokens = NEW_TOKENS
+                    .max(tok.encode(&prompt.value, false)?.len() + ANSWER_SLACK)
+                    .min(max_len - input_len);
+                let (out, ttft) =
+                    answer(&model, engine.as_mut(), &prompt.ids, max_len, new_tokens)?;
+                let text = tok.decode(&out.token_ids, true)?;
+                let mut report = CaseReport {
+                    input_len,
+                    depth,
+                    kind: args.needle_kind,
+                    repeat,
+                    seed,
+                    passed: answer_found(&text, &prompt.value),
+                    key: prompt.key.clone(),
+                    value: prompt.value.clone(),
+                    offload: engine.is_some(),
+                    answer: text,
+                    prefill_s: out.prefill_secs,
+                    ttft_s: ttft,
+                    decode_tokens_per_s: out.decode_tokens_per_s(),
+                    peak_memory_mib: engine::peak_rss_bytes().unwrap_or(0) as f64
+                        / (1 << 20) as f64,
+                    tokens_agree: None,
+                    max_logprob_diff: None,
+                };
+                if args.compare_offload {
+                    let (plain, _) = answer(&model, None, &prompt.ids, max_len, new_tokens)?;
+                    let plain_text = tok.decode(&plain.token_ids, true)?;
+                    report.tokens_agree = Some(plain.token_ids == out.token_ids);
+                    report.max_logprob_diff = Some(
+                        plain
+                            .logprobs
+                            .iter()
+                            .zip(&out.logprobs)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0.0, f32::max),
+                    );
+                    report.passed &= answer_found(&plain_text, &prompt.value)
+                        && report.tokens_agree == Some(true);
+                }
+                if !args.json {
+                    print_row(&report, reports.is_empty());
+                }
+                reports.push(report);
+            }
+        }
+    }
+    let failed = reports.iter().filter(|r| !r.passed).count();
+    if args.json {
+        let doc = serde_json::json!({"cases": reports, "passed": reports.len() - failed, "failed": failed});
+        println!("{doc}");
+    } else {
+        println!("{} passed, {} failed", reports.len() - failed, failed);
+    }
+    Ok(failed == 0)
+}
+
+fn print_row(r: &CaseReport, header: bool) {
+    if header {
+        println!(
+            "{:>6} {:>5} {:>3} {:>4} {:>9} {:>7} {:>9} {:>8} {:>6} {:>9}  key = value -> answer",
+            "input",
+            "depth",
+            "rep",
+            "pass",
+            "prefill_s",
+            "ttft_s",
+            "decode/s",
+            "peak_MiB",
+            "agree",
+            "max_dlogp"
+        );
+    }
+    let agree = r.tokens_agree.map_or(
+        "-".to_string(),
+        |a| if a { "yes".into() } else { "NO".into() },
+    );
+    let dlp = r
+        .max_logprob_diff
+        .map_or("-".to_string(), |d| format!("{d:.2e}"));
+    println!(
+        "{:>6} {:>5.2} {:>3} {:>4} {:>9.2} {:>7.2} {:>9.1} {:>8.0} {:>6} {:>9}  {} = {} -> {:?}",
+        r.input_len,
+        r.depth,
+        r.repeat,
+        if r.passed { "ok" } else { "FAIL" },
+        r.prefill_s,
+        r.ttft_s,
+        r.decode_tokens_per_s,
+        r.peak_memory_mib,
+        agree,
+        dlp,
+        r.key,
+        r.value,
+        r.answer.trim()
+    );
+}

@@ -1,0 +1,133 @@
+//! The needle binary on the real default model: retrieval at 1K and 2K tokens with and
+//! without offload (and token-for-token agreement), a repeats run in one process, exact
+//! haystack lengths, and clear errors for bad arguments.
+
+mod common;
+
+use std::process::Command;
+
+use strata::model::Model;
+use strata::needle::{Case, NeedleKind};
+
+fn needle(args: &[&str]) -> (bool, String, String) {
+    let model = common::require_default_model();
+    let out = Command::new(env!("CARGO_BIN_EXE_needle"))
+        .arg("--model")
+        .arg(model)
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn found_at_every_depth_with_and_without_offload() {
+    let (ok, stdout, stderr) = needle(&[
+        "--input-len",
+        "1024,2048",
+        "--depth",
+        "0.1,0.5,0.9",
+        "--compare-offload",
+        "--block-size",
+        "128",
+        "--json",
+    ]);
+    let v: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout} {stderr}"));
+    let cases = v["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 6);
+    for c in cases {
+        assert_eq!(c["passed"], true, "{c}");
+        assert_eq!(c["tokens_agree"], true, "{c}");
+        assert_eq!(c["max_logprob_diff"], 0.0, "{c}");
+        assert!(
+            c["answer"]
+                .as_str()
+                .unwrap()
+                .contains(c["value"].as_str().unwrap()),
+            "{c}"
+        );
+    }
+    assert!(ok, "{stderr}");
+}
+
+#[test]
+fn repeats_in_one_process_pass() {
+    let (ok, stdout, stderr) = needle(&[
+        "--input-len",
+        "1024",
+        "--depth",
+        "0.2,0.8",
+        "--enable-offload",
+        "--repeats",
+        "3",
+    ]);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("6 passed, 0 failed"), "{stdout}");
+}
+
+#[test]
+fn haystacks_have_exactly_the_asked_length() {
+    let (_, tok) = Model::load(&common::require_default_model(), false).unwrap();
+    for kind in [
+        NeedleKind::MagicNumber,
+        NeedleKind::Uuid,
+        NeedleKind::MultiKey,
+    ] {
+        for len in [300, 1024, 3001] {
+            for depth in [0.0, 0.5, 1.0] {
+                let p = Case {
+                    input_len: len,
+                    depth,
+                    kind,
+                    seed: 7,
+                }
+                .build(&tok)
+                .unwrap();
+                assert_eq!(p.ids.len(), len, "{kind:?} {len} {depth}");
+                let text = tok.decode(&p.ids, false).unwrap();
+                assert!(
+                    text.contains(&format!("for {} is: {}.", p.key, p.value)),
+                    "needle missing"
+                );
+                // The needle sits near the asked depth of the haystack.
+                // The needle sits at the asked depth of the filler, snapped to a sentence end.
+                assert!(p.haystack.contains(&p.needle_at));
+                let frac = p.filler_before as f64 / p.filler_total as f64;
+                assert!(
+                    (frac - depth).abs() <= 8.0 / p.filler_total as f64,
+                    "{kind:?} {len}: needle at {frac:.2}, asked {depth}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_are_refused_clearly() {
+    for (args, expect) in [
+        (
+            vec!["--input-len", "2000", "--max-model-len", "1024"],
+            "leaves no room",
+        ),
+        (
+            vec!["--input-len", "9000"],
+            "exceeds the model's context of 8192",
+        ),
+        (vec!["--depth", "1.5"], "--depth values must be in [0, 1]"),
+        (
+            vec!["--needle-kind", "haystack"],
+            "invalid value 'haystack'",
+        ),
+        (vec!["--input-len", "40"], "is too small"),
+    ] {
+        let (ok, _, stderr) = needle(&args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(stderr.contains(expect), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}

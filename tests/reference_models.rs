@@ -127,3 +127,31 @@ fn hf_config_4x_and_5x_forms_agree() {
         strata::model::config::RopeScaling::Llama3 { .. }
     ));
 }
+
+#[test]
+fn sharded_checkpoint_loads_the_same_weights() {
+    let spec = TinySpec::llama();
+    let dir = scratch_dir("ref_sharded");
+    let w = spec.write(&dir, 11);
+    let single = strata_logits(&load_strata(&dir));
+    // Re-save as two shards plus an index, as transformers does for large models.
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let mut names: Vec<&String> = w.keys().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", a),
+        ("model-00002-of-00002.safetensors", b),
+    ] {
+        let shard: std::collections::HashMap<String, Tensor> =
+            part.iter().map(|n| ((*n).clone(), w[*n].clone())).collect();
+        candle_core::safetensors::save(&shard, dir.join(file)).unwrap();
+        for n in part {
+            map.insert((*n).clone(), serde_json::Value::String(file.into()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    assert_eq!(strata_logits(&load_strata(&dir)), single);
+}

@@ -85,3 +85,25 @@ fn hf_directory_tokenizer_and_template() {
         s
     );
 }
+
+#[test]
+fn chat_template_from_a_jinja_file() {
+    let dir = common::scratch_dir("tok_jinja");
+    common::TinySpec::qwen3().write(&dir, 1);
+    // transformers 5.x keeps the template in chat_template.jinja.
+    let cfg_path = dir.join("tokenizer_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}{% endfor %}{% if add_generation_prompt %}[ASSISTANT]{% endif %}",
+    )
+    .unwrap();
+    let (_, tok) = Model::load(&dir, false).unwrap();
+    assert_eq!(
+        tok.apply_chat_template("hi").unwrap(),
+        "[USER] hi[ASSISTANT]"
+    );
+}

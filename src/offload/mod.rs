@@ -172,6 +172,8 @@ pub struct OffloadEngine {
     slots: Vec<SlotEvents>,
     layer_stored: Vec<Event>,
     ring: Ring,
+    /// Layers of the next decode step already prefetched (during this step's tail).
+    ahead: usize,
     /// Tokens whose KV is stored (host blocks + decode buffer).
     seq_len: usize,
     step: Step,
@@ -204,7 +206,8 @@ impl OffloadEngine {
                 .collect(),
             slots: Vec::new(),
             layer_stored: Vec::new(),
-            ring: Ring::new(cfg.num_kv_buffers),
+            ring: Ring::new(cfg.num_kv_buffers, l),
+            ahead: 0,
             seq_len: 0,
             step: Step::Idle,
             num_layers: l,
@@ -263,9 +266,10 @@ impl OffloadEngine {
         }
     }
 
-    /// Decode: queue the H2D of `layer`'s full host blocks (`0..full_blocks`) into its slot.
-    fn prefetch_layer(&mut self, layer: usize, full_blocks: usize) -> Result<()> {
-        let (s, after) = self.ring.begin_load(layer)?;
+    /// Decode: queue the H2D of `layer`'s full host blocks (`0..full_blocks`) into its slot
+    /// for this step, or for the next step when `next_step`.
+    fn prefetch_layer(&mut self, layer: usize, full_blocks: usize, next_step: bool) -> Result<()> {
+        let (s, after) = self.ring.begin_load(layer, next_step)?;
         let p = &self.prefetch;
         self.wait_released(p, s, after);
         p.wait(&self.layer_stored[layer], "layer-stored");
@@ -295,6 +299,29 @@ impl OffloadEngine {
         Ok(())
     }
 
+    /// After `layer` is queued: prefetch `depth` layers ahead, running on into the next
+    /// decode step (at position `next_pos`) so the link stays busy across step boundaries.
+    fn prefetch_after(&mut self, layer: usize, next_pos: usize) -> Result<()> {
+        let target = layer + self.depth;
+        if target < self.num_layers {
+            if let Step::Decode { pos } = self.step {
+                self.prefetch_layer(target, pos / self.cfg.block_size, false)?;
+            }
+        } else if target - self.num_layers < self.depth && next_pos < self.capacity() {
+            self.prefetch_layer(
+                target - self.num_layers,
+                next_pos / self.cfg.block_size,
+                true,
+            )?;
+            self.ahead += 1;
+        }
+        if layer + 1 == self.num_layers {
+            self.seq_len = next_pos;
+            self.ring.advance();
+        }
+        Ok(())
+    }
+
     /// NaN over `tokens` rows of slot `s`, queued on `stream` (sanitizer).
     fn poison_slot(&self, stream: &Stream, s: usize, layer: usize, tokens: usize) {
         let len = tokens * self.row;
@@ -317,6 +344,7 @@ impl KvView for OffloadEngine {
     fn reset(&mut self) -> Result<()> {
         self.synchronize_all();
         self.ring.reset();
+        self.ahead = 0;
         self.seq_len = 0;
         self.step = Step::Idle;
         self.slots = (0..self.cfg.num_kv_buffers)
@@ -359,11 +387,13 @@ impl KvView for OffloadEngine {
             bail!("offload engine: a step must be a whole-prompt prefill or one decode token (got {tokens} tokens at position {pos0}, {} stored)", self.seq_len);
         };
         if let Step::Decode { pos } = self.step {
+            // Layers not already prefetched during the previous step's tail.
             let full = pos / self.cfg.block_size;
-            for layer in 0..self.depth {
-                self.prefetch_layer(layer, full)?;
+            for layer in self.ahead..self.depth {
+                self.prefetch_layer(layer, full, false)?;
             }
         }
+        self.ahead = 0;
         Ok(())
     }
 
@@ -502,9 +532,7 @@ impl KvView for OffloadEngine {
                 }
                 o.record(&self.slots[s].offload_done);
                 o.record(&self.layer_stored[layer]);
-                if layer + 1 == self.num_layers {
-                    self.seq_len = tokens;
-                }
+                self.prefetch_after(layer, tokens)?;
             }
             Step::Decode { pos } => {
                 if self.cfg.sanitize {
@@ -538,12 +566,7 @@ impl KvView for OffloadEngine {
                     );
                     o.record(&self.layer_stored[layer]);
                 }
-                if layer + self.depth < self.num_layers {
-                    self.prefetch_layer(layer + self.depth, full)?;
-                }
-                if layer + 1 == self.num_layers {
-                    self.seq_len = pos + 1;
-                }
+                self.prefetch_after(layer, pos + 1)?;
             }
             Step::Idle => bail!("offload engine: end_layer outside a step"),
         }

@@ -1,7 +1,9 @@
-//! The ring of per-layer device KV slots, as the host sees it. Layer `l` always uses slot
-//! `l % num_slots`. The state machine says which uses may follow which, and which event
-//! the next user of a slot must wait for: the host enqueues work ahead of the device, so
-//! "free" means "free once that event completes", never "free now".
+//! The ring of per-layer device KV slots, as the host sees it. Layer visits take slots in
+//! turn across steps: the `v`-th layer computed since the reset uses slot `v % num_slots`,
+//! so a decode step's first layers can be prefetched while the previous step's last
+//! layers still compute. The state machine says which uses may follow which, and which
+//! event the next user of a slot must wait for: the host enqueues work ahead of the
+//! device, so "free" means "free once that event completes", never "free now".
 
 use anyhow::{bail, Result};
 
@@ -32,21 +34,37 @@ pub enum SlotState {
 
 pub struct Ring {
     slots: Vec<SlotState>,
+    /// Slot of layer 0 in the current step.
+    base: usize,
+    num_layers: usize,
 }
 
 impl Ring {
-    pub fn new(num_slots: usize) -> Self {
+    pub fn new(num_slots: usize, num_layers: usize) -> Self {
         Self {
             slots: vec![SlotState::Free(ReleasedAfter::Nothing); num_slots],
+            base: 0,
+            num_layers,
         }
+    }
+
+    /// The step is over: the next step's layer 0 takes the slot after this step's last layer.
+    pub fn advance(&mut self) {
+        self.base = (self.base + self.num_layers) % self.slots.len();
     }
 
     pub fn num_slots(&self) -> usize {
         self.slots.len()
     }
 
+    /// Slot of `layer` in the current step.
     pub fn slot_of(&self, layer: usize) -> usize {
-        layer % self.slots.len()
+        (self.base + layer) % self.slots.len()
+    }
+
+    /// Slot of `layer` in the next step.
+    pub fn next_step_slot_of(&self, layer: usize) -> usize {
+        (self.base + self.num_layers + layer) % self.slots.len()
     }
 
     pub fn state(&self, slot: usize) -> SlotState {
@@ -56,19 +74,25 @@ impl Ring {
     /// Forget all uses (a new request, after every stream was synchronized).
     pub fn reset(&mut self) {
         self.slots.fill(SlotState::Free(ReleasedAfter::Nothing));
+        self.base = 0;
     }
 
-    fn take_free(&mut self, layer: usize, what: &str) -> Result<(usize, ReleasedAfter)> {
-        let s = self.slot_of(layer);
+    fn take_free(&mut self, s: usize, layer: usize, what: &str) -> Result<(usize, ReleasedAfter)> {
         match self.slots[s] {
             SlotState::Free(after) => Ok((s, after)),
             other => bail!("ring slot {s}: cannot {what} layer {layer} while {other:?}"),
         }
     }
 
-    /// Decode: queue the H2D of `layer` into its slot. Returns the slot and what the copy must wait for.
-    pub fn begin_load(&mut self, layer: usize) -> Result<(usize, ReleasedAfter)> {
-        let (s, after) = self.take_free(layer, "load")?;
+    /// Decode: queue the H2D of `layer` into its slot (this step's, or the next step's when
+    /// `next_step`). Returns the slot and what the copy must wait for.
+    pub fn begin_load(&mut self, layer: usize, next_step: bool) -> Result<(usize, ReleasedAfter)> {
+        let s = if next_step {
+            self.next_step_slot_of(layer)
+        } else {
+            self.slot_of(layer)
+        };
+        let (s, after) = self.take_free(s, layer, "load")?;
         self.slots[s] = SlotState::Loading { layer };
         Ok((s, after))
     }
@@ -88,7 +112,7 @@ impl Ring {
     /// Prefill: `layer`'s compute writes fresh KV into its slot. Returns the slot and what
     /// the compute must wait for (the previous user's offload or compute).
     pub fn begin_prefill_compute(&mut self, layer: usize) -> Result<(usize, ReleasedAfter)> {
-        let (s, after) = self.take_free(layer, "prefill")?;
+        let (s, after) = self.take_free(self.slot_of(layer), layer, "prefill")?;
         self.slots[s] = SlotState::Computing {
             layer,
             prefill: true,
@@ -122,18 +146,42 @@ mod tests {
 
     #[test]
     fn decode_cycle_load_compute_release() {
-        let mut r = Ring::new(2);
-        assert_eq!(r.begin_load(0).unwrap(), (0, Nothing));
-        assert_eq!(r.begin_load(1).unwrap(), (1, Nothing));
+        let mut r = Ring::new(2, 4);
+        assert_eq!(r.begin_load(0, false).unwrap(), (0, Nothing));
+        assert_eq!(r.begin_load(1, false).unwrap(), (1, Nothing));
         assert_eq!(r.begin_decode_compute(0).unwrap(), 0);
         assert_eq!(r.end_compute(0).unwrap(), 0);
         // Layer 2 reuses slot 0: its H2D must wait for layer 0's compute to be done.
-        assert_eq!(r.begin_load(2).unwrap(), (0, Compute));
+        assert_eq!(r.begin_load(2, false).unwrap(), (0, Compute));
+    }
+
+    #[test]
+    fn the_next_step_is_prefetched_into_the_slots_that_follow() {
+        // 3 layers, 2 slots: step 0 uses slots 0 1 0, step 1 starts at slot 1.
+        let mut r = Ring::new(2, 3);
+        r.begin_load(0, false).unwrap();
+        for l in 0..3 {
+            assert_eq!(r.begin_decode_compute(l).unwrap(), l % 2);
+            r.end_compute(l).unwrap();
+            if l + 1 < 3 {
+                r.begin_load(l + 1, false).unwrap();
+            } else {
+                // After the last layer: the next step's layer 0, into slot 1.
+                assert_eq!(r.begin_load(0, true).unwrap(), (1, Compute));
+            }
+        }
+        r.advance();
+        assert_eq!(r.slot_of(0), 1);
+        assert_eq!(
+            r.begin_decode_compute(0).unwrap(),
+            1,
+            "the prefetched slot is the one computed on"
+        );
     }
 
     #[test]
     fn prefill_reuse_waits_for_the_offload() {
-        let mut r = Ring::new(3);
+        let mut r = Ring::new(3, 4);
         for l in 0..3 {
             assert_eq!(r.begin_prefill_compute(l).unwrap(), (l, Nothing));
             r.end_compute(l).unwrap();
@@ -142,26 +190,26 @@ mod tests {
         assert_eq!(r.begin_prefill_compute(3).unwrap(), (0, Offload));
         r.end_compute(3).unwrap();
         // Decode after prefill: a prefetch into slot 1 waits for layer 1's offload too.
-        assert_eq!(r.begin_load(1).unwrap(), (1, Offload));
+        assert_eq!(r.begin_load(1, false).unwrap(), (1, Offload));
     }
 
     #[test]
     fn illegal_transitions_are_errors() {
-        let mut r = Ring::new(2);
+        let mut r = Ring::new(2, 4);
         // Compute without a prefetch.
         assert!(r.begin_decode_compute(0).is_err());
         // Ending a layer that never started.
         assert!(r.end_compute(0).is_err());
-        r.begin_load(0).unwrap();
+        r.begin_load(0, false).unwrap();
         // Loading twice into a slot whose load has not been consumed.
-        assert!(r.begin_load(2).is_err());
+        assert!(r.begin_load(2, false).is_err());
         // Prefill into a slot still being loaded.
         assert!(r.begin_prefill_compute(0).is_err());
         // Computing a different layer than the one loaded.
         assert!(r.begin_decode_compute(2).is_err());
         r.begin_decode_compute(0).unwrap();
         // A load into a slot whose compute is still being queued.
-        assert!(r.begin_load(2).is_err());
+        assert!(r.begin_load(2, false).is_err());
         // Ending the wrong layer.
         assert!(r.end_compute(2).is_err());
         r.end_compute(0).unwrap();

@@ -28,9 +28,9 @@ impl Lib {
 
     pub fn describe(self) -> &'static str {
         match self {
-            Lib::Driver => "the CUDA driver (libcuda.so.1)",
-            Lib::Nvrtc => "NVRTC (libnvrtc.so.13)",
-            Lib::Cublas => "cuBLAS (libcublas.so.13)",
+            Lib::Driver => "CUDA driver",
+            Lib::Nvrtc => "NVRTC",
+            Lib::Cublas => "cuBLAS",
         }
     }
 
@@ -195,10 +195,11 @@ pub fn load(lib: Lib) -> anyhow::Result<PathBuf> {
         .map(|d| d.display().to_string())
         .collect();
     anyhow::bail!(
-        "{} not found (searched {}; the loader path); {}",
+        "no {} found: {} is in none of {} nor on the loader path; {}",
         lib.describe(),
+        lib.file_names()[0],
         if dirs.is_empty() {
-            "no CUDA directories".to_string()
+            "the CUDA directories".to_string()
         } else {
             dirs.join(":")
         },

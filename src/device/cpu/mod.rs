@@ -2,3 +2,4 @@
 
 pub mod ops;
 pub mod stream;
+pub mod twins;

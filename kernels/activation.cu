@@ -1,0 +1,14 @@
+// SwiGLU activation: out = silu(gate) * up, gate and up side by side in one GEMM output.
+#include "common.cuh"
+
+extern "C" __global__ void silu_mul(
+    const bf16* __restrict__ gu,  // [tokens, 2 * inter]: gate then up
+    bf16* __restrict__ out,       // [tokens, inter]
+    int tokens, int inter) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)tokens * inter) return;
+    const long long t = i / inter, j = i % inter;
+    const float g = bf16_to_f32(gu[t * 2 * inter + j]);
+    const float u = bf16_to_f32(gu[t * 2 * inter + inter + j]);
+    out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * u);
+}

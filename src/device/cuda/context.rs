@@ -1,0 +1,199 @@
+//! The CUDA device skeleton: one context (event tracking off), streams and events mapped
+//! 1:1 to CUDA's, pinned host memory, async copies, kernels compiled and loaded on first
+//! use, and cuBLAS GEMMs. Runs only where a GPU is; compiles anywhere.
+
+use super::nvrtc;
+use anyhow::{anyhow, bail, Result};
+use cudarc::cublas::{self, CudaBlas};
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// One GPU. Kernels are compiled for its own architecture on first use.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    arch: String, // "sm_90"
+    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+}
+
+fn drv<T>(what: &str, r: Result<T, cudarc::driver::DriverError>) -> Result<T> {
+    r.map_err(|e| anyhow!("{what} failed: {e:?}"))
+}
+
+impl CudaDevice {
+    /// Probes the libraries first: `CudaContext::new` panics without a driver.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        super::probe()?;
+        drv("cuInit", cudarc::driver::result::init())?;
+        let n = drv("cuDeviceGetCount", CudaContext::device_count())?;
+        if ordinal as i32 >= n {
+            bail!("CUDA device {ordinal} not found ({n} present)");
+        }
+        let ctx = drv("creating the CUDA context", CudaContext::new(ordinal))?;
+        // SAFETY: right after creation, before any allocation or launch. cudarc would
+        // otherwise record and wait on events around every launch and copy, which costs
+        // and hides the stream ordering the runtime sets up itself.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = drv("reading the compute capability", ctx.compute_capability())?;
+        Ok(Self {
+            ctx,
+            arch: format!("sm_{major}{minor}"),
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// `sm_<major><minor>`, the architecture kernels are compiled for.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        drv("cuStreamCreate", self.ctx.new_stream())
+    }
+
+    /// An event without timing (cheaper to record and wait on).
+    pub fn new_event(&self) -> Result<CudaEvent> {
+        drv(
+            "cuEventCreate",
+            self.ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)),
+        )
+    }
+
+    /// Pinned host memory, *not* write-combined (flags 0): `alloc_pinned`'s
+    /// write-combined memory is very slow for the CPU to read, and offload reads it back.
+    pub fn alloc_pinned<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<PinnedHostSlice<T>> {
+        // SAFETY: the memory is uninitialised; callers write before they read.
+        drv("cuMemHostAlloc", unsafe {
+            self.ctx.alloc_pinned_with_flags::<T>(len, 0)
+        })
+    }
+
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        drv("cuMemAlloc", stream.alloc_zeros::<T>(len))
+    }
+
+    /// `extern "C"` kernel `name` from `kernels/<source>`: compiled (or read from the
+    /// CUBIN cache) and loaded on first use, then shared.
+    pub fn function(&self, source: &str, name: &str) -> Result<CudaFunction> {
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let module = match modules.get(source) {
+            Some(m) => m.clone(),
+            None => {
+                let cubin = nvrtc::compile_kernel(source, &self.arch)?;
+                let m = drv(
+                    &format!("loading {source}"),
+                    self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
+                )?;
+                modules.insert(source.to_string(), m.clone());
+                m
+            }
+        };
+        drv(
+            &format!("finding {name} in {source}"),
+            module.load_function(name),
+        )
+    }
+
+    /// A cuBLAS handle bound to `stream`.
+    pub fn blas(&self, stream: &Arc<CudaStream>) -> Result<CudaBlas> {
+        CudaBlas::new(stream.clone()).map_err(|e| anyhow!("cublasCreate failed: {e:?}"))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        drv("cuCtxSynchronize", self.ctx.synchronize())
+    }
+}
+
+/// Copies host → device on `stream` (cuMemcpyHtoDAsync; truly async from pinned memory).
+pub fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, src: &[T]) -> Result<CudaSlice<T>> {
+    drv("cuMemcpyHtoDAsync", stream.clone_htod(src))
+}
+
+/// Copies device → host and waits for it.
+pub fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, src: &CudaSlice<T>) -> Result<Vec<T>> {
+    let v = drv("cuMemcpyDtoHAsync", stream.clone_dtoh(src))?;
+    drv("cuStreamSynchronize", stream.synchronize())?;
+    Ok(v)
+}
+
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ` on the handle's stream: bf16 inputs (as `u16` bits),
+/// f32 accumulation, `out` in bf16 (`u16`) or f32. Row-major `out` is column-major `outᵀ`,
+/// so cuBLAS computes `outᵀ[n, m] = W · xᵀ` with W transposed from its `[n, k]` storage.
+#[allow(clippy::too_many_arguments)]
+pub fn linear<O: DeviceRepr>(
+    blas: &CudaBlas,
+    stream: &Arc<CudaStream>,
+    x: &CudaSlice<u16>,
+    w: &CudaSlice<u16>,
+    out: &mut CudaSlice<O>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    let out_type = match std::mem::size_of::<O>() {
+        2 => cublas::sys::cudaDataType::CUDA_R_16BF,
+        4 => cublas::sys::cudaDataType::CUDA_R_32F,
+        _ => bail!("linear: output must be bf16 (u16) or f32"),
+    };
+    if x.len() < m * k || w.len() < n * k || out.len() < m * n {
+        bail!("linear: buffers smaller than [{m}, {k}] · [{n}, {k}]ᵀ");
+    }
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (xp, _gx) = x.device_ptr(stream);
+    let (wp, _gw) = w.device_ptr(stream);
+    let (op, _go) = out.device_ptr_mut(stream);
+    // SAFETY: the pointers are live device allocations of at least the sizes checked
+    // above; alpha/beta are f32 as CUBLAS_COMPUTE_32F requires.
+    unsafe {
+        cublas::result::gemm_ex(
+            *blas.handle(),
+            cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+            cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+            n as i32,
+            m as i32,
+            k as i32,
+            &alpha as *const f32 as *const _,
+            wp as *const _,
+            cublas::sys::cudaDataType::CUDA_R_16BF,
+            k as i32,
+            xp as *const _,
+            cublas::sys::cudaDataType::CUDA_R_16BF,
+            k as i32,
+            &beta as *const f32 as *const _,
+            op as *mut _,
+            out_type,
+            n as i32,
+            cublas::sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| anyhow!("cublasGemmEx failed: {e:?}"))
+}
+
+/// `--profile-steps A:B`: the profiler captures only between these calls.
+pub fn profiler_start() -> Result<()> {
+    drv("cuProfilerStart", cudarc::driver::profiler_start())
+}
+
+pub fn profiler_stop() -> Result<()> {
+    drv("cuProfilerStop", cudarc::driver::profiler_stop())
+}

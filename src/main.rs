@@ -32,6 +32,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Run every CUDA kernel against its CPU twin on random inputs (needs an NVIDIA GPU).
+    #[command(hide = true)]
+    CudaKernelCheck,
 }
 
 #[derive(Subcommand)]
@@ -136,6 +139,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
+        Command::CudaKernelCheck => run_cuda_kernel_check(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -313,6 +317,16 @@ fn run_bench_offload(args: BenchOffloadArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!("{report}");
+    }
+    Ok(())
+}
+
+fn run_cuda_kernel_check() -> Result<()> {
+    let rows = device::cuda::check::run_kernel_checks()?;
+    print!("{}", device::cuda::check::format_table(&rows));
+    let failed = rows.iter().filter(|r| !r.pass).count();
+    if failed > 0 {
+        bail!("{failed} of {} kernel checks failed", rows.len());
     }
     Ok(())
 }

@@ -27,6 +27,11 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt.
     Generate(GenerateArgs),
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        command: strata::serve::bench::BenchCommand,
+    },
 }
 
 #[derive(Args)]
@@ -77,6 +82,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
+        Command::Bench { command } => strata::serve::bench::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

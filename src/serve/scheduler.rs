@@ -308,8 +308,7 @@ impl Scheduler {
                 let s = &self.seqs[&id];
                 s.job.is_none() && !s.block_ids.is_empty()
             }) {
-                self.waiting.retain(|&id| id != victim);
-                self.recompute(victim)?;
+                self.recompute(victim)?; // keeps its place in the queue
                 self.admit(&mut out, &mut budget)?;
                 if !out.batch.is_empty() || !out.jobs.is_empty() {
                     break;
@@ -344,7 +343,12 @@ impl Scheduler {
                 }
             }
             if !offloaded.is_empty() {
-                if self.bm.available_pages() >= offloaded.len() {
+                // Load only when the next chunk's new blocks will fit too, so a loaded
+                // request never sits on pages it cannot use.
+                let need = self
+                    .blocks_for(seq.next_chunk(chunk).end)
+                    .saturating_sub(seq.block_ids.len());
+                if self.bm.available_pages() >= offloaded.len() + need {
                     let moves = self.bm.start_load(&offloaded)?;
                     let copies = moves
                         .iter()
@@ -605,7 +609,9 @@ impl Scheduler {
                     s.status
                 ));
             }
-            if s.block_ids.len() < s.num_computed.div_ceil(self.cfg.block_size) {
+            if s.status != SeqStatus::Finished
+                && s.block_ids.len() < s.num_computed.div_ceil(self.cfg.block_size)
+            {
                 return Err(format!(
                     "sequence {sid} has fewer blocks than computed tokens"
                 ));

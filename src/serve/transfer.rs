@@ -198,3 +198,18 @@ impl<B: TransferBackend> TransferBackend for ChaosBackend<B> {
         self.inner.in_flight() + self.held.len()
     }
 }
+
+impl TransferBackend for Box<dyn TransferBackend> {
+    fn submit(&mut self, job: TransferJob) -> Result<()> {
+        (**self).submit(job)
+    }
+    fn poll(&mut self) -> Result<Vec<Completion>> {
+        (**self).poll()
+    }
+    fn wait(&mut self) -> Result<Vec<Completion>> {
+        (**self).wait()
+    }
+    fn in_flight(&self) -> usize {
+        (**self).in_flight()
+    }
+}

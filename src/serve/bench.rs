@@ -111,7 +111,7 @@ pub fn make_requests(a: &ServeArgs, vocab: usize) -> Result<(Vec<Vec<u32>>, Vec<
     );
     let mut rng = StdRng::seed_from_u64(a.seed);
     // Ids from the lower part of the vocabulary: ordinary tokens, not specials.
-    let hi = (vocab as u32).min(10_000).max(2);
+    let hi = (vocab as u32).clamp(2, 10_000);
     let prefix: Vec<u32> = (0..a.shared_prefix)
         .map(|_| rng.random_range(1..hi))
         .collect();

@@ -36,7 +36,7 @@ impl SchedulerConfig {
         ensure!(self.num_gpu_blocks > 0, "--num-gpu-blocks must be > 0");
         ensure!(self.max_num_seqs > 0, "--max-num-seqs must be > 0");
         ensure!(
-            self.prefill_chunk > 0 && self.prefill_chunk % self.block_size == 0,
+            self.prefill_chunk > 0 && self.prefill_chunk.is_multiple_of(self.block_size),
             "prefill chunk ({}) must be a positive multiple of the block size ({})",
             self.prefill_chunk,
             self.block_size

@@ -1,7 +1,8 @@
 //! strata: an LLM inference runtime built around layerwise KV-cache offload.
 //!
 //! Layout: `model` (config, weights, tokenizer, the layer loop), `device` (compute ops
-//! and devices), `kv` (the KV seam and caches), `engine` (generation, sampling).
+//! and devices), `kv` (the KV seam and caches), `engine` (generation, sampling),
+//! `serve` (continuous batching over a paged KV cache with host offload).
 
 pub mod device;
 pub mod engine;
@@ -9,3 +10,4 @@ pub mod kv;
 pub mod model;
 pub mod needle;
 pub mod offload;
+pub mod serve;

@@ -41,6 +41,8 @@ enum Command {
 enum BenchCommand {
     /// Layerwise offload vs compute alone and transfer alone (simulated link on the CPU device).
     Offload(BenchOffloadArgs),
+    /// Continuous batching over a paged KV cache, preemption to host memory or recompute.
+    Serve(strata::serve::bench::ServeArgs),
 }
 
 #[derive(Args)]
@@ -140,6 +142,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
         Command::CudaKernelCheck => run_cuda_kernel_check(),
+        Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

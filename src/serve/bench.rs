@@ -1,0 +1,270 @@
+//! `strata bench serve`: one batch of random requests through the serving engine, in the
+//! manner of nano-vllm's bench. Greedy sampling, `ignore_eos`, so lengths are as asked.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Result};
+use clap::Args;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::engine::{Engine, EngineConfig, EngineStats, RequestParams};
+use super::scheduler::SchedulerConfig;
+use crate::model::Model;
+
+/// An inclusive length range `A:B` (or `N` for exactly N).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LenRange {
+    pub lo: usize,
+    pub hi: usize,
+}
+
+impl std::str::FromStr for LenRange {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let num = |x: &str| {
+            x.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("expected A:B with whole numbers, got {s:?}"))
+        };
+        let (lo, hi) = match s.split_once(':') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(s)?, num(s)?),
+        };
+        if lo == 0 || lo > hi {
+            return Err(format!("expected 1 <= A <= B in A:B, got {s:?}"));
+        }
+        Ok(Self { lo, hi })
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// GGUF file or Hugging Face model directory.
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    pub model: PathBuf,
+    /// Number of requests.
+    #[arg(long, default_value_t = 16)]
+    pub num_seqs: usize,
+    /// Prompt length range A:B (uniform).
+    #[arg(long, default_value = "64:256")]
+    pub input_len: LenRange,
+    /// Output length range A:B (uniform).
+    #[arg(long, default_value = "32:64")]
+    pub output_len: LenRange,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// GPU KV pages [default: enough for every request at once]
+    #[arg(long)]
+    pub num_gpu_blocks: Option<usize>,
+    /// Host-tier blocks for preemption offload; 0 = recompute instead.
+    #[arg(long, default_value_t = 0)]
+    pub max_cpu_offload_blocks: usize,
+    /// Most requests running at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Token budget of one step.
+    #[arg(long, default_value_t = 1024)]
+    pub max_num_batched_tokens: usize,
+    /// Prompt tokens per forward call (a multiple of --block-size).
+    #[arg(long, default_value_t = 64)]
+    pub prefill_chunk: usize,
+    /// Give every request the same first N prompt tokens (exercises the prefix cache).
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
+    /// Seed for the random requests.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Simulated host↔device link in GB/s for offload copies; 0 = unthrottled.
+    #[arg(long, default_value_t = 0.0)]
+    pub link_gbps: f64,
+    /// Also run unconstrained and fail unless every request's tokens are identical.
+    #[arg(long)]
+    pub compare: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Random prompts and output lengths, reproducible from `seed`.
+pub fn make_requests(a: &ServeArgs, vocab: usize) -> Result<(Vec<Vec<u32>>, Vec<RequestParams>)> {
+    ensure!(a.num_seqs > 0, "--num-seqs must be > 0");
+    ensure!(
+        a.shared_prefix <= a.input_len.lo,
+        "--shared-prefix ({}) must not exceed the shortest input ({})",
+        a.shared_prefix,
+        a.input_len.lo
+    );
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    // Ids from the lower part of the vocabulary: ordinary tokens, not specials.
+    let hi = (vocab as u32).clamp(2, 10_000);
+    let prefix: Vec<u32> = (0..a.shared_prefix)
+        .map(|_| rng.random_range(1..hi))
+        .collect();
+    let mut prompts = Vec::new();
+    let mut params = Vec::new();
+    for _ in 0..a.num_seqs {
+        let n = rng.random_range(a.input_len.lo..=a.input_len.hi);
+        let mut p = prefix.clone();
+        p.extend((p.len()..n).map(|_| rng.random_range(1..hi)));
+        prompts.push(p);
+        params.push(RequestParams {
+            max_tokens: rng.random_range(a.output_len.lo..=a.output_len.hi),
+            ignore_eos: true,
+            ..Default::default()
+        });
+    }
+    Ok((prompts, params))
+}
+
+/// Blocks needed to hold every request's full KV at once.
+pub fn working_set_blocks(prompts: &[Vec<u32>], params: &[RequestParams], bs: usize) -> usize {
+    prompts
+        .iter()
+        .zip(params)
+        .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(bs))
+        .sum()
+}
+
+pub struct BenchRun {
+    pub outputs: Vec<Vec<u32>>,
+    pub stats: EngineStats,
+    pub secs: f64,
+}
+
+pub fn run_once(
+    model: &Arc<Model>,
+    sched: SchedulerConfig,
+    link_gbps: f64,
+    prompts: &[Vec<u32>],
+    params: &[RequestParams],
+) -> Result<BenchRun> {
+    let mut engine = Engine::new(
+        Arc::clone(model),
+        EngineConfig {
+            sched,
+            link_gbps,
+            sanitize: false,
+        },
+    )?;
+    let t = Instant::now();
+    let outputs = engine.generate(prompts, params)?;
+    Ok(BenchRun {
+        outputs,
+        stats: engine.stats(),
+        secs: t.elapsed().as_secs_f64(),
+    })
+}
+
+pub fn run_serve(a: ServeArgs) -> Result<()> {
+    if !a.model.exists() {
+        bail!("model not found: {} (give --model)", a.model.display());
+    }
+    let (model, _tok) = Model::load(&a.model, false)?;
+    let (prompts, params) = make_requests(&a, model.cfg.vocab_size)?;
+    let max_len = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, r)| p.len() + r.max_tokens)
+        .max()
+        .unwrap_or(0);
+    ensure!(
+        max_len <= model.cfg.max_position_embeddings,
+        "requests reach {max_len} tokens, past the model's context ({})",
+        model.cfg.max_position_embeddings
+    );
+    let working_set = working_set_blocks(&prompts, &params, a.block_size.max(1));
+    let sched = SchedulerConfig {
+        block_size: a.block_size,
+        num_gpu_blocks: a.num_gpu_blocks.unwrap_or(working_set),
+        max_cpu_offload_blocks: a.max_cpu_offload_blocks,
+        max_num_seqs: a.max_num_seqs,
+        max_num_batched_tokens: a.max_num_batched_tokens,
+        prefill_chunk: a.prefill_chunk,
+    };
+    sched.validate()?;
+    let r = run_once(&model, sched.clone(), a.link_gbps, &prompts, &params)?;
+    let st = r.stats;
+    let throughput = st.generated_tokens as f64 / r.secs.max(1e-9);
+    let mut mismatches = None;
+    if a.compare {
+        let free = SchedulerConfig {
+            num_gpu_blocks: working_set,
+            max_cpu_offload_blocks: 0,
+            ..sched.clone()
+        };
+        let base = run_once(&model, free, 0.0, &prompts, &params)?;
+        let bad = r
+            .outputs
+            .iter()
+            .zip(&base.outputs)
+            .filter(|(x, y)| x != y)
+            .count();
+        mismatches = Some(bad);
+    }
+    if a.json {
+        let mut obj = serde_json::json!({
+            "throughput_tokens_per_s": throughput,
+            "preemptions": st.sched.preemptions,
+            "blocks_stored": st.sched.blocks_stored,
+            "blocks_loaded": st.sched.blocks_loaded,
+            "recomputations": st.sched.recomputations,
+            "prefix_hit_blocks": st.sched.prefix_hit_blocks,
+            "generated_tokens": st.generated_tokens,
+            "computed_tokens": st.computed_tokens,
+            "prompt_tokens": st.prompt_tokens,
+            "elapsed_s": r.secs,
+            "num_gpu_blocks": sched.num_gpu_blocks,
+            "working_set_blocks": working_set,
+        });
+        if let Some(m) = mismatches {
+            obj["compare_mismatches"] = m.into();
+        }
+        println!("{obj}");
+    } else {
+        println!(
+            "requests: {} | prompt tokens: {} | generated: {} | time: {:.2} s | throughput: {:.1} tok/s",
+            a.num_seqs, st.prompt_tokens, st.generated_tokens, r.secs, throughput
+        );
+        println!(
+            "gpu blocks: {} of {} (working set) | preemptions: {} | blocks stored: {} | blocks loaded: {} | recomputations: {} | prefix-hit blocks: {} | tokens computed: {}",
+            sched.num_gpu_blocks,
+            working_set,
+            st.sched.preemptions,
+            st.sched.blocks_stored,
+            st.sched.blocks_loaded,
+            st.sched.recomputations,
+            st.sched.prefix_hit_blocks,
+            st.computed_tokens
+        );
+        if let Some(m) = mismatches {
+            println!(
+                "compare: {} of {} requests differ from the unconstrained run",
+                m, a.num_seqs
+            );
+        }
+    }
+    if let Some(m) = mismatches.filter(|&m| m > 0) {
+        bail!(
+            "{m} of {} requests differ from the unconstrained run",
+            a.num_seqs
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn len_ranges_parse_and_reject_bad_input() {
+        assert_eq!("5:9".parse::<LenRange>(), Ok(LenRange { lo: 5, hi: 9 }));
+        assert_eq!("7".parse::<LenRange>(), Ok(LenRange { lo: 7, hi: 7 }));
+        for bad in ["5:2", "0:3", "a:b", ":", "3:", "-1:4"] {
+            assert!(bad.parse::<LenRange>().is_err(), "{bad} accepted");
+        }
+    }
+}

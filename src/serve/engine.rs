@@ -1,0 +1,342 @@
+//! The serving engine: continuous batching over the paged cache. One step is: collect
+//! transfer completions, schedule, start the new jobs, run the forward calls.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use super::runner::{CpuTransferBackend, ModelRunner, PagedKvCache};
+use super::scheduler::{SchedStats, Scheduler, SchedulerConfig, SeqId};
+use super::transfer::TransferBackend;
+use crate::device::cpu::stream::CpuDevice;
+use crate::engine::{Sampler, SamplingParams};
+use crate::model::Model;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub sched: SchedulerConfig,
+    /// Simulated host↔device link speed in GB/s for transfers; 0 = unthrottled.
+    pub link_gbps: f64,
+    /// Random delays on every copy (to expose ordering bugs).
+    pub sanitize: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct RequestParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Run to `max_tokens` even past an end-of-sequence token (for benchmarks).
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EngineStats {
+    pub sched: SchedStats,
+    pub steps: usize,
+    pub forward_calls: usize,
+    /// Tokens computed by forward calls, replays included.
+    pub computed_tokens: usize,
+    pub generated_tokens: usize,
+    pub prompt_tokens: usize,
+}
+
+pub struct Engine {
+    model: Arc<Model>,
+    sched: Scheduler,
+    runner: ModelRunner,
+    backend: Box<dyn TransferBackend>,
+    samplers: HashMap<SeqId, Sampler>,
+    /// Log-probability of every sampled token, per request: a bitwise fingerprint of the
+    /// logits that token equality alone would not give.
+    logprobs: HashMap<SeqId, Vec<f32>>,
+    streams: HashMap<SeqId, Sender<u32>>,
+    stats: EngineStats,
+    idle_rounds: usize,
+}
+
+impl Engine {
+    /// An engine whose host tier is served by the CPU transfer backend.
+    pub fn new(model: Arc<Model>, cfg: EngineConfig) -> Result<Self> {
+        Self::with_backend(model, cfg, |b| b)
+    }
+
+    /// As `new`, with the CPU backend wrapped by `wrap` (tests inject late or failed jobs).
+    pub fn with_backend(
+        model: Arc<Model>,
+        cfg: EngineConfig,
+        wrap: impl FnOnce(Box<dyn TransferBackend>) -> Box<dyn TransferBackend>,
+    ) -> Result<Self> {
+        let sched = Scheduler::new(cfg.sched.clone())?;
+        let s = &cfg.sched;
+        let cache = Arc::new(PagedKvCache::new(
+            &model,
+            s.block_size,
+            s.num_gpu_blocks,
+            s.max_cpu_offload_blocks,
+        )?);
+        let dev = CpuDevice::new(cfg.link_gbps, cfg.sanitize);
+        let backend = wrap(Box::new(CpuTransferBackend::new(&dev, Arc::clone(&cache))));
+        Ok(Self {
+            runner: ModelRunner::new(Arc::clone(&model), cache),
+            model,
+            sched,
+            backend,
+            samplers: HashMap::new(),
+            logprobs: HashMap::new(),
+            streams: HashMap::new(),
+            stats: EngineStats::default(),
+            idle_rounds: 0,
+        })
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            sched: self.sched.stats,
+            ..self.stats
+        }
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// Queues a request; it joins the running batch between steps.
+    pub fn add_request(&mut self, prompt: Vec<u32>, params: &RequestParams) -> Result<SeqId> {
+        params.sampling.validate()?;
+        if let Some(&id) = prompt
+            .iter()
+            .find(|&&t| t as usize >= self.model.cfg.vocab_size)
+        {
+            bail!(
+                "token id {id} is outside the vocabulary ({})",
+                self.model.cfg.vocab_size
+            );
+        }
+        let stop = if params.ignore_eos {
+            Vec::new()
+        } else {
+            self.model.cfg.eos_token_ids.clone()
+        };
+        self.stats.prompt_tokens += prompt.len();
+        let id = self.sched.add(prompt, params.max_tokens, stop)?;
+        self.samplers
+            .insert(id, Sampler::new(params.sampling.clone()));
+        Ok(id)
+    }
+
+    /// Queues a request and returns a receiver of its tokens as they are produced; the
+    /// channel closes when the request finishes. Drive it with `step`.
+    pub fn submit(
+        &mut self,
+        prompt: Vec<u32>,
+        params: &RequestParams,
+    ) -> Result<(SeqId, Receiver<u32>)> {
+        let id = self.add_request(prompt, params)?;
+        let (tx, rx) = channel();
+        self.streams.insert(id, tx);
+        Ok((id, rx))
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        self.sched.has_unfinished()
+    }
+
+    fn complete_jobs(&mut self, wait: bool) -> Result<()> {
+        let done = if wait {
+            self.backend.wait()?
+        } else {
+            self.backend.poll()?
+        };
+        for c in done {
+            self.sched.on_job_done(c.job, c.ok)?;
+        }
+        Ok(())
+    }
+
+    /// One engine step. Returns the requests that finished in it.
+    pub fn step(&mut self) -> Result<Vec<SeqId>> {
+        self.stats.steps += 1;
+        self.complete_jobs(false)?;
+        let plan = self.sched.schedule()?;
+        for job in plan.jobs {
+            let id = job.id;
+            if let Err(e) = self.backend.submit(job) {
+                // Never started: roll back as a failure.
+                eprintln!("warning: transfer job {id} failed to start: {e:#}");
+                self.sched.on_job_done(id, false)?;
+            }
+        }
+        let mut finished = Vec::new();
+        for call in &plan.batch {
+            let logits = self.runner.forward(call)?;
+            self.stats.forward_calls += 1;
+            self.stats.computed_tokens += call.tokens.len();
+            let tok = if call.sample {
+                let s = self
+                    .samplers
+                    .get_mut(&call.seq)
+                    .context("request without a sampler")?;
+                let t = s.sample(&logits);
+                self.logprobs
+                    .entry(call.seq)
+                    .or_default()
+                    .push(crate::engine::logprob(&logits, t));
+                Some(t)
+            } else {
+                None
+            };
+            let done = self.sched.on_forward_done(call, tok)?;
+            if let Some(t) = tok {
+                self.stats.generated_tokens += 1;
+                if let Some(tx) = self.streams.get(&call.seq) {
+                    let _ = tx.send(t); // a dropped receiver just stops listening
+                }
+            }
+            if done {
+                finished.push(call.seq);
+                self.samplers.remove(&call.seq);
+                self.streams.remove(&call.seq);
+            }
+        }
+        if plan.batch.is_empty() {
+            if self.backend.in_flight() > 0 {
+                self.complete_jobs(true)?; // only transfers can make progress
+            } else if self.sched.has_unfinished() && self.sched.jobs_in_flight() == 0 {
+                // A round that only preempted is normal; several empty rounds in a row are not.
+                self.idle_rounds += 1;
+                if self.idle_rounds > 3 {
+                    bail!("scheduler stalled: nothing runnable and no transfer in flight");
+                }
+            }
+        } else {
+            self.idle_rounds = 0;
+        }
+        Ok(finished)
+    }
+
+    /// Runs a batch of requests to completion and returns each one's new tokens, in order.
+    pub fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &[RequestParams],
+    ) -> Result<Vec<Vec<u32>>> {
+        Ok(self
+            .generate_with_logprobs(prompts, params)?
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect())
+    }
+
+    /// As `generate`, with the log-probability of each new token.
+    pub fn generate_with_logprobs(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &[RequestParams],
+    ) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
+        if params.len() != prompts.len() && params.len() != 1 {
+            bail!(
+                "give one RequestParams, or one per prompt ({} prompts, {} params)",
+                prompts.len(),
+                params.len()
+            );
+        }
+        let ids = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| self.add_request(p.clone(), &params[i.min(params.len() - 1)]))
+            .collect::<Result<Vec<_>>>()?;
+        while self.has_unfinished() {
+            self.step()?;
+        }
+        ids.iter()
+            .map(|&id| {
+                let s = self
+                    .sched
+                    .remove_finished(id)
+                    .context("request did not finish")?;
+                Ok((
+                    s.output().to_vec(),
+                    self.logprobs.remove(&id).unwrap_or_default(),
+                ))
+            })
+            .collect()
+    }
+
+    /// Moves the engine onto its own thread, which admits submitted requests between steps.
+    pub fn spawn(self) -> EngineHandle {
+        let (tx, rx) = channel::<Submission>();
+        let thread = std::thread::spawn(move || serve_loop(self, rx));
+        EngineHandle {
+            tx: Some(tx),
+            thread: Some(thread),
+        }
+    }
+}
+
+type Submission = (Vec<u32>, RequestParams, Sender<Result<Receiver<u32>>>);
+
+fn serve_loop(mut engine: Engine, rx: Receiver<Submission>) -> Result<EngineStats> {
+    let mut open = true;
+    loop {
+        // Admit new requests between steps; block only when idle.
+        loop {
+            let msg = if engine.has_unfinished() || !open {
+                rx.try_recv().ok()
+            } else {
+                rx.recv().ok()
+            };
+            let Some((prompt, params, reply)) = msg else {
+                if !engine.has_unfinished() {
+                    open = false;
+                }
+                break;
+            };
+            let _ = reply.send(engine.submit(prompt, &params).map(|(_, r)| r));
+        }
+        if !engine.has_unfinished() && !open {
+            return Ok(engine.stats());
+        }
+        if engine.has_unfinished() {
+            engine.step()?;
+        }
+    }
+}
+
+/// A running engine thread: submit requests, read their tokens as they are produced.
+pub struct EngineHandle {
+    tx: Option<Sender<Submission>>,
+    thread: Option<JoinHandle<Result<EngineStats>>>,
+}
+
+impl EngineHandle {
+    /// Submits one request; tokens arrive on the receiver, which closes when it finishes.
+    pub fn submit(&self, prompt: Vec<u32>, params: RequestParams) -> Result<Receiver<u32>> {
+        let (rtx, rrx) = channel();
+        self.tx
+            .as_ref()
+            .context("engine closed")?
+            .send((prompt, params, rtx))
+            .ok()
+            .context("the engine thread has stopped")?;
+        rrx.recv().context("the engine thread has stopped")?
+    }
+
+    /// Stops accepting requests, lets the running ones finish, and returns the stats.
+    pub fn shutdown(mut self) -> Result<EngineStats> {
+        drop(self.tx.take());
+        let t = self.thread.take().context("already shut down")?;
+        t.join()
+            .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?
+    }
+}
+
+/// Wall-clock helper for benchmarks.
+pub fn timed<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, f64)> {
+    let t = Instant::now();
+    let v = f()?;
+    Ok((v, t.elapsed().as_secs_f64()))
+}

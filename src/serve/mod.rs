@@ -1,0 +1,19 @@
+//! The serving path: continuous batching over a paged KV cache, where preemption offloads
+//! a request's exclusive KV blocks to host memory instead of recomputing them.
+//!
+//! Scheduler side (metadata only): `residency` (block state machine), `block_manager`
+//! (logical blocks, pages, host slots, prefix cache), `scheduler` (policy, job creation).
+//! Worker side (KV memory): `runner` (paged KV, forward calls, CPU transfer backend).
+//! Between them: `transfer` (jobs and the backend trait). `engine` drives both; `bench`
+//! is `strata bench serve`.
+
+pub mod bench;
+pub mod block_manager;
+pub mod engine;
+pub mod residency;
+pub mod runner;
+pub mod scheduler;
+pub mod transfer;
+
+pub use engine::{Engine, EngineConfig, EngineHandle, EngineStats, RequestParams};
+pub use scheduler::SchedulerConfig;

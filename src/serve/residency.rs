@@ -1,0 +1,108 @@
+//! Where a logical KV block's data lives, and the only legal ways it may move.
+//!
+//! ```text
+//!            start_store(Cpu)            store_done
+//!   Gpu ───────────────────▶ MovingToCpu ──────────▶ Cpu
+//!    ▲ ▲◀──── store_failed ──────┘                     │ start_load
+//!    │ └──────── load_done ◀──── MovingToGpu ◀─────────┘
+//!    │                               └── load_failed ──▶ Cpu
+//!    │  (reserved: the same shape with Ssd / MovingToSsd / MovingFromSsd)
+//! ```
+//!
+//! A block is freed only from a settled state (`Gpu`, `Cpu`, `Ssd`): freeing a block
+//! whose copy is in flight would let its page or slot be reused under the copy.
+
+use thiserror::Error;
+
+/// The storage tier a block can be offloaded to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    Cpu,
+    /// Reserved for the on-card SSD tier: the state machine accepts it, no backend yet.
+    Ssd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Residency {
+    Gpu,
+    Cpu,
+    MovingToCpu,
+    MovingToGpu,
+    Ssd,
+    MovingToSsd,
+    MovingFromSsd,
+}
+
+/// What happens to a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Move {
+    StartStore(Tier),
+    StoreDone,
+    StoreFailed,
+    StartLoad,
+    LoadDone,
+    LoadFailed,
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("illegal KV block transition: {event:?} from {from:?}")]
+pub struct IllegalTransition {
+    pub from: Residency,
+    pub event: Move,
+}
+
+impl Residency {
+    pub const ALL: [Residency; 7] = [
+        Residency::Gpu,
+        Residency::Cpu,
+        Residency::MovingToCpu,
+        Residency::MovingToGpu,
+        Residency::Ssd,
+        Residency::MovingToSsd,
+        Residency::MovingFromSsd,
+    ];
+
+    /// The state after `event`, or an error if `event` is illegal from `self`.
+    pub fn apply(self, event: Move) -> Result<Residency, IllegalTransition> {
+        use Move::*;
+        use Residency::*;
+        let next = match (self, event) {
+            (Gpu, StartStore(Tier::Cpu)) => MovingToCpu,
+            (Gpu, StartStore(Tier::Ssd)) => MovingToSsd,
+            (MovingToCpu, StoreDone) => Cpu,
+            (MovingToSsd, StoreDone) => Ssd,
+            // A failed store leaves the data where it was: the source page is still valid.
+            (MovingToCpu | MovingToSsd, StoreFailed) => Gpu,
+            (Cpu, StartLoad) => MovingToGpu,
+            (Ssd, StartLoad) => MovingFromSsd,
+            (MovingToGpu | MovingFromSsd, LoadDone) => Gpu,
+            // A failed load leaves the data in the lower tier; the reserved page is released.
+            (MovingToGpu, LoadFailed) => Cpu,
+            (MovingFromSsd, LoadFailed) => Ssd,
+            (from, event) => return Err(IllegalTransition { from, event }),
+        };
+        Ok(next)
+    }
+
+    /// Not mid-copy: the block may be freed, and exactly one copy of its data is valid.
+    pub fn is_settled(self) -> bool {
+        matches!(self, Residency::Gpu | Residency::Cpu | Residency::Ssd)
+    }
+
+    /// Holds a GPU page (as the valid copy, a store's source, or a load's destination).
+    pub fn holds_page(self) -> bool {
+        matches!(
+            self,
+            Residency::Gpu
+                | Residency::MovingToCpu
+                | Residency::MovingToGpu
+                | Residency::MovingToSsd
+                | Residency::MovingFromSsd
+        )
+    }
+
+    /// Holds a lower-tier slot (as the valid copy, a store's destination, or a load's source).
+    pub fn holds_slot(self) -> bool {
+        self != Residency::Gpu
+    }
+}

@@ -1,0 +1,622 @@
+//! The scheduler: owns requests and block metadata, decides each step's forward calls,
+//! and creates transfer jobs. It never touches KV memory.
+//!
+//! Policy (see docs/serving.md): phase 1 extends running requests, preempting the
+//! lowest-priority one when pages run out (offload its exclusive blocks, else recompute);
+//! phase 2 admits waiting requests only if nothing was preempted this round, loading
+//! offloaded blocks back before allocating anything new.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::Range;
+
+use anyhow::{bail, ensure, Context, Result};
+
+use super::block_manager::{block_hash, BlockManager, LogicalId, PageId};
+use super::residency::{Residency, Tier};
+use super::transfer::{BlockCopy, JobId, JobKind, Loc, TransferJob};
+
+pub type SeqId = u64;
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    /// Host-tier capacity in blocks; 0 disables offload (preemption recomputes).
+    pub max_cpu_offload_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    /// Prompt tokens per forward call, a multiple of `block_size`. Chunks start at
+    /// multiples of it, so a sequence's forward calls depend on the sequence alone.
+    pub prefill_chunk: usize,
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<()> {
+        ensure!(self.block_size > 0, "--block-size must be > 0");
+        ensure!(self.num_gpu_blocks > 0, "--num-gpu-blocks must be > 0");
+        ensure!(self.max_num_seqs > 0, "--max-num-seqs must be > 0");
+        ensure!(
+            self.prefill_chunk > 0 && self.prefill_chunk.is_multiple_of(self.block_size),
+            "prefill chunk ({}) must be a positive multiple of the block size ({})",
+            self.prefill_chunk,
+            self.block_size
+        );
+        ensure!(
+            self.max_num_batched_tokens >= self.prefill_chunk,
+            "--max-num-batched-tokens ({}) must be at least the prefill chunk ({})",
+            self.max_num_batched_tokens,
+            self.prefill_chunk
+        );
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Running,
+    /// Preempted with its blocks offloaded (or being offloaded).
+    Preempted,
+    Finished,
+}
+
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub id: SeqId,
+    /// Prompt then output.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    pub stop_ids: Vec<u32>,
+    pub status: SeqStatus,
+    /// Logical blocks, in position order.
+    pub block_ids: Vec<LogicalId>,
+    /// Positions whose KV is in the blocks.
+    pub num_computed: usize,
+    /// Chained hashes of the leading blocks registered in (or found in) the prefix cache.
+    hashes: Vec<u64>,
+    job: Option<JobId>,
+}
+
+impl Sequence {
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Prompt tokens computed in full prefill chunks: the only blocks whose KV is shared
+    /// through the prefix cache, because only there is it computed identically by everyone.
+    fn canonical_end(&self, chunk: usize) -> usize {
+        self.prompt_len / chunk * chunk
+    }
+
+    /// Positions of the next forward call: a prompt chunk ending at the next multiple of
+    /// `chunk` (or the prompt's end), else one token. A function of the sequence alone, so
+    /// a recomputation replays exactly the calls of the first run.
+    pub fn next_chunk(&self, chunk: usize) -> Range<usize> {
+        let s = self.num_computed;
+        if s < self.prompt_len {
+            s..((s / chunk + 1) * chunk).min(self.prompt_len)
+        } else {
+            s..s + 1
+        }
+    }
+}
+
+/// One forward call of the step.
+#[derive(Debug, Clone)]
+pub struct ScheduledSeq {
+    pub seq: SeqId,
+    pub pos0: usize,
+    pub tokens: Vec<u32>,
+    /// Physical pages of the sequence's blocks, covering `0..pos0 + tokens.len()`.
+    pub block_table: Vec<PageId>,
+    /// Whether the call computes the last known token (so its logits give a new one);
+    /// replayed calls of a recomputation do not sample.
+    pub sample: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct Schedule {
+    pub batch: Vec<ScheduledSeq>,
+    pub jobs: Vec<TransferJob>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedStats {
+    pub preemptions: usize,
+    pub blocks_stored: usize,
+    pub blocks_loaded: usize,
+    pub recomputations: usize,
+    pub failed_jobs: usize,
+    pub prefix_hit_blocks: usize,
+}
+
+struct JobMeta {
+    seq: SeqId,
+    kind: JobKind,
+    blocks: Vec<LogicalId>,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pub bm: BlockManager,
+    seqs: BTreeMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    /// Sorted by id: arrival order is priority, the last is the first victim.
+    running: Vec<SeqId>,
+    jobs: HashMap<JobId, JobMeta>,
+    next_seq: SeqId,
+    next_job: JobId,
+    pub stats: SchedStats,
+}
+
+enum Preempted {
+    Offloaded,
+    Recomputed,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            bm: BlockManager::new(cfg.num_gpu_blocks, cfg.max_cpu_offload_blocks),
+            cfg,
+            seqs: BTreeMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            jobs: HashMap::new(),
+            next_seq: 0,
+            next_job: 0,
+            stats: SchedStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Queues a request; it joins the batch at a later step.
+    pub fn add(
+        &mut self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        stop_ids: Vec<u32>,
+    ) -> Result<SeqId> {
+        ensure!(!prompt.is_empty(), "empty prompt: nothing to generate from");
+        let total = prompt.len() + max_tokens;
+        let cap = self.cfg.num_gpu_blocks * self.cfg.block_size;
+        ensure!(
+            total <= cap,
+            "request needs {total} tokens of KV but the GPU pool holds {cap} ({} blocks of {})",
+            self.cfg.num_gpu_blocks,
+            self.cfg.block_size
+        );
+        let id = self.next_seq;
+        self.next_seq += 1;
+        let prompt_len = prompt.len();
+        self.seqs.insert(
+            id,
+            Sequence {
+                id,
+                tokens: prompt,
+                prompt_len,
+                max_tokens,
+                stop_ids,
+                status: SeqStatus::Waiting,
+                block_ids: Vec::new(),
+                num_computed: 0,
+                hashes: Vec::new(),
+                job: None,
+            },
+        );
+        if max_tokens == 0 {
+            self.seqs.get_mut(&id).expect("inserted").status = SeqStatus::Finished;
+        } else {
+            self.waiting.push_back(id);
+        }
+        Ok(id)
+    }
+
+    pub fn seq(&self, id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    /// Forgets a finished sequence.
+    pub fn remove_finished(&mut self, id: SeqId) -> Option<Sequence> {
+        match self.seqs.get(&id) {
+            Some(s) if s.status == SeqStatus::Finished => self.seqs.remove(&id),
+            _ => None,
+        }
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn jobs_in_flight(&self) -> usize {
+        self.jobs.len()
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.cfg.block_size)
+    }
+
+    /// Decides the next step: forward calls over resident pages only, and new jobs.
+    pub fn schedule(&mut self) -> Result<Schedule> {
+        let mut out = Schedule::default();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut preempted = false;
+        let mut stalled = false;
+
+        // Phase 1: running requests, in priority order.
+        for sid in self.running.clone() {
+            if !self.running.contains(&sid) {
+                continue; // preempted as a victim this round
+            }
+            let range = self.seqs[&sid].next_chunk(self.cfg.prefill_chunk);
+            if range.len() > budget {
+                continue;
+            }
+            let need = self
+                .blocks_for(range.end)
+                .saturating_sub(self.seqs[&sid].block_ids.len());
+            let mut got = false;
+            loop {
+                if self.bm.available_pages() >= need {
+                    let ids = self.bm.allocate(need)?;
+                    self.seqs
+                        .get_mut(&sid)
+                        .expect("running")
+                        .block_ids
+                        .extend(ids);
+                    got = true;
+                    break;
+                }
+                // Pages under in-flight stores come free soon: wait rather than preempt more.
+                if self.bm.available_pages() + self.bm.pages_being_stored() >= need {
+                    stalled = true;
+                    break;
+                }
+                let victim = *self.running.last().expect("sid is running");
+                preempted = true;
+                let how = self.preempt(victim, &mut out)?;
+                if victim == sid || matches!(how, Preempted::Offloaded) {
+                    break;
+                }
+            }
+            if got {
+                budget -= range.len();
+                out.batch.push(self.scheduled(sid, range)?);
+            } else if preempted {
+                break; // the round ends at a preemption
+            }
+        }
+
+        // Phase 2: waiting requests, only if nothing was preempted or stalled.
+        if !preempted && !stalled {
+            self.admit(&mut out, &mut budget)?;
+        }
+
+        // Nothing to run and nothing in flight: break a wait-for cycle among waiting
+        // requests holding pages by recomputing the lowest-priority holder.
+        if out.batch.is_empty()
+            && out.jobs.is_empty()
+            && self.jobs.is_empty()
+            && self.running.is_empty()
+        {
+            while let Some(&victim) = self.waiting.iter().rev().find(|&&id| {
+                let s = &self.seqs[&id];
+                s.job.is_none() && !s.block_ids.is_empty()
+            }) {
+                self.recompute(victim)?; // keeps its place in the queue
+                self.admit(&mut out, &mut budget)?;
+                if !out.batch.is_empty() || !out.jobs.is_empty() {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn admit(&mut self, out: &mut Schedule, budget: &mut usize) -> Result<()> {
+        let chunk = self.cfg.prefill_chunk;
+        while let Some(&sid) = self.waiting.front() {
+            if self.running.len() >= self.cfg.max_num_seqs {
+                break;
+            }
+            let seq = &self.seqs[&sid];
+            if seq.job.is_some() {
+                break; // a store or load is in flight: defer
+            }
+            let fresh = seq.block_ids.is_empty();
+            if fresh {
+                self.prefix_lookup(sid)?;
+            }
+            // Old blocks first: load back what is offloaded, and defer.
+            let seq = &self.seqs[&sid];
+            let mut offloaded = Vec::new();
+            for &id in &seq.block_ids {
+                match self.bm.state(id)? {
+                    Residency::Gpu => {}
+                    Residency::Cpu | Residency::Ssd => offloaded.push(id),
+                    s => bail!("waiting sequence {sid} has block {id} in {s:?} with no job"),
+                }
+            }
+            if !offloaded.is_empty() {
+                // Load only when the next chunk's new blocks will fit too, so a loaded
+                // request never sits on pages it cannot use.
+                let need = self
+                    .blocks_for(seq.next_chunk(chunk).end)
+                    .saturating_sub(seq.block_ids.len());
+                if self.bm.available_pages() >= offloaded.len() + need {
+                    let moves = self.bm.start_load(&offloaded)?;
+                    let copies = moves
+                        .iter()
+                        .map(|&(block, slot, page)| BlockCopy {
+                            block,
+                            src: Loc::Host(Tier::Cpu, slot),
+                            dst: Loc::Gpu(page),
+                        })
+                        .collect();
+                    let job = self.new_job(sid, JobKind::Load, offloaded, copies);
+                    out.jobs.push(job);
+                }
+                break;
+            }
+            // All old blocks resident: now (and only now) allocate new ones.
+            let range = seq.next_chunk(chunk);
+            let need = self
+                .blocks_for(range.end)
+                .saturating_sub(seq.block_ids.len());
+            if range.len() > *budget || self.bm.available_pages() < need {
+                if fresh {
+                    self.undo_lookup(sid)?; // hold nothing while waiting
+                }
+                break;
+            }
+            let ids = self.bm.allocate(need)?;
+            let seq = self.seqs.get_mut(&sid).expect("waiting");
+            seq.block_ids.extend(ids);
+            seq.status = SeqStatus::Running;
+            self.waiting.pop_front();
+            let at = self.running.partition_point(|&r| r < sid);
+            self.running.insert(at, sid);
+            *budget -= range.len();
+            out.batch.push(self.scheduled(sid, range)?);
+        }
+        Ok(())
+    }
+
+    /// Takes references to cached blocks of the sequence's canonical prompt prefix,
+    /// whole chunks only, and always leaving at least one token to compute.
+    fn prefix_lookup(&mut self, sid: SeqId) -> Result<()> {
+        let (bs, chunk) = (self.cfg.block_size, self.cfg.prefill_chunk);
+        let seq = &self.seqs[&sid];
+        let limit = seq
+            .canonical_end(chunk)
+            .min((seq.tokens.len() - 1) / chunk * chunk);
+        let mut hits = Vec::new();
+        let mut hashes = Vec::new();
+        let mut prev = None;
+        for b in 0..limit / bs {
+            let h = block_hash(prev, &seq.tokens[b * bs..(b + 1) * bs]);
+            match self.bm.lookup(h) {
+                Some(id) => {
+                    hits.push(id);
+                    hashes.push(h);
+                    prev = Some(h);
+                }
+                None => break,
+            }
+        }
+        let keep = hits.len() * bs / chunk * chunk / bs;
+        hits.truncate(keep);
+        hashes.truncate(keep);
+        for &id in &hits {
+            self.bm.acquire(id)?;
+        }
+        self.stats.prefix_hit_blocks += hits.len();
+        let seq = self.seqs.get_mut(&sid).expect("exists");
+        seq.num_computed = hits.len() * bs;
+        seq.block_ids = hits;
+        seq.hashes = hashes;
+        Ok(())
+    }
+
+    fn undo_lookup(&mut self, sid: SeqId) -> Result<()> {
+        let seq = self.seqs.get_mut(&sid).expect("exists");
+        let ids = std::mem::take(&mut seq.block_ids);
+        seq.num_computed = 0;
+        seq.hashes.clear();
+        self.stats.prefix_hit_blocks -= ids.len();
+        for id in ids {
+            self.bm.release(id)?;
+        }
+        Ok(())
+    }
+
+    fn scheduled(&self, sid: SeqId, range: Range<usize>) -> Result<ScheduledSeq> {
+        let seq = &self.seqs[&sid];
+        let block_table = seq.block_ids[..self.blocks_for(range.end)]
+            .iter()
+            .map(|&id| self.bm.resolve(id))
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(|| format!("sequence {sid} scheduled with a non-resident block"))?;
+        Ok(ScheduledSeq {
+            seq: sid,
+            pos0: range.start,
+            sample: range.end == seq.tokens.len(),
+            tokens: seq.tokens[range].to_vec(),
+            block_table,
+        })
+    }
+
+    fn new_job(
+        &mut self,
+        seq: SeqId,
+        kind: JobKind,
+        blocks: Vec<LogicalId>,
+        copies: Vec<BlockCopy>,
+    ) -> TransferJob {
+        let id = self.next_job;
+        self.next_job += 1;
+        self.jobs.insert(id, JobMeta { seq, kind, blocks });
+        self.seqs.get_mut(&seq).expect("exists").job = Some(id);
+        TransferJob { id, kind, copies }
+    }
+
+    /// Preempts a running victim: offload its exclusive resident blocks when the host tier
+    /// has room for all of them, else recompute. Shared (prefix) blocks stay on the GPU.
+    fn preempt(&mut self, victim: SeqId, out: &mut Schedule) -> Result<Preempted> {
+        self.stats.preemptions += 1;
+        self.running.retain(|&r| r != victim);
+        if self.cfg.max_cpu_offload_blocks > 0 {
+            let mut exclusive = Vec::new();
+            for &id in &self.seqs[&victim].block_ids {
+                let b = self.bm.block(id)?;
+                if b.refs == 1 && b.state == Residency::Gpu {
+                    exclusive.push(id);
+                }
+            }
+            if !exclusive.is_empty() && self.bm.free_slots() >= exclusive.len() {
+                let moves = self.bm.start_store(&exclusive, Tier::Cpu)?;
+                let copies = moves
+                    .iter()
+                    .map(|&(block, page, slot)| BlockCopy {
+                        block,
+                        src: Loc::Gpu(page),
+                        dst: Loc::Host(Tier::Cpu, slot),
+                    })
+                    .collect();
+                let job = self.new_job(victim, JobKind::Store, exclusive, copies);
+                out.jobs.push(job);
+                self.seqs.get_mut(&victim).expect("exists").status = SeqStatus::Preempted;
+                self.waiting.push_front(victim);
+                return Ok(Preempted::Offloaded);
+            }
+        }
+        self.recompute(victim)?;
+        self.waiting.push_front(victim);
+        Ok(Preempted::Recomputed)
+    }
+
+    /// Drops a sequence's KV: release its blocks and start it over (its tokens are kept).
+    fn recompute(&mut self, sid: SeqId) -> Result<()> {
+        self.stats.recomputations += 1;
+        let seq = self.seqs.get_mut(&sid).expect("exists");
+        let ids = std::mem::take(&mut seq.block_ids);
+        seq.num_computed = 0;
+        seq.hashes.clear();
+        seq.status = SeqStatus::Waiting;
+        for id in ids {
+            self.bm.release(id)?;
+        }
+        Ok(())
+    }
+
+    /// A job finished: update metadata. A failed store leaves the blocks on the GPU; a
+    /// failed load releases the reserved pages and the request falls back to recomputation.
+    pub fn on_job_done(&mut self, job: JobId, ok: bool) -> Result<()> {
+        let meta = self
+            .jobs
+            .remove(&job)
+            .with_context(|| format!("completion for unknown job {job}"))?;
+        for &id in &meta.blocks {
+            match meta.kind {
+                JobKind::Store => self.bm.finish_store(id, ok)?,
+                JobKind::Load => self.bm.finish_load(id, ok)?,
+            }
+        }
+        let n = meta.blocks.len();
+        match (meta.kind, ok) {
+            (JobKind::Store, true) => self.stats.blocks_stored += n,
+            (JobKind::Load, true) => self.stats.blocks_loaded += n,
+            _ => self.stats.failed_jobs += 1,
+        }
+        self.seqs.get_mut(&meta.seq).expect("exists").job = None;
+        if meta.kind == JobKind::Load && !ok {
+            self.recompute(meta.seq)?; // still in the waiting queue, at its place
+        }
+        Ok(())
+    }
+
+    /// A forward call finished; `sampled` is the new token when the call sampled.
+    /// Returns true when the sequence finished (its blocks are released then).
+    pub fn on_forward_done(&mut self, call: &ScheduledSeq, sampled: Option<u32>) -> Result<bool> {
+        let (bs, chunk) = (self.cfg.block_size, self.cfg.prefill_chunk);
+        let seq = self
+            .seqs
+            .get_mut(&call.seq)
+            .with_context(|| format!("unknown sequence {}", call.seq))?;
+        ensure!(
+            seq.num_computed == call.pos0,
+            "sequence {} computed out of order",
+            call.seq
+        );
+        seq.num_computed += call.tokens.len();
+        // Register newly completed canonical blocks in the prefix cache.
+        let full = seq.num_computed.min(seq.canonical_end(chunk)) / bs;
+        while seq.hashes.len() < full {
+            let b = seq.hashes.len();
+            let h = block_hash(
+                seq.hashes.last().copied(),
+                &seq.tokens[b * bs..(b + 1) * bs],
+            );
+            self.bm.register(seq.block_ids[b], h)?;
+            seq.hashes.push(h);
+        }
+        let Some(tok) = sampled else {
+            return Ok(false);
+        };
+        seq.tokens.push(tok);
+        let n_out = seq.tokens.len() - seq.prompt_len;
+        if n_out < seq.max_tokens && !seq.stop_ids.contains(&tok) {
+            return Ok(false);
+        }
+        seq.status = SeqStatus::Finished;
+        for id in std::mem::take(&mut seq.block_ids) {
+            self.bm.release(id)?;
+        }
+        self.running.retain(|&r| r != call.seq);
+        Ok(true)
+    }
+
+    /// Invariants for tests: block bookkeeping against the sequences, every running
+    /// sequence fully resident, every queued sequence in exactly one queue.
+    pub fn check(&self) -> Result<(), String> {
+        let holders: Vec<&[LogicalId]> = self.seqs.values().map(|s| &s.block_ids[..]).collect();
+        self.bm.check(&holders)?;
+        for &sid in &self.running {
+            let s = &self.seqs[&sid];
+            if s.status != SeqStatus::Running || self.waiting.contains(&sid) {
+                return Err(format!("sequence {sid} running with status {:?}", s.status));
+            }
+            for &id in &s.block_ids {
+                if self.bm.resolve(id).is_err() {
+                    return Err(format!(
+                        "running sequence {sid} has non-resident block {id}"
+                    ));
+                }
+            }
+        }
+        for (&sid, s) in &self.seqs {
+            let queued = self.waiting.iter().filter(|&&w| w == sid).count()
+                + self.running.iter().filter(|&&r| r == sid).count();
+            let want = usize::from(s.status != SeqStatus::Finished);
+            if queued != want {
+                return Err(format!(
+                    "sequence {sid} ({:?}) queued {queued} times",
+                    s.status
+                ));
+            }
+            if s.status != SeqStatus::Finished
+                && s.block_ids.len() < s.num_computed.div_ceil(self.cfg.block_size)
+            {
+                return Err(format!(
+                    "sequence {sid} has fewer blocks than computed tokens"
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,466 @@
+//! Scheduler-side tests of the serving path: block residency, jobs and their rollback,
+//! logical→physical resolution, preemption policy, and a randomized property test.
+//! No model and no KV memory: forward calls are simulated by a token function.
+
+use std::collections::HashSet;
+
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::serve::block_manager::{BlockError, BlockManager};
+use strata::serve::residency::{Move, Residency, Tier};
+use strata::serve::scheduler::{Scheduler, SchedulerConfig, SeqId};
+use strata::serve::transfer::{JobKind, Loc, SimBackend, TransferBackend, TransferJob};
+
+/// The token a simulated model "samples" for sequence `seq` at output position `i`.
+fn fake_token(seq: SeqId, i: usize) -> u32 {
+    ((seq as usize * 31 + i * 7) % 97) as u32 + 3
+}
+
+fn cfg(bs: usize, gpu: usize, cpu: usize, chunk: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: bs,
+        num_gpu_blocks: gpu,
+        max_cpu_offload_blocks: cpu,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 64.max(chunk),
+        prefill_chunk: chunk,
+    }
+}
+
+/// One engine step with a simulated model. Returns the jobs created in it.
+fn step(s: &mut Scheduler, b: &mut dyn TransferBackend) -> Vec<TransferJob> {
+    for c in b.poll().unwrap() {
+        s.on_job_done(c.job, c.ok).unwrap();
+    }
+    let plan = s.schedule().unwrap();
+    for j in &plan.jobs {
+        b.submit(j.clone()).unwrap();
+    }
+    for call in &plan.batch {
+        assert!(!call.block_table.is_empty() && !call.tokens.is_empty());
+        let tok = call.sample.then(|| {
+            let seq = s.seq(call.seq).unwrap();
+            fake_token(call.seq, seq.output().len())
+        });
+        s.on_forward_done(call, tok).unwrap();
+    }
+    if plan.batch.is_empty() && b.in_flight() > 0 {
+        for c in b.wait().unwrap() {
+            s.on_job_done(c.job, c.ok).unwrap();
+        }
+    }
+    s.check().unwrap();
+    plan.jobs
+}
+
+#[test]
+fn every_residency_transition_is_legal_or_an_error() {
+    use Residency::*;
+    let events = [
+        Move::StartStore(Tier::Cpu),
+        Move::StartStore(Tier::Ssd),
+        Move::StoreDone,
+        Move::StoreFailed,
+        Move::StartLoad,
+        Move::LoadDone,
+        Move::LoadFailed,
+    ];
+    let legal = [
+        (Gpu, Move::StartStore(Tier::Cpu), MovingToCpu),
+        (Gpu, Move::StartStore(Tier::Ssd), MovingToSsd),
+        (MovingToCpu, Move::StoreDone, Cpu),
+        (MovingToSsd, Move::StoreDone, Ssd),
+        (MovingToCpu, Move::StoreFailed, Gpu),
+        (MovingToSsd, Move::StoreFailed, Gpu),
+        (Cpu, Move::StartLoad, MovingToGpu),
+        (Ssd, Move::StartLoad, MovingFromSsd),
+        (MovingToGpu, Move::LoadDone, Gpu),
+        (MovingFromSsd, Move::LoadDone, Gpu),
+        (MovingToGpu, Move::LoadFailed, Cpu),
+        (MovingFromSsd, Move::LoadFailed, Ssd),
+    ];
+    let mut illegal = 0;
+    for from in Residency::ALL {
+        for ev in events {
+            let want = legal.iter().find(|(f, e, _)| *f == from && *e == ev);
+            match (from.apply(ev), want) {
+                (Ok(to), Some((_, _, want))) => assert_eq!(to, *want, "{from:?} {ev:?}"),
+                (Err(e), None) => {
+                    assert_eq!((e.from, e.event), (from, ev));
+                    illegal += 1;
+                }
+                (got, want) => panic!("{from:?} {ev:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+    assert_eq!(illegal, 7 * 7 - legal.len());
+    // Only settled states may be freed.
+    assert!(Gpu.is_settled() && Cpu.is_settled() && Ssd.is_settled());
+    assert!(!MovingToCpu.is_settled() && !MovingToGpu.is_settled());
+}
+
+#[test]
+fn illegal_block_moves_are_errors_and_change_nothing() {
+    let mut bm = BlockManager::new(2, 2);
+    let ids = bm.allocate(1).unwrap();
+    // Loading a GPU block, finishing a store that never started: errors.
+    assert!(matches!(bm.start_load(&ids), Err(BlockError::Illegal(_))));
+    assert!(matches!(
+        bm.finish_store(ids[0], true),
+        Err(BlockError::Illegal(_))
+    ));
+    assert_eq!(bm.state(ids[0]).unwrap(), Residency::Gpu);
+    bm.start_store(&ids, Tier::Cpu).unwrap();
+    // Storing twice, or freeing mid-copy: errors.
+    assert!(matches!(
+        bm.start_store(&ids, Tier::Cpu),
+        Err(BlockError::Illegal(_))
+    ));
+    assert!(matches!(
+        bm.release(ids[0]),
+        Err(BlockError::ReleaseInFlight { .. })
+    ));
+    bm.check(&[&ids]).unwrap();
+}
+
+#[test]
+fn failed_jobs_roll_back_without_half_moved_blocks() {
+    let mut bm = BlockManager::new(3, 2);
+    let ids = bm.allocate(2).unwrap();
+    let pages: Vec<_> = ids.iter().map(|&i| bm.resolve(i).unwrap()).collect();
+    // A store keeps the page while in flight; failure puts the block back on the GPU.
+    bm.start_store(&ids, Tier::Cpu).unwrap();
+    assert_eq!((bm.available_pages(), bm.free_slots()), (1, 0));
+    assert!(
+        bm.resolve(ids[0]).is_err(),
+        "a moving block must not resolve"
+    );
+    for &i in &ids {
+        bm.finish_store(i, false).unwrap();
+    }
+    assert_eq!(bm.state(ids[0]).unwrap(), Residency::Gpu);
+    assert_eq!(
+        ids.iter()
+            .map(|&i| bm.resolve(i).unwrap())
+            .collect::<Vec<_>>(),
+        pages
+    );
+    assert_eq!((bm.available_pages(), bm.free_slots()), (1, 2));
+    bm.check(&[&ids]).unwrap();
+    // A successful store frees the pages; a failed load releases the reserved pages.
+    bm.start_store(&ids, Tier::Cpu).unwrap();
+    for &i in &ids {
+        bm.finish_store(i, true).unwrap();
+    }
+    assert_eq!((bm.available_pages(), bm.free_slots()), (3, 0));
+    bm.start_load(&ids).unwrap();
+    assert_eq!(bm.available_pages(), 1);
+    for &i in &ids {
+        bm.finish_load(i, false).unwrap();
+        assert_eq!(bm.state(i).unwrap(), Residency::Cpu);
+    }
+    assert_eq!((bm.available_pages(), bm.free_slots()), (3, 0));
+    bm.check(&[&ids]).unwrap();
+    // Not enough host slots: all or nothing.
+    let more = bm.allocate(3).unwrap();
+    assert!(matches!(
+        bm.start_store(&more, Tier::Cpu),
+        Err(BlockError::NoSlots { .. })
+    ));
+    assert!(more.iter().all(|&i| bm.state(i).unwrap() == Residency::Gpu));
+    for &i in ids.iter().chain(&more) {
+        bm.release(i).unwrap();
+    }
+    assert_eq!((bm.available_pages(), bm.free_slots()), (3, 2));
+    bm.check(&[]).unwrap();
+}
+
+#[test]
+fn a_loaded_back_block_resolves_to_its_new_page() {
+    let mut bm = BlockManager::new(2, 1);
+    let a = bm.allocate(1).unwrap()[0];
+    let b = bm.allocate(1).unwrap()[0];
+    let old = bm.resolve(a).unwrap();
+    bm.start_store(&[a], Tier::Cpu).unwrap();
+    bm.finish_store(a, true).unwrap();
+    let c = bm.allocate(1).unwrap()[0];
+    assert_eq!(bm.resolve(c).unwrap(), old, "the freed page is reused");
+    bm.release(b).unwrap();
+    let moves = bm.start_load(&[a]).unwrap();
+    assert!(matches!(bm.resolve(a), Err(BlockError::NotResident { .. })));
+    bm.finish_load(a, true).unwrap();
+    let new = bm.resolve(a).unwrap();
+    assert_eq!(new, moves[0].2);
+    assert_ne!(new, old, "block a now lives on a different page");
+    assert_eq!(bm.resolve(c).unwrap(), old);
+    bm.check(&[&[a], &[c]]).unwrap();
+}
+
+/// Runs `n` sequences of `prompt` tokens and `out` outputs on a tight pool to completion,
+/// returning the scheduler and every job created.
+fn run_tight(
+    c: SchedulerConfig,
+    prompts: &[Vec<u32>],
+    out: usize,
+    seed: u64,
+) -> (Scheduler, Vec<TransferJob>, Vec<SeqId>) {
+    let mut s = Scheduler::new(c).unwrap();
+    let mut b = SimBackend::new(seed, 0.5, 0.0);
+    let ids: Vec<_> = prompts
+        .iter()
+        .map(|p| s.add(p.clone(), out, vec![]).unwrap())
+        .collect();
+    let mut jobs = Vec::new();
+    for _ in 0..10_000 {
+        if !s.has_unfinished() {
+            break;
+        }
+        jobs.extend(step(&mut s, &mut b));
+    }
+    assert!(!s.has_unfinished(), "did not finish");
+    (s, jobs, ids)
+}
+
+#[test]
+fn preemption_recomputes_when_the_host_tier_is_full() {
+    // Each sequence ends at 12 blocks; 16 pages for 3 of them; host room for 1 block only.
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| vec![5 + i; 24]).collect();
+    let (s, jobs, ids) = run_tight(cfg(4, 16, 1, 8), &prompts, 24, 1);
+    assert!(s.stats.preemptions > 0);
+    assert_eq!(s.stats.recomputations, s.stats.preemptions);
+    assert!(jobs.is_empty(), "no store fits the host tier: {jobs:?}");
+    for id in ids {
+        let out = s.seq(id).unwrap().output().to_vec();
+        assert_eq!(out, (0..24).map(|i| fake_token(id, i)).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn preemption_offloads_when_the_host_tier_has_room() {
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| vec![5 + i; 24]).collect();
+    let (s, jobs, ids) = run_tight(cfg(4, 16, 64, 8), &prompts, 24, 2);
+    assert!(s.stats.preemptions > 0);
+    assert_eq!(s.stats.recomputations, 0);
+    assert!(s.stats.blocks_stored > 0);
+    assert_eq!(s.stats.blocks_stored, s.stats.blocks_loaded);
+    assert!(jobs.iter().any(|j| j.kind == JobKind::Store));
+    for id in ids {
+        let out = s.seq(id).unwrap().output().to_vec();
+        assert_eq!(out, (0..24).map(|i| fake_token(id, i)).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn a_victims_shared_prefix_blocks_are_never_offloaded() {
+    // Two sequences share a 16-token prefix (4 blocks, 2 chunks); the second is admitted
+    // after the first computed it, so it reuses those blocks; pages run out in decode.
+    let c = cfg(4, 14, 64, 8);
+    let mut s = Scheduler::new(c).unwrap();
+    let mut b = SimBackend::new(3, 0.3, 0.0);
+    let prefix: Vec<u32> = (10..26).collect();
+    let p0: Vec<u32> = prefix.iter().copied().chain([1, 2, 3]).collect();
+    let p1: Vec<u32> = prefix.iter().copied().chain([4, 5, 6, 7]).collect();
+    let a = s.add(p0, 30, vec![]).unwrap();
+    while s.seq(a).unwrap().num_computed < 16 {
+        step(&mut s, &mut b);
+    }
+    let second = s.add(p1, 30, vec![]).unwrap();
+    let mut saw_store = false;
+    let mut shared_checked = false;
+    for _ in 0..10_000 {
+        if !s.has_unfinished() {
+            break;
+        }
+        let shared: HashSet<u32> = match (s.seq(a), s.seq(second)) {
+            (Some(x), Some(y)) => x
+                .block_ids
+                .iter()
+                .filter(|id| y.block_ids.contains(id))
+                .copied()
+                .collect(),
+            _ => HashSet::new(),
+        };
+        shared_checked |= !shared.is_empty();
+        for j in step(&mut s, &mut b) {
+            if j.kind == JobKind::Store {
+                saw_store = true;
+                for c in &j.copies {
+                    assert!(
+                        !shared.contains(&c.block),
+                        "shared block {} offloaded",
+                        c.block
+                    );
+                }
+            }
+        }
+    }
+    assert!(shared_checked, "the prefix was never shared");
+    assert!(saw_store, "no preemption offloaded anything");
+    assert!(s.stats.prefix_hit_blocks >= 4);
+    for id in [a, second] {
+        let out = s.seq(id).unwrap().output().to_vec();
+        assert_eq!(out, (0..30).map(|i| fake_token(id, i)).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn a_page_under_an_in_flight_store_is_not_reused() {
+    // Completions arrive late (5% per poll) and in random order.
+    for seed in 0..8 {
+        let mut s = Scheduler::new(cfg(4, 20, 64, 8)).unwrap();
+        let mut b = SimBackend::new(seed, 0.05, 0.0);
+        let mut rng = StdRng::seed_from_u64(seed);
+        for _ in 0..5 {
+            let n = rng.random_range(5..30);
+            s.add(
+                (0..n).map(|_| rng.random_range(3..90)).collect(),
+                20,
+                vec![],
+            )
+            .unwrap();
+        }
+        let mut stores: Vec<TransferJob> = Vec::new();
+        let mut checked = 0;
+        for _ in 0..20_000 {
+            if !s.has_unfinished() {
+                break;
+            }
+            for c in b.poll().unwrap() {
+                stores.retain(|j| j.id != c.job);
+                s.on_job_done(c.job, c.ok).unwrap();
+            }
+            let plan = s.schedule().unwrap();
+            for j in &plan.jobs {
+                b.submit(j.clone()).unwrap();
+                if j.kind == JobKind::Store {
+                    stores.push(j.clone());
+                }
+            }
+            let busy: HashSet<u32> = stores
+                .iter()
+                .flat_map(|j| j.copies.iter())
+                .map(|c| match c.src {
+                    Loc::Gpu(p) => p,
+                    _ => unreachable!(),
+                })
+                .collect();
+            for j in plan.jobs.iter().filter(|j| j.kind == JobKind::Load) {
+                for c in &j.copies {
+                    let Loc::Gpu(p) = c.dst else { unreachable!() };
+                    assert!(!busy.contains(&p), "load into page {p} under a store");
+                }
+            }
+            for call in &plan.batch {
+                for p in &call.block_table {
+                    assert!(
+                        !busy.contains(p),
+                        "page {p} scheduled under an in-flight store"
+                    );
+                }
+                checked += usize::from(!busy.is_empty());
+                let tok = call
+                    .sample
+                    .then(|| fake_token(call.seq, s.seq(call.seq).unwrap().output().len()));
+                s.on_forward_done(call, tok).unwrap();
+            }
+            if plan.batch.is_empty() && b.in_flight() > 0 {
+                for c in b.wait().unwrap() {
+                    stores.retain(|j| j.id != c.job);
+                    s.on_job_done(c.job, c.ok).unwrap();
+                }
+            }
+            s.check().unwrap();
+        }
+        assert!(!s.has_unfinished());
+        assert!(
+            s.stats.blocks_stored > 0,
+            "seed {seed}: nothing was offloaded"
+        );
+        assert!(
+            checked > 0,
+            "seed {seed}: nothing ran while a store was in flight"
+        );
+    }
+}
+
+#[test]
+fn property_random_arrivals_lengths_capacities_and_completion_orders() {
+    for case in 0..60u64 {
+        let mut rng = StdRng::seed_from_u64(1000 + case);
+        let bs: usize = [1, 2, 4, 8][rng.random_range(0..4)];
+        let chunk = bs * rng.random_range(1..4);
+        let max_len: usize = rng.random_range(4..60);
+        let gpu = max_len.div_ceil(bs) + rng.random_range(0..20);
+        let cpu = [0, 1, 3, 8, 100][rng.random_range(0..5)];
+        let c = SchedulerConfig {
+            block_size: bs,
+            num_gpu_blocks: gpu,
+            max_cpu_offload_blocks: cpu,
+            max_num_seqs: rng.random_range(1..8),
+            max_num_batched_tokens: chunk * rng.random_range(1..4),
+            prefill_chunk: chunk,
+        };
+        let mut s = Scheduler::new(c).unwrap();
+        let mut b = SimBackend::new(
+            case,
+            rng.random_range(0.05..1.0),
+            rng.random_range(0.0..0.3),
+        );
+        let n = rng.random_range(1..12);
+        // Shared prefixes are common, so the prefix cache is exercised.
+        let prefix: Vec<u32> = (0..max_len).map(|_| rng.random_range(3..20)).collect();
+        let mut pending: Vec<(usize, Vec<u32>, usize)> = (0..n)
+            .map(|_| {
+                let total = rng.random_range(2..=max_len);
+                let out = rng.random_range(1..total);
+                let plen = total - out;
+                let keep = rng.random_range(0..=plen);
+                let mut p = prefix[..keep].to_vec();
+                p.extend((keep..plen).map(|_| rng.random_range(3..20)));
+                (rng.random_range(0..40), p, out)
+            })
+            .collect();
+        let mut ids = Vec::new();
+        let mut t = 0;
+        while (s.has_unfinished() || !pending.is_empty()) && t < 50_000 {
+            pending.retain(|(at, p, out)| {
+                if *at <= t {
+                    ids.push((s.add(p.clone(), *out, vec![]).unwrap(), *out));
+                    false
+                } else {
+                    true
+                }
+            });
+            step(&mut s, &mut b);
+            t += 1;
+        }
+        assert!(
+            !s.has_unfinished() && pending.is_empty(),
+            "case {case} did not finish"
+        );
+        while b.in_flight() > 0 {
+            for c in b.wait().unwrap() {
+                s.on_job_done(c.job, c.ok).unwrap();
+            }
+        }
+        s.check().unwrap();
+        for (id, out) in ids {
+            let got = s.seq(id).unwrap().output().to_vec();
+            assert_eq!(
+                got,
+                (0..out).map(|i| fake_token(id, i)).collect::<Vec<_>>(),
+                "case {case}"
+            );
+        }
+        let bm = &s.bm;
+        assert_eq!(
+            bm.available_pages(),
+            bm.num_pages(),
+            "case {case}: pages leaked"
+        );
+        assert_eq!(
+            bm.free_slots(),
+            bm.num_slots(),
+            "case {case}: host slots leaked"
+        );
+    }
+}

@@ -174,6 +174,9 @@ pub struct OffloadEngine {
     ring: Ring,
     /// Layers of the next decode step already prefetched (during this step's tail).
     ahead: usize,
+    /// Launch gate of the step being enqueued: the compute stream holds until the host has
+    /// queued the whole step (see `begin_step`).
+    gate: Option<(Event, u64)>,
     /// Tokens whose KV is stored (host blocks + decode buffer).
     seq_len: usize,
     step: Step,
@@ -208,6 +211,7 @@ impl OffloadEngine {
             layer_stored: Vec::new(),
             ring: Ring::new(cfg.num_kv_buffers, l),
             ahead: 0,
+            gate: None,
             seq_len: 0,
             step: Step::Idle,
             num_layers: l,
@@ -329,7 +333,15 @@ impl OffloadEngine {
         stream.fill("poison-v", Some(layer), &self.ring_v[s], 0, len, f32::NAN);
     }
 
-    fn synchronize_all(&self) {
+    /// Releases the step queued since `begin_step`.
+    fn open_gate(&mut self) {
+        if let Some((gate, n)) = self.gate.take() {
+            gate.complete_on_host(n);
+        }
+    }
+
+    fn synchronize_all(&mut self) {
+        self.open_gate();
         self.compute.synchronize();
         self.prefetch.synchronize();
         for o in &self.offload {
@@ -386,6 +398,14 @@ impl KvView for OffloadEngine {
         } else {
             bail!("offload engine: a step must be a whole-prompt prefill or one decode token (got {tokens} tokens at position {pos0}, {} stored)", self.seq_len);
         };
+        // Launch the step as a whole, like a CUDA graph: the compute stream waits until the
+        // host has queued every layer. On a CPU device with few cores the compute threads
+        // would otherwise starve the host thread, and prefetches queued "ahead" would reach
+        // the copy stream only as each layer ends, which serializes transfer and compute.
+        let gate = Event::new();
+        let n = gate.record_on_host();
+        self.compute.wait(&gate, "host-enqueue");
+        self.gate = Some((gate, n));
         if let Step::Decode { pos } = self.step {
             // Layers not already prefetched during the previous step's tail.
             let full = pos / self.cfg.block_size;
@@ -574,6 +594,7 @@ impl KvView for OffloadEngine {
     }
 
     fn synchronize(&mut self) -> Result<()> {
+        self.open_gate();
         self.compute.synchronize();
         Ok(())
     }

@@ -138,6 +138,16 @@ impl Event {
         self.wait_for(target);
     }
 
+    /// Issues a record that the host completes itself with `complete_on_host` (a launch
+    /// gate: streams waiting on it hold until the host has enqueued a whole step).
+    pub fn record_on_host(&self) -> u64 {
+        self.issue()
+    }
+
+    pub fn complete_on_host(&self, n: u64) {
+        self.complete(n)
+    }
+
     fn issue(&self) -> u64 {
         let mut s = self.inner.state.lock().expect("event lock");
         s.0 += 1;

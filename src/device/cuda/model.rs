@@ -1,0 +1,352 @@
+//! The model on the GPU: the same layer loop as `Model::forward`, enqueued from the host
+//! thread on one compute stream (CUDA's own asynchrony replaces the CPU device's worker
+//! threads), with the KV behind the `CudaKv` seam. Activations bf16; cuBLAS and the
+//! kernels accumulate in f32; logits f32.
+
+use super::context::CudaDevice;
+use super::kv::{CudaKv, LayerSlot};
+use super::ops::{at, dptr, gemm, AttnArgs, DPtr, DecodeScratch, Kernels};
+use super::weights::CudaWeights;
+use crate::device::cpu::ops::rope_tables;
+use crate::model::{config, ModelConfig};
+use anyhow::{bail, Result};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, CudaStream};
+use std::sync::Arc;
+
+/// MLP rows at once (as on the CPU), bounding the `[rows, 2 inter]` activation.
+const MLP_CHUNK: usize = 1024;
+/// Keys per flash-decoding split.
+const SPLIT_LEN: usize = 512;
+
+pub struct CudaModel {
+    pub cfg: ModelConfig,
+    pub dev: Arc<CudaDevice>,
+    pub compute: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    pub w: CudaWeights,
+    max_pos: usize,
+    _cos: CudaSlice<f32>, // [max_pos, head_dim / 2]
+    _sin: CudaSlice<f32>,
+    cos: DPtr,
+    sin: DPtr,
+    scratch_bufs: (CudaSlice<f32>, CudaSlice<f32>),
+    scratch: DecodeScratch,
+    acts: Option<Acts>,
+    /// NVTX ranges around each layer, attention and MLP (host enqueue side).
+    pub nvtx: bool,
+}
+
+/// Step activations for up to `rows` tokens, reused across steps.
+struct Acts {
+    rows: usize,
+    chunk: usize,
+    _bufs: Vec<CudaSlice<u16>>,
+    _meta: CudaSlice<i32>,
+    logits_buf: CudaSlice<f32>,
+    x: DPtr,      // [rows, hidden] residual stream
+    hn: DPtr,     // [rows, hidden] normalised input of the next block
+    qkv: DPtr,    // [rows, q | k | v]
+    attn: DPtr,   // [rows, q_dim]
+    proj: DPtr,   // [rows, hidden]
+    gu: DPtr,     // [chunk, gate | up]
+    act: DPtr,    // [chunk, inter]
+    meta: DPtr,   // i32 [ids: rows | pos: rows | cu_seqlens: 2 | ctx_len: 1 | table: 1]
+    logits: DPtr, // f32 [vocab]
+}
+
+impl CudaModel {
+    /// `max_pos`: the longest context this model will run (sizes the RoPE tables and the
+    /// decode scratch).
+    pub fn new(
+        dev: Arc<CudaDevice>,
+        compute: Arc<CudaStream>,
+        cfg: ModelConfig,
+        w: CudaWeights,
+        max_pos: usize,
+    ) -> Result<Self> {
+        if w.layers.len() != cfg.num_layers {
+            bail!(
+                "weights have {} layers, config {}",
+                w.layers.len(),
+                cfg.num_layers
+            );
+        }
+        let k = Kernels::load(&dev, cfg.head_dim)?;
+        let blas = dev.blas(&compute)?;
+        let (cos_h, sin_h) = rope_tables(&config::rope_inv_freq(&cfg), 0, max_pos);
+        let cos_b = super::context::upload(&compute, &cos_h)?;
+        let sin_b = super::context::upload(&compute, &sin_h)?;
+        let max_splits = max_pos.div_ceil(SPLIT_LEN);
+        let nh = cfg.num_heads;
+        let part_o = dev.alloc_zeros::<f32>(&compute, nh * max_splits * cfg.head_dim)?;
+        let part_ml = dev.alloc_zeros::<f32>(&compute, nh * max_splits * 2)?;
+        let scratch = DecodeScratch {
+            part_o: dptr(&part_o, &compute),
+            part_ml: dptr(&part_ml, &compute),
+            split_len: SPLIT_LEN,
+            max_splits,
+        };
+        Ok(Self {
+            cos: dptr(&cos_b, &compute),
+            sin: dptr(&sin_b, &compute),
+            _cos: cos_b,
+            _sin: sin_b,
+            scratch_bufs: (part_o, part_ml),
+            scratch,
+            cfg,
+            dev,
+            compute,
+            blas,
+            k,
+            w,
+            max_pos,
+            acts: None,
+            nvtx: true,
+        })
+    }
+
+    pub fn max_pos(&self) -> usize {
+        self.max_pos
+    }
+
+    /// Bytes of the decode scratch (for memory reports).
+    pub fn scratch_bytes(&self) -> usize {
+        4 * (self.scratch_bufs.0.len() + self.scratch_bufs.1.len())
+    }
+
+    /// Activations for `t` tokens; grows (after a synchronize) when a step needs more.
+    fn ensure_acts(&mut self, t: usize) -> Result<()> {
+        if self.acts.as_ref().is_some_and(|a| a.rows >= t) {
+            return Ok(());
+        }
+        self.compute.synchronize()?;
+        self.acts = None; // free before allocating the larger set
+        let c = &self.cfg;
+        let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let chunk = t.min(MLP_CHUNK);
+        let sizes = [
+            t * h,
+            t * h,
+            t * (qd + 2 * kvd),
+            t * qd,
+            t * h,
+            chunk * 2 * inter,
+            chunk * inter,
+        ];
+        let st = &self.compute;
+        let bufs = sizes
+            .iter()
+            .map(|&n| self.dev.alloc_zeros::<u16>(st, n))
+            .collect::<Result<Vec<_>>>()?;
+        let p: Vec<DPtr> = bufs.iter().map(|b| dptr(b, st)).collect();
+        let meta = self.dev.alloc_zeros::<i32>(st, 2 * t + 4)?;
+        let logits = self.dev.alloc_zeros::<f32>(st, c.vocab_size)?;
+        self.acts = Some(Acts {
+            rows: t,
+            chunk,
+            x: p[0],
+            hn: p[1],
+            qkv: p[2],
+            attn: p[3],
+            proj: p[4],
+            gu: p[5],
+            act: p[6],
+            meta: dptr(&meta, st),
+            logits: dptr(&logits, st),
+            _bufs: bufs,
+            _meta: meta,
+            logits_buf: logits,
+        });
+        Ok(())
+    }
+
+    /// Enqueues one step (tokens at positions `pos0..`) and returns the last token's
+    /// logits `[vocab]` (the only synchronisation of the step).
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn CudaKv,
+    ) -> Result<Vec<f32>> {
+        self.enqueue(tokens, pos0, kv)?;
+        let a = self
+            .acts
+            .as_ref()
+            .expect("enqueue allocated the activations");
+        let logits = self.compute.clone_dtoh(&a.logits_buf)?;
+        self.compute.synchronize()?;
+        Ok(logits)
+    }
+
+    /// Everything of `forward` but the download: the host returns once the step is queued.
+    pub fn enqueue(&mut self, tokens: &[u32], pos0: usize, kv: &mut dyn CudaKv) -> Result<()> {
+        let t = tokens.len();
+        let c = self.cfg.clone();
+        if t == 0 {
+            bail!("forward called with no tokens");
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            bail!("token id {id} is outside the vocabulary ({})", c.vocab_size);
+        }
+        if pos0 + t > self.max_pos {
+            bail!(
+                "position {} is past the {} positions this CUDA model was built for",
+                pos0 + t,
+                self.max_pos
+            );
+        }
+        kv.begin_step(pos0, t)?;
+        self.ensure_acts(t)?;
+        let a = self.acts.as_ref().expect("allocated above");
+        let st = &self.compute;
+        // Step metadata in one upload (pageable: the driver stages it before returning).
+        let mut meta: Vec<i32> = tokens.iter().map(|&id| id as i32).collect();
+        meta.extend((pos0..pos0 + t).map(|p| p as i32));
+        meta.extend([0, t as i32, (pos0 + t) as i32, 0]);
+        // SAFETY: `meta` fits the [2 rows + 4] buffer; pageable source, staged at once.
+        unsafe { super::ops::htod(st, a.meta, meta.as_ptr() as *const u8, meta.len() * 4)? };
+        let (ids, pos) = (a.meta, at::<i32>(a.meta, t));
+        let h = c.hidden_size;
+        self.range("embed");
+        self.k
+            .embedding(st, self.w.embed.ptr, ids, a.x, t, c.vocab_size, h)?;
+        let l0 = &self.w.layers[0];
+        self.k
+            .rms_norm(st, a.x, l0.attn_norm.ptr, a.hn, t, h, c.rms_norm_eps)?;
+        self.pop();
+        for l in 0..c.num_layers {
+            let slot = kv.begin_layer(l)?;
+            self.range_l("layer", l);
+            self.layer(l, t, pos0, pos, slot)?;
+            self.pop();
+            kv.end_layer(l)?;
+        }
+        let a = self.acts.as_ref().expect("allocated above");
+        self.range("lm_head");
+        gemm(
+            &self.blas,
+            at::<u16>(a.hn, (t - 1) * h),
+            self.w.lm_head(),
+            a.logits,
+            1,
+            h,
+            c.vocab_size,
+            true,
+        )?;
+        self.pop();
+        Ok(())
+    }
+
+    fn range(&self, name: &str) {
+        if self.nvtx {
+            nvtx::range_push!("{name}");
+        }
+    }
+
+    fn range_l(&self, name: &str, l: usize) {
+        if self.nvtx {
+            nvtx::range_push!("{name} {l}");
+        }
+    }
+
+    fn pop(&self) {
+        if self.nvtx {
+            nvtx::range_pop!();
+        }
+    }
+
+    /// One decoder layer on `a.hn` → residual `a.x` → next block's normalised input in
+    /// `a.hn`; K/V of the new tokens stored into `slot` at their positions.
+    fn layer(&self, l: usize, t: usize, pos0: usize, pos: DPtr, slot: LayerSlot) -> Result<()> {
+        let c = &self.cfg;
+        let a = self.acts.as_ref().expect("allocated by enqueue");
+        let (st, k, lw) = (&self.compute, &self.k, &self.w.layers[l]);
+        let (h, qd, kvd, inter, hd) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+            c.head_dim,
+        );
+        let (nh, nkv, eps) = (c.num_heads, c.num_kv_heads, c.rms_norm_eps);
+        let qkv_dim = qd + 2 * kvd;
+        let ctx = pos0 + t;
+        self.range("attention");
+        // 1. Fused QKV projection.
+        gemm(&self.blas, a.hn, lw.wqkv.ptr, a.qkv, t, h, qkv_dim, false)?;
+        // 2. Qwen3: per-head RMSNorm of q and k before RoPE.
+        if let Some((qn, kn)) = &lw.qk_norm {
+            k.head_rms_norm(st, a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps)?;
+            k.head_rms_norm(st, at::<u16>(a.qkv, qd), kn.ptr, t, nkv, hd, qkv_dim, eps)?;
+        }
+        // 3. RoPE on q and k together (adjacent heads in the fused row).
+        k.rope(st, a.qkv, pos, self.cos, self.sin, t, nh + nkv, hd, qkv_dim)?;
+        // 4. Store the new K/V at their positions, attend over 0..ctx.
+        let (kp, vp) = (at::<u16>(a.qkv, qd), at::<u16>(a.qkv, qd + kvd));
+        k.kv_store(st, kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim)?;
+        let args = AttnArgs {
+            q: a.qkv,
+            k: slot.k,
+            v: slot.v,
+            out: a.attn,
+            cu_seqlens: at::<i32>(a.meta, 2 * t),
+            ctx_len: at::<i32>(a.meta, 2 * t + 2),
+            table: at::<i32>(a.meta, 2 * t + 3),
+            capacity: slot.capacity,
+            tokens: t,
+            ctx,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            q_stride: qkv_dim,
+        };
+        if ctx > slot.capacity {
+            bail!("layer {l}: {ctx} tokens in a KV slot of {}", slot.capacity);
+        }
+        if t == 1 {
+            k.attn_decode(st, &args, &self.scratch, hd)?;
+        } else {
+            k.attn_prefill(st, &args, hd)?;
+        }
+        // 5. Output projection, residual add, post-attention norm.
+        gemm(&self.blas, a.attn, lw.wo.ptr, a.proj, t, qd, h, false)?;
+        k.add_rms_norm(st, a.x, a.proj, lw.mlp_norm.ptr, a.hn, t, h, eps)?;
+        self.pop();
+        // 6. MLP in row chunks; the residual add is fused with the next block's norm.
+        self.range("mlp");
+        let next_norm = self
+            .w
+            .layers
+            .get(l + 1)
+            .map_or(self.w.final_norm.ptr, |n| n.attn_norm.ptr);
+        for r0 in (0..t).step_by(a.chunk) {
+            let n = a.chunk.min(t - r0);
+            let row = |p: DPtr| at::<u16>(p, r0 * h);
+            gemm(
+                &self.blas,
+                row(a.hn),
+                lw.w_gate_up.ptr,
+                a.gu,
+                n,
+                h,
+                2 * inter,
+                false,
+            )?;
+            k.silu_mul(st, a.gu, a.act, n, inter)?;
+            gemm(
+                &self.blas,
+                a.act,
+                lw.w_down.ptr,
+                row(a.proj),
+                n,
+                inter,
+                h,
+                false,
+            )?;
+            k.add_rms_norm(st, row(a.x), row(a.proj), next_norm, row(a.hn), n, h, eps)?;
+        }
+        self.pop();
+        Ok(())
+    }
+}

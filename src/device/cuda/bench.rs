@@ -8,6 +8,7 @@
 //! times and memory are also given scaled to 36 layers.
 
 use super::context::CudaDevice;
+use super::exec::{CudaExec, Exec};
 use super::kv::{CudaKv, ResidentKv};
 use super::model::CudaModel;
 use super::offload::CudaOffloadEngine;
@@ -341,9 +342,10 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
     let max_ctx = *args.contexts.iter().max().expect("checked above");
     shape.max_pos = (max_ctx + extra).max(WARM_CAP);
     let cfg = shape.config();
-    let w = CudaWeights::random_shared(&compute, &cfg, 1)?;
+    let x: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone(), cfg.head_dim)?);
+    let w = CudaWeights::random_shared(&*x, &cfg, 1)?;
     let weights_bytes = w.bytes;
-    let mut model = CudaModel::new(dev.clone(), compute.clone(), cfg.clone(), w, shape.max_pos)?;
+    let mut model = CudaModel::new(x.clone(), cfg.clone(), w, shape.max_pos)?;
     model.nvtx = false;
     let mut report = BenchReport {
         layers: args.layers,
@@ -355,7 +357,7 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
     // Warm-up (cuBLAS initialisation, first launches) and the largest activations, so
     // neither lands in the first timed prefill.
     {
-        let mut kv = ResidentKv::new(&dev, &compute, cfg.num_layers, cfg.kv_dim(), WARM_CAP)?;
+        let mut kv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), WARM_CAP)?;
         let warm: Vec<u32> = (0..512).collect();
         run_once(&mut model, &mut kv, &warm, 2, 0)?;
         model.reserve(max_ctx)?;
@@ -369,7 +371,7 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
         // Resident.
         compute.synchronize()?;
         let m0 = mem_used()?;
-        let mut kv = ResidentKv::new(&dev, &compute, cfg.num_layers, cfg.kv_dim(), max_len)?;
+        let mut kv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), max_len)?;
         compute.synchronize()?;
         let kv_mem = mem_used()?.saturating_sub(m0).max(kv.bytes());
         let res = run_once(&mut model, &mut kv, &prompt, args.decode_steps, kv_mem)?;

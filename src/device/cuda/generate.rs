@@ -113,9 +113,14 @@ pub fn run_request(
     use std::sync::Arc;
     let dev = Arc::new(CudaDevice::new(0)?);
     let compute = dev.new_stream()?;
-    let w = super::weights::CudaWeights::from_model(&compute, model)?;
     let cfg = model.cfg.clone();
-    let mut gpu = CudaModel::new(dev.clone(), compute.clone(), cfg.clone(), w, req.max_len)?;
+    let x: Arc<dyn super::exec::Exec> = Arc::new(super::exec::CudaExec::new(
+        dev.clone(),
+        compute.clone(),
+        cfg.head_dim,
+    )?);
+    let w = super::weights::CudaWeights::from_model(&*x, model)?;
+    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, req.max_len)?;
     match &req.offload {
         Some(ocfg) => {
             let mut kv = super::offload::CudaOffloadEngine::new(dev, compute, &cfg, ocfg.clone())?;
@@ -129,13 +134,8 @@ pub fn run_request(
             Ok(out)
         }
         None => {
-            let mut kv = super::kv::ResidentKv::new(
-                &dev,
-                &compute,
-                cfg.num_layers,
-                cfg.kv_dim(),
-                req.max_len,
-            )?;
+            let mut kv =
+                super::kv::ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), req.max_len)?;
             generate(&mut gpu, &mut kv, prompt, opts, req.profile, on_token)
         }
     }

@@ -11,6 +11,7 @@
 //! rms(Δ) ≤ 3% · rms(cpu) and max|Δ| ≤ 8% · max|cpu|.
 
 use super::context::CudaDevice;
+use super::exec::{CudaExec, Exec};
 use super::generate::generate;
 use super::kv::{CudaKv, ResidentKv};
 use super::model::CudaModel;
@@ -49,8 +50,18 @@ pub fn logits_error(got: &[f32], want: &[f32]) -> (f32, f32) {
 }
 
 fn row(name: &str, shape: String, errs: &[(f32, f32)]) -> CheckRow {
-    let rms = errs.iter().map(|e| e.0).fold(0.0, f32::max);
-    let max = errs.iter().map(|e| e.1).fold(0.0, f32::max);
+    // A NaN anywhere is the worst error (f32::max would drop it).
+    let worst = |it: &mut dyn Iterator<Item = f32>| {
+        it.fold(0.0f32, |a, b| {
+            if a.is_nan() || b.is_nan() {
+                f32::NAN
+            } else {
+                a.max(b)
+            }
+        })
+    };
+    let rms = worst(&mut errs.iter().map(|e| e.0));
+    let max = worst(&mut errs.iter().map(|e| e.1));
     let pass = errs.iter().all(|&(r, m)| r <= RMS_TOL && m <= MAX_TOL); // false on NaN
     CheckRow {
         name: name.into(),
@@ -63,9 +74,10 @@ fn row(name: &str, shape: String, errs: &[(f32, f32)]) -> CheckRow {
 }
 
 /// Prefill `prompt_len` random tokens, then `decode` greedy steps (tokens chosen by the
-/// CPU, fed to both), comparing the logits of every step.
-fn compare_model(
-    dev: &Arc<CudaDevice>,
+/// CPU, fed to both), comparing the logits of every step. `exec` makes the device for a
+/// head_dim: the GPU, or its host twin in the unit tests.
+pub fn compare_model(
+    exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>,
     name: &str,
     shape: Shape,
     prompt_len: usize,
@@ -73,11 +85,11 @@ fn compare_model(
 ) -> Result<CheckRow> {
     let cfg = shape.config();
     let model = Arc::new(Model::new(cfg.clone(), random_weights(&cfg, 11)));
-    let compute = dev.new_stream()?;
-    let w = CudaWeights::from_model(&compute, &model)?;
+    let x = exec(cfg.head_dim)?;
+    let w = CudaWeights::from_model(&*x, &model)?;
     let cap = prompt_len + decode + 1;
-    let mut gpu = CudaModel::new(dev.clone(), compute.clone(), cfg.clone(), w, cap)?;
-    let mut gkv = ResidentKv::new(dev, &compute, cfg.num_layers, cfg.kv_dim(), cap)?;
+    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap)?;
+    let mut gkv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap)?;
     let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
     let mut rng = StdRng::seed_from_u64(5);
     let prompt: Vec<u32> = (0..prompt_len)
@@ -104,6 +116,10 @@ fn compare_model(
 /// f32 CPU reference stays quick).
 pub fn logits_check() -> Result<Vec<CheckRow>> {
     let dev = Arc::new(CudaDevice::new(0)?);
+    let compute = dev.new_stream()?;
+    let gpu = |hd: usize| -> Result<Arc<dyn Exec>> {
+        Ok(Arc::new(CudaExec::new(dev.clone(), compute.clone(), hd)?))
+    };
     let mut big = Shape::qwen3_4b();
     big.layers = 1;
     big.vocab = 4096;
@@ -114,7 +130,7 @@ pub fn logits_check() -> Result<Vec<CheckRow>> {
     Ok(cases
         .into_iter()
         .map(|(name, shape, p, d)| {
-            compare_model(&dev, name, shape, p, d).unwrap_or_else(|e| failed(name, e))
+            compare_model(&gpu, name, shape, p, d).unwrap_or_else(|e| failed(name, e))
         })
         .collect())
 }
@@ -167,10 +183,11 @@ fn offload_case(dev: &Arc<CudaDevice>, name: &str, shape: Shape) -> Result<Vec<C
     let cfg = shape.config();
     let model = Model::new(cfg.clone(), random_weights(&cfg, 3));
     let compute = dev.new_stream()?;
-    let w = CudaWeights::from_model(&compute, &model)?;
+    let x: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone(), cfg.head_dim)?);
+    let w = CudaWeights::from_model(&*x, &model)?;
     let (prompt_len, new) = (100usize, 40usize);
     let cap = prompt_len + new;
-    let mut gpu = CudaModel::new(dev.clone(), compute.clone(), cfg.clone(), w, cap)?;
+    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap)?;
     let mut rng = StdRng::seed_from_u64(9);
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
@@ -178,7 +195,7 @@ fn offload_case(dev: &Arc<CudaDevice>, name: &str, shape: Shape) -> Result<Vec<C
     let opts = greedy(new);
     let mut run =
         |kv: &mut dyn CudaKv| generate(&mut gpu, kv, &prompt, &opts, None, &mut |_| Ok(()));
-    let mut resident = ResidentKv::new(dev, &compute, cfg.num_layers, cfg.kv_dim(), cap)?;
+    let mut resident = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap)?;
     let base = run(&mut resident)?;
     drop(resident);
     let mut rows = Vec::new();
@@ -243,5 +260,6 @@ mod tests {
         assert!(logits_error(&[f32::NAN, 0.0, 0.0, 0.0], &want).0.is_nan());
         let rows = row("x", String::new(), &[(0.01, 0.02), (f32::NAN, 0.0)]);
         assert!(!rows.pass);
+        assert!(rows.note.contains("NaN"), "{}", rows.note);
     }
 }

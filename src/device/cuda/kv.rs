@@ -5,11 +5,9 @@
 //! returns where it lives, and `end_layer`, which records the events and queues what
 //! follows (offload, next prefetch). The host never blocks inside a step.
 
-use super::context::CudaDevice;
-use super::ops::{dptr, DPtr};
+use super::exec::{Buf, Exec};
+use super::ops::DPtr;
 use anyhow::{bail, Result};
-use cudarc::driver::{CudaSlice, CudaStream};
-use std::sync::Arc;
 
 /// Where one layer's K and V live while it computes: bf16 `[capacity, kv_dim]` each,
 /// positions `0..pos0 + tokens` valid once the layer's kv_store has run.
@@ -36,30 +34,32 @@ pub trait CudaKv {
 /// and V, allocated up front. Same stream as the model, so nothing to wait for.
 pub struct ResidentKv {
     capacity: usize,
-    k: Vec<CudaSlice<u16>>, // [num_layers][capacity * kv_dim]
-    v: Vec<CudaSlice<u16>>,
-    compute: Arc<CudaStream>,
+    bytes: usize,
+    _bufs: Vec<Buf>, // 2 × num_layers × bf16 [capacity, kv_dim]
+    k: Vec<DPtr>,    // [num_layers]
+    v: Vec<DPtr>,
 }
 
 impl ResidentKv {
-    pub fn new(
-        dev: &CudaDevice,
-        compute: &Arc<CudaStream>,
-        num_layers: usize,
-        kv_dim: usize,
-        capacity: usize,
-    ) -> Result<Self> {
-        let alloc = |_| dev.alloc_zeros::<u16>(compute, capacity * kv_dim);
+    /// On `x`'s stream (the model's compute stream).
+    pub fn new(x: &dyn Exec, num_layers: usize, kv_dim: usize, capacity: usize) -> Result<Self> {
+        let (mut bufs, mut ptrs) = (Vec::new(), Vec::new());
+        for _ in 0..2 * num_layers {
+            let (b, p) = x.alloc(capacity * kv_dim * 2)?;
+            bufs.push(b);
+            ptrs.push(p);
+        }
         Ok(Self {
             capacity,
-            k: (0..num_layers).map(alloc).collect::<Result<_>>()?,
-            v: (0..num_layers).map(alloc).collect::<Result<_>>()?,
-            compute: compute.clone(),
+            bytes: 2 * num_layers * capacity * kv_dim * 2,
+            k: ptrs[..num_layers].to_vec(),
+            v: ptrs[num_layers..].to_vec(),
+            _bufs: bufs,
         })
     }
 
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|b| b.len() * 2).sum()
+        self.bytes
     }
 }
 
@@ -85,8 +85,8 @@ impl CudaKv for ResidentKv {
 
     fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot> {
         Ok(LayerSlot {
-            k: dptr(&self.k[layer], &self.compute),
-            v: dptr(&self.v[layer], &self.compute),
+            k: self.k[layer],
+            v: self.v[layer],
             capacity: self.capacity,
         })
     }

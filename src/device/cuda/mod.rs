@@ -7,6 +7,7 @@
 //! - `context`: context, streams, events, pinned memory, copies, modules and launches;
 //! - `check`: each kernel against its CPU twin (for `scripts/gpu-check.sh`);
 //! - `ops`: kernel launches and raw async copies on device pointers;
+//! - `exec`, `hosttwin`: the model's device interface, on the GPU and its host twin;
 //! - `weights`, `model`, `kv`, `generate`: the bf16 model and its layer loop over the
 //!   `CudaKv` seam (resident KV), and the generation loop;
 //! - `offload`, `trace`: layerwise KV offload (the CPU engine's twin) and its trace;
@@ -15,8 +16,10 @@
 pub mod bench;
 pub mod check;
 pub mod context;
+pub mod exec;
 pub mod generate;
 pub mod gpucheck;
+pub mod hosttwin;
 pub mod kv;
 pub mod libs;
 pub mod model;

@@ -3,15 +3,13 @@
 //! threads), with the KV behind the `CudaKv` seam. Activations bf16; cuBLAS and the
 //! kernels accumulate in f32; logits f32.
 
-use super::context::CudaDevice;
+use super::exec::{Buf, Exec};
 use super::kv::{CudaKv, LayerSlot};
-use super::ops::{at, dptr, gemm, AttnArgs, DPtr, DecodeScratch, Kernels};
+use super::ops::{at, AttnArgs, DPtr, DecodeScratch};
 use super::weights::CudaWeights;
 use crate::device::cpu::ops::rope_tables;
 use crate::model::{config, ModelConfig};
 use anyhow::{bail, Result};
-use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 
 /// MLP rows at once (as on the CPU), bounding the `[rows, 2 inter]` activation.
@@ -21,17 +19,13 @@ const SPLIT_LEN: usize = 512;
 
 pub struct CudaModel {
     pub cfg: ModelConfig,
-    pub dev: Arc<CudaDevice>,
-    pub compute: Arc<CudaStream>,
-    blas: CudaBlas,
-    k: Kernels,
+    /// The GPU (`CudaExec`, on the compute stream) or its host twin (`HostExec`).
+    x: Arc<dyn Exec>,
     pub w: CudaWeights,
     max_pos: usize,
-    _cos: CudaSlice<f32>, // [max_pos, head_dim / 2]
-    _sin: CudaSlice<f32>,
+    _bufs: Vec<Buf>, // RoPE tables f32 [max_pos, head_dim / 2] ×2, decode scratch
     cos: DPtr,
     sin: DPtr,
-    scratch_bufs: (CudaSlice<f32>, CudaSlice<f32>),
     scratch: DecodeScratch,
     acts: Option<Acts>,
     /// NVTX ranges around each layer, attention and MLP (host enqueue side).
@@ -42,9 +36,8 @@ pub struct CudaModel {
 struct Acts {
     rows: usize,
     chunk: usize,
-    _bufs: Vec<CudaSlice<u16>>,
-    _meta: CudaSlice<i32>,
-    logits_buf: CudaSlice<f32>,
+    _bufs: Vec<Buf>,
+    vocab: usize,
     x: DPtr,      // [rows, hidden] residual stream
     hn: DPtr,     // [rows, hidden] normalised input of the next block
     qkv: DPtr,    // [rows, q | k | v]
@@ -58,14 +51,8 @@ struct Acts {
 
 impl CudaModel {
     /// `max_pos`: the longest context this model will run (sizes the RoPE tables and the
-    /// decode scratch).
-    pub fn new(
-        dev: Arc<CudaDevice>,
-        compute: Arc<CudaStream>,
-        cfg: ModelConfig,
-        w: CudaWeights,
-        max_pos: usize,
-    ) -> Result<Self> {
+    /// decode scratch). `w` must have been uploaded through `x`.
+    pub fn new(x: Arc<dyn Exec>, cfg: ModelConfig, w: CudaWeights, max_pos: usize) -> Result<Self> {
         if w.layers.len() != cfg.num_layers {
             bail!(
                 "weights have {} layers, config {}",
@@ -73,33 +60,26 @@ impl CudaModel {
                 cfg.num_layers
             );
         }
-        let k = Kernels::load(&dev, cfg.head_dim)?;
-        let blas = dev.blas(&compute)?;
         let (cos_h, sin_h) = rope_tables(&config::rope_inv_freq(&cfg), 0, max_pos);
-        let cos_b = super::context::upload(&compute, &cos_h)?;
-        let sin_b = super::context::upload(&compute, &sin_h)?;
+        let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
+        let (cos_b, cos) = x.upload(&f32_bytes(&cos_h))?;
+        let (sin_b, sin) = x.upload(&f32_bytes(&sin_h))?;
         let max_splits = max_pos.div_ceil(SPLIT_LEN);
         let nh = cfg.num_heads;
-        let part_o = dev.alloc_zeros::<f32>(&compute, nh * max_splits * cfg.head_dim)?;
-        let part_ml = dev.alloc_zeros::<f32>(&compute, nh * max_splits * 2)?;
-        let scratch = DecodeScratch {
-            part_o: dptr(&part_o, &compute),
-            part_ml: dptr(&part_ml, &compute),
-            split_len: SPLIT_LEN,
-            max_splits,
-        };
+        let (po_b, part_o) = x.alloc(4 * nh * max_splits * cfg.head_dim)?;
+        let (pm_b, part_ml) = x.alloc(4 * nh * max_splits * 2)?;
         Ok(Self {
-            cos: dptr(&cos_b, &compute),
-            sin: dptr(&sin_b, &compute),
-            _cos: cos_b,
-            _sin: sin_b,
-            scratch_bufs: (part_o, part_ml),
-            scratch,
+            _bufs: vec![cos_b, sin_b, po_b, pm_b],
+            cos,
+            sin,
+            scratch: DecodeScratch {
+                part_o,
+                part_ml,
+                split_len: SPLIT_LEN,
+                max_splits,
+            },
             cfg,
-            dev,
-            compute,
-            blas,
-            k,
+            x,
             w,
             max_pos,
             acts: None,
@@ -117,41 +97,38 @@ impl CudaModel {
         self.ensure_acts(tokens)
     }
 
-    /// Bytes of the decode scratch (for memory reports).
-    pub fn scratch_bytes(&self) -> usize {
-        4 * (self.scratch_bufs.0.len() + self.scratch_bufs.1.len())
-    }
-
     /// Activations for `t` tokens; grows (after a synchronize) when a step needs more.
     fn ensure_acts(&mut self, t: usize) -> Result<()> {
         if self.acts.as_ref().is_some_and(|a| a.rows >= t) {
             return Ok(());
         }
-        self.compute.synchronize()?;
+        self.x.sync()?;
         self.acts = None; // free before allocating the larger set
         let c = &self.cfg;
         let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let chunk = t.min(MLP_CHUNK);
+        // bf16 activations, then i32 meta, then f32 logits.
         let sizes = [
-            t * h,
-            t * h,
-            t * (qd + 2 * kvd),
-            t * qd,
-            t * h,
-            chunk * 2 * inter,
-            chunk * inter,
+            2 * t * h,
+            2 * t * h,
+            2 * t * (qd + 2 * kvd),
+            2 * t * qd,
+            2 * t * h,
+            2 * chunk * 2 * inter,
+            2 * chunk * inter,
+            4 * (2 * t + 4),
+            4 * c.vocab_size,
         ];
-        let st = &self.compute;
-        let bufs = sizes
-            .iter()
-            .map(|&n| self.dev.alloc_zeros::<u16>(st, n))
-            .collect::<Result<Vec<_>>>()?;
-        let p: Vec<DPtr> = bufs.iter().map(|b| dptr(b, st)).collect();
-        let meta = self.dev.alloc_zeros::<i32>(st, 2 * t + 4)?;
-        let logits = self.dev.alloc_zeros::<f32>(st, c.vocab_size)?;
+        let (mut bufs, mut p) = (Vec::new(), Vec::new());
+        for n in sizes {
+            let (b, ptr) = self.x.alloc(n)?;
+            bufs.push(b);
+            p.push(ptr);
+        }
         self.acts = Some(Acts {
             rows: t,
             chunk,
+            vocab: c.vocab_size,
             x: p[0],
             hn: p[1],
             qkv: p[2],
@@ -159,11 +136,9 @@ impl CudaModel {
             proj: p[4],
             gu: p[5],
             act: p[6],
-            meta: dptr(&meta, st),
-            logits: dptr(&logits, st),
+            meta: p[7],
+            logits: p[8],
             _bufs: bufs,
-            _meta: meta,
-            logits_buf: logits,
         });
         Ok(())
     }
@@ -181,8 +156,12 @@ impl CudaModel {
             .acts
             .as_ref()
             .expect("enqueue allocated the activations");
-        let logits = self.compute.clone_dtoh(&a.logits_buf)?;
-        self.compute.synchronize()?;
+        let mut logits = vec![0f32; a.vocab];
+        // SAFETY: the logits buffer holds `vocab` f32; `download` waits for the step.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(logits.as_mut_ptr() as *mut u8, a.vocab * 4);
+            self.x.download(a.logits, dst)?;
+        }
         Ok(logits)
     }
 
@@ -206,21 +185,22 @@ impl CudaModel {
         kv.begin_step(pos0, t)?;
         self.ensure_acts(t)?;
         let a = self.acts.as_ref().expect("allocated above");
-        let st = &self.compute;
+        let x = &self.x;
         // Step metadata in one upload (pageable: the driver stages it before returning).
         let mut meta: Vec<i32> = tokens.iter().map(|&id| id as i32).collect();
         meta.extend((pos0..pos0 + t).map(|p| p as i32));
         meta.extend([0, t as i32, (pos0 + t) as i32, 0]);
         // SAFETY: `meta` fits the [2 rows + 4] buffer; pageable source, staged at once.
-        unsafe { super::ops::htod(st, a.meta, meta.as_ptr() as *const u8, meta.len() * 4)? };
+        unsafe {
+            let bytes = std::slice::from_raw_parts(meta.as_ptr() as *const u8, meta.len() * 4);
+            x.htod(a.meta, bytes)?;
+        }
         let (ids, pos) = (a.meta, at::<i32>(a.meta, t));
         let h = c.hidden_size;
         self.range("embed");
-        self.k
-            .embedding(st, self.w.embed.ptr, ids, a.x, t, c.vocab_size, h)?;
+        x.embedding(self.w.embed.ptr, ids, a.x, t, c.vocab_size, h)?;
         let l0 = &self.w.layers[0];
-        self.k
-            .rms_norm(st, a.x, l0.attn_norm.ptr, a.hn, t, h, c.rms_norm_eps)?;
+        x.rms_norm(a.x, l0.attn_norm.ptr, a.hn, t, h, c.rms_norm_eps)?;
         self.pop();
         for l in 0..c.num_layers {
             let slot = kv.begin_layer(l)?;
@@ -231,8 +211,7 @@ impl CudaModel {
         }
         let a = self.acts.as_ref().expect("allocated above");
         self.range("lm_head");
-        gemm(
-            &self.blas,
+        self.x.gemm(
             at::<u16>(a.hn, (t - 1) * h),
             self.w.lm_head(),
             a.logits,
@@ -268,7 +247,7 @@ impl CudaModel {
     fn layer(&self, l: usize, t: usize, pos0: usize, pos: DPtr, slot: LayerSlot) -> Result<()> {
         let c = &self.cfg;
         let a = self.acts.as_ref().expect("allocated by enqueue");
-        let (st, k, lw) = (&self.compute, &self.k, &self.w.layers[l]);
+        let (k, lw) = (&*self.x, &self.w.layers[l]);
         let (h, qd, kvd, inter, hd) = (
             c.hidden_size,
             c.q_dim(),
@@ -281,17 +260,17 @@ impl CudaModel {
         let ctx = pos0 + t;
         self.range("attention");
         // 1. Fused QKV projection.
-        gemm(&self.blas, a.hn, lw.wqkv.ptr, a.qkv, t, h, qkv_dim, false)?;
+        k.gemm(a.hn, lw.wqkv.ptr, a.qkv, t, h, qkv_dim, false)?;
         // 2. Qwen3: per-head RMSNorm of q and k before RoPE.
         if let Some((qn, kn)) = &lw.qk_norm {
-            k.head_rms_norm(st, a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps)?;
-            k.head_rms_norm(st, at::<u16>(a.qkv, qd), kn.ptr, t, nkv, hd, qkv_dim, eps)?;
+            k.head_rms_norm(a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps)?;
+            k.head_rms_norm(at::<u16>(a.qkv, qd), kn.ptr, t, nkv, hd, qkv_dim, eps)?;
         }
         // 3. RoPE on q and k together (adjacent heads in the fused row).
-        k.rope(st, a.qkv, pos, self.cos, self.sin, t, nh + nkv, hd, qkv_dim)?;
+        k.rope(a.qkv, pos, self.cos, self.sin, t, nh + nkv, hd, qkv_dim)?;
         // 4. Store the new K/V at their positions, attend over 0..ctx.
         let (kp, vp) = (at::<u16>(a.qkv, qd), at::<u16>(a.qkv, qd + kvd));
-        k.kv_store(st, kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim)?;
+        k.kv_store(kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim)?;
         let args = AttnArgs {
             q: a.qkv,
             k: slot.k,
@@ -311,13 +290,13 @@ impl CudaModel {
             bail!("layer {l}: {ctx} tokens in a KV slot of {}", slot.capacity);
         }
         if t == 1 {
-            k.attn_decode(st, &args, &self.scratch, hd)?;
+            k.attn_decode(&args, &self.scratch, hd)?;
         } else {
-            k.attn_prefill(st, &args, hd)?;
+            k.attn_prefill(&args, hd)?;
         }
         // 5. Output projection, residual add, post-attention norm.
-        gemm(&self.blas, a.attn, lw.wo.ptr, a.proj, t, qd, h, false)?;
-        k.add_rms_norm(st, a.x, a.proj, lw.mlp_norm.ptr, a.hn, t, h, eps)?;
+        k.gemm(a.attn, lw.wo.ptr, a.proj, t, qd, h, false)?;
+        k.add_rms_norm(a.x, a.proj, lw.mlp_norm.ptr, a.hn, t, h, eps)?;
         self.pop();
         // 6. MLP in row chunks; the residual add is fused with the next block's norm.
         self.range("mlp");
@@ -329,28 +308,10 @@ impl CudaModel {
         for r0 in (0..t).step_by(a.chunk) {
             let n = a.chunk.min(t - r0);
             let row = |p: DPtr| at::<u16>(p, r0 * h);
-            gemm(
-                &self.blas,
-                row(a.hn),
-                lw.w_gate_up.ptr,
-                a.gu,
-                n,
-                h,
-                2 * inter,
-                false,
-            )?;
-            k.silu_mul(st, a.gu, a.act, n, inter)?;
-            gemm(
-                &self.blas,
-                a.act,
-                lw.w_down.ptr,
-                row(a.proj),
-                n,
-                inter,
-                h,
-                false,
-            )?;
-            k.add_rms_norm(st, row(a.x), row(a.proj), next_norm, row(a.hn), n, h, eps)?;
+            k.gemm(row(a.hn), lw.w_gate_up.ptr, a.gu, n, h, 2 * inter, false)?;
+            k.silu_mul(a.gu, a.act, n, inter)?;
+            k.gemm(a.act, lw.w_down.ptr, row(a.proj), n, inter, h, false)?;
+            k.add_rms_norm(row(a.x), row(a.proj), next_norm, row(a.hn), n, h, eps)?;
         }
         self.pop();
         Ok(())

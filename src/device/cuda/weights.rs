@@ -3,29 +3,31 @@
 //! deep model whose layers share one set of random weights (timing is the same; the
 //! memory figure then counts one layer's weights).
 
-use super::ops::{dptr, DPtr};
+use super::exec::{Buf, Exec};
+use super::ops::DPtr;
 use crate::device::cpu::twins::f32_to_bf16;
 use crate::model::{Model, ModelConfig};
 use anyhow::{bail, Result};
-use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 
 /// One bf16 tensor on the device and its address.
 pub struct Tensor {
-    _buf: CudaSlice<u16>,
+    _buf: Buf,
     pub ptr: DPtr,
 }
 
 impl Tensor {
-    pub fn from_bf16(st: &Arc<CudaStream>, bits: &[u16]) -> Result<Self> {
-        let buf = super::context::upload(st, bits)?;
-        let ptr = dptr(&buf, st);
+    pub fn from_bf16(x: &dyn Exec, bits: &[u16]) -> Result<Self> {
+        // SAFETY: a u16 slice viewed as its bytes.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(bits.as_ptr() as *const u8, bits.len() * 2) };
+        let (buf, ptr) = x.upload(bytes)?;
         Ok(Self { _buf: buf, ptr })
     }
 
-    pub fn from_f32(st: &Arc<CudaStream>, v: &[f32]) -> Result<Self> {
+    pub fn from_f32(x: &dyn Exec, v: &[f32]) -> Result<Self> {
         let bits: Vec<u16> = v.iter().map(|&x| f32_to_bf16(x)).collect();
-        Self::from_bf16(st, &bits)
+        Self::from_bf16(x, &bits)
     }
 }
 
@@ -53,12 +55,12 @@ impl CudaWeights {
     }
 
     /// Uploads a loaded model's f32 weights, rounded to bf16.
-    pub fn from_model(st: &Arc<CudaStream>, model: &Model) -> Result<Self> {
+    pub fn from_model(x: &dyn Exec, model: &Model) -> Result<Self> {
         let w = &model.weights;
         if w.layers.iter().any(|l| l.bqkv.is_some()) {
             bail!("QKV bias is not supported on the CUDA device yet; use --device cpu");
         }
-        let t = |v: &[f32]| Tensor::from_f32(st, v);
+        let t = |v: &[f32]| Tensor::from_f32(x, v);
         let layers = w
             .layers
             .iter()
@@ -88,7 +90,7 @@ impl CudaWeights {
 
     /// Random bf16 weights of `cfg`'s shape generated on the host by a cheap hash (fast
     /// enough for Qwen3-4B's 390M-entry embedding), every layer sharing one set.
-    pub fn random_shared(st: &Arc<CudaStream>, cfg: &ModelConfig, seed: u64) -> Result<Self> {
+    pub fn random_shared(x: &dyn Exec, cfg: &ModelConfig, seed: u64) -> Result<Self> {
         let (h, qd, kvd, inter, hd) = (
             cfg.hidden_size,
             cfg.q_dim(),
@@ -102,11 +104,11 @@ impl CudaWeights {
             let bits: Vec<u16> = (0..len)
                 .map(|i| {
                     let u = splitmix(seed ^ (n << 40) ^ i as u64);
-                    let x = (u >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0; // [-1, 1)
-                    f32_to_bf16(center + scale * x)
+                    let r = (u >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0; // [-1, 1)
+                    f32_to_bf16(center + scale * r)
                 })
                 .collect();
-            Tensor::from_bf16(st, &bits)
+            Tensor::from_bf16(x, &bits)
         };
         let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
         let layer = Arc::new(LayerW {

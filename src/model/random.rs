@@ -18,6 +18,8 @@ pub struct Shape {
     pub inter: usize,
     pub vocab: usize,
     pub max_pos: usize,
+    /// Scale of the q/k norm weights (above 1 sharpens attention; bf16 errors grow with it).
+    pub qk_gain: f32,
 }
 
 impl Shape {
@@ -32,6 +34,7 @@ impl Shape {
             inter: 256,
             vocab: 512,
             max_pos: 4096,
+            qk_gain: 1.0,
         }
     }
 
@@ -47,6 +50,7 @@ impl Shape {
             inter: 9728,
             vocab: 151936,
             max_pos: 40960,
+            qk_gain: 1.0,
         }
     }
 
@@ -88,8 +92,15 @@ fn norm(rng: &mut StdRng, n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Weights scaled by 1/√fan_in so activations stay O(1) through the layers.
-pub fn random_weights(cfg: &ModelConfig, seed: u64) -> ModelWeights {
+fn scaled(v: Vec<f32>, g: f32) -> Vec<f32> {
+    v.into_iter()
+        .map(|x| bf16_to_f32(f32_to_bf16(x * g)))
+        .collect()
+}
+
+/// Weights scaled by 1/√fan_in so activations stay O(1) through the layers; q/k norm
+/// weights near `qk_gain`.
+pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeights {
     let mut rng = StdRng::seed_from_u64(seed);
     let (h, qd, kvd, inter) = (
         cfg.hidden_size,
@@ -103,8 +114,8 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64) -> ModelWeights {
             attn_norm: norm(&mut rng, h),
             wqkv: uniform(&mut rng, (qd + 2 * kvd) * h, s(h)),
             bqkv: None,
-            q_norm: Some(norm(&mut rng, cfg.head_dim)),
-            k_norm: Some(norm(&mut rng, cfg.head_dim)),
+            q_norm: Some(scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
+            k_norm: Some(scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
             wo: uniform(&mut rng, h * qd, s(qd)),
             mlp_norm: norm(&mut rng, h),
             w_gate_up: uniform(&mut rng, 2 * inter * h, s(h)),
@@ -112,7 +123,9 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64) -> ModelWeights {
         })
         .collect();
     ModelWeights {
-        embed: uniform(&mut rng, cfg.vocab_size * h, 1.0),
+        // Small, as in trained models: a residual stream much larger than the layers'
+        // outputs would round their contributions away in bf16.
+        embed: uniform(&mut rng, cfg.vocab_size * h, 0.1),
         layers,
         final_norm: norm(&mut rng, h),
         lm_head: None,
@@ -131,7 +144,7 @@ mod tests {
     #[test]
     fn tiny_random_qwen3_generates() {
         let cfg = Shape::tiny().config();
-        let w = random_weights(&cfg, 11);
+        let w = random_weights(&cfg, 11, Shape::tiny().qk_gain);
         assert!(w.layers[0]
             .wqkv
             .iter()

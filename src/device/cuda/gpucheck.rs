@@ -84,7 +84,10 @@ pub fn compare_model(
     decode: usize,
 ) -> Result<CheckRow> {
     let cfg = shape.config();
-    let model = Arc::new(Model::new(cfg.clone(), random_weights(&cfg, 11)));
+    let model = Arc::new(Model::new(
+        cfg.clone(),
+        random_weights(&cfg, 11, shape.qk_gain),
+    ));
     let x = exec(cfg.head_dim)?;
     let w = CudaWeights::from_model(&*x, &model)?;
     let cap = prompt_len + decode + 1;
@@ -174,16 +177,35 @@ pub fn offload_check() -> Result<Vec<CheckRow>> {
         ("tiny qwen3", Shape::tiny()),
         ("qwen3-4b-shaped, 3 layers", two),
     ] {
-        rows.extend(offload_case(&dev, name, shape).unwrap_or_else(|e| vec![failed(name, e)]));
+        let compute = dev.new_stream()?;
+        let exec = |hd: usize| -> Result<Arc<dyn Exec>> {
+            Ok(Arc::new(CudaExec::new(dev.clone(), compute.clone(), hd)?))
+        };
+        let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
+            CudaOffloadEngine::new(dev.clone(), compute.clone(), cfg, o)
+        };
+        rows.extend(
+            offload_case(&exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+        );
     }
     Ok(rows)
 }
 
-fn offload_case(dev: &Arc<CudaDevice>, name: &str, shape: Shape) -> Result<Vec<CheckRow>> {
+/// Makes an offload engine on the same device as the model.
+pub type EngineFactory<'a> =
+    dyn Fn(&crate::model::ModelConfig, OffloadConfig) -> Result<CudaOffloadEngine> + 'a;
+
+/// Resident vs offload vs offload + sanitizer, greedy; `exec`/`engine` make the device
+/// (the GPU, or the host twins in the unit tests).
+pub fn offload_case(
+    exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>,
+    engine: &EngineFactory<'_>,
+    name: &str,
+    shape: Shape,
+) -> Result<Vec<CheckRow>> {
     let cfg = shape.config();
-    let model = Model::new(cfg.clone(), random_weights(&cfg, 3));
-    let compute = dev.new_stream()?;
-    let x: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone(), cfg.head_dim)?);
+    let model = Model::new(cfg.clone(), random_weights(&cfg, 3, shape.qk_gain));
+    let x = exec(cfg.head_dim)?;
     let w = CudaWeights::from_model(&*x, &model)?;
     let (prompt_len, new) = (100usize, 40usize);
     let cap = prompt_len + new;
@@ -207,7 +229,7 @@ fn offload_case(dev: &Arc<CudaDevice>, name: &str, shape: Shape) -> Result<Vec<C
             sanitize,
             ..OffloadConfig::default()
         };
-        let mut kv = CudaOffloadEngine::new(dev.clone(), compute.clone(), &cfg, ocfg)?;
+        let mut kv = engine(&cfg, ocfg)?;
         let out = run(&mut kv)?;
         let label = if sanitize { " + sanitizer" } else { "" };
         rows.push(equal_row(&format!("{name}: offload{label}"), &base, &out));

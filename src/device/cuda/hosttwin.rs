@@ -343,6 +343,26 @@ mod tests {
         assert!(row.pass, "{row:?}");
     }
 
+    /// The CUDA offload engine's data flow (prefill offload, partial block in the decode
+    /// buffer, block flushes, prefetches across steps, sanitizer poison) on the host twins:
+    /// greedy tokens and log-probs equal to the resident run's, bit for bit.
+    #[test]
+    fn offload_engine_on_host_twin_matches_resident() {
+        use crate::device::cuda::gpucheck::offload_case;
+        use crate::device::cuda::offload::CudaOffloadEngine;
+        use crate::device::cuda::offload_dev::HostOffloadDev;
+        let engine = |cfg: &crate::model::ModelConfig, o| {
+            let d = HostOffloadDev { offload_streams: 2 };
+            CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
+        };
+        let rows = offload_case(&twin, &engine, "tiny on host twins", Shape::tiny()).unwrap();
+        assert_eq!(rows.len(), 2);
+        for r in rows {
+            eprintln!("{r:?}");
+            assert!(r.pass, "{r:?}");
+        }
+    }
+
     /// One Qwen3-4B-shaped layer (head_dim 128, q_dim != hidden), vocab cut down.
     #[test]
     fn qwen3_4b_layer_on_host_twin_matches_cpu() {

@@ -10,7 +10,8 @@
 //! - `exec`, `hosttwin`: the model's device interface, on the GPU and its host twin;
 //! - `weights`, `model`, `kv`, `generate`: the bf16 model and its layer loop over the
 //!   `CudaKv` seam (resident KV), and the generation loop;
-//! - `offload`, `trace`: layerwise KV offload (the CPU engine's twin) and its trace;
+//! - `offload`, `offload_dev`, `trace`: layerwise KV offload (the CPU engine's twin), its
+//!   device interface (GPU, host twin) and its trace;
 //! - `gpucheck`, `bench`: steps 2-5 of `scripts/gpu-check.sh`.
 
 pub mod bench;
@@ -25,6 +26,7 @@ pub mod libs;
 pub mod model;
 pub mod nvrtc;
 pub mod offload;
+pub mod offload_dev;
 pub mod ops;
 pub mod trace;
 pub mod weights;

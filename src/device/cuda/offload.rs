@@ -11,15 +11,18 @@
 //! slot `ready`, `compute_done`, `offload_done`; per layer `layer_stored`.
 
 use super::context::CudaDevice;
+use super::exec::Buf;
 use super::kv::{CudaKv, LayerSlot};
-use super::ops::{at, dptr, dtod, dtoh, htod, poison, DPtr};
-use super::trace::Tracer;
+use super::offload_dev::{
+    Copy, CudaOffloadDev, EventId, HostMem, OffloadDev, StreamId, COMPUTE, PREFETCH,
+};
+use super::ops::{at, DPtr};
 use crate::device::cpu::stream::TraceEvent;
 use crate::model::ModelConfig;
 use crate::offload::ring::{ReleasedAfter, Ring};
 use crate::offload::{MemoryPlan, OffloadConfig};
-use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+use anyhow::{bail, Result};
+use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 const OFFLOAD_STREAMS: usize = 2;
@@ -27,9 +30,9 @@ const OFFLOAD_STREAMS: usize = 2;
 const ELEM: usize = 2;
 
 struct SlotEvents {
-    ready: CudaEvent,
-    compute_done: CudaEvent,
-    offload_done: CudaEvent,
+    ready: EventId,
+    compute_done: EventId,
+    offload_done: EventId,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,50 +42,27 @@ enum Step {
     Decode { pos: usize },
 }
 
-/// A stream and its trace name.
-#[derive(Clone)]
-struct Named {
-    st: Arc<CudaStream>,
-    name: String,
-}
-
-enum Copy {
-    H2D { dst: DPtr, src: *const u8 },
-    D2H { dst: *mut u8, src: DPtr },
-    D2D { dst: DPtr, src: DPtr },
-}
-
 pub struct CudaOffloadEngine {
     cfg: OffloadConfig,
     plan: MemoryPlan,
-    dev: Arc<CudaDevice>,
+    d: Box<dyn OffloadDev>,
     num_layers: usize,
     row: usize,
     depth: usize,
-    _host: (PinnedHostSlice<u16>, PinnedHostSlice<u16>), // [layers, cpu_blocks, block, row]
+    _host: Vec<HostMem>, // K, V: [layers, cpu_blocks, block, row]
     host_k: *mut u16,
     host_v: *mut u16,
-    _ring: Vec<CudaSlice<u16>>, // 2 × num_kv_buffers × [slot_tokens, row]
-    ring_k: Vec<DPtr>,
+    _dev: Vec<Buf>, // ring 2 × num_kv_buffers × [slot_tokens, row], decode buffer K, V
+    ring_k: Vec<DPtr>, // [num_kv_buffers]
     ring_v: Vec<DPtr>,
-    _dbuf: (CudaSlice<u16>, CudaSlice<u16>), // [layers, block, row]
-    dbuf_k: DPtr,
+    dbuf_k: DPtr, // [layers, block, row]
     dbuf_v: DPtr,
-    compute: Named,
-    prefetch: Named,
-    offload: Vec<Named>,
     slots: Vec<SlotEvents>,
-    layer_stored: Vec<CudaEvent>,
+    layer_stored: Vec<EventId>,
     ring: Ring,
     ahead: usize,
     seq_len: usize,
     step: Step,
-    tracer: Tracer,
-    layer_start: Option<CudaEvent>,
-}
-
-fn ev(r: Result<(), cudarc::driver::DriverError>, what: &str) -> Result<()> {
-    r.map_err(|e| anyhow!("{what} failed: {e:?}"))
 }
 
 impl CudaOffloadEngine {
@@ -90,6 +70,16 @@ impl CudaOffloadEngine {
     pub fn new(
         dev: Arc<CudaDevice>,
         compute: Arc<CudaStream>,
+        model: &ModelConfig,
+        cfg: OffloadConfig,
+    ) -> Result<Self> {
+        let d = CudaOffloadDev::new(dev, compute, OFFLOAD_STREAMS)?;
+        Self::with_dev(Box::new(d), model, cfg)
+    }
+
+    /// On any `OffloadDev` (the host twin in tests).
+    pub fn with_dev(
+        mut d: Box<dyn OffloadDev>,
         model: &ModelConfig,
         cfg: OffloadConfig,
     ) -> Result<Self> {
@@ -103,73 +93,47 @@ impl CudaOffloadEngine {
         }
         let plan = cfg.plan_for(model, ELEM)?;
         let row = model.kv_dim();
-        let (l, bs) = (model.num_layers, cfg.block_size);
-        let host_len = l * plan.num_cpu_blocks * bs * row;
-        let mut hk = dev.alloc_pinned::<u16>(host_len)?;
-        let mut hv = dev.alloc_pinned::<u16>(host_len)?;
-        // The raw pointers are used for every copy (see ops.rs); as_mut_ptr only waits
-        // on the slice's own (never recorded) event here.
-        let host_k = hk
-            .as_mut_ptr()
-            .map_err(|e| anyhow!("pinned host KV: {e:?}"))?;
-        let host_v = hv
-            .as_mut_ptr()
-            .map_err(|e| anyhow!("pinned host KV: {e:?}"))?;
-        let mut ring = Vec::new();
-        for _ in 0..2 * cfg.num_kv_buffers {
-            ring.push(dev.alloc_zeros::<u16>(&compute, plan.slot_tokens * row)?);
+        let (l, bs, n) = (model.num_layers, cfg.block_size, cfg.num_kv_buffers);
+        let host_bytes = l * plan.num_cpu_blocks * bs * row * ELEM;
+        let (hk, host_k) = d.alloc_host(host_bytes)?;
+        let (hv, host_v) = d.alloc_host(host_bytes)?;
+        let (mut bufs, mut ptrs) = (Vec::new(), Vec::new());
+        for i in 0..2 * n + 2 {
+            let bytes = if i < 2 * n { plan.slot_tokens } else { l * bs } * row * ELEM;
+            let (b, p) = d.alloc_device(bytes)?;
+            bufs.push(b);
+            ptrs.push(p);
         }
-        let ptrs: Vec<DPtr> = ring.iter().map(|b| dptr(b, &compute)).collect();
-        let dk = dev.alloc_zeros::<u16>(&compute, l * bs * row)?;
-        let dv = dev.alloc_zeros::<u16>(&compute, l * bs * row)?;
-        let named = |st: Arc<CudaStream>, name: &str| Named {
-            st,
-            name: name.to_string(),
-        };
-        let mut offload = Vec::new();
-        for i in 0..OFFLOAD_STREAMS {
-            offload.push(named(dev.new_stream()?, &format!("d2h-offload-{i}")));
+        let mut slots = Vec::new();
+        for _ in 0..n {
+            slots.push(SlotEvents {
+                ready: d.new_event()?,
+                compute_done: d.new_event()?,
+                offload_done: d.new_event()?,
+            });
         }
-        let slots = (0..cfg.num_kv_buffers)
-            .map(|_| {
-                Ok(SlotEvents {
-                    ready: dev.new_event()?,
-                    compute_done: dev.new_event()?,
-                    offload_done: dev.new_event()?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let layer_stored = (0..l)
-            .map(|_| dev.new_event())
-            .collect::<Result<Vec<_>>>()?;
-        let n = cfg.num_kv_buffers;
+        let layer_stored = (0..l).map(|_| d.new_event()).collect::<Result<Vec<_>>>()?;
         let mut e = Self {
             depth: (n - 1).min(l),
             num_layers: l,
             row,
-            host_k,
-            host_v,
-            _host: (hk, hv),
+            _host: vec![hk, hv],
+            host_k: host_k as *mut u16,
+            host_v: host_v as *mut u16,
             ring_k: ptrs[..n].to_vec(),
-            ring_v: ptrs[n..].to_vec(),
-            _ring: ring,
-            dbuf_k: dptr(&dk, &compute),
-            dbuf_v: dptr(&dv, &compute),
-            _dbuf: (dk, dv),
-            prefetch: named(dev.new_stream()?, "h2d-prefetch"),
-            compute: named(compute, "compute"),
-            offload,
+            ring_v: ptrs[n..2 * n].to_vec(),
+            dbuf_k: ptrs[2 * n],
+            dbuf_v: ptrs[2 * n + 1],
+            _dev: bufs,
+            d,
             slots,
             layer_stored,
             ring: Ring::new(n, l),
             ahead: 0,
             seq_len: 0,
             step: Step::Idle,
-            tracer: Tracer::default(),
-            layer_start: None,
             cfg,
             plan,
-            dev,
         };
         e.reset()?;
         Ok(e)
@@ -181,17 +145,12 @@ impl CudaOffloadEngine {
 
     /// Traces every copy and layer from now on (timed events; see `trace.rs`).
     pub fn set_tracing(&mut self, on: bool) -> Result<()> {
-        if on {
-            self.tracer.enable(&self.dev, &self.compute.st)
-        } else {
-            self.tracer.disable();
-            Ok(())
-        }
+        self.d.set_tracing(on)
     }
 
     /// The ops traced so far (waits for them).
     pub fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
-        self.tracer.take()
+        self.d.take_trace()
     }
 
     fn host_off(&self, layer: usize, block: usize) -> usize {
@@ -202,30 +161,30 @@ impl CudaOffloadEngine {
         layer * self.cfg.block_size * self.row
     }
 
-    fn offload_stream(&self, layer: usize) -> Named {
-        self.offload[layer % self.offload.len()].clone()
+    fn offload_stream(&self, layer: usize) -> StreamId {
+        2 + layer % self.d.num_offload_streams()
     }
 
-    fn wait(&self, st: &Named, e: &CudaEvent) -> Result<()> {
-        ev(st.st.wait(e), "cuStreamWaitEvent")
+    fn wait(&self, st: StreamId, e: EventId) -> Result<()> {
+        self.d.wait(st, e)
     }
 
-    fn record(&self, st: &Named, e: &CudaEvent) -> Result<()> {
-        ev(e.record(&st.st), "cuEventRecord")
+    fn record(&self, st: StreamId, e: EventId) -> Result<()> {
+        self.d.record(st, e)
     }
 
-    fn wait_released(&self, st: &Named, slot: usize, after: ReleasedAfter) -> Result<()> {
+    fn wait_released(&self, st: StreamId, slot: usize, after: ReleasedAfter) -> Result<()> {
         match after {
             ReleasedAfter::Nothing => Ok(()),
-            ReleasedAfter::Compute => self.wait(st, &self.slots[slot].compute_done),
-            ReleasedAfter::Offload => self.wait(st, &self.slots[slot].offload_done),
+            ReleasedAfter::Compute => self.wait(st, self.slots[slot].compute_done),
+            ReleasedAfter::Offload => self.wait(st, self.slots[slot].offload_done),
         }
     }
 
-    /// One traced, NVTX-marked copy of `elems` bf16 values on `st`.
+    /// One copy of `elems` bf16 values on `st` (traced and NVTX-marked on CUDA).
     fn copy(
         &mut self,
-        st: &Named,
+        st: StreamId,
         name: &'static str,
         layer: usize,
         c: Copy,
@@ -242,22 +201,10 @@ impl CudaOffloadEngine {
                 0..1500,
             )));
         }
-        nvtx::range_push!("{name} L{layer} {bytes} B");
-        let start = self.tracer.start(&self.dev, &st.st)?;
         // SAFETY: every pointer is inside a buffer this engine owns, sized by the plan
         // (host KV, ring slot, decode buffer), and `elems` stays within them; the events
         // waited on before each copy order it against the kernels that use the memory.
-        unsafe {
-            match c {
-                Copy::H2D { dst, src } => htod(&st.st, dst, src, bytes)?,
-                Copy::D2H { dst, src } => dtoh(&st.st, dst, src, bytes)?,
-                Copy::D2D { dst, src } => dtod(&st.st, dst, src, bytes)?,
-            }
-        }
-        self.tracer
-            .end(&self.dev, &st.st, start, &st.name, name, Some(layer), bytes)?;
-        nvtx::range_pop!();
-        Ok(())
+        unsafe { self.d.copy(st, name, layer, c, bytes) }
     }
 
     fn host_ptr(&self, base: *mut u16, off: usize) -> *mut u8 {
@@ -268,9 +215,9 @@ impl CudaOffloadEngine {
     /// Decode: H2D of `layer`'s full host blocks into its slot (this step or the next).
     fn prefetch_layer(&mut self, layer: usize, full_blocks: usize, next_step: bool) -> Result<()> {
         let (s, after) = self.ring.begin_load(layer, next_step)?;
-        let p = self.prefetch.clone();
-        self.wait_released(&p, s, after)?;
-        self.wait(&p, &self.layer_stored[layer])?;
+        let p = PREFETCH;
+        self.wait_released(p, s, after)?;
+        self.wait(p, self.layer_stored[layer])?;
         let len = full_blocks * self.cfg.block_size * self.row;
         let off = self.host_off(layer, 0);
         let (hk, hv) = (
@@ -278,9 +225,9 @@ impl CudaOffloadEngine {
             self.host_ptr(self.host_v, off),
         );
         let (rk, rv) = (self.ring_k[s], self.ring_v[s]);
-        self.copy(&p, "h2d-k", layer, Copy::H2D { dst: rk, src: hk }, len)?;
-        self.copy(&p, "h2d-v", layer, Copy::H2D { dst: rv, src: hv }, len)?;
-        self.record(&p, &self.slots[s].ready)
+        self.copy(p, "h2d-k", layer, Copy::H2D { dst: rk, src: hk }, len)?;
+        self.copy(p, "h2d-v", layer, Copy::H2D { dst: rv, src: hv }, len)?;
+        self.record(p, self.slots[s].ready)
     }
 
     /// Same schedule as the CPU engine: `depth` layers ahead, across the step boundary.
@@ -305,23 +252,17 @@ impl CudaOffloadEngine {
         Ok(())
     }
 
-    fn poison_slot(&self, st: &Named, s: usize, tokens: usize) -> Result<()> {
+    fn poison_slot(&self, st: StreamId, s: usize, tokens: usize) -> Result<()> {
         let bytes = tokens * self.row * ELEM;
         // SAFETY: within the slot (tokens ≤ slot_tokens).
         unsafe {
-            poison(&st.st, self.ring_k[s], bytes)?;
-            poison(&st.st, self.ring_v[s], bytes)
+            self.d.poison(st, self.ring_k[s], bytes)?;
+            self.d.poison(st, self.ring_v[s], bytes)
         }
     }
 
     fn synchronize_all(&self) -> Result<()> {
-        for st in [&self.compute, &self.prefetch]
-            .into_iter()
-            .chain(&self.offload)
-        {
-            ev(st.st.synchronize(), "cuStreamSynchronize")?;
-        }
-        Ok(())
+        self.d.sync_all()
     }
 }
 
@@ -335,20 +276,20 @@ impl CudaKv for CudaOffloadEngine {
         self.seq_len = 0;
         self.step = Step::Idle;
         if self.cfg.sanitize {
-            let c = self.compute.clone();
+            let c = COMPUTE;
             let host = self.host_off(self.num_layers, 0) * ELEM;
             // SAFETY: every stream is idle; sizes are the allocations'.
             unsafe {
                 std::ptr::write_bytes(self.host_k as *mut u8, 0xff, host);
                 std::ptr::write_bytes(self.host_v as *mut u8, 0xff, host);
                 let d = self.dbuf_off(self.num_layers) * ELEM;
-                poison(&c.st, self.dbuf_k, d)?;
-                poison(&c.st, self.dbuf_v, d)?;
+                self.d.poison(c, self.dbuf_k, d)?;
+                self.d.poison(c, self.dbuf_v, d)?;
             }
             for s in 0..self.slots.len() {
-                self.poison_slot(&c, s, self.plan.slot_tokens)?;
+                self.poison_slot(c, s, self.plan.slot_tokens)?;
             }
-            ev(c.st.synchronize(), "cuStreamSynchronize")?;
+            self.d.sync(c)?;
         }
         Ok(())
     }
@@ -388,18 +329,18 @@ impl CudaKv for CudaOffloadEngine {
     }
 
     fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot> {
-        let c = self.compute.clone();
+        let c = COMPUTE;
         let s = match self.step {
             Step::Prefill { .. } => {
                 let (s, after) = self.ring.begin_prefill_compute(layer)?;
-                self.wait_released(&c, s, after)?;
+                self.wait_released(c, s, after)?;
                 s
             }
             Step::Decode { pos } => {
                 let s = self.ring.begin_decode_compute(layer)?;
-                self.wait(&c, &self.slots[s].ready)?;
+                self.wait(c, self.slots[s].ready)?;
                 // The decode buffer of this layer may still be read by an offload stream.
-                self.wait(&c, &self.layer_stored[layer])?;
+                self.wait(c, self.layer_stored[layer])?;
                 // Append the partial block so the attention sees one contiguous context.
                 let (r, base) = (pos % self.cfg.block_size, pos - pos % self.cfg.block_size);
                 let d = self.dbuf_off(layer);
@@ -409,14 +350,14 @@ impl CudaKv for CudaOffloadEngine {
                     at::<u16>(self.ring_v[s], base * self.row),
                 );
                 self.copy(
-                    &c,
+                    c,
                     "dbuf-to-slot-k",
                     layer,
                     Copy::D2D { dst: sk, src: dk },
                     r * self.row,
                 )?;
                 self.copy(
-                    &c,
+                    c,
                     "dbuf-to-slot-v",
                     layer,
                     Copy::D2D { dst: sv, src: dv },
@@ -426,7 +367,7 @@ impl CudaKv for CudaOffloadEngine {
             }
             Step::Idle => bail!("offload engine: begin_layer outside a step"),
         };
-        self.layer_start = self.tracer.start(&self.dev, &c.st)?;
+        self.d.layer_begin(layer)?;
         Ok(LayerSlot {
             k: self.ring_k[s],
             v: self.ring_v[s],
@@ -437,17 +378,15 @@ impl CudaKv for CudaOffloadEngine {
     fn end_layer(&mut self, layer: usize) -> Result<()> {
         let bs = self.cfg.block_size;
         let s = self.ring.slot_of(layer);
-        let c = self.compute.clone();
-        let start = self.layer_start.take();
-        self.tracer
-            .end(&self.dev, &c.st, start, &c.name, "layer", Some(layer), 0)?;
+        let c = COMPUTE;
+        self.d.layer_end(layer)?;
         match self.step {
             Step::Prefill { tokens } => {
                 self.ring.end_compute(layer)?;
-                self.record(&c, &self.slots[s].compute_done)?;
+                self.record(c, self.slots[s].compute_done)?;
                 // Offload this layer's KV while the next layers compute.
                 let o = self.offload_stream(layer);
-                self.wait(&o, &self.slots[s].compute_done)?;
+                self.wait(o, self.slots[s].compute_done)?;
                 let (full, rem) = (tokens / bs, tokens % bs);
                 let len = full * bs * self.row;
                 let off = self.host_off(layer, 0);
@@ -456,30 +395,30 @@ impl CudaKv for CudaOffloadEngine {
                     self.host_ptr(self.host_v, off),
                 );
                 let (rk, rv) = (self.ring_k[s], self.ring_v[s]);
-                self.copy(&o, "d2h-k", layer, Copy::D2H { dst: hk, src: rk }, len)?;
-                self.copy(&o, "d2h-v", layer, Copy::D2H { dst: hv, src: rv }, len)?;
+                self.copy(o, "d2h-k", layer, Copy::D2H { dst: hk, src: rk }, len)?;
+                self.copy(o, "d2h-v", layer, Copy::D2H { dst: hv, src: rv }, len)?;
                 let d = self.dbuf_off(layer);
                 let (dk, dv) = (at::<u16>(self.dbuf_k, d), at::<u16>(self.dbuf_v, d));
                 let (sk, sv) = (at::<u16>(rk, len), at::<u16>(rv, len));
                 self.copy(
-                    &o,
+                    o,
                     "slot-to-dbuf-k",
                     layer,
                     Copy::D2D { dst: dk, src: sk },
                     rem * self.row,
                 )?;
                 self.copy(
-                    &o,
+                    o,
                     "slot-to-dbuf-v",
                     layer,
                     Copy::D2D { dst: dv, src: sv },
                     rem * self.row,
                 )?;
                 if self.cfg.sanitize {
-                    self.poison_slot(&o, s, tokens)?;
+                    self.poison_slot(o, s, tokens)?;
                 }
-                self.record(&o, &self.slots[s].offload_done)?;
-                self.record(&o, &self.layer_stored[layer])?;
+                self.record(o, self.slots[s].offload_done)?;
+                self.record(o, self.layer_stored[layer])?;
                 self.prefetch_after(layer, tokens)?;
             }
             Step::Decode { pos } => {
@@ -493,46 +432,46 @@ impl CudaKv for CudaOffloadEngine {
                     at::<u16>(self.ring_v[s], pos * self.row),
                 );
                 self.copy(
-                    &c,
+                    c,
                     "slot-to-dbuf-k",
                     layer,
                     Copy::D2D { dst: dk, src: sk },
                     self.row,
                 )?;
                 self.copy(
-                    &c,
+                    c,
                     "slot-to-dbuf-v",
                     layer,
                     Copy::D2D { dst: dv, src: sv },
                     self.row,
                 )?;
                 if self.cfg.sanitize {
-                    self.poison_slot(&c, s, pos + 1)?;
+                    self.poison_slot(c, s, pos + 1)?;
                 }
                 self.ring.end_compute(layer)?;
-                self.record(&c, &self.slots[s].compute_done)?;
+                self.record(c, self.slots[s].compute_done)?;
                 if r + 1 == bs {
                     // The decode buffer filled a block: move it to the host, by event.
                     let o = self.offload_stream(layer);
-                    self.wait(&o, &self.slots[s].compute_done)?;
+                    self.wait(o, self.slots[s].compute_done)?;
                     let (db, h) = (self.dbuf_off(layer), self.host_off(layer, full));
                     let (hk, hv) = (self.host_ptr(self.host_k, h), self.host_ptr(self.host_v, h));
                     let (dk, dv) = (at::<u16>(self.dbuf_k, db), at::<u16>(self.dbuf_v, db));
                     self.copy(
-                        &o,
+                        o,
                         "d2h-flush-k",
                         layer,
                         Copy::D2H { dst: hk, src: dk },
                         bs * self.row,
                     )?;
                     self.copy(
-                        &o,
+                        o,
                         "d2h-flush-v",
                         layer,
                         Copy::D2H { dst: hv, src: dv },
                         bs * self.row,
                     )?;
-                    self.record(&o, &self.layer_stored[layer])?;
+                    self.record(o, self.layer_stored[layer])?;
                 }
                 self.prefetch_after(layer, pos + 1)?;
             }

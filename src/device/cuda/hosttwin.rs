@@ -363,6 +363,51 @@ mod tests {
         }
     }
 
+    /// The Llama path on the real default model (SmolLM2-135M: GQA 9/3, head_dim 64,
+    /// tied embeddings, no q/k norm), CUDA model on the host twin vs the CPU model. The
+    /// CUDA side also rounds the (dequantised) weights to bf16, so the bound is looser
+    /// than step 2's. Skipped when the model file is absent.
+    #[test]
+    fn smollm2_on_host_twin_matches_cpu() {
+        use crate::device::cuda::gpucheck::logits_error;
+        use crate::device::cuda::kv::ResidentKv;
+        use crate::device::cuda::model::CudaModel;
+        use crate::device::cuda::weights::CudaWeights;
+        use crate::kv::ContiguousKv;
+        use crate::model::Model;
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if !path.exists() {
+            eprintln!("skipped: {} not found", path.display());
+            return;
+        }
+        let (model, tok) = Model::load(&path, false).unwrap();
+        let cfg = model.cfg.clone();
+        let prompt = tok.encode("The capital of France is", true).unwrap();
+        let cap = prompt.len() + 3;
+        let x: Arc<dyn Exec> = Arc::new(HostExec);
+        let w = CudaWeights::from_model(&*x, &model).unwrap();
+        let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap).unwrap();
+        let mut gkv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap).unwrap();
+        let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
+        let (mut tokens, mut pos) = (prompt, 0);
+        for _ in 0..3 {
+            let want = model.forward(&tokens, pos, &mut ckv).unwrap();
+            let got = gpu.forward(&tokens, pos, &mut gkv).unwrap();
+            let (rms, max) = logits_error(&got, &want);
+            let (a, b) = (
+                crate::engine::sampler::argmax(&want),
+                crate::engine::sampler::argmax(&got),
+            );
+            eprintln!(
+                "pos {pos}: rel rms {rms:.3e}, rel max {max:.3e}, argmax cpu {a} cuda-twin {b}"
+            );
+            assert!(rms < 0.05 && max < 0.05, "rel rms {rms}, rel max {max}");
+            pos += tokens.len();
+            tokens = vec![a];
+        }
+    }
+
     /// One Qwen3-4B-shaped layer (head_dim 128, q_dim != hidden), vocab cut down.
     #[test]
     fn qwen3_4b_layer_on_host_twin_matches_cpu() {

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use strata::device::cuda::generate::{run_request, CudaRequest, ProfileSteps};
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
@@ -35,6 +36,34 @@ enum Command {
     /// Run every CUDA kernel against its CPU twin on random inputs (needs an NVIDIA GPU).
     #[command(hide = true)]
     CudaKernelCheck,
+    /// Logits of the CUDA model vs the CPU model on random Qwen3s (gpu-check step 2).
+    #[command(hide = true)]
+    CudaLogitsCheck,
+    /// Greedy tokens with and without offload on CUDA (gpu-check step 3).
+    #[command(hide = true)]
+    CudaOffloadCheck,
+    /// Pinned H2D/D2H bandwidth by copy size, 64 KB..256 MB (gpu-check step 4).
+    #[command(hide = true)]
+    CudaBandwidth,
+    /// Offload benchmark on a Qwen3-4B-shaped random model (gpu-check step 5).
+    #[command(hide = true)]
+    CudaBenchOffload(CudaBenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct CudaBenchArgs {
+    /// Layers of Qwen3-4B's 36 to run (all identical; ratios are per layer).
+    #[arg(long, default_value_t = 8)]
+    layers: usize,
+    /// Context lengths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
+    contexts: Vec<usize>,
+    #[arg(long, default_value_t = 16)]
+    decode_steps: usize,
+    #[arg(long, default_value_t = 4)]
+    num_kv_buffers: usize,
+    #[arg(long, default_value_t = 256)]
+    block_size: usize,
 }
 
 #[derive(Subcommand)]
@@ -134,6 +163,10 @@ struct GenerateArgs {
     /// Write a Chrome/Perfetto trace of every op on every stream.
     #[arg(long, requires = "enable_offload")]
     trace_out: Option<PathBuf>,
+    /// CUDA: run decode steps A..B (0-based, B exclusive) between cuProfilerStart/Stop, for
+    /// `nsys profile --capture-range=cudaProfilerApi`.
+    #[arg(long, value_name = "A:B")]
+    profile_steps: Option<ProfileSteps>,
 }
 
 fn main() -> ExitCode {
@@ -143,6 +176,12 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
         Command::CudaKernelCheck => run_cuda_kernel_check(),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
+        Command::CudaLogitsCheck => run_cuda_rows(device::cuda::gpucheck::logits_check, "logits"),
+        Command::CudaOffloadCheck => {
+            run_cuda_rows(device::cuda::gpucheck::offload_check, "offload")
+        }
+        Command::CudaBandwidth => run_cuda_bandwidth(),
+        Command::CudaBenchOffload(args) => run_cuda_bench(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -176,6 +215,9 @@ fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
     device::check_available(args.device)?;
+    if args.profile_steps.is_some() && args.device != DeviceKind::Cuda {
+        bail!("--profile-steps needs --device cuda");
+    }
     let prompt_text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => std::fs::read_to_string(f)
@@ -185,7 +227,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     if prompt_text.is_empty() {
         bail!("empty prompt: nothing to generate from");
     }
-    let model_path = resolve_model(args.model)?;
+    let model_path = resolve_model(args.model.clone())?;
     let (model, tok) = Model::load(&model_path, !args.json)?;
     let cfg = &model.cfg;
 
@@ -246,7 +288,13 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             sanitize,
             drop_wait: None,
         };
-        let plan = ocfg.plan(cfg)?;
+        // KV in f32 on the CPU device, bf16 on CUDA.
+        let elem = if args.device == DeviceKind::Cuda {
+            2
+        } else {
+            4
+        };
+        let plan = ocfg.plan_for(cfg, elem)?;
         let holds = max_len.min(plan.num_cpu_blocks * args.block_size);
         if prompt.len() >= holds {
             bail!(
@@ -257,17 +305,35 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             );
         }
         eprintln!("{plan}");
-        let mut kv = OffloadEngine::new(cfg, ocfg)?;
-        kv.device().set_tracing(args.trace_out.is_some());
-        let cap = kv.capacity();
-        let out = engine::generate_with(&model, &mut kv, cap, &prompt, &opts, &mut on_token)?;
-        if let Some(path) = &args.trace_out {
-            kv.device().set_tracing(false);
-            let events = kv.device().take_trace();
-            strata::offload::trace::write_chrome_trace(path, &events)?;
-            eprintln!("trace: {} ops written to {}", events.len(), path.display());
+        if args.device == DeviceKind::Cuda {
+            let req = CudaRequest {
+                offload: Some(ocfg),
+                max_len,
+                profile: args.profile_steps,
+                trace_out: args.trace_out.clone(),
+            };
+            run_request(&model, &prompt, &opts, &req, &mut on_token)?
+        } else {
+            let mut kv = OffloadEngine::new(cfg, ocfg)?;
+            kv.device().set_tracing(args.trace_out.is_some());
+            let cap = kv.capacity();
+            let out = engine::generate_with(&model, &mut kv, cap, &prompt, &opts, &mut on_token)?;
+            if let Some(path) = &args.trace_out {
+                kv.device().set_tracing(false);
+                let events = kv.device().take_trace();
+                strata::offload::trace::write_chrome_trace(path, &events)?;
+                eprintln!("trace: {} ops written to {}", events.len(), path.display());
+            }
+            out
         }
-        out
+    } else if args.device == DeviceKind::Cuda {
+        let req = CudaRequest {
+            offload: None,
+            max_len: (prompt.len() + args.max_tokens).min(max_model_len),
+            profile: args.profile_steps,
+            trace_out: None,
+        };
+        run_request(&model, &prompt, &opts, &req, &mut on_token)?
     } else {
         engine::generate(&model, &prompt, &opts, max_model_len, &mut on_token)?
     };
@@ -331,5 +397,51 @@ fn run_cuda_kernel_check() -> Result<()> {
     if failed > 0 {
         bail!("{failed} of {} kernel checks failed", rows.len());
     }
+    Ok(())
+}
+
+/// Prints a check table; fails (one line) when any row failed.
+fn run_cuda_rows(f: fn() -> Result<Vec<device::cuda::check::CheckRow>>, what: &str) -> Result<()> {
+    let rows = f()?;
+    print!("{}", device::cuda::check::format_table(&rows));
+    let failed = rows.iter().filter(|r| !r.pass).count();
+    if failed > 0 {
+        bail!("{failed} of {} {what} checks failed", rows.len());
+    }
+    Ok(())
+}
+
+fn run_cuda_bandwidth() -> Result<()> {
+    use device::cuda::bench;
+    let dev = device::cuda::context::CudaDevice::new(0)?;
+    let rows = bench::bandwidth_sweep(&dev, &bench::sweep_sizes())?;
+    print!("{}", bench::format_bandwidth(&rows));
+    println!(
+        "peak H2D {:.1} GB/s on {}",
+        bench::peak_h2d(&rows),
+        dev.name()
+    );
+    Ok(())
+}
+
+fn run_cuda_bench(args: CudaBenchArgs) -> Result<()> {
+    use device::cuda::bench;
+    // Peak H2D from a short sweep of the large sizes the engine uses.
+    let peak = {
+        let dev = device::cuda::context::CudaDevice::new(0)?;
+        let sizes = [16 << 20, 64 << 20, 256 << 20];
+        bench::peak_h2d(&bench::bandwidth_sweep(&dev, &sizes)?)
+    };
+    let report = bench::offload_bench(
+        &bench::BenchArgs {
+            layers: args.layers,
+            contexts: args.contexts,
+            decode_steps: args.decode_steps,
+            num_kv_buffers: args.num_kv_buffers,
+            block_size: args.block_size,
+        },
+        peak,
+    )?;
+    print!("{report}");
     Ok(())
 }

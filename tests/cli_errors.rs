@@ -231,3 +231,49 @@ fn offload_host_kv_too_small_for_the_prompt() {
         "host KV too small for the prompt: 100 tokens",
     );
 }
+
+#[test]
+fn no_cuda_device_with_offload() {
+    if strata::device::cuda::probe().is_ok() {
+        return;
+    }
+    generate_err(
+        &tiny_dir("err_cuda_offload"),
+        &["--device", "cuda", "--enable-offload"],
+        "no CUDA driver found",
+    );
+}
+
+#[test]
+fn profile_steps_need_cuda() {
+    generate_err(
+        &tiny_dir("err_profile"),
+        &["--profile-steps", "1:3"],
+        "--profile-steps needs --device cuda",
+    );
+}
+
+/// The hidden gpu-check subcommands fail with one line, never a panic, without a GPU.
+#[test]
+fn cuda_subcommands_without_driver() {
+    if strata::device::cuda::probe().is_ok() {
+        return;
+    }
+    for sub in [
+        "cuda-kernel-check",
+        "cuda-logits-check",
+        "cuda-offload-check",
+        "cuda-bandwidth",
+        "cuda-bench-offload",
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .arg(sub)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{sub}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{sub}: {stderr}");
+        assert!(stderr.contains("no CUDA driver found"), "{sub}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{sub}: {stderr}");
+    }
+}

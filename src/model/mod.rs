@@ -1,6 +1,7 @@
 //! Decoder-only transformer (Llama, Qwen3) with an explicit layer loop over the KV seam.
 
 pub mod config;
+pub mod random;
 pub mod tokenizer;
 pub mod weights;
 

@@ -101,8 +101,13 @@ impl std::fmt::Display for MemoryPlan {
 }
 
 impl OffloadConfig {
-    /// Checks the settings against the model and sizes every buffer.
+    /// Checks the settings against the model and sizes every buffer (f32, the CPU device).
     pub fn plan(&self, model: &ModelConfig) -> Result<MemoryPlan> {
+        self.plan_for(model, 4)
+    }
+
+    /// As `plan`, for KV elements of `elem_bytes` (2: bf16 on the CUDA device).
+    pub fn plan_for(&self, model: &ModelConfig, elem_bytes: usize) -> Result<MemoryPlan> {
         if self.num_kv_buffers < 2 {
             bail!("--num-kv-buffers must be at least 2 (one slot computes while the next loads), got {}", self.num_kv_buffers);
         }
@@ -127,7 +132,7 @@ impl OffloadConfig {
             bail!("--num-cpu-blocks must be at least 1");
         }
         let slot_tokens = blocks_needed * self.block_size;
-        let row_bytes = model.kv_dim() * 4;
+        let row_bytes = model.kv_dim() * elem_bytes;
         let kv = 2; // K and V
         Ok(MemoryPlan {
             slot_tokens,
@@ -603,5 +608,27 @@ impl KvView for OffloadEngine {
 impl Drop for OffloadEngine {
     fn drop(&mut self) {
         self.synchronize_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CUDA device keeps KV in bf16: every buffer is half the CPU device's.
+    #[test]
+    fn bf16_plan_is_half_of_f32() {
+        let model = crate::model::random::Shape::tiny().config();
+        let cfg = OffloadConfig {
+            max_model_len: 1000,
+            ..OffloadConfig::default()
+        };
+        let (f, b) = (cfg.plan(&model).unwrap(), cfg.plan_for(&model, 2).unwrap());
+        assert_eq!(f.slot_tokens, b.slot_tokens);
+        assert_eq!(f.ring_bytes, 2 * b.ring_bytes);
+        assert_eq!(f.decode_buffer_bytes, 2 * b.decode_buffer_bytes);
+        assert_eq!(f.host_kv_bytes, 2 * b.host_kv_bytes);
+        // 4 slots × K and V × 1024 tokens × kv_dim 128 × 2 bytes.
+        assert_eq!(b.ring_bytes, 4 * 2 * 1024 * 128 * 2);
     }
 }

@@ -1,0 +1,287 @@
+//! Steps 2 and 3 of `scripts/gpu-check.sh`: logits of the CUDA model against the CPU
+//! model, and greedy generation with and without offload on CUDA.
+//!
+//! Models are random Qwen3s built in memory (`model::random`), weights already rounded to
+//! bf16 so both devices start from identical values; a file round-trip would only retest
+//! the loaders, which the CPU tests cover.
+//!
+//! Tolerances (step 2): the CPU runs in f32; CUDA rounds every activation to bf16
+//! (relative step 2⁻⁸ ≈ 0.4%) about ten times per layer, so logits differ by a few
+//! tenths of a percent to a few percent of their spread. A step passes when
+//! rms(Δ) ≤ 3% · rms(cpu) and max|Δ| ≤ 8% · max|cpu|.
+
+use super::context::CudaDevice;
+use super::exec::{CudaExec, Exec};
+use super::generate::generate;
+use super::kv::{CudaKv, ResidentKv};
+use super::model::CudaModel;
+use super::offload::CudaOffloadEngine;
+use super::weights::CudaWeights;
+use crate::engine::{GenerateOptions, GenerationOutput, SamplingParams};
+use crate::kv::ContiguousKv;
+use crate::model::random::{random_weights, Shape};
+use crate::model::Model;
+use crate::offload::OffloadConfig;
+use anyhow::Result;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::sync::Arc;
+
+pub use super::check::CheckRow;
+
+const RMS_TOL: f32 = 0.03;
+const MAX_TOL: f32 = 0.08;
+
+/// rms and max of the difference, relative to the reference's rms and max.
+pub fn logits_error(got: &[f32], want: &[f32]) -> (f32, f32) {
+    let n = want.len().max(1) as f32;
+    let rms = |it: &mut dyn Iterator<Item = f32>| (it.map(|x| x * x).sum::<f32>() / n).sqrt();
+    let d_rms = rms(&mut got.iter().zip(want).map(|(g, w)| g - w));
+    let w_rms = rms(&mut want.iter().copied());
+    let d_max = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0.0, f32::max);
+    let w_max = want.iter().map(|w| w.abs()).fold(0.0, f32::max);
+    if got.len() != want.len() || got.iter().any(|x| !x.is_finite()) {
+        return (f32::NAN, f32::NAN);
+    }
+    (d_rms / w_rms.max(1e-30), d_max / w_max.max(1e-30))
+}
+
+fn row(name: &str, shape: String, errs: &[(f32, f32)]) -> CheckRow {
+    // A NaN anywhere is the worst error (f32::max would drop it).
+    let worst = |it: &mut dyn Iterator<Item = f32>| {
+        it.fold(0.0f32, |a, b| {
+            if a.is_nan() || b.is_nan() {
+                f32::NAN
+            } else {
+                a.max(b)
+            }
+        })
+    };
+    let rms = worst(&mut errs.iter().map(|e| e.0));
+    let max = worst(&mut errs.iter().map(|e| e.1));
+    let pass = errs.iter().all(|&(r, m)| r <= RMS_TOL && m <= MAX_TOL); // false on NaN
+    CheckRow {
+        name: name.into(),
+        shape,
+        max_abs_err: max,
+        tolerance: format!("rms {RMS_TOL}, max {MAX_TOL} (rel)"),
+        pass,
+        note: format!("worst rel rms {rms:.2e} over {} steps", errs.len()),
+    }
+}
+
+/// Prefill `prompt_len` random tokens, then `decode` greedy steps (tokens chosen by the
+/// CPU, fed to both), comparing the logits of every step. `exec` makes the device for a
+/// head_dim: the GPU, or its host twin in the unit tests.
+pub fn compare_model(
+    exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>,
+    name: &str,
+    shape: Shape,
+    prompt_len: usize,
+    decode: usize,
+) -> Result<CheckRow> {
+    let cfg = shape.config();
+    let model = Arc::new(Model::new(
+        cfg.clone(),
+        random_weights(&cfg, 11, shape.qk_gain),
+    ));
+    let x = exec(cfg.head_dim)?;
+    let w = CudaWeights::from_model(&*x, &model)?;
+    let cap = prompt_len + decode + 1;
+    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap)?;
+    let mut gkv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap)?;
+    let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
+    let mut rng = StdRng::seed_from_u64(5);
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
+    let mut errs = Vec::new();
+    let (mut tokens, mut pos) = (prompt, 0);
+    for _ in 0..=decode {
+        let want = model.forward(&tokens, pos, &mut ckv)?;
+        let got = gpu.forward(&tokens, pos, &mut gkv)?;
+        errs.push(logits_error(&got, &want));
+        pos += tokens.len();
+        tokens = vec![crate::engine::sampler::argmax(&want)];
+    }
+    let s = format!(
+        "{} layer(s), hidden {}, vocab {}, {prompt_len}+{decode} tok",
+        cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    );
+    Ok(row(name, s, &errs))
+}
+
+/// Step 2: a tiny Qwen3 (head_dim 64, a 700-token prompt so decode attention uses two
+/// splits and prefill many tiles) and one Qwen3-4B-shaped layer (vocab cut to 4096 so the
+/// f32 CPU reference stays quick).
+pub fn logits_check() -> Result<Vec<CheckRow>> {
+    let dev = Arc::new(CudaDevice::new(0)?);
+    let compute = dev.new_stream()?;
+    let gpu = |hd: usize| -> Result<Arc<dyn Exec>> {
+        Ok(Arc::new(CudaExec::new(dev.clone(), compute.clone(), hd)?))
+    };
+    let mut big = Shape::qwen3_4b();
+    big.layers = 1;
+    big.vocab = 4096;
+    let cases: Vec<(&str, Shape, usize, usize)> = vec![
+        ("tiny qwen3 (hd 64)", Shape::tiny(), 700, 4),
+        ("qwen3-4b layer (hd 128)", big, 96, 3),
+    ];
+    Ok(cases
+        .into_iter()
+        .map(|(name, shape, p, d)| {
+            compare_model(&gpu, name, shape, p, d).unwrap_or_else(|e| failed(name, e))
+        })
+        .collect())
+}
+
+fn failed(name: &str, e: anyhow::Error) -> CheckRow {
+    CheckRow {
+        name: name.into(),
+        shape: String::new(),
+        max_abs_err: f32::NAN,
+        tolerance: String::new(),
+        pass: false,
+        note: format!("error: {e:#}"),
+    }
+}
+
+fn greedy(max_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        },
+        stop_ids: Vec::new(),
+    }
+}
+
+/// Step 3: greedy tokens on CUDA, resident vs offload (block 16 so prefill leaves a
+/// partial block and decode flushes blocks; 3 slots so prefetch crosses steps) and vs
+/// offload with the sanitizer. Equal token ids and bit-equal log-probabilities required:
+/// the slot holds the context exactly as the resident cache does and the kernels are
+/// the same, so nothing may differ.
+pub fn offload_check() -> Result<Vec<CheckRow>> {
+    let dev = Arc::new(CudaDevice::new(0)?);
+    let mut rows = Vec::new();
+    let mut two = Shape::qwen3_4b();
+    two.layers = 3;
+    two.vocab = 4096;
+    for (name, shape) in [
+        ("tiny qwen3", Shape::tiny()),
+        ("qwen3-4b-shaped, 3 layers", two),
+    ] {
+        let compute = dev.new_stream()?;
+        let exec = |hd: usize| -> Result<Arc<dyn Exec>> {
+            Ok(Arc::new(CudaExec::new(dev.clone(), compute.clone(), hd)?))
+        };
+        let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
+            CudaOffloadEngine::new(dev.clone(), compute.clone(), cfg, o)
+        };
+        rows.extend(
+            offload_case(&exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+        );
+    }
+    Ok(rows)
+}
+
+/// Makes an offload engine on the same device as the model.
+pub type EngineFactory<'a> =
+    dyn Fn(&crate::model::ModelConfig, OffloadConfig) -> Result<CudaOffloadEngine> + 'a;
+
+/// Resident vs offload vs offload + sanitizer, greedy; `exec`/`engine` make the device
+/// (the GPU, or the host twins in the unit tests).
+pub fn offload_case(
+    exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>,
+    engine: &EngineFactory<'_>,
+    name: &str,
+    shape: Shape,
+) -> Result<Vec<CheckRow>> {
+    let cfg = shape.config();
+    let model = Model::new(cfg.clone(), random_weights(&cfg, 3, shape.qk_gain));
+    let x = exec(cfg.head_dim)?;
+    let w = CudaWeights::from_model(&*x, &model)?;
+    let (prompt_len, new) = (100usize, 40usize);
+    let cap = prompt_len + new;
+    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap)?;
+    let mut rng = StdRng::seed_from_u64(9);
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
+    let opts = greedy(new);
+    let mut run =
+        |kv: &mut dyn CudaKv| generate(&mut gpu, kv, &prompt, &opts, None, &mut |_| Ok(()));
+    let mut resident = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap)?;
+    let base = run(&mut resident)?;
+    drop(resident);
+    let mut rows = Vec::new();
+    for sanitize in [false, true] {
+        let ocfg = OffloadConfig {
+            num_kv_buffers: 3,
+            block_size: 16,
+            max_model_len: cap,
+            sanitize,
+            ..OffloadConfig::default()
+        };
+        let mut kv = engine(&cfg, ocfg)?;
+        let out = run(&mut kv)?;
+        let label = if sanitize { " + sanitizer" } else { "" };
+        rows.push(equal_row(&format!("{name}: offload{label}"), &base, &out));
+    }
+    Ok(rows)
+}
+
+fn equal_row(name: &str, a: &GenerationOutput, b: &GenerationOutput) -> CheckRow {
+    let same = a.token_ids == b.token_ids;
+    let dlp = a
+        .logprobs
+        .iter()
+        .zip(&b.logprobs)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
+    let first_diff = a
+        .token_ids
+        .iter()
+        .zip(&b.token_ids)
+        .position(|(x, y)| x != y);
+    CheckRow {
+        name: name.into(),
+        shape: format!(
+            "{} prompt + {} new tokens",
+            a.prompt_tokens,
+            a.token_ids.len()
+        ),
+        max_abs_err: dlp,
+        tolerance: "tokens equal, Δlogprob 0".into(),
+        pass: same && dlp == 0.0 && a.token_ids.len() == b.token_ids.len(),
+        note: match first_diff {
+            Some(i) => format!("first different token at {i}"),
+            None => String::new(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logits_error_is_relative() {
+        let want = [1.0, -2.0, 3.0, -4.0];
+        assert_eq!(logits_error(&want, &want), (0.0, 0.0));
+        let got = [1.0, -2.0, 3.0, -3.6];
+        let (r, m) = logits_error(&got, &want);
+        assert!((m - 0.1).abs() < 1e-6, "{m}");
+        assert!(r > 0.0 && r < 0.1);
+        assert!(logits_error(&[f32::NAN, 0.0, 0.0, 0.0], &want).0.is_nan());
+        let rows = row("x", String::new(), &[(0.01, 0.02), (f32::NAN, 0.0)]);
+        assert!(!rows.pass);
+        assert!(rows.note.contains("NaN"), "{}", rows.note);
+    }
+}

@@ -1,0 +1,319 @@
+//! The model on the GPU: the same layer loop as `Model::forward`, enqueued from the host
+//! thread on one compute stream (CUDA's own asynchrony replaces the CPU device's worker
+//! threads), with the KV behind the `CudaKv` seam. Activations bf16; cuBLAS and the
+//! kernels accumulate in f32; logits f32.
+
+use super::exec::{Buf, Exec};
+use super::kv::{CudaKv, LayerSlot};
+use super::ops::{at, AttnArgs, DPtr, DecodeScratch};
+use super::weights::CudaWeights;
+use crate::device::cpu::ops::rope_tables;
+use crate::model::{config, ModelConfig};
+use anyhow::{bail, Result};
+use std::sync::Arc;
+
+/// MLP rows at once (as on the CPU), bounding the `[rows, 2 inter]` activation.
+const MLP_CHUNK: usize = 1024;
+/// Keys per flash-decoding split.
+const SPLIT_LEN: usize = 512;
+
+pub struct CudaModel {
+    pub cfg: ModelConfig,
+    /// The GPU (`CudaExec`, on the compute stream) or its host twin (`HostExec`).
+    x: Arc<dyn Exec>,
+    pub w: CudaWeights,
+    max_pos: usize,
+    _bufs: Vec<Buf>, // RoPE tables f32 [max_pos, head_dim / 2] ×2, decode scratch
+    cos: DPtr,
+    sin: DPtr,
+    scratch: DecodeScratch,
+    acts: Option<Acts>,
+    /// NVTX ranges around each layer, attention and MLP (host enqueue side).
+    pub nvtx: bool,
+}
+
+/// Step activations for up to `rows` tokens, reused across steps.
+struct Acts {
+    rows: usize,
+    chunk: usize,
+    _bufs: Vec<Buf>,
+    vocab: usize,
+    x: DPtr,      // [rows, hidden] residual stream
+    hn: DPtr,     // [rows, hidden] normalised input of the next block
+    qkv: DPtr,    // [rows, q | k | v]
+    attn: DPtr,   // [rows, q_dim]
+    proj: DPtr,   // [rows, hidden]
+    gu: DPtr,     // [chunk, gate | up]
+    act: DPtr,    // [chunk, inter]
+    meta: DPtr,   // i32 [ids: rows | pos: rows | cu_seqlens: 2 | ctx_len: 1 | table: 1]
+    logits: DPtr, // f32 [vocab]
+}
+
+impl CudaModel {
+    /// `max_pos`: the longest context this model will run (sizes the RoPE tables and the
+    /// decode scratch). `w` must have been uploaded through `x`.
+    pub fn new(x: Arc<dyn Exec>, cfg: ModelConfig, w: CudaWeights, max_pos: usize) -> Result<Self> {
+        if w.layers.len() != cfg.num_layers {
+            bail!(
+                "weights have {} layers, config {}",
+                w.layers.len(),
+                cfg.num_layers
+            );
+        }
+        let (cos_h, sin_h) = rope_tables(&config::rope_inv_freq(&cfg), 0, max_pos);
+        let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
+        let (cos_b, cos) = x.upload(&f32_bytes(&cos_h))?;
+        let (sin_b, sin) = x.upload(&f32_bytes(&sin_h))?;
+        let max_splits = max_pos.div_ceil(SPLIT_LEN);
+        let nh = cfg.num_heads;
+        let (po_b, part_o) = x.alloc(4 * nh * max_splits * cfg.head_dim)?;
+        let (pm_b, part_ml) = x.alloc(4 * nh * max_splits * 2)?;
+        Ok(Self {
+            _bufs: vec![cos_b, sin_b, po_b, pm_b],
+            cos,
+            sin,
+            scratch: DecodeScratch {
+                part_o,
+                part_ml,
+                split_len: SPLIT_LEN,
+                max_splits,
+            },
+            cfg,
+            x,
+            w,
+            max_pos,
+            acts: None,
+            nvtx: true,
+        })
+    }
+
+    pub fn max_pos(&self) -> usize {
+        self.max_pos
+    }
+
+    /// Allocates activations for `tokens`-token steps now (benchmarks: keeps the
+    /// allocation out of the timed prefill).
+    pub fn reserve(&mut self, tokens: usize) -> Result<()> {
+        self.ensure_acts(tokens)
+    }
+
+    /// Activations for `t` tokens; grows (after a synchronize) when a step needs more.
+    fn ensure_acts(&mut self, t: usize) -> Result<()> {
+        if self.acts.as_ref().is_some_and(|a| a.rows >= t) {
+            return Ok(());
+        }
+        self.x.sync()?;
+        self.acts = None; // free before allocating the larger set
+        let c = &self.cfg;
+        let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let chunk = t.min(MLP_CHUNK);
+        // bf16 activations, then i32 meta, then f32 logits.
+        let sizes = [
+            2 * t * h,
+            2 * t * h,
+            2 * t * (qd + 2 * kvd),
+            2 * t * qd,
+            2 * t * h,
+            2 * chunk * 2 * inter,
+            2 * chunk * inter,
+            4 * (2 * t + 4),
+            4 * c.vocab_size,
+        ];
+        let (mut bufs, mut p) = (Vec::new(), Vec::new());
+        for n in sizes {
+            let (b, ptr) = self.x.alloc(n)?;
+            bufs.push(b);
+            p.push(ptr);
+        }
+        self.acts = Some(Acts {
+            rows: t,
+            chunk,
+            vocab: c.vocab_size,
+            x: p[0],
+            hn: p[1],
+            qkv: p[2],
+            attn: p[3],
+            proj: p[4],
+            gu: p[5],
+            act: p[6],
+            meta: p[7],
+            logits: p[8],
+            _bufs: bufs,
+        });
+        Ok(())
+    }
+
+    /// Enqueues one step (tokens at positions `pos0..`) and returns the last token's
+    /// logits `[vocab]` (the only synchronisation of the step).
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn CudaKv,
+    ) -> Result<Vec<f32>> {
+        self.enqueue(tokens, pos0, kv)?;
+        let a = self
+            .acts
+            .as_ref()
+            .expect("enqueue allocated the activations");
+        let mut logits = vec![0f32; a.vocab];
+        // SAFETY: the logits buffer holds `vocab` f32; `download` waits for the step.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(logits.as_mut_ptr() as *mut u8, a.vocab * 4);
+            self.x.download(a.logits, dst)?;
+        }
+        Ok(logits)
+    }
+
+    /// Everything of `forward` but the download: the host returns once the step is queued.
+    pub fn enqueue(&mut self, tokens: &[u32], pos0: usize, kv: &mut dyn CudaKv) -> Result<()> {
+        let t = tokens.len();
+        let c = self.cfg.clone();
+        if t == 0 {
+            bail!("forward called with no tokens");
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            bail!("token id {id} is outside the vocabulary ({})", c.vocab_size);
+        }
+        if pos0 + t > self.max_pos {
+            bail!(
+                "position {} is past the {} positions this CUDA model was built for",
+                pos0 + t,
+                self.max_pos
+            );
+        }
+        kv.begin_step(pos0, t)?;
+        self.ensure_acts(t)?;
+        let a = self.acts.as_ref().expect("allocated above");
+        let x = &self.x;
+        // Step metadata in one upload (pageable: the driver stages it before returning).
+        let mut meta: Vec<i32> = tokens.iter().map(|&id| id as i32).collect();
+        meta.extend((pos0..pos0 + t).map(|p| p as i32));
+        meta.extend([0, t as i32, (pos0 + t) as i32, 0]);
+        // SAFETY: `meta` fits the [2 rows + 4] buffer; pageable source, staged at once.
+        unsafe {
+            let bytes = std::slice::from_raw_parts(meta.as_ptr() as *const u8, meta.len() * 4);
+            x.htod(a.meta, bytes)?;
+        }
+        let (ids, pos) = (a.meta, at::<i32>(a.meta, t));
+        let h = c.hidden_size;
+        self.range("embed");
+        x.embedding(self.w.embed.ptr, ids, a.x, t, c.vocab_size, h)?;
+        let l0 = &self.w.layers[0];
+        x.rms_norm(a.x, l0.attn_norm.ptr, a.hn, t, h, c.rms_norm_eps)?;
+        self.pop();
+        for l in 0..c.num_layers {
+            let slot = kv.begin_layer(l)?;
+            self.range_l("layer", l);
+            self.layer(l, t, pos0, pos, slot)?;
+            self.pop();
+            kv.end_layer(l)?;
+        }
+        let a = self.acts.as_ref().expect("allocated above");
+        self.range("lm_head");
+        self.x.gemm(
+            at::<u16>(a.hn, (t - 1) * h),
+            self.w.lm_head(),
+            a.logits,
+            1,
+            h,
+            c.vocab_size,
+            true,
+        )?;
+        self.pop();
+        Ok(())
+    }
+
+    fn range(&self, name: &str) {
+        if self.nvtx {
+            nvtx::range_push!("{name}");
+        }
+    }
+
+    fn range_l(&self, name: &str, l: usize) {
+        if self.nvtx {
+            nvtx::range_push!("{name} {l}");
+        }
+    }
+
+    fn pop(&self) {
+        if self.nvtx {
+            nvtx::range_pop!();
+        }
+    }
+
+    /// One decoder layer on `a.hn` → residual `a.x` → next block's normalised input in
+    /// `a.hn`; K/V of the new tokens stored into `slot` at their positions.
+    fn layer(&self, l: usize, t: usize, pos0: usize, pos: DPtr, slot: LayerSlot) -> Result<()> {
+        let c = &self.cfg;
+        let a = self.acts.as_ref().expect("allocated by enqueue");
+        let (k, lw) = (&*self.x, &self.w.layers[l]);
+        let (h, qd, kvd, inter, hd) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+            c.head_dim,
+        );
+        let (nh, nkv, eps) = (c.num_heads, c.num_kv_heads, c.rms_norm_eps);
+        let qkv_dim = qd + 2 * kvd;
+        let ctx = pos0 + t;
+        self.range("attention");
+        // 1. Fused QKV projection.
+        k.gemm(a.hn, lw.wqkv.ptr, a.qkv, t, h, qkv_dim, false)?;
+        // 2. Qwen3: per-head RMSNorm of q and k before RoPE.
+        if let Some((qn, kn)) = &lw.qk_norm {
+            k.head_rms_norm(a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps)?;
+            k.head_rms_norm(at::<u16>(a.qkv, qd), kn.ptr, t, nkv, hd, qkv_dim, eps)?;
+        }
+        // 3. RoPE on q and k together (adjacent heads in the fused row).
+        k.rope(a.qkv, pos, self.cos, self.sin, t, nh + nkv, hd, qkv_dim)?;
+        // 4. Store the new K/V at their positions, attend over 0..ctx.
+        let (kp, vp) = (at::<u16>(a.qkv, qd), at::<u16>(a.qkv, qd + kvd));
+        k.kv_store(kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim)?;
+        let args = AttnArgs {
+            q: a.qkv,
+            k: slot.k,
+            v: slot.v,
+            out: a.attn,
+            cu_seqlens: at::<i32>(a.meta, 2 * t),
+            ctx_len: at::<i32>(a.meta, 2 * t + 2),
+            table: at::<i32>(a.meta, 2 * t + 3),
+            capacity: slot.capacity,
+            tokens: t,
+            ctx,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            q_stride: qkv_dim,
+        };
+        if ctx > slot.capacity {
+            bail!("layer {l}: {ctx} tokens in a KV slot of {}", slot.capacity);
+        }
+        if t == 1 {
+            k.attn_decode(&args, &self.scratch, hd)?;
+        } else {
+            k.attn_prefill(&args, hd)?;
+        }
+        // 5. Output projection, residual add, post-attention norm.
+        k.gemm(a.attn, lw.wo.ptr, a.proj, t, qd, h, false)?;
+        k.add_rms_norm(a.x, a.proj, lw.mlp_norm.ptr, a.hn, t, h, eps)?;
+        self.pop();
+        // 6. MLP in row chunks; the residual add is fused with the next block's norm.
+        self.range("mlp");
+        let next_norm = self
+            .w
+            .layers
+            .get(l + 1)
+            .map_or(self.w.final_norm.ptr, |n| n.attn_norm.ptr);
+        for r0 in (0..t).step_by(a.chunk) {
+            let n = a.chunk.min(t - r0);
+            let row = |p: DPtr| at::<u16>(p, r0 * h);
+            k.gemm(row(a.hn), lw.w_gate_up.ptr, a.gu, n, h, 2 * inter, false)?;
+            k.silu_mul(a.gu, a.act, n, inter)?;
+            k.gemm(a.act, lw.w_down.ptr, row(a.proj), n, inter, h, false)?;
+            k.add_rms_norm(row(a.x), row(a.proj), next_norm, row(a.hn), n, h, eps)?;
+        }
+        self.pop();
+        Ok(())
+    }
+}

@@ -1,0 +1,143 @@
+//! Model weights on the GPU in bf16, the same fused layout as `model::weights`
+//! (QKV rows q|k|v, gate/up rows gate|up). Layers are `Arc`s so a benchmark can run a
+//! deep model whose layers share one set of random weights (timing is the same; the
+//! memory figure then counts one layer's weights).
+
+use super::exec::{Buf, Exec};
+use super::ops::DPtr;
+use crate::device::cpu::twins::f32_to_bf16;
+use crate::model::{Model, ModelConfig};
+use anyhow::{bail, Result};
+use std::sync::Arc;
+
+/// One bf16 tensor on the device and its address.
+pub struct Tensor {
+    _buf: Buf,
+    pub ptr: DPtr,
+}
+
+impl Tensor {
+    pub fn from_bf16(x: &dyn Exec, bits: &[u16]) -> Result<Self> {
+        // SAFETY: a u16 slice viewed as its bytes.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(bits.as_ptr() as *const u8, bits.len() * 2) };
+        let (buf, ptr) = x.upload(bytes)?;
+        Ok(Self { _buf: buf, ptr })
+    }
+
+    pub fn from_f32(x: &dyn Exec, v: &[f32]) -> Result<Self> {
+        let bits: Vec<u16> = v.iter().map(|&x| f32_to_bf16(x)).collect();
+        Self::from_bf16(x, &bits)
+    }
+}
+
+pub struct LayerW {
+    pub attn_norm: Tensor,                 // [hidden]
+    pub wqkv: Tensor,                      // [q_dim + 2 kv_dim, hidden]
+    pub qk_norm: Option<(Tensor, Tensor)>, // [head_dim] each (Qwen3)
+    pub wo: Tensor,                        // [hidden, q_dim]
+    pub mlp_norm: Tensor,                  // [hidden]
+    pub w_gate_up: Tensor,                 // [2 inter, hidden]
+    pub w_down: Tensor,                    // [hidden, inter]
+}
+
+pub struct CudaWeights {
+    pub embed: Tensor, // [vocab, hidden]
+    pub layers: Vec<Arc<LayerW>>,
+    pub final_norm: Tensor,      // [hidden]
+    pub lm_head: Option<Tensor>, // [vocab, hidden]; None = tied to embed
+    pub bytes: usize,            // distinct bytes uploaded
+}
+
+impl CudaWeights {
+    pub fn lm_head(&self) -> DPtr {
+        self.lm_head.as_ref().unwrap_or(&self.embed).ptr
+    }
+
+    /// Uploads a loaded model's f32 weights, rounded to bf16.
+    pub fn from_model(x: &dyn Exec, model: &Model) -> Result<Self> {
+        let w = &model.weights;
+        if w.layers.iter().any(|l| l.bqkv.is_some()) {
+            bail!("QKV bias is not supported on the CUDA device yet; use --device cpu");
+        }
+        let t = |v: &[f32]| Tensor::from_f32(x, v);
+        let layers = w
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Arc::new(LayerW {
+                    attn_norm: t(&l.attn_norm)?,
+                    wqkv: t(&l.wqkv)?,
+                    qk_norm: match (&l.q_norm, &l.k_norm) {
+                        (Some(q), Some(k)) => Some((t(q)?, t(k)?)),
+                        _ => None,
+                    },
+                    wo: t(&l.wo)?,
+                    mlp_norm: t(&l.mlp_norm)?,
+                    w_gate_up: t(&l.w_gate_up)?,
+                    w_down: t(&l.w_down)?,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            embed: t(&w.embed)?,
+            layers,
+            final_norm: t(&w.final_norm)?,
+            lm_head: w.lm_head.as_deref().map(t).transpose()?,
+            bytes: model.weight_bytes() / 2,
+        })
+    }
+
+    /// Random bf16 weights of `cfg`'s shape generated on the host by a cheap hash (fast
+    /// enough for Qwen3-4B's 390M-entry embedding), every layer sharing one set.
+    pub fn random_shared(x: &dyn Exec, cfg: &ModelConfig, seed: u64) -> Result<Self> {
+        let (h, qd, kvd, inter, hd) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+            cfg.head_dim,
+        );
+        let mut n = 0u64;
+        let mut gen = |len: usize, center: f32, scale: f32| -> Result<Tensor> {
+            n += 1;
+            let bits: Vec<u16> = (0..len)
+                .map(|i| {
+                    let u = splitmix(seed ^ (n << 40) ^ i as u64);
+                    let r = (u >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0; // [-1, 1)
+                    f32_to_bf16(center + scale * r)
+                })
+                .collect();
+            Tensor::from_bf16(x, &bits)
+        };
+        let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+        let layer = Arc::new(LayerW {
+            attn_norm: gen(h, 1.0, 0.1)?,
+            wqkv: gen((qd + 2 * kvd) * h, 0.0, s(h))?,
+            qk_norm: if cfg.qk_norm {
+                Some((gen(hd, 1.0, 0.1)?, gen(hd, 1.0, 0.1)?))
+            } else {
+                None
+            },
+            wo: gen(h * qd, 0.0, s(qd))?,
+            mlp_norm: gen(h, 1.0, 0.1)?,
+            w_gate_up: gen(2 * inter * h, 0.0, s(h))?,
+            w_down: gen(h * inter, 0.0, s(inter))?,
+        });
+        let layer_bytes = 2 * (2 * h + (qd + 2 * kvd) * h + 2 * hd + h * qd + 3 * inter * h);
+        Ok(Self {
+            embed: gen(cfg.vocab_size * h, 0.0, 1.0)?,
+            layers: vec![layer; cfg.num_layers],
+            final_norm: gen(h, 1.0, 0.1)?,
+            lm_head: None,
+            bytes: layer_bytes + 2 * (cfg.vocab_size * h + h),
+        })
+    }
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}

@@ -1,0 +1,177 @@
+//! Random Qwen3-style models built in memory, for checks that need a model of a given
+//! shape and no checkpoint (CUDA vs CPU logits, offload benchmarks). Every weight is
+//! rounded to bf16 so the f32 CPU path and the bf16 CUDA path start from the same values.
+
+use super::config::{Arch, GenerationDefaults, ModelConfig, RopeScaling};
+use super::weights::{LayerWeights, ModelWeights};
+use crate::device::cpu::twins::{bf16_to_f32, f32_to_bf16};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// A Qwen3 shape (q/k norm, no bias, untied head when `tie` is false).
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub inter: usize,
+    pub vocab: usize,
+    pub max_pos: usize,
+    /// Scale of the q/k norm weights (above 1 sharpens attention; bf16 errors grow with it).
+    pub qk_gain: f32,
+}
+
+impl Shape {
+    /// Tiny, but with the head_dim (64) the CUDA attention kernels support.
+    pub fn tiny() -> Self {
+        Self {
+            layers: 2,
+            hidden: 128,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            inter: 256,
+            vocab: 512,
+            max_pos: 4096,
+            qk_gain: 1.0,
+        }
+    }
+
+    /// Qwen3-4B: 36 layers, hidden 2560, 32 heads, 8 KV heads, head_dim 128, inter 9728,
+    /// vocab 151936.
+    pub fn qwen3_4b() -> Self {
+        Self {
+            layers: 36,
+            hidden: 2560,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            inter: 9728,
+            vocab: 151936,
+            max_pos: 40960,
+            qk_gain: 1.0,
+        }
+    }
+
+    pub fn config(&self) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Qwen3,
+            hidden_size: self.hidden,
+            intermediate_size: self.inter,
+            num_layers: self.layers,
+            num_heads: self.heads,
+            num_kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            vocab_size: self.vocab,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            rope_scaling: RopeScaling::None,
+            max_position_embeddings: self.max_pos,
+            tie_word_embeddings: true,
+            qk_norm: true,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+            generation: GenerationDefaults::default(),
+        }
+    }
+}
+
+/// Uniform in [-scale, scale), rounded to bf16.
+fn uniform(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| bf16_to_f32(f32_to_bf16(rng.random_range(-scale..scale))))
+        .collect()
+}
+
+/// Norm weights near 1.
+fn norm(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| bf16_to_f32(f32_to_bf16(1.0 + rng.random_range(-0.1..0.1))))
+        .collect()
+}
+
+fn scaled(v: Vec<f32>, g: f32) -> Vec<f32> {
+    v.into_iter()
+        .map(|x| bf16_to_f32(f32_to_bf16(x * g)))
+        .collect()
+}
+
+/// Weights scaled by 1/√fan_in so activations stay O(1) through the layers; q/k norm
+/// weights near `qk_gain`.
+pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeights {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (h, qd, kvd, inter) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+    );
+    let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    let layers = (0..cfg.num_layers)
+        .map(|_| LayerWeights {
+            attn_norm: norm(&mut rng, h),
+            wqkv: uniform(&mut rng, (qd + 2 * kvd) * h, s(h)),
+            bqkv: None,
+            q_norm: Some(scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
+            k_norm: Some(scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
+            wo: uniform(&mut rng, h * qd, s(qd)),
+            mlp_norm: norm(&mut rng, h),
+            w_gate_up: uniform(&mut rng, 2 * inter * h, s(h)),
+            w_down: uniform(&mut rng, h * inter, s(inter)),
+        })
+        .collect();
+    ModelWeights {
+        // Small, as in trained models: a residual stream much larger than the layers'
+        // outputs would round their contributions away in bf16.
+        embed: uniform(&mut rng, cfg.vocab_size * h, 0.1),
+        layers,
+        final_norm: norm(&mut rng, h),
+        lm_head: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{generate, GenerateOptions, SamplingParams};
+    use crate::model::Model;
+    use std::sync::Arc;
+
+    /// The CPU half of gpu-check steps 2-3: the tiny random Qwen3 runs, is
+    /// deterministic, and its weights are bf16-exact.
+    #[test]
+    fn tiny_random_qwen3_generates() {
+        let cfg = Shape::tiny().config();
+        let w = random_weights(&cfg, 11, Shape::tiny().qk_gain);
+        assert!(w.layers[0]
+            .wqkv
+            .iter()
+            .all(|&x| bf16_to_f32(f32_to_bf16(x)) == x));
+        let model = Arc::new(Model::new(cfg.clone(), w));
+        let opts = GenerateOptions {
+            max_tokens: 8,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 0,
+            },
+            stop_ids: Vec::new(),
+        };
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % cfg.vocab_size) as u32).collect();
+        let run = || generate(&model, &prompt, &opts, 64, &mut |_| Ok(())).unwrap();
+        let (a, b) = (run(), run());
+        assert_eq!(a.token_ids.len(), 8);
+        assert_eq!(a.token_ids, b.token_ids);
+        assert!(a.logprobs.iter().all(|x| x.is_finite()));
+    }
+
+    #[test]
+    fn qwen3_4b_shape() {
+        let c = Shape::qwen3_4b().config();
+        assert_eq!((c.q_dim(), c.kv_dim()), (4096, 1024));
+        assert!(c.qk_norm && c.tie_word_embeddings);
+    }
+}

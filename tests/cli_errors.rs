@@ -277,3 +277,12 @@ fn cuda_subcommands_without_driver() {
         assert!(!stderr.contains("panicked"), "{sub}: {stderr}");
     }
 }
+
+#[test]
+fn offload_host_kv_larger_than_memory() {
+    generate_err(
+        &tiny_dir("err_host_oom"),
+        &["--enable-offload", "--num-cpu-blocks", "100000000"],
+        "of memory is available",
+    );
+}

@@ -22,7 +22,7 @@ pub mod trace;
 
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::device::cpu::stream::{Buffer, CpuDevice, Event, MemSpace, Stream};
 use crate::kv::{KvView, LayerKv, LayerWork, Work};
@@ -134,12 +134,27 @@ impl OffloadConfig {
         let slot_tokens = blocks_needed * self.block_size;
         let row_bytes = model.kv_dim() * elem_bytes;
         let kv = 2; // K and V
+        let host_kv_bytes = (kv * model.num_layers * self.block_size * row_bytes)
+            .checked_mul(num_cpu_blocks)
+            .context("--num-cpu-blocks is too large")?;
+        // Linux overcommits: a too-large allocation "succeeds" and the OOM killer strikes
+        // when it is touched. Refuse up front a host KV that cannot fit.
+        if let Some(avail) = available_memory_bytes() {
+            if host_kv_bytes as u64 > avail {
+                let gib = |b: f64| b / (1u64 << 30) as f64;
+                bail!(
+                    "host KV needs {:.2} GiB but only {:.2} GiB of memory is available; lower --num-cpu-blocks or --max-model-len",
+                    gib(host_kv_bytes as f64),
+                    gib(avail as f64)
+                );
+            }
+        }
         Ok(MemoryPlan {
             slot_tokens,
             num_cpu_blocks,
             ring_bytes: kv * self.num_kv_buffers * slot_tokens * row_bytes,
             decode_buffer_bytes: kv * model.num_layers * self.block_size * row_bytes,
-            host_kv_bytes: kv * model.num_layers * num_cpu_blocks * self.block_size * row_bytes,
+            host_kv_bytes,
         })
     }
 }
@@ -603,6 +618,13 @@ impl KvView for OffloadEngine {
         self.compute.synchronize();
         Ok(())
     }
+}
+
+/// `MemAvailable` from /proc/meminfo, where there is one.
+fn available_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
 impl Drop for OffloadEngine {

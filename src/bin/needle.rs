@@ -146,6 +146,10 @@ fn answer(
 
 fn run(args: Args) -> Result<bool> {
     device::check_available(args.device)?;
+    if args.device == DeviceKind::Cuda {
+        // Not silently on the CPU: the CUDA path is wired into `strata generate` only so far.
+        bail!("needle --device cuda is not supported yet; run it with --device cpu (the CUDA device runs `strata generate --device cuda`)");
+    }
     if args.repeats == 0 {
         bail!("--repeats must be at least 1");
     }

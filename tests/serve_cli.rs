@@ -61,3 +61,33 @@ fn bad_ranges_are_one_line_errors() {
     assert!(stderr.contains("A:B"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn shared_prefix_is_served_from_the_prefix_cache() {
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["bench", "serve", "--model"])
+        .arg(common::require_default_model())
+        .args([
+            "--num-seqs",
+            "4",
+            "--input-len",
+            "140:200",
+            "--output-len",
+            "4:8",
+            "--shared-prefix",
+            "128",
+        ])
+        .args(["--compare", "--json"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    // Requests admitted together wait one round for the first one's shared chunk.
+    assert!(v["prefix_hit_blocks"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["compare_mismatches"], 0);
+}

@@ -83,7 +83,9 @@ fn preempted_requests_match_an_unconstrained_run_with_offload_and_with_recompute
             .iter()
             .zip(&params)
             .all(|(w, p)| w.len() == p.max_tokens));
-        let tight = ws / 3; // a third of the working set; every request still fits alone
+        // A third of the working set, counting the shared prefix once; every request still
+        // fits alone.
+        let tight = (ws - (prompts.len() - 1) * shared / 4) / 3;
         assert!(tight * 4 >= 70 + 40);
         for cpu in [0, 1000] {
             let mut e = Engine::new(model.clone(), config(tight, cpu, false)).unwrap();

@@ -329,6 +329,12 @@ impl Scheduler {
                 break; // a store or load is in flight: defer
             }
             let fresh = seq.block_ids.is_empty();
+            if fresh && self.prefix_in_progress(sid) {
+                // A running request is computing this request's first shared chunk right
+                // now: wait a round and reuse it from the prefix cache instead of
+                // computing it twice (otherwise requests admitted together never share).
+                break;
+            }
             if fresh {
                 self.prefix_lookup(sid)?;
             }
@@ -385,6 +391,26 @@ impl Scheduler {
             out.batch.push(self.scheduled(sid, range)?);
         }
         Ok(())
+    }
+
+    /// Whether the first canonical chunk of `sid` is not cached yet but is being computed by
+    /// a running request (its first block not yet registered), so waiting a round pays.
+    fn prefix_in_progress(&self, sid: SeqId) -> bool {
+        let (bs, chunk) = (self.cfg.block_size, self.cfg.prefill_chunk);
+        let seq = &self.seqs[&sid];
+        if seq.canonical_end(chunk) < chunk || seq.tokens.len() <= chunk {
+            return false; // no whole chunk to share (a lookup always leaves a token to compute)
+        }
+        let first = block_hash(None, &seq.tokens[..bs]);
+        if self.bm.lookup(first).is_some() {
+            return false; // cached already: the lookup will take it
+        }
+        self.running.iter().any(|r| {
+            let other = &self.seqs[r];
+            other.hashes.is_empty()
+                && other.canonical_end(chunk) >= chunk
+                && other.tokens[..bs] == seq.tokens[..bs]
+        })
     }
 
     /// Takes references to cached blocks of the sequence's canonical prompt prefix,

@@ -3,13 +3,14 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use strata::device::cuda::generate::{run_request, CudaRequest, ProfileSteps};
 use strata::device::{self, DeviceKind};
-use strata::engine::{self, GenerateOptions, SamplingParams};
+use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
 use strata::model::Model;
 use strata::offload::bench::{run_bench, OffloadBenchArgs};
@@ -213,6 +214,28 @@ fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
         .context("no --model given and the default model is missing: run `models/fetch.sh` to download SmolLM2-135M-Instruct")
 }
 
+/// One request through the CPU device's offload engine, with its trace if asked.
+fn generate_offloaded(
+    model: &Arc<Model>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    ocfg: OffloadConfig,
+    trace_out: Option<&Path>,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationOutput> {
+    let mut kv = OffloadEngine::new(&model.cfg, ocfg)?;
+    kv.device().set_tracing(trace_out.is_some());
+    let cap = kv.capacity();
+    let out = engine::generate_with(model, &mut kv, cap, prompt, opts, on_token)?;
+    if let Some(path) = trace_out {
+        kv.device().set_tracing(false);
+        let events = kv.device().take_trace();
+        strata::offload::trace::write_chrome_trace(path, &events)?;
+        eprintln!("trace: {} ops written to {}", events.len(), path.display());
+    }
+    Ok(out)
+}
+
 fn run_generate(args: GenerateArgs) -> Result<()> {
     device::check_available(args.device)?;
     if args.profile_steps.is_some() && args.device != DeviceKind::Cuda {
@@ -314,17 +337,14 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             };
             run_request(&model, &prompt, &opts, &req, &mut on_token)?
         } else {
-            let mut kv = OffloadEngine::new(cfg, ocfg)?;
-            kv.device().set_tracing(args.trace_out.is_some());
-            let cap = kv.capacity();
-            let out = engine::generate_with(&model, &mut kv, cap, &prompt, &opts, &mut on_token)?;
-            if let Some(path) = &args.trace_out {
-                kv.device().set_tracing(false);
-                let events = kv.device().take_trace();
-                strata::offload::trace::write_chrome_trace(path, &events)?;
-                eprintln!("trace: {} ops written to {}", events.len(), path.display());
-            }
-            out
+            generate_offloaded(
+                &model,
+                &prompt,
+                &opts,
+                ocfg,
+                args.trace_out.as_deref(),
+                &mut on_token,
+            )?
         }
     } else if args.device == DeviceKind::Cuda {
         let req = CudaRequest {

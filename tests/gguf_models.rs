@@ -1,0 +1,202 @@
+//! GGUF files written by the test from tiny random models: Qwen3 (no row permutation,
+//! `qwen2` pre-tokenizer) and Llama (Q/K rows permuted as llama.cpp's converter does,
+//! `llama-bpe` pre-tokenizer) load to the same weights as their safetensors twins, so the
+//! logits are bit-identical; the tokenizer and config come from the metadata.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::quantized::{gguf_file::Value, GgmlDType, QTensor};
+use candle_core::Tensor;
+use common::{scratch_dir, TinySpec};
+use strata::kv::ContiguousKv;
+use strata::model::{weights, Arch, Model};
+
+/// llama.cpp's `permute`: HF rows (head, half, pair-index) → interleaved rotary pairs.
+fn llama_cpp_permute(w: &Tensor, heads: usize) -> Tensor {
+    let (rows, cols) = w.dims2().unwrap();
+    w.reshape((heads, 2, rows / heads / 2, cols))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .reshape((rows, cols))
+        .unwrap()
+}
+
+fn gguf_name(hf: &str) -> String {
+    let map = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ];
+    if let Some((_, g)) = map.iter().find(|(h, _)| *h == hf) {
+        return g.to_string();
+    }
+    let rest = hf.strip_prefix("model.layers.").unwrap();
+    let (i, part) = rest.split_once('.').unwrap();
+    let p = match part {
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        other => panic!("unmapped {other}"),
+    };
+    format!("blk.{i}.{p}")
+}
+
+/// Writes `spec`'s weights (f32) as a GGUF file with the given architecture and pre-tokenizer.
+fn write_gguf(
+    spec: &TinySpec,
+    w: &std::collections::HashMap<String, Tensor>,
+    path: &std::path::Path,
+    pre: &str,
+) {
+    let arch = if spec.qwen3 { "qwen3" } else { "llama" };
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for (name, t) in w {
+        let t = t.to_dtype(candle_core::DType::F32).unwrap();
+        let t = match (
+            spec.qwen3,
+            name.contains("q_proj.weight"),
+            name.contains("k_proj.weight"),
+        ) {
+            (false, true, _) => llama_cpp_permute(&t, spec.heads),
+            (false, _, true) => llama_cpp_permute(&t, spec.kv_heads),
+            _ => t,
+        };
+        tensors.push((
+            gguf_name(name),
+            QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+        ));
+    }
+    // Vocab: specials, the 256 byte-level symbols, then fillers up to the model's size.
+    let mut tokens: Vec<String> = vec![
+        "<|endoftext|>".into(),
+        "<|im_start|>".into(),
+        "<|im_end|>".into(),
+    ];
+    let mut chars: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+        .into_iter()
+        .collect();
+    chars.sort();
+    tokens.extend(chars.iter().map(|c| c.to_string()));
+    while tokens.len() < spec.vocab {
+        tokens.push(format!("<extra_{}>", tokens.len()));
+    }
+    tokens.truncate(spec.vocab);
+    let types: Vec<Value> = (0..tokens.len())
+        .map(|i| Value::I32(if i < 3 { 3 } else { 1 }))
+        .collect();
+    let s = |x: &str| Value::String(x.to_string());
+    let u = |x: usize| Value::U32(x as u32);
+    let k = |key: &str| format!("{arch}.{key}");
+    let md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), s(arch)),
+        (k("block_count"), u(spec.layers)),
+        (k("embedding_length"), u(spec.hidden)),
+        (k("feed_forward_length"), u(spec.inter)),
+        (k("attention.head_count"), u(spec.heads)),
+        (k("attention.head_count_kv"), u(spec.kv_heads)),
+        (k("attention.key_length"), u(spec.head_dim)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (k("rope.freq_base"), Value::F32(10000.0)),
+        (k("context_length"), u(512)),
+        ("tokenizer.ggml.model".into(), s("gpt2")),
+        ("tokenizer.ggml.pre".into(), s(pre)),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.iter().map(|t| s(t)).collect())),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+        ("tokenizer.ggml.merges".into(), Value::Array(vec![])),
+        ("tokenizer.ggml.eos_token_id".into(), u(2)),
+        ("tokenizer.chat_template".into(), s("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")),
+    ];
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(a, b)| (a.as_str(), b)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(a, b)| (a.as_str(), b)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    candle_core::quantized::gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
+}
+
+fn logits(model: &Arc<Model>) -> Vec<Vec<f32>> {
+    let c = &model.cfg;
+    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, 32);
+    let mut out = vec![model
+        .forward(&[5, 9, 200, 17, 3, 44, 120], 0, &mut kv)
+        .unwrap()];
+    out.push(model.forward(&[77], 7, &mut kv).unwrap());
+    out
+}
+
+fn check(spec: TinySpec, name: &str, pre: &str) {
+    let dir = scratch_dir(name);
+    let w = spec.write(&dir, 31);
+    let path = dir.join("model.gguf");
+    write_gguf(&spec, &w, &path, pre);
+    let (from_gguf, tok) = Model::load(&path, false).unwrap();
+    let c = &from_gguf.cfg;
+    assert_eq!(c.arch, if spec.qwen3 { Arch::Qwen3 } else { Arch::Llama });
+    assert_eq!(
+        (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim),
+        (spec.layers, spec.heads, spec.kv_heads, spec.head_dim)
+    );
+    assert_eq!(c.tie_word_embeddings, spec.tie);
+    assert_eq!(c.eos_token_ids, vec![2]);
+    // The same tensors through the safetensors loader, under the GGUF's config.
+    let mut cfg = c.clone();
+    let reference = Arc::new(Model::new(
+        cfg.clone(),
+        weights::load_safetensors(&dir, &mut cfg, false).unwrap(),
+    ));
+    assert_eq!(
+        logits(&from_gguf),
+        logits(&reference),
+        "{name}: GGUF weights differ from safetensors"
+    );
+    // Tokenizer from the metadata: byte-level round trip, control tokens whole.
+    let text = "héllo, wörld 12345!";
+    assert_eq!(
+        tok.decode(&tok.encode(text, false).unwrap(), false)
+            .unwrap(),
+        text
+    );
+    assert_eq!(tok.encode("<|im_start|>", false).unwrap(), vec![1]);
+    assert_eq!(
+        tok.apply_chat_template("hi").unwrap(),
+        "<|im_start|>user\nhi<|im_end|>\n"
+    );
+}
+
+#[test]
+fn qwen3_gguf_matches_its_safetensors_twin() {
+    check(TinySpec::qwen3(), "gguf_qwen3", "qwen2");
+}
+
+#[test]
+fn llama_gguf_with_permuted_rows_matches_its_safetensors_twin() {
+    check(TinySpec::llama(), "gguf_llama", "llama-bpe");
+}
+
+#[test]
+fn unknown_pre_tokenizer_is_refused() {
+    let spec = TinySpec::llama();
+    let dir = scratch_dir("gguf_bad_pre");
+    let w = spec.write(&dir, 31);
+    let path = dir.join("model.gguf");
+    write_gguf(&spec, &w, &path, "mystery-bpe");
+    let err = format!(
+        "{:#}",
+        Model::load(&path, false).err().expect("must refuse")
+    );
+    assert!(
+        err.contains("unsupported GGUF tokenizer pre-tokenizer `mystery-bpe`"),
+        "{err}"
+    );
+}

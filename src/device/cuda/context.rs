@@ -4,7 +4,7 @@
 
 use super::nvrtc;
 use anyhow::{anyhow, bail, Result};
-use cudarc::cublas::{self, CudaBlas};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
     DevicePtrMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,

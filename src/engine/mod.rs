@@ -91,6 +91,29 @@ pub fn generate_with(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<GenerationOutput> {
+    kv.reset()?;
+    run_loop(
+        capacity,
+        prompt,
+        opts,
+        &mut |tokens, pos0, _| model.forward(tokens, pos0, kv),
+        on_token,
+    )
+}
+
+/// One forward step: `(tokens, pos0, decode_step)` → the last position's logits.
+pub type StepFn<'a> = dyn FnMut(&[u32], usize, Option<usize>) -> Result<Vec<f32>> + 'a;
+
+/// Prefill then decode, whatever runs the model: `forward(tokens, pos0, decode_step)`
+/// returns the last position's logits (`decode_step` is `None` for the prefill). Stops at
+/// `max_tokens`, at a stop id, or when `capacity` tokens are in the context.
+pub fn run_loop(
+    capacity: usize,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    forward: &mut StepFn<'_>,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationOutput> {
     opts.sampling.validate()?;
     let mut sampler = Sampler::new(opts.sampling.clone());
     let mut out = GenerationOutput {
@@ -100,9 +123,8 @@ pub fn generate_with(
     if opts.max_tokens == 0 {
         return Ok(out);
     }
-    kv.reset()?;
     let t0 = Instant::now();
-    let logits = model.forward(prompt, 0, kv)?;
+    let logits = forward(prompt, 0, None)?;
     let mut next = sampler.sample(&logits);
     out.logprobs.push(logprob(&logits, next));
     out.prefill_secs = t0.elapsed().as_secs_f64();
@@ -110,10 +132,9 @@ pub fn generate_with(
     on_token(next)?;
     let t1 = Instant::now();
     let mut pos = prompt.len();
-    // Stop at max_tokens, at a stop id, or when the context is full.
     while out.token_ids.len() < opts.max_tokens && !opts.stop_ids.contains(&next) && pos < capacity
     {
-        let logits = model.forward(&[next], pos, kv)?;
+        let logits = forward(&[next], pos, Some(out.decode_steps))?;
         pos += 1;
         next = sampler.sample(&logits);
         out.logprobs.push(logprob(&logits, next));

@@ -3,9 +3,8 @@
 
 use super::kv::CudaKv;
 use super::model::CudaModel;
-use crate::engine::{logprob, GenerateOptions, GenerationOutput, Sampler};
+use crate::engine::{GenerateOptions, GenerationOutput};
 use anyhow::Result;
-use std::time::Instant;
 
 /// Decode steps `start..end` (0 = the first decode step) run between cuProfilerStart and
 /// cuProfilerStop, so `nsys --capture-range=cudaProfilerApi` records only those.
@@ -43,51 +42,31 @@ pub fn generate(
     profile: Option<ProfileSteps>,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<GenerationOutput> {
-    opts.sampling.validate()?;
     let capacity = kv.capacity().min(model.max_pos());
     crate::engine::check_prompt(prompt, capacity)?;
-    let mut sampler = Sampler::new(opts.sampling.clone());
-    let mut out = GenerationOutput {
-        prompt_tokens: prompt.len(),
-        ..Default::default()
-    };
-    if opts.max_tokens == 0 {
-        return Ok(out);
-    }
     kv.reset()?;
-    let t0 = Instant::now();
-    let logits = model.forward(prompt, 0, kv)?;
-    let mut next = sampler.sample(&logits);
-    out.logprobs.push(logprob(&logits, next));
-    out.prefill_secs = t0.elapsed().as_secs_f64();
-    out.token_ids.push(next);
-    on_token(next)?;
-    let t1 = Instant::now();
-    let mut pos = prompt.len();
+    // Bracket decode steps start..end with the profiler, for nsys's capture range.
     let mut profiling = false;
-    while out.token_ids.len() < opts.max_tokens && !opts.stop_ids.contains(&next) && pos < capacity
-    {
-        let step = out.decode_steps;
-        if profile.is_some_and(|p| p.start == step) {
-            super::context::profiler_start()?;
-            profiling = true;
+    let mut forward = |tokens: &[u32], pos0: usize, step: Option<usize>| -> Result<Vec<f32>> {
+        if let (Some(p), Some(step)) = (profile, step) {
+            if p.start == step {
+                super::context::profiler_start()?;
+                profiling = true;
+            }
         }
-        let logits = model.forward(&[next], pos, kv)?;
-        if profiling && profile.is_some_and(|p| p.end == step + 1) {
-            super::context::profiler_stop()?;
-            profiling = false;
+        let logits = model.forward(tokens, pos0, kv)?;
+        if let (Some(p), Some(step), true) = (profile, step, profiling) {
+            if p.end == step + 1 {
+                super::context::profiler_stop()?;
+                profiling = false;
+            }
         }
-        pos += 1;
-        next = sampler.sample(&logits);
-        out.logprobs.push(logprob(&logits, next));
-        out.token_ids.push(next);
-        out.decode_steps += 1;
-        on_token(next)?;
-    }
+        Ok(logits)
+    };
+    let out = crate::engine::run_loop(capacity, prompt, opts, &mut forward, on_token)?;
     if profiling {
         super::context::profiler_stop()?;
     }
-    out.decode_secs = t1.elapsed().as_secs_f64();
     Ok(out)
 }
 

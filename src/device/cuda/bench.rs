@@ -342,7 +342,7 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
     let max_ctx = *args.contexts.iter().max().expect("checked above");
     shape.max_pos = (max_ctx + extra).max(WARM_CAP);
     let cfg = shape.config();
-    let x: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone(), cfg.head_dim)?);
+    let x: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
     let w = CudaWeights::random_shared(&*x, &cfg, 1)?;
     let weights_bytes = w.bytes;
     let mut model = CudaModel::new(x.clone(), cfg.clone(), w, shape.max_pos)?;

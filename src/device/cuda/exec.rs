@@ -1,10 +1,13 @@
-//! What the CUDA model needs from a device: memory, copies on its stream, and the kernels,
-//! all on addresses (`DPtr`). `CudaExec` is the GPU; `hosttwin::HostExec` runs the same
-//! calls on host memory with the kernels' semantics, so the model's orchestration (buffer
-//! offsets, strides, step metadata, chunking) is tested on machines without a GPU.
+//! What the CUDA model needs from a device: memory, copies on its stream, kernel launches
+//! and the GEMM, all on addresses (`DPtr`). A backend implements memory, `launch` (run an
+//! `ops::Launch`) and `gemm`; the kernel methods default to building their launches with
+//! the `ops` builders, so every backend that runs launches (`CudaExec`, the GPU; a CPU
+//! emulator of the `.cu` sources) runs the same ones. `hosttwin::HostExec` overrides the
+//! kernel methods with their semantics on host memory, so the model's orchestration
+//! (buffer offsets, strides, step metadata, chunking) is tested on machines without a GPU.
 
 use super::context::CudaDevice;
-use super::ops::{self, AttnArgs, DPtr, DecodeScratch, Kernels};
+use super::ops::{self, AttnArgs, DPtr, DecodeScratch, Kernels, Launch};
 use anyhow::{anyhow, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -34,6 +37,12 @@ pub trait Exec {
     unsafe fn download(&self, src: DPtr, dst: &mut [u8]) -> Result<()>;
     fn sync(&self) -> Result<()>;
 
+    /// Queues one kernel launch on the stream. The addresses in `l.args` must be live
+    /// allocations of the sizes the kernel reads and writes, as for any launch.
+    fn launch(&self, l: &Launch) -> Result<()>;
+
+    // The kernels the model calls, one method each (see the `ops` builder of that name).
+
     fn embedding(
         &self,
         table: DPtr,
@@ -42,7 +51,9 @@ pub trait Exec {
         tokens: usize,
         vocab: usize,
         dim: usize,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.launch(&ops::embedding(table, ids, out, tokens, vocab, dim))
+    }
     fn rms_norm(
         &self,
         x: DPtr,
@@ -51,7 +62,9 @@ pub trait Exec {
         rows: usize,
         dim: usize,
         eps: f32,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.launch(&ops::rms_norm(x, w, out, rows, dim, eps))
+    }
     fn add_rms_norm(
         &self,
         x: DPtr,
@@ -61,7 +74,9 @@ pub trait Exec {
         rows: usize,
         dim: usize,
         eps: f32,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.launch(&ops::add_rms_norm(x, delta, w, out, rows, dim, eps))
+    }
     fn head_rms_norm(
         &self,
         x: DPtr,
@@ -71,7 +86,11 @@ pub trait Exec {
         head_dim: usize,
         stride: usize,
         eps: f32,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.launch(&ops::head_rms_norm(
+            x, w, tokens, heads, head_dim, stride, eps,
+        ))
+    }
     fn rope(
         &self,
         x: DPtr,
@@ -82,8 +101,14 @@ pub trait Exec {
         heads: usize,
         head_dim: usize,
         stride: usize,
-    ) -> Result<()>;
-    fn silu_mul(&self, gu: DPtr, out: DPtr, tokens: usize, inter: usize) -> Result<()>;
+    ) -> Result<()> {
+        self.launch(&ops::rope(
+            x, pos, cos, sin, tokens, heads, head_dim, stride,
+        ))
+    }
+    fn silu_mul(&self, gu: DPtr, out: DPtr, tokens: usize, inter: usize) -> Result<()> {
+        self.launch(&ops::silu_mul(gu, out, tokens, inter))
+    }
     fn kv_store(
         &self,
         k: DPtr,
@@ -94,9 +119,20 @@ pub trait Exec {
         tokens: usize,
         kv_dim: usize,
         stride: usize,
-    ) -> Result<()>;
-    fn attn_prefill(&self, a: &AttnArgs, head_dim: usize) -> Result<()>;
-    fn attn_decode(&self, a: &AttnArgs, s: &DecodeScratch, head_dim: usize) -> Result<()>;
+    ) -> Result<()> {
+        self.launch(&ops::kv_store(
+            k, v, k_cache, v_cache, slots, tokens, kv_dim, stride,
+        ))
+    }
+    fn attn_prefill(&self, a: &AttnArgs, head_dim: usize) -> Result<()> {
+        self.launch(&ops::attn_prefill(&a.paged(head_dim)))
+    }
+    fn attn_decode(&self, a: &AttnArgs, s: &DecodeScratch, head_dim: usize) -> Result<()> {
+        for l in ops::attn_decode(&a.paged(head_dim), s)? {
+            self.launch(&l)?;
+        }
+        Ok(())
+    }
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 in, f32 accumulate, out bf16 or f32.
     fn gemm(
         &self,
@@ -119,9 +155,9 @@ pub struct CudaExec {
 }
 
 impl CudaExec {
-    pub fn new(dev: Arc<CudaDevice>, st: Arc<CudaStream>, head_dim: usize) -> Result<Self> {
+    pub fn new(dev: Arc<CudaDevice>, st: Arc<CudaStream>) -> Result<Self> {
         Ok(Self {
-            k: Kernels::load(&dev, head_dim)?,
+            k: Kernels::new(dev.clone()),
             blas: dev.blas(&st)?,
             dev,
             st,
@@ -158,100 +194,8 @@ impl Exec for CudaExec {
             .map_err(|e| anyhow!("cuStreamSynchronize failed: {e:?}"))
     }
 
-    fn embedding(
-        &self,
-        table: DPtr,
-        ids: DPtr,
-        out: DPtr,
-        tokens: usize,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<()> {
-        self.k
-            .embedding(&self.st, table, ids, out, tokens, vocab, dim)
-    }
-
-    fn rms_norm(
-        &self,
-        x: DPtr,
-        w: DPtr,
-        out: DPtr,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.k.rms_norm(&self.st, x, w, out, rows, dim, eps)
-    }
-
-    fn add_rms_norm(
-        &self,
-        x: DPtr,
-        delta: DPtr,
-        w: DPtr,
-        out: DPtr,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.k
-            .add_rms_norm(&self.st, x, delta, w, out, rows, dim, eps)
-    }
-
-    fn head_rms_norm(
-        &self,
-        x: DPtr,
-        w: DPtr,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        stride: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.k
-            .head_rms_norm(&self.st, x, w, tokens, heads, head_dim, stride, eps)
-    }
-
-    fn rope(
-        &self,
-        x: DPtr,
-        pos: DPtr,
-        cos: DPtr,
-        sin: DPtr,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        stride: usize,
-    ) -> Result<()> {
-        self.k
-            .rope(&self.st, x, pos, cos, sin, tokens, heads, head_dim, stride)
-    }
-
-    fn silu_mul(&self, gu: DPtr, out: DPtr, tokens: usize, inter: usize) -> Result<()> {
-        self.k.silu_mul(&self.st, gu, out, tokens, inter)
-    }
-
-    fn kv_store(
-        &self,
-        k: DPtr,
-        v: DPtr,
-        k_cache: DPtr,
-        v_cache: DPtr,
-        slots: DPtr,
-        tokens: usize,
-        kv_dim: usize,
-        stride: usize,
-    ) -> Result<()> {
-        self.k.kv_store(
-            &self.st, k, v, k_cache, v_cache, slots, tokens, kv_dim, stride,
-        )
-    }
-
-    fn attn_prefill(&self, a: &AttnArgs, head_dim: usize) -> Result<()> {
-        self.k.attn_prefill(&self.st, a, head_dim)
-    }
-
-    fn attn_decode(&self, a: &AttnArgs, s: &DecodeScratch, head_dim: usize) -> Result<()> {
-        self.k.attn_decode(&self.st, a, s, head_dim)
+    fn launch(&self, l: &Launch) -> Result<()> {
+        self.k.launch(&self.st, l)
     }
 
     fn gemm(

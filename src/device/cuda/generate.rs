@@ -93,11 +93,8 @@ pub fn run_request(
     let dev = Arc::new(CudaDevice::new(0)?);
     let compute = dev.new_stream()?;
     let cfg = model.cfg.clone();
-    let x: Arc<dyn super::exec::Exec> = Arc::new(super::exec::CudaExec::new(
-        dev.clone(),
-        compute.clone(),
-        cfg.head_dim,
-    )?);
+    let x: Arc<dyn super::exec::Exec> =
+        Arc::new(super::exec::CudaExec::new(dev.clone(), compute.clone())?);
     let w = super::weights::CudaWeights::from_model(&*x, model)?;
     let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, req.max_len)?;
     match &req.offload {

@@ -5,7 +5,7 @@
 //! in a GPU session. Not fast: naive loops.
 
 use super::exec::{Buf, Exec};
-use super::ops::{AttnArgs, DPtr, DecodeScratch};
+use super::ops::{AttnArgs, DPtr, DecodeScratch, Launch};
 use crate::device::cpu::twins::{bf16_to_f32, f32_to_bf16};
 use anyhow::{bail, Result};
 
@@ -99,6 +99,11 @@ impl Exec for HostExec {
 
     fn sync(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// The twin implements each kernel method itself; a bare launch has nothing to run.
+    fn launch(&self, l: &Launch) -> Result<()> {
+        bail!("the host twin runs no kernels: {}", l.func)
     }
 
     fn embedding(

@@ -53,6 +53,8 @@ impl CudaModel {
     /// `max_pos`: the longest context this model will run (sizes the RoPE tables and the
     /// decode scratch). `w` must have been uploaded through `x`.
     pub fn new(x: Arc<dyn Exec>, cfg: ModelConfig, w: CudaWeights, max_pos: usize) -> Result<Self> {
+        // The attention kernels are instantiated for these head dims only.
+        super::ops::check_head_dim(cfg.head_dim)?;
         if w.layers.len() != cfg.num_layers {
             bail!(
                 "weights have {} layers, config {}",

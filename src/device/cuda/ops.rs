@@ -1,12 +1,16 @@
-//! Launch wrappers for `kernels/*.cu` and raw asynchronous copies, on device pointers.
+//! Kernel launches as values, and raw asynchronous copies, on device pointers.
+//!
+//! A launch is a `Launch` (kernel, grid, arguments in signature order) built by one pure
+//! function per kernel below; whatever can run a launch (`Exec::launch`: the GPU here, a
+//! CPU emulator of the `.cu` sources) runs the same values, so each argument list exists
+//! once. Every argument list mirrors its kernel's signature, named in its doc comment.
 //!
 //! Everything here takes raw `CUdeviceptr`s (`u64`) rather than `CudaSlice` views: the
 //! model and the offload engine address sub-ranges of ring slots and fused buffers by
 //! offset, and cudarc's safe copies from a `PinnedHostSlice` wait on and record that
 //! slice's own event, which would silently serialise the prefetch and offload streams
 //! that share the host KV. Event tracking is off (`CudaDevice::new`), so the pointer
-//! getters below add no waits either. Every argument list mirrors its kernel's signature;
-//! the `.cu` file is named beside each launch.
+//! getters below add no waits either.
 
 use super::context::CudaDevice;
 use anyhow::{anyhow, bail, Result};
@@ -14,7 +18,9 @@ use cudarc::cublas::{self, CudaBlas};
 use cudarc::driver::{
     result, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use KArg::{Ptr, F32};
 
 /// A device address (`CUdeviceptr`).
 pub type DPtr = u64;
@@ -76,9 +82,68 @@ pub unsafe fn poison(st: &CudaStream, dst: DPtr, bytes: usize) -> Result<()> {
     )
 }
 
+/// One kernel argument, as the kernel's C signature takes it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KArg {
+    /// A pointer (`const T*` / `T*`): a device address.
+    Ptr(DPtr),
+    I32(i32),
+    F32(f32),
+}
+
+/// A kernel launch as a value: which kernel, the grid, the arguments in signature order.
+/// Built by the functions below (one per kernel), run by `Exec::launch` on any backend.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub file: &'static str, // e.g. "norm.cu"
+    pub func: String,       // e.g. "rms_norm", "attn_prefill_hd128"
+    pub cfg: LaunchConfig,
+    pub args: Vec<KArg>,
+}
+
+/// Every kernel the runtime may launch: (file, function names), one entry per
+/// `extern "C" __global__` function of `kernels/*.cu` (the `INSTANTIATE(HD)` macros expand
+/// to `_hd64` and `_hd128`). The single list both the CUDA loader and the emulator read.
+pub const KERNELS: &[(&str, &[&str])] = &[
+    ("activation.cu", &["silu_mul"]),
+    (
+        "attention_decode.cu",
+        &[
+            "attn_decode_hd64",
+            "attn_decode_hd128",
+            "attn_decode_reduce",
+        ],
+    ),
+    (
+        "attention_prefill.cu",
+        &["attn_prefill_hd64", "attn_prefill_hd128"],
+    ),
+    ("embedding.cu", &["embedding_gather"]),
+    ("kv_store.cu", &["kv_store"]),
+    ("norm.cu", &["rms_norm", "add_rms_norm", "head_rms_norm"]),
+    ("rope.cu", &["rope_neox"]),
+    ("sampling.cu", &["argmax", "sample"]),
+];
+
+/// Whether `func` is listed in `KERNELS` under `file`.
+pub fn is_listed(file: &str, func: &str) -> bool {
+    KERNELS
+        .iter()
+        .any(|(f, fns)| *f == file && fns.contains(&func))
+}
+
+/// The head dims the attention kernels are instantiated for (`INSTANTIATE(HD)`).
+pub fn check_head_dim(head_dim: usize) -> Result<()> {
+    if head_dim != 64 && head_dim != 128 {
+        bail!("the CUDA attention kernels support head_dim 64 and 128, this model has {head_dim}");
+    }
+    Ok(())
+}
+
 /// Threads per block for the element-wise kernels.
 const EW: u32 = 256;
 
+/// One thread per element, `block` threads per block.
 fn grid1(n: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
@@ -87,6 +152,7 @@ fn grid1(n: usize, block: u32) -> LaunchConfig {
     }
 }
 
+/// One block per row.
 fn rows(n: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n as u32, 1, 1),
@@ -95,26 +161,240 @@ fn rows(n: usize, block: u32) -> LaunchConfig {
     }
 }
 
-fn i(n: usize) -> i32 {
-    n as i32
+fn i(n: usize) -> KArg {
+    KArg::I32(n as i32)
 }
 
-/// Every kernel the model needs, loaded once.
-pub struct Kernels {
-    embedding: CudaFunction,
-    rms_norm: CudaFunction,
-    add_rms_norm: CudaFunction,
-    head_rms_norm: CudaFunction,
-    rope: CudaFunction,
-    silu_mul: CudaFunction,
-    kv_store: CudaFunction,
-    prefill: CudaFunction,
-    decode: CudaFunction,
-    decode_reduce: CudaFunction,
+fn launch(file: &'static str, func: &str, cfg: LaunchConfig, args: Vec<KArg>) -> Launch {
+    Launch {
+        file,
+        func: func.to_string(),
+        cfg,
+        args,
+    }
+}
+
+/// embedding.cu `embedding_gather(table, ids, out, vocab, dim)`: `out[t] = table[ids[t]]`
+/// (a zero row for an id outside the vocabulary), one block per token.
+pub fn embedding(
+    table: DPtr, // bf16 [vocab, dim]
+    ids: DPtr,   // i32 [tokens]
+    out: DPtr,   // bf16 [tokens, dim]
+    tokens: usize,
+    vocab: usize,
+    dim: usize,
+) -> Launch {
+    let args = vec![Ptr(table), Ptr(ids), Ptr(out), i(vocab), i(dim)];
+    launch("embedding.cu", "embedding_gather", rows(tokens, EW), args)
+}
+
+/// norm.cu `rms_norm(x, w, out, dim, eps)`: `out[r] = x[r] / rms(x[r]) * w`, one block
+/// per row.
+pub fn rms_norm(
+    x: DPtr,   // bf16 [n_rows, dim]
+    w: DPtr,   // bf16 [dim]
+    out: DPtr, // bf16 [n_rows, dim]
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+) -> Launch {
+    let args = vec![Ptr(x), Ptr(w), Ptr(out), i(dim), F32(eps)];
+    launch("norm.cu", "rms_norm", rows(n_rows, EW), args)
+}
+
+/// norm.cu `add_rms_norm(x, delta, w, out, dim, eps)`: `x += delta` (stored in bf16),
+/// then `out = rms_norm(x) * w`, one block per row.
+pub fn add_rms_norm(
+    x: DPtr,     // bf16 [n_rows, dim], updated in place
+    delta: DPtr, // bf16 [n_rows, dim]
+    w: DPtr,     // bf16 [dim]
+    out: DPtr,   // bf16 [n_rows, dim]
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+) -> Launch {
+    let args = vec![Ptr(x), Ptr(delta), Ptr(w), Ptr(out), i(dim), F32(eps)];
+    launch("norm.cu", "add_rms_norm", rows(n_rows, EW), args)
+}
+
+/// norm.cu `head_rms_norm(x, w, tokens, heads, head_dim, row_stride, eps)`, in place on
+/// the first `heads` heads of each strided row; one warp per (token, head), 4 warps per
+/// block.
+pub fn head_rms_norm(
+    x: DPtr, // bf16 [tokens, row_stride]: heads × head_dim used
+    w: DPtr, // bf16 [head_dim]
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    row_stride: usize,
+    eps: f32,
+) -> Launch {
+    let args = vec![
+        Ptr(x),
+        Ptr(w),
+        i(tokens),
+        i(heads),
+        i(head_dim),
+        i(row_stride),
+        F32(eps),
+    ];
+    let cfg = grid1(tokens * heads * 32, 128);
+    launch("norm.cu", "head_rms_norm", cfg, args)
+}
+
+/// rope.cu `rope_neox(x, pos, cos, sin, tokens, heads, head_dim, row_stride)` on `heads`
+/// adjacent heads (q then k in the fused QKV row), one thread per rotated pair.
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    x: DPtr,   // bf16 [tokens, row_stride]: heads × head_dim used, in place
+    pos: DPtr, // i32 [tokens] absolute positions
+    cos: DPtr, // f32 [max_pos, head_dim / 2]
+    sin: DPtr, // f32 [max_pos, head_dim / 2]
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    row_stride: usize,
+) -> Launch {
+    let args = vec![
+        Ptr(x),
+        Ptr(pos),
+        Ptr(cos),
+        Ptr(sin),
+        i(tokens),
+        i(heads),
+        i(head_dim),
+        i(row_stride),
+    ];
+    let cfg = grid1(tokens * heads * (head_dim / 2), EW);
+    launch("rope.cu", "rope_neox", cfg, args)
+}
+
+/// activation.cu `silu_mul(gu, out, tokens, inter)`:
+/// `out[t, j] = silu(gu[t, j]) * gu[t, inter + j]`.
+pub fn silu_mul(
+    gu: DPtr,  // bf16 [tokens, 2 × inter]: gate then up
+    out: DPtr, // bf16 [tokens, inter]
+    tokens: usize,
+    inter: usize,
+) -> Launch {
+    let args = vec![Ptr(gu), Ptr(out), i(tokens), i(inter)];
+    launch("activation.cu", "silu_mul", grid1(tokens * inter, EW), args)
+}
+
+/// kv_store.cu `kv_store(k, v, k_cache, v_cache, slots, tokens, kv_dim, src_stride)`:
+/// rows `k[t]`, `v[t]` (strided inside fused QKV) to cache rows `slots[t]` (−1: skipped).
+#[allow(clippy::too_many_arguments)]
+pub fn kv_store(
+    k: DPtr,       // bf16 [tokens, src_stride]: kv_dim used
+    v: DPtr,       // bf16 [tokens, src_stride]
+    k_cache: DPtr, // bf16 [slots, kv_dim]
+    v_cache: DPtr, // bf16 [slots, kv_dim]
+    slots: DPtr,   // i32 [tokens]
+    tokens: usize,
+    kv_dim: usize,
+    src_stride: usize,
+) -> Launch {
+    let args = vec![
+        Ptr(k),
+        Ptr(v),
+        Ptr(k_cache),
+        Ptr(v_cache),
+        Ptr(slots),
+        i(tokens),
+        i(kv_dim),
+        i(src_stride),
+    ];
+    launch("kv_store.cu", "kv_store", grid1(tokens * kv_dim, EW), args)
+}
+
+/// sampling.cu `argmax(logits, out, vocab)`: the first index of each row's maximum, one
+/// block of 1,024 threads per row.
+pub fn argmax(
+    logits: DPtr, // f32 [n_rows, vocab]
+    out: DPtr,    // i32 [n_rows]
+    n_rows: usize,
+    vocab: usize,
+) -> Launch {
+    let args = vec![Ptr(logits), Ptr(out), i(vocab)];
+    launch("sampling.cu", "argmax", rows(n_rows, 1024), args)
+}
+
+/// sampling.cu `sample(logits, uniform, out, vocab, temperature, top_k, top_p)`: one
+/// token per row drawn with `uniform[r]` (top_k 0: no top-k cut), one block of 1,024
+/// threads per row.
+#[allow(clippy::too_many_arguments)]
+pub fn sample(
+    logits: DPtr,  // f32 [n_rows, vocab]
+    uniform: DPtr, // f32 [n_rows] in [0, 1)
+    out: DPtr,     // i32 [n_rows]
+    n_rows: usize,
+    vocab: usize,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+) -> Launch {
+    let args = vec![
+        Ptr(logits),
+        Ptr(uniform),
+        Ptr(out),
+        i(vocab),
+        F32(temperature),
+        i(top_k),
+        F32(top_p),
+    ];
+    launch("sampling.cu", "sample", rows(n_rows, 1024), args)
+}
+
+/// Paged attention over `batch` sequences, as both attention kernels take it. Sequence
+/// `b` has `ctx_lens[b]` keys (its new tokens included); its key `j` is cache row
+/// `tables[b][j / block_size] · block_size + j % block_size`. Prefill: its queries are
+/// rows `cu_seqlens[b]..cu_seqlens[b + 1]` of `q`, the last ones of its context. Decode:
+/// one query per sequence, row `b` of `q`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedAttn {
+    pub q: DPtr,          // bf16 [total_q, q_stride]: num_heads × head_dim used
+    pub k: DPtr,          // bf16 [cache rows, num_kv_heads × head_dim]
+    pub v: DPtr,          // bf16 [cache rows, num_kv_heads × head_dim]
+    pub out: DPtr,        // bf16 [total_q, num_heads × head_dim]
+    pub cu_seqlens: DPtr, // i32 [batch + 1] query offsets (prefill only)
+    pub ctx_lens: DPtr,   // i32 [batch]
+    pub tables: DPtr,     // i32 [batch, max_blocks]
+    pub max_blocks: usize,
+    pub block_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub q_stride: usize,
+    pub head_dim: usize, // 64 or 128: picks the kernel instantiation
+    pub batch: usize,
+    pub max_q_len: usize, // longest query run (host copy, sizes the prefill grid)
+    pub max_ctx: usize,   // longest context (host copy, sizes the decode grid)
+}
+
+impl PagedAttn {
+    /// (q, k_cache, v_cache): the first three arguments of both kernels.
+    fn qkv(&self) -> [KArg; 3] {
+        [Ptr(self.q), Ptr(self.k), Ptr(self.v)]
+    }
+
+    /// (max_blocks, block_size, num_heads, num_kv_heads, q_stride): shared by both kernels.
+    fn shape(&self) -> [KArg; 5] {
+        [
+            i(self.max_blocks),
+            i(self.block_size),
+            i(self.num_heads),
+            i(self.num_kv_heads),
+            i(self.q_stride),
+        ]
+    }
+
+    fn scale(&self) -> KArg {
+        F32(1.0 / (self.head_dim as f32).sqrt())
+    }
 }
 
 /// Attention over one contiguous cache `[capacity, kv_heads, head_dim]` (a ring slot or
-/// a resident layer): the kernels' block table with one block of `capacity` tokens.
+/// a resident layer), for one sequence: the kernels' block table with one block of
+/// `capacity` tokens (`paged`).
 #[derive(Clone, Copy, Debug)]
 pub struct AttnArgs {
     pub q: DPtr,          // bf16 [tokens, q_stride]: q heads first (inside fused QKV)
@@ -132,8 +412,32 @@ pub struct AttnArgs {
     pub q_stride: usize,
 }
 
-/// Flash-decoding scratch: `part_o` f32 `[num_heads, max_splits, head_dim]`, `part_ml`
-/// f32 `[num_heads, max_splits, 2]`.
+impl AttnArgs {
+    /// The general form: batch 1, one block of `capacity` tokens.
+    pub fn paged(&self, head_dim: usize) -> PagedAttn {
+        PagedAttn {
+            q: self.q,
+            k: self.k,
+            v: self.v,
+            out: self.out,
+            cu_seqlens: self.cu_seqlens,
+            ctx_lens: self.ctx_len,
+            tables: self.table,
+            max_blocks: 1,
+            block_size: self.capacity,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            q_stride: self.q_stride,
+            head_dim,
+            batch: 1,
+            max_q_len: self.tokens,
+            max_ctx: self.ctx,
+        }
+    }
+}
+
+/// Flash-decoding scratch: `part_o` f32 `[batch, num_heads, max_splits, head_dim]`,
+/// `part_ml` f32 `[batch, num_heads, max_splits, 2]`.
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeScratch {
     pub part_o: DPtr,
@@ -142,340 +446,144 @@ pub struct DecodeScratch {
     pub max_splits: usize,
 }
 
+/// attention_prefill.cu `attn_prefill_hd{64,128}(q, k_cache, v_cache, out, cu_seqlens_q,
+/// context_lens, block_tables, max_blocks, block_size, num_heads, num_kv_heads, q_stride,
+/// scale)`: causal flash attention; grid (⌈max_q_len / 16⌉, num_heads, batch), 128
+/// threads (blocks past a sequence's queries return at once).
+pub fn attn_prefill(a: &PagedAttn) -> Launch {
+    let mut args = a.qkv().to_vec();
+    args.extend([
+        Ptr(a.out),
+        Ptr(a.cu_seqlens),
+        Ptr(a.ctx_lens),
+        Ptr(a.tables),
+    ]);
+    args.extend(a.shape());
+    args.push(a.scale());
+    let cfg = LaunchConfig {
+        grid_dim: (
+            (a.max_q_len as u32).div_ceil(16),
+            a.num_heads as u32,
+            a.batch as u32,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let func = format!("attn_prefill_hd{}", a.head_dim);
+    launch("attention_prefill.cu", &func, cfg, args)
+}
+
+/// attention_decode.cu: `attn_decode_hd{64,128}(q, k_cache, v_cache, part_o, part_ml,
+/// context_lens, block_tables, max_blocks, block_size, num_heads, num_kv_heads, q_stride,
+/// split_len, max_splits, scale)`, one query per sequence split over `split_len` keys per
+/// block, grid (num_heads, ⌈max_ctx / split_len⌉, batch); then `attn_decode_reduce(part_o,
+/// part_ml, out, context_lens, num_heads, head_dim, split_len, max_splits)` merging the
+/// splits, grid (num_heads, batch). Both 128 threads. Partials are laid out with stride
+/// `max_splits`; only the splits the longest context needs are launched.
+pub fn attn_decode(a: &PagedAttn, s: &DecodeScratch) -> Result<[Launch; 2]> {
+    let splits = a.max_ctx.div_ceil(s.split_len);
+    if splits > s.max_splits {
+        bail!(
+            "decode attention: {} keys need {splits} splits, scratch holds {}",
+            a.max_ctx,
+            s.max_splits
+        );
+    }
+    let mut args = a.qkv().to_vec();
+    args.extend([
+        Ptr(s.part_o),
+        Ptr(s.part_ml),
+        Ptr(a.ctx_lens),
+        Ptr(a.tables),
+    ]);
+    args.extend(a.shape());
+    args.extend([i(s.split_len), i(s.max_splits), a.scale()]);
+    let block = (128, 1, 1);
+    let cfg = LaunchConfig {
+        grid_dim: (a.num_heads as u32, splits as u32, a.batch as u32),
+        block_dim: block,
+        shared_mem_bytes: 0,
+    };
+    let func = format!("attn_decode_hd{}", a.head_dim);
+    let reduce_args = vec![
+        Ptr(s.part_o),
+        Ptr(s.part_ml),
+        Ptr(a.out),
+        Ptr(a.ctx_lens),
+        i(a.num_heads),
+        i(a.head_dim),
+        i(s.split_len),
+        i(s.max_splits),
+    ];
+    let reduce_cfg = LaunchConfig {
+        grid_dim: (a.num_heads as u32, a.batch as u32, 1),
+        block_dim: block,
+        shared_mem_bytes: 0,
+    };
+    Ok([
+        launch("attention_decode.cu", &func, cfg, args),
+        launch(
+            "attention_decode.cu",
+            "attn_decode_reduce",
+            reduce_cfg,
+            reduce_args,
+        ),
+    ])
+}
+
+/// The kernels of `KERNELS` on one GPU, by name: compiled (or read from the CUBIN cache)
+/// and loaded on first launch, so a file that fails to compile fails only its own
+/// launches (each of gpu-check step 1's rows on its own).
+pub struct Kernels {
+    dev: Arc<CudaDevice>,
+    loaded: Mutex<HashMap<String, CudaFunction>>, // by function name (unique across files)
+}
+
 impl Kernels {
-    pub fn load(dev: &CudaDevice, head_dim: usize) -> Result<Self> {
-        if head_dim != 64 && head_dim != 128 {
-            bail!(
-                "the CUDA attention kernels support head_dim 64 and 128, this model has {head_dim}"
-            );
+    pub fn new(dev: Arc<CudaDevice>) -> Self {
+        Self {
+            dev,
+            loaded: Mutex::new(HashMap::new()),
         }
-        Ok(Self {
-            embedding: dev.function("embedding.cu", "embedding_gather")?,
-            rms_norm: dev.function("norm.cu", "rms_norm")?,
-            add_rms_norm: dev.function("norm.cu", "add_rms_norm")?,
-            head_rms_norm: dev.function("norm.cu", "head_rms_norm")?,
-            rope: dev.function("rope.cu", "rope_neox")?,
-            silu_mul: dev.function("activation.cu", "silu_mul")?,
-            kv_store: dev.function("kv_store.cu", "kv_store")?,
-            prefill: dev.function(
-                "attention_prefill.cu",
-                &format!("attn_prefill_hd{head_dim}"),
-            )?,
-            decode: dev.function("attention_decode.cu", &format!("attn_decode_hd{head_dim}"))?,
-            decode_reduce: dev.function("attention_decode.cu", "attn_decode_reduce")?,
-        })
     }
 
-    /// embedding.cu: `out[t] = table[ids[t]]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn embedding(
-        &self,
-        st: &Arc<CudaStream>,
-        table: DPtr,
-        ids: DPtr,
-        out: DPtr,
-        tokens: usize,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<()> {
-        let (v, d) = (i(vocab), i(dim));
-        // SAFETY: (table, ids, out, vocab, dim) as in embedding.cu; sizes from the caller.
-        unsafe {
-            st.launch_builder(&self.embedding)
-                .arg(&table)
-                .arg(&ids)
-                .arg(&out)
-                .arg(&v)
-                .arg(&d)
-                .launch(rows(tokens, EW))?;
+    /// `func` of `kernels/<file>`, which must be listed in `KERNELS`.
+    pub fn function(&self, file: &str, func: &str) -> Result<CudaFunction> {
+        if !is_listed(file, func) {
+            bail!("kernel {func} of {file} is not listed in ops::KERNELS");
         }
-        Ok(())
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = loaded.get(func) {
+            return Ok(f.clone());
+        }
+        let f = self.dev.function(file, func)?;
+        loaded.insert(func.to_string(), f.clone());
+        Ok(f)
     }
 
-    /// norm.cu `rms_norm`: `out[r] = x[r] / rms(x[r]) * w`, one block per row.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm(
-        &self,
-        st: &Arc<CudaStream>,
-        x: DPtr,
-        w: DPtr,
-        out: DPtr,
-        n_rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        let d = i(dim);
-        // SAFETY: (x, w, out, dim, eps) as in norm.cu.
-        unsafe {
-            st.launch_builder(&self.rms_norm)
-                .arg(&x)
-                .arg(&w)
-                .arg(&out)
-                .arg(&d)
-                .arg(&eps)
-                .launch(rows(n_rows, EW))?;
+    /// Enqueues `l` on `st`.
+    pub fn launch(&self, st: &CudaStream, l: &Launch) -> Result<()> {
+        let f = self.function(l.file, &l.func)?;
+        let mut b = st.launch_builder(&f);
+        // References into `l.args`, which outlives the builder.
+        for a in &l.args {
+            match a {
+                KArg::Ptr(p) => b.arg(p),
+                KArg::I32(v) => b.arg(v),
+                KArg::F32(v) => b.arg(v),
+            };
         }
-        Ok(())
-    }
-
-    /// norm.cu `add_rms_norm`: `x += delta; out = rms_norm(x) * w`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_rms_norm(
-        &self,
-        st: &Arc<CudaStream>,
-        x: DPtr,
-        delta: DPtr,
-        w: DPtr,
-        out: DPtr,
-        n_rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        let d = i(dim);
-        // SAFETY: (x, delta, w, out, dim, eps) as in norm.cu.
-        unsafe {
-            st.launch_builder(&self.add_rms_norm)
-                .arg(&x)
-                .arg(&delta)
-                .arg(&w)
-                .arg(&out)
-                .arg(&d)
-                .arg(&eps)
-                .launch(rows(n_rows, EW))?;
-        }
-        Ok(())
-    }
-
-    /// norm.cu `head_rms_norm`, in place on `heads` heads of each strided row.
-    #[allow(clippy::too_many_arguments)]
-    pub fn head_rms_norm(
-        &self,
-        st: &Arc<CudaStream>,
-        x: DPtr,
-        w: DPtr,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        row_stride: usize,
-        eps: f32,
-    ) -> Result<()> {
-        let (t, h, d, s) = (i(tokens), i(heads), i(head_dim), i(row_stride));
-        // SAFETY: (x, w, tokens, heads, head_dim, row_stride, eps) as in norm.cu; one
-        // warp per (token, head), 4 warps per block.
-        unsafe {
-            st.launch_builder(&self.head_rms_norm)
-                .arg(&x)
-                .arg(&w)
-                .arg(&t)
-                .arg(&h)
-                .arg(&d)
-                .arg(&s)
-                .arg(&eps)
-                .launch(grid1(tokens * heads * 32, 128))?;
-        }
-        Ok(())
-    }
-
-    /// rope.cu `rope_neox` on `heads` adjacent heads (q then k in the fused QKV row).
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope(
-        &self,
-        st: &Arc<CudaStream>,
-        x: DPtr,
-        pos: DPtr,
-        cos: DPtr,
-        sin: DPtr,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        row_stride: usize,
-    ) -> Result<()> {
-        let (t, h, d, s) = (i(tokens), i(heads), i(head_dim), i(row_stride));
-        // SAFETY: (x, pos, cos, sin, tokens, heads, head_dim, row_stride) as in rope.cu.
-        unsafe {
-            st.launch_builder(&self.rope)
-                .arg(&x)
-                .arg(&pos)
-                .arg(&cos)
-                .arg(&sin)
-                .arg(&t)
-                .arg(&h)
-                .arg(&d)
-                .arg(&s)
-                .launch(grid1(tokens * heads * (head_dim / 2), EW))?;
-        }
-        Ok(())
-    }
-
-    /// activation.cu `silu_mul`: `out[t, j] = silu(gu[t, j]) * gu[t, inter + j]`.
-    pub fn silu_mul(
-        &self,
-        st: &Arc<CudaStream>,
-        gu: DPtr,
-        out: DPtr,
-        tokens: usize,
-        inter: usize,
-    ) -> Result<()> {
-        let (t, n) = (i(tokens), i(inter));
-        // SAFETY: (gu, out, tokens, inter) as in activation.cu.
-        unsafe {
-            st.launch_builder(&self.silu_mul)
-                .arg(&gu)
-                .arg(&out)
-                .arg(&t)
-                .arg(&n)
-                .launch(grid1(tokens * inter, EW))?;
-        }
-        Ok(())
-    }
-
-    /// kv_store.cu: rows `k[t]`, `v[t]` (strided inside fused QKV) to cache rows `slots[t]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn kv_store(
-        &self,
-        st: &Arc<CudaStream>,
-        k: DPtr,
-        v: DPtr,
-        k_cache: DPtr,
-        v_cache: DPtr,
-        slots: DPtr,
-        tokens: usize,
-        kv_dim: usize,
-        src_stride: usize,
-    ) -> Result<()> {
-        let (t, d, s) = (i(tokens), i(kv_dim), i(src_stride));
-        // SAFETY: (k, v, k_cache, v_cache, slots, tokens, kv_dim, src_stride) as in kv_store.cu.
-        unsafe {
-            st.launch_builder(&self.kv_store)
-                .arg(&k)
-                .arg(&v)
-                .arg(&k_cache)
-                .arg(&v_cache)
-                .arg(&slots)
-                .arg(&t)
-                .arg(&d)
-                .arg(&s)
-                .launch(grid1(tokens * kv_dim, EW))?;
-        }
-        Ok(())
-    }
-
-    /// attention_prefill.cu: causal flash attention of `tokens` queries at the end of a
-    /// `ctx`-token context; grid (⌈tokens / 16⌉, num_heads, 1), 128 threads.
-    pub fn attn_prefill(&self, st: &Arc<CudaStream>, a: &AttnArgs, head_dim: usize) -> Result<()> {
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        let (mb, bs, h, kvh, qs) = (
-            1i32,
-            i(a.capacity),
-            i(a.num_heads),
-            i(a.num_kv_heads),
-            i(a.q_stride),
-        );
-        let cfg = LaunchConfig {
-            grid_dim: ((a.tokens as u32).div_ceil(16), a.num_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: (q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
-        // max_blocks, block_size, num_heads, num_kv_heads, q_stride, scale) as in the .cu.
-        unsafe {
-            st.launch_builder(&self.prefill)
-                .arg(&a.q)
-                .arg(&a.k)
-                .arg(&a.v)
-                .arg(&a.out)
-                .arg(&a.cu_seqlens)
-                .arg(&a.ctx_len)
-                .arg(&a.table)
-                .arg(&mb)
-                .arg(&bs)
-                .arg(&h)
-                .arg(&kvh)
-                .arg(&qs)
-                .arg(&scale)
-                .launch(cfg)?;
-        }
-        Ok(())
-    }
-
-    /// attention_decode.cu: one query, split-K over `split_len` keys per block, then the
-    /// merge. Partials are laid out with stride `max_splits`; only ⌈ctx / split_len⌉
-    /// splits are launched.
-    pub fn attn_decode(
-        &self,
-        st: &Arc<CudaStream>,
-        a: &AttnArgs,
-        s: &DecodeScratch,
-        head_dim: usize,
-    ) -> Result<()> {
-        let splits = a.ctx.div_ceil(s.split_len);
-        if splits > s.max_splits {
-            bail!(
-                "decode attention: {} keys need {splits} splits, scratch holds {}",
-                a.ctx,
-                s.max_splits
-            );
-        }
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        let (mb, bs, h, kvh, qs, sl, ms, hd) = (
-            1i32,
-            i(a.capacity),
-            i(a.num_heads),
-            i(a.num_kv_heads),
-            i(a.q_stride),
-            i(s.split_len),
-            i(s.max_splits),
-            i(head_dim),
-        );
-        let cfg = LaunchConfig {
-            grid_dim: (a.num_heads as u32, splits as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let cfg_r = LaunchConfig {
-            grid_dim: (a.num_heads as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: (q, k_cache, v_cache, part_o, part_ml, context_lens, block_tables,
-        // max_blocks, block_size, num_heads, num_kv_heads, q_stride, split_len, max_splits,
-        // scale) and (part_o, part_ml, out, context_lens, num_heads, head_dim, split_len,
-        // max_splits) as in attention_decode.cu.
-        unsafe {
-            st.launch_builder(&self.decode)
-                .arg(&a.q)
-                .arg(&a.k)
-                .arg(&a.v)
-                .arg(&s.part_o)
-                .arg(&s.part_ml)
-                .arg(&a.ctx_len)
-                .arg(&a.table)
-                .arg(&mb)
-                .arg(&bs)
-                .arg(&h)
-                .arg(&kvh)
-                .arg(&qs)
-                .arg(&sl)
-                .arg(&ms)
-                .arg(&scale)
-                .launch(cfg)?;
-            st.launch_builder(&self.decode_reduce)
-                .arg(&s.part_o)
-                .arg(&s.part_ml)
-                .arg(&a.out)
-                .arg(&a.ctx_len)
-                .arg(&h)
-                .arg(&hd)
-                .arg(&sl)
-                .arg(&ms)
-                .launch(cfg_r)?;
-        }
+        // SAFETY: the builders above push each kernel's arguments with its C signature's
+        // types and order; the addresses and sizes are the caller's, as for any launch.
+        unsafe { b.launch(l.cfg) }
+            .map_err(|e| anyhow!("launching {} ({}) failed: {e:?}", l.func, l.file))?;
         Ok(())
     }
 }
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` (bf16 in, f32 accumulate; `out` bf16, or f32 when
-/// `out_f32`), on the handle's stream. Same transposition as `context::linear`.
+/// `out_f32`), on the handle's stream. Row-major `out` is column-major `outᵀ`, so cuBLAS
+/// computes `outᵀ[n, m] = W · xᵀ` with W transposed from its `[n, k]` storage.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     blas: &CudaBlas,
@@ -524,4 +632,173 @@ pub fn gemm(
 pub fn mem_used() -> Result<usize> {
     let (free, total) = drv("cuMemGetInfo", result::mem_get_info())?;
     Ok(total - free)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::cuda::nvrtc::SOURCES;
+
+    /// The `extern "C" __global__` functions of one `.cu` source; a name built with
+    /// `##HD` inside `INSTANTIATE(HD)` is expanded for each `INSTANTIATE(<n>)` line.
+    fn global_functions(src: &str) -> Vec<String> {
+        let instantiations: Vec<&str> = src
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("INSTANTIATE(")?.strip_suffix(')'))
+            .filter(|n| n.chars().all(|c| c.is_ascii_digit()))
+            .collect();
+        let mut names = Vec::new();
+        for (at, _) in src.match_indices("extern \"C\" __global__ void") {
+            let mut rest = src[at..]
+                .trim_start_matches("extern \"C\" __global__ void")
+                .trim_start();
+            if let Some(r) = rest.strip_prefix("__launch_bounds__(") {
+                rest = r[r.find(')').expect("launch bounds closed") + 1..].trim_start();
+            }
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '#')
+                .collect();
+            match name.split_once("##") {
+                Some((prefix, _)) => {
+                    assert!(
+                        !instantiations.is_empty(),
+                        "{name}: no INSTANTIATE(<n>) lines"
+                    );
+                    names.extend(instantiations.iter().map(|n| format!("{prefix}{n}")));
+                }
+                None => names.push(name),
+            }
+        }
+        names
+    }
+
+    #[test]
+    fn kernels_lists_every_global_function() {
+        let mut files: Vec<&str> = KERNELS.iter().map(|(f, _)| *f).collect();
+        files.sort();
+        files.dedup();
+        assert_eq!(files.len(), KERNELS.len(), "a file listed twice");
+        for (file, src) in SOURCES {
+            let mut want = global_functions(src);
+            want.sort();
+            let listed = KERNELS.iter().find(|(f, _)| f == file);
+            let mut got: Vec<String> = listed
+                .map(|(_, fns)| fns.iter().map(|s| s.to_string()).collect())
+                .unwrap_or_default();
+            got.sort();
+            assert_eq!(got, want, "KERNELS entry of {file}");
+        }
+        for (file, _) in KERNELS {
+            assert!(
+                SOURCES.iter().any(|(f, _)| f == file),
+                "{file} is not embedded"
+            );
+        }
+        // The parser itself: both attention files expand their instantiations.
+        let decode = SOURCES
+            .iter()
+            .find(|(f, _)| *f == "attention_decode.cu")
+            .unwrap();
+        assert!(global_functions(decode.1).contains(&"attn_decode_hd128".to_string()));
+    }
+
+    #[test]
+    fn every_builder_launches_a_listed_kernel() {
+        let p = |n: u64| n << 12; // distinct, recognisable addresses
+        let mut launches = vec![
+            embedding(p(1), p(2), p(3), 7, 100, 64),
+            rms_norm(p(1), p(2), p(3), 5, 64, 1e-6),
+            add_rms_norm(p(1), p(2), p(3), p(4), 5, 64, 1e-6),
+            head_rms_norm(p(1), p(2), 5, 4, 64, 384, 1e-6),
+            rope(p(1), p(2), p(3), p(4), 5, 6, 64, 384),
+            silu_mul(p(1), p(2), 5, 96),
+            kv_store(p(1), p(2), p(3), p(4), p(5), 5, 128, 384),
+            argmax(p(1), p(2), 2, 1000),
+            sample(p(1), p(2), p(3), 2, 1000, 0.7, 50, 0.9),
+        ];
+        let scratch = DecodeScratch {
+            part_o: p(8),
+            part_ml: p(9),
+            split_len: 512,
+            max_splits: 4,
+        };
+        for hd in [64, 128] {
+            let a = AttnArgs {
+                q: p(1),
+                k: p(2),
+                v: p(3),
+                out: p(4),
+                cu_seqlens: p(5),
+                ctx_len: p(6),
+                table: p(7),
+                capacity: 2048,
+                tokens: 1,
+                ctx: 1500,
+                num_heads: 8,
+                num_kv_heads: 2,
+                q_stride: 12 * hd,
+            }
+            .paged(hd);
+            launches.push(attn_prefill(&a));
+            launches.extend(attn_decode(&a, &scratch).unwrap());
+        }
+        for l in &launches {
+            assert!(is_listed(l.file, &l.func), "{} of {}", l.func, l.file);
+        }
+        // Three splits of 512 for 1,500 keys; too many for the scratch is an error.
+        assert_eq!(launches[10].cfg.grid_dim, (8, 3, 1));
+        let mut long = AttnArgs {
+            q: 0,
+            k: 0,
+            v: 0,
+            out: 0,
+            cu_seqlens: 0,
+            ctx_len: 0,
+            table: 0,
+            capacity: 4096,
+            tokens: 1,
+            ctx: 2049,
+            num_heads: 8,
+            num_kv_heads: 2,
+            q_stride: 768,
+        };
+        assert!(attn_decode(&long.paged(64), &scratch).is_err());
+        long.ctx = 2048;
+        assert!(attn_decode(&long.paged(64), &scratch).is_ok());
+        assert!(check_head_dim(96).is_err() && check_head_dim(128).is_ok());
+    }
+
+    /// The contiguous form is the paged one with one block of `capacity` tokens, and the
+    /// prefill grid covers its queries in tiles of 16.
+    #[test]
+    fn contiguous_attention_is_one_block() {
+        let a = AttnArgs {
+            q: 1,
+            k: 2,
+            v: 3,
+            out: 4,
+            cu_seqlens: 5,
+            ctx_len: 6,
+            table: 7,
+            capacity: 300,
+            tokens: 33,
+            ctx: 40,
+            num_heads: 9,
+            num_kv_heads: 3,
+            q_stride: 960,
+        };
+        let l = attn_prefill(&a.paged(64));
+        assert_eq!(l.func, "attn_prefill_hd64");
+        assert_eq!(l.cfg.grid_dim, (3, 9, 1));
+        assert_eq!(l.cfg.block_dim, (128, 1, 1));
+        let scale = 1.0 / 8.0;
+        let want = [1, 2, 3, 4, 5, 6, 7].map(Ptr).to_vec();
+        let want: Vec<KArg> = want
+            .into_iter()
+            .chain([1, 300, 9, 3, 960].map(KArg::I32))
+            .chain([F32(scale)])
+            .collect();
+        assert_eq!(l.args, want);
+    }
 }

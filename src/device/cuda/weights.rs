@@ -60,6 +60,8 @@ impl CudaWeights {
         if w.layers.iter().any(|l| l.bqkv.is_some()) {
             bail!("QKV bias is not supported on the CUDA device yet; use --device cpu");
         }
+        // Before uploading gigabytes (`CudaModel::new` checks it again for any weights).
+        super::ops::check_head_dim(model.cfg.head_dim)?;
         let t = |v: &[f32]| Tensor::from_f32(x, v);
         let layers = w
             .layers

@@ -1,12 +1,17 @@
-//! Each kernel against its CPU twin on random inputs (step 1 of `scripts/gpu-check.sh`).
+//! Each kernel against its CPU twin on random inputs (step 1 of `scripts/gpu-check.sh`),
+//! on any `Exec` that runs launches: the GPU (`run_kernel_checks`), or a CPU emulator of
+//! the `.cu` sources. Every launch comes from the `ops` builders, the same values the
+//! model runs, so a wrong argument order or grid there fails a check here.
+//!
 //! Inputs are random bf16; the twin runs in f32 on the same (widened) values, so the
 //! difference is the kernel's own rounding: outputs stored in bf16 carry ~2⁻⁸ relative
 //! error, hence the tolerances below (a row passes when |gpu − cpu| ≤ atol + rtol·|cpu|).
 
-use super::context::{download, linear, upload, CudaDevice};
+use super::context::CudaDevice;
+use super::exec::{Buf, CudaExec, Exec};
+use super::ops::{self as kernels, at, DPtr, DecodeScratch, PagedAttn};
 use crate::device::cpu::{ops, twins};
-use anyhow::Result;
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use anyhow::{bail, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
 
@@ -21,10 +26,39 @@ pub struct CheckRow {
     pub note: String,
 }
 
-/// Runs every kernel check; a check that errors becomes a failing row, not an abort.
+/// The shapes the checks run at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckSizes {
+    /// Model-sized rows and vocabularies (the GPU).
+    Full,
+    /// The same code paths on smaller shapes, for a slow CPU emulator: fewer heads, rows
+    /// and tokens, shorter contexts, but still several query and key tiles, several
+    /// decode splits, scattered blocks and both head dims.
+    Small,
+}
+
+impl CheckSizes {
+    fn pick<T>(self, full: T, small: T) -> T {
+        match self {
+            CheckSizes::Full => full,
+            CheckSizes::Small => small,
+        }
+    }
+}
+
+/// Every kernel check on the GPU, at full size.
 pub fn run_kernel_checks() -> Result<Vec<CheckRow>> {
-    let dev = CudaDevice::new(0)?;
+    let dev = Arc::new(CudaDevice::new(0)?);
     let st = dev.new_stream()?;
+    let exec = CudaExec::new(dev, st)?;
+    Ok(run_kernel_checks_on(&exec, CheckSizes::Full))
+}
+
+type Check = fn(&dyn Exec, &mut StdRng, CheckSizes) -> Result<CheckRow>;
+
+/// Runs every kernel check on `exec`; a check that errors becomes a failing row, not an
+/// abort. Inputs depend only on the check's position in the list (its seed) and `sizes`.
+pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow> {
     let checks: Vec<(&str, Check)> = vec![
         ("embedding_gather", check_embedding),
         ("rms_norm", check_rms_norm),
@@ -35,24 +69,24 @@ pub fn run_kernel_checks() -> Result<Vec<CheckRow>> {
         ("kv_store", check_kv_store),
         ("argmax", check_argmax),
         ("sample", check_sample),
-        ("attn_prefill_hd128", |d, s, r| {
-            check_prefill(d, s, r, 32, 8, 128)
+        ("attn_prefill_hd128", |x, r, z| {
+            check_prefill(x, r, z, heads(z, 128), 128)
         }),
-        ("attn_prefill_hd64", |d, s, r| {
-            check_prefill(d, s, r, 9, 3, 64)
+        ("attn_prefill_hd64", |x, r, z| {
+            check_prefill(x, r, z, heads(z, 64), 64)
         }),
-        ("attn_decode_hd128", |d, s, r| {
-            check_decode(d, s, r, 32, 8, 128, 16)
+        ("attn_decode_hd128", |x, r, z| {
+            check_decode(x, r, z, heads(z, 128), 128, 16)
         }),
-        ("attn_decode_hd64 (ring slot)", |d, s, r| {
-            check_decode(d, s, r, 9, 3, 64, 0)
+        ("attn_decode_hd64 (ring slot)", |x, r, z| {
+            check_decode(x, r, z, heads(z, 64), 64, 0)
         }),
         ("cublas linear bf16→f32", check_linear),
     ];
     let mut rows = Vec::new();
     for (i, (name, f)) in checks.into_iter().enumerate() {
         let mut rng = StdRng::seed_from_u64(1000 + i as u64);
-        rows.push(f(&dev, &st, &mut rng).unwrap_or_else(|e| CheckRow {
+        rows.push(f(exec, &mut rng, sizes).unwrap_or_else(|e| CheckRow {
             name: name.into(),
             shape: String::new(),
             max_abs_err: f32::NAN,
@@ -61,7 +95,16 @@ pub fn run_kernel_checks() -> Result<Vec<CheckRow>> {
             note: format!("error: {e:#}"),
         }));
     }
-    Ok(rows)
+    rows
+}
+
+/// (num_heads, num_kv_heads) for a head dim: Qwen3-4B's 32/8 (hd 128) and SmolLM2's 9/3
+/// (hd 64), GQA groups of 4 and 3; `Small` keeps the groups with one KV head.
+fn heads(z: CheckSizes, head_dim: usize) -> (usize, usize) {
+    match head_dim {
+        128 => z.pick((32, 8), (4, 1)),
+        _ => z.pick((9, 3), (3, 1)),
+    }
 }
 
 /// The summary table printed by the check command.
@@ -80,9 +123,79 @@ pub fn format_table(rows: &[CheckRow]) -> String {
     s
 }
 
-type Check = fn(&CudaDevice, &Arc<CudaStream>, &mut StdRng) -> Result<CheckRow>;
+/// An element type of device buffers, moved as little-endian bytes.
+trait Elem: Copy {
+    const SIZE: usize;
+    fn put(self, out: &mut Vec<u8>);
+    fn get(b: &[u8]) -> Self;
+}
 
-/// Random bf16 values in [-scale, scale): (bits for the GPU, widened for the twin).
+macro_rules! elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            const SIZE: usize = std::mem::size_of::<$t>();
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(b: &[u8]) -> Self {
+                <$t>::from_le_bytes(b.try_into().expect("SIZE bytes"))
+            }
+        }
+    )*};
+}
+elem!(u16, i32, f32); // bf16 bits, ids/metadata, f32
+
+/// The device memory of one check: typed uploads and downloads, freed when the check
+/// ends. A download must lie inside a buffer allocated here.
+struct Mem<'a> {
+    x: &'a dyn Exec,
+    bufs: Vec<(Buf, DPtr, usize)>, // (allocation, address, bytes)
+}
+
+impl<'a> Mem<'a> {
+    fn new(x: &'a dyn Exec) -> Self {
+        Self {
+            x,
+            bufs: Vec::new(),
+        }
+    }
+
+    fn upload<T: Elem>(&mut self, v: &[T]) -> Result<DPtr> {
+        let mut bytes = Vec::with_capacity(v.len() * T::SIZE);
+        v.iter().for_each(|e| e.put(&mut bytes));
+        let (b, p) = self.x.upload(&bytes)?;
+        self.bufs.push((b, p, bytes.len()));
+        Ok(p)
+    }
+
+    /// `n` zeroed elements.
+    fn zeros<T: Elem>(&mut self, n: usize) -> Result<DPtr> {
+        let (b, p) = self.x.alloc(n * T::SIZE)?;
+        self.bufs.push((b, p, n * T::SIZE));
+        Ok(p)
+    }
+
+    /// `n` elements at `p`, after everything queued so far.
+    fn download<T: Elem>(&self, p: DPtr, n: usize) -> Result<Vec<T>> {
+        let bytes = n * T::SIZE;
+        let inside =
+            |&(_, b, len): &(Buf, DPtr, usize)| p >= b && p + bytes as u64 <= b + len as u64;
+        if !self.bufs.iter().any(inside) {
+            bail!("download of {bytes} bytes at {p:#x}: not inside one of this check's buffers");
+        }
+        let mut raw = vec![0u8; bytes];
+        // SAFETY: [p, p + bytes) lies inside a live allocation of this check (just checked).
+        unsafe { self.x.download(p, &mut raw)? };
+        Ok(raw.chunks_exact(T::SIZE).map(T::get).collect())
+    }
+
+    /// `n` bf16 values at `p`, widened to f32.
+    fn bf16(&self, p: DPtr, n: usize) -> Result<Vec<f32>> {
+        Ok(widen(&self.download::<u16>(p, n)?))
+    }
+}
+
+/// Random bf16 values in [-scale, scale): (bits for the device, widened for the twin).
 fn rand_bf16(rng: &mut StdRng, n: usize, scale: f32) -> (Vec<u16>, Vec<f32>) {
     let bits: Vec<u16> = (0..n)
         .map(|_| twins::f32_to_bf16(rng.random_range(-scale..scale)))
@@ -113,44 +226,18 @@ fn compare(name: &str, shape: String, got: &[f32], want: &[f32], atol: f32, rtol
     }
 }
 
-fn grid(n: usize, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(block), 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn rows_cfg(rows: usize, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn check_embedding(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Result<CheckRow> {
-    let (vocab, dim, tokens) = (1000usize, 2560usize, 37usize);
-    let (tb, tf) = rand_bf16(rng, vocab * dim, 1.0);
+fn check_embedding(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (vocab, dim, tokens) = z.pick((1000, 2560, 37), (100, 320, 7));
+    let (tb, tf) = rand_bf16(rng, vocab * dim, 1.0); // [vocab, dim]
     let mut ids: Vec<i32> = (0..tokens)
         .map(|_| rng.random_range(0..vocab as i32))
         .collect();
     ids[5] = -1; // out of range: a zero row
-    let f = dev.function("embedding.cu", "embedding_gather")?;
-    let (t_d, ids_d) = (upload(st, &tb)?, upload(st, &ids)?);
-    let mut out_d = dev.alloc_zeros::<u16>(st, tokens * dim)?;
-    let (v, d) = (vocab as i32, dim as i32);
-    // SAFETY: argument types and sizes match the kernel's signature (see embedding.cu).
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&t_d)
-            .arg(&ids_d)
-            .arg(&mut out_d)
-            .arg(&v)
-            .arg(&d)
-            .launch(rows_cfg(tokens, 256))?;
-    }
-    let got = widen(&download(st, &out_d)?);
+    let mut m = Mem::new(x);
+    let (table, ids_d) = (m.upload(&tb)?, m.upload(&ids)?);
+    let out = m.zeros::<u16>(tokens * dim)?; // [tokens, dim]
+    x.launch(&kernels::embedding(table, ids_d, out, tokens, vocab, dim))?;
+    let got = m.bf16(out, tokens * dim)?;
     let mut want = vec![0.0; tokens * dim];
     twins::embedding_gather(&tf, &ids, dim, &mut want);
     Ok(compare(
@@ -163,25 +250,20 @@ fn check_embedding(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> 
     ))
 }
 
-fn check_rms_norm(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Result<CheckRow> {
-    let (rows, dim, eps) = (37usize, 2560usize, 1e-6f32);
-    let (xb, xf) = rand_bf16(rng, rows * dim, 2.0);
-    let (wb, wf) = rand_bf16(rng, dim, 1.5);
-    let f = dev.function("norm.cu", "rms_norm")?;
-    let (x_d, w_d) = (upload(st, &xb)?, upload(st, &wb)?);
-    let mut out_d = dev.alloc_zeros::<u16>(st, rows * dim)?;
-    let d = dim as i32;
-    // SAFETY: matches norm.cu `rms_norm`.
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&x_d)
-            .arg(&w_d)
-            .arg(&mut out_d)
-            .arg(&d)
-            .arg(&eps)
-            .launch(rows_cfg(rows, 256))?;
-    }
-    let got = widen(&download(st, &out_d)?);
+/// (rows, dim) of the row norms.
+fn norm_rows(z: CheckSizes) -> (usize, usize) {
+    z.pick((37, 2560), (5, 320))
+}
+
+fn check_rms_norm(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let ((rows, dim), eps) = (norm_rows(z), 1e-6f32);
+    let (xb, xf) = rand_bf16(rng, rows * dim, 2.0); // [rows, dim]
+    let (wb, wf) = rand_bf16(rng, dim, 1.5); // [dim]
+    let mut m = Mem::new(x);
+    let (x_d, w_d) = (m.upload(&xb)?, m.upload(&wb)?);
+    let out = m.zeros::<u16>(rows * dim)?;
+    x.launch(&kernels::rms_norm(x_d, w_d, out, rows, dim, eps))?;
+    let got = m.bf16(out, rows * dim)?;
     let mut want = vec![0.0; rows * dim];
     ops::rms_norm(&xf, &wf, eps, &mut want);
     Ok(compare(
@@ -194,74 +276,49 @@ fn check_rms_norm(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> R
     ))
 }
 
-fn check_add_rms_norm(
-    dev: &CudaDevice,
-    st: &Arc<CudaStream>,
-    rng: &mut StdRng,
-) -> Result<CheckRow> {
-    let (rows, dim, eps) = (37usize, 2560usize, 1e-6f32);
-    let (xb, xf) = rand_bf16(rng, rows * dim, 2.0);
-    let (db, df) = rand_bf16(rng, rows * dim, 2.0);
-    let (wb, wf) = rand_bf16(rng, dim, 1.5);
-    let f = dev.function("norm.cu", "add_rms_norm")?;
-    let (mut x_d, d_d, w_d) = (upload(st, &xb)?, upload(st, &db)?, upload(st, &wb)?);
-    let mut out_d = dev.alloc_zeros::<u16>(st, rows * dim)?;
-    let d = dim as i32;
-    // SAFETY: matches norm.cu `add_rms_norm`.
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&mut x_d)
-            .arg(&d_d)
-            .arg(&w_d)
-            .arg(&mut out_d)
-            .arg(&d)
-            .arg(&eps)
-            .launch(rows_cfg(rows, 256))?;
-    }
-    let mut got = widen(&download(st, &x_d)?); // the residual, then the normed output
-    got.extend(widen(&download(st, &out_d)?));
-    let (mut x, mut want) = (xf, vec![0.0; rows * dim]);
-    ops::add_rms_norm(&mut x, &df, &wf, eps, &mut want);
-    x.extend(want);
+fn check_add_rms_norm(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let ((rows, dim), eps) = (norm_rows(z), 1e-6f32);
+    let (xb, xf) = rand_bf16(rng, rows * dim, 2.0); // [rows, dim] residual
+    let (db, df) = rand_bf16(rng, rows * dim, 2.0); // [rows, dim] delta
+    let (wb, wf) = rand_bf16(rng, dim, 1.5); // [dim]
+    let mut m = Mem::new(x);
+    let (x_d, d_d, w_d) = (m.upload(&xb)?, m.upload(&db)?, m.upload(&wb)?);
+    let out = m.zeros::<u16>(rows * dim)?;
+    x.launch(&kernels::add_rms_norm(x_d, d_d, w_d, out, rows, dim, eps))?;
+    let mut got = m.bf16(x_d, rows * dim)?; // the residual, then the normed output
+    got.extend(m.bf16(out, rows * dim)?);
+    let (mut xw, mut want) = (xf, vec![0.0; rows * dim]);
+    ops::add_rms_norm(&mut xw, &df, &wf, eps, &mut want);
+    xw.extend(want);
     Ok(compare(
         "add_rms_norm",
         format!("[{rows}, {dim}] (+ residual)"),
         &got,
-        &x,
+        &xw,
         1e-2,
         1e-2,
     ))
 }
 
-/// Fused QKV rows: [tokens, (heads + kv_heads + kv_heads) × head_dim].
-const QKV: (usize, usize, usize, usize) = (37, 32, 8, 128); // tokens, heads, kv heads, head_dim
+/// Fused QKV rows `[tokens, (heads + kv_heads + kv_heads) × head_dim]`:
+/// (tokens, heads, kv heads, head_dim).
+fn qkv(z: CheckSizes) -> (usize, usize, usize, usize) {
+    z.pick((37, 32, 8, 128), (5, 4, 1, 128))
+}
 
-fn check_head_rms_norm(
-    dev: &CudaDevice,
-    st: &Arc<CudaStream>,
-    rng: &mut StdRng,
-) -> Result<CheckRow> {
-    let (tokens, nh, nkv, hd) = QKV;
+fn check_head_rms_norm(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, nh, nkv, hd) = qkv(z);
     let stride = (nh + 2 * nkv) * hd;
     let eps = 1e-6f32;
-    let (xb, mut xf) = rand_bf16(rng, tokens * stride, 2.0);
-    let (wb, wf) = rand_bf16(rng, hd, 1.5);
-    let f = dev.function("norm.cu", "head_rms_norm")?;
-    let (mut x_d, w_d) = (upload(st, &xb)?, upload(st, &wb)?);
-    let (t, h, d, s) = (tokens as i32, nh as i32, hd as i32, stride as i32);
-    // SAFETY: matches norm.cu `head_rms_norm`; 4 warps per block, one per (token, head).
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&mut x_d)
-            .arg(&w_d)
-            .arg(&t)
-            .arg(&h)
-            .arg(&d)
-            .arg(&s)
-            .arg(&eps)
-            .launch(grid(tokens * nh * 32, 128))?;
-    }
-    let got = widen(&download(st, &x_d)?);
+    let (xb, mut xf) = rand_bf16(rng, tokens * stride, 2.0); // [tokens, stride]
+    let (wb, wf) = rand_bf16(rng, hd, 1.5); // [hd]
+    let mut m = Mem::new(x);
+    let (x_d, w_d) = (m.upload(&xb)?, m.upload(&wb)?);
+    // The q heads of each row, in place.
+    x.launch(&kernels::head_rms_norm(
+        x_d, w_d, tokens, nh, hd, stride, eps,
+    ))?;
+    let got = m.bf16(x_d, tokens * stride)?;
     ops::head_rms_norm(&mut xf, tokens, nh, hd, stride, &wf, eps);
     Ok(compare(
         "head_rms_norm",
@@ -273,41 +330,26 @@ fn check_head_rms_norm(
     ))
 }
 
-fn check_rope(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Result<CheckRow> {
-    let (tokens, nh, nkv, hd) = QKV;
+fn check_rope(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, nh, nkv, hd) = qkv(z);
     let stride = (nh + 2 * nkv) * hd;
     let (half, max_pos) = (hd / 2, 4096usize);
     let inv_freq: Vec<f32> = (0..half)
         .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / hd as f32))
         .collect();
-    let (cos, sin) = ops::rope_tables(&inv_freq, 0, max_pos);
+    let (cos, sin) = ops::rope_tables(&inv_freq, 0, max_pos); // f32 [max_pos, half] each
     let pos: Vec<i32> = (0..tokens)
         .map(|_| rng.random_range(0..max_pos as i32))
         .collect();
-    let (xb, mut xf) = rand_bf16(rng, tokens * stride, 2.0);
-    let f = dev.function("rope.cu", "rope_neox")?;
-    let (mut x_d, p_d, c_d, s_d) = (
-        upload(st, &xb)?,
-        upload(st, &pos)?,
-        upload(st, &cos)?,
-        upload(st, &sin)?,
-    );
+    let (xb, mut xf) = rand_bf16(rng, tokens * stride, 2.0); // [tokens, stride]
+    let mut m = Mem::new(x);
+    let (x_d, p_d) = (m.upload(&xb)?, m.upload(&pos)?);
+    let (c_d, s_d) = (m.upload(&cos)?, m.upload(&sin)?);
     let heads = nh + nkv; // q and k are adjacent in the fused buffer: one launch rotates both
-    let (t, h, d, s) = (tokens as i32, heads as i32, hd as i32, stride as i32);
-    // SAFETY: matches rope.cu `rope_neox`.
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&mut x_d)
-            .arg(&p_d)
-            .arg(&c_d)
-            .arg(&s_d)
-            .arg(&t)
-            .arg(&h)
-            .arg(&d)
-            .arg(&s)
-            .launch(grid(tokens * heads * half, 256))?;
-    }
-    let got = widen(&download(st, &x_d)?);
+    x.launch(&kernels::rope(
+        x_d, p_d, c_d, s_d, tokens, heads, hd, stride,
+    ))?;
+    let got = m.bf16(x_d, tokens * stride)?;
     let gather = |tab: &[f32]| -> Vec<f32> {
         pos.iter()
             .flat_map(|&p| tab[p as usize * half..][..half].to_vec())
@@ -332,23 +374,14 @@ fn check_rope(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Resul
     ))
 }
 
-fn check_silu_mul(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Result<CheckRow> {
-    let (tokens, inter) = (37usize, 9728usize);
-    let (gb, gf) = rand_bf16(rng, tokens * 2 * inter, 4.0);
-    let f = dev.function("activation.cu", "silu_mul")?;
-    let g_d = upload(st, &gb)?;
-    let mut out_d = dev.alloc_zeros::<u16>(st, tokens * inter)?;
-    let (t, i) = (tokens as i32, inter as i32);
-    // SAFETY: matches activation.cu `silu_mul`.
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&g_d)
-            .arg(&mut out_d)
-            .arg(&t)
-            .arg(&i)
-            .launch(grid(tokens * inter, 256))?;
-    }
-    let got = widen(&download(st, &out_d)?);
+fn check_silu_mul(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, inter) = z.pick((37, 9728), (5, 320));
+    let (gb, gf) = rand_bf16(rng, tokens * 2 * inter, 4.0); // [tokens, gate | up]
+    let mut m = Mem::new(x);
+    let g_d = m.upload(&gb)?;
+    let out = m.zeros::<u16>(tokens * inter)?; // [tokens, inter]
+    x.launch(&kernels::silu_mul(g_d, out, tokens, inter))?;
+    let got = m.bf16(out, tokens * inter)?;
     let mut want = vec![0.0; tokens * inter];
     ops::silu_mul(&gf, inter, &mut want);
     Ok(compare(
@@ -361,38 +394,29 @@ fn check_silu_mul(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> R
     ))
 }
 
-fn check_kv_store(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Result<CheckRow> {
-    let (tokens, nh, nkv, hd) = QKV;
-    let (stride, kv_dim, n_slots) = ((nh + 2 * nkv) * hd, nkv * hd, 256usize);
-    let (qkvb, qkvf) = rand_bf16(rng, tokens * stride, 1.0);
+fn check_kv_store(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, nh, nkv, hd) = qkv(z);
+    let (stride, kv_dim) = ((nh + 2 * nkv) * hd, nkv * hd);
+    let n_slots = z.pick(256, 32);
+    let (qkvb, qkvf) = rand_bf16(rng, tokens * stride, 1.0); // [tokens, stride]
     let mut perm: Vec<i32> = (0..n_slots as i32).collect();
     for i in (1..perm.len()).rev() {
         perm.swap(i, rng.random_range(0..=i));
     }
-    let mut slots = perm[..tokens].to_vec();
+    let mut slots = perm[..tokens].to_vec(); // [tokens], distinct
     slots[3] = -1; // padding
-    let f = dev.function("kv_store.cu", "kv_store")?;
-    let qkv_d = upload(st, &qkvb)?;
-    let (k_view, v_view) = (qkv_d.slice(nh * hd..), qkv_d.slice((nh + nkv) * hd..));
-    let s_d = upload(st, &slots)?;
-    let mut kc = dev.alloc_zeros::<u16>(st, n_slots * kv_dim)?;
-    let mut vc = dev.alloc_zeros::<u16>(st, n_slots * kv_dim)?;
-    let (t, d, s) = (tokens as i32, kv_dim as i32, stride as i32);
-    // SAFETY: matches kv_store.cu; K and V are views into the fused QKV rows.
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&k_view)
-            .arg(&v_view)
-            .arg(&mut kc)
-            .arg(&mut vc)
-            .arg(&s_d)
-            .arg(&t)
-            .arg(&d)
-            .arg(&s)
-            .launch(grid(tokens * kv_dim, 256))?;
-    }
-    let mut got = widen(&download(st, &kc)?);
-    got.extend(widen(&download(st, &vc)?));
+    let mut m = Mem::new(x);
+    let qkv_d = m.upload(&qkvb)?;
+    // K and V are views into the fused QKV rows.
+    let (k_view, v_view) = (at::<u16>(qkv_d, nh * hd), at::<u16>(qkv_d, (nh + nkv) * hd));
+    let s_d = m.upload(&slots)?;
+    let kc = m.zeros::<u16>(n_slots * kv_dim)?; // [n_slots, kv_dim]
+    let vc = m.zeros::<u16>(n_slots * kv_dim)?;
+    x.launch(&kernels::kv_store(
+        k_view, v_view, kc, vc, s_d, tokens, kv_dim, stride,
+    ))?;
+    let mut got = m.bf16(kc, n_slots * kv_dim)?;
+    got.extend(m.bf16(vc, n_slots * kv_dim)?);
     let (mut kw, mut vw) = (vec![0.0; n_slots * kv_dim], vec![0.0; n_slots * kv_dim]);
     twins::kv_store(
         &qkvf[nh * hd..],
@@ -418,22 +442,18 @@ fn rand_logits(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-scale..scale)).collect()
 }
 
-fn check_argmax(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Result<CheckRow> {
-    let (rows, vocab) = (8usize, 151_936usize);
-    let logits = rand_logits(rng, rows * vocab, 10.0);
-    let f = dev.function("sampling.cu", "argmax")?;
-    let l_d = upload(st, &logits)?;
-    let mut out_d = dev.alloc_zeros::<i32>(st, rows)?;
-    let v = vocab as i32;
-    // SAFETY: matches sampling.cu `argmax`.
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&l_d)
-            .arg(&mut out_d)
-            .arg(&v)
-            .launch(rows_cfg(rows, 1024))?;
-    }
-    let got: Vec<f32> = download(st, &out_d)?.iter().map(|&i| i as f32).collect();
+fn check_argmax(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (rows, vocab) = z.pick((8, 151_936), (2, 5000));
+    let logits = rand_logits(rng, rows * vocab, 10.0); // f32 [rows, vocab]
+    let mut m = Mem::new(x);
+    let l_d = m.upload(&logits)?;
+    let out = m.zeros::<i32>(rows)?;
+    x.launch(&kernels::argmax(l_d, out, rows, vocab))?;
+    let got: Vec<f32> = m
+        .download::<i32>(out, rows)?
+        .iter()
+        .map(|&i| i as f32)
+        .collect();
     let want: Vec<f32> = logits
         .chunks(vocab)
         .map(|r| twins::argmax(r) as f32)
@@ -448,41 +468,31 @@ fn check_argmax(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Res
     ))
 }
 
-fn check_sample(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Result<CheckRow> {
-    let (rows, vocab) = (64usize, 151_936usize);
-    let f = dev.function("sampling.cu", "sample")?;
+fn check_sample(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (rows, vocab) = z.pick((64, 151_936), (8, 4000));
     let mut mismatches = 0;
     let mut total = 0;
     // (temperature, top_k, top_p): the CLI's defaults and typical chat settings.
     for &(temp, top_k, top_p) in &[
-        (1.0f32, 0i32, 1.0f32),
+        (1.0f32, 0usize, 1.0f32),
         (0.7, 50, 0.9),
         (0.6, 20, 0.95),
         (1.0, 0, 0.8),
     ] {
-        let logits = rand_logits(rng, rows * vocab, 8.0);
-        let u: Vec<f32> = (0..rows).map(|_| rng.random::<f32>()).collect();
-        let (l_d, u_d) = (upload(st, &logits)?, upload(st, &u)?);
-        let mut out_d = dev.alloc_zeros::<i32>(st, rows)?;
-        let v = vocab as i32;
-        // SAFETY: matches sampling.cu `sample`.
-        unsafe {
-            st.launch_builder(&f)
-                .arg(&l_d)
-                .arg(&u_d)
-                .arg(&mut out_d)
-                .arg(&v)
-                .arg(&temp)
-                .arg(&top_k)
-                .arg(&top_p)
-                .launch(rows_cfg(rows, 1024))?;
-        }
-        let got = download(st, &out_d)?;
+        let logits = rand_logits(rng, rows * vocab, 8.0); // f32 [rows, vocab]
+        let u: Vec<f32> = (0..rows).map(|_| rng.random::<f32>()).collect(); // [rows]
+        let mut m = Mem::new(x);
+        let (l_d, u_d) = (m.upload(&logits)?, m.upload(&u)?);
+        let out = m.zeros::<i32>(rows)?;
+        x.launch(&kernels::sample(
+            l_d, u_d, out, rows, vocab, temp, top_k, top_p,
+        ))?;
+        let got = m.download::<i32>(out, rows)?;
         for (r, &g) in got.iter().enumerate() {
             let want = twins::sample(
                 &logits[r * vocab..(r + 1) * vocab],
                 temp,
-                top_k as usize,
+                top_k,
                 top_p,
                 u[r],
             );
@@ -517,67 +527,57 @@ fn block_tables(rng: &mut StdRng, ctx: &[i32], block_size: usize) -> (Vec<i32>, 
     (perm, max_blocks, n_blocks * block_size)
 }
 
+fn max_of(v: &[i32]) -> usize {
+    v.iter().copied().max().unwrap_or(0) as usize
+}
+
 fn check_prefill(
-    dev: &CudaDevice,
-    st: &Arc<CudaStream>,
+    x: &dyn Exec,
     rng: &mut StdRng,
-    nh: usize,
-    nkv: usize,
+    z: CheckSizes,
+    (nh, nkv): (usize, usize),
     hd: usize,
 ) -> Result<CheckRow> {
-    // A fresh prompt, a chunk after a 263-token prefix, and a one-token tail.
-    let (q_lens, ctx) = ([100i32, 37, 1], [100i32, 300, 20]);
+    // A fresh prompt, a chunk after a prefix (263 tokens; Small 73), and a one-token tail;
+    // several query tiles (16) and key tiles (64) each.
+    let (q_lens, ctx) = z.pick(
+        ([100i32, 37, 1], [100i32, 300, 20]),
+        ([20, 17, 1], [20, 90, 5]),
+    );
     let block_size = 16usize;
     let cu: Vec<i32> = std::iter::once(0)
         .chain(q_lens.iter().scan(0, |a, &l| {
             *a += l;
             Some(*a)
         }))
-        .collect();
+        .collect(); // [batch + 1]
     let total_q = cu[q_lens.len()] as usize;
     let (tables, max_blocks, n_slots) = block_tables(rng, &ctx, block_size);
     let kv_dim = nkv * hd;
-    let (qb, qf) = rand_bf16(rng, total_q * nh * hd, 1.0);
-    let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
+    let (qb, qf) = rand_bf16(rng, total_q * nh * hd, 1.0); // [total_q, nh × hd]
+    let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0); // [n_slots, kv_dim]
     let (vb, vf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
-    let name = format!("attn_prefill_hd{hd}");
-    let f = dev.function("attention_prefill.cu", &name)?;
-    let (q_d, k_d, v_d) = (upload(st, &qb)?, upload(st, &kb)?, upload(st, &vb)?);
-    let (cu_d, ctx_d, t_d) = (upload(st, &cu)?, upload(st, &ctx)?, upload(st, &tables)?);
-    let mut out_d = dev.alloc_zeros::<u16>(st, total_q * nh * hd)?;
-    let (mb, bs, h, kvh, qs) = (
-        max_blocks as i32,
-        block_size as i32,
-        nh as i32,
-        nkv as i32,
-        (nh * hd) as i32,
-    );
-    let scale = 1.0 / (hd as f32).sqrt();
-    let max_q = *q_lens.iter().max().unwrap() as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (max_q.div_ceil(16), nh as u32, q_lens.len() as u32),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+    let mut m = Mem::new(x);
+    let a = PagedAttn {
+        q: m.upload(&qb)?,
+        k: m.upload(&kb)?,
+        v: m.upload(&vb)?,
+        out: m.zeros::<u16>(total_q * nh * hd)?,
+        cu_seqlens: m.upload(&cu)?,
+        ctx_lens: m.upload(&ctx)?,
+        tables: m.upload(&tables)?, // [batch, max_blocks]
+        max_blocks,
+        block_size,
+        num_heads: nh,
+        num_kv_heads: nkv,
+        q_stride: nh * hd,
+        head_dim: hd,
+        batch: q_lens.len(),
+        max_q_len: max_of(&q_lens),
+        max_ctx: max_of(&ctx),
     };
-    // SAFETY: matches attention_prefill.cu's INSTANTIATE signature.
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&q_d)
-            .arg(&k_d)
-            .arg(&v_d)
-            .arg(&mut out_d)
-            .arg(&cu_d)
-            .arg(&ctx_d)
-            .arg(&t_d)
-            .arg(&mb)
-            .arg(&bs)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&qs)
-            .arg(&scale)
-            .launch(cfg)?;
-    }
-    let got = widen(&download(st, &out_d)?);
+    x.launch(&kernels::attn_prefill(&a))?;
+    let got = m.bf16(a.out, total_q * nh * hd)?;
     let mut want = vec![0.0; total_q * nh * hd];
     let shape = twins::PagedShape {
         num_heads: nh,
@@ -588,7 +588,7 @@ fn check_prefill(
     };
     twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, shape, &mut want);
     Ok(compare(
-        &name,
+        &format!("attn_prefill_hd{hd}"),
         format!("q {q_lens:?} ctx {ctx:?} {nh}/{nkv} heads"),
         &got,
         &want,
@@ -599,86 +599,58 @@ fn check_prefill(
 
 /// `block_size` 0: the contiguous ring-slot layout (one block per sequence).
 fn check_decode(
-    dev: &CudaDevice,
-    st: &Arc<CudaStream>,
+    x: &dyn Exec,
     rng: &mut StdRng,
-    nh: usize,
-    nkv: usize,
+    z: CheckSizes,
+    (nh, nkv): (usize, usize),
     hd: usize,
     block_size: usize,
 ) -> Result<CheckRow> {
-    let ctx = [1i32, 700, 5000];
+    // One key, and contexts over several 512-key splits (the last one partial).
+    let ctx = z.pick([1i32, 700, 5000], [1, 300, 1100]);
     let batch = ctx.len();
     let block_size = if block_size == 0 {
-        *ctx.iter().max().unwrap() as usize
+        max_of(&ctx)
     } else {
         block_size
     };
     let (tables, max_blocks, n_slots) = block_tables(rng, &ctx, block_size);
     let (split_len, kv_dim) = (512usize, nkv * hd);
-    let max_splits = (*ctx.iter().max().unwrap() as usize).div_ceil(split_len);
-    let (qb, qf) = rand_bf16(rng, batch * nh * hd, 1.0);
-    let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
+    let max_splits = max_of(&ctx).div_ceil(split_len);
+    let (qb, qf) = rand_bf16(rng, batch * nh * hd, 1.0); // [batch, nh × hd]
+    let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0); // [n_slots, kv_dim]
     let (vb, vf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
-    let name = format!("attn_decode_hd{hd}");
-    let f = dev.function("attention_decode.cu", &name)?;
-    let reduce = dev.function("attention_decode.cu", "attn_decode_reduce")?;
-    let (q_d, k_d, v_d) = (upload(st, &qb)?, upload(st, &kb)?, upload(st, &vb)?);
-    let (ctx_d, t_d) = (upload(st, &ctx)?, upload(st, &tables)?);
-    let mut part_o = dev.alloc_zeros::<f32>(st, batch * nh * max_splits * hd)?;
-    let mut part_ml = dev.alloc_zeros::<f32>(st, batch * nh * max_splits * 2)?;
-    let mut out_d = dev.alloc_zeros::<u16>(st, batch * nh * hd)?;
-    let (mb, bs, h, kvh, qs) = (
-        max_blocks as i32,
-        block_size as i32,
-        nh as i32,
-        nkv as i32,
-        (nh * hd) as i32,
-    );
-    let (sl, ms, d) = (split_len as i32, max_splits as i32, hd as i32);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let cfg = LaunchConfig {
-        grid_dim: (nh as u32, max_splits as u32, batch as u32),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+    let cu: Vec<i32> = (0..=batch as i32).collect(); // one query per sequence (the twin's)
+    let mut m = Mem::new(x);
+    let a = PagedAttn {
+        q: m.upload(&qb)?,
+        k: m.upload(&kb)?,
+        v: m.upload(&vb)?,
+        out: m.zeros::<u16>(batch * nh * hd)?,
+        cu_seqlens: m.upload(&cu)?, // not read by the decode kernels
+        ctx_lens: m.upload(&ctx)?,
+        tables: m.upload(&tables)?, // [batch, max_blocks]
+        max_blocks,
+        block_size,
+        num_heads: nh,
+        num_kv_heads: nkv,
+        q_stride: nh * hd,
+        head_dim: hd,
+        batch,
+        max_q_len: 1,
+        max_ctx: max_of(&ctx),
     };
-    let cfg_r = LaunchConfig {
-        grid_dim: (nh as u32, batch as u32, 1),
-        ..cfg
+    let scratch = DecodeScratch {
+        part_o: m.zeros::<f32>(batch * nh * max_splits * hd)?,
+        part_ml: m.zeros::<f32>(batch * nh * max_splits * 2)?,
+        split_len,
+        max_splits,
     };
-    // SAFETY: match attention_decode.cu's kernels; the partials are sized for max_splits.
-    unsafe {
-        st.launch_builder(&f)
-            .arg(&q_d)
-            .arg(&k_d)
-            .arg(&v_d)
-            .arg(&mut part_o)
-            .arg(&mut part_ml)
-            .arg(&ctx_d)
-            .arg(&t_d)
-            .arg(&mb)
-            .arg(&bs)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&qs)
-            .arg(&sl)
-            .arg(&ms)
-            .arg(&scale)
-            .launch(cfg)?;
-        st.launch_builder(&reduce)
-            .arg(&part_o)
-            .arg(&part_ml)
-            .arg(&mut out_d)
-            .arg(&ctx_d)
-            .arg(&h)
-            .arg(&d)
-            .arg(&sl)
-            .arg(&ms)
-            .launch(cfg_r)?;
+    for l in kernels::attn_decode(&a, &scratch)? {
+        x.launch(&l)?;
     }
-    let got = widen(&download(st, &out_d)?);
+    let got = m.bf16(a.out, batch * nh * hd)?;
     let mut want = vec![0.0; batch * nh * hd];
-    let cu: Vec<i32> = (0..=batch as i32).collect();
     let shape = twins::PagedShape {
         num_heads: nh,
         num_kv_heads: nkv,
@@ -688,7 +660,7 @@ fn check_decode(
     };
     twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, shape, &mut want);
     Ok(compare(
-        &name,
+        &format!("attn_decode_hd{hd}"),
         format!("ctx {ctx:?} {nh}/{nkv} heads, block {block_size}"),
         &got,
         &want,
@@ -697,23 +669,393 @@ fn check_decode(
     ))
 }
 
-fn check_linear(dev: &CudaDevice, st: &Arc<CudaStream>, rng: &mut StdRng) -> Result<CheckRow> {
-    let (m, k, n) = (37usize, 2560usize, 1024usize);
-    let (xb, xf) = rand_bf16(rng, m * k, 1.0);
-    let (wb, wf) = rand_bf16(rng, n * k, 0.05);
-    let blas = dev.blas(st)?;
-    let (x_d, w_d) = (upload(st, &xb)?, upload(st, &wb)?);
-    let mut out_d = dev.alloc_zeros::<f32>(st, m * n)?;
-    linear(&blas, st, &x_d, &w_d, &mut out_d, m, k, n)?;
-    let got = download(st, &out_d)?;
-    let mut want = vec![0.0; m * n];
-    ops::linear(&xf, &wf, None, &mut want, m, k, n);
+/// `Exec::gemm` (cuBLAS on the GPU), bf16 in, f32 out.
+fn check_linear(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (rows, k, n) = z.pick((37, 2560, 1024), (5, 320, 96));
+    let (xb, xf) = rand_bf16(rng, rows * k, 1.0); // [rows, k]
+    let (wb, wf) = rand_bf16(rng, n * k, 0.05); // [n, k]
+    let mut m = Mem::new(x);
+    let (x_d, w_d) = (m.upload(&xb)?, m.upload(&wb)?);
+    let out = m.zeros::<f32>(rows * n)?; // f32 [rows, n]
+    x.gemm(x_d, w_d, out, rows, k, n, true)?;
+    let got = m.download::<f32>(out, rows * n)?;
+    let mut want = vec![0.0; rows * n];
+    ops::linear(&xf, &wf, None, &mut want, rows, k, n);
     Ok(compare(
         "cublas linear bf16→f32",
-        format!("[{m}, {k}] · [{n}, {k}]ᵀ"),
+        format!("[{rows}, {k}] · [{n}, {k}]ᵀ"),
         &got,
         &want,
         1e-3,
         1e-3,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::cuda::hosttwin::HostExec;
+    use crate::device::cuda::ops::{KArg, Launch};
+
+    /// Runs launches on host memory by reading their arguments in each kernel's signature
+    /// order (the host twin's semantics for the model's kernels; the flash-decoding split
+    /// partials and their merge as the `.cu` computes them; argmax and sample by their
+    /// twins). Not the kernels: it tests this file's plumbing (buffers, sizes, launches,
+    /// downloads) and that a wrong argument fails its check. `swap`: (function, i, j)
+    /// exchanges two of that kernel's arguments, a planted bug.
+    #[derive(Default)]
+    struct Interp {
+        swap: Option<(&'static str, usize, usize)>,
+    }
+
+    // SAFETY (all helpers): the checks pass addresses of live host allocations.
+    unsafe fn rd(p: DPtr, i: usize) -> f32 {
+        twins::bf16_to_f32(*(p as *const u16).add(i))
+    }
+    unsafe fn wr(p: DPtr, i: usize, v: f32) {
+        *(p as *mut u16).add(i) = twins::f32_to_bf16(v);
+    }
+    unsafe fn ri(p: DPtr, i: usize) -> usize {
+        *(p as *const i32).add(i) as usize
+    }
+    unsafe fn rf(p: DPtr, i: usize) -> f32 {
+        *(p as *const f32).add(i)
+    }
+    unsafe fn wf(p: DPtr, i: usize, v: f32) {
+        *(p as *mut f32).add(i) = v;
+    }
+
+    /// Argument accessors: the kernel's parameter `i` must have this type.
+    fn ptr(l: &Launch, i: usize) -> DPtr {
+        match l.args[i] {
+            KArg::Ptr(p) => p,
+            a => panic!("{}: argument {i} is {a:?}, not a pointer", l.func),
+        }
+    }
+    fn int(l: &Launch, i: usize) -> usize {
+        match l.args[i] {
+            KArg::I32(v) if v >= 0 => v as usize,
+            a => panic!("{}: argument {i} is {a:?}, not a size", l.func),
+        }
+    }
+    fn flt(l: &Launch, i: usize) -> f32 {
+        match l.args[i] {
+            KArg::F32(v) => v,
+            a => panic!("{}: argument {i} is {a:?}, not a float", l.func),
+        }
+    }
+
+    /// Cache row of key `key` of sequence `b`.
+    unsafe fn key_row(tables: DPtr, b: usize, max_blocks: usize, bs: usize, key: usize) -> usize {
+        ri(tables, b * max_blocks + key / bs) * bs + key % bs
+    }
+
+    /// (m, l, o): max score, Σ exp(score − m), Σ exp(score − m)·v over the cache `rows`, one head.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn partial(
+        q: DPtr,
+        q_off: usize,
+        scale: f32,
+        k: DPtr,
+        v: DPtr,
+        kv_off: usize,
+        kv_dim: usize,
+        hd: usize,
+        rows: &[usize],
+    ) -> (f32, f32, Vec<f32>) {
+        let s: Vec<f32> = rows
+            .iter()
+            .map(|&r| {
+                (0..hd)
+                    .map(|d| rd(q, q_off + d) * scale * rd(k, r * kv_dim + kv_off + d))
+                    .sum()
+            })
+            .collect();
+        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let p: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+        let o = (0..hd)
+            .map(|d| {
+                rows.iter()
+                    .zip(&p)
+                    .map(|(&r, p)| p * rd(v, r * kv_dim + kv_off + d))
+                    .sum()
+            })
+            .collect();
+        (m, p.iter().sum(), o)
+    }
+
+    impl Interp {
+        unsafe fn run(&self, l: &Launch) -> Result<()> {
+            let h = HostExec;
+            let g = l.cfg.grid_dim;
+            let hd = |prefix: &str| l.func.trim_start_matches(prefix).parse::<usize>().unwrap();
+            match l.func.as_str() {
+                "embedding_gather" => h.embedding(
+                    ptr(l, 0),
+                    ptr(l, 1),
+                    ptr(l, 2),
+                    g.0 as usize,
+                    int(l, 3),
+                    int(l, 4),
+                ),
+                "rms_norm" => h.rms_norm(
+                    ptr(l, 0),
+                    ptr(l, 1),
+                    ptr(l, 2),
+                    g.0 as usize,
+                    int(l, 3),
+                    flt(l, 4),
+                ),
+                "add_rms_norm" => h.add_rms_norm(
+                    ptr(l, 0),
+                    ptr(l, 1),
+                    ptr(l, 2),
+                    ptr(l, 3),
+                    g.0 as usize,
+                    int(l, 4),
+                    flt(l, 5),
+                ),
+                "head_rms_norm" => {
+                    let (t, heads) = (int(l, 2), int(l, 3));
+                    // One warp per (token, head).
+                    assert!((g.0 * l.cfg.block_dim.0 / 32) as usize >= t * heads);
+                    h.head_rms_norm(
+                        ptr(l, 0),
+                        ptr(l, 1),
+                        t,
+                        heads,
+                        int(l, 4),
+                        int(l, 5),
+                        flt(l, 6),
+                    )
+                }
+                "rope_neox" => {
+                    let (t, heads, d) = (int(l, 4), int(l, 5), int(l, 6));
+                    assert!((g.0 * l.cfg.block_dim.0) as usize >= t * heads * d / 2);
+                    h.rope(
+                        ptr(l, 0),
+                        ptr(l, 1),
+                        ptr(l, 2),
+                        ptr(l, 3),
+                        t,
+                        heads,
+                        d,
+                        int(l, 7),
+                    )
+                }
+                "silu_mul" => h.silu_mul(ptr(l, 0), ptr(l, 1), int(l, 2), int(l, 3)),
+                "kv_store" => h.kv_store(
+                    ptr(l, 0),
+                    ptr(l, 1),
+                    ptr(l, 2),
+                    ptr(l, 3),
+                    ptr(l, 4),
+                    int(l, 5),
+                    int(l, 6),
+                    int(l, 7),
+                ),
+                "argmax" | "sample" => {
+                    let logits = ptr(l, 0);
+                    let (vocab, out) = if l.func == "argmax" {
+                        (int(l, 2), ptr(l, 1))
+                    } else {
+                        (int(l, 3), ptr(l, 2))
+                    };
+                    for r in 0..g.0 as usize {
+                        let row: Vec<f32> = (0..vocab).map(|i| rf(logits, r * vocab + i)).collect();
+                        let tok = if l.func == "argmax" {
+                            twins::argmax(&row)
+                        } else {
+                            let u = rf(ptr(l, 1), r);
+                            twins::sample(&row, flt(l, 4), int(l, 5), flt(l, 6), u)
+                        };
+                        *(out as *mut i32).add(r) = tok as i32;
+                    }
+                    Ok(())
+                }
+                f if f.starts_with("attn_prefill_hd") => {
+                    let hd = hd("attn_prefill_hd");
+                    let (q, k, v, out) = (ptr(l, 0), ptr(l, 1), ptr(l, 2), ptr(l, 3));
+                    let (cu, ctx_lens, tables) = (ptr(l, 4), ptr(l, 5), ptr(l, 6));
+                    let (mb, bs, nh, nkv, qs) =
+                        (int(l, 7), int(l, 8), int(l, 9), int(l, 10), int(l, 11));
+                    let scale = flt(l, 12);
+                    assert_eq!((g.1 as usize, l.cfg.block_dim.0), (nh, 128));
+                    for b in 0..g.2 as usize {
+                        let (q0, q_len) = (ri(cu, b), ri(cu, b + 1) - ri(cu, b));
+                        assert!(
+                            q_len <= 16 * g.0 as usize,
+                            "grid too small for {q_len} queries"
+                        );
+                        let pos0 = ri(ctx_lens, b) - q_len;
+                        for i in 0..q_len {
+                            let rows: Vec<usize> = (0..=pos0 + i)
+                                .map(|j| key_row(tables, b, mb, bs, j))
+                                .collect();
+                            for hh in 0..nh {
+                                let kv_off = hh / (nh / nkv) * hd;
+                                let q_off = (q0 + i) * qs + hh * hd;
+                                let (_, s, o) =
+                                    partial(q, q_off, scale, k, v, kv_off, nkv * hd, hd, &rows);
+                                for (d, o) in o.iter().enumerate() {
+                                    wr(out, (q0 + i) * nh * hd + hh * hd + d, o / s);
+                                }
+                            }
+                        }
+                    }
+                    Ok(())
+                }
+                f if f.starts_with("attn_decode_hd") => {
+                    let hd = hd("attn_decode_hd");
+                    let (q, k, v, po, pml) =
+                        (ptr(l, 0), ptr(l, 1), ptr(l, 2), ptr(l, 3), ptr(l, 4));
+                    let (ctx_lens, tables) = (ptr(l, 5), ptr(l, 6));
+                    let (mb, bs, nh, nkv, qs) =
+                        (int(l, 7), int(l, 8), int(l, 9), int(l, 10), int(l, 11));
+                    let (split, max_splits, scale) = (int(l, 12), int(l, 13), flt(l, 14));
+                    assert_eq!((g.0 as usize, l.cfg.block_dim.0), (nh, 128));
+                    for b in 0..g.2 as usize {
+                        let ctx = ri(ctx_lens, b);
+                        assert!(ctx <= split * g.1 as usize, "grid too small for {ctx} keys");
+                        for hh in 0..nh {
+                            for s in 0..ctx.div_ceil(split) {
+                                let rows: Vec<usize> = (s * split..ctx.min((s + 1) * split))
+                                    .map(|j| key_row(tables, b, mb, bs, j))
+                                    .collect();
+                                let kv_off = hh / (nh / nkv) * hd;
+                                let (m, sum, o) = partial(
+                                    q,
+                                    b * qs + hh * hd,
+                                    scale,
+                                    k,
+                                    v,
+                                    kv_off,
+                                    nkv * hd,
+                                    hd,
+                                    &rows,
+                                );
+                                let part = (b * nh + hh) * max_splits + s;
+                                for (d, o) in o.iter().enumerate() {
+                                    wf(po, part * hd + d, *o);
+                                }
+                                wf(pml, part * 2, m);
+                                wf(pml, part * 2 + 1, sum);
+                            }
+                        }
+                    }
+                    Ok(())
+                }
+                "attn_decode_reduce" => {
+                    let (po, pml, out, ctx_lens) = (ptr(l, 0), ptr(l, 1), ptr(l, 2), ptr(l, 3));
+                    let (nh, hd, split, max_splits) = (int(l, 4), int(l, 5), int(l, 6), int(l, 7));
+                    assert_eq!(g.0 as usize, nh);
+                    for b in 0..g.1 as usize {
+                        for hh in 0..nh {
+                            let base = (b * nh + hh) * max_splits;
+                            let splits = base..base + ri(ctx_lens, b).div_ceil(split);
+                            let mx = splits
+                                .clone()
+                                .map(|s| rf(pml, 2 * s))
+                                .fold(f32::NEG_INFINITY, f32::max);
+                            let w = |s: usize| (rf(pml, 2 * s) - mx).exp();
+                            let sum: f32 = splits.clone().map(|s| rf(pml, 2 * s + 1) * w(s)).sum();
+                            for d in 0..hd {
+                                let o: f32 =
+                                    splits.clone().map(|s| rf(po, s * hd + d) * w(s)).sum();
+                                wr(out, (b * nh + hh) * hd + d, o / sum);
+                            }
+                        }
+                    }
+                    Ok(())
+                }
+                f => bail!("the interpreter has no {f}"),
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    impl Exec for Interp {
+        fn alloc(&self, bytes: usize) -> Result<(Buf, DPtr)> {
+            HostExec.alloc(bytes)
+        }
+        fn upload(&self, data: &[u8]) -> Result<(Buf, DPtr)> {
+            HostExec.upload(data)
+        }
+        unsafe fn htod(&self, dst: DPtr, src: &[u8]) -> Result<()> {
+            HostExec.htod(dst, src)
+        }
+        unsafe fn download(&self, src: DPtr, dst: &mut [u8]) -> Result<()> {
+            HostExec.download(src, dst)
+        }
+        fn sync(&self) -> Result<()> {
+            Ok(())
+        }
+        fn launch(&self, l: &Launch) -> Result<()> {
+            assert!(kernels::is_listed(l.file, &l.func), "{} not listed", l.func);
+            let mut l = l.clone();
+            if let Some((f, i, j)) = self.swap {
+                if l.func == f {
+                    l.args.swap(i, j);
+                }
+            }
+            // SAFETY: the checks launch on buffers they allocated through this Exec.
+            unsafe { self.run(&l) }
+        }
+        fn gemm(
+            &self,
+            x: DPtr,
+            w: DPtr,
+            out: DPtr,
+            m: usize,
+            k: usize,
+            n: usize,
+            out_f32: bool,
+        ) -> Result<()> {
+            HostExec.gemm(x, w, out, m, k, n, out_f32)
+        }
+    }
+
+    #[test]
+    fn kernel_checks_pass_on_a_host_interpreter() {
+        let rows = run_kernel_checks_on(&Interp::default(), CheckSizes::Small);
+        eprint!("{}", format_table(&rows));
+        assert_eq!(rows.len(), 14);
+        for r in &rows {
+            assert!(r.pass, "{r:?}");
+        }
+    }
+
+    /// A planted bug in a launch's arguments fails that kernel's check and no other (swaps
+    /// that keep every access in bounds: the interpreter reads host memory).
+    #[test]
+    fn swapped_arguments_fail_their_check() {
+        for (func, i, j) in [
+            ("embedding_gather", 3, 4), // vocab ↔ dim
+            ("add_rms_norm", 0, 1),     // residual ↔ delta
+            ("rope_neox", 2, 3),        // cos ↔ sin
+            ("kv_store", 0, 1),         // K ↔ V
+            ("sample", 4, 6),           // temperature ↔ top_p
+            ("attn_prefill_hd64", 1, 2),
+            ("attn_decode_hd128", 1, 2),
+        ] {
+            let x = Interp {
+                swap: Some((func, i, j)),
+            };
+            for r in run_kernel_checks_on(&x, CheckSizes::Small) {
+                let planted = r.name.starts_with(func);
+                assert_eq!(r.pass, !planted, "{func} args {i} ↔ {j}: {r:?}");
+            }
+        }
+    }
+
+    /// The host twin runs no bare launches: every kernel check fails with that error
+    /// rather than passing, and the GEMM (a method of its own) still passes.
+    #[test]
+    fn host_twin_fails_kernel_checks() {
+        let rows = run_kernel_checks_on(&HostExec, CheckSizes::Small);
+        for r in &rows[..13] {
+            assert!(!r.pass && r.note.contains("runs no kernels"), "{r:?}");
+        }
+        assert!(rows[13].pass, "{:?}", rows[13]);
+    }
 }

@@ -6,8 +6,8 @@ use super::nvrtc;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DevicePtrMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr,
+    PinnedHostSlice, ValidAsZeroBits,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -126,42 +126,6 @@ impl CudaDevice {
 /// Copies host → device on `stream` (cuMemcpyHtoDAsync; truly async from pinned memory).
 pub fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, src: &[T]) -> Result<CudaSlice<T>> {
     drv("cuMemcpyHtoDAsync", stream.clone_htod(src))
-}
-
-/// Copies device → host and waits for it.
-pub fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, src: &CudaSlice<T>) -> Result<Vec<T>> {
-    let v = drv("cuMemcpyDtoHAsync", stream.clone_dtoh(src))?;
-    drv("cuStreamSynchronize", stream.synchronize())?;
-    Ok(v)
-}
-
-/// `out[m, n] = x[m, k] · w[n, k]ᵀ` on the handle's stream: bf16 inputs (as `u16` bits),
-/// f32 accumulation, `out` in bf16 (`u16`) or f32. Row-major `out` is column-major `outᵀ`,
-/// so cuBLAS computes `outᵀ[n, m] = W · xᵀ` with W transposed from its `[n, k]` storage.
-#[allow(clippy::too_many_arguments)]
-pub fn linear<O: DeviceRepr>(
-    blas: &CudaBlas,
-    stream: &Arc<CudaStream>,
-    x: &CudaSlice<u16>,
-    w: &CudaSlice<u16>,
-    out: &mut CudaSlice<O>,
-    m: usize,
-    k: usize,
-    n: usize,
-) -> Result<()> {
-    let out_f32 = match std::mem::size_of::<O>() {
-        2 => false, // bf16 bits in u16
-        4 => true,
-        _ => bail!("linear: output must be bf16 (u16) or f32"),
-    };
-    if x.len() < m * k || w.len() < n * k || out.len() < m * n {
-        bail!("linear: buffers smaller than [{m}, {k}] · [{n}, {k}]ᵀ");
-    }
-    let (xp, _gx) = x.device_ptr(stream);
-    let (wp, _gw) = w.device_ptr(stream);
-    let (op, _go) = out.device_ptr_mut(stream);
-    // The sizes were checked above; the guards keep the allocations alive for the call.
-    super::ops::gemm(blas, xp, wp, op, m, k, n, out_f32)
 }
 
 /// `--profile-steps A:B`: the profiler captures only between these calls.

@@ -8,6 +8,7 @@
 //! - `check`: each kernel against its CPU twin (for `scripts/gpu-check.sh`);
 //! - `ops`: kernel launches and raw async copies on device pointers;
 //! - `exec`, `hosttwin`: the model's device interface, on the GPU and its host twin;
+//! - `emu`: the kernels' own sources run on the CPU (`emu/`), for tests without a GPU;
 //! - `weights`, `model`, `kv`, `generate`: the bf16 model and its layer loop over the
 //!   `CudaKv` seam (resident KV), and the generation loop;
 //! - `offload`, `offload_dev`, `trace`: layerwise KV offload (the CPU engine's twin), its
@@ -17,6 +18,7 @@
 pub mod bench;
 pub mod check;
 pub mod context;
+pub mod emu;
 pub mod exec;
 pub mod generate;
 pub mod gpucheck;

@@ -221,14 +221,14 @@ fn cache_name(name: &str, src: &str, arch: &str, v: (i32, i32), opts: &[String])
 }
 
 /// FNV-1a 64: a hash that is stable across Rust versions, unlike `DefaultHasher`.
-struct Fnv(u64);
+pub(crate) struct Fnv(pub(crate) u64);
 impl Default for Fnv {
     fn default() -> Self {
         Fnv(0xcbf2_9ce4_8422_2325)
     }
 }
 impl Fnv {
-    fn write(&mut self, bytes: &[u8]) {
+    pub(crate) fn write(&mut self, bytes: &[u8]) {
         for b in bytes {
             self.0 = (self.0 ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
         }

@@ -1,0 +1,318 @@
+//! Runs the real `kernels/*.cu` on the CPU, so machines without a GPU (CI) test the kernel
+//! code itself, its launch configuration and its argument list, not only a Rust twin.
+//!
+//! The `.cu` sources (embedded by `build.rs`) are compiled by the system C++ compiler
+//! against `emu/shim.h`, which maps the CUDA device language onto C++, and linked with
+//! `emu/core.cpp`, which runs every CUDA thread of a block as a fiber that yields at
+//! `__syncthreads` and at warp shuffles (see those files for what is and is not
+//! emulated). The library is built once per source hash into the kernel cache directory
+//! and loaded with `libloading`.
+//!
+//! `EmuExec` is an `Exec` whose memory is host memory (as the host twin's) and whose
+//! kernels are these: the CUDA model's layer loop and gpu-check step 1 run on it.
+//! GEMMs stay on the host twin (cuBLAS has no source to emulate).
+
+use super::exec::{Buf, Exec};
+use super::hosttwin::HostExec;
+use super::nvrtc::{Fnv, HEADERS, SOURCES};
+use super::ops::{DPtr, KArg, Launch, KERNELS};
+use anyhow::{anyhow, bail, Context, Result};
+use std::ffi::{c_char, c_void, CString};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, OnceLock};
+
+const SHIM: &str = include_str!("../../../emu/shim.h");
+const CORE: &str = include_str!("../../../emu/core.cpp");
+const LINKER_SCRIPT: &str = include_str!("../../../emu/shared.ld");
+const CXXFLAGS: &[&str] = &["-std=c++17", "-O2", "-fPIC", "-Wno-unknown-pragmas"];
+
+type LaunchFn = unsafe extern "C" fn(
+    name: *const c_char,
+    signature: *const c_char,
+    grid: *const u32,
+    block: *const u32,
+    shared_bytes: u32,
+    args: *mut *mut c_void,
+    err: *mut c_char,
+    err_len: usize,
+) -> i32;
+
+/// The loaded emulator library.
+pub struct Emulator {
+    launch: LaunchFn,
+    _lib: libloading::Library,
+}
+
+/// Extra kernels for a test of the emulator itself: (file name, source, kernel names).
+/// The source may include `common.cuh`.
+pub type ExtraUnit<'a> = (&'a str, &'a str, &'a [&'a str]);
+
+/// The process-wide emulator of `kernels/*.cu`, built on first use.
+pub fn emulator() -> Result<Arc<Emulator>> {
+    static EMU: OnceLock<std::result::Result<Arc<Emulator>, String>> = OnceLock::new();
+    EMU.get_or_init(|| {
+        Emulator::load(&[])
+            .map(Arc::new)
+            .map_err(|e| format!("{e:#}"))
+    })
+    .clone()
+    .map_err(|e| anyhow!(e))
+}
+
+impl Emulator {
+    /// An emulator of `kernels/*.cu` plus `extra` (a library of its own).
+    pub fn load(extra: &[ExtraUnit]) -> Result<Self> {
+        let path = build(extra)?;
+        // SAFETY: our own library, built just above; its initialisers only fill the
+        // kernel registry.
+        let lib = unsafe { libloading::Library::new(&path) }
+            .with_context(|| format!("loading the kernel emulator {}", path.display()))?;
+        // SAFETY: the symbol has exactly this signature in emu/core.cpp.
+        let launch = unsafe { *lib.get::<LaunchFn>(b"kemu_launch\0")? };
+        Ok(Self { launch, _lib: lib })
+    }
+
+    /// Runs `l` to completion on the calling thread (launches are serialised).
+    pub fn launch(&self, l: &Launch) -> Result<()> {
+        // One pointer per parameter, as cuLaunchKernel takes them; they point into `l`.
+        let mut sig = String::new();
+        let mut args: Vec<*mut c_void> = l
+            .args
+            .iter()
+            .map(|a| match a {
+                KArg::Ptr(p) => {
+                    sig.push('p');
+                    p as *const DPtr as *mut c_void
+                }
+                KArg::I32(i) => {
+                    sig.push('i');
+                    i as *const i32 as *mut c_void
+                }
+                KArg::F32(f) => {
+                    sig.push('f');
+                    f as *const f32 as *mut c_void
+                }
+            })
+            .collect();
+        let (g, b) = (l.cfg.grid_dim, l.cfg.block_dim);
+        let (grid, block) = ([g.0, g.1, g.2], [b.0, b.1, b.2]);
+        let name = CString::new(l.func.as_str())?;
+        let sig = CString::new(sig)?;
+        let mut err = vec![0u8; 512];
+        // SAFETY: `args` points to live values of the types `sig` names; the kernel reads
+        // and writes memory through the pointer arguments, which the caller vouches for
+        // exactly as for a GPU launch (host addresses here).
+        let rc = unsafe {
+            (self.launch)(
+                name.as_ptr(),
+                sig.as_ptr(),
+                grid.as_ptr(),
+                block.as_ptr(),
+                l.cfg.shared_mem_bytes,
+                args.as_mut_ptr(),
+                err.as_mut_ptr() as *mut c_char,
+                err.len(),
+            )
+        };
+        if rc != 0 {
+            let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
+            bail!(
+                "kernel emulator: {} ({})",
+                String::from_utf8_lossy(&err[..end]),
+                l.file
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The C++ compiler: `$CXX`, else the first of c++, g++, clang++ that runs.
+fn compiler() -> Result<String> {
+    let candidates: Vec<String> = match std::env::var("CXX") {
+        Ok(c) if !c.is_empty() => vec![c],
+        _ => ["c++", "g++", "clang++"].map(String::from).to_vec(),
+    };
+    for c in &candidates {
+        if Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            return Ok(c.clone());
+        }
+    }
+    bail!("the kernel emulator needs a C++17 compiler: none of {candidates:?} runs (set CXX or install g++)")
+}
+
+/// One translation unit per `.cu` file: the shim, the file, then its kernels' registration.
+fn units(extra: &[ExtraUnit]) -> Result<Vec<(String, String)>> {
+    let mut units = vec![("core.cpp".to_string(), CORE.to_string())];
+    let listed = SOURCES.iter().map(|(file, _)| {
+        KERNELS
+            .iter()
+            .find(|(f, _)| f == file)
+            .map(|(f, k)| (*f, *k))
+            .ok_or_else(|| anyhow!("kernels/{file} is missing from ops::KERNELS"))
+    });
+    let extra = extra.iter().map(|(f, _, k)| Ok((*f, *k)));
+    for unit in listed.chain(extra) {
+        let (file, kernels) = unit?;
+        let mut tu = format!("#include \"shim.h\"\n#include \"{file}\"\n");
+        for k in kernels {
+            tu += &format!("EMU_REGISTER({k})\n");
+        }
+        units.push((format!("{file}.cpp"), tu));
+    }
+    Ok(units)
+}
+
+/// Builds (or finds) the emulator library; returns its path.
+fn build(extra: &[ExtraUnit]) -> Result<PathBuf> {
+    let cxx = compiler()?;
+    let units = units(extra)?;
+    let extra_sources = extra.iter().map(|(f, s, _)| (*f, *s));
+    let mut h = Fnv::default();
+    for s in [cxx.as_str(), SHIM, LINKER_SCRIPT]
+        .into_iter()
+        .chain(CXXFLAGS.iter().copied())
+    {
+        h.write(s.as_bytes());
+    }
+    let sources: Vec<(&str, &str)> = SOURCES
+        .iter()
+        .chain(HEADERS)
+        .copied()
+        .chain(extra_sources)
+        .collect();
+    let unit_texts = units.iter().map(|(n, s)| (n.as_str(), s.as_str()));
+    for (n, s) in sources.iter().copied().chain(unit_texts) {
+        h.write(n.as_bytes());
+        h.write(s.as_bytes());
+    }
+    let root = super::nvrtc::default_cache_dir()
+        .unwrap_or_else(|| std::env::temp_dir().join("strata-kernels"));
+    let dir = root.join(format!("emu-{:016x}", h.0));
+    let lib = dir.join("libkemu.so");
+    if lib.exists() {
+        return Ok(lib);
+    }
+    // Build in a private directory, then rename it into place (concurrent builders race
+    // harmlessly: the loser's rename fails and it uses the winner's library).
+    let tmp = root.join(format!("emu-tmp-{}-{:016x}", std::process::id(), h.0));
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let write = |name: &str, text: &str| {
+        std::fs::write(tmp.join(name), text).with_context(|| format!("writing {name}"))
+    };
+    write("shim.h", SHIM)?;
+    write("shared.ld", LINKER_SCRIPT)?;
+    for (n, s) in &sources {
+        write(n, s)?;
+    }
+    for (n, s) in &units {
+        write(n, s)?;
+    }
+    // Compile the units in parallel, then link.
+    let children: Vec<_> = units
+        .iter()
+        .map(|(n, _)| {
+            // Kernel units: one section per static, for shared.ld (not core: its statics
+            // must not be poisoned).
+            let sections = (n != "core.cpp").then_some("-fdata-sections");
+            Command::new(&cxx)
+                .args(CXXFLAGS)
+                .args(sections)
+                .args(["-c", n, "-o", &format!("{n}.o")])
+                .current_dir(&tmp)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map(|c| (n.clone(), c))
+        })
+        .collect();
+    for c in children {
+        let (n, child) = c.with_context(|| format!("running {cxx}"))?;
+        let o = child.wait_with_output()?;
+        check_output(&cxx, &n, &o)?;
+    }
+    let objects: Vec<String> = units.iter().map(|(n, _)| format!("{n}.o")).collect();
+    let o = Command::new(&cxx)
+        .args(["-shared", "-Wl,-T,shared.ld", "-o", "libkemu.so"])
+        .args(&objects)
+        .current_dir(&tmp)
+        .output()
+        .with_context(|| format!("running {cxx}"))?;
+    check_output(&cxx, "the link", &o)?;
+    if std::fs::rename(&tmp, &dir).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !lib.exists() {
+            bail!("could not move the kernel emulator into {}", dir.display());
+        }
+    }
+    Ok(lib)
+}
+
+fn check_output(cxx: &str, what: &str, o: &std::process::Output) -> Result<()> {
+    if o.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&o.stderr);
+    let first: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("error"))
+        .take(3)
+        .collect();
+    bail!(
+        "the kernel emulator failed to compile ({cxx}, {what}): {}",
+        first.join(" | ")
+    )
+}
+
+/// `Exec` with the kernels emulated: memory and GEMMs as the host twin's.
+pub struct EmuExec {
+    host: HostExec,
+    emu: Arc<Emulator>,
+}
+
+impl EmuExec {
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            host: HostExec,
+            emu: emulator()?,
+        })
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+impl Exec for EmuExec {
+    fn alloc(&self, bytes: usize) -> Result<(Buf, DPtr)> {
+        self.host.alloc(bytes)
+    }
+    fn upload(&self, data: &[u8]) -> Result<(Buf, DPtr)> {
+        self.host.upload(data)
+    }
+    unsafe fn htod(&self, dst: DPtr, src: &[u8]) -> Result<()> {
+        self.host.htod(dst, src)
+    }
+    unsafe fn download(&self, src: DPtr, dst: &mut [u8]) -> Result<()> {
+        self.host.download(src, dst)
+    }
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+    fn launch(&self, l: &Launch) -> Result<()> {
+        self.emu.launch(l)
+    }
+    fn gemm(
+        &self,
+        x: DPtr,
+        w: DPtr,
+        out: DPtr,
+        m: usize,
+        k: usize,
+        n: usize,
+        out_f32: bool,
+    ) -> Result<()> {
+        self.host.gemm(x, w, out, m, k, n, out_f32)
+    }
+}

@@ -1,0 +1,273 @@
+//! The real `kernels/*.cu` run on the CPU by the kernel emulator (`emu/`, built with the
+//! system C++ compiler): gpu-check step 1 (every kernel against its CPU twin, smaller
+//! shapes), the CUDA model's layer loop against the f32 CPU model (step 2's comparison),
+//! the CUDA offload engine against resident KV (step 3's), and the emulator's own checks
+//! (barriers, shuffles, argument signatures) on the kernels of `tests/emu_kernels.cu`.
+//!
+//! Needs a C++17 compiler (g++ or clang++, or $CXX): without one these tests fail.
+
+use std::sync::Arc;
+use strata::device::cuda::check::{format_table, run_kernel_checks_on, CheckSizes};
+use strata::device::cuda::emu::{EmuExec, Emulator};
+use strata::device::cuda::exec::Exec;
+use strata::device::cuda::gpucheck::{compare_model, offload_case};
+use strata::device::cuda::ops::{KArg, Launch};
+use strata::model::random::Shape;
+
+fn emu_exec(_head_dim: usize) -> anyhow::Result<Arc<dyn Exec>> {
+    Ok(Arc::new(EmuExec::new()?))
+}
+
+#[test]
+fn every_kernel_matches_its_cpu_twin_on_the_emulator() {
+    let exec = EmuExec::new().unwrap();
+    let rows = run_kernel_checks_on(&exec, CheckSizes::Small);
+    eprint!("{}", format_table(&rows));
+    assert!(rows.len() >= 14, "{} rows", rows.len());
+    let failed: Vec<_> = rows.iter().filter(|r| !r.pass).collect();
+    assert!(failed.is_empty(), "failed: {failed:#?}");
+}
+
+/// gpu-check step 2's tiny case: 700 prompt tokens (prefill over many tiles, decode over
+/// two splits), then 4 decode steps, logits against the f32 CPU model.
+#[test]
+fn cuda_model_on_the_emulator_matches_the_cpu_model() {
+    let row = compare_model(&emu_exec, "tiny on emulator", Shape::tiny(), 700, 4).unwrap();
+    eprintln!("{row:?}");
+    assert!(row.pass, "{row:?}");
+}
+
+/// head_dim 128 and a grouped-query ratio of 4, one layer.
+#[test]
+fn head_dim_128_layer_on_the_emulator_matches_the_cpu_model() {
+    let mut s = Shape::qwen3_4b();
+    (s.layers, s.hidden, s.heads, s.kv_heads, s.inter, s.vocab) = (1, 512, 8, 2, 512, 256);
+    let row = compare_model(&emu_exec, "hd128 on emulator", s, 40, 3).unwrap();
+    eprintln!("{row:?}");
+    assert!(row.pass, "{row:?}");
+}
+
+/// gpu-check step 3 with the host twin of the offload device: greedy tokens and
+/// log-probs of offload (and offload + sanitizer) equal the resident run's, bit for bit.
+#[test]
+fn offload_engine_on_the_emulator_matches_resident() {
+    use strata::device::cuda::offload::CudaOffloadEngine;
+    use strata::device::cuda::offload_dev::HostOffloadDev;
+    let engine = |cfg: &strata::model::ModelConfig, o| {
+        let d = HostOffloadDev { offload_streams: 2 };
+        CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
+    };
+    let rows = offload_case(&emu_exec, &engine, "tiny on emulator", Shape::tiny()).unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        eprintln!("{r:?}");
+        assert!(r.pass, "{r:?}");
+    }
+}
+
+// ---- The emulator's own behaviour -------------------------------------------------
+
+const TEST_KERNELS: &[&str] = &[
+    "neighbour_synced",
+    "neighbour_racy",
+    "divergent_barrier",
+    "warp_ops",
+    "shuffle_after_exit",
+    "typed_args",
+];
+
+fn test_emulator() -> Emulator {
+    let src = include_str!("emu_kernels.cu");
+    Emulator::load(&[("emu_kernels.cu", src, TEST_KERNELS)]).unwrap()
+}
+
+fn launch(func: &str, blocks: u32, args: Vec<KArg>) -> Launch {
+    Launch {
+        file: "emu_kernels.cu",
+        func: func.into(),
+        cfg: cudarc::driver::LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        args,
+    }
+}
+
+fn ptr<T>(v: &mut [T]) -> KArg {
+    KArg::Ptr(v.as_mut_ptr() as u64)
+}
+
+#[test]
+fn emulator_runs_barriers_and_catches_a_missing_one() {
+    let emu = test_emulator();
+    let want: Vec<i32> = (0..4 * 128)
+        .map(|i| (i / 128) * 1000 + (i % 128 + 1) % 128)
+        .collect();
+    let mut out = vec![0i32; 4 * 128];
+    emu.launch(&launch("neighbour_synced", 4, vec![ptr(&mut out)]))
+        .unwrap();
+    assert_eq!(out, want);
+    // Without the barrier some reads see unwritten (poisoned) shared memory.
+    let mut out = vec![0i32; 4 * 128];
+    emu.launch(&launch("neighbour_racy", 4, vec![ptr(&mut out)]))
+        .unwrap();
+    let wrong = out.iter().zip(&want).filter(|(a, b)| a != b).count();
+    assert!(wrong > 0, "the race went unnoticed");
+}
+
+#[test]
+fn emulator_reports_barrier_and_shuffle_misuse() {
+    let emu = test_emulator();
+    let mut out = vec![0f32; 128];
+    let e = emu
+        .launch(&launch("divergent_barrier", 1, vec![ptr(&mut out)]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("divergent_barrier") && e.contains("__syncthreads"),
+        "{e}"
+    );
+    let e = emu
+        .launch(&launch("shuffle_after_exit", 1, vec![ptr(&mut out)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("exited"), "{e}");
+}
+
+#[test]
+fn emulator_shuffles_and_reductions() {
+    let emu = test_emulator();
+    let mut input: Vec<f32> = (0..128).map(|i| ((i * 37) % 101) as f32).collect();
+    let mut out = vec![0f32; 8 * 128];
+    emu.launch(&launch("warp_ops", 1, vec![ptr(&mut input), ptr(&mut out)]))
+        .unwrap();
+    let block_sum: f32 = input.iter().sum();
+    let block_max = input.iter().copied().fold(f32::MIN, f32::max);
+    for t in 0..128 {
+        let (w, lane) = (t / 32 * 32, t % 32);
+        let warp = &input[w..w + 32];
+        let o = &out[8 * t..8 * t + 8];
+        assert_eq!(o[0], warp[lane ^ 5], "xor, thread {t}");
+        assert_eq!(
+            o[1],
+            warp[if lane >= 3 { lane - 3 } else { lane }],
+            "up, thread {t}"
+        );
+        assert_eq!(
+            o[2],
+            warp[if lane + 7 < 32 { lane + 7 } else { lane }],
+            "down, thread {t}"
+        );
+        assert_eq!(o[3], warp[9], "sync, thread {t}");
+        assert_eq!(o[4], warp.iter().sum::<f32>(), "warp_sum, thread {t}");
+        assert_eq!(
+            o[5],
+            warp.iter().copied().fold(f32::MIN, f32::max),
+            "warp_max"
+        );
+        assert_eq!(o[6], block_sum, "block_sum, thread {t}");
+        assert_eq!(o[7], block_max, "block_max, thread {t}");
+    }
+}
+
+#[test]
+fn emulator_checks_argument_signatures() {
+    let emu = test_emulator();
+    let mut out = vec![0f32; 1];
+    emu.launch(&launch(
+        "typed_args",
+        1,
+        vec![ptr(&mut out), KArg::I32(6), KArg::F32(0.5)],
+    ))
+    .unwrap();
+    assert_eq!(out[0], 3.0);
+    // An int where the kernel takes a float, and a missing argument.
+    for args in [
+        vec![ptr(&mut out), KArg::I32(6), KArg::I32(1)],
+        vec![ptr(&mut out), KArg::I32(6)],
+    ] {
+        let e = emu
+            .launch(&launch("typed_args", 1, args))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("takes (pif)"), "{e}");
+    }
+    let e = emu
+        .launch(&launch("no_such_kernel", 1, vec![]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no such kernel"), "{e}");
+}
+
+/// An `Exec` that plants a bug: it exchanges two arguments of one kernel's launches.
+struct Swapped {
+    inner: EmuExec,
+    func: &'static str,
+    i: usize,
+    j: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+impl Exec for Swapped {
+    fn alloc(&self, bytes: usize) -> anyhow::Result<(strata::device::cuda::exec::Buf, u64)> {
+        self.inner.alloc(bytes)
+    }
+    fn upload(&self, data: &[u8]) -> anyhow::Result<(strata::device::cuda::exec::Buf, u64)> {
+        self.inner.upload(data)
+    }
+    unsafe fn htod(&self, dst: u64, src: &[u8]) -> anyhow::Result<()> {
+        self.inner.htod(dst, src)
+    }
+    unsafe fn download(&self, src: u64, dst: &mut [u8]) -> anyhow::Result<()> {
+        self.inner.download(src, dst)
+    }
+    fn sync(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn launch(&self, l: &Launch) -> anyhow::Result<()> {
+        let mut l = l.clone();
+        if l.func == self.func {
+            l.args.swap(self.i, self.j);
+        }
+        self.inner.launch(&l)
+    }
+    fn gemm(
+        &self,
+        x: u64,
+        w: u64,
+        out: u64,
+        m: usize,
+        k: usize,
+        n: usize,
+        out_f32: bool,
+    ) -> anyhow::Result<()> {
+        self.inner.gemm(x, w, out, m, k, n, out_f32)
+    }
+}
+
+/// A planted bug in a launch's arguments fails that kernel's check and no other (swaps
+/// that keep every access in bounds: the emulated kernels address host memory).
+#[test]
+fn swapped_arguments_fail_their_check() {
+    for (func, i, j) in [
+        ("embedding_gather", 3, 4), // vocab ↔ dim
+        ("add_rms_norm", 0, 1),     // residual ↔ delta
+        ("rope_neox", 2, 3),        // cos ↔ sin
+        ("kv_store", 0, 1),         // K ↔ V
+        ("sample", 4, 6),           // temperature ↔ top_p
+        ("attn_prefill_hd64", 1, 2),
+        ("attn_decode_hd128", 1, 2),
+    ] {
+        let x = Swapped {
+            inner: EmuExec::new().unwrap(),
+            func,
+            i,
+            j,
+        };
+        for r in run_kernel_checks_on(&x, CheckSizes::Small) {
+            let planted = r.name.starts_with(func);
+            assert_eq!(r.pass, !planted, "{func} args {i} ↔ {j}: {r:?}");
+        }
+    }
+}

@@ -34,15 +34,28 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Run every CUDA kernel against its CPU twin on random inputs (needs an NVIDIA GPU).
+    /// Run every CUDA kernel against its CPU twin on random inputs (needs an NVIDIA GPU,
+    /// or --emulate: the kernels' sources on the CPU, see docs/cuda.md).
     #[command(hide = true)]
-    CudaKernelCheck,
+    CudaKernelCheck {
+        /// Run the kernels on the CPU kernel emulator (needs a C++17 compiler) instead.
+        #[arg(long)]
+        emulate: bool,
+    },
     /// Logits of the CUDA model vs the CPU model on random Qwen3s (gpu-check step 2).
     #[command(hide = true)]
-    CudaLogitsCheck,
+    CudaLogitsCheck {
+        /// Run the kernels on the CPU kernel emulator instead (slow: host GEMMs).
+        #[arg(long)]
+        emulate: bool,
+    },
     /// Greedy tokens with and without offload on CUDA (gpu-check step 3).
     #[command(hide = true)]
-    CudaOffloadCheck,
+    CudaOffloadCheck {
+        /// Run on the kernel emulator and the host twin of the offload device instead.
+        #[arg(long)]
+        emulate: bool,
+    },
     /// Pinned H2D/D2H bandwidth by copy size, 64 KB..256 MB (gpu-check step 4).
     #[command(hide = true)]
     CudaBandwidth,
@@ -175,11 +188,31 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
-        Command::CudaKernelCheck => run_cuda_kernel_check(),
+        Command::CudaKernelCheck { emulate } => run_cuda_kernel_check(emulate),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
-        Command::CudaLogitsCheck => run_cuda_rows(device::cuda::gpucheck::logits_check, "logits"),
-        Command::CudaOffloadCheck => {
-            run_cuda_rows(device::cuda::gpucheck::offload_check, "offload")
+        Command::CudaLogitsCheck { emulate } => {
+            use device::cuda::gpucheck;
+            let f = if emulate {
+                || {
+                    let exec =
+                        |_hd: usize| -> Result<std::sync::Arc<dyn device::cuda::exec::Exec>> {
+                            Ok(std::sync::Arc::new(device::cuda::emu::EmuExec::new()?))
+                        };
+                    Ok(gpucheck::logits_check_on(&exec))
+                }
+            } else {
+                gpucheck::logits_check
+            };
+            run_cuda_rows(f, "logits")
+        }
+        Command::CudaOffloadCheck { emulate } => {
+            use device::cuda::gpucheck;
+            let f = if emulate {
+                gpucheck::offload_check_emulated
+            } else {
+                gpucheck::offload_check
+            };
+            run_cuda_rows(f, "offload")
         }
         Command::CudaBandwidth => run_cuda_bandwidth(),
         Command::CudaBenchOffload(args) => run_cuda_bench(args),
@@ -410,8 +443,14 @@ fn run_bench_offload(args: BenchOffloadArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_cuda_kernel_check() -> Result<()> {
-    let rows = device::cuda::check::run_kernel_checks()?;
+fn run_cuda_kernel_check(emulate: bool) -> Result<()> {
+    use device::cuda::check;
+    let rows = if emulate {
+        let exec = device::cuda::emu::EmuExec::new()?;
+        check::run_kernel_checks_on(&exec, check::CheckSizes::Full)
+    } else {
+        check::run_kernel_checks()?
+    };
     print!("{}", device::cuda::check::format_table(&rows));
     let failed = rows.iter().filter(|r| !r.pass).count();
     if failed > 0 {

@@ -124,6 +124,11 @@ pub fn logits_check() -> Result<Vec<CheckRow>> {
     let gpu = |_hd: usize| -> Result<Arc<dyn Exec>> {
         Ok(Arc::new(CudaExec::new(dev.clone(), compute.clone())?))
     };
+    Ok(logits_check_on(&gpu))
+}
+
+/// Step 2 on any device (`--emulate`: the kernel emulator).
+pub fn logits_check_on(exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>) -> Vec<CheckRow> {
     let mut big = Shape::qwen3_4b();
     big.layers = 1;
     big.vocab = 4096;
@@ -131,12 +136,12 @@ pub fn logits_check() -> Result<Vec<CheckRow>> {
         ("tiny qwen3 (hd 64)", Shape::tiny(), 700, 4),
         ("qwen3-4b layer (hd 128)", big, 96, 3),
     ];
-    Ok(cases
+    cases
         .into_iter()
         .map(|(name, shape, p, d)| {
-            compare_model(&gpu, name, shape, p, d).unwrap_or_else(|e| failed(name, e))
+            compare_model(exec, name, shape, p, d).unwrap_or_else(|e| failed(name, e))
         })
-        .collect())
+        .collect()
 }
 
 fn failed(name: &str, e: anyhow::Error) -> CheckRow {
@@ -171,13 +176,7 @@ fn greedy(max_tokens: usize) -> GenerateOptions {
 pub fn offload_check() -> Result<Vec<CheckRow>> {
     let dev = Arc::new(CudaDevice::new(0)?);
     let mut rows = Vec::new();
-    let mut two = Shape::qwen3_4b();
-    two.layers = 3;
-    two.vocab = 4096;
-    for (name, shape) in [
-        ("tiny qwen3", Shape::tiny()),
-        ("qwen3-4b-shaped, 3 layers", two),
-    ] {
+    for (name, shape) in offload_shapes() {
         let compute = dev.new_stream()?;
         let exec = |_hd: usize| -> Result<Arc<dyn Exec>> {
             Ok(Arc::new(CudaExec::new(dev.clone(), compute.clone())?))
@@ -185,6 +184,32 @@ pub fn offload_check() -> Result<Vec<CheckRow>> {
         let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
             CudaOffloadEngine::new(dev.clone(), compute.clone(), cfg, o)
         };
+        rows.extend(
+            offload_case(&exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+        );
+    }
+    Ok(rows)
+}
+
+fn offload_shapes() -> [(&'static str, Shape); 2] {
+    let mut two = Shape::qwen3_4b();
+    two.layers = 3;
+    two.vocab = 4096;
+    [
+        ("tiny qwen3", Shape::tiny()),
+        ("qwen3-4b-shaped, 3 layers", two),
+    ]
+}
+
+/// Step 3 on the kernel emulator and the host twin of the offload device.
+pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
+    let exec = |_hd: usize| -> Result<Arc<dyn Exec>> { Ok(Arc::new(super::emu::EmuExec::new()?)) };
+    let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
+        let d = super::offload_dev::HostOffloadDev { offload_streams: 2 };
+        CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
+    };
+    let mut rows = Vec::new();
+    for (name, shape) in offload_shapes() {
         rows.extend(
             offload_case(&exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
         );

@@ -271,3 +271,44 @@ fn swapped_arguments_fail_their_check() {
         }
     }
 }
+
+/// The child of `guard_page_stops_an_overrun`: a kv_store whose slot mapping names a
+/// row past the end of the cache. Run only by that test (in its own process).
+#[test]
+#[ignore]
+fn overrun_child() {
+    use strata::device::cuda::ops;
+    let x = EmuExec::new().unwrap();
+    let kv_dim = 64usize;
+    let (_kb, k) = x.upload(&vec![0u8; 2 * 4 * kv_dim]).unwrap(); // bf16 [4, kv_dim]
+    let (_cb, cache) = x.alloc(2 * 4 * kv_dim).unwrap(); // bf16 [4 slots, kv_dim]
+    let slots: Vec<u8> = [0i32, 1, 2, 4]
+        .iter()
+        .flat_map(|s| s.to_ne_bytes())
+        .collect();
+    let (_sb, s) = x.upload(&slots).unwrap();
+    let l = ops::kv_store(k, k, cache, cache, s, 4, kv_dim, kv_dim);
+    x.launch(&l).unwrap();
+    eprintln!("overrun not caught");
+}
+
+/// Every emulator allocation ends at a no-access page: a kernel writing one row past its
+/// buffer kills the process (as an illegal address would fail the launch on a GPU)
+/// instead of corrupting a neighbour unnoticed.
+#[test]
+fn guard_page_stops_an_overrun() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "overrun_child", "--nocapture"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the child passed: {err}");
+    assert!(!err.contains("overrun not caught"), "{err}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGSEGV),
+        "{:?}: {err}",
+        out.status
+    );
+}

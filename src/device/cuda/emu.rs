@@ -268,7 +268,57 @@ fn check_output(cxx: &str, what: &str, o: &std::process::Output) -> Result<()> {
     )
 }
 
-/// `Exec` with the kernels emulated: memory and GEMMs as the host twin's.
+/// Zeroed host memory whose last byte abuts a page with no access, so a kernel (or a
+/// copy) that runs past the end of its buffer faults at once instead of corrupting a
+/// neighbour unnoticed; the start is 16-byte aligned, so overruns within the last 15
+/// bytes of rounding go unseen.
+pub struct GuardedBuf {
+    map: *mut libc::c_void,
+    map_len: usize,
+}
+
+// SAFETY: a private anonymous mapping, owned; nothing is tied to the creating thread.
+unsafe impl Send for GuardedBuf {}
+unsafe impl Sync for GuardedBuf {}
+
+impl GuardedBuf {
+    fn new(bytes: usize) -> Result<(Self, DPtr)> {
+        let page = 4096usize;
+        let len = bytes.max(1).next_multiple_of(16);
+        let data = len.next_multiple_of(page);
+        let map_len = data + page;
+        // SAFETY: a fresh anonymous mapping; the guard page is inside it.
+        unsafe {
+            let map = libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            if map == libc::MAP_FAILED {
+                bail!("kernel emulator: cannot map {map_len} bytes");
+            }
+            let guard = (map as *mut u8).add(data);
+            if libc::mprotect(guard as *mut libc::c_void, page, libc::PROT_NONE) != 0 {
+                libc::munmap(map, map_len);
+                bail!("kernel emulator: cannot protect a guard page");
+            }
+            Ok((Self { map, map_len }, guard.sub(len) as DPtr))
+        }
+    }
+}
+
+impl Drop for GuardedBuf {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once.
+        unsafe { libc::munmap(self.map, self.map_len) };
+    }
+}
+
+/// `Exec` with the kernels emulated: memory as the host twin's but guarded (every
+/// allocation ends at a no-access page), GEMMs on the host twin.
 pub struct EmuExec {
     host: HostExec,
     emu: Arc<Emulator>,
@@ -286,10 +336,14 @@ impl EmuExec {
 #[allow(clippy::too_many_arguments)]
 impl Exec for EmuExec {
     fn alloc(&self, bytes: usize) -> Result<(Buf, DPtr)> {
-        self.host.alloc(bytes)
+        let (b, p) = GuardedBuf::new(bytes)?;
+        Ok((Buf::Guarded(b), p))
     }
     fn upload(&self, data: &[u8]) -> Result<(Buf, DPtr)> {
-        self.host.upload(data)
+        let (b, p) = self.alloc(data.len())?;
+        // SAFETY: the new allocation holds data.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, data.len()) };
+        Ok((b, p))
     }
     unsafe fn htod(&self, dst: DPtr, src: &[u8]) -> Result<()> {
         self.host.htod(dst, src)

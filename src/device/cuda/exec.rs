@@ -18,6 +18,8 @@ pub enum Buf {
     Cuda(CudaSlice<u8>),
     /// u128: 16-byte alignment, as the kernels' vector loads expect.
     Host(Vec<u128>),
+    /// Host memory ending at an inaccessible page (the kernel emulator's allocations).
+    Guarded(super::emu::GuardedBuf),
 }
 
 #[allow(clippy::too_many_arguments)]

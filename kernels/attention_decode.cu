@@ -114,6 +114,7 @@ __device__ void attn_decode(
                         split_len, max_splits, scale);                                     \
     }
 INSTANTIATE(64)
+INSTANTIATE(96)
 INSTANTIATE(128)
 
 // Merge the splits: out = Σ o_s e^{m_s − M} / Σ l_s e^{m_s − M}.

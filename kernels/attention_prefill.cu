@@ -131,4 +131,5 @@ __device__ void attn_prefill(
                          q_stride, scale);                                                \
     }
 INSTANTIATE(64)
+INSTANTIATE(96)
 INSTANTIATE(128)

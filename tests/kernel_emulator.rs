@@ -23,7 +23,7 @@ fn every_kernel_matches_its_cpu_twin_on_the_emulator() {
     let exec = EmuExec::new().unwrap();
     let rows = run_kernel_checks_on(&exec, CheckSizes::Small);
     eprint!("{}", format_table(&rows));
-    assert!(rows.len() >= 14, "{} rows", rows.len());
+    assert!(rows.len() >= 17, "{} rows", rows.len());
     let failed: Vec<_> = rows.iter().filter(|r| !r.pass).collect();
     assert!(failed.is_empty(), "failed: {failed:#?}");
 }
@@ -43,6 +43,17 @@ fn head_dim_128_layer_on_the_emulator_matches_the_cpu_model() {
     let mut s = Shape::qwen3_4b();
     (s.layers, s.hidden, s.heads, s.kv_heads, s.inter, s.vocab) = (1, 512, 8, 2, 512, 256);
     let row = compare_model(&emu_exec, "hd128 on emulator", s, 40, 3).unwrap();
+    eprintln!("{row:?}");
+    assert!(row.pass, "{row:?}");
+}
+
+/// Qwen2 style (q/k/v projection bias, no q/k norm) at head_dim 96.
+#[test]
+fn qwen2_style_head_dim_96_on_the_emulator_matches_the_cpu_model() {
+    let mut s = Shape::tiny();
+    (s.hidden, s.heads, s.kv_heads, s.head_dim) = (192, 4, 2, 96);
+    s.qkv_bias = true;
+    let row = compare_model(&emu_exec, "qwen2-style hd96 on emulator", s, 90, 3).unwrap();
     eprintln!("{row:?}");
     assert!(row.pass, "{row:?}");
 }

@@ -7,7 +7,7 @@ use super::weights::{LayerWeights, ModelWeights};
 use crate::device::cpu::twins::{bf16_to_f32, f32_to_bf16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-/// A Qwen3 shape (q/k norm, no bias, untied head when `tie` is false).
+/// A Qwen3 shape (q/k norm, no bias), or Qwen2's (bias, no q/k norm) with `qkv_bias`.
 #[derive(Debug, Clone, Copy)]
 pub struct Shape {
     pub layers: usize,
@@ -20,6 +20,8 @@ pub struct Shape {
     pub max_pos: usize,
     /// Scale of the q/k norm weights (above 1 sharpens attention; bf16 errors grow with it).
     pub qk_gain: f32,
+    /// Qwen2 style instead of Qwen3: bias on the q/k/v projections, no q/k norm.
+    pub qkv_bias: bool,
 }
 
 impl Shape {
@@ -35,6 +37,7 @@ impl Shape {
             vocab: 512,
             max_pos: 4096,
             qk_gain: 1.0,
+            qkv_bias: false,
         }
     }
 
@@ -51,12 +54,17 @@ impl Shape {
             vocab: 151936,
             max_pos: 40960,
             qk_gain: 1.0,
+            qkv_bias: false,
         }
     }
 
     pub fn config(&self) -> ModelConfig {
         ModelConfig {
-            arch: Arch::Qwen3,
+            arch: if self.qkv_bias {
+                Arch::Llama
+            } else {
+                Arch::Qwen3
+            },
             hidden_size: self.hidden,
             intermediate_size: self.inter,
             num_layers: self.layers,
@@ -69,8 +77,8 @@ impl Shape {
             rope_scaling: RopeScaling::None,
             max_position_embeddings: self.max_pos,
             tie_word_embeddings: true,
-            qk_norm: true,
-            attention_bias: false,
+            qk_norm: !self.qkv_bias,
+            attention_bias: self.qkv_bias,
             bos_token_id: None,
             eos_token_ids: Vec::new(),
             generation: GenerationDefaults::default(),
@@ -113,9 +121,15 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeight
         .map(|_| LayerWeights {
             attn_norm: norm(&mut rng, h),
             wqkv: uniform(&mut rng, (qd + 2 * kvd) * h, s(h)),
-            bqkv: None,
-            q_norm: Some(scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
-            k_norm: Some(scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
+            bqkv: cfg
+                .attention_bias
+                .then(|| uniform(&mut rng, qd + 2 * kvd, 0.5)),
+            q_norm: cfg
+                .qk_norm
+                .then(|| scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
+            k_norm: cfg
+                .qk_norm
+                .then(|| scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
             wo: uniform(&mut rng, h * qd, s(qd)),
             mlp_norm: norm(&mut rng, h),
             w_gate_up: uniform(&mut rng, 2 * inter * h, s(h)),

@@ -81,6 +81,13 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
         ("attn_decode_hd64 (ring slot)", |x, r, z| {
             check_decode(x, r, z, heads(z, 64), 64, 0)
         }),
+        ("add_bias", check_add_bias),
+        ("attn_prefill_hd96", |x, r, z| {
+            check_prefill(x, r, z, heads(z, 96), 96)
+        }),
+        ("attn_decode_hd96", |x, r, z| {
+            check_decode(x, r, z, heads(z, 96), 96, 16)
+        }),
         ("cublas linear bf16→f32", check_linear),
     ];
     let mut rows = Vec::new();
@@ -376,6 +383,25 @@ fn check_rope(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow>
         &got,
         &xf,
         2e-2,
+        1e-2,
+    ))
+}
+
+fn check_add_bias(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (rows, n) = z.pick((37, 6144), (5, 768)); // fused QKV rows
+    let (xb, xf) = rand_bf16(rng, rows * n, 4.0);
+    let (bb, bf) = rand_bf16(rng, n, 1.0);
+    let mut m = Mem::new(x);
+    let (x_d, b_d) = (m.upload(&xb)?, m.upload(&bb)?);
+    x.launch(&kernels::add_bias(x_d, b_d, rows, n))?;
+    let got = m.bf16(x_d, rows * n)?;
+    let want: Vec<f32> = xf.iter().enumerate().map(|(i, v)| v + bf[i % n]).collect();
+    Ok(compare(
+        "add_bias",
+        format!("[{rows}, {n}] + [{n}]"),
+        &got,
+        &want,
+        1e-2,
         1e-2,
     ))
 }
@@ -708,9 +734,10 @@ mod tests {
     #[test]
     fn host_twin_fails_kernel_checks() {
         let rows = run_kernel_checks_on(&HostExec, CheckSizes::Small);
-        for r in &rows[..13] {
+        let kernels = rows.len() - 1; // all but the GEMM, the last row
+        for r in &rows[..kernels] {
             assert!(!r.pass && r.note.contains("runs no kernels"), "{r:?}");
         }
-        assert!(rows[13].pass, "{:?}", rows[13]);
+        assert!(rows[kernels].pass, "{:?}", rows[kernels]);
     }
 }

@@ -111,6 +111,10 @@ pub trait Exec {
     fn silu_mul(&self, gu: DPtr, out: DPtr, tokens: usize, inter: usize) -> Result<()> {
         self.launch(&ops::silu_mul(gu, out, tokens, inter))
     }
+    /// `x[t, j] += b[j]` on `rows` rows of `n`.
+    fn add_bias(&self, x: DPtr, b: DPtr, rows: usize, n: usize) -> Result<()> {
+        self.launch(&ops::add_bias(x, b, rows, n))
+    }
     fn kv_store(
         &self,
         k: DPtr,

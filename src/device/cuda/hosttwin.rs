@@ -237,6 +237,15 @@ impl Exec for HostExec {
         Ok(())
     }
 
+    fn add_bias(&self, x: DPtr, b: DPtr, rows: usize, n: usize) -> Result<()> {
+        unsafe {
+            for i in 0..rows * n {
+                wr(x, i, rd(x, i) + rd(b, i % n));
+            }
+        }
+        Ok(())
+    }
+
     fn kv_store(
         &self,
         k: DPtr,

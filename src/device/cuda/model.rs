@@ -263,6 +263,9 @@ impl CudaModel {
         self.range("attention");
         // 1. Fused QKV projection.
         k.gemm(a.hn, lw.wqkv.ptr, a.qkv, t, h, qkv_dim, false)?;
+        if let Some(b) = &lw.bqkv {
+            k.add_bias(a.qkv, b.ptr, t, qkv_dim)?;
+        }
         // 2. Qwen3: per-head RMSNorm of q and k before RoPE.
         if let Some((qn, kn)) = &lw.qk_norm {
             k.head_rms_norm(a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps)?;

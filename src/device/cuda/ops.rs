@@ -103,21 +103,28 @@ pub struct Launch {
 
 /// Every kernel the runtime may launch: (file, function names), one entry per
 /// `extern "C" __global__` function of `kernels/*.cu` (the `INSTANTIATE(HD)` macros expand
-/// to `_hd64` and `_hd128`). The single list both the CUDA loader and the emulator read.
+/// to `_hd64`, `_hd96` and `_hd128`). The single list both the CUDA loader and the
+/// emulator read.
 pub const KERNELS: &[(&str, &[&str])] = &[
     ("activation.cu", &["silu_mul"]),
     (
         "attention_decode.cu",
         &[
             "attn_decode_hd64",
+            "attn_decode_hd96",
             "attn_decode_hd128",
             "attn_decode_reduce",
         ],
     ),
     (
         "attention_prefill.cu",
-        &["attn_prefill_hd64", "attn_prefill_hd128"],
+        &[
+            "attn_prefill_hd64",
+            "attn_prefill_hd96",
+            "attn_prefill_hd128",
+        ],
     ),
+    ("bias.cu", &["add_bias"]),
     ("embedding.cu", &["embedding_gather"]),
     ("kv_store.cu", &["kv_store"]),
     ("norm.cu", &["rms_norm", "add_rms_norm", "head_rms_norm"]),
@@ -134,11 +141,18 @@ pub fn is_listed(file: &str, func: &str) -> bool {
 
 /// The head dims the attention kernels are instantiated for (`INSTANTIATE(HD)`).
 pub fn check_head_dim(head_dim: usize) -> Result<()> {
-    if head_dim != 64 && head_dim != 128 {
-        bail!("the CUDA attention kernels support head_dim 64 and 128, this model has {head_dim}");
+    if !HEAD_DIMS.contains(&head_dim) {
+        bail!(
+            "the CUDA attention kernels support head_dim 64, 96 and 128, this model has {head_dim}"
+        );
     }
     Ok(())
 }
+
+/// The attention kernels' instantiations (`INSTANTIATE(HD)` in the .cu files). A head dim
+/// must be a multiple of 32 (one lane per 32 dims); 256 would exceed 48 KiB of static
+/// shared memory in the prefill kernel.
+pub const HEAD_DIMS: [usize; 3] = [64, 96, 128];
 
 /// Threads per block for the element-wise kernels.
 const EW: u32 = 256;
@@ -279,6 +293,17 @@ pub fn silu_mul(
 ) -> Launch {
     let args = vec![Ptr(gu), Ptr(out), i(tokens), i(inter)];
     launch("activation.cu", "silu_mul", grid1(tokens * inter, EW), args)
+}
+
+/// bias.cu `add_bias(x, b, rows, n)`: `x[t, j] += b[j]` in place.
+pub fn add_bias(
+    x: DPtr, // bf16 [rows, n]
+    b: DPtr, // bf16 [n]
+    rows: usize,
+    n: usize,
+) -> Launch {
+    let args = vec![Ptr(x), Ptr(b), i(rows), i(n)];
+    launch("bias.cu", "add_bias", grid1(rows * n, EW), args)
 }
 
 /// kv_store.cu `kv_store(k, v, k_cache, v_cache, slots, tokens, kv_dim, src_stride)`:
@@ -717,13 +742,14 @@ mod tests {
             argmax(p(1), p(2), 2, 1000),
             sample(p(1), p(2), p(3), 2, 1000, 0.7, 50, 0.9),
         ];
+        launches.push(add_bias(p(1), p(2), 5, 96));
         let scratch = DecodeScratch {
             part_o: p(8),
             part_ml: p(9),
             split_len: 512,
             max_splits: 4,
         };
-        for hd in [64, 128] {
+        for hd in HEAD_DIMS {
             let a = AttnArgs {
                 q: p(1),
                 k: p(2),
@@ -747,7 +773,7 @@ mod tests {
             assert!(is_listed(l.file, &l.func), "{} of {}", l.func, l.file);
         }
         // Three splits of 512 for 1,500 keys; too many for the scratch is an error.
-        assert_eq!(launches[10].cfg.grid_dim, (8, 3, 1));
+        assert_eq!(launches[11].cfg.grid_dim, (8, 3, 1));
         let mut long = AttnArgs {
             q: 0,
             k: 0,
@@ -766,7 +792,8 @@ mod tests {
         assert!(attn_decode(&long.paged(64), &scratch).is_err());
         long.ctx = 2048;
         assert!(attn_decode(&long.paged(64), &scratch).is_ok());
-        assert!(check_head_dim(96).is_err() && check_head_dim(128).is_ok());
+        assert!(check_head_dim(80).is_err() && check_head_dim(96).is_ok());
+        assert!(check_head_dim(256).is_err() && check_head_dim(128).is_ok());
     }
 
     /// The contiguous form is the paged one with one block of `capacity` tokens, and the

@@ -7,7 +7,7 @@ use super::exec::{Buf, Exec};
 use super::ops::DPtr;
 use crate::device::cpu::twins::f32_to_bf16;
 use crate::model::{Model, ModelConfig};
-use anyhow::{bail, Result};
+use anyhow::Result;
 use std::sync::Arc;
 
 /// One bf16 tensor on the device and its address.
@@ -34,6 +34,7 @@ impl Tensor {
 pub struct LayerW {
     pub attn_norm: Tensor,                 // [hidden]
     pub wqkv: Tensor,                      // [q_dim + 2 kv_dim, hidden]
+    pub bqkv: Option<Tensor>,              // [q_dim + 2 kv_dim] (Qwen2-style bias)
     pub qk_norm: Option<(Tensor, Tensor)>, // [head_dim] each (Qwen3)
     pub wo: Tensor,                        // [hidden, q_dim]
     pub mlp_norm: Tensor,                  // [hidden]
@@ -57,9 +58,6 @@ impl CudaWeights {
     /// Uploads a loaded model's f32 weights, rounded to bf16.
     pub fn from_model(x: &dyn Exec, model: &Model) -> Result<Self> {
         let w = &model.weights;
-        if w.layers.iter().any(|l| l.bqkv.is_some()) {
-            bail!("QKV bias is not supported on the CUDA device yet; use --device cpu");
-        }
         // Before uploading gigabytes (`CudaModel::new` checks it again for any weights).
         super::ops::check_head_dim(model.cfg.head_dim)?;
         let t = |v: &[f32]| Tensor::from_f32(x, v);
@@ -70,6 +68,7 @@ impl CudaWeights {
                 Ok(Arc::new(LayerW {
                     attn_norm: t(&l.attn_norm)?,
                     wqkv: t(&l.wqkv)?,
+                    bqkv: l.bqkv.as_deref().map(t).transpose()?,
                     qk_norm: match (&l.q_norm, &l.k_norm) {
                         (Some(q), Some(k)) => Some((t(q)?, t(k)?)),
                         _ => None,
@@ -116,6 +115,11 @@ impl CudaWeights {
         let layer = Arc::new(LayerW {
             attn_norm: gen(h, 1.0, 0.1)?,
             wqkv: gen((qd + 2 * kvd) * h, 0.0, s(h))?,
+            bqkv: if cfg.attention_bias {
+                Some(gen(qd + 2 * kvd, 0.0, 0.1)?)
+            } else {
+                None
+            },
             qk_norm: if cfg.qk_norm {
                 Some((gen(hd, 1.0, 0.1)?, gen(hd, 1.0, 0.1)?))
             } else {
@@ -126,7 +130,8 @@ impl CudaWeights {
             w_gate_up: gen(2 * inter * h, 0.0, s(h))?,
             w_down: gen(h * inter, 0.0, s(inter))?,
         });
-        let layer_bytes = 2 * (2 * h + (qd + 2 * kvd) * h + 2 * hd + h * qd + 3 * inter * h);
+        let bias = if cfg.attention_bias { qd + 2 * kvd } else { 0 };
+        let layer_bytes = 2 * (2 * h + (qd + 2 * kvd) * h + bias + 2 * hd + h * qd + 3 * inter * h);
         Ok(Self {
             embed: gen(cfg.vocab_size * h, 0.0, 1.0)?,
             layers: vec![layer; cfg.num_layers],

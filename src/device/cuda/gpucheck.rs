@@ -73,9 +73,53 @@ fn row(name: &str, shape: String, errs: &[(f32, f32)]) -> CheckRow {
     }
 }
 
-/// Prefill `prompt_len` random tokens, then `decode` greedy steps (tokens chosen by the
-/// CPU, fed to both), comparing the logits of every step. `exec` makes the device for a
-/// head_dim (a backend may ignore it): the GPU, an emulator, or the host twin.
+/// One step of a CUDA-vs-CPU comparison.
+#[derive(Clone, Copy, Debug)]
+pub struct StepError {
+    pub pos: usize,
+    pub rel_rms: f32,
+    pub rel_max: f32,
+    pub argmax_cpu: u32,
+    pub argmax_cuda: u32,
+}
+
+/// Prefills `prompt`, then `decode` greedy steps (tokens chosen by the CPU, fed to
+/// both), comparing the logits of every step: the CUDA model on `x` (resident KV)
+/// against the f32 CPU model.
+pub fn compare_loaded(
+    x: Arc<dyn Exec>,
+    model: &Arc<Model>,
+    prompt: &[u32],
+    decode: usize,
+) -> Result<Vec<StepError>> {
+    let cfg = &model.cfg;
+    let w = CudaWeights::from_model(&*x, model)?;
+    let cap = prompt.len() + decode + 1;
+    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap)?;
+    let mut gkv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap)?;
+    let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
+    let mut steps = Vec::new();
+    let (mut tokens, mut pos) = (prompt.to_vec(), 0);
+    for _ in 0..=decode {
+        let want = model.forward(&tokens, pos, &mut ckv)?;
+        let got = gpu.forward(&tokens, pos, &mut gkv)?;
+        let (rel_rms, rel_max) = logits_error(&got, &want);
+        let argmax_cpu = crate::engine::sampler::argmax(&want);
+        steps.push(StepError {
+            pos,
+            rel_rms,
+            rel_max,
+            argmax_cpu,
+            argmax_cuda: crate::engine::sampler::argmax(&got),
+        });
+        pos += tokens.len();
+        tokens = vec![argmax_cpu];
+    }
+    Ok(steps)
+}
+
+/// `compare_loaded` on a random model of `shape` and `prompt_len` random tokens. `exec`
+/// makes the device for a head_dim: the GPU, or the emulator/host twin in tests.
 pub fn compare_model(
     exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>,
     name: &str,
@@ -88,25 +132,12 @@ pub fn compare_model(
         cfg.clone(),
         random_weights(&cfg, 11, shape.qk_gain),
     ));
-    let x = exec(cfg.head_dim)?;
-    let w = CudaWeights::from_model(&*x, &model)?;
-    let cap = prompt_len + decode + 1;
-    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap)?;
-    let mut gkv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap)?;
-    let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
     let mut rng = StdRng::seed_from_u64(5);
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
-    let mut errs = Vec::new();
-    let (mut tokens, mut pos) = (prompt, 0);
-    for _ in 0..=decode {
-        let want = model.forward(&tokens, pos, &mut ckv)?;
-        let got = gpu.forward(&tokens, pos, &mut gkv)?;
-        errs.push(logits_error(&got, &want));
-        pos += tokens.len();
-        tokens = vec![crate::engine::sampler::argmax(&want)];
-    }
+    let steps = compare_loaded(exec(cfg.head_dim)?, &model, &prompt, decode)?;
+    let errs: Vec<(f32, f32)> = steps.iter().map(|s| (s.rel_rms, s.rel_max)).collect();
     let s = format!(
         "{} layer(s), hidden {}, vocab {}, {prompt_len}+{decode} tok",
         cfg.num_layers, cfg.hidden_size, cfg.vocab_size

@@ -383,42 +383,20 @@ mod tests {
     /// than step 2's. Skipped when the model file is absent.
     #[test]
     fn smollm2_on_host_twin_matches_cpu() {
-        use crate::device::cuda::gpucheck::logits_error;
-        use crate::device::cuda::kv::ResidentKv;
-        use crate::device::cuda::model::CudaModel;
-        use crate::device::cuda::weights::CudaWeights;
-        use crate::kv::ContiguousKv;
-        use crate::model::Model;
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
         if !path.exists() {
             eprintln!("skipped: {} not found", path.display());
             return;
         }
-        let (model, tok) = Model::load(&path, false).unwrap();
-        let cfg = model.cfg.clone();
+        let (model, tok) = crate::model::Model::load(&path, false).unwrap();
         let prompt = tok.encode("The capital of France is", true).unwrap();
-        let cap = prompt.len() + 3;
-        let x: Arc<dyn Exec> = Arc::new(HostExec);
-        let w = CudaWeights::from_model(&*x, &model).unwrap();
-        let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap).unwrap();
-        let mut gkv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap).unwrap();
-        let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
-        let (mut tokens, mut pos) = (prompt, 0);
-        for _ in 0..3 {
-            let want = model.forward(&tokens, pos, &mut ckv).unwrap();
-            let got = gpu.forward(&tokens, pos, &mut gkv).unwrap();
-            let (rms, max) = logits_error(&got, &want);
-            let (a, b) = (
-                crate::engine::sampler::argmax(&want),
-                crate::engine::sampler::argmax(&got),
-            );
-            eprintln!(
-                "pos {pos}: rel rms {rms:.3e}, rel max {max:.3e}, argmax cpu {a} cuda-twin {b}"
-            );
-            assert!(rms < 0.05 && max < 0.05, "rel rms {rms}, rel max {max}");
-            pos += tokens.len();
-            tokens = vec![a];
+        let steps =
+            crate::device::cuda::gpucheck::compare_loaded(Arc::new(HostExec), &model, &prompt, 2)
+                .unwrap();
+        for s in steps {
+            eprintln!("{s:?}");
+            assert!(s.rel_rms < 0.05 && s.rel_max < 0.05, "{s:?}");
         }
     }
 

@@ -197,9 +197,12 @@ fn build(extra: &[ExtraUnit]) -> Result<PathBuf> {
     if lib.exists() {
         return Ok(lib);
     }
-    // Build in a private directory, then rename it into place (concurrent builders race
-    // harmlessly: the loser's rename fails and it uses the winner's library).
-    let tmp = root.join(format!("emu-tmp-{}-{:016x}", std::process::id(), h.0));
+    // Build in a private directory (per process and build), then rename it into place
+    // (concurrent builders race harmlessly: the loser's rename fails and it uses the
+    // winner's library).
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = root.join(format!("emu-tmp-{}-{n}-{:016x}", std::process::id(), h.0));
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let write = |name: &str, text: &str| {
         std::fs::write(tmp.join(name), text).with_context(|| format!("writing {name}"))

@@ -142,6 +142,20 @@ fn unknown_architecture() {
 }
 
 #[test]
+fn sliding_window_attention() {
+    let dir = scratch_dir("err_sliding");
+    let spec = TinySpec::qwen2();
+    spec.write(&dir, 5);
+    let cfg = spec.config_json().replace(
+        "\"use_sliding_window\":false",
+        "\"use_sliding_window\":true",
+    );
+    assert!(cfg.contains("\"use_sliding_window\":true"));
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    generate_err(&dir, &[], "use_sliding_window is true");
+}
+
+#[test]
 fn malformed_config() {
     let dir = tiny_dir("err_config");
     std::fs::write(dir.join("config.json"), "{\"hidden_size\": 64,").unwrap();

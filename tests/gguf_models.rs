@@ -1,7 +1,8 @@
-//! GGUF files written by the test from tiny random models: Qwen3 (no row permutation,
-//! `qwen2` pre-tokenizer) and Llama (Q/K rows permuted as llama.cpp's converter does,
-//! `llama-bpe` pre-tokenizer) load to the same weights as their safetensors twins, so the
-//! logits are bit-identical; the tokenizer and config come from the metadata.
+//! GGUF files written by the test from tiny random models: Qwen3 and Qwen2 (no row
+//! permutation, `qwen2` pre-tokenizer; Qwen2 with `attn_{q,k,v}.bias`) and Llama (Q/K rows
+//! permuted as llama.cpp's converter does, `llama-bpe` pre-tokenizer) load to the same
+//! weights as their safetensors twins, so the logits are bit-identical; the tokenizer and
+//! config come from the metadata.
 
 mod common;
 
@@ -9,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::{gguf_file::Value, GgmlDType, QTensor};
 use candle_core::Tensor;
-use common::{scratch_dir, TinySpec};
+use common::{scratch_dir, Family, TinySpec};
 use strata::kv::ContiguousKv;
 use strata::model::{weights, Arch, Model};
 
@@ -41,6 +42,9 @@ fn gguf_name(hf: &str) -> String {
         "self_attn.q_proj.weight" => "attn_q.weight",
         "self_attn.k_proj.weight" => "attn_k.weight",
         "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
         "self_attn.o_proj.weight" => "attn_output.weight",
         "self_attn.q_norm.weight" => "attn_q_norm.weight",
         "self_attn.k_norm.weight" => "attn_k_norm.weight",
@@ -54,6 +58,14 @@ fn gguf_name(hf: &str) -> String {
     format!("blk.{i}.{p}")
 }
 
+fn gguf_arch(f: Family) -> &'static str {
+    match f {
+        Family::Llama => "llama",
+        Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
+    }
+}
+
 /// Writes `spec`'s weights (f32) as a GGUF file with the given architecture and pre-tokenizer.
 fn write_gguf(
     spec: &TinySpec,
@@ -61,17 +73,18 @@ fn write_gguf(
     path: &std::path::Path,
     pre: &str,
 ) {
-    let arch = if spec.qwen3 { "qwen3" } else { "llama" };
+    let arch = gguf_arch(spec.family);
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     for (name, t) in w {
         let t = t.to_dtype(candle_core::DType::F32).unwrap();
+        // llama.cpp permutes Q/K rows for its `llama` arch only (not qwen2, not qwen3).
         let t = match (
-            spec.qwen3,
+            spec.family,
             name.contains("q_proj.weight"),
             name.contains("k_proj.weight"),
         ) {
-            (false, true, _) => llama_cpp_permute(&t, spec.heads),
-            (false, _, true) => llama_cpp_permute(&t, spec.kv_heads),
+            (Family::Llama, true, _) => llama_cpp_permute(&t, spec.heads),
+            (Family::Llama, _, true) => llama_cpp_permute(&t, spec.kv_heads),
             _ => t,
         };
         tensors.push((
@@ -142,7 +155,21 @@ fn check(spec: TinySpec, name: &str, pre: &str) {
     write_gguf(&spec, &w, &path, pre);
     let (from_gguf, tok) = Model::load(&path, false).unwrap();
     let c = &from_gguf.cfg;
-    assert_eq!(c.arch, if spec.qwen3 { Arch::Qwen3 } else { Arch::Llama });
+    let arch = match spec.family {
+        Family::Llama => Arch::Llama,
+        Family::Qwen2 => Arch::Qwen2,
+        Family::Qwen3 => Arch::Qwen3,
+    };
+    assert_eq!(c.arch, arch);
+    // Qwen2's biases must be loaded (the safetensors twin below uses this config, so a
+    // config without them would compare two bias-free models and prove nothing).
+    let bias = spec.family == Family::Qwen2;
+    assert_eq!(c.attention_bias, bias);
+    assert!(from_gguf
+        .weights
+        .layers
+        .iter()
+        .all(|l| l.bqkv.is_some() == bias));
     assert_eq!(
         (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim),
         (spec.layers, spec.heads, spec.kv_heads, spec.head_dim)
@@ -177,6 +204,11 @@ fn check(spec: TinySpec, name: &str, pre: &str) {
 #[test]
 fn qwen3_gguf_matches_its_safetensors_twin() {
     check(TinySpec::qwen3(), "gguf_qwen3", "qwen2");
+}
+
+#[test]
+fn qwen2_gguf_with_qkv_bias_matches_its_safetensors_twin() {
+    check(TinySpec::qwen2(), "gguf_qwen2", "qwen2");
 }
 
 #[test]

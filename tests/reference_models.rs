@@ -1,4 +1,4 @@
-//! Logits of tiny random Llama and Qwen3 models match candle-transformers' own
+//! Logits of tiny random Llama, Qwen2 and Qwen3 models match candle-transformers' own
 //! implementations (the independent reference) on the same weights, for a prefill and
 //! for decode steps against the KV cache.
 //!
@@ -112,6 +112,39 @@ fn tiny_qwen3_matches_candle_transformers() {
         ));
     }
     compare(&ours, &theirs);
+}
+
+/// Qwen2: q/k/v biases, GQA, no q/k norm; tied and untied embeddings. candle's
+/// `ModelForCausalLM` returns the last position's logits, as `Model::forward` does.
+#[test]
+fn tiny_qwen2_matches_candle_transformers() {
+    use candle_transformers::models::qwen2;
+    for tie in [true, false] {
+        let spec = TinySpec {
+            tie,
+            ..TinySpec::qwen2()
+        };
+        let dir = scratch_dir(&format!("ref_qwen2_tie_{tie}"));
+        let w = spec.write(&dir, 13);
+        assert!(w.contains_key("model.layers.0.self_attn.k_proj.bias"));
+        assert_eq!(w.contains_key("lm_head.weight"), !tie);
+        let model = load_strata(&dir);
+        assert!(model.cfg.attention_bias && !model.cfg.qk_norm);
+        let ours = strata_logits(&model);
+
+        let cfg: qwen2::Config = serde_json::from_str(&spec.config_json()).unwrap();
+        // Weights are stored in bf16; both sides widen them to f32.
+        let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
+        let mut model = qwen2::ModelForCausalLM::new(&cfg, vb).unwrap();
+        let mut theirs = vec![to_vec(model.forward(&input(&PROMPT), 0).unwrap())];
+        for (i, &t) in DECODE.iter().enumerate() {
+            theirs.push(to_vec(
+                model.forward(&input(&[t]), PROMPT.len() + i).unwrap(),
+            ));
+        }
+        assert_eq!(theirs[0].len(), spec.vocab, "last position only");
+        compare(&ours, &theirs);
+    }
 }
 
 #[test]

@@ -8,7 +8,11 @@ use serde_json::Value;
 /// The decoder architectures strata runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
+    /// Llama and Mistral: GGUF Q/K rows are stored permuted by llama.cpp's converter.
     Llama,
+    /// Qwen2 / Qwen2.5: Llama plus a bias on the q/k/v projections; GGUF rows unpermuted.
+    Qwen2,
+    /// Qwen3: per-head RMSNorm of q and k, no bias.
     Qwen3,
 }
 
@@ -146,8 +150,11 @@ impl ModelConfig {
             .clone();
         let arch = match arch_name.as_str() {
             "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
-            other => bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen3)"),
+            other => {
+                bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen2, qwen3)")
+            }
         };
         let num = |key: &str| -> Result<Option<f64>> {
             let Some(v) = md.get(&format!("{arch_name}.{key}")) else {
@@ -216,7 +223,8 @@ impl ModelConfig {
             max_position_embeddings: num("context_length")?.map(|x| x as usize).unwrap_or(2048),
             tie_word_embeddings: false, // decided by the loader: no `output.weight` means tied
             qk_norm: arch == Arch::Qwen3,
-            attention_bias: false,
+            // llama.cpp's qwen2 always carries `attn_{q,k,v}.bias`; its llama and qwen3 never do.
+            attention_bias: arch == Arch::Qwen2,
             bos_token_id: u32_key("tokenizer.ggml.bos_token_id"),
             eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
             generation: GenerationDefaults::default(),
@@ -246,6 +254,7 @@ struct HfConfig {
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
+    use_sliding_window: Option<bool>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
 }
@@ -257,11 +266,13 @@ impl HfConfig {
             .iter()
             .find_map(|a| match a.as_str() {
                 "LlamaForCausalLM" | "MistralForCausalLM" => Some(Arch::Llama),
+                "Qwen2ForCausalLM" => Some(Arch::Qwen2),
                 "Qwen3ForCausalLM" => Some(Arch::Qwen3),
                 _ => None,
             })
             .or(match self.model_type.as_deref() {
                 Some("llama") | Some("mistral") if names.is_empty() => Some(Arch::Llama),
+                Some("qwen2") if names.is_empty() => Some(Arch::Qwen2),
                 Some("qwen3") if names.is_empty() => Some(Arch::Qwen3),
                 _ => None,
             });
@@ -271,8 +282,13 @@ impl HfConfig {
             } else {
                 names.join(", ")
             };
-            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, Qwen3ForCausalLM)");
+            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)");
         };
+        // Qwen2/Qwen3 apply `sliding_window` only when `use_sliding_window` is set; the
+        // forward pass is full causal attention, so such a config would compute wrong logits.
+        if self.use_sliding_window == Some(true) {
+            bail!("unsupported config: use_sliding_window is true (only full attention is implemented)");
+        }
         // transformers 5.x: rope_theta and rope type live in `rope_parameters`.
         let rope_params = self.rope_parameters.as_ref().filter(|v| v.is_object());
         let rope_theta = self
@@ -323,7 +339,8 @@ impl HfConfig {
             max_position_embeddings: self.max_position_embeddings.unwrap_or(2048),
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             qk_norm: arch == Arch::Qwen3,
-            attention_bias: self.attention_bias.unwrap_or(false),
+            // Qwen2's q/k/v projections always have a bias (its configs have no key for it).
+            attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
             bos_token_id: ids(&self.bos_token_id).first().copied(),
             eos_token_ids: ids(&self.eos_token_id),
             generation: GenerationDefaults::default(),
@@ -397,4 +414,52 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
         }
     };
     scaled.into_iter().map(|f| f as f32).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Qwen2.5-0.5B-style config.json, shrunk.
+    fn qwen2_json(extra: &str) -> String {
+        format!(
+            r#"{{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+            "max_position_embeddings": 512, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "sliding_window": 32768, "max_window_layers": 2, "tie_word_embeddings": true,
+            "hidden_act": "silu"{extra}}}"#
+        )
+    }
+
+    #[test]
+    fn qwen2_has_qkv_bias_and_no_qk_norm() {
+        let c = ModelConfig::from_hf_json(&qwen2_json(r#", "use_sliding_window": false"#)).unwrap();
+        assert_eq!(c.arch, Arch::Qwen2);
+        assert!(c.attention_bias && !c.qk_norm && c.tie_word_embeddings);
+        assert_eq!((c.head_dim, c.num_kv_heads), (16, 2));
+        assert_eq!(c.rope_theta, 1e6);
+        // model_type alone, without `architectures`.
+        let c = ModelConfig::from_hf_json(
+            &qwen2_json("").replace(r#""architectures": ["Qwen2ForCausalLM"], "#, ""),
+        )
+        .unwrap();
+        assert_eq!(c.arch, Arch::Qwen2);
+        assert!(c.attention_bias);
+    }
+
+    #[test]
+    fn explicit_attention_bias_is_honoured() {
+        let c = ModelConfig::from_hf_json(&qwen2_json(r#", "attention_bias": false"#)).unwrap();
+        assert!(!c.attention_bias);
+    }
+
+    #[test]
+    fn sliding_window_in_use_is_refused() {
+        let err = ModelConfig::from_hf_json(&qwen2_json(r#", "use_sliding_window": true"#))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("use_sliding_window"), "{err}");
+        assert!(!err.contains('\n'), "{err}");
+    }
 }

@@ -1,4 +1,4 @@
-//! Decoder-only transformer (Llama, Qwen3) with an explicit layer loop over the KV seam.
+//! Decoder-only transformer (Llama, Qwen2, Qwen3) with an explicit layer loop over the KV seam.
 
 pub mod config;
 pub mod random;

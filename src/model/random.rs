@@ -61,7 +61,7 @@ impl Shape {
     pub fn config(&self) -> ModelConfig {
         ModelConfig {
             arch: if self.qkv_bias {
-                Arch::Llama
+                Arch::Qwen2
             } else {
                 Arch::Qwen3
             },

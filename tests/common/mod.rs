@@ -15,8 +15,18 @@ pub fn scratch_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// Which Hugging Face architecture a `TinySpec` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    /// Llama plus biases on q/k/v (always present; no `attention_bias` key in the config).
+    Qwen2,
+    /// Per-head q/k RMSNorm, no bias.
+    Qwen3,
+}
+
 pub struct TinySpec {
-    pub qwen3: bool,
+    pub family: Family,
     pub hidden: usize,
     pub layers: usize,
     pub heads: usize,
@@ -31,7 +41,7 @@ pub struct TinySpec {
 impl TinySpec {
     pub fn llama() -> Self {
         Self {
-            qwen3: false,
+            family: Family::Llama,
             hidden: 64,
             layers: 3,
             heads: 4,
@@ -46,7 +56,7 @@ impl TinySpec {
     pub fn qwen3() -> Self {
         // head_dim * heads != hidden on purpose, as in real Qwen3 configs.
         Self {
-            qwen3: true,
+            family: Family::Qwen3,
             hidden: 48,
             layers: 2,
             heads: 4,
@@ -59,8 +69,37 @@ impl TinySpec {
         }
     }
 
+    /// Qwen2 has no `head_dim` key: heads * head_dim == hidden, as candle's qwen2 assumes.
+    pub fn qwen2() -> Self {
+        Self {
+            family: Family::Qwen2,
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            inter: 80,
+            vocab: 300,
+            tie: true,
+            dtype: DType::BF16,
+        }
+    }
+
     pub fn config_json(&self) -> String {
-        if self.qwen3 {
+        if self.family == Family::Qwen2 {
+            // As Qwen2.5 checkpoints write it: a sliding_window that `use_sliding_window`
+            // switches off, and no `attention_bias` key.
+            serde_json::json!({
+                "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                "vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.inter,
+                "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "max_position_embeddings": 512,
+                "sliding_window": 32768, "max_window_layers": self.layers, "use_sliding_window": false,
+                "tie_word_embeddings": self.tie, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2
+            })
+            .to_string()
+        } else if self.family == Family::Qwen3 {
             serde_json::json!({
                 "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                 "vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.inter,
@@ -132,7 +171,13 @@ impl TinySpec {
             add(format!("{p}.self_attn.k_proj.weight"), &[kv, h], 0.3, 0.0);
             add(format!("{p}.self_attn.v_proj.weight"), &[kv, h], 0.3, 0.0);
             add(format!("{p}.self_attn.o_proj.weight"), &[h, q], 0.3, 0.0);
-            if self.qwen3 {
+            if self.family == Family::Qwen2 {
+                // Large enough that a model ignoring them computes visibly different logits.
+                add(format!("{p}.self_attn.q_proj.bias"), &[q], 0.5, 0.0);
+                add(format!("{p}.self_attn.k_proj.bias"), &[kv], 0.5, 0.0);
+                add(format!("{p}.self_attn.v_proj.bias"), &[kv], 0.5, 0.0);
+            }
+            if self.family == Family::Qwen3 {
                 add(
                     format!("{p}.self_attn.q_norm.weight"),
                     &[self.head_dim],

@@ -255,6 +255,7 @@ struct HfConfig {
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     use_sliding_window: Option<bool>,
+    sliding_window: Option<usize>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
 }
@@ -289,6 +290,12 @@ impl HfConfig {
         if self.use_sliding_window == Some(true) {
             bail!("unsupported config: use_sliding_window is true (only full attention is implemented)");
         }
+        // Mistral applies `sliding_window` (when not null) to every layer. Full attention
+        // is exact up to the window, so the context is capped there: longer prompts get
+        // the over-long-prompt error instead of silently different logits.
+        let mistral = names.iter().any(|a| a == "MistralForCausalLM")
+            || (names.is_empty() && self.model_type.as_deref() == Some("mistral"));
+        let window = self.sliding_window.filter(|_| mistral);
         // transformers 5.x: rope_theta and rope type live in `rope_parameters`.
         let rope_params = self.rope_parameters.as_ref().filter(|v| v.is_object());
         let rope_theta = self
@@ -336,7 +343,10 @@ impl HfConfig {
             rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
             rope_theta: rope_theta as f32,
             rope_scaling,
-            max_position_embeddings: self.max_position_embeddings.unwrap_or(2048),
+            max_position_embeddings: self
+                .max_position_embeddings
+                .unwrap_or(2048)
+                .min(window.unwrap_or(usize::MAX)),
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             qk_norm: arch == Arch::Qwen3,
             // Qwen2's q/k/v projections always have a bias (its configs have no key for it).
@@ -452,6 +462,27 @@ mod tests {
     fn explicit_attention_bias_is_honoured() {
         let c = ModelConfig::from_hf_json(&qwen2_json(r#", "attention_bias": false"#)).unwrap();
         assert!(!c.attention_bias);
+    }
+
+    #[test]
+    fn mistral_context_is_capped_at_its_sliding_window() {
+        let json = |window: &str| {
+            format!(
+                r#"{{"architectures": ["MistralForCausalLM"], "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 32768,
+                "sliding_window": {window}}}"#
+            )
+        };
+        let c = ModelConfig::from_hf_json(&json("4096")).unwrap();
+        assert_eq!(c.max_position_embeddings, 4096);
+        let c = ModelConfig::from_hf_json(&json("null")).unwrap();
+        assert_eq!(c.max_position_embeddings, 32768);
+        // Qwen2's window is off unless use_sliding_window is set: no cap.
+        let small_window =
+            qwen2_json("").replace(r#""sliding_window": 32768"#, r#""sliding_window": 256"#);
+        let c = ModelConfig::from_hf_json(&small_window).unwrap();
+        assert_eq!(c.max_position_embeddings, 512);
     }
 
     #[test]

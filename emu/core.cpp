@@ -4,9 +4,9 @@
 // kernel's barriers allow is one the emulator may produce. Barrier misuse that is
 // undefined on a GPU (a barrier not reached by every live thread, a shuffle naming a lane
 // that has exited, threads that exit while others wait) is an error of the launch rather
-// than silently tolerated. Blocks alternate between running their threads in forward and
-// reverse order, so a read of shared memory that lacks a barrier sees the wrong value in
-// one of the two orders.
+// than silently tolerated. Shared memory is poisoned (0xFF) before every block, and blocks
+// alternate between running their threads in forward and reverse order, so a read of
+// shared memory that lacks a barrier sees poison or a stale value in one of the two.
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,7 +87,6 @@ constexpr size_t STACK = 256 * 1024;
 constexpr int MAX_THREADS = 1024;
 
 struct Warp {
-    int live;       // lanes not exited
     int arrived;    // lanes waiting at the current exchange
     int need;       // lanes the current exchange waits for
     unsigned int mask;
@@ -149,7 +148,6 @@ extern "C" void fiber_main() {
     --b.live;
     b.any_exited = true;
     Warp& w = b.warps[f.warp];
-    --w.live;
     if (b.arrived > 0) {
         // Threads are waiting at __syncthreads that this one never reached.
         fail("a thread exited while others wait at __syncthreads (barrier in divergent code)");
@@ -183,7 +181,6 @@ bool run_block(int threads, bool reverse) {
     b.any_exited = false;
     for (int w = 0; w < (threads + 31) / 32; ++w) {
         Warp& wp = b.warps[w];
-        wp.live = threads - w * 32 < 32 ? threads - w * 32 : 32;
         wp.arrived = 0;
         wp.gen = 0;
     }

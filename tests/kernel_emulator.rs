@@ -78,21 +78,28 @@ fn qwen2_style_head_dim_96_on_the_emulator_matches_the_cpu_model() {
     assert!(row.pass, "{row:?}");
 }
 
-/// gpu-check step 3 with the host twin of the offload device: greedy tokens and
-/// log-probs of offload (and offload + sanitizer) equal the resident run's, bit for bit.
+/// gpu-check step 3 with the copy streams on worker threads (CUDA event semantics,
+/// every copy delayed by a random 0–1.5 ms, compute on the host thread): greedy tokens
+/// and log-probs of offload (and offload + sanitizer) equal the resident run's, bit for
+/// bit, so the engine's waits order every copy against the compute that needs it.
 #[test]
 fn offload_engine_on_the_emulator_matches_resident() {
     use strata::device::cuda::offload::CudaOffloadEngine;
-    use strata::device::cuda::offload_dev::HostOffloadDev;
+    use strata::device::cuda::offload_dev::ThreadedHostOffloadDev;
     let engine = |cfg: &strata::model::ModelConfig, o| {
-        let d = HostOffloadDev { offload_streams: 2 };
+        let d = ThreadedHostOffloadDev::new(2, true);
         CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
     };
-    let rows = offload_case(&emu_exec, &engine, "tiny on emulator", Shape::tiny()).unwrap();
-    assert_eq!(rows.len(), 2);
-    for r in rows {
-        eprintln!("{r:?}");
-        assert!(r.pass, "{r:?}");
+    // 2 layers (no slot reused within a step) and 8 (prefill reuses the 3 slots).
+    let mut deep = Shape::tiny();
+    deep.layers = 8;
+    for (name, shape) in [("tiny", Shape::tiny()), ("tiny, 8 layers", deep)] {
+        let rows = offload_case(&emu_exec, &engine, name, shape).unwrap();
+        assert_eq!(rows.len(), 2);
+        for r in rows {
+            eprintln!("{r:?}");
+            assert!(r.pass, "{r:?}");
+        }
     }
 }
 

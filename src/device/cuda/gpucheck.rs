@@ -232,11 +232,11 @@ fn offload_shapes() -> [(&'static str, Shape); 2] {
     ]
 }
 
-/// Step 3 on the kernel emulator and the host twin of the offload device.
+/// Step 3 on the kernel emulator, the copy streams on threads with random delays.
 pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
     let exec = |_hd: usize| -> Result<Arc<dyn Exec>> { Ok(Arc::new(super::emu::EmuExec::new()?)) };
     let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
-        let d = super::offload_dev::HostOffloadDev { offload_streams: 2 };
+        let d = super::offload_dev::ThreadedHostOffloadDev::new(2, true);
         CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
     };
     let mut rows = Vec::new();

@@ -1,6 +1,6 @@
 // The emulator's runtime: a grid runs block by block on the calling OS thread; a block's
-// threads are fibers (own stack, switched by 20 lines of x86-64 assembly) that run until
-// they reach a barrier (__syncthreads, or a warp shuffle), so every interleaving the
+// threads are fibers (own stack, switched by 15 instructions of x86-64 assembly) that run
+// until they reach a barrier (__syncthreads, or a warp shuffle), so every interleaving the
 // kernel's barriers allow is one the emulator may produce. Barrier misuse that is
 // undefined on a GPU (a barrier not reached by every live thread, a shuffle naming a lane
 // that has exited, threads that exit while others wait) is an error of the launch rather
@@ -165,8 +165,37 @@ bool ready(const Fiber& f) {
     }
 }
 
+bool g_reverse = false;  // this block runs its threads in reverse order
+
+// Another lane of the calling fiber's warp that can run, in the block's order, or null.
+Fiber* next_lane() {
+    const Fiber& me = *g_cur;
+    const int base = me.warp * 32, n = (int)g_block.fibers.size();
+    for (int i = 1; i < 32; ++i) {
+        const int lane = g_reverse ? (me.lane + 32 - i) % 32 : (me.lane + i) % 32;
+        if (base + lane >= n) continue;
+        Fiber& f = g_block.fibers[base + lane];
+        if (!f.done && ready(f)) return &f;
+    }
+    return nullptr;
+}
+
+// Waits at the barrier the fiber has just arrived at. A shuffle only needs the other
+// lanes of its warp to arrive, so the fiber switches straight to one of them (the
+// scheduler's round over the whole block costs several times more); a block barrier,
+// or a warp with no lane that can run, goes back to the scheduler.
 void wait_until_ready() {
-    while (!ready(*g_cur)) yield_to_scheduler();
+    while (!ready(*g_cur)) {
+        Fiber* next = g_cur->wait == WARP_BARRIER ? next_lane() : nullptr;
+        if (!next) {
+            yield_to_scheduler();
+            continue;
+        }
+        Fiber* me = g_cur;
+        g_cur = next;
+        emu_threadIdx = next->tid;
+        emu_switch(&me->sp, next->sp);  // back when someone switches to `me` again
+    }
     g_cur->wait = NONE;
 }
 
@@ -198,22 +227,25 @@ bool run_block(int threads, bool reverse) {
         for (int r = 0; r < 6; ++r) *--sp = 0;
         f.sp = sp;
     }
-    int finished = 0;
-    while (finished < threads) {
+    g_reverse = reverse;
+    // Rounds over the block, resuming every fiber that can run. A resumed fiber may hand
+    // over to other lanes of its warp before control comes back here, so completion is
+    // counted at the end of a round.
+    for (;;) {
         bool progressed = false;
-        finished = 0;
         for (int k = 0; k < threads; ++k) {
             Fiber& f = b.fibers[reverse ? threads - 1 - k : k];
-            if (f.done) { ++finished; continue; }
-            if (!ready(f)) continue;
+            if (f.done || !ready(f)) continue;
             g_cur = &f;
             emu_threadIdx = f.tid;
             emu_switch(&g_sched_sp, f.sp);
             if (!g_error.empty()) return false;
             progressed = true;
-            if (f.done) ++finished;
         }
-        if (!progressed && finished < threads) {
+        int finished = 0;
+        for (const Fiber& f : b.fibers) finished += f.done;
+        if (finished == threads) break;
+        if (!progressed) {
             g_error = "deadlock: threads wait at barriers that cannot complete "
                       "(__syncthreads or a shuffle not reached by every thread it needs)";
             return false;

@@ -350,3 +350,59 @@ fn guard_page_stops_an_overrun() {
         out.status
     );
 }
+
+/// `needle --device cuda`'s path (`CudaSession` with resident KV and the offload engine,
+/// one session for both, as `--compare-offload` runs it) on the emulator with SmolLM2: a
+/// 256-token haystack, the needle found, identical tokens and log-probs with offload.
+#[test]
+fn needle_session_on_the_emulator_finds_it_with_and_without_offload() {
+    use strata::device::cuda::generate::CudaSession;
+    use strata::device::cuda::offload::CudaOffloadEngine;
+    use strata::device::cuda::offload_dev::ThreadedHostOffloadDev;
+    use strata::engine::{GenerateOptions, SamplingParams};
+    use strata::needle::{answer_found, Case, NeedleKind};
+    use strata::offload::OffloadConfig;
+
+    let path = common::require_default_model();
+    let (model, tok) = strata::model::Model::load(&path, false).unwrap();
+    let case = Case {
+        input_len: 256,
+        depth: 0.5,
+        kind: NeedleKind::MagicNumber,
+        seed: 0,
+    };
+    let prompt = case.build(&tok).unwrap();
+    let max_len = 256 + 32;
+    let engine = |cfg: &strata::model::ModelConfig, o| {
+        let d = ThreadedHostOffloadDev::new(2, false);
+        CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
+    };
+    let ocfg = OffloadConfig {
+        num_kv_buffers: 4,
+        block_size: 64,
+        max_model_len: max_len,
+        ..Default::default()
+    };
+    let x: Arc<dyn Exec> = Arc::new(EmuExec::new().unwrap());
+    let mut s = CudaSession::new(x, &engine, &model, max_len, true, Some(ocfg)).unwrap();
+    let opts = GenerateOptions {
+        max_tokens: 16,
+        sampling: SamplingParams::default(),
+        stop_ids: model.cfg.eos_token_ids.clone(),
+    };
+    let mut run = |offloaded| {
+        s.generate(offloaded, &prompt.ids, &opts, None, &mut |_| Ok(()))
+            .unwrap()
+    };
+    let (plain, offloaded) = (run(false), run(true));
+    let text = tok.decode(&plain.token_ids, true).unwrap();
+    eprintln!("answer: {text:?} (value {})", prompt.value);
+    assert!(
+        answer_found(&text, &prompt.value),
+        "{text:?} lacks {}",
+        prompt.value
+    );
+    assert_eq!(plain.token_ids, offloaded.token_ids);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&plain.logprobs), bits(&offloaded.logprobs));
+}

@@ -131,3 +131,21 @@ fn bad_arguments_are_refused_clearly() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+/// `--device cuda` runs the cases on the CUDA model (its path is tested on the kernel
+/// emulator in tests/kernel_emulator.rs); without a driver, one line and exit 1.
+#[test]
+fn cuda_without_a_driver_is_one_line() {
+    if strata::device::cuda::probe().is_ok() {
+        return; // a GPU machine: nothing to refuse
+    }
+    for extra in [&[][..], &["--compare-offload"][..]] {
+        let mut args = vec!["--device", "cuda", "--input-len", "256"];
+        args.extend_from_slice(extra);
+        let (ok, stdout, stderr) = needle(&args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(stdout.is_empty(), "{stdout}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains("no CUDA driver found"), "{stderr}");
+    }
+}

@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 
+use strata::device::cuda::generate::CudaSession;
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::kv::KvView;
@@ -115,10 +116,20 @@ fn default_model() -> Result<PathBuf> {
         .context("no --model given and the default model is missing: run `models/fetch.sh`")
 }
 
-/// Generates the answer greedily; returns the output and the time to the first token.
+/// Where the cases run: the f32 model on the CPU (resident, and the offload engine when
+/// asked), or the bf16 model on CUDA (a session holding the resident KV, the offload
+/// engine, or both). Engines are made once and reused by every case and repeat.
+enum Backend {
+    Cpu(Option<Box<OffloadEngine>>),
+    Cuda(Box<CudaSession>),
+}
+
+/// Generates the answer greedily, with the offload engine or without; returns the output
+/// and the time to the first token.
 fn answer(
     model: &Arc<Model>,
-    kv: Option<&mut OffloadEngine>,
+    backend: &mut Backend,
+    offloaded: bool,
     ids: &[u32],
     max_len: usize,
     new_tokens: usize,
@@ -134,22 +145,20 @@ fn answer(
         ttft.get_or_insert(start.elapsed().as_secs_f64());
         Ok(())
     };
-    let out = match kv {
-        Some(kv) => {
+    let out = match (backend, offloaded) {
+        (Backend::Cpu(Some(kv)), true) => {
             let cap = kv.capacity();
-            engine::generate_with(model, kv as &mut dyn KvView, cap, ids, &opts, &mut on_token)?
+            let kv: &mut dyn KvView = kv.as_mut();
+            engine::generate_with(model, kv, cap, ids, &opts, &mut on_token)?
         }
-        None => engine::generate(model, ids, &opts, max_len, &mut on_token)?,
+        (Backend::Cpu(_), _) => engine::generate(model, ids, &opts, max_len, &mut on_token)?,
+        (Backend::Cuda(s), offloaded) => s.generate(offloaded, ids, &opts, None, &mut on_token)?,
     };
     Ok((out, ttft.unwrap_or(0.0)))
 }
 
 fn run(args: Args) -> Result<bool> {
     device::check_available(args.device)?;
-    if args.device == DeviceKind::Cuda {
-        // Not silently on the CPU: the CUDA path is wired into `strata generate` only so far.
-        bail!("needle --device cuda is not supported yet; run it with --device cpu (the CUDA device runs `strata generate --device cuda`)");
-    }
     if args.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
@@ -180,20 +189,36 @@ fn run(args: Args) -> Result<bool> {
     if longest + NEW_TOKENS > max_len {
         bail!("--input-len {longest} leaves no room for the {NEW_TOKENS}-token answer within --max-model-len {max_len}");
     }
-    let mut engine = if args.enable_offload || args.compare_offload {
-        let cfg = OffloadConfig {
-            num_kv_buffers: args.num_kv_buffers,
-            block_size: args.block_size,
-            max_model_len: max_len,
-            num_cpu_blocks: args.num_cpu_blocks,
-            ..Default::default()
+    let offloaded = args.enable_offload || args.compare_offload;
+    let ocfg = offloaded.then(|| OffloadConfig {
+        num_kv_buffers: args.num_kv_buffers,
+        block_size: args.block_size,
+        max_model_len: max_len,
+        num_cpu_blocks: args.num_cpu_blocks,
+        ..Default::default()
+    });
+    if let Some(cfg) = &ocfg {
+        // KV in f32 on the CPU device, bf16 on CUDA.
+        let elem = if args.device == DeviceKind::Cuda {
+            2
+        } else {
+            4
         };
+        let plan = cfg.plan_for(&model.cfg, elem)?;
         if !args.json {
-            eprintln!("{}", cfg.plan(&model.cfg)?);
+            eprintln!("{plan}");
         }
-        Some(OffloadEngine::new(&model.cfg, cfg)?)
-    } else {
-        None
+    }
+    let mut backend = match args.device {
+        DeviceKind::Cuda => {
+            let resident = !offloaded || args.compare_offload;
+            let s = CudaSession::on_gpu(&model, max_len, resident, ocfg)?;
+            Backend::Cuda(Box::new(s))
+        }
+        _ => Backend::Cpu(
+            ocfg.map(|c| OffloadEngine::new(&model.cfg, c).map(Box::new))
+                .transpose()?,
+        ),
     };
 
     let mut reports = Vec::new();
@@ -211,8 +236,14 @@ fn run(args: Args) -> Result<bool> {
                 let new_tokens = NEW_TOKENS
                     .max(tok.encode(&prompt.value, false)?.len() + ANSWER_SLACK)
                     .min(max_len - input_len);
-                let (out, ttft) =
-                    answer(&model, engine.as_mut(), &prompt.ids, max_len, new_tokens)?;
+                let (out, ttft) = answer(
+                    &model,
+                    &mut backend,
+                    offloaded,
+                    &prompt.ids,
+                    max_len,
+                    new_tokens,
+                )?;
                 let text = tok.decode(&out.token_ids, true)?;
                 let mut report = CaseReport {
                     input_len,
@@ -223,7 +254,7 @@ fn run(args: Args) -> Result<bool> {
                     passed: answer_found(&text, &prompt.value),
                     key: prompt.key.clone(),
                     value: prompt.value.clone(),
-                    offload: engine.is_some(),
+                    offload: offloaded,
                     answer: text,
                     prefill_s: out.prefill_secs,
                     ttft_s: ttft,
@@ -234,7 +265,14 @@ fn run(args: Args) -> Result<bool> {
                     max_logprob_diff: None,
                 };
                 if args.compare_offload {
-                    let (plain, _) = answer(&model, None, &prompt.ids, max_len, new_tokens)?;
+                    let (plain, _) = answer(
+                        &model,
+                        &mut backend,
+                        false,
+                        &prompt.ids,
+                        max_len,
+                        new_tokens,
+                    )?;
                     let plain_text = tok.decode(&plain.token_ids, true)?;
                     report.tokens_agree = Some(plain.token_ids == out.token_ids);
                     report.max_logprob_diff = Some(

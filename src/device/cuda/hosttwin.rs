@@ -312,16 +312,22 @@ impl Exec for HostExec {
         n: usize,
         out_f32: bool,
     ) -> Result<()> {
+        // Widened to f32 and multiplied by the CPU device's GEMM (f32 accumulation, as
+        // cuBLAS's compute type): fast enough for real models on the kernel emulator.
         unsafe {
-            for i in 0..m {
-                let xr: Vec<f32> = (0..k).map(|c| rd(x, i * k + c)).collect();
-                for j in 0..n {
-                    let acc: f32 = (0..k).map(|c| xr[c] * rd(w, j * k + c)).sum();
-                    if out_f32 {
-                        *(out as *mut f32).add(i * n + j) = acc;
-                    } else {
-                        wr(out, i * n + j, acc);
-                    }
+            let widen = |p: DPtr, len: usize| -> Vec<f32> {
+                let bits = std::slice::from_raw_parts(p as *const u16, len);
+                bits.iter().map(|&b| bf16_to_f32(b)).collect()
+            };
+            let (xf, wf) = (widen(x, m * k), widen(w, n * k));
+            if out_f32 {
+                let o = std::slice::from_raw_parts_mut(out as *mut f32, m * n);
+                crate::device::cpu::ops::linear(&xf, &wf, None, o, m, k, n);
+            } else {
+                let mut o = vec![0.0f32; m * n];
+                crate::device::cpu::ops::linear(&xf, &wf, None, &mut o, m, k, n);
+                for (i, v) in o.into_iter().enumerate() {
+                    wr(out, i, v);
                 }
             }
         }

@@ -58,11 +58,19 @@ pub trait OffloadDev {
     fn sync_all(&self) -> Result<()>;
     fn alloc_host(&self, bytes: usize) -> Result<(HostMem, *mut u8)>;
     fn alloc_device(&self, bytes: usize) -> Result<(Buf, DPtr)>;
-    /// Trace marks around a layer's compute.
-    fn layer_begin(&mut self, layer: usize) -> Result<()>;
-    fn layer_end(&mut self, layer: usize) -> Result<()>;
-    fn set_tracing(&mut self, on: bool) -> Result<()>;
-    fn take_trace(&mut self) -> Result<Vec<TraceEvent>>;
+    /// Trace marks around a layer's compute (the host devices trace nothing).
+    fn layer_begin(&mut self, _layer: usize) -> Result<()> {
+        Ok(())
+    }
+    fn layer_end(&mut self, _layer: usize) -> Result<()> {
+        Ok(())
+    }
+    fn set_tracing(&mut self, _on: bool) -> Result<()> {
+        Ok(())
+    }
+    fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
+        Ok(Vec::new())
+    }
 }
 
 pub struct CudaOffloadDev {
@@ -259,22 +267,6 @@ impl OffloadDev for HostOffloadDev {
         let p = v.as_ptr() as DPtr;
         Ok((Buf::Host(v), p))
     }
-
-    fn layer_begin(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn layer_end(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn set_tracing(&mut self, _on: bool) -> Result<()> {
-        Ok(())
-    }
-
-    fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
-        Ok(Vec::new())
-    }
 }
 
 /// The copy streams as worker threads (the CPU device's `Stream`: in-order queues, events
@@ -417,21 +409,5 @@ impl OffloadDev for ThreadedHostOffloadDev {
 
     fn alloc_device(&self, bytes: usize) -> Result<(Buf, DPtr)> {
         HostOffloadDev { offload_streams: 0 }.alloc_device(bytes)
-    }
-
-    fn layer_begin(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn layer_end(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn set_tracing(&mut self, _on: bool) -> Result<()> {
-        Ok(())
-    }
-
-    fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
-        Ok(Vec::new())
     }
 }

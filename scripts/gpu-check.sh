@@ -13,7 +13,8 @@ set -uo pipefail
 usage() {
     cat <<USAGE
 usage: scripts/gpu-check.sh [--steps LIST] STRATA_BINARY
-  STRATA_BINARY   a strata binary built on another machine (cargo build --release)
+  STRATA_BINARY   a strata binary built on another machine (cargo build --release;
+                  strip it to carry it: see docs/cuda.md)
   --steps LIST    comma-separated steps to run (default 1,2,3,4,5)
   --strict        a missed step-5 performance goal fails the run too
   -h, --help      this help

@@ -8,9 +8,9 @@
 //! emulated). The library is built once per source hash into the kernel cache directory
 //! and loaded with `libloading`.
 //!
-//! `EmuExec` is an `Exec` whose memory is host memory (as the host twin's) and whose
-//! kernels are these: the CUDA model's layer loop and gpu-check step 1 run on it.
-//! GEMMs stay on the host twin (cuBLAS has no source to emulate).
+//! `EmuExec` is an `Exec` whose memory is host pages (each allocation ending at a
+//! no-access page) and whose kernels are these: the CUDA model's layer loop and gpu-check
+//! steps 1-3 run on it. GEMMs stay on the host twin (cuBLAS has no source to emulate).
 
 use super::exec::{Buf, Exec};
 use super::hosttwin::HostExec;
@@ -204,15 +204,35 @@ fn build(extra: &[ExtraUnit]) -> Result<PathBuf> {
     let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = root.join(format!("emu-tmp-{}-{n}-{:016x}", std::process::id(), h.0));
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    if let Err(e) = compile_in(&tmp, &cxx, &sources, &units) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if std::fs::rename(&tmp, &dir).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !lib.exists() {
+            bail!("could not move the kernel emulator into {}", dir.display());
+        }
+    }
+    Ok(lib)
+}
+
+/// Writes the sources into `tmp` and builds `tmp/libkemu.so` there.
+fn compile_in(
+    tmp: &std::path::Path,
+    cxx: &str,
+    sources: &[(&str, &str)],
+    units: &[(String, String)],
+) -> Result<()> {
     let write = |name: &str, text: &str| {
         std::fs::write(tmp.join(name), text).with_context(|| format!("writing {name}"))
     };
     write("shim.h", SHIM)?;
     write("shared.ld", LINKER_SCRIPT)?;
-    for (n, s) in &sources {
+    for (n, s) in sources {
         write(n, s)?;
     }
-    for (n, s) in &units {
+    for (n, s) in units {
         write(n, s)?;
     }
     // Compile the units in parallel, then link.
@@ -222,11 +242,11 @@ fn build(extra: &[ExtraUnit]) -> Result<PathBuf> {
             // Kernel units: one section per static, for shared.ld (not core: its statics
             // must not be poisoned).
             let sections = (n != "core.cpp").then_some("-fdata-sections");
-            Command::new(&cxx)
+            Command::new(cxx)
                 .args(CXXFLAGS)
                 .args(sections)
                 .args(["-c", n, "-o", &format!("{n}.o")])
-                .current_dir(&tmp)
+                .current_dir(tmp)
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -236,23 +256,16 @@ fn build(extra: &[ExtraUnit]) -> Result<PathBuf> {
     for c in children {
         let (n, child) = c.with_context(|| format!("running {cxx}"))?;
         let o = child.wait_with_output()?;
-        check_output(&cxx, &n, &o)?;
+        check_output(cxx, &n, &o)?;
     }
     let objects: Vec<String> = units.iter().map(|(n, _)| format!("{n}.o")).collect();
-    let o = Command::new(&cxx)
+    let o = Command::new(cxx)
         .args(["-shared", "-Wl,-T,shared.ld", "-o", "libkemu.so"])
         .args(&objects)
-        .current_dir(&tmp)
+        .current_dir(tmp)
         .output()
         .with_context(|| format!("running {cxx}"))?;
-    check_output(&cxx, "the link", &o)?;
-    if std::fs::rename(&tmp, &dir).is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        if !lib.exists() {
-            bail!("could not move the kernel emulator into {}", dir.display());
-        }
-    }
-    Ok(lib)
+    check_output(cxx, "the link", &o)
 }
 
 fn check_output(cxx: &str, what: &str, o: &std::process::Output) -> Result<()> {

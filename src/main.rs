@@ -193,13 +193,7 @@ fn main() -> ExitCode {
         Command::CudaLogitsCheck { emulate } => {
             use device::cuda::gpucheck;
             let f = if emulate {
-                || {
-                    let exec =
-                        |_hd: usize| -> Result<std::sync::Arc<dyn device::cuda::exec::Exec>> {
-                            Ok(std::sync::Arc::new(device::cuda::emu::EmuExec::new()?))
-                        };
-                    Ok(gpucheck::logits_check_on(&exec))
-                }
+                gpucheck::logits_check_emulated
             } else {
                 gpucheck::logits_check
             };

@@ -16,8 +16,8 @@ use strata::device::cuda::gpucheck::{compare_model, offload_case};
 use strata::device::cuda::ops::{KArg, Launch};
 use strata::model::random::Shape;
 
-fn emu_exec(_head_dim: usize) -> anyhow::Result<Arc<dyn Exec>> {
-    Ok(Arc::new(EmuExec::new()?))
+fn emu_exec() -> Arc<dyn Exec> {
+    Arc::new(EmuExec::new().unwrap())
 }
 
 #[test]
@@ -34,7 +34,7 @@ fn every_kernel_matches_its_cpu_twin_on_the_emulator() {
 /// two splits), then 4 decode steps, logits against the f32 CPU model.
 #[test]
 fn cuda_model_on_the_emulator_matches_the_cpu_model() {
-    let row = compare_model(&emu_exec, "tiny on emulator", Shape::tiny(), 700, 4).unwrap();
+    let row = compare_model(emu_exec(), "tiny on emulator", Shape::tiny(), 700, 4).unwrap();
     eprintln!("{row:?}");
     assert!(row.pass, "{row:?}");
 }
@@ -49,7 +49,7 @@ fn smollm2_on_the_emulator_matches_the_cpu_model() {
     let prompt = tok
         .encode("The Moon is Earth's only natural satellite. It", true)
         .unwrap();
-    let x: Arc<dyn Exec> = Arc::new(EmuExec::new().unwrap());
+    let x = emu_exec();
     let steps = strata::device::cuda::gpucheck::compare_loaded(x, &model, &prompt, 3).unwrap();
     for s in &steps {
         eprintln!("{s:?}");
@@ -62,7 +62,7 @@ fn smollm2_on_the_emulator_matches_the_cpu_model() {
 fn head_dim_128_layer_on_the_emulator_matches_the_cpu_model() {
     let mut s = Shape::qwen3_4b();
     (s.layers, s.hidden, s.heads, s.kv_heads, s.inter, s.vocab) = (1, 512, 8, 2, 512, 256);
-    let row = compare_model(&emu_exec, "hd128 on emulator", s, 40, 3).unwrap();
+    let row = compare_model(emu_exec(), "hd128 on emulator", s, 40, 3).unwrap();
     eprintln!("{row:?}");
     assert!(row.pass, "{row:?}");
 }
@@ -73,7 +73,7 @@ fn qwen2_style_head_dim_96_on_the_emulator_matches_the_cpu_model() {
     let mut s = Shape::tiny();
     (s.hidden, s.heads, s.kv_heads, s.head_dim) = (192, 4, 2, 96);
     s.qkv_bias = true;
-    let row = compare_model(&emu_exec, "qwen2-style hd96 on emulator", s, 90, 3).unwrap();
+    let row = compare_model(emu_exec(), "qwen2-style hd96 on emulator", s, 90, 3).unwrap();
     eprintln!("{row:?}");
     assert!(row.pass, "{row:?}");
 }
@@ -94,7 +94,7 @@ fn offload_engine_on_the_emulator_matches_resident() {
     let mut deep = Shape::tiny();
     deep.layers = 8;
     for (name, shape) in [("tiny", Shape::tiny()), ("tiny, 8 layers", deep)] {
-        let rows = offload_case(&emu_exec, &engine, name, shape).unwrap();
+        let rows = offload_case(emu_exec(), &engine, name, shape).unwrap();
         assert_eq!(rows.len(), 2);
         for r in rows {
             eprintln!("{r:?}");
@@ -383,7 +383,7 @@ fn needle_session_on_the_emulator_finds_it_with_and_without_offload() {
         max_model_len: max_len,
         ..Default::default()
     };
-    let x: Arc<dyn Exec> = Arc::new(EmuExec::new().unwrap());
+    let x = emu_exec();
     let mut s = CudaSession::new(x, &engine, &model, max_len, true, Some(ocfg)).unwrap();
     let opts = GenerateOptions {
         max_tokens: 16,

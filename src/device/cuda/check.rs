@@ -611,14 +611,7 @@ fn check_prefill(
     x.launch(&kernels::attn_prefill(&a))?;
     let got = m.bf16(a.out, total_q * nh * hd)?;
     let mut want = vec![0.0; total_q * nh * hd];
-    let shape = twins::PagedShape {
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: hd,
-        block_size,
-        max_blocks,
-    };
-    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, shape, &mut want);
+    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, twin_shape(&a), &mut want);
     Ok(compare(
         &format!("attn_prefill_hd{hd}"),
         format!("q {q_lens:?} ctx {ctx:?} {nh}/{nkv} heads"),
@@ -627,6 +620,17 @@ fn check_prefill(
         2e-2,
         2e-2,
     ))
+}
+
+/// The CPU twin's view of a launch's attention shape.
+fn twin_shape(a: &PagedAttn) -> twins::PagedShape {
+    twins::PagedShape {
+        num_heads: a.num_heads,
+        num_kv_heads: a.num_kv_heads,
+        head_dim: a.head_dim,
+        block_size: a.block_size,
+        max_blocks: a.max_blocks,
+    }
 }
 
 /// `block_size` 0: the contiguous ring-slot layout (one block per sequence).
@@ -683,14 +687,7 @@ fn check_decode(
     }
     let got = m.bf16(a.out, batch * nh * hd)?;
     let mut want = vec![0.0; batch * nh * hd];
-    let shape = twins::PagedShape {
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: hd,
-        block_size,
-        max_blocks,
-    };
-    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, shape, &mut want);
+    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, twin_shape(&a), &mut want);
     Ok(compare(
         &format!("attn_decode_hd{hd}"),
         format!("ctx {ctx:?} {nh}/{nkv} heads, block {block_size}"),

@@ -118,10 +118,10 @@ pub fn compare_loaded(
     Ok(steps)
 }
 
-/// `compare_loaded` on a random model of `shape` and `prompt_len` random tokens. `exec`
-/// makes the device for a head_dim: the GPU, or the emulator/host twin in tests.
+/// `compare_loaded` on a random model of `shape` and `prompt_len` random tokens, on `x`:
+/// the GPU, or the emulator/host twin in tests.
 pub fn compare_model(
-    exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>,
+    x: Arc<dyn Exec>,
     name: &str,
     shape: Shape,
     prompt_len: usize,
@@ -136,7 +136,7 @@ pub fn compare_model(
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
-    let steps = compare_loaded(exec(cfg.head_dim)?, &model, &prompt, decode)?;
+    let steps = compare_loaded(x, &model, &prompt, decode)?;
     let errs: Vec<(f32, f32)> = steps.iter().map(|s| (s.rel_rms, s.rel_max)).collect();
     let s = format!(
         "{} layer(s), hidden {}, vocab {}, {prompt_len}+{decode} tok",
@@ -152,14 +152,15 @@ pub fn logits_check() -> Result<Vec<CheckRow>> {
     let dev = Arc::new(CudaDevice::new(0)?);
     let compute = dev.new_stream()?;
     // Every launch names its kernel: one CudaExec serves both head dims.
-    let gpu = |_hd: usize| -> Result<Arc<dyn Exec>> {
-        Ok(Arc::new(CudaExec::new(dev.clone(), compute.clone())?))
-    };
-    Ok(logits_check_on(&gpu))
+    Ok(logits_check_on(Arc::new(CudaExec::new(dev, compute)?)))
 }
 
-/// Step 2 on any device (`--emulate`: the kernel emulator).
-pub fn logits_check_on(exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>) -> Vec<CheckRow> {
+/// Step 2 on the kernel emulator (`--emulate`).
+pub fn logits_check_emulated() -> Result<Vec<CheckRow>> {
+    Ok(logits_check_on(Arc::new(super::emu::EmuExec::new()?)))
+}
+
+fn logits_check_on(x: Arc<dyn Exec>) -> Vec<CheckRow> {
     let mut big = Shape::qwen3_4b();
     big.layers = 1;
     big.vocab = 4096;
@@ -170,7 +171,7 @@ pub fn logits_check_on(exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>) -> Vec<Che
     cases
         .into_iter()
         .map(|(name, shape, p, d)| {
-            compare_model(exec, name, shape, p, d).unwrap_or_else(|e| failed(name, e))
+            compare_model(x.clone(), name, shape, p, d).unwrap_or_else(|e| failed(name, e))
         })
         .collect()
 }
@@ -209,14 +210,12 @@ pub fn offload_check() -> Result<Vec<CheckRow>> {
     let mut rows = Vec::new();
     for (name, shape) in offload_shapes() {
         let compute = dev.new_stream()?;
-        let exec = |_hd: usize| -> Result<Arc<dyn Exec>> {
-            Ok(Arc::new(CudaExec::new(dev.clone(), compute.clone())?))
-        };
+        let x = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
         let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
             CudaOffloadEngine::new(dev.clone(), compute.clone(), cfg, o)
         };
         rows.extend(
-            offload_case(&exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+            offload_case(x, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
     Ok(rows)
@@ -234,7 +233,7 @@ fn offload_shapes() -> [(&'static str, Shape); 2] {
 
 /// Step 3 on the kernel emulator, the copy streams on threads with random delays.
 pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
-    let exec = |_hd: usize| -> Result<Arc<dyn Exec>> { Ok(Arc::new(super::emu::EmuExec::new()?)) };
+    let x: Arc<dyn Exec> = Arc::new(super::emu::EmuExec::new()?);
     let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
         let d = super::offload_dev::ThreadedHostOffloadDev::new(2, true);
         CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
@@ -242,7 +241,7 @@ pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
     let mut rows = Vec::new();
     for (name, shape) in offload_shapes() {
         rows.extend(
-            offload_case(&exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+            offload_case(x.clone(), &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
     Ok(rows)
@@ -252,17 +251,16 @@ pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
 pub type EngineFactory<'a> =
     dyn Fn(&crate::model::ModelConfig, OffloadConfig) -> Result<CudaOffloadEngine> + 'a;
 
-/// Resident vs offload vs offload + sanitizer, greedy; `exec`/`engine` make the device
-/// (the GPU, or the host twins in the unit tests).
+/// Resident vs offload vs offload + sanitizer, greedy, on `x` with offload engines from
+/// `engine` (the GPU, or the emulator/host twins in tests).
 pub fn offload_case(
-    exec: &dyn Fn(usize) -> Result<Arc<dyn Exec>>,
+    x: Arc<dyn Exec>,
     engine: &EngineFactory<'_>,
     name: &str,
     shape: Shape,
 ) -> Result<Vec<CheckRow>> {
     let cfg = shape.config();
     let model = Model::new(cfg.clone(), random_weights(&cfg, 3, shape.qk_gain));
-    let x = exec(cfg.head_dim)?;
     let w = CudaWeights::from_model(&*x, &model)?;
     let (prompt_len, new) = (100usize, 40usize);
     let cap = prompt_len + new;

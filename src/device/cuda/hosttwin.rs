@@ -342,15 +342,15 @@ mod tests {
     use crate::model::random::Shape;
     use std::sync::Arc;
 
-    fn twin(_hd: usize) -> Result<Arc<dyn Exec>> {
-        Ok(Arc::new(HostExec))
+    fn twin() -> Arc<dyn Exec> {
+        Arc::new(HostExec)
     }
 
     /// The CUDA model's layer loop on the host twin against the f32 CPU model: gpu-check
     /// step 2's tiny case (shorter prompt: the twin is naive), with step 2's tolerances.
     #[test]
     fn cuda_model_on_host_twin_matches_cpu() {
-        let row = compare_model(&twin, "tiny on host twin", Shape::tiny(), 60, 4).unwrap();
+        let row = compare_model(twin(), "tiny on host twin", Shape::tiny(), 60, 4).unwrap();
         eprintln!("{row:?}");
         assert!(row.pass, "{row:?}");
     }
@@ -358,7 +358,7 @@ mod tests {
     /// A prompt over 1,024 tokens: the MLP runs in two row chunks.
     #[test]
     fn long_prompt_uses_mlp_chunks() {
-        let row = compare_model(&twin, "tiny, 1100 tokens", Shape::tiny(), 1100, 1).unwrap();
+        let row = compare_model(twin(), "tiny, 1100 tokens", Shape::tiny(), 1100, 1).unwrap();
         eprintln!("{row:?}");
         assert!(row.pass, "{row:?}");
     }
@@ -375,7 +375,7 @@ mod tests {
             let d = HostOffloadDev { offload_streams: 2 };
             CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
         };
-        let rows = offload_case(&twin, &engine, "tiny on host twins", Shape::tiny()).unwrap();
+        let rows = offload_case(twin(), &engine, "tiny on host twins", Shape::tiny()).unwrap();
         assert_eq!(rows.len(), 2);
         for r in rows {
             eprintln!("{r:?}");
@@ -411,7 +411,7 @@ mod tests {
     fn qwen3_4b_layer_on_host_twin_matches_cpu() {
         let mut s = Shape::qwen3_4b();
         (s.layers, s.vocab, s.inter) = (1, 256, 1024);
-        let row = compare_model(&twin, "4b layer on host twin", s, 5, 2).unwrap();
+        let row = compare_model(twin(), "4b layer on host twin", s, 5, 2).unwrap();
         eprintln!("{row:?}");
         assert!(row.pass, "{row:?}");
     }

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU acceptance checks for a machine with an NVIDIA GPU (CUDA 13 driver, no cargo), run
 # from a prebuilt binary. Prints one summary table; exits non-zero on any failure.
-#   1. every kernel against its CPU twin on random inputs (`strata cuda-kernel-check`)
+#   1. every kernel against its CPU twin on random inputs (`strata-gpucheck kernels`)
 #   2. logits CUDA vs CPU                      3. offload equality on CUDA
 #   4. pinned bandwidth sweep 64 KB..256 MB    5. offload benchmark at 8K/32K (Qwen3-4B-shaped)
-# Each step is a hidden `strata` subcommand under a time limit (worst case 465 s in all;
+# Each step is a `strata-gpucheck` subcommand under a time limit (worst case 465 s in all;
 # about 2 minutes expected on an H200). A correctness failure (FAIL) makes the exit
 # status non-zero; a missed performance goal of step 5 shows as MISS, and fails only
 # with --strict.
@@ -12,9 +12,9 @@ set -uo pipefail
 
 usage() {
     cat <<USAGE
-usage: scripts/gpu-check.sh [--steps LIST] STRATA_BINARY
-  STRATA_BINARY   a strata binary built on another machine (cargo build --release;
-                  strip it to carry it: see docs/cuda.md)
+usage: scripts/gpu-check.sh [--steps LIST] GPUCHECK_BINARY
+  GPUCHECK_BINARY a strata-gpucheck binary built on another machine (cargo build
+                  --release; strip it to carry it: see docs/cuda.md)
   --steps LIST    comma-separated steps to run (default 1,2,3,4,5)
   --strict        a missed step-5 performance goal fails the run too
   -h, --help      this help
@@ -37,7 +37,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 if [[ -z "$bin" ]]; then
-    echo "gpu-check: missing STRATA_BINARY (see --help)" >&2; exit 2
+    echo "gpu-check: missing GPUCHECK_BINARY (see --help)" >&2; exit 2
 fi
 if [[ ! -f "$bin" ]]; then
     echo "gpu-check: no such file: $bin" >&2; exit 2
@@ -77,11 +77,11 @@ table_step() {
 
 want() { [[ ",$steps," == *",$1,"* ]]; }
 
-want 1 && table_step 1 "kernels vs CPU twins" 90 cuda-kernel-check
-want 2 && table_step 2 "logits CUDA vs CPU" 100 cuda-logits-check
-want 3 && table_step 3 "offload equality on CUDA" 80 cuda-offload-check
+want 1 && table_step 1 "kernels vs CPU twins" 90 kernels
+want 2 && table_step 2 "logits CUDA vs CPU" 100 logits
+want 3 && table_step 3 "offload equality on CUDA" 80 offload
 if want 4; then
-    run 45 cuda-bandwidth
+    run 45 bandwidth
     if [[ $rc -eq 0 ]]; then
         add 4 "pinned bandwidth 64 KB..256 MB" ok "$(grep '^peak' <<<"$out")"
     else
@@ -89,7 +89,7 @@ if want 4; then
     fi
 fi
 if want 5; then
-    run 150 cuda-bench-offload --layers 8 --contexts 8192,32768 --decode-steps 16
+    run 150 bench-offload --layers 8 --contexts 8192,32768 --decode-steps 16
     if [[ $rc -ne 0 ]]; then
         add 5 "offload benchmark 8K/32K" FAIL "exit $rc: $(tail -n1 <<<"$out")"
     elif grep -q MISSED <<<"$out"; then

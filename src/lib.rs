@@ -6,6 +6,7 @@
 
 pub mod device;
 pub mod engine;
+pub mod gpucheck;
 pub mod kv;
 pub mod model;
 pub mod needle;

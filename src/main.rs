@@ -34,50 +34,6 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Run every CUDA kernel against its CPU twin on random inputs (needs an NVIDIA GPU,
-    /// or --emulate: the kernels' sources on the CPU, see docs/cuda.md).
-    #[command(hide = true)]
-    CudaKernelCheck {
-        /// Run the kernels on the CPU kernel emulator (needs a C++17 compiler) instead.
-        #[arg(long)]
-        emulate: bool,
-    },
-    /// Logits of the CUDA model vs the CPU model on random Qwen3s (gpu-check step 2).
-    #[command(hide = true)]
-    CudaLogitsCheck {
-        /// Run the kernels on the CPU kernel emulator instead (slow: host GEMMs).
-        #[arg(long)]
-        emulate: bool,
-    },
-    /// Greedy tokens with and without offload on CUDA (gpu-check step 3).
-    #[command(hide = true)]
-    CudaOffloadCheck {
-        /// Run on the kernel emulator and the host twin of the offload device instead.
-        #[arg(long)]
-        emulate: bool,
-    },
-    /// Pinned H2D/D2H bandwidth by copy size, 64 KB..256 MB (gpu-check step 4).
-    #[command(hide = true)]
-    CudaBandwidth,
-    /// Offload benchmark on a Qwen3-4B-shaped random model (gpu-check step 5).
-    #[command(hide = true)]
-    CudaBenchOffload(CudaBenchArgs),
-}
-
-#[derive(Args, Debug)]
-struct CudaBenchArgs {
-    /// Layers of Qwen3-4B's 36 to run (all identical; ratios are per layer).
-    #[arg(long, default_value_t = 8)]
-    layers: usize,
-    /// Context lengths, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
-    contexts: Vec<usize>,
-    #[arg(long, default_value_t = 16)]
-    decode_steps: usize,
-    #[arg(long, default_value_t = 4)]
-    num_kv_buffers: usize,
-    #[arg(long, default_value_t = 256)]
-    block_size: usize,
 }
 
 #[derive(Subcommand)]
@@ -188,28 +144,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
-        Command::CudaKernelCheck { emulate } => run_cuda_kernel_check(emulate),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
-        Command::CudaLogitsCheck { emulate } => {
-            use device::cuda::gpucheck;
-            let f = if emulate {
-                gpucheck::logits_check_emulated
-            } else {
-                gpucheck::logits_check
-            };
-            run_cuda_rows(f, "logits")
-        }
-        Command::CudaOffloadCheck { emulate } => {
-            use device::cuda::gpucheck;
-            let f = if emulate {
-                gpucheck::offload_check_emulated
-            } else {
-                gpucheck::offload_check
-            };
-            run_cuda_rows(f, "offload")
-        }
-        Command::CudaBandwidth => run_cuda_bandwidth(),
-        Command::CudaBenchOffload(args) => run_cuda_bench(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -434,67 +369,5 @@ fn run_bench_offload(args: BenchOffloadArgs) -> Result<()> {
     } else {
         println!("{report}");
     }
-    Ok(())
-}
-
-fn run_cuda_kernel_check(emulate: bool) -> Result<()> {
-    use device::cuda::check;
-    let rows = if emulate {
-        let exec = device::cuda::emu::EmuExec::new()?;
-        check::run_kernel_checks_on(&exec, check::CheckSizes::Full)
-    } else {
-        check::run_kernel_checks()?
-    };
-    print!("{}", device::cuda::check::format_table(&rows));
-    let failed = rows.iter().filter(|r| !r.pass).count();
-    if failed > 0 {
-        bail!("{failed} of {} kernel checks failed", rows.len());
-    }
-    Ok(())
-}
-
-/// Prints a check table; fails (one line) when any row failed.
-fn run_cuda_rows(f: fn() -> Result<Vec<device::cuda::check::CheckRow>>, what: &str) -> Result<()> {
-    let rows = f()?;
-    print!("{}", device::cuda::check::format_table(&rows));
-    let failed = rows.iter().filter(|r| !r.pass).count();
-    if failed > 0 {
-        bail!("{failed} of {} {what} checks failed", rows.len());
-    }
-    Ok(())
-}
-
-fn run_cuda_bandwidth() -> Result<()> {
-    use device::cuda::bench;
-    let dev = device::cuda::context::CudaDevice::new(0)?;
-    let rows = bench::bandwidth_sweep(&dev, &bench::sweep_sizes())?;
-    print!("{}", bench::format_bandwidth(&rows));
-    println!(
-        "peak H2D {:.1} GB/s on {}",
-        bench::peak_h2d(&rows),
-        dev.name()
-    );
-    Ok(())
-}
-
-fn run_cuda_bench(args: CudaBenchArgs) -> Result<()> {
-    use device::cuda::bench;
-    // Peak H2D from a short sweep of the large sizes the engine uses.
-    let peak = {
-        let dev = device::cuda::context::CudaDevice::new(0)?;
-        let sizes = [16 << 20, 64 << 20, 256 << 20];
-        bench::peak_h2d(&bench::bandwidth_sweep(&dev, &sizes)?)
-    };
-    let report = bench::offload_bench(
-        &bench::BenchArgs {
-            layers: args.layers,
-            contexts: args.contexts,
-            decode_steps: args.decode_steps,
-            num_kv_buffers: args.num_kv_buffers,
-            block_size: args.block_size,
-        },
-        peak,
-    )?;
-    print!("{report}");
     Ok(())
 }

@@ -267,20 +267,14 @@ fn profile_steps_need_cuda() {
     );
 }
 
-/// The hidden gpu-check subcommands fail with one line, never a panic, without a GPU.
+/// The gpu-check subcommands fail with one line, never a panic, without a GPU.
 #[test]
 fn cuda_subcommands_without_driver() {
     if strata::device::cuda::probe().is_ok() {
         return;
     }
-    for sub in [
-        "cuda-kernel-check",
-        "cuda-logits-check",
-        "cuda-offload-check",
-        "cuda-bandwidth",
-        "cuda-bench-offload",
-    ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+    for sub in ["kernels", "logits", "offload", "bandwidth", "bench-offload"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata-gpucheck"))
             .arg(sub)
             .output()
             .unwrap();

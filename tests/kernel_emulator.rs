@@ -9,11 +9,11 @@
 mod common;
 
 use std::sync::Arc;
-use strata::device::cuda::check::{format_table, run_kernel_checks_on, CheckSizes};
-use strata::device::cuda::emu::{EmuExec, Emulator};
 use strata::device::cuda::exec::Exec;
-use strata::device::cuda::gpucheck::{compare_model, offload_case};
 use strata::device::cuda::ops::{KArg, Launch};
+use strata::gpucheck::emu::{EmuExec, Emulator};
+use strata::gpucheck::kernels::{format_table, run_kernel_checks_on, CheckSizes};
+use strata::gpucheck::model_checks::{compare_model, offload_case};
 use strata::model::random::Shape;
 
 fn emu_exec() -> Arc<dyn Exec> {
@@ -30,11 +30,12 @@ fn every_kernel_matches_its_cpu_twin_on_the_emulator() {
     assert!(failed.is_empty(), "failed: {failed:#?}");
 }
 
-/// gpu-check step 2's tiny case: 700 prompt tokens (prefill over many tiles, decode over
-/// two splits), then 4 decode steps, logits against the f32 CPU model.
+/// gpu-check step 2's tiny case, with a longer prompt: 1,100 tokens (prefill over many
+/// tiles, the MLP in two 1,024-row chunks, decode over three splits), then 4 decode steps,
+/// logits against the f32 CPU model.
 #[test]
 fn cuda_model_on_the_emulator_matches_the_cpu_model() {
-    let row = compare_model(emu_exec(), "tiny on emulator", Shape::tiny(), 700, 4).unwrap();
+    let row = compare_model(emu_exec(), "tiny on emulator", Shape::tiny(), 1100, 4).unwrap();
     eprintln!("{row:?}");
     assert!(row.pass, "{row:?}");
 }
@@ -50,7 +51,7 @@ fn smollm2_on_the_emulator_matches_the_cpu_model() {
         .encode("The Moon is Earth's only natural satellite. It", true)
         .unwrap();
     let x = emu_exec();
-    let steps = strata::device::cuda::gpucheck::compare_loaded(x, &model, &prompt, 3).unwrap();
+    let steps = strata::gpucheck::model_checks::compare_loaded(x, &model, &prompt, 3).unwrap();
     for s in &steps {
         eprintln!("{s:?}");
         assert!(s.rel_rms < 0.05 && s.rel_max < 0.05, "{s:?}");
@@ -85,7 +86,7 @@ fn qwen2_style_head_dim_96_on_the_emulator_matches_the_cpu_model() {
 #[test]
 fn offload_engine_on_the_emulator_matches_resident() {
     use strata::device::cuda::offload::CudaOffloadEngine;
-    use strata::device::cuda::offload_dev::ThreadedHostOffloadDev;
+    use strata::gpucheck::host_offload_dev::ThreadedHostOffloadDev;
     let engine = |cfg: &strata::model::ModelConfig, o| {
         let d = ThreadedHostOffloadDev::new(2, true);
         CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
@@ -358,8 +359,8 @@ fn guard_page_stops_an_overrun() {
 fn needle_session_on_the_emulator_finds_it_with_and_without_offload() {
     use strata::device::cuda::generate::CudaSession;
     use strata::device::cuda::offload::CudaOffloadEngine;
-    use strata::device::cuda::offload_dev::ThreadedHostOffloadDev;
     use strata::engine::{GenerateOptions, SamplingParams};
+    use strata::gpucheck::host_offload_dev::ThreadedHostOffloadDev;
     use strata::needle::{answer_found, Case, NeedleKind};
     use strata::offload::OffloadConfig;
 

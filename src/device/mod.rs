@@ -2,6 +2,7 @@
 //! `cuda` runs the model in bf16 on an NVIDIA GPU, and probes for a driver first so
 //! `--device cuda` fails with one line where there is none.
 
+pub mod bf16;
 pub mod cpu;
 pub mod cuda;
 

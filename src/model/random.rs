@@ -4,7 +4,7 @@
 
 use super::config::{Arch, GenerationDefaults, ModelConfig, RopeScaling};
 use super::weights::{LayerWeights, ModelWeights};
-use crate::device::cpu::twins::{bf16_to_f32, f32_to_bf16};
+use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// A Qwen3 shape (q/k norm, no bias), or Qwen2's (bias, no q/k norm) with `qkv_bias`.

@@ -3,15 +3,7 @@
 
 use super::ops::{self, AttnShape};
 
-/// bf16 bits → f32.
-pub fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
-
-/// f32 → bf16 bits, round to nearest even (the kernels' `f32_to_bf16`).
-pub fn f32_to_bf16(f: f32) -> u16 {
-    half::bf16::from_f32(f).to_bits()
-}
+pub use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
 
 /// Twin of `embedding_gather`: `out[t] = table[ids[t]]`, a zero row for an out-of-range id.
 /// `table[vocab, dim]`, `ids[tokens]`, `out[tokens, dim]`.

@@ -2,9 +2,9 @@
 //! and the GEMM, all on addresses (`DPtr`). A backend implements memory, `launch` (run an
 //! `ops::Launch`) and `gemm`; the kernel methods default to building their launches with
 //! the `ops` builders, so every backend that runs launches (`CudaExec`, the GPU; a CPU
-//! emulator of the `.cu` sources) runs the same ones. `hosttwin::HostExec` overrides the
-//! kernel methods with their semantics on host memory, so the model's orchestration
-//! (buffer offsets, strides, step metadata, chunking) is tested on machines without a GPU.
+//! emulator of the `.cu` sources, `crate::gpucheck::emu::EmuExec`) runs the same ones, so
+//! the model's orchestration (buffer offsets, strides, step metadata, chunking) and the
+//! kernels themselves are tested on machines without a GPU.
 
 use super::context::CudaDevice;
 use super::ops::{self, AttnArgs, DPtr, DecodeScratch, Kernels, Launch};
@@ -18,8 +18,9 @@ pub enum Buf {
     Cuda(CudaSlice<u8>),
     /// u128: 16-byte alignment, as the kernels' vector loads expect.
     Host(Vec<u128>),
-    /// Host memory ending at an inaccessible page (the kernel emulator's allocations).
-    Guarded(super::emu::GuardedBuf),
+    /// Memory owned by another backend (e.g. the kernel emulator's guarded pages), kept
+    /// alive for as long as the `Buf` is.
+    Other(Box<dyn std::any::Any + Send + Sync>),
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -3,7 +3,6 @@
 
 use super::context::CudaDevice;
 use super::exec::{CudaExec, Exec};
-use super::gpucheck::EngineFactory;
 use super::kv::{CudaKv, ResidentKv};
 use super::model::CudaModel;
 use super::offload::CudaOffloadEngine;
@@ -41,6 +40,9 @@ impl std::str::FromStr for ProfileSteps {
         Ok(Self { start, end })
     }
 }
+
+/// Makes an offload engine on the same device as the model.
+pub type EngineFactory<'a> = dyn Fn(&ModelConfig, OffloadConfig) -> Result<CudaOffloadEngine> + 'a;
 
 pub fn generate(
     model: &mut CudaModel,

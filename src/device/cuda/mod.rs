@@ -5,24 +5,20 @@
 //! - `libs`: where CUDA libraries are looked for, and the preload;
 //! - `nvrtc`: kernel sources embedded by `build.rs`, compiled to CUBIN, cached on disk;
 //! - `context`: context, streams, events, pinned memory, copies, modules and launches;
-//! - `check`: each kernel against its CPU twin (for `scripts/gpu-check.sh`);
 //! - `ops`: kernel launches and raw async copies on device pointers;
-//! - `exec`, `hosttwin`: the model's device interface, on the GPU and its host twin;
-//! - `emu`: the kernels' own sources run on the CPU (`emu/`), for tests without a GPU;
+//! - `exec`: the model's device interface (the GPU; the kernel emulator and host twin in
+//!   `crate::gpucheck` implement it too);
 //! - `weights`, `model`, `kv`, `generate`: the bf16 model and its layer loop over the
 //!   `CudaKv` seam (resident KV), and the generation loop;
 //! - `offload`, `offload_dev`, `trace`: layerwise KV offload (the CPU engine's twin), its
-//!   device interface (GPU, host twin) and its trace;
-//! - `gpucheck`, `bench`: steps 2-5 of `scripts/gpu-check.sh`.
+//!   device interface and its trace.
+//!
+//! The tools that validate this device (kernel checks, gpu-check steps, benches, the kernel
+//! emulator, host twins) live in `crate::gpucheck`; nothing here depends on them.
 
-pub mod bench;
-pub mod check;
 pub mod context;
-pub mod emu;
 pub mod exec;
 pub mod generate;
-pub mod gpucheck;
-pub mod hosttwin;
 pub mod kv;
 pub mod libs;
 pub mod model;

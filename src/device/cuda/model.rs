@@ -19,7 +19,7 @@ const SPLIT_LEN: usize = 512;
 
 pub struct CudaModel {
     pub cfg: ModelConfig,
-    /// The GPU (`CudaExec`, on the compute stream) or its host twin (`HostExec`).
+    /// The GPU (`CudaExec`, on the compute stream) or the kernel emulator (`EmuExec`).
     x: Arc<dyn Exec>,
     pub w: CudaWeights,
     max_pos: usize,

@@ -5,7 +5,7 @@
 
 use super::exec::{Buf, Exec};
 use super::ops::DPtr;
-use crate::device::cpu::twins::f32_to_bf16;
+use crate::device::bf16::f32_to_bf16;
 use crate::model::{Model, ModelConfig};
 use anyhow::Result;
 use std::sync::Arc;

@@ -10,13 +10,13 @@
 //! tenths of a percent to a few percent of their spread. A step passes when
 //! rms(Δ) ≤ 3% · rms(cpu) and max|Δ| ≤ 8% · max|cpu|.
 
-use super::context::CudaDevice;
-use super::exec::{CudaExec, Exec};
-use super::generate::generate;
-use super::kv::{CudaKv, ResidentKv};
-use super::model::CudaModel;
-use super::offload::CudaOffloadEngine;
-use super::weights::CudaWeights;
+use crate::device::cuda::context::CudaDevice;
+use crate::device::cuda::exec::{CudaExec, Exec};
+use crate::device::cuda::generate::{generate, EngineFactory};
+use crate::device::cuda::kv::{CudaKv, ResidentKv};
+use crate::device::cuda::model::CudaModel;
+use crate::device::cuda::offload::CudaOffloadEngine;
+use crate::device::cuda::weights::CudaWeights;
 use crate::engine::{GenerateOptions, GenerationOutput, SamplingParams};
 use crate::kv::ContiguousKv;
 use crate::model::random::{random_weights, Shape};
@@ -26,7 +26,7 @@ use anyhow::Result;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
 
-pub use super::check::CheckRow;
+pub use super::kernels::CheckRow;
 
 const RMS_TOL: f32 = 0.03;
 const MAX_TOL: f32 = 0.08;
@@ -235,7 +235,7 @@ fn offload_shapes() -> [(&'static str, Shape); 2] {
 pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
     let x: Arc<dyn Exec> = Arc::new(super::emu::EmuExec::new()?);
     let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
-        let d = super::offload_dev::ThreadedHostOffloadDev::new(2, true);
+        let d = super::host_offload_dev::ThreadedHostOffloadDev::new(2, true);
         CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
     };
     let mut rows = Vec::new();
@@ -246,10 +246,6 @@ pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
     }
     Ok(rows)
 }
-
-/// Makes an offload engine on the same device as the model.
-pub type EngineFactory<'a> =
-    dyn Fn(&crate::model::ModelConfig, OffloadConfig) -> Result<CudaOffloadEngine> + 'a;
 
 /// Resident vs offload vs offload + sanitizer, greedy, on `x` with offload engines from
 /// `engine` (the GPU, or the emulator/host twins in tests).

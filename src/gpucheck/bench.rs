@@ -7,14 +7,14 @@
 //! layers change none of them and keep the 32K prefills inside the time budget; absolute
 //! times and memory are also given scaled to 36 layers.
 
-use super::context::CudaDevice;
-use super::exec::{CudaExec, Exec};
-use super::kv::{CudaKv, ResidentKv};
-use super::model::CudaModel;
-use super::offload::CudaOffloadEngine;
-use super::ops::{dtoh, htod, mem_used};
-use super::weights::CudaWeights;
 use crate::device::cpu::stream::TraceEvent;
+use crate::device::cuda::context::CudaDevice;
+use crate::device::cuda::exec::{CudaExec, Exec};
+use crate::device::cuda::kv::{CudaKv, ResidentKv};
+use crate::device::cuda::model::CudaModel;
+use crate::device::cuda::offload::CudaOffloadEngine;
+use crate::device::cuda::ops::{dtoh, htod, mem_used};
+use crate::device::cuda::weights::CudaWeights;
 use crate::engine::sampler::argmax;
 use crate::model::random::Shape;
 use crate::offload::OffloadConfig;
@@ -64,7 +64,7 @@ pub fn bandwidth_sweep(dev: &CudaDevice, sizes: &[usize]) -> Result<Vec<BwRow>> 
     let mut host = dev.alloc_pinned::<u8>(max)?;
     let hp = host.as_mut_ptr().map_err(|e| anyhow!("{e:?}"))?;
     let dbuf = dev.alloc_zeros::<u8>(&st, max)?;
-    let dp = super::ops::dptr(&dbuf, &st);
+    let dp = crate::device::cuda::ops::dptr(&dbuf, &st);
     let mut rows = Vec::new();
     for &n in sizes {
         let reps = (1024 * MB / n).clamp(3, 64);

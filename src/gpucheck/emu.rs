@@ -12,19 +12,19 @@
 //! no-access page) and whose kernels are these: the CUDA model's layer loop and gpu-check
 //! steps 1-3 run on it. GEMMs stay on the host twin (cuBLAS has no source to emulate).
 
-use super::exec::{Buf, Exec};
-use super::hosttwin::HostExec;
-use super::nvrtc::{Fnv, HEADERS, SOURCES};
-use super::ops::{DPtr, KArg, Launch, KERNELS};
+use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
+use crate::device::cuda::exec::{Buf, Exec};
+use crate::device::cuda::nvrtc::{Fnv, HEADERS, SOURCES};
+use crate::device::cuda::ops::{DPtr, KArg, Launch, KERNELS};
 use anyhow::{anyhow, bail, Context, Result};
 use std::ffi::{c_char, c_void, CString};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, OnceLock};
 
-const SHIM: &str = include_str!("../../../emu/shim.h");
-const CORE: &str = include_str!("../../../emu/core.cpp");
-const LINKER_SCRIPT: &str = include_str!("../../../emu/shared.ld");
+const SHIM: &str = include_str!("../../emu/shim.h");
+const CORE: &str = include_str!("../../emu/core.cpp");
+const LINKER_SCRIPT: &str = include_str!("../../emu/shared.ld");
 const CXXFLAGS: &[&str] = &["-std=c++17", "-O2", "-fPIC", "-Wno-unknown-pragmas"];
 
 type LaunchFn = unsafe extern "C" fn(
@@ -190,7 +190,7 @@ fn build(extra: &[ExtraUnit]) -> Result<PathBuf> {
         h.write(n.as_bytes());
         h.write(s.as_bytes());
     }
-    let root = super::nvrtc::default_cache_dir()
+    let root = crate::device::cuda::nvrtc::default_cache_dir()
         .unwrap_or_else(|| std::env::temp_dir().join("strata-kernels"));
     let dir = root.join(format!("emu-{:016x}", h.0));
     let lib = dir.join("libkemu.so");
@@ -333,19 +333,40 @@ impl Drop for GuardedBuf {
     }
 }
 
-/// `Exec` with the kernels emulated: memory as the host twin's but guarded (every
-/// allocation ends at a no-access page), GEMMs on the host twin.
+/// `Exec` with the kernels emulated: host memory, guarded (every allocation ends at a
+/// no-access page), and GEMMs on the host (`host_gemm`).
 pub struct EmuExec {
-    host: HostExec,
     emu: Arc<Emulator>,
 }
 
 impl EmuExec {
     pub fn new() -> Result<Self> {
-        Ok(Self {
-            host: HostExec,
-            emu: emulator()?,
-        })
+        Ok(Self { emu: emulator()? })
+    }
+}
+
+/// cuBLAS's GEMM on host memory: `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 inputs widened to
+/// f32 and multiplied by the CPU device's GEMM (f32 accumulation, as cuBLAS's compute
+/// type), written as f32 or rounded to bf16.
+///
+/// # Safety
+/// `x`, `w` and `out` must hold `m·k`, `n·k` and `m·n` elements of their types.
+unsafe fn host_gemm(x: DPtr, w: DPtr, out: DPtr, m: usize, k: usize, n: usize, out_f32: bool) {
+    let widen = |p: DPtr, len: usize| -> Vec<f32> {
+        let bits = std::slice::from_raw_parts(p as *const u16, len);
+        bits.iter().map(|&b| bf16_to_f32(b)).collect()
+    };
+    let (xf, wf) = (widen(x, m * k), widen(w, n * k));
+    if out_f32 {
+        let o = std::slice::from_raw_parts_mut(out as *mut f32, m * n);
+        crate::device::cpu::ops::linear(&xf, &wf, None, o, m, k, n);
+    } else {
+        let mut o = vec![0.0f32; m * n];
+        crate::device::cpu::ops::linear(&xf, &wf, None, &mut o, m, k, n);
+        let dst = std::slice::from_raw_parts_mut(out as *mut u16, m * n);
+        for (d, v) in dst.iter_mut().zip(o) {
+            *d = f32_to_bf16(v);
+        }
     }
 }
 
@@ -353,7 +374,7 @@ impl EmuExec {
 impl Exec for EmuExec {
     fn alloc(&self, bytes: usize) -> Result<(Buf, DPtr)> {
         let (b, p) = GuardedBuf::new(bytes)?;
-        Ok((Buf::Guarded(b), p))
+        Ok((Buf::Other(Box::new(b)), p))
     }
     fn upload(&self, data: &[u8]) -> Result<(Buf, DPtr)> {
         let (b, p) = self.alloc(data.len())?;
@@ -362,10 +383,12 @@ impl Exec for EmuExec {
         Ok((b, p))
     }
     unsafe fn htod(&self, dst: DPtr, src: &[u8]) -> Result<()> {
-        self.host.htod(dst, src)
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len());
+        Ok(())
     }
     unsafe fn download(&self, src: DPtr, dst: &mut [u8]) -> Result<()> {
-        self.host.download(src, dst)
+        std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len());
+        Ok(())
     }
     fn sync(&self) -> Result<()> {
         Ok(())
@@ -383,6 +406,8 @@ impl Exec for EmuExec {
         n: usize,
         out_f32: bool,
     ) -> Result<()> {
-        self.host.gemm(x, w, out, m, k, n, out_f32)
+        // SAFETY: the model passes live allocations of these shapes, as to cuBLAS.
+        unsafe { host_gemm(x, w, out, m, k, n, out_f32) };
+        Ok(())
     }
 }

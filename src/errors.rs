@@ -1,0 +1,161 @@
+//! The error contract of every strata binary (docs/errors.md): a failure prints exactly
+//! one line, `error: <cause chain>`, on stderr and nothing on stdout. Usage errors
+//! (the argument parser's) exit 2, every other failure exits 1.
+//!
+//! Error text often carries untrusted strings (an architecture name from a model file, a
+//! chat template's `raise_exception` message), so the line is escaped here, once, for all
+//! callers; and candle's errors are converted without the backtrace it attaches when
+//! `RUST_BACKTRACE` is set.
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+
+/// Exit status of a usage error (unknown flag, a value out of its documented range).
+pub const EXIT_USAGE: u8 = 2;
+/// Exit status of every other failure.
+pub const EXIT_FAILURE: u8 = 1;
+
+/// Longest error line printed; the rest is elided (an error can quote untrusted text).
+const MAX_LINE_CHARS: usize = 2000;
+
+/// `text` as one printable line: newlines, tabs and other control characters are escaped
+/// (`\n`, `\t`, `\u{1b}`), and the line is cut at `MAX_LINE_CHARS` characters.
+pub fn one_line(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(MAX_LINE_CHARS));
+    for (n, c) in text.chars().enumerate() {
+        if n == MAX_LINE_CHARS {
+            out.push_str("…");
+            break;
+        }
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            // Unicode bidi overrides can make a line read differently than it is.
+            c if c.is_control() || ('\u{202a}'..='\u{202e}').contains(&c) => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The line printed for a failure: `error: ` and the escaped cause chain.
+pub fn error_line(e: &anyhow::Error) -> String {
+    format!("error: {}", one_line(&format!("{e:#}")))
+}
+
+/// Prints the failure's one line on stderr and returns exit status 1.
+pub fn report(e: &anyhow::Error) -> ExitCode {
+    eprintln!("{}", error_line(e));
+    ExitCode::from(EXIT_FAILURE)
+}
+
+/// A candle error as an anyhow error holding only its message: candle appends a captured
+/// backtrace to its `Display` when `RUST_BACKTRACE` is set, which must not reach the user.
+pub fn candle(e: candle_core::Error) -> anyhow::Error {
+    anyhow::Error::msg(candle_message(&e))
+}
+
+fn candle_message(e: &candle_core::Error) -> String {
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, .. } => candle_message(inner),
+        E::Context { inner, context } => format!("{context}: {}", candle_message(inner)),
+        E::WithPath { inner, path } => format!("{}: {}", path.display(), candle_message(inner)),
+        other => other.to_string(),
+    }
+}
+
+/// Parses the command line; on a usage error prints one line naming the problem and the
+/// `--help` to read, and returns the exit status (`--help`/`--version` print as usual and
+/// exit 0).
+pub fn parse_args<T: clap::Parser>(program: &str) -> Result<T, ExitCode> {
+    parse_args_from(program, std::env::args_os())
+}
+
+pub fn parse_args_from<T: clap::Parser>(
+    program: &str,
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Result<T, ExitCode> {
+    let args: Vec<std::ffi::OsString> = args.into_iter().collect();
+    match T::try_parse_from(&args) {
+        Ok(t) => Ok(t),
+        Err(e) => {
+            use clap::error::ErrorKind as K;
+            if matches!(e.kind(), K::DisplayHelp | K::DisplayVersion) {
+                let _ = e.print();
+                return Err(ExitCode::SUCCESS);
+            }
+            eprintln!("{}", usage_error_line(program, &args, &e));
+            Err(ExitCode::from(EXIT_USAGE))
+        }
+    }
+}
+
+/// `error: <clap's first line> (see `<program> <subcommands> --help`)`.
+fn usage_error_line(program: &str, args: &[std::ffi::OsString], e: &clap::Error) -> String {
+    let rendered = e.render().to_string();
+    let first = rendered
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("invalid arguments");
+    let cause = match e.kind() {
+        // clap renders the whole help for these: name the problem instead.
+        clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => "missing subcommand",
+        _ => first.strip_prefix("error: ").unwrap_or(first),
+    };
+    // The subcommand path: leading words that are not flags (`bench serve`), at most two.
+    let words: Vec<String> = args
+        .iter()
+        .skip(1)
+        .take(2)
+        .map(|a| a.to_string_lossy().into_owned())
+        .take_while(|a| {
+            !a.starts_with('-') && a.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+        })
+        .collect();
+    let cmd = std::iter::once(program.to_string())
+        .chain(words)
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!("error: {} (see `{cmd} --help`)", one_line(cause))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_escaped_into_one_line() {
+        let s = one_line("arch `x\ny`\r\t\u{1b}[31m\u{202e}");
+        assert_eq!(s, "arch `x\\ny`\\r\\t\\u{1b}[31m\\u{202e}");
+        assert!(!s.contains('\n'));
+    }
+
+    #[test]
+    fn long_messages_are_cut() {
+        let s = one_line(&"x".repeat(10 * MAX_LINE_CHARS));
+        assert_eq!(s.chars().count(), MAX_LINE_CHARS + 1);
+    }
+
+    #[test]
+    fn candle_backtraces_are_dropped() {
+        let e = candle_core::Error::Msg("bad tensor".into()).bt();
+        // With RUST_BACKTRACE unset `bt` may not attach one: build the variant directly.
+        let e = match e {
+            b @ candle_core::Error::WithBacktrace { .. } => b,
+            inner => candle_core::Error::WithBacktrace {
+                inner: Box::new(inner),
+                backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+            },
+        };
+        assert!(
+            e.to_string().lines().count() > 1,
+            "the plant carries a backtrace"
+        );
+        assert_eq!(candle(e).to_string(), "bad tensor");
+    }
+}

@@ -68,6 +68,37 @@ fn candle_message(e: &candle_core::Error) -> String {
     }
 }
 
+thread_local! {
+    /// Set while `contain_panic` runs: the panic hook stays quiet on this thread.
+    static QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs third-party parsing code that may panic on malformed input (the `tokenizers`
+/// crate `expect`s while deserialising a decoder): a panic becomes an error naming
+/// `what`, and prints nothing.
+pub fn contain_panic<T>(what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(std::cell::Cell::get) {
+                previous(info)
+            }
+        }));
+    });
+    let was = QUIET.with(|q| q.replace(true));
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    QUIET.with(|q| q.set(was));
+    out.unwrap_or_else(|panic| {
+        let msg = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        anyhow::bail!("{what}: malformed ({msg})")
+    })
+}
+
 /// Parses the command line; on a usage error prints one line naming the problem and the
 /// `--help` to read, and returns the exit status (`--help`/`--version` print as usual and
 /// exit 0).
@@ -133,6 +164,13 @@ mod tests {
         let s = one_line("arch `x\ny`\r\t\u{1b}[31m\u{202e}");
         assert_eq!(s, "arch `x\\ny`\\r\\t\\u{1b}[31m\\u{202e}");
         assert!(!s.contains('\n'));
+    }
+
+    #[test]
+    fn contained_panics_are_errors() {
+        let r: anyhow::Result<()> = contain_panic("tokenizer.json", || panic!("Helper"));
+        assert_eq!(r.unwrap_err().to_string(), "tokenizer.json: malformed (Helper)");
+        assert_eq!(contain_panic("x", || Ok(5)).unwrap(), 5);
     }
 
     #[test]

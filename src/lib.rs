@@ -9,6 +9,7 @@ pub mod device;
 pub mod engine;
 pub mod errors;
 pub mod flags;
+pub mod fuzz;
 pub mod kv;
 pub mod model;
 pub mod needle;

@@ -66,6 +66,8 @@ fn skim<R: BufRead + Seek>(r: &mut R) -> Skim<Option<i64>> {
     };
     let _tensor_count = h.len(r)?;
     let kv_count = h.len(r)?;
+    // candle keeps the last of duplicate keys: so does this skim.
+    let mut found = None;
     for _ in 0..kv_count {
         let key_len = h.len(r)?;
         if key_len > file_len {
@@ -74,32 +76,32 @@ fn skim<R: BufRead + Seek>(r: &mut R) -> Skim<Option<i64>> {
         let mut key = vec![0; key_len as usize];
         r.read_exact(&mut key)?;
         let ty = u32_le(r)?;
-        if key == b"general.alignment" {
-            let mut b = [0; 4];
-            return Ok(match ty {
-                0 | 1 => {
-                    r.read_exact(&mut b[..1])?;
-                    Some(if ty == 0 {
-                        b[0] as i64
-                    } else {
-                        b[0] as i8 as i64
-                    })
-                }
-                2 | 3 => {
-                    r.read_exact(&mut b[..2])?;
-                    let v = u16::from_le_bytes([b[0], b[1]]);
-                    Some(if ty == 2 { v as i64 } else { v as i16 as i64 })
-                }
-                4 | 5 => {
-                    let v = u32_le(r)?;
-                    Some(if ty == 4 { v as i64 } else { v as i32 as i64 })
-                }
-                _ => None,
-            });
+        if key != b"general.alignment" {
+            skip_value(r, &h, ty, 0, file_len)?;
+            continue;
         }
-        skip_value(r, &h, ty, 0, file_len)?;
+        let mut b = [0; 2];
+        found = match ty {
+            0 | 1 => {
+                r.read_exact(&mut b[..1])?;
+                Some(if ty == 0 { b[0] as i64 } else { b[0] as i8 as i64 })
+            }
+            2 | 3 => {
+                r.read_exact(&mut b)?;
+                let v = u16::from_le_bytes(b);
+                Some(if ty == 2 { v as i64 } else { v as i16 as i64 })
+            }
+            4 | 5 => {
+                let v = u32_le(r)?;
+                Some(if ty == 4 { v as i64 } else { v as i32 as i64 })
+            }
+            _ => {
+                skip_value(r, &h, ty, 0, file_len)?;
+                None
+            }
+        };
     }
-    Ok(None)
+    Ok(found)
 }
 
 /// Skips one metadata value of type `ty` (GGUF's numbering).

@@ -33,8 +33,9 @@ pub mod template_limits {
     pub const MAX_OUTPUT_BYTES: usize = 64 << 20;
     /// Bytes the rendering may hold at once (values it builds but never prints included).
     pub const MAX_MEMORY_BYTES: usize = 512 << 20;
-    /// Wall-clock backstop behind the fuel.
-    pub const MAX_SECONDS: u64 = 30;
+    /// Wall-clock backstop behind the fuel: one instruction can iterate a lazy sequence
+    /// (`''.join(['a'] * 99999999)`) for seconds. Real templates take milliseconds.
+    pub const MAX_SECONDS: u64 = 5;
 }
 
 /// A chat template and where it came from (named in its errors).
@@ -212,9 +213,12 @@ impl Tokenizer {
     /// must lie below `vocab_size` (the model's).
     pub fn from_hf_dir(dir: &Path, config_eos: &[u32], vocab_size: usize) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner: tokenizers::Tokenizer = files::read_text(&path)?
-            .parse()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let text = files::read_text(&path)?;
+        let inner: tokenizers::Tokenizer =
+            crate::errors::contain_panic(&path.display().to_string(), || {
+                text.parse()
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+            })?;
         if inner.get_vocab_size(true) == 0 {
             bail!("{}: the vocabulary is empty", path.display());
         }
@@ -349,10 +353,13 @@ pub fn render_template(source: &str, template: &str, ctx: minijinja::Value) -> R
     let rendered = crate::bounded::run(limits, move || render_unbounded(&template, ctx));
     match rendered {
         Ok(r) => r.map_err(|e| anyhow::anyhow!("chat template from {source_owned}: {e}")),
-        Err(exceeded) => bail!(
-            "chat template from {source}: {exceeded} (limit {} MiB, {MAX_SECONDS} s)",
+        Err(crate::bounded::Exceeded::Memory) => bail!(
+            "chat template from {source}: used more than {} MiB of memory",
             MAX_MEMORY_BYTES >> 20
         ),
+        Err(crate::bounded::Exceeded::Time) => {
+            bail!("chat template from {source}: took longer than {MAX_SECONDS} s")
+        }
     }
 }
 

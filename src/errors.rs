@@ -127,16 +127,21 @@ pub fn parse_args_from<T: clap::Parser>(
 
 /// `error: <clap's first line> (see `<program> <subcommands> --help`)`.
 fn usage_error_line(program: &str, args: &[std::ffi::OsString], e: &clap::Error) -> String {
+    // clap's message is the lines before its usage block (tips left out), e.g.
+    // "the following required arguments were not provided: --prompt <PROMPT>".
     let rendered = e.render().to_string();
-    let first = rendered
+    let message = rendered
         .lines()
         .map(str::trim)
-        .find(|l| !l.is_empty())
-        .unwrap_or("invalid arguments");
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+        .collect::<Vec<_>>()
+        .join(" ");
     let cause = match e.kind() {
         // clap renders the whole help for these: name the problem instead.
         clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => "missing subcommand",
-        _ => first.strip_prefix("error: ").unwrap_or(first),
+        _ if message.is_empty() => "invalid arguments",
+        _ => message.strip_prefix("error: ").unwrap_or(&message),
     };
     // The subcommand path: leading words that are not flags (`bench serve`), at most two.
     let words: Vec<String> = args
@@ -169,7 +174,10 @@ mod tests {
     #[test]
     fn contained_panics_are_errors() {
         let r: anyhow::Result<()> = contain_panic("tokenizer.json", || panic!("Helper"));
-        assert_eq!(r.unwrap_err().to_string(), "tokenizer.json: malformed (Helper)");
+        assert_eq!(
+            r.unwrap_err().to_string(),
+            "tokenizer.json: malformed (Helper)"
+        );
         assert_eq!(contain_panic("x", || Ok(5)).unwrap(), 5);
     }
 

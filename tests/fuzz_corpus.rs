@@ -28,5 +28,9 @@ fn every_past_finding_is_now_a_clean_error() {
         }
     }
     // The corpus is in the repository: an empty replay means it went missing.
-    assert!(replayed >= 8, "only {replayed} stored findings found under {}", root.display());
+    assert!(
+        replayed >= 8,
+        "only {replayed} stored findings found under {}",
+        root.display()
+    );
 }

@@ -20,7 +20,10 @@ use strata::errors;
 use strata::fuzz::{self, Outcome, Target};
 
 #[derive(Parser)]
-#[command(name = "fuzz", about = "Structure-aware fuzzing of strata's model, tokenizer and template loaders")]
+#[command(
+    name = "fuzz",
+    about = "Structure-aware fuzzing of strata's model, tokenizer and template loaders"
+)]
 struct Args {
     /// Cases per target (stops early if --minutes runs out).
     #[arg(long)]
@@ -77,7 +80,11 @@ fn targets(args: &Args) -> Result<Vec<Target>> {
     }
     args.target
         .iter()
-        .map(|n| Target::from_name(n).with_context(|| format!("unknown target {n:?} (gguf, safetensors, tokenizer, template)")))
+        .map(|n| {
+            Target::from_name(n).with_context(|| {
+                format!("unknown target {n:?} (gguf, safetensors, tokenizer, template)")
+            })
+        })
         .collect()
 }
 
@@ -96,7 +103,9 @@ fn worker(args: &Args) -> Result<bool> {
     std::panic::set_hook(Box::new(|_| {})); // panics are reported by the protocol
     let seed = target_seed(args.seed, target);
     let base = fuzz::base_corpus(target);
-    let deadline = args.deadline_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
+    let deadline = args
+        .deadline_ms
+        .map(|ms| Instant::now() + Duration::from_millis(ms));
     let end = args.start.saturating_add(args.cases.unwrap_or(u64::MAX));
     let mut out = std::io::stdout().lock();
     let mut done = 0u64;
@@ -168,8 +177,12 @@ fn supervise(args: &Args) -> Result<bool> {
                 break;
             }
             let mut cmd = Command::new(&exe);
-            cmd.args(["--worker", "--target", t.name()])
-                .args(["--seed", &args.seed.to_string(), "--start", &next.to_string()]);
+            cmd.args(["--worker", "--target", t.name()]).args([
+                "--seed",
+                &args.seed.to_string(),
+                "--start",
+                &next.to_string(),
+            ]);
             if let Some(s) = stop {
                 cmd.args(["--cases", &(s - next).to_string()]);
             }
@@ -190,9 +203,13 @@ fn supervise(args: &Args) -> Result<bool> {
                         last_started = Some(i);
                         tally.executions += 1;
                     }
-                    (Some("p"), Some(i)) => {
-                        record(args, t, i, &format!("panic: {}", rest.unwrap_or("")), &mut tally)?
-                    }
+                    (Some("p"), Some(i)) => record(
+                        args,
+                        t,
+                        i,
+                        &format!("panic: {}", rest.unwrap_or("")),
+                        &mut tally,
+                    )?,
                     (Some("x"), Some(i)) => {
                         record(args, t, i, rest.unwrap_or("budget exceeded"), &mut tally)?
                     }
@@ -207,7 +224,10 @@ fn supervise(args: &Args) -> Result<bool> {
             // Died without finishing: the last case it started is the culprit (unless it
             // was already recorded as over budget).
             let Some(i) = last_started else {
-                bail!("the {} worker failed before its first case ({status})", t.name());
+                bail!(
+                    "the {} worker failed before its first case ({status})",
+                    t.name()
+                );
             };
             if !tally.findings.iter().any(|(j, _)| *j == i) {
                 record(args, t, i, &format!("worker died: {status}"), &mut tally)?;
@@ -237,6 +257,8 @@ fn record(args: &Args, t: Target, i: u64, why: &str, tally: &mut Tally) -> Resul
     std::fs::create_dir_all(&dir)?;
     let path = dir.join(case.hash_name());
     std::fs::write(&path, case.to_bytes())?;
-    tally.findings.push((i, format!("{why} -> {}", path.display())));
+    tally
+        .findings
+        .push((i, format!("{why} -> {}", path.display())));
     Ok(())
 }

@@ -18,7 +18,11 @@ const MAX_POS: usize = 128;
 
 /// Token strings: three specials, the 256 byte-level symbols, three merged pairs.
 fn vocab() -> Vec<String> {
-    let mut v: Vec<String> = vec!["<|endoftext|>".into(), "<|im_start|>".into(), "<|im_end|>".into()];
+    let mut v: Vec<String> = vec![
+        "<|endoftext|>".into(),
+        "<|im_start|>".into(),
+        "<|im_end|>".into(),
+    ];
     let mut chars: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
         .into_iter()
         .collect();
@@ -40,7 +44,7 @@ pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + messag
 pub fn templates() -> Vec<&'static str> {
     vec![
         CHATML,
-        "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
         "{%- set ns = namespace(system=false) -%}{%- for m in messages -%}{%- if m.role == 'system' -%}{%- set ns.system = true -%}{%- endif -%}{%- endfor -%}{%- if not ns.system -%}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{%- endif -%}{%- for m in messages -%}{%- if m.role not in ['system', 'user', 'assistant'] -%}{{ raise_exception('bad role ' ~ m.role) }}{%- endif -%}<|im_start|>{{ m.role }}\n{{ m.content | replace('\\r', '') }}<|im_end|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}",
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] | trim }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
         "{% for m in messages %}{% set content = m.content.strip() %}{% if loop.first %}{{ bos_token }}{% endif %}[{{ m.role | upper }}] {{ content[:200] }}{{ eos_token if m.role == 'assistant' else '' }}{% endfor %}{{ messages | length }}",
@@ -78,26 +82,52 @@ fn hf_tensors(qk_norm: bool, tied: bool) -> Vec<(String, Vec<usize>, Vec<f32>)> 
     let mut out = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, offset: f32| {
         let n = shape.iter().product();
-        let v = (0..n).map(|_| offset + rng.random_range(-0.3f32..0.3)).collect();
+        let v = (0..n)
+            .map(|_| offset + rng.random_range(-0.3f32..0.3))
+            .collect();
         out.push((name, shape, v));
     };
     let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
-    add("model.embed_tokens.weight".into(), vec![TINY_VOCAB, HIDDEN], 0.0);
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![TINY_VOCAB, HIDDEN],
+        0.0,
+    );
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}");
         add(format!("{p}.self_attn.q_proj.weight"), vec![q, HIDDEN], 0.0);
-        add(format!("{p}.self_attn.k_proj.weight"), vec![kv, HIDDEN], 0.0);
-        add(format!("{p}.self_attn.v_proj.weight"), vec![kv, HIDDEN], 0.0);
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![kv, HIDDEN],
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![kv, HIDDEN],
+            0.0,
+        );
         add(format!("{p}.self_attn.o_proj.weight"), vec![HIDDEN, q], 0.0);
         if qk_norm {
             add(format!("{p}.self_attn.q_norm.weight"), vec![HEAD_DIM], 1.0);
             add(format!("{p}.self_attn.k_norm.weight"), vec![HEAD_DIM], 1.0);
         }
         add(format!("{p}.input_layernorm.weight"), vec![HIDDEN], 1.0);
-        add(format!("{p}.post_attention_layernorm.weight"), vec![HIDDEN], 1.0);
-        add(format!("{p}.mlp.gate_proj.weight"), vec![INTER, HIDDEN], 0.0);
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![HIDDEN],
+            1.0,
+        );
+        add(
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![INTER, HIDDEN],
+            0.0,
+        );
         add(format!("{p}.mlp.up_proj.weight"), vec![INTER, HIDDEN], 0.0);
-        add(format!("{p}.mlp.down_proj.weight"), vec![HIDDEN, INTER], 0.0);
+        add(
+            format!("{p}.mlp.down_proj.weight"),
+            vec![HIDDEN, INTER],
+            0.0,
+        );
     }
     add("model.norm.weight".into(), vec![HIDDEN], 1.0);
     if !tied {
@@ -165,14 +195,21 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
         (k("rope.freq_base"), Value::F32(10000.0)),
         (k("context_length"), u(MAX_POS)),
         ("tokenizer.ggml.model".into(), s("gpt2")),
-        ("tokenizer.ggml.pre".into(), s(if qwen3 { "qwen2" } else { "smollm" })),
+        (
+            "tokenizer.ggml.pre".into(),
+            s(if qwen3 { "qwen2" } else { "smollm" }),
+        ),
         (
             "tokenizer.ggml.tokens".into(),
             Value::Array(tokens.iter().map(|t| s(t)).collect()),
         ),
         (
             "tokenizer.ggml.token_type".into(),
-            Value::Array((0..tokens.len()).map(|i| Value::I32(if i < 3 { 3 } else { 1 })).collect()),
+            Value::Array(
+                (0..tokens.len())
+                    .map(|i| Value::I32(if i < 3 { 3 } else { 1 }))
+                    .collect(),
+            ),
         ),
         (
             "tokenizer.ggml.merges".into(),
@@ -195,10 +232,16 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
             let (ggml_type, data) = if name.contains("ffn_") && !name.contains("norm") {
                 (GGML_Q8_0, q8_0(&values))
             } else if name.contains("attn_q.") || name.contains("attn_k.") {
-                let d = values.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect();
+                let d = values
+                    .iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                    .collect();
                 (GGML_F16, d)
             } else {
-                (GGML_F32, values.iter().flat_map(|x| x.to_le_bytes()).collect())
+                (
+                    GGML_F32,
+                    values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                )
             };
             GgufTensor {
                 name,
@@ -255,7 +298,10 @@ fn safetensors_bytes(qwen3: bool) -> Vec<u8> {
         .into_iter()
         .map(|(name, shape, values)| {
             if name.contains("mlp.") {
-                let b = values.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect();
+                let b = values
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect();
                 (name, shape, safetensors::Dtype::BF16, b)
             } else {
                 let b = values.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -305,7 +351,8 @@ pub fn tokenizer_json() -> String {
 }
 
 fn tokenizer_config(with_template: bool) -> String {
-    let mut v = serde_json::json!({"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}});
+    let mut v =
+        serde_json::json!({"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}});
     if with_template {
         v["chat_template"] = CHATML.into();
     }
@@ -320,11 +367,20 @@ pub fn safetensors_cases() -> Vec<Case> {
         .into_iter()
         .map(|qwen3| Case {
             files: vec![
-                ("config.json".into(), config_json(qwen3).to_string().into_bytes()),
+                (
+                    "config.json".into(),
+                    config_json(qwen3).to_string().into_bytes(),
+                ),
                 ("model.safetensors".into(), safetensors_bytes(qwen3)),
                 ("tokenizer.json".into(), tokenizer_json().into_bytes()),
-                ("tokenizer_config.json".into(), tokenizer_config(true).into_bytes()),
-                ("generation_config.json".into(), GENERATION_CONFIG.as_bytes().to_vec()),
+                (
+                    "tokenizer_config.json".into(),
+                    tokenizer_config(true).into_bytes(),
+                ),
+                (
+                    "generation_config.json".into(),
+                    GENERATION_CONFIG.as_bytes().to_vec(),
+                ),
             ],
         })
         .collect()
@@ -336,15 +392,27 @@ pub fn tokenizer_cases() -> Vec<Case> {
         Case {
             files: vec![
                 ("tokenizer.json".into(), tok.clone()),
-                ("tokenizer_config.json".into(), tokenizer_config(true).into_bytes()),
-                ("generation_config.json".into(), GENERATION_CONFIG.as_bytes().to_vec()),
+                (
+                    "tokenizer_config.json".into(),
+                    tokenizer_config(true).into_bytes(),
+                ),
+                (
+                    "generation_config.json".into(),
+                    GENERATION_CONFIG.as_bytes().to_vec(),
+                ),
             ],
         },
         Case {
             files: vec![
                 ("tokenizer.json".into(), tok),
-                ("tokenizer_config.json".into(), tokenizer_config(false).into_bytes()),
-                ("chat_template.jinja".into(), templates()[2].as_bytes().to_vec()),
+                (
+                    "tokenizer_config.json".into(),
+                    tokenizer_config(false).into_bytes(),
+                ),
+                (
+                    "chat_template.jinja".into(),
+                    templates()[2].as_bytes().to_vec(),
+                ),
             ],
         },
     ]

@@ -297,7 +297,10 @@ mod tests {
     #[test]
     fn cases_round_trip_through_their_file_format() {
         let c = Case {
-            files: vec![("a.json".into(), b"{\n}".to_vec()), ("b".into(), vec![0, 10, 255])],
+            files: vec![
+                ("a.json".into(), b"{\n}".to_vec()),
+                ("b".into(), vec![0, 10, 255]),
+            ],
         };
         assert_eq!(Case::from_bytes(&c.to_bytes()).unwrap(), c);
         assert!(Case::from_bytes(b"a\n99\nshort").is_err());

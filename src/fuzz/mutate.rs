@@ -200,7 +200,11 @@ fn gguf_extra_key(rng: &mut StdRng, arch: &str) -> String {
 }
 
 fn mutate_gguf_doc(doc: &mut GgufDoc, rng: &mut StdRng) {
-    let arch = match doc.metadata.iter().find(|(k, _)| k == "general.architecture") {
+    let arch = match doc
+        .metadata
+        .iter()
+        .find(|(k, _)| k == "general.architecture")
+    {
         Some((_, G::String(s))) => s.clone(),
         _ => "llama".into(),
     };
@@ -262,7 +266,8 @@ fn mutate_gguf_doc(doc: &mut GgufDoc, rng: &mut StdRng) {
                 }
                 1 => t.dims.push(interesting(rng)),
                 2 => {
-                    t.ggml_type = [0, 1, 2, 3, 6, 7, 8, 9, 10, 12, 14, 15, 30, 99][rng.random_range(0..14)]
+                    t.ggml_type =
+                        [0, 1, 2, 3, 6, 7, 8, 9, 10, 12, 14, 15, 30, 99][rng.random_range(0..14)]
                 }
                 3 => t.offset = Some(interesting(rng)),
                 4 => {
@@ -277,7 +282,10 @@ fn mutate_gguf_doc(doc: &mut GgufDoc, rng: &mut StdRng) {
             let n = doc.tensors.len();
             if n >= 2 {
                 let (a, b) = (rng.random_range(0..n), rng.random_range(0..n));
-                let base = doc.tensors[..b].iter().map(|t| t.data.len() as u64).sum::<u64>();
+                let base = doc.tensors[..b]
+                    .iter()
+                    .map(|t| t.data.len() as u64)
+                    .sum::<u64>();
                 doc.tensors[a].offset = Some(if rng.random() { base } else { base + 1 });
             }
         }
@@ -374,7 +382,9 @@ pub fn mutate_json(v: &mut J, rng: &mut StdRng) {
                 if let Some(n) = x.as_u64() {
                     *x = J::from(n.saturating_mul([2, 1000, 1 << 20][rng.random_range(0..3)]));
                 } else if let Some(f) = x.as_f64() {
-                    *x = serde_json::Number::from_f64(-f).map(J::Number).unwrap_or(J::Null);
+                    *x = serde_json::Number::from_f64(-f)
+                        .map(J::Number)
+                        .unwrap_or(J::Null);
                 } else {
                     *x = json_value(rng);
                 }
@@ -426,7 +436,10 @@ fn mutate_safetensors(data: &mut Vec<u8>, rng: &mut StdRng) {
             let old_len = 8 + serde_json::to_vec(&h).map_or(0, |v| v.len());
             mutate_json(&mut h, rng);
             let new = serde_json::to_vec(&h).unwrap_or_default();
-            let body = data.get(old_len.min(data.len())..).unwrap_or_default().to_vec();
+            let body = data
+                .get(old_len.min(data.len())..)
+                .unwrap_or_default()
+                .to_vec();
             let mut out = (new.len() as u64).to_le_bytes().to_vec();
             out.extend_from_slice(&new);
             out.extend_from_slice(&body);

@@ -84,7 +84,11 @@ fn skim<R: BufRead + Seek>(r: &mut R) -> Skim<Option<i64>> {
         found = match ty {
             0 | 1 => {
                 r.read_exact(&mut b[..1])?;
-                Some(if ty == 0 { b[0] as i64 } else { b[0] as i8 as i64 })
+                Some(if ty == 0 {
+                    b[0] as i64
+                } else {
+                    b[0] as i8 as i64
+                })
             }
             2 | 3 => {
                 r.read_exact(&mut b)?;

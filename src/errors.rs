@@ -24,7 +24,7 @@ pub fn one_line(text: &str) -> String {
     let mut out = String::with_capacity(text.len().min(MAX_LINE_CHARS));
     for (n, c) in text.chars().enumerate() {
         if n == MAX_LINE_CHARS {
-            out.push_str("…");
+            out.push('…');
             break;
         }
         match c {
@@ -119,14 +119,18 @@ pub fn parse_args_from<T: clap::Parser>(
                 let _ = e.print();
                 return Err(ExitCode::SUCCESS);
             }
-            eprintln!("{}", usage_error_line(program, &args, &e));
+            eprintln!("{}", usage_error_line::<T>(program, &args, &e));
             Err(ExitCode::from(EXIT_USAGE))
         }
     }
 }
 
 /// `error: <clap's first line> (see `<program> <subcommands> --help`)`.
-fn usage_error_line(program: &str, args: &[std::ffi::OsString], e: &clap::Error) -> String {
+fn usage_error_line<T: clap::CommandFactory>(
+    program: &str,
+    args: &[std::ffi::OsString],
+    e: &clap::Error,
+) -> String {
     // clap's message is the lines before its usage block (tips left out), e.g.
     // "the following required arguments were not provided: --prompt <PROMPT>".
     let rendered = e.render().to_string();
@@ -143,20 +147,16 @@ fn usage_error_line(program: &str, args: &[std::ffi::OsString], e: &clap::Error)
         _ if message.is_empty() => "invalid arguments",
         _ => message.strip_prefix("error: ").unwrap_or(&message),
     };
-    // The subcommand path: leading words that are not flags (`bench serve`), at most two.
-    let words: Vec<String> = args
-        .iter()
-        .skip(1)
-        .take(2)
-        .map(|a| a.to_string_lossy().into_owned())
-        .take_while(|a| {
-            !a.starts_with('-') && a.chars().all(|c| c.is_ascii_lowercase() || c == '-')
-        })
-        .collect();
-    let cmd = std::iter::once(program.to_string())
-        .chain(words)
-        .collect::<Vec<_>>()
-        .join(" ");
+    // The subcommand path the user named (`bench serve`), as far as it is valid.
+    let mut cmd = program.to_string();
+    let mut at = T::command();
+    for word in args.iter().skip(1).map(|a| a.to_string_lossy()) {
+        let Some(sub) = at.find_subcommand(word.as_ref()).cloned() else {
+            break;
+        };
+        cmd = format!("{cmd} {}", sub.get_name());
+        at = sub;
+    }
     format!("error: {} (see `{cmd} --help`)", one_line(cause))
 }
 

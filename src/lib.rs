@@ -4,8 +4,12 @@
 //! and devices), `kv` (the KV seam and caches), `engine` (generation, sampling),
 //! `serve` (continuous batching over a paged KV cache with host offload).
 
+pub mod bounded;
 pub mod device;
 pub mod engine;
+pub mod errors;
+pub mod flags;
+pub mod fuzz;
 pub mod gpucheck;
 pub mod kv;
 pub mod model;

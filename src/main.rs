@@ -8,6 +8,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use strata::{errors, flags};
+
 use strata::device::cuda::generate::{run_request, CudaRequest, ProfileSteps};
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
@@ -50,17 +52,17 @@ struct BenchOffloadArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt (context) length in tokens.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = flags::tokens())]
     context: usize,
     /// Decode steps timed after the prefill.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = flags::tokens_or_zero())]
     decode_steps: usize,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = flags::kv_buffers())]
     num_kv_buffers: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = flags::block_size())]
     block_size: usize,
     /// Simulated link speed [default: one layer's transfer ≈ one layer's decode compute]
-    #[arg(long)]
+    #[arg(long, value_parser = flags::link_gbps)]
     sim_link_gbps: Option<f64>,
     /// Write the decode steps' Chrome/Perfetto trace here.
     #[arg(long)]
@@ -86,7 +88,7 @@ struct GenerateArgs {
     #[arg(long)]
     prompt_file: Option<PathBuf>,
     /// Most new tokens to generate.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = flags::tokens_or_zero())]
     max_tokens: usize,
     /// Sampling temperature; 0 = greedy [default: the model's generation_config, else 0]
     #[arg(long)]
@@ -107,7 +109,7 @@ struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
     /// Context limit in tokens (prompt + output) [default: the model's maximum]
-    #[arg(long)]
+    #[arg(long, value_parser = flags::tokens())]
     max_model_len: Option<usize>,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
@@ -116,16 +118,16 @@ struct GenerateArgs {
     #[arg(long)]
     enable_offload: bool,
     /// Device ring slots (prefetch depth = slots - 1).
-    #[arg(long, default_value_t = 4, requires = "enable_offload")]
+    #[arg(long, default_value_t = 4, requires = "enable_offload", value_parser = flags::kv_buffers())]
     num_kv_buffers: usize,
     /// Tokens per host KV block.
-    #[arg(long, default_value_t = 256, requires = "enable_offload")]
+    #[arg(long, default_value_t = 256, requires = "enable_offload", value_parser = flags::block_size())]
     block_size: usize,
     /// Host KV blocks per layer [default: enough for --max-model-len]
-    #[arg(long, requires = "enable_offload")]
+    #[arg(long, requires = "enable_offload", value_parser = flags::blocks())]
     num_cpu_blocks: Option<usize>,
     /// Throttle host-device copies of the CPU device to this many GB/s (0 = unthrottled).
-    #[arg(long, default_value_t = 0.0, requires = "enable_offload")]
+    #[arg(long, default_value_t = 0.0, requires = "enable_offload", value_parser = flags::link_gbps)]
     sim_link_gbps: f64,
     /// Sanitizer: poison released ring slots and delay copies at random (also STRATA_SANITIZE=1).
     #[arg(long, requires = "enable_offload")]
@@ -140,7 +142,10 @@ struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match errors::parse_args::<Cli>("strata") {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
@@ -148,11 +153,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // One line naming the cause chain, e.g. "error: model.safetensors: invalid safetensors file: ...".
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+        // One line naming the cause chain, e.g. "error: model.safetensors: invalid safetensors file: ...".
+        Err(e) => errors::report(&e),
     }
 }
 
@@ -199,9 +201,14 @@ fn generate_offloaded(
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
+    // Everything is checked before anything is printed: a failing run prints only its
+    // error line (docs/errors.md); warnings and the memory plan follow validation.
     device::check_available(args.device)?;
     if args.profile_steps.is_some() && args.device != DeviceKind::Cuda {
         bail!("--profile-steps needs --device cuda");
+    }
+    if let Some(path) = &args.trace_out {
+        strata::offload::trace::check_trace_out(path)?;
     }
     let prompt_text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
@@ -222,12 +229,16 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         prompt_text
     };
     let prompt = tok.encode(&text, !args.chat)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
     let max_model_len = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
+    let mut infos = Vec::new();
     if max_model_len > cfg.max_position_embeddings {
-        eprintln!(
+        infos.push(format!(
             "warning: --max-model-len {max_model_len} exceeds the model's trained context ({})",
             cfg.max_position_embeddings
-        );
+        ));
     }
     let defaults = &cfg.generation;
     let sampling = SamplingParams {
@@ -242,28 +253,16 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         sampling,
         stop_ids: cfg.eos_token_ids.clone(),
     };
-
-    let mut stream = StreamDecoder::new();
-    let stdout = std::io::stdout();
-    let json = args.json;
-    let mut on_token = |id: u32| -> Result<()> {
-        if json || opts.stop_ids.contains(&id) {
-            return Ok(());
-        }
-        if let Some(piece) = stream.push(&tok, id)? {
-            let mut out = stdout.lock();
-            out.write_all(piece.as_bytes())?;
-            out.flush()?;
-        }
-        Ok(())
-    };
     engine::check_prompt(&prompt, max_model_len)?;
-    let out = if args.enable_offload {
+    // Prompt + output, bounded by the context (flags are bounded, so this cannot wrap).
+    let request_len = prompt
+        .len()
+        .saturating_add(args.max_tokens)
+        .min(max_model_len);
+    let sanitize = args.sanitize || std::env::var("STRATA_SANITIZE").is_ok_and(|v| v == "1");
+    let offload = if args.enable_offload {
         // Size the offload buffers for this request unless told otherwise.
-        let max_len = args
-            .max_model_len
-            .unwrap_or((prompt.len() + args.max_tokens).min(max_model_len));
-        let sanitize = args.sanitize || std::env::var("STRATA_SANITIZE").is_ok_and(|v| v == "1");
+        let max_len = args.max_model_len.unwrap_or(request_len);
         let ocfg = OffloadConfig {
             num_kv_buffers: args.num_kv_buffers,
             block_size: args.block_size,
@@ -280,7 +279,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             4
         };
         let plan = ocfg.plan_for(cfg, elem)?;
-        let holds = max_len.min(plan.num_cpu_blocks * args.block_size);
+        let holds = max_len.min(plan.num_cpu_blocks.saturating_mul(args.block_size));
         if prompt.len() >= holds {
             bail!(
                 "host KV too small for the prompt: {} tokens, the engine holds {holds} ({} blocks of {}, --max-model-len {max_len}); raise --num-cpu-blocks or --max-model-len",
@@ -289,7 +288,30 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
                 args.block_size
             );
         }
-        eprintln!("{plan}");
+        infos.push(plan.to_string());
+        Some((ocfg, max_len))
+    } else {
+        None
+    };
+    for line in &infos {
+        eprintln!("{line}");
+    }
+
+    let mut stream = StreamDecoder::new();
+    let stdout = std::io::stdout();
+    let json = args.json;
+    let mut on_token = |id: u32| -> Result<()> {
+        if json || opts.stop_ids.contains(&id) {
+            return Ok(());
+        }
+        if let Some(piece) = stream.push(&tok, id)? {
+            let mut out = stdout.lock();
+            out.write_all(piece.as_bytes())?;
+            out.flush()?;
+        }
+        Ok(())
+    };
+    let out = if let Some((ocfg, max_len)) = offload {
         if args.device == DeviceKind::Cuda {
             let req = CudaRequest {
                 offload: Some(ocfg),
@@ -311,7 +333,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     } else if args.device == DeviceKind::Cuda {
         let req = CudaRequest {
             offload: None,
-            max_len: (prompt.len() + args.max_tokens).min(max_model_len),
+            max_len: request_len,
             profile: args.profile_steps,
             trace_out: None,
         };
@@ -346,6 +368,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn run_bench_offload(args: BenchOffloadArgs) -> Result<()> {
+    if let Some(path) = &args.trace_out {
+        strata::offload::trace::check_trace_out(path)?;
+    }
     let (model, _) = Model::load(&resolve_model(args.model)?, !args.json)?;
     if args.context == 0 || args.context + args.decode_steps >= model.cfg.max_position_embeddings {
         bail!(

@@ -7,34 +7,51 @@ use std::process::Command;
 
 use common::{scratch_dir, TinySpec};
 
-/// Runs `strata generate` and returns its stderr, asserting the error contract.
+/// Runs `strata generate` and asserts the error contract (exit 1).
 fn generate_err(model: &Path, extra: &[&str], expect: &str) {
-    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .arg("generate")
-        .arg("--model")
-        .arg(model)
-        .args(if extra.iter().any(|a| a.starts_with("--prompt")) {
-            vec![]
-        } else {
-            vec!["--prompt", "hello"]
-        })
-        .args(extra)
-        .arg("--json") // no progress bar: stderr holds only the error
-        .output()
+    generate_err_code(model, extra, expect, 1)
+}
+
+fn generate_err_code(model: &Path, extra: &[&str], expect: &str, code: i32) {
+    let mut args: Vec<std::ffi::OsString> = vec!["generate".into(), "--model".into(), model.into()];
+    if !extra.iter().any(|a| a.starts_with("--prompt")) {
+        args.extend(["--prompt".into(), "hello".into()]);
+    }
+    args.extend(extra.iter().map(Into::into));
+    args.push("--json".into()); // no progress bar: stderr holds only the error
+    assert_error(env!("CARGO_BIN_EXE_strata"), &args, expect, code);
+}
+
+/// Runs `bin` with `args` (and RUST_BACKTRACE=1, which must not leak a backtrace) and
+/// asserts the contract: exit `code`, exactly one `error:` line on stderr naming
+/// `expect`, nothing on stdout, no panic.
+fn assert_error<S: AsRef<std::ffi::OsStr>>(bin: &str, args: &[S], expect: &str, code: i32) {
+    let mut child = Command::new(bin)
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    // No case may hang: a FIFO model or a runaway template must fail within seconds.
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("hung for {expect:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "expected failure for {expect:?}, got success"
-    );
     assert_eq!(
         out.status.code(),
-        Some(1),
+        Some(code),
         "exit code for {expect:?}: {stderr}"
     );
     assert!(
-        !stderr.contains("panicked"),
-        "panic for {expect:?}: {stderr}"
+        !stderr.contains("panicked") && !stderr.contains("backtrace"),
+        "panic or backtrace for {expect:?}: {stderr}"
     );
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(
@@ -221,10 +238,11 @@ fn no_cuda_device() {
 
 #[test]
 fn offload_needs_two_ring_slots() {
-    generate_err(
+    generate_err_code(
         &tiny_dir("err_ring"),
         &["--enable-offload", "--num-kv-buffers", "1"],
-        "--num-kv-buffers must be at least 2",
+        "1 is not in 2..=64 (see `strata generate --help`)",
+        2,
     );
 }
 
@@ -290,7 +308,544 @@ fn cuda_subcommands_without_driver() {
 fn offload_host_kv_larger_than_memory() {
     generate_err(
         &tiny_dir("err_host_oom"),
-        &["--enable-offload", "--num-cpu-blocks", "100000000"],
+        &["--enable-offload", "--num-cpu-blocks", "16777216"],
         "of memory is available",
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Hostile inputs (issue #11): each once made a binary panic, abort, hang, leak a
+// multi-line error or accept garbage.
+
+use candle_core::quantized::gguf_file::Value as G;
+use strata::fuzz::{corpus, gguf_writer::GgufDoc};
+
+/// The fuzzer's tiny valid GGUF (Llama layout) with `edit` applied, written to a file.
+fn gguf_with(name: &str, edit: impl FnOnce(&mut GgufDoc)) -> std::path::PathBuf {
+    let mut doc = corpus::gguf_doc("llama");
+    edit(&mut doc);
+    let p = scratch_dir(name).join("model.gguf");
+    std::fs::write(&p, doc.to_bytes()).unwrap();
+    p
+}
+
+fn set_meta(doc: &mut GgufDoc, key: &str, v: G) {
+    doc.metadata.retain(|(k, _)| k != key);
+    doc.metadata.push((key.to_string(), v));
+}
+
+#[test]
+fn the_tiny_gguf_itself_loads() {
+    // The base of the cases below is valid: each error comes from its one edit.
+    let p = gguf_with("gguf_ok", |_| {});
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "generate",
+            "--max-tokens",
+            "2",
+            "--json",
+            "--prompt",
+            "hello",
+            "--model",
+        ])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn gguf_alignment_zero_is_refused_not_a_division_by_zero() {
+    // Twice: candle keeps the last of duplicate keys, so the check must too.
+    let p = gguf_with("gguf_align0", |d| {
+        d.metadata.push(("general.alignment".into(), G::U32(0)))
+    });
+    generate_err(&p, &[], "general.alignment is 0");
+    let p = gguf_with("gguf_align3", |d| {
+        set_meta(d, "general.alignment", G::U32(3))
+    });
+    generate_err(&p, &[], "general.alignment must be a power of two");
+}
+
+#[test]
+fn gguf_tensor_offsets_must_be_aligned_and_disjoint() {
+    let p = gguf_with("gguf_misaligned", |d| {
+        d.tensors[1].offset = Some(36_000 + 1)
+    });
+    generate_err(&p, &[], "not a multiple of the alignment 32");
+    let p = gguf_with("gguf_overlap", |d| d.tensors[2].offset = Some(0));
+    generate_err(&p, &[], "overlap");
+    // A shape whose element count wraps 64 bits.
+    let p = gguf_with("gguf_wrap", |d| d.tensors[0].dims = vec![1 << 40, 1 << 40]);
+    generate_err(&p, &[], "element count overflows");
+}
+
+#[test]
+fn huge_layer_counts_are_refused_before_allocating() {
+    let p = gguf_with("gguf_layers", |d| {
+        set_meta(d, "llama.block_count", G::U64(u64::MAX))
+    });
+    generate_err(&p, &[], "num_hidden_layers = 18446744073709551615 is above");
+    // Within the bound but past the tensors present.
+    let p = gguf_with("gguf_layers2", |d| {
+        set_meta(d, "llama.block_count", G::U32(1000))
+    });
+    generate_err(
+        &p,
+        &[],
+        "the config names 1000 layers but the weights have no `blk.999.attn_q.weight`",
+    );
+    let dir = tiny_dir("err_hf_layers");
+    let cfg = TinySpec::llama()
+        .config_json()
+        .replace("\"num_hidden_layers\":3", "\"num_hidden_layers\":1000");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    generate_err(&dir, &[], "the config names 1000 layers");
+}
+
+#[test]
+fn a_head_dim_whose_products_wrap_is_refused() {
+    let p = gguf_with("gguf_head_dim", |d| {
+        set_meta(d, "llama.attention.key_length", G::U64(1 << 62))
+    });
+    generate_err(
+        &p,
+        &[],
+        "head_dim = 4611686018427387904 is above the supported limit of 1024",
+    );
+}
+
+#[test]
+fn meaningless_rope_and_norm_values_are_refused() {
+    for (i, (key, v, expect)) in [
+        (
+            "llama.rope.scaling.factor",
+            G::F32(0.0),
+            "factor must be a finite number > 0",
+        ),
+        (
+            "llama.rope.scaling.factor",
+            G::F32(-2.0),
+            "factor must be a finite number > 0",
+        ),
+        (
+            "llama.rope.scaling.factor",
+            G::F32(f32::NAN),
+            "factor must be a finite number > 0",
+        ),
+        (
+            "llama.rope.scaling.factor",
+            G::F32(f32::INFINITY),
+            "factor must be a finite number > 0",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            G::F32(f32::INFINITY),
+            "rms_norm_eps must be a finite number",
+        ),
+        (
+            "llama.rope.freq_base",
+            G::F32(f32::INFINITY),
+            "rope_theta must be a finite number",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = gguf_with(&format!("gguf_rope{i}"), |d| {
+            set_meta(d, "llama.rope.scaling.type", G::String("linear".into()));
+            set_meta(d, "llama.rope.scaling.factor", G::F32(2.0));
+            set_meta(d, key, v);
+        });
+        generate_err(&p, &[], expect);
+    }
+    let dir = tiny_dir("err_hf_rope");
+    let cfg = TinySpec::llama()
+        .config_json()
+        .replace("\"factor\":8.0", "\"factor\":-8.0");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    generate_err(
+        &dir,
+        &[],
+        "rope scaling factor must be a finite number > 0, got -8",
+    );
+}
+
+#[test]
+fn token_type_longer_than_tokens_is_refused() {
+    let p = gguf_with("gguf_token_type", |d| {
+        set_meta(
+            d,
+            "tokenizer.ggml.token_type",
+            G::Array(vec![G::I32(3); 1000]),
+        )
+    });
+    generate_err(
+        &p,
+        &[],
+        "token_type has 1000 entries but tokenizer.ggml.tokens has 262",
+    );
+}
+
+#[test]
+fn an_empty_vocabulary_is_named_as_such() {
+    let p = gguf_with("gguf_empty_vocab", |d| {
+        set_meta(d, "tokenizer.ggml.tokens", G::Array(vec![]));
+        set_meta(d, "tokenizer.ggml.token_type", G::Array(vec![]));
+        set_meta(d, "llama.vocab_size", G::U32(262));
+    });
+    generate_err(&p, &[], "the model has no vocabulary");
+}
+
+#[test]
+fn untrusted_text_in_errors_is_escaped_onto_one_line() {
+    let p = gguf_with("gguf_arch_nl", |d| {
+        set_meta(
+            d,
+            "general.architecture",
+            G::String("evil\nsecond line\u{1b}[2J".into()),
+        )
+    });
+    generate_err(
+        &p,
+        &[],
+        "unsupported architecture `evil\\nsecond line\\u{1b}[2J`",
+    );
+    // A template's exception text, too.
+    let p = gguf_with("gguf_raise", |d| {
+        set_meta(
+            d,
+            "tokenizer.chat_template",
+            G::String("{{ raise_exception('bad\\nrole') }}".into()),
+        )
+    });
+    generate_err(&p, &["--chat"], "bad\\nrole");
+}
+
+#[test]
+fn candle_errors_carry_no_backtrace() {
+    // An unknown tensor type fails inside candle's reader, whose errors capture a
+    // backtrace under RUST_BACKTRACE=1 (set by `assert_error`).
+    let p = gguf_with("gguf_dtype", |d| d.tensors[0].ggml_type = 99);
+    generate_err(&p, &[], "unknown dtype for tensor 99");
+}
+
+#[test]
+fn token_ids_from_config_files_name_the_file_and_key() {
+    let dir = tiny_dir("err_eos_range");
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"eos_token_id": [2, 99999]}"#,
+    )
+    .unwrap();
+    generate_err(
+        &dir,
+        &[],
+        "generation_config.json: eos_token_id 99999 is outside the vocabulary (320 tokens)",
+    );
+    let dir = tiny_dir("err_eos_cfg");
+    let cfg = TinySpec::llama()
+        .config_json()
+        .replace("\"eos_token_id\":2", "\"eos_token_id\":5000000000");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    generate_err(&dir, &[], "config.json: eos_token_id must hold token ids");
+    let p = gguf_with("gguf_bos_range", |d| {
+        set_meta(d, "tokenizer.ggml.bos_token_id", G::U32(70000))
+    });
+    generate_err(
+        &p,
+        &[],
+        "GGUF tokenizer.ggml.bos_token_id 70000 is outside the vocabulary",
+    );
+}
+
+#[test]
+fn generation_config_values_are_reported_as_that_file() {
+    let dir = tiny_dir("err_gen_temp");
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"do_sample": true, "temperature": -1.5}"#,
+    )
+    .unwrap();
+    generate_err(
+        &dir,
+        &[],
+        "generation_config.json: temperature must be a finite number >= 0, got -1.5",
+    );
+}
+
+#[test]
+fn a_fifo_as_the_model_fails_at_once() {
+    let dir = scratch_dir("err_fifo");
+    let fifo = dir.join("model.gguf");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    generate_err(&fifo, &[], "not a regular file or a model directory");
+    // A FIFO inside a model directory (read by path) as well.
+    let dir = tiny_dir("err_fifo_cfg");
+    std::fs::remove_file(dir.join("tokenizer_config.json")).unwrap();
+    let c = std::ffi::CString::new(dir.join("tokenizer_config.json").to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    generate_err(&dir, &[], "tokenizer_config.json: not a regular file");
+}
+
+/// The three template sources, each with a runaway template: one error naming the source.
+#[test]
+fn chat_templates_run_on_a_budget_from_every_source() {
+    let hang = "{% for a in range(99999) %}{% for b in range(99999) %}x{% endfor %}{% endfor %}";
+    let flood = "{% for a in range(99999) %}{{ 'y' * 100000 }}{% endfor %}";
+    let hoard = "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}";
+    for (i, (template, expect)) in [
+        (hang, "ran out of its budget of 5000000 instructions"),
+        (flood, "the rendered text passes 64 MiB"),
+        (hoard, "used more than 512 MiB of memory"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = gguf_with(&format!("tpl_gguf{i}"), |d| {
+            set_meta(d, "tokenizer.chat_template", G::String(template.into()))
+        });
+        generate_err(
+            &p,
+            &["--chat"],
+            &format!("chat template from GGUF tokenizer.chat_template: {expect}"),
+        );
+        let dir = tiny_dir(&format!("tpl_cfg{i}"));
+        let tc =
+            serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template});
+        std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).unwrap();
+        generate_err(
+            &dir,
+            &["--chat"],
+            &format!("chat template from tokenizer_config.json chat_template: {expect}"),
+        );
+        let dir = tiny_dir(&format!("tpl_jinja{i}"));
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"eos_token": "</s>"}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
+        generate_err(
+            &dir,
+            &["--chat"],
+            &format!("chat template from chat_template.jinja: {expect}"),
+        );
+    }
+}
+
+#[test]
+fn an_unwritable_trace_out_fails_before_any_text() {
+    generate_err(
+        &tiny_dir("err_trace"),
+        &[
+            "--enable-offload",
+            "--trace-out",
+            "/nonexistent-dir/trace.json",
+        ],
+        "cannot write --trace-out /nonexistent-dir/trace.json",
+    );
+}
+
+#[test]
+fn no_informational_line_precedes_an_error() {
+    // Once: a context warning and the memory plan were printed, then this error.
+    let long = "c".repeat(100);
+    generate_err(
+        &tiny_dir("err_info_first"),
+        &[
+            "--prompt",
+            &long,
+            "--max-model-len",
+            "100000",
+            "--enable-offload",
+            "--block-size",
+            "16",
+            "--num-cpu-blocks",
+            "2",
+        ],
+        "host KV too small for the prompt",
+    );
+}
+
+#[test]
+fn usage_errors_are_one_line_with_exit_2() {
+    let strata = env!("CARGO_BIN_EXE_strata");
+    let m = tiny_dir("usage");
+    let m = m.to_str().unwrap();
+    for (args, expect) in [
+        (
+            vec!["generate", "--model", m, "--prompt", "x", "--bogus"],
+            "unexpected argument '--bogus' found (see `strata generate --help`)",
+        ),
+        (vec![], "missing subcommand (see `strata --help`)"),
+        (
+            vec!["bench"],
+            "missing subcommand (see `strata bench --help`)",
+        ),
+        (vec!["generate", "--model", m], "--prompt"),
+        (
+            vec![
+                "generate",
+                "--model",
+                m,
+                "--prompt",
+                "x",
+                "--max-tokens",
+                "18446744073709551615",
+            ],
+            "is not in 0..=16777216",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                m,
+                "--prompt",
+                "x",
+                "--enable-offload",
+                "--num-kv-buffers",
+                "1000000",
+            ],
+            "1000000 is not in 2..=64",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                m,
+                "--prompt",
+                "x",
+                "--enable-offload",
+                "--sim-link-gbps",
+                "NaN",
+            ],
+            "NaN is not in 0..=1000000 GB/s",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                m,
+                "--prompt",
+                "x",
+                "--enable-offload",
+                "--num-cpu-blocks",
+                "18446744073709551615",
+            ],
+            "is not in 1..=16777216",
+        ),
+        (
+            vec![
+                "bench",
+                "serve",
+                "--model",
+                m,
+                "--input-len",
+                "1:18446744073709551615",
+            ],
+            "expected 1 <= A <= B <= 16777216",
+        ),
+        (
+            vec![
+                "bench",
+                "serve",
+                "--model",
+                m,
+                "--num-seqs",
+                "18446744073709551615",
+            ],
+            "is not in 1..=65536",
+        ),
+        (
+            vec!["bench", "serve", "--model", m, "--link-gbps=-1"],
+            "is not in 0..=1000000 GB/s",
+        ),
+        (
+            vec!["bench", "offload", "--model", m, "--sim-link-gbps", "inf"],
+            "is not in 0..=1000000 GB/s (see `strata bench offload --help`)",
+        ),
+        (
+            vec![
+                "bench",
+                "offload",
+                "--model",
+                m,
+                "--context",
+                "18446744073709551615",
+            ],
+            "is not in 1..=16777216",
+        ),
+    ] {
+        assert_error(strata, &args, expect, 2);
+    }
+    let needle = env!("CARGO_BIN_EXE_needle");
+    for (args, expect) in [
+        (
+            vec!["--model", m, "--input-len", "18446744073709551615"],
+            "is not in 1..=16777216 (see `needle --help`)",
+        ),
+        (
+            vec!["--model", m, "--repeats", "0"],
+            "0 is not in 1..=10000",
+        ),
+        (vec!["--model", m, "--depth", "NaN"], "NaN is not in [0, 1]"),
+        (
+            vec!["--model", m, "--num-kv-buffers", "100"],
+            "100 is not in 2..=64",
+        ),
+    ] {
+        assert_error(needle, &args, expect, 2);
+    }
+}
+
+#[test]
+fn bench_serve_sizes_that_cannot_fit_are_refused() {
+    let strata = env!("CARGO_BIN_EXE_strata");
+    let m = tiny_dir("serve_sizes");
+    let m = m.to_str().unwrap();
+    for (args, expect) in [
+        // Lengths past the model's context (512), whatever their sum.
+        (
+            vec![
+                "bench",
+                "serve",
+                "--model",
+                m,
+                "--input-len",
+                "16777216",
+                "--output-len",
+                "16777216",
+            ],
+            "reach 33554432 tokens, past the model's context (512)",
+        ),
+        // Pools whose byte size is far past any memory.
+        (
+            vec![
+                "bench",
+                "serve",
+                "--model",
+                m,
+                "--input-len",
+                "8",
+                "--output-len",
+                "8",
+                "--num-gpu-blocks",
+                "16777216",
+                "--max-cpu-offload-blocks",
+                "16777216",
+                "--block-size",
+                "64",
+            ],
+            "the KV pools need",
+        ),
+    ] {
+        assert_error(strata, &args, expect, 1);
+    }
 }

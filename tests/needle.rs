@@ -118,7 +118,7 @@ fn bad_arguments_are_refused_clearly() {
             vec!["--input-len", "9000"],
             "exceeds the model's context of 8192",
         ),
-        (vec!["--depth", "1.5"], "--depth values must be in [0, 1]"),
+        (vec!["--depth", "1.5"], "1.5 is not in [0, 1]"),
         (
             vec!["--needle-kind", "haystack"],
             "invalid value 'haystack'",

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use strata::{errors, flags};
 
 use strata::device::cuda::generate::CudaSession;
 use strata::device::{self, DeviceKind};
@@ -33,13 +34,13 @@ struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Context limit [default: the longest --input-len plus 32 answer tokens]
-    #[arg(long)]
+    #[arg(long, value_parser = flags::tokens())]
     max_model_len: Option<usize>,
     /// Prompt lengths in tokens, chat template included (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1024")]
+    #[arg(long, value_delimiter = ',', default_value = "1024", value_parser = flags::tokens())]
     input_len: Vec<usize>,
     /// Needle depths in [0, 1] (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "0.1,0.5,0.9")]
+    #[arg(long, value_delimiter = ',', default_value = "0.1,0.5,0.9", value_parser = flags::fraction)]
     depth: Vec<f64>,
     #[arg(long, value_enum, default_value_t = NeedleKind::MagicNumber)]
     needle_kind: NeedleKind,
@@ -47,7 +48,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Run every case this many times in one process (catches state leaking between requests).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = flags::repeats())]
     repeats: usize,
     /// Run with layerwise KV offload.
     #[arg(long)]
@@ -55,12 +56,12 @@ struct Args {
     /// Run each case with and without offload; fail on any token mismatch.
     #[arg(long, conflicts_with = "enable_offload")]
     compare_offload: bool,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = flags::kv_buffers())]
     num_kv_buffers: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = flags::block_size())]
     block_size: usize,
     /// Host KV blocks per layer [default: enough for --max-model-len]
-    #[arg(long)]
+    #[arg(long, value_parser = flags::blocks())]
     num_cpu_blocks: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
@@ -92,13 +93,14 @@ struct CaseReport {
 }
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    let args = match errors::parse_args::<Args>("needle") {
+        Ok(args) => args,
+        Err(code) => return code,
+    };
+    match run(args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+        Err(e) => errors::report(&e),
     }
 }
 
@@ -159,12 +161,6 @@ fn answer(
 
 fn run(args: Args) -> Result<bool> {
     device::check_available(args.device)?;
-    if args.repeats == 0 {
-        bail!("--repeats must be at least 1");
-    }
-    if let Some(d) = args.depth.iter().find(|d| !(0.0..=1.0).contains(*d)) {
-        bail!("--depth values must be in [0, 1], got {d}");
-    }
     let (model, tok) = Model::load(
         &args.model.clone().map_or_else(default_model, Ok)?,
         !args.json,
@@ -197,6 +193,7 @@ fn run(args: Args) -> Result<bool> {
         num_cpu_blocks: args.num_cpu_blocks,
         ..Default::default()
     });
+    let mut plan = None;
     if let Some(cfg) = &ocfg {
         // KV in f32 on the CPU device, bf16 on CUDA.
         let elem = if args.device == DeviceKind::Cuda {
@@ -204,10 +201,7 @@ fn run(args: Args) -> Result<bool> {
         } else {
             4
         };
-        let plan = cfg.plan_for(&model.cfg, elem)?;
-        if !args.json {
-            eprintln!("{plan}");
-        }
+        plan = Some(cfg.plan_for(&model.cfg, elem)?);
     }
     let mut backend = match args.device {
         DeviceKind::Cuda => {
@@ -220,12 +214,17 @@ fn run(args: Args) -> Result<bool> {
                 .transpose()?,
         ),
     };
+    // Printed once everything it describes exists: no line precedes a setup error.
+    if let (Some(plan), false) = (plan, args.json) {
+        eprintln!("{plan}");
+    }
 
     let mut reports = Vec::new();
     for repeat in 0..args.repeats {
         for &input_len in &args.input_len {
             for (i, &depth) in args.depth.iter().enumerate() {
-                let seed = args.seed + (repeat * 1000 + i) as u64;
+                // Wrapping: any --seed is valid, and the cases' seeds follow it.
+                let seed = args.seed.wrapping_add((repeat * 1000 + i) as u64);
                 let case = Case {
                     input_len,
                     depth,

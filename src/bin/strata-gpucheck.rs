@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use strata::device::cuda::context::CudaDevice;
 use strata::gpucheck::kernels::{self, CheckRow, CheckSizes};
 use strata::gpucheck::{bench, emu::EmuExec, model_checks};
+use strata::{errors, flags};
 
 #[derive(Parser)]
 #[command(
@@ -46,21 +47,25 @@ struct Target {
 #[derive(Args, Debug)]
 struct BenchArgs {
     /// Layers of Qwen3-4B's 36 to run (all identical; ratios are per layer).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=36))]
     layers: usize,
     /// Context lengths, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768", value_parser = flags::tokens())]
     contexts: Vec<usize>,
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = flags::tokens_or_zero())]
     decode_steps: usize,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = flags::kv_buffers())]
     num_kv_buffers: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = flags::block_size())]
     block_size: usize,
 }
 
 fn main() -> ExitCode {
-    let result = match Cli::parse().command {
+    let cli = match errors::parse_args::<Cli>("strata-gpucheck") {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
+    let result = match cli.command {
         Command::Kernels(t) => kernel_rows(t.emulate).and_then(|r| print_rows(r, "kernel")),
         Command::Logits(t) => {
             let f = if t.emulate {
@@ -83,10 +88,7 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+        Err(e) => errors::report(&e),
     }
 }
 

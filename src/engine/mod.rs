@@ -77,7 +77,10 @@ pub fn generate(
 ) -> Result<GenerationOutput> {
     let cfg = &model.cfg;
     check_prompt(prompt, max_model_len)?;
-    let capacity = (prompt.len() + opts.max_tokens).min(max_model_len);
+    let capacity = prompt
+        .len()
+        .saturating_add(opts.max_tokens)
+        .min(max_model_len);
     let mut kv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity);
     generate_with(model, &mut kv, capacity, prompt, opts, on_token)
 }

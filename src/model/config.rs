@@ -33,6 +33,59 @@ pub enum RopeScaling {
     },
 }
 
+/// Plausible upper bounds for sizes read from a model file: far above any released model
+/// (the largest today: 126 layers, hidden 16384, 128 heads, head_dim 256, vocab 262144,
+/// 10M context), far below what could wrap or exhaust memory before a tensor is checked.
+pub mod limits {
+    pub const MAX_LAYERS: usize = 1024;
+    pub const MAX_HIDDEN: usize = 1 << 17;
+    pub const MAX_INTERMEDIATE: usize = 1 << 19;
+    pub const MAX_HEADS: usize = 1024;
+    pub const MAX_HEAD_DIM: usize = 1024;
+    pub const MAX_VOCAB: usize = 1 << 22;
+    /// Longest context, in tokens (also the bound of every token-count flag).
+    pub const MAX_CONTEXT: usize = 1 << 24;
+}
+
+impl RopeScaling {
+    /// Factors must be finite and positive: a zero, negative or NaN factor would silently
+    /// give every position the same (or a garbage) rotation.
+    fn validate(&self) -> Result<()> {
+        let positive = |key: &str, x: f32| -> Result<()> {
+            if !(x.is_finite() && x > 0.0) {
+                bail!(
+                    "invalid model config: rope scaling {key} must be a finite number > 0, got {x}"
+                );
+            }
+            Ok(())
+        };
+        match *self {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => positive("factor", factor)?,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                if high_freq_factor <= low_freq_factor {
+                    bail!("invalid model config: rope scaling high_freq_factor ({high_freq_factor}) must be above low_freq_factor ({low_freq_factor})");
+                }
+                if !(1..=limits::MAX_CONTEXT).contains(&original_max_position_embeddings) {
+                    bail!(
+                        "invalid model config: rope scaling original_max_position_embeddings must be in 1..={}, got {original_max_position_embeddings}",
+                        limits::MAX_CONTEXT
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -76,16 +129,63 @@ impl Default for GenerationDefaults {
 }
 
 impl GenerationDefaults {
-    /// Reads `generation_config.json`: `do_sample: false` (or absent) means greedy.
-    pub fn from_json(v: &Value) -> Self {
-        if !v.get("do_sample").and_then(Value::as_bool).unwrap_or(false) {
-            return Self::default();
+    /// Reads `generation_config.json`: `do_sample: false` (or absent) means greedy. Values
+    /// are checked here, so a bad one is reported as this file's key, not as a flag.
+    pub fn from_json(v: &Value) -> Result<Self> {
+        let do_sample = match v.get("do_sample") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => bail!("do_sample must be true or false, got {other}"),
+        };
+        if !do_sample {
+            return Ok(Self::default());
         }
-        Self {
-            temperature: v.get("temperature").and_then(Value::as_f64).unwrap_or(1.0) as f32,
-            top_k: v.get("top_k").and_then(Value::as_u64).unwrap_or(0) as usize,
-            top_p: v.get("top_p").and_then(Value::as_f64).unwrap_or(1.0) as f32,
+        let float = |key: &str, default: f64| -> Result<f32> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(default as f32),
+                Some(x) => x
+                    .as_f64()
+                    .map(|x| x as f32)
+                    .with_context(|| format!("{key} must be a number, got {x}")),
+            }
+        };
+        let temperature = float("temperature", 1.0)?;
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            bail!("temperature must be a finite number >= 0, got {temperature}");
         }
+        let top_p = float("top_p", 1.0)?;
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            bail!("top_p must be in (0, 1], got {top_p}");
+        }
+        let top_k = match v.get("top_k") {
+            None | Some(Value::Null) => 0,
+            Some(x) => x
+                .as_u64()
+                .and_then(|k| usize::try_from(k).ok())
+                .with_context(|| format!("top_k must be a whole number >= 0, got {x}"))?,
+        };
+        Ok(Self {
+            temperature,
+            top_k,
+            top_p,
+        })
+    }
+}
+
+/// Token ids from a JSON `*_token_id` value (a number or a list of numbers); an id that
+/// is not a whole number below 2^32 is an error naming the key.
+pub fn json_token_ids(key: &str, v: Option<&Value>) -> Result<Vec<u32>> {
+    let one = |x: &Value| -> Result<u32> {
+        x.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .with_context(|| {
+                format!("{key} must hold token ids (whole numbers below 2^32), got {x}")
+            })
+    };
+    match v {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Array(a)) => a.iter().map(one).collect(),
+        Some(x) => Ok(vec![one(x)?]),
     }
 }
 
@@ -97,37 +197,96 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Rejects configurations the forward pass cannot run, with the reason.
+    /// Rejects configurations the forward pass cannot run, with the reason. Every size is
+    /// bounded (see `limits`) before anything is allocated from it, and every product the
+    /// loader and the forward pass form from these sizes fits in memory arithmetic.
     pub fn validate(&self) -> Result<()> {
-        let checks = [
-            (self.hidden_size > 0, "hidden_size must be > 0"),
-            (self.num_layers > 0, "num_hidden_layers must be > 0"),
-            (self.num_heads > 0, "num_attention_heads must be > 0"),
-            (self.num_kv_heads > 0, "num_key_value_heads must be > 0"),
+        use limits::*;
+        let sizes = [
+            ("hidden_size", self.hidden_size, MAX_HIDDEN),
+            ("num_hidden_layers", self.num_layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_heads, MAX_HEADS),
+            ("num_key_value_heads", self.num_kv_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEAD_DIM),
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
             (
-                self.head_dim > 0 && self.head_dim.is_multiple_of(2),
-                "head_dim must be even and > 0",
+                "intermediate_size",
+                self.intermediate_size,
+                MAX_INTERMEDIATE,
             ),
-            (self.vocab_size > 0, "vocab_size must be > 0"),
-            (self.intermediate_size > 0, "intermediate_size must be > 0"),
-            (self.rope_theta > 0.0, "rope_theta must be > 0"),
-            (self.rms_norm_eps >= 0.0, "rms_norm_eps must be >= 0"),
             (
-                self.max_position_embeddings > 0,
-                "max_position_embeddings must be > 0",
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_CONTEXT,
             ),
         ];
-        for (ok, msg) in checks {
-            if !ok {
-                bail!("invalid model config: {msg}");
+        for (key, value, max) in sizes {
+            if value == 0 {
+                bail!("invalid model config: {key} must be > 0");
+            }
+            if value > max {
+                bail!(
+                    "invalid model config: {key} = {value} is above the supported limit of {max}"
+                );
             }
         }
+        if !self.head_dim.is_multiple_of(2) {
+            bail!(
+                "invalid model config: head_dim must be even, got {}",
+                self.head_dim
+            );
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            bail!(
+                "invalid model config: rope_theta must be a finite number > 0, got {}",
+                self.rope_theta
+            );
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            bail!(
+                "invalid model config: rms_norm_eps must be a finite number >= 0, got {}",
+                self.rms_norm_eps
+            );
+        }
+        self.rope_scaling.validate()?;
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!(
                 "invalid model config: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_heads,
                 self.num_kv_heads
             );
+        }
+        // The bounds above keep these far from wrapping; checked all the same, since the
+        // largest tensors' byte sizes are formed from them.
+        let product = |a: usize, b: usize| a.checked_mul(b).and_then(|n| n.checked_mul(4));
+        let qkv_rows = self
+            .q_dim()
+            .checked_add(2 * self.kv_dim())
+            .context("invalid model config: attention sizes overflow")?;
+        for (what, bytes) in [
+            ("the embedding", product(self.vocab_size, self.hidden_size)),
+            ("the fused qkv matrix", product(qkv_rows, self.hidden_size)),
+            (
+                "the fused gate/up matrix",
+                product(2 * self.intermediate_size, self.hidden_size),
+            ),
+        ] {
+            if bytes.is_none_or(|b| b > isize::MAX as usize) {
+                bail!("invalid model config: {what} would not fit in memory");
+            }
+        }
+        for (key, id) in self
+            .bos_token_id
+            .iter()
+            .map(|&i| ("bos_token_id", i))
+            .chain(self.eos_token_ids.iter().map(|&i| ("eos_token_id", i)))
+        {
+            if id as usize >= self.vocab_size {
+                bail!(
+                    "invalid model config: {key} {id} is outside the vocabulary ({} tokens)",
+                    self.vocab_size
+                );
+            }
         }
         Ok(())
     }
@@ -178,18 +337,28 @@ impl ModelConfig {
         let need = |key: &str| -> Result<f64> {
             num(key)?.with_context(|| format!("GGUF metadata is missing {arch_name}.{key}"))
         };
-        let hidden_size = need("embedding_length")? as usize;
-        let num_heads = need("attention.head_count")? as usize;
-        let num_kv_heads = num("attention.head_count_kv")?
-            .map(|x| x as usize)
-            .unwrap_or(num_heads);
-        let head_dim = match num("attention.key_length")? {
-            Some(x) => x as usize,
-            None if num_heads > 0 => hidden_size / num_heads,
-            None => 0,
+        // A size: a whole number >= 0 (an out-of-range one is refused by `validate`).
+        let count = |key: &str| -> Result<Option<usize>> {
+            match num(key)? {
+                Some(x) if x >= 0.0 && x.fract() == 0.0 => {
+                    Ok(Some(x.min(usize::MAX as f64) as usize))
+                }
+                Some(x) => bail!("GGUF key {arch_name}.{key} must be a whole number >= 0, got {x}"),
+                None => Ok(None),
+            }
         };
-        let vocab_size = match num("vocab_size")? {
-            Some(v) => v as usize,
+        let need_count = |key: &str| -> Result<usize> {
+            count(key)?.with_context(|| format!("GGUF metadata is missing {arch_name}.{key}"))
+        };
+        let hidden_size = need_count("embedding_length")?;
+        let num_heads = need_count("attention.head_count")?;
+        let num_kv_heads = count("attention.head_count_kv")?.unwrap_or(num_heads);
+        let head_dim = match count("attention.key_length")? {
+            Some(x) => x,
+            None => hidden_size.checked_div(num_heads).unwrap_or(0),
+        };
+        let vocab_size = match count("vocab_size")? {
+            Some(v) => v,
             None => md
                 .get("tokenizer.ggml.tokens")
                 .and_then(|v| v.to_vec().ok())
@@ -208,11 +377,16 @@ impl ModelConfig {
             Some(other) => bail!("unsupported RoPE scaling `{other}` in GGUF"),
         };
         let u32_key = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
+        for key in ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"] {
+            if let Some(id) = u32_key(key).filter(|&id| id as usize >= vocab_size) {
+                bail!("GGUF {key} {id} is outside the vocabulary ({vocab_size} tokens)");
+            }
+        }
         let cfg = ModelConfig {
             arch,
             hidden_size,
-            intermediate_size: need("feed_forward_length")? as usize,
-            num_layers: need("block_count")? as usize,
+            intermediate_size: need_count("feed_forward_length")?,
+            num_layers: need_count("block_count")?,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -220,7 +394,7 @@ impl ModelConfig {
             rms_norm_eps: need("attention.layer_norm_rms_epsilon")? as f32,
             rope_theta: num("rope.freq_base")?.unwrap_or(10_000.0) as f32,
             rope_scaling: scaling,
-            max_position_embeddings: num("context_length")?.map(|x| x as usize).unwrap_or(2048),
+            max_position_embeddings: count("context_length")?.unwrap_or(2048),
             tie_word_embeddings: false, // decided by the loader: no `output.weight` means tied
             qk_norm: arch == Arch::Qwen3,
             // llama.cpp's qwen2 always carries `attn_{q,k,v}.bias`; its llama and qwen3 never do.
@@ -320,17 +494,10 @@ impl HfConfig {
                 .checked_div(self.num_attention_heads)
                 .unwrap_or(0),
         );
-        let ids = |v: &Option<Value>| -> Vec<u32> {
-            match v {
-                Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x as u32)
-                    .collect(),
-                _ => vec![],
-            }
-        };
+        let bos_token_id = json_token_ids("bos_token_id", self.bos_token_id.as_ref())?
+            .first()
+            .copied();
+        let eos_token_ids = json_token_ids("eos_token_id", self.eos_token_id.as_ref())?;
         let cfg = ModelConfig {
             arch,
             hidden_size: self.hidden_size,
@@ -351,8 +518,8 @@ impl HfConfig {
             qk_norm: arch == Arch::Qwen3,
             // Qwen2's q/k/v projections always have a bias (its configs have no key for it).
             attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
-            bos_token_id: ids(&self.bos_token_id).first().copied(),
-            eos_token_ids: ids(&self.eos_token_id),
+            bos_token_id,
+            eos_token_ids,
             generation: GenerationDefaults::default(),
         };
         cfg.validate()?;

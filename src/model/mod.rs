@@ -1,6 +1,8 @@
 //! Decoder-only transformer (Llama, Qwen2, Qwen3) with an explicit layer loop over the KV seam.
 
 pub mod config;
+pub mod files;
+mod gguf_header;
 pub mod random;
 pub mod tokenizer;
 pub mod weights;
@@ -34,14 +36,21 @@ pub enum ModelSource {
 
 impl ModelSource {
     pub fn detect(path: &Path) -> Result<Self> {
-        if !path.exists() {
+        let Ok(meta) = std::fs::metadata(path) else {
             bail!("model not found: {}", path.display());
-        }
-        if path.is_dir() {
-            if !path.join("config.json").exists() {
+        };
+        if meta.is_dir() {
+            if !files::exists(&path.join("config.json")) {
                 bail!("{}: a model directory needs config.json", path.display());
             }
             return Ok(Self::HfDir(path.to_path_buf()));
+        }
+        // A FIFO or a device would block or never end: only regular files are models.
+        if !meta.is_file() {
+            bail!(
+                "{}: not a regular file or a model directory",
+                path.display()
+            );
         }
         Ok(Self::Gguf(path.to_path_buf()))
     }
@@ -75,18 +84,18 @@ impl Model {
             }
             ModelSource::HfDir(dir) => {
                 let cfg_path = dir.join("config.json");
-                let text = std::fs::read_to_string(&cfg_path)
-                    .with_context(|| format!("reading {}", cfg_path.display()))?;
+                let text = files::read_text(&cfg_path)?;
                 let mut cfg = ModelConfig::from_hf_json(&text)
                     .with_context(|| format!("{}", cfg_path.display()))?;
-                let tok = Tokenizer::from_hf_dir(&dir, &cfg.eos_token_ids)?;
+                let tok = Tokenizer::from_hf_dir(&dir, &cfg.eos_token_ids, cfg.vocab_size)?;
                 cfg.eos_token_ids = tok.eos_token_ids.clone();
                 let gen_path = dir.join("generation_config.json");
-                if gen_path.exists() {
-                    let text = std::fs::read_to_string(&gen_path)?;
+                if files::exists(&gen_path) {
+                    let text = files::read_text(&gen_path)?;
                     let v: serde_json::Value = serde_json::from_str(&text)
                         .with_context(|| format!("malformed {}", gen_path.display()))?;
-                    cfg.generation = config::GenerationDefaults::from_json(&v);
+                    cfg.generation = config::GenerationDefaults::from_json(&v)
+                        .with_context(|| format!("{}", gen_path.display()))?;
                 }
                 let w = weights::load_safetensors(&dir, &mut cfg, progress)
                     .with_context(|| format!("{}", dir.display()))?;

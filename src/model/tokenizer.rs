@@ -8,6 +8,8 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+
+use super::{config, files};
 use candle_core::quantized::gguf_file::Value;
 use tokenizers::{
     decoders::byte_level::ByteLevel as ByteLevelDecoder,
@@ -21,9 +23,32 @@ use tokenizers::{
     AddedToken, SplitDelimiterBehavior,
 };
 
+/// Budget of one chat-template rendering: a model file is untrusted input (and the server
+/// renders templates for network clients). Far above what any real template needs for a
+/// long conversation.
+pub mod template_limits {
+    /// minijinja instructions (a ChatML turn takes ~30).
+    pub const FUEL: u64 = 5_000_000;
+    /// Bytes of rendered text.
+    pub const MAX_OUTPUT_BYTES: usize = 64 << 20;
+    /// Bytes the rendering may hold at once (values it builds but never prints included).
+    pub const MAX_MEMORY_BYTES: usize = 512 << 20;
+    /// Wall-clock backstop behind the fuel: one instruction can iterate a lazy sequence
+    /// (`''.join(['a'] * 99999999)`) for seconds. Real templates take milliseconds.
+    pub const MAX_SECONDS: u64 = 5;
+}
+
+/// A chat template and where it came from (named in its errors).
+#[derive(Debug, Clone)]
+pub struct ChatTemplate {
+    /// E.g. "tokenizer_config.json chat_template" or "GGUF tokenizer.chat_template".
+    pub source: String,
+    pub text: String,
+}
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    chat_template: Option<String>,
+    chat_template: Option<ChatTemplate>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     /// Prepend BOS to plain (non-chat) prompts (GGUF `add_bos_token`; HF does it in its post-processor).
@@ -69,9 +94,9 @@ fn gguf_strings(md: &HashMap<String, Value>, key: &str) -> Result<Vec<String>> {
 fn gguf_u32(md: &HashMap<String, Value>, key: &str) -> Option<u32> {
     md.get(key).and_then(|v| match v {
         Value::U32(x) => Some(*x),
-        Value::I32(x) => Some(*x as u32),
-        Value::U64(x) => Some(*x as u32),
-        Value::I64(x) => Some(*x as u32),
+        Value::I32(x) => u32::try_from(*x).ok(),
+        Value::U64(x) => u32::try_from(*x).ok(),
+        Value::I64(x) => u32::try_from(*x).ok(),
         Value::U16(x) => Some(*x as u32),
         Value::U8(x) => Some(*x as u32),
         _ => None,
@@ -92,6 +117,12 @@ impl Tokenizer {
             );
         }
         let tokens = gguf_strings(md, "tokenizer.ggml.tokens")?;
+        if tokens.is_empty() {
+            bail!("GGUF tokenizer.ggml.tokens is empty: the model has no vocabulary");
+        }
+        if u32::try_from(tokens.len()).is_err() {
+            bail!("GGUF tokenizer.ggml.tokens has more than 2^32 entries");
+        }
         let merges: Vec<(String, String)> = gguf_strings(md, "tokenizer.ggml.merges")?
             .into_iter()
             .map(|m| {
@@ -137,6 +168,13 @@ impl Tokenizer {
             .get("tokenizer.ggml.token_type")
             .and_then(|v| v.to_vec().ok());
         if let Some(types) = types {
+            if types.len() != tokens.len() {
+                bail!(
+                    "GGUF tokenizer.ggml.token_type has {} entries but tokenizer.ggml.tokens has {}",
+                    types.len(),
+                    tokens.len()
+                );
+            }
             let specials: Vec<AddedToken> = types
                 .iter()
                 .enumerate()
@@ -158,7 +196,10 @@ impl Tokenizer {
             chat_template: md
                 .get("tokenizer.chat_template")
                 .and_then(|v| v.to_string().ok())
-                .cloned(),
+                .map(|text| ChatTemplate {
+                    source: "GGUF tokenizer.chat_template".into(),
+                    text: text.clone(),
+                }),
             bos_token: name(bos_id),
             eos_token: name(eos_id),
             add_bos: if add_bos { bos_id } else { None },
@@ -168,18 +209,25 @@ impl Tokenizer {
     }
 
     /// Loads `tokenizer.json`, `tokenizer_config.json` (or `chat_template.jinja`) and
-    /// `generation_config.json` from a Hugging Face model directory.
-    pub fn from_hf_dir(dir: &Path, config_eos: &[u32]) -> Result<Self> {
+    /// `generation_config.json` from a Hugging Face model directory. Token ids they name
+    /// must lie below `vocab_size` (the model's).
+    pub fn from_hf_dir(dir: &Path, config_eos: &[u32], vocab_size: usize) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let text = files::read_text(&path)?;
+        let inner: tokenizers::Tokenizer =
+            crate::errors::contain_panic(&path.display().to_string(), || {
+                text.parse()
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+            })?;
+        if inner.get_vocab_size(true) == 0 {
+            bail!("{}: the vocabulary is empty", path.display());
+        }
         let read_json = |name: &str| -> Result<Option<serde_json::Value>> {
             let p = dir.join(name);
-            if !p.exists() {
+            if !files::exists(&p) {
                 return Ok(None);
             }
-            let text =
-                std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+            let text = files::read_text(&p)?;
             Ok(Some(
                 serde_json::from_str(&text)
                     .with_context(|| format!("malformed {}", p.display()))?,
@@ -204,26 +252,28 @@ impl Tokenizer {
                 .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
                 .and_then(|t| t.get("template")?.as_str().map(String::from)),
             _ => None,
-        };
+        }
+        .map(|text| ChatTemplate {
+            source: "tokenizer_config.json chat_template".into(),
+            text,
+        });
         let jinja = dir.join("chat_template.jinja");
-        if chat_template.is_none() && jinja.exists() {
-            chat_template = Some(
-                std::fs::read_to_string(&jinja)
-                    .with_context(|| format!("reading {}", jinja.display()))?,
-            );
+        if chat_template.is_none() && files::exists(&jinja) {
+            chat_template = Some(ChatTemplate {
+                source: "chat_template.jinja".into(),
+                text: files::read_text(&jinja)?,
+            });
         }
         let eos_token = token_str(tok_cfg.get("eos_token"));
-        let mut eos_token_ids: Vec<u32> = match gen_cfg.get("eos_token_id") {
-            Some(serde_json::Value::Number(n)) => {
-                n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
-            }
-            Some(serde_json::Value::Array(a)) => a
-                .iter()
-                .filter_map(|x| x.as_u64())
-                .map(|x| x as u32)
-                .collect(),
-            _ => vec![],
-        };
+        let gen_path = dir.join("generation_config.json");
+        let mut eos_token_ids = config::json_token_ids("eos_token_id", gen_cfg.get("eos_token_id"))
+            .with_context(|| format!("{}", gen_path.display()))?;
+        if let Some(id) = eos_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
+            bail!(
+                "{}: eos_token_id {id} is outside the vocabulary ({vocab_size} tokens)",
+                gen_path.display()
+            );
+        }
         if eos_token_ids.is_empty() {
             eos_token_ids = config_eos.to_vec();
         }
@@ -278,31 +328,97 @@ impl Tokenizer {
     pub fn apply_chat_template(&self, user: &str) -> Result<String> {
         let template = self
             .chat_template
-            .as_deref()
+            .as_ref()
             .context("the model has no chat template")?;
-        let mut env = minijinja::Environment::new();
-        minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", template)
-            .map_err(|e| anyhow::anyhow!("invalid chat template: {e}"))?;
         let ctx = minijinja::context! {
             messages => vec![minijinja::context! { role => "user", content => user }],
             add_generation_prompt => true,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
         };
-        env.get_template("chat")
-            .and_then(|t| t.render(ctx))
-            .map_err(|e| anyhow::anyhow!("rendering chat template: {e}"))
+        render_template(&template.source, &template.text, ctx)
+    }
+}
+
+/// Renders a chat template, the one way every template is rendered: Hugging Face's
+/// extensions (`raise_exception`, Python string methods) and a budget (instructions,
+/// output bytes, memory, time: `template_limits`). Errors are one cause naming `source`.
+pub fn render_template(source: &str, template: &str, ctx: minijinja::Value) -> Result<String> {
+    use template_limits::*;
+    let (source_owned, template) = (source.to_string(), template.to_string());
+    let limits = crate::bounded::Limits {
+        memory_bytes: MAX_MEMORY_BYTES,
+        time: std::time::Duration::from_secs(MAX_SECONDS),
+    };
+    let rendered = crate::bounded::run(limits, move || render_unbounded(&template, ctx));
+    match rendered {
+        Ok(r) => r.map_err(|e| anyhow::anyhow!("chat template from {source_owned}: {e}")),
+        Err(crate::bounded::Exceeded::Memory) => bail!(
+            "chat template from {source}: used more than {} MiB of memory",
+            MAX_MEMORY_BYTES >> 20
+        ),
+        Err(crate::bounded::Exceeded::Time) => {
+            bail!("chat template from {source}: took longer than {MAX_SECONDS} s")
+        }
+    }
+}
+
+/// The rendering itself, bounded by fuel and output size only (see `render_template`).
+fn render_unbounded(template: &str, ctx: minijinja::Value) -> Result<String> {
+    use template_limits::*;
+    let mut env = minijinja::Environment::new();
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_fuel(Some(FUEL));
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template("chat", template)
+        .map_err(|e| anyhow::anyhow!("invalid template: {e}"))?;
+    let mut out = CappedWriter {
+        buf: Vec::new(),
+        cap: MAX_OUTPUT_BYTES,
+        overflowed: false,
+    };
+    let result = env
+        .get_template("chat")
+        .and_then(|t| t.render_captured_to(ctx, &mut out).map(|_| ()));
+    if out.overflowed {
+        bail!("the rendered text passes {} MiB", MAX_OUTPUT_BYTES >> 20);
+    }
+    match result {
+        Ok(()) => String::from_utf8(out.buf).context("the rendered text is not UTF-8"),
+        Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
+            bail!("ran out of its budget of {FUEL} instructions")
+        }
+        Err(e) => bail!("rendering: {e}"),
+    }
+}
+
+/// Collects rendered text up to `cap` bytes; a write past it fails, which stops rendering.
+struct CappedWriter {
+    buf: Vec<u8>,
+    cap: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.cap {
+            self.overflowed = true;
+            return Err(std::io::Error::other("template output too large"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

@@ -9,6 +9,8 @@ use candle_core::quantized::gguf_file;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::config::{Arch, ModelConfig};
+use super::{files, gguf_header};
+use crate::errors;
 
 /// One decoder layer's weights, row-major `[out, in]` as Hugging Face stores them.
 pub struct LayerWeights {
@@ -39,6 +41,8 @@ impl ModelWeights {
 /// A named-tensor store that yields f32 data with its shape (outermost dim first).
 trait TensorSource {
     fn has(&self, name: &str) -> bool;
+    /// The stored shape (outermost dim first), read from the header without loading data.
+    fn shape(&self, name: &str) -> Option<Vec<usize>>;
     fn load(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
 }
 
@@ -115,15 +119,28 @@ fn build(
         cfg.kv_dim(),
         cfg.intermediate_size,
     );
+    // The layer count comes from the file: check the last layer exists before anything is
+    // sized by it (a huge count would otherwise reach the allocator first).
+    let last_layer = (names.layer)(cfg.num_layers - 1, "q");
+    if !src.has(&last_layer) {
+        bail!(
+            "the config names {} layers but the weights have no `{last_layer}`",
+            cfg.num_layers
+        );
+    }
     let per_layer = 9 + 2 * cfg.qk_norm as usize;
     let bar = progress_bar(progress, (cfg.num_layers * per_layer + 3) as u64);
     let has_lm_head = src.has(names.lm_head);
     let mut get = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-        if !src.has(name) {
+        let Some(got) = src.shape(name) else {
             bail!("missing tensor `{name}` in the weights");
+        };
+        // Checked before the data is read, so a wrong tensor costs nothing to refuse.
+        if got != shape {
+            bail!("tensor `{name}` has shape {got:?}, expected {shape:?}");
         }
         let (got, data) = src.load(name).with_context(|| format!("tensor `{name}`"))?;
-        if got != shape {
+        if got != shape || data.len() != shape.iter().product::<usize>() {
             bail!("tensor `{name}` has shape {got:?}, expected {shape:?}");
         }
         bar.inc(1);
@@ -208,9 +225,8 @@ struct SafetensorsSource {
 impl SafetensorsSource {
     fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join("model.safetensors.index.json");
-        let shard_names: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .with_context(|| format!("reading {}", index_path.display()))?;
+        let shard_names: Vec<String> = if files::exists(&index_path) {
+            let text = files::read_text(&index_path)?;
             let v: serde_json::Value = serde_json::from_str(&text)
                 .with_context(|| format!("malformed {}", index_path.display()))?;
             let map = v
@@ -224,7 +240,7 @@ impl SafetensorsSource {
             shards.sort();
             shards.dedup();
             shards
-        } else if dir.join("model.safetensors").exists() {
+        } else if files::exists(&dir.join("model.safetensors")) {
             vec!["model.safetensors".to_string()]
         } else {
             bail!(
@@ -236,8 +252,17 @@ impl SafetensorsSource {
         let mut index = HashMap::new();
         for name in shard_names {
             let path = dir.join(&name);
-            let file = std::fs::File::open(&path)
-                .with_context(|| format!("opening {}", path.display()))?;
+            // A shard name is untrusted: it must stay inside the model directory.
+            if Path::new(&name)
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+            {
+                bail!(
+                    "{}: shard name {name:?} is not a file name inside the model directory",
+                    index_path.display()
+                );
+            }
+            let file = files::open_regular(&path)?;
             // SAFETY: the map is read-only; a file changed under us mid-load is the user's
             // problem, as with every memory-mapped weight loader.
             let mmap = unsafe { memmap2::Mmap::map(&file) }
@@ -257,6 +282,12 @@ impl SafetensorsSource {
 impl TensorSource for SafetensorsSource {
     fn has(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let (_, mmap) = &self.files[*self.index.get(name)?];
+        let st = safetensors::SafeTensors::deserialize(mmap).ok()?;
+        Some(st.tensor(name).ok()?.shape().to_vec())
     }
 
     fn load(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
@@ -295,8 +326,7 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let mut file =
-            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let mut file = files::open_regular(path)?;
         let mut magic = [0u8; 4];
         use std::io::Read;
         if file.read_exact(&mut magic).is_err() || &magic != b"GGUF" {
@@ -304,25 +334,96 @@ impl GgufFile {
         }
         use std::io::Seek;
         file.rewind()?;
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| anyhow::anyhow!("{}: invalid GGUF file: {e}", path.display()))?;
-        let len = file.metadata()?.len();
-        for (name, info) in &content.tensor_infos {
-            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size()
-                * info.ggml_dtype.type_size();
-            let end = content.tensor_data_offset + info.offset + bytes as u64;
-            if end > len {
-                bail!(
-                    "{}: truncated GGUF file: tensor `{name}` ends at byte {end} but the file has {len}",
-                    path.display()
-                );
-            }
+        // candle's reader divides by the alignment: refuse zero before it runs.
+        if gguf_header::alignment(&mut file) == Some(0) {
+            bail!(
+                "{}: invalid GGUF file: general.alignment is 0",
+                path.display()
+            );
         }
+        file.rewind()?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| {
+            anyhow::anyhow!(
+                "{}: invalid GGUF file: {}",
+                path.display(),
+                errors::candle(e)
+            )
+        })?;
+        let len = file.metadata()?.len();
+        check_tensor_layout(&content, len)
+            .with_context(|| format!("{}: invalid GGUF file", path.display()))?;
         Ok(Self {
             content,
             file,
             path: path.to_path_buf(),
         })
+    }
+}
+
+/// Every tensor's data lies inside the file, starts at a multiple of the alignment and
+/// overlaps no other tensor; sizes are computed with checked arithmetic (a crafted shape
+/// can make the element count wrap).
+fn check_tensor_layout(content: &gguf_file::Content, file_len: u64) -> Result<()> {
+    let alignment = match content.metadata.get("general.alignment") {
+        None => gguf_file::DEFAULT_ALIGNMENT,
+        Some(v) => gguf_int(v)
+            .filter(|&a| a > 0 && (a as u64).is_power_of_two())
+            .map(|a| a as u64)
+            .with_context(|| format!("general.alignment must be a power of two, got {v:?}"))?,
+    };
+    let mut extents = Vec::with_capacity(content.tensor_infos.len());
+    for (name, info) in &content.tensor_infos {
+        let elems = info
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .with_context(|| format!("tensor `{name}`: element count overflows"))?;
+        let block = info.ggml_dtype.block_size();
+        if !elems.is_multiple_of(block) {
+            bail!("tensor `{name}`: {elems} elements is not a multiple of the {block}-element block of {:?}", info.ggml_dtype);
+        }
+        let bytes = (elems / block)
+            .checked_mul(info.ggml_dtype.type_size())
+            .with_context(|| format!("tensor `{name}`: byte size overflows"))?
+            as u64;
+        if !info.offset.is_multiple_of(alignment) {
+            bail!(
+                "tensor `{name}` starts at offset {} which is not a multiple of the alignment {alignment}",
+                info.offset
+            );
+        }
+        let end = content
+            .tensor_data_offset
+            .checked_add(info.offset)
+            .and_then(|s| s.checked_add(bytes))
+            .with_context(|| format!("tensor `{name}`: offset overflows"))?;
+        if end > file_len {
+            bail!("truncated GGUF file: tensor `{name}` ends at byte {end} but the file has {file_len}");
+        }
+        extents.push((info.offset, info.offset + bytes, name));
+    }
+    extents.sort();
+    for w in extents.windows(2) {
+        let ((_, end, a), (start, _, b)) = (w[0], w[1]);
+        if start < end {
+            bail!("tensors `{a}` and `{b}` overlap");
+        }
+    }
+    Ok(())
+}
+
+/// A GGUF integer of the types candle reads `general.alignment` from.
+fn gguf_int(v: &gguf_file::Value) -> Option<i64> {
+    use gguf_file::Value as V;
+    match *v {
+        V::U8(x) => Some(x as i64),
+        V::U16(x) => Some(x as i64),
+        V::U32(x) => Some(x as i64),
+        V::I8(x) => Some(x as i64),
+        V::I16(x) => Some(x as i64),
+        V::I32(x) => Some(x as i64),
+        _ => None,
     }
 }
 
@@ -339,20 +440,32 @@ impl TensorSource for GgufSource<'_> {
         self.gguf.content.tensor_infos.contains_key(name)
     }
 
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        Some(
+            self.gguf
+                .content
+                .tensor_infos
+                .get(name)?
+                .shape
+                .dims()
+                .to_vec(),
+        )
+    }
+
     fn load(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let g = &mut *self.gguf;
         let qt = g
             .content
             .tensor(&mut g.file, name, &candle_core::Device::Cpu)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", g.path.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: {}", g.path.display(), errors::candle(e)))?;
         let t = qt
             .dequantize(&candle_core::Device::Cpu)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            .map_err(errors::candle)?;
         let shape = t.dims().to_vec();
         let mut data = t
             .flatten_all()
             .and_then(|t| t.to_vec1::<f32>())
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            .map_err(errors::candle)?;
         if self.unpermute && shape.len() == 2 {
             if name.ends_with("attn_q.weight") {
                 data = unpermute_rows(&data, self.num_heads, shape[0], shape[1]);

@@ -22,7 +22,7 @@ pub mod trace;
 
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 use crate::device::cpu::stream::{Buffer, CpuDevice, Event, MemSpace, Stream};
 use crate::kv::{KvView, LayerKv, LayerWork, Work};
@@ -30,7 +30,7 @@ use crate::model::ModelConfig;
 use ring::{ReleasedAfter, Ring};
 
 /// Largest block: the decode buffer holds one block per layer on the device.
-const MAX_BLOCK_SIZE: usize = 16384;
+pub const MAX_BLOCK_SIZE: usize = 16384;
 
 /// D2H streams in the offload pool: consecutive layers' offloads run side by side.
 const OFFLOAD_STREAMS: usize = 2;
@@ -108,8 +108,9 @@ impl OffloadConfig {
 
     /// As `plan`, for KV elements of `elem_bytes` (2: bf16 on the CUDA device).
     pub fn plan_for(&self, model: &ModelConfig, elem_bytes: usize) -> Result<MemoryPlan> {
-        if self.num_kv_buffers < 2 {
-            bail!("--num-kv-buffers must be at least 2 (one slot computes while the next loads), got {}", self.num_kv_buffers);
+        use crate::flags::MAX_KV_BUFFERS;
+        if !(2..=MAX_KV_BUFFERS).contains(&self.num_kv_buffers) {
+            bail!("--num-kv-buffers must be in 2..={MAX_KV_BUFFERS} (one slot computes while the next loads), got {}", self.num_kv_buffers);
         }
         if self.block_size == 0 {
             bail!("--block-size must be at least 1");
@@ -131,12 +132,19 @@ impl OffloadConfig {
         if num_cpu_blocks == 0 {
             bail!("--num-cpu-blocks must be at least 1");
         }
-        let slot_tokens = blocks_needed * self.block_size;
-        let row_bytes = model.kv_dim() * elem_bytes;
+        // Every size below is formed from flags: checked, so a product that would wrap is
+        // reported as too large instead of passing the memory check as a small number.
+        let too_large = || {
+            anyhow::anyhow!("the offload buffers' sizes overflow: lower --max-model-len, --num-cpu-blocks or --block-size")
+        };
+        let mul = |a: usize, b: usize| a.checked_mul(b).ok_or_else(too_large);
+        let slot_tokens = mul(blocks_needed, self.block_size)?;
+        let row_bytes = mul(model.kv_dim(), elem_bytes)?;
         let kv = 2; // K and V
-        let host_kv_bytes = (kv * model.num_layers * self.block_size * row_bytes)
-            .checked_mul(num_cpu_blocks)
-            .context("--num-cpu-blocks is too large")?;
+        let block_bytes = mul(mul(kv, self.block_size)?, row_bytes)?;
+        let decode_buffer_bytes = mul(model.num_layers, block_bytes)?;
+        let host_kv_bytes = mul(decode_buffer_bytes, num_cpu_blocks)?;
+        let ring_bytes = mul(mul(kv * self.num_kv_buffers, slot_tokens)?, row_bytes)?;
         // Linux overcommits: a too-large allocation "succeeds" and the OOM killer strikes
         // when it is touched. Refuse up front a host KV that cannot fit.
         if let Some(avail) = available_memory_bytes() {
@@ -152,8 +160,8 @@ impl OffloadConfig {
         Ok(MemoryPlan {
             slot_tokens,
             num_cpu_blocks,
-            ring_bytes: kv * self.num_kv_buffers * slot_tokens * row_bytes,
-            decode_buffer_bytes: kv * model.num_layers * self.block_size * row_bytes,
+            ring_bytes,
+            decode_buffer_bytes,
             host_kv_bytes,
         })
     }
@@ -621,7 +629,7 @@ impl KvView for OffloadEngine {
 }
 
 /// `MemAvailable` from /proc/meminfo, where there is one.
-fn available_memory_bytes() -> Option<u64> {
+pub fn available_memory_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)

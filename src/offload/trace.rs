@@ -7,6 +7,26 @@ use anyhow::{Context, Result};
 
 use crate::device::cpu::stream::TraceEvent;
 
+/// Checks before a run that its trace can be written to `path` (creating or truncating a
+/// regular file there), so an unwritable `--trace-out` fails before any output is produced.
+pub fn check_trace_out(path: &Path) -> Result<()> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        // A FIFO without a reader would block the open; non-blocking, it fails instead.
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = opts
+        .open(path)
+        .with_context(|| format!("cannot write --trace-out {}", path.display()))?;
+    if !file.metadata()?.is_file() {
+        anyhow::bail!("--trace-out {}: not a regular file", path.display());
+    }
+    Ok(())
+}
+
 /// Writes `events` as Chrome trace JSON: one track per stream, one slice per op with
 /// its layer and bytes. Open in ui.perfetto.dev or chrome://tracing.
 pub fn write_chrome_trace(path: &Path, events: &[TraceEvent]) -> Result<()> {

@@ -11,6 +11,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::engine::{Engine, EngineConfig, EngineStats, RequestParams};
 use super::scheduler::SchedulerConfig;
+use crate::flags;
 use crate::model::Model;
 
 /// An inclusive length range `A:B` (or `N` for exactly N).
@@ -32,8 +33,9 @@ impl std::str::FromStr for LenRange {
             Some((a, b)) => (num(a)?, num(b)?),
             None => (num(s)?, num(s)?),
         };
-        if lo == 0 || lo > hi {
-            return Err(format!("expected 1 <= A <= B in A:B, got {s:?}"));
+        let max = crate::flags::MAX_TOKENS;
+        if lo == 0 || lo > hi || hi > max {
+            return Err(format!("expected 1 <= A <= B <= {max} in A:B, got {s:?}"));
         }
         Ok(Self { lo, hi })
     }
@@ -45,7 +47,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     pub model: PathBuf,
     /// Number of requests.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = flags::seqs())]
     pub num_seqs: usize,
     /// Prompt length range A:B (uniform).
     #[arg(long, default_value = "64:256")]
@@ -54,31 +56,31 @@ pub struct ServeArgs {
     #[arg(long, default_value = "32:64")]
     pub output_len: LenRange,
     /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = flags::block_size())]
     pub block_size: usize,
     /// GPU KV pages [default: enough for every request at once]
-    #[arg(long)]
+    #[arg(long, value_parser = flags::blocks())]
     pub num_gpu_blocks: Option<usize>,
     /// Host-tier blocks for preemption offload; 0 = recompute instead.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = flags::blocks_or_zero())]
     pub max_cpu_offload_blocks: usize,
     /// Most requests running at once.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = flags::seqs())]
     pub max_num_seqs: usize,
     /// Token budget of one step.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = flags::tokens())]
     pub max_num_batched_tokens: usize,
     /// Prompt tokens per forward call (a multiple of --block-size).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = flags::tokens())]
     pub prefill_chunk: usize,
     /// Give every request the same first N prompt tokens (exercises the prefix cache).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = flags::tokens_or_zero())]
     pub shared_prefix: usize,
     /// Seed for the random requests.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Simulated host↔device link in GB/s for offload copies; 0 = unthrottled.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = flags::link_gbps)]
     pub link_gbps: f64,
     /// Also run unconstrained and fail unless every request's tokens are identical.
     #[arg(long)]
@@ -119,13 +121,44 @@ pub fn make_requests(a: &ServeArgs, vocab: usize) -> Result<(Vec<Vec<u32>>, Vec<
     Ok((prompts, params))
 }
 
-/// Blocks needed to hold every request's full KV at once.
+/// Blocks needed to hold every request's full KV at once (saturating: the caller compares
+/// it with the pool, so a sum past `usize::MAX` must not wrap into a small one).
 pub fn working_set_blocks(prompts: &[Vec<u32>], params: &[RequestParams], bs: usize) -> usize {
     prompts
         .iter()
         .zip(params)
-        .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(bs))
-        .sum()
+        .map(|(p, r)| p.len().saturating_add(r.max_tokens).div_ceil(bs))
+        .fold(0, usize::saturating_add)
+}
+
+/// Refuses `bytes` (None = the size overflowed) that cannot fit in the available memory.
+fn ensure_fits(bytes: Option<usize>, what: &str, lower: &str) -> Result<()> {
+    let Some(bytes) = bytes else {
+        bail!("{what} overflow in size: lower {lower}");
+    };
+    if let Some(avail) = crate::offload::available_memory_bytes() {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        ensure!(
+            bytes as u64 <= avail,
+            "{what} need {:.2} GiB but only {:.2} GiB of memory is available; lower {lower}",
+            gib(bytes as f64),
+            gib(avail as f64)
+        );
+    }
+    Ok(())
+}
+
+/// Bytes of the paged KV pools (device pages and host tier) for `model`, checked.
+fn kv_pool_bytes(model: &Model, sched: &SchedulerConfig) -> Option<usize> {
+    let c = &model.cfg;
+    // K and V, f32, every layer: bytes of one block.
+    let block_bytes = [2, 4, c.num_layers, c.kv_dim(), sched.block_size]
+        .into_iter()
+        .try_fold(1usize, usize::checked_mul)?;
+    let blocks = sched
+        .num_gpu_blocks
+        .checked_add(sched.max_cpu_offload_blocks)?;
+    block_bytes.checked_mul(blocks)
 }
 
 pub struct BenchRun {
@@ -163,11 +196,27 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         bail!("model not found: {} (give --model)", a.model.display());
     }
     let (model, _tok) = Model::load(&a.model, false)?;
+    // Checked before the requests are built: their total size follows from these flags.
+    let longest = a.input_len.hi.saturating_add(a.output_len.hi);
+    ensure!(
+        longest <= model.cfg.max_position_embeddings,
+        "--input-len {} plus --output-len {} reach {longest} tokens, past the model's context ({})",
+        a.input_len.hi,
+        a.output_len.hi,
+        model.cfg.max_position_embeddings
+    );
+    ensure_fits(
+        a.num_seqs
+            .checked_mul(a.input_len.hi)
+            .and_then(|t| t.checked_mul(std::mem::size_of::<u32>())),
+        "the prompts",
+        "--num-seqs or --input-len",
+    )?;
     let (prompts, params) = make_requests(&a, model.cfg.vocab_size)?;
     let max_len = prompts
         .iter()
         .zip(&params)
-        .map(|(p, r)| p.len() + r.max_tokens)
+        .map(|(p, r)| p.len().saturating_add(r.max_tokens))
         .max()
         .unwrap_or(0);
     ensure!(
@@ -185,6 +234,11 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         prefill_chunk: a.prefill_chunk,
     };
     sched.validate()?;
+    ensure_fits(
+        kv_pool_bytes(&model, &sched),
+        "the KV pools",
+        "--num-gpu-blocks, --max-cpu-offload-blocks or --block-size",
+    )?;
     let r = run_once(&model, sched.clone(), a.link_gbps, &prompts, &params)?;
     let st = r.stats;
     let throughput = st.generated_tokens as f64 / r.secs.max(1e-9);
@@ -195,6 +249,11 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             max_cpu_offload_blocks: 0,
             ..sched.clone()
         };
+        ensure_fits(
+            kv_pool_bytes(&model, &free),
+            "the unconstrained run's KV pool",
+            "--num-seqs or the lengths",
+        )?;
         let base = run_once(&model, free, 0.0, &prompts, &params)?;
         let bad = r
             .outputs

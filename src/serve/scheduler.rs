@@ -183,8 +183,9 @@ impl Scheduler {
         stop_ids: Vec<u32>,
     ) -> Result<SeqId> {
         ensure!(!prompt.is_empty(), "empty prompt: nothing to generate from");
-        let total = prompt.len() + max_tokens;
-        let cap = self.cfg.num_gpu_blocks * self.cfg.block_size;
+        // Saturating: a huge max_tokens must be refused, not wrap into a small total.
+        let total = prompt.len().saturating_add(max_tokens);
+        let cap = self.cfg.num_gpu_blocks.saturating_mul(self.cfg.block_size);
         ensure!(
             total <= cap,
             "request needs {total} tokens of KV but the GPU pool holds {cap} ({} blocks of {})",

@@ -1,0 +1,419 @@
+//! The fuzzer's base inputs: tiny valid models in both formats (Llama and Qwen3 layouts,
+//! f32/f16/Q8_0 tensors in GGUF, f32/bf16 in safetensors), their tokenizer files, and chat
+//! templates in the styles real models ship.
+
+use candle_core::quantized::gguf_file::Value;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::gguf_writer::{GgufDoc, GgufTensor, GGML_F16, GGML_F32, GGML_Q8_0};
+use super::Case;
+
+const HIDDEN: usize = 32;
+const LAYERS: usize = 2;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 8;
+const INTER: usize = 64;
+const MAX_POS: usize = 128;
+
+/// Token strings: three specials, the 256 byte-level symbols, three merged pairs.
+fn vocab() -> Vec<String> {
+    let mut v: Vec<String> = vec![
+        "<|endoftext|>".into(),
+        "<|im_start|>".into(),
+        "<|im_end|>".into(),
+    ];
+    let mut chars: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+        .into_iter()
+        .collect();
+    chars.sort();
+    v.extend(chars.iter().map(|c| c.to_string()));
+    v.extend(["he", "ll", "Ġw"].map(String::from));
+    v
+}
+
+const MERGES: [&str; 3] = ["h e", "l l", "Ġ w"];
+
+/// Entries of `vocab()`.
+pub const TINY_VOCAB: usize = 3 + 256 + 3;
+
+pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// Templates in the shapes real models ship (ChatML, Llama 3, a Qwen-style one with a
+/// system default, namespace and raise_exception, the test suite's tiny one).
+pub fn templates() -> Vec<&'static str> {
+    vec![
+        CHATML,
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+        "{%- set ns = namespace(system=false) -%}{%- for m in messages -%}{%- if m.role == 'system' -%}{%- set ns.system = true -%}{%- endif -%}{%- endfor -%}{%- if not ns.system -%}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{%- endif -%}{%- for m in messages -%}{%- if m.role not in ['system', 'user', 'assistant'] -%}{{ raise_exception('bad role ' ~ m.role) }}{%- endif -%}<|im_start|>{{ m.role }}\n{{ m.content | replace('\\r', '') }}<|im_end|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}",
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] | trim }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
+        "{% for m in messages %}{% set content = m.content.strip() %}{% if loop.first %}{{ bos_token }}{% endif %}[{{ m.role | upper }}] {{ content[:200] }}{{ eos_token if m.role == 'assistant' else '' }}{% endfor %}{{ messages | length }}",
+    ]
+}
+
+/// The context every fuzzed template renders with: a short conversation.
+pub fn template_context() -> minijinja::Value {
+    let msg = |role: &str, content: &str| minijinja::context! { role => role, content => content };
+    minijinja::context! {
+        messages => vec![
+            msg("system", "Be brief."),
+            msg("user", "Hello\nthere"),
+            msg("assistant", "Hi."),
+            msg("user", "What is 2+2?"),
+        ],
+        add_generation_prompt => true,
+        bos_token => "<|im_start|>",
+        eos_token => "<|im_end|>",
+    }
+}
+
+pub fn template_cases() -> Vec<Case> {
+    templates()
+        .into_iter()
+        .map(|t| Case {
+            files: vec![("template".into(), t.as_bytes().to_vec())],
+        })
+        .collect()
+}
+
+/// A tiny model's tensors by Hugging Face name: (shape, values).
+fn hf_tensors(qk_norm: bool, tied: bool) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut out = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, offset: f32| {
+        let n = shape.iter().product();
+        let v = (0..n)
+            .map(|_| offset + rng.random_range(-0.3f32..0.3))
+            .collect();
+        out.push((name, shape, v));
+    };
+    let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![TINY_VOCAB, HIDDEN],
+        0.0,
+    );
+    for i in 0..LAYERS {
+        let p = format!("model.layers.{i}");
+        add(format!("{p}.self_attn.q_proj.weight"), vec![q, HIDDEN], 0.0);
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![kv, HIDDEN],
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![kv, HIDDEN],
+            0.0,
+        );
+        add(format!("{p}.self_attn.o_proj.weight"), vec![HIDDEN, q], 0.0);
+        if qk_norm {
+            add(format!("{p}.self_attn.q_norm.weight"), vec![HEAD_DIM], 1.0);
+            add(format!("{p}.self_attn.k_norm.weight"), vec![HEAD_DIM], 1.0);
+        }
+        add(format!("{p}.input_layernorm.weight"), vec![HIDDEN], 1.0);
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![HIDDEN],
+            1.0,
+        );
+        add(
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![INTER, HIDDEN],
+            0.0,
+        );
+        add(format!("{p}.mlp.up_proj.weight"), vec![INTER, HIDDEN], 0.0);
+        add(
+            format!("{p}.mlp.down_proj.weight"),
+            vec![HIDDEN, INTER],
+            0.0,
+        );
+    }
+    add("model.norm.weight".into(), vec![HIDDEN], 1.0);
+    if !tied {
+        add("lm_head.weight".into(), vec![TINY_VOCAB, HIDDEN], 0.0);
+    }
+    out
+}
+
+fn gguf_name(hf: &str) -> String {
+    match hf {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.").expect("a layer tensor");
+    let (i, part) = rest.split_once('.').expect("layer.part");
+    let p = match part {
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        other => unreachable!("unmapped {other}"),
+    };
+    format!("blk.{i}.{p}")
+}
+
+/// Q8_0: blocks of 32 values, an f16 scale then 32 signed bytes.
+fn q8_0(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for block in values.chunks(32) {
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = amax / 127.0;
+        out.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        for &x in block {
+            let q = if d == 0.0 { 0.0 } else { (x / d).round() };
+            out.push(q as i8 as u8);
+        }
+    }
+    out
+}
+
+pub fn gguf_doc(arch: &str) -> GgufDoc {
+    let qwen3 = arch == "qwen3";
+    let s = |x: &str| Value::String(x.to_string());
+    let u = |x: usize| Value::U32(x as u32);
+    let k = |key: &str| format!("{arch}.{key}");
+    let tokens = vocab();
+    let mut metadata = vec![
+        ("general.architecture".into(), s(arch)),
+        ("general.alignment".into(), Value::U32(32)),
+        (k("block_count"), u(LAYERS)),
+        (k("embedding_length"), u(HIDDEN)),
+        (k("feed_forward_length"), u(INTER)),
+        (k("attention.head_count"), u(HEADS)),
+        (k("attention.head_count_kv"), u(KV_HEADS)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (k("rope.freq_base"), Value::F32(10000.0)),
+        (k("context_length"), u(MAX_POS)),
+        ("tokenizer.ggml.model".into(), s("gpt2")),
+        (
+            "tokenizer.ggml.pre".into(),
+            s(if qwen3 { "qwen2" } else { "smollm" }),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.iter().map(|t| s(t)).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(
+                (0..tokens.len())
+                    .map(|i| Value::I32(if i < 3 { 3 } else { 1 }))
+                    .collect(),
+            ),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(MERGES.iter().map(|m| s(m)).collect()),
+        ),
+        ("tokenizer.ggml.bos_token_id".into(), u(1)),
+        ("tokenizer.ggml.eos_token_id".into(), u(2)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+        ("tokenizer.chat_template".into(), s(CHATML)),
+    ];
+    if qwen3 {
+        metadata.push((k("attention.key_length"), u(HEAD_DIM)));
+        metadata.push((k("rope.scaling.type"), s("linear")));
+        metadata.push((k("rope.scaling.factor"), Value::F32(2.0)));
+    }
+    let tensors = hf_tensors(qwen3, !qwen3)
+        .into_iter()
+        .map(|(name, shape, values)| {
+            let name = gguf_name(&name);
+            let (ggml_type, data) = if name.contains("ffn_") && !name.contains("norm") {
+                (GGML_Q8_0, q8_0(&values))
+            } else if name.contains("attn_q.") || name.contains("attn_k.") {
+                let d = values
+                    .iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                    .collect();
+                (GGML_F16, d)
+            } else {
+                (
+                    GGML_F32,
+                    values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                )
+            };
+            GgufTensor {
+                name,
+                dims: shape.iter().map(|&d| d as u64).collect(),
+                ggml_type,
+                data,
+                offset: None,
+            }
+        })
+        .collect();
+    GgufDoc {
+        version: 3,
+        metadata,
+        tensors,
+        layout_alignment: 32,
+    }
+}
+
+pub fn gguf_cases() -> Vec<Case> {
+    ["llama", "qwen3"]
+        .into_iter()
+        .map(|arch| Case {
+            files: vec![("model.gguf".into(), gguf_doc(arch).to_bytes())],
+        })
+        .collect()
+}
+
+fn config_json(qwen3: bool) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "architectures": [if qwen3 { "Qwen3ForCausalLM" } else { "LlamaForCausalLM" }],
+        "model_type": if qwen3 { "qwen3" } else { "llama" },
+        "vocab_size": TINY_VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "max_position_embeddings": MAX_POS,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": !qwen3,
+        "bos_token_id": 1, "eos_token_id": 2,
+    });
+    if qwen3 {
+        v["head_dim"] = HEAD_DIM.into();
+        v["rope_theta"] = 1_000_000.0.into();
+        v["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0});
+    } else {
+        v["rope_parameters"] = serde_json::json!({"rope_type": "llama3", "rope_theta": 500000.0,
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64});
+    }
+    v
+}
+
+/// `model.safetensors` bytes: f32 tensors, bf16 ones for the MLP.
+fn safetensors_bytes(qwen3: bool) -> Vec<u8> {
+    let tensors = hf_tensors(qwen3, !qwen3);
+    let data: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(name, shape, values)| {
+            if name.contains("mlp.") {
+                let b = values
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect();
+                (name, shape, safetensors::Dtype::BF16, b)
+            } else {
+                let b = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+                (name, shape, safetensors::Dtype::F32, b)
+            }
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, shape, dtype, bytes)| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
+                .expect("consistent tensor view");
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize(views, None).expect("serialising a tiny model")
+}
+
+pub fn tokenizer_json() -> String {
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    let vocab: tokenizers::models::bpe::Vocab = vocab()
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (s, i as u32))
+        .collect();
+    let merges = MERGES
+        .iter()
+        .map(|m| {
+            let (a, b) = m.split_once(' ').expect("a merge");
+            (a.to_string(), b.to_string())
+        })
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .expect("tiny BPE");
+    let mut tok = tokenizers::Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tok.with_decoder(Some(ByteLevel::default()));
+    tok.add_special_tokens(vec![
+        tokenizers::AddedToken::from("<|im_start|>", true),
+        tokenizers::AddedToken::from("<|im_end|>", true),
+    ])
+    .expect("special tokens");
+    tok.to_string(false).expect("tokenizer json")
+}
+
+fn tokenizer_config(with_template: bool) -> String {
+    let mut v =
+        serde_json::json!({"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}});
+    if with_template {
+        v["chat_template"] = CHATML.into();
+    }
+    v.to_string()
+}
+
+const GENERATION_CONFIG: &str =
+    r#"{"do_sample": true, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "eos_token_id": [2, 0]}"#;
+
+pub fn safetensors_cases() -> Vec<Case> {
+    [false, true]
+        .into_iter()
+        .map(|qwen3| Case {
+            files: vec![
+                (
+                    "config.json".into(),
+                    config_json(qwen3).to_string().into_bytes(),
+                ),
+                ("model.safetensors".into(), safetensors_bytes(qwen3)),
+                ("tokenizer.json".into(), tokenizer_json().into_bytes()),
+                (
+                    "tokenizer_config.json".into(),
+                    tokenizer_config(true).into_bytes(),
+                ),
+                (
+                    "generation_config.json".into(),
+                    GENERATION_CONFIG.as_bytes().to_vec(),
+                ),
+            ],
+        })
+        .collect()
+}
+
+pub fn tokenizer_cases() -> Vec<Case> {
+    let tok = tokenizer_json().into_bytes();
+    vec![
+        Case {
+            files: vec![
+                ("tokenizer.json".into(), tok.clone()),
+                (
+                    "tokenizer_config.json".into(),
+                    tokenizer_config(true).into_bytes(),
+                ),
+                (
+                    "generation_config.json".into(),
+                    GENERATION_CONFIG.as_bytes().to_vec(),
+                ),
+            ],
+        },
+        Case {
+            files: vec![
+                ("tokenizer.json".into(), tok),
+                (
+                    "tokenizer_config.json".into(),
+                    tokenizer_config(false).into_bytes(),
+                ),
+                (
+                    "chat_template.jinja".into(),
+                    templates()[2].as_bytes().to_vec(),
+                ),
+            ],
+        },
+    ]
+}

@@ -5,13 +5,13 @@ use rayon::prelude::*;
 
 /// Lanes of every reduction over `k` in `linear` and in attention scores.
 const LANES: usize = 8;
-/// Weight rows per parallel task of `linear`: the tile (≤ 32 × k floats) stays in L2 while
+/// Weight rows per parallel task of `linear`: the tile (≤ 24 × k floats) stays in L2 while
 /// every input row streams past it. Tasks split only the output columns, never `k`.
-const W_TILE: usize = 32;
-/// Register block of the micro-kernel: `MR` input rows × `NR` weight rows (16 accumulators
-/// of 8 lanes: AVX2 has 16 registers, the compiler keeps the loads in the remaining ones).
+const W_TILE: usize = 24;
+/// Register block of the micro-kernel: `MR` input rows × `NR` weight rows: 12 accumulators
+/// and 4 input vectors fill AVX2's 16 registers; weights are FMA memory operands.
 const MR: usize = 4;
-const NR: usize = 4;
+const NR: usize = 3;
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` (+ `bias[n]`): a linear layer with HF `[out, in]` weights.
 ///
@@ -115,39 +115,111 @@ fn linear_block<const R: usize, const C: usize>(
 
 /// `R × C` dot products `xs[r] · ws[c]` (all slices of one length `k`), each computed as
 /// [`dot_fixed`] does: the register blocking shares loads, never the reduction order.
+/// With AVX2 + FMA (the x86-64-v3 build) in vector registers; the portable version
+/// defines the same order lane by lane, and a test checks that they agree bitwise.
 #[inline(always)]
 pub fn dot_block<const R: usize, const C: usize>(
     xs: &[&[f32]; R],
     ws: &[&[f32]; C],
 ) -> [[f32; C]; R] {
-    let k = if R > 0 { xs[0].len() } else { 0 };
-    assert!(xs.iter().chain(ws.iter()).all(|s| s.len() == k));
-    let body = k - k % LANES;
-    let mut acc = [[[0.0f32; LANES]; C]; R];
-    let mut p = 0;
-    while p < body {
-        // SAFETY: p + LANES <= k = the length of every slice (asserted above).
-        let xv: [[f32; LANES]; R] =
-            std::array::from_fn(|r| unsafe { *(xs[r].as_ptr().add(p) as *const [f32; LANES]) });
-        for c in 0..C {
-            let wv = unsafe { *(ws[c].as_ptr().add(p) as *const [f32; LANES]) };
-            for r in 0..R {
-                for l in 0..LANES {
-                    acc[r][c][l] = xv[r][l].mul_add(wv[l], acc[r][c][l]);
-                }
-            }
-        }
-        p += LANES;
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    {
+        dot_block_avx2(xs, ws)
     }
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    {
+        dot_block_portable(xs, ws)
+    }
+}
+
+fn check_lengths<const R: usize, const C: usize>(xs: &[&[f32]; R], ws: &[&[f32]; C]) -> usize {
+    let k = if R > 0 { xs[0].len() } else { 0 };
+    assert!(
+        xs.iter().chain(ws.iter()).all(|s| s.len() == k),
+        "dot_block: slices of different lengths"
+    );
+    k
+}
+
+/// The lane sums, then the tail fused in order: the end of every fixed-order dot.
+#[inline(always)]
+fn finish_dots<const R: usize, const C: usize>(
+    xs: &[&[f32]; R],
+    ws: &[&[f32]; C],
+    acc: &[[[f32; LANES]; C]; R],
+    body: usize,
+) -> [[f32; C]; R] {
     std::array::from_fn(|r| {
         std::array::from_fn(|c| {
             let mut s = sum_lanes(&acc[r][c]);
-            for q in body..k {
+            for q in body..xs[r].len() {
                 s = xs[r][q].mul_add(ws[c][q], s);
             }
             s
         })
     })
+}
+
+/// The reference order, lane by lane (any target).
+#[inline(always)]
+pub fn dot_block_portable<const R: usize, const C: usize>(
+    xs: &[&[f32]; R],
+    ws: &[&[f32]; C],
+) -> [[f32; C]; R] {
+    let k = check_lengths(xs, ws);
+    let body = k - k % LANES;
+    let mut acc = [[[0.0f32; LANES]; C]; R];
+    for p in (0..body).step_by(LANES) {
+        for c in 0..C {
+            for r in 0..R {
+                for l in 0..LANES {
+                    acc[r][c][l] = xs[r][p + l].mul_add(ws[c][p + l], acc[r][c][l]);
+                }
+            }
+        }
+    }
+    finish_dots(xs, ws, &acc, body)
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(always)]
+fn dot_block_avx2<const R: usize, const C: usize>(
+    xs: &[&[f32]; R],
+    ws: &[&[f32]; C],
+) -> [[f32; C]; R] {
+    use std::arch::x86_64::{__m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps};
+    let k = check_lengths(xs, ws);
+    let body = k - k % LANES;
+    // SAFETY: the build enables AVX2 and FMA (cfg above); every load reads 8 floats at
+    // p + 8 <= body <= k, inside each slice (lengths checked).
+    let acc: [[[f32; LANES]; C]; R] = unsafe {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut p = 0;
+        while p < body {
+            let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(xs[r].as_ptr().add(p)));
+            for c in 0..C {
+                let wv = _mm256_loadu_ps(ws[c].as_ptr().add(p));
+                for r in 0..R {
+                    acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+                }
+            }
+            p += LANES;
+        }
+        std::mem::transmute_copy(&acc)
+    };
+    finish_dots(xs, ws, &acc, body)
 }
 
 /// The one reduction order of `linear` and attention scores: lane `l` accumulates
@@ -792,6 +864,21 @@ mod tests {
         let mut out = vec![0.0; 7 * n];
         linear(&x2, &w, None, &mut out, 7, k, n);
         assert_eq!(bits(&out[3 * n..4 * n]), bits(&all[3 * n..4 * n]));
+    }
+
+    #[test]
+    fn the_simd_dot_block_reproduces_the_portable_order_bitwise() {
+        let mut rng = StdRng::seed_from_u64(11);
+        for k in [1, 7, 8, 9, 64, 100, 577] {
+            let x: Vec<Vec<f32>> = (0..MR).map(|_| rand_vec(&mut rng, k)).collect();
+            let w: Vec<Vec<f32>> = (0..NR).map(|_| rand_vec(&mut rng, k)).collect();
+            let xs: [&[f32]; MR] = std::array::from_fn(|i| x[i].as_slice());
+            let ws: [&[f32]; NR] = std::array::from_fn(|i| w[i].as_slice());
+            let (a, b) = (dot_block(&xs, &ws), dot_block_portable(&xs, &ws));
+            for r in 0..MR {
+                assert_eq!(bits(&a[r]), bits(&b[r]), "k {k}");
+            }
+        }
     }
 
     #[test]

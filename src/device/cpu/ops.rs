@@ -3,23 +3,20 @@
 
 use rayon::prelude::*;
 
-/// Lanes of every reduction over `k` in `linear` and in attention scores.
-const LANES: usize = 8;
-/// Weight rows per parallel task of `linear`: the tile (≤ 24 × k floats) stays in L2 while
-/// every input row streams past it. Tasks split only the output columns, never `k`.
+pub use super::dot::dot_fixed;
+use super::dot::{dot_block, DotKernel};
+
+/// Weight rows per parallel task of `linear` (a multiple of every kernel's `NR`): the tile
+/// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only
+/// the output columns, never `k`.
 const W_TILE: usize = 24;
-/// Register block of the micro-kernel: `MR` input rows × `NR` weight rows: 12 accumulators
-/// and 4 input vectors fill AVX2's 16 registers; weights are FMA memory operands.
-const MR: usize = 4;
-const NR: usize = 3;
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` (+ `bias[n]`): a linear layer with HF `[out, in]` weights.
 ///
-/// **Batch-invariant**: every output element is `dot_fixed(x row, w row)`, the same sequence
-/// of floating-point operations whatever `m` is, whatever the other rows are and however
-/// the work is tiled or threaded; so a token's result never depends on what it is batched
-/// with. (`mul_add` is a correctly rounded fused multiply-add on every target, so the bits
-/// do not depend on the CPU either; without hardware FMA it is only slower.)
+/// **Batch-invariant**: every output element is `dot_fixed(x row, w row)` (see `dot.rs`),
+/// the same sequence of floating-point operations whatever `m` is, whatever the other rows
+/// are and however the work is tiled, threaded or vectorised; so a token's result never
+/// depends on what it is batched with, nor on the CPU (only the speed does).
 pub fn linear(
     x: &[f32],
     w: &[f32],
@@ -35,35 +32,15 @@ pub fn linear(
     if m == 0 || n == 0 {
         return;
     }
-    let dst = SyncPtr(out.as_mut_ptr());
-    (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
-        let j_end = ((tile + 1) * W_TILE).min(n);
-        let mut i = 0;
-        while i < m {
-            let mut j = tile * W_TILE;
-            if i + MR <= m {
-                while j + NR <= j_end {
-                    linear_block::<MR, NR>(x, w, k, n, i, j, dst);
-                    j += NR;
-                }
-                while j < j_end {
-                    linear_block::<MR, 1>(x, w, k, n, i, j, dst);
-                    j += 1;
-                }
-                i += MR;
-            } else {
-                while j + NR <= j_end {
-                    linear_block::<1, NR>(x, w, k, n, i, j, dst);
-                    j += NR;
-                }
-                while j < j_end {
-                    linear_block::<1, 1>(x, w, k, n, i, j, dst);
-                    j += 1;
-                }
-                i += 1;
-            }
-        }
-    });
+    // Register blocks (input rows × weight rows) that fill each ISA's registers.
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kern) = super::dot::Avx512::detect() {
+        linear_tiles::<_, 4, 6>(kern, x, w, out, m, k, n);
+    } else {
+        linear_tiles::<_, 2, 3>(BUILD_KERNEL, x, w, out, m, k, n);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    linear_tiles::<_, 2, 3>(BUILD_KERNEL, x, w, out, m, k, n);
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(n) {
             for (o, b) in row.iter_mut().zip(b) {
@@ -71,6 +48,52 @@ pub fn linear(
             }
         }
     }
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+const BUILD_KERNEL: super::dot::Avx2 = super::dot::Avx2;
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+const BUILD_KERNEL: super::dot::Portable = super::dot::Portable;
+
+/// Parallel over weight-row tiles; in each, `MR × NR` blocks, then the edges.
+fn linear_tiles<K: DotKernel, const MR: usize, const NR: usize>(
+    kern: K,
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) {
+    let dst = SyncPtr(out.as_mut_ptr());
+    (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
+        let j_end = ((tile + 1) * W_TILE).min(n);
+        let at = |i, j| Block { i, j, k, n };
+        let mut i = 0;
+        while i < m {
+            let full_rows = i + MR <= m;
+            let mut j = tile * W_TILE;
+            while j < j_end {
+                let full_cols = j + NR <= j_end;
+                match (full_rows, full_cols) {
+                    (true, true) => linear_block::<K, MR, NR>(kern, x, w, at(i, j), dst),
+                    (true, false) => linear_block::<K, MR, 1>(kern, x, w, at(i, j), dst),
+                    (false, true) => linear_block::<K, 1, NR>(kern, x, w, at(i, j), dst),
+                    (false, false) => linear_block::<K, 1, 1>(kern, x, w, at(i, j), dst),
+                }
+                j += if full_cols { NR } else { 1 };
+            }
+            i += if full_rows { MR } else { 1 };
+        }
+    });
 }
 
 /// A raw output pointer shared by tasks that write disjoint elements.
@@ -90,149 +113,35 @@ impl SyncPtr {
     }
 }
 
-/// `out[i.., j..]` for an `R × C` block of inputs × weight rows.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn linear_block<const R: usize, const C: usize>(
-    x: &[f32],
-    w: &[f32],
-    k: usize,
-    n: usize,
+/// Where a block of `linear` starts: input row `i`, weight row `j`, in `x[m, k]`,
+/// `out[m, n]`.
+#[derive(Clone, Copy)]
+struct Block {
     i: usize,
     j: usize,
+    k: usize,
+    n: usize,
+}
+
+/// `out[i.., j..]` for an `R × C` block of inputs × weight rows.
+#[inline(always)]
+fn linear_block<K: DotKernel, const R: usize, const C: usize>(
+    kern: K,
+    x: &[f32],
+    w: &[f32],
+    b: Block,
     out: SyncPtr,
 ) {
+    let Block { i, j, k, n } = b;
     let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(i + r) * k..(i + r + 1) * k]);
     let ws: [&[f32]; C] = std::array::from_fn(|c| &w[(j + c) * k..(j + c + 1) * k]);
-    let res = dot_block(&xs, &ws);
+    let res = kern.block(&xs, &ws);
     for (r, row) in res.iter().enumerate() {
         for (c, v) in row.iter().enumerate() {
             // SAFETY: (i + r, j + c) is inside [m, n] and this task owns columns j..j + C.
             unsafe { *out.at((i + r) * n + j + c) = *v };
         }
     }
-}
-
-/// `R × C` dot products `xs[r] · ws[c]` (all slices of one length `k`), each computed as
-/// [`dot_fixed`] does: the register blocking shares loads, never the reduction order.
-/// With AVX2 + FMA (the x86-64-v3 build) in vector registers; the portable version
-/// defines the same order lane by lane, and a test checks that they agree bitwise.
-#[inline(always)]
-pub fn dot_block<const R: usize, const C: usize>(
-    xs: &[&[f32]; R],
-    ws: &[&[f32]; C],
-) -> [[f32; C]; R] {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    {
-        dot_block_avx2(xs, ws)
-    }
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
-    {
-        dot_block_portable(xs, ws)
-    }
-}
-
-fn check_lengths<const R: usize, const C: usize>(xs: &[&[f32]; R], ws: &[&[f32]; C]) -> usize {
-    let k = if R > 0 { xs[0].len() } else { 0 };
-    assert!(
-        xs.iter().chain(ws.iter()).all(|s| s.len() == k),
-        "dot_block: slices of different lengths"
-    );
-    k
-}
-
-/// The lane sums, then the tail fused in order: the end of every fixed-order dot.
-#[inline(always)]
-fn finish_dots<const R: usize, const C: usize>(
-    xs: &[&[f32]; R],
-    ws: &[&[f32]; C],
-    acc: &[[[f32; LANES]; C]; R],
-    body: usize,
-) -> [[f32; C]; R] {
-    std::array::from_fn(|r| {
-        std::array::from_fn(|c| {
-            let mut s = sum_lanes(&acc[r][c]);
-            for q in body..xs[r].len() {
-                s = xs[r][q].mul_add(ws[c][q], s);
-            }
-            s
-        })
-    })
-}
-
-/// The reference order, lane by lane (any target).
-#[inline(always)]
-pub fn dot_block_portable<const R: usize, const C: usize>(
-    xs: &[&[f32]; R],
-    ws: &[&[f32]; C],
-) -> [[f32; C]; R] {
-    let k = check_lengths(xs, ws);
-    let body = k - k % LANES;
-    let mut acc = [[[0.0f32; LANES]; C]; R];
-    for p in (0..body).step_by(LANES) {
-        for c in 0..C {
-            for r in 0..R {
-                for l in 0..LANES {
-                    acc[r][c][l] = xs[r][p + l].mul_add(ws[c][p + l], acc[r][c][l]);
-                }
-            }
-        }
-    }
-    finish_dots(xs, ws, &acc, body)
-}
-
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
-#[inline(always)]
-fn dot_block_avx2<const R: usize, const C: usize>(
-    xs: &[&[f32]; R],
-    ws: &[&[f32]; C],
-) -> [[f32; C]; R] {
-    use std::arch::x86_64::{__m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps};
-    let k = check_lengths(xs, ws);
-    let body = k - k % LANES;
-    // SAFETY: the build enables AVX2 and FMA (cfg above); every load reads 8 floats at
-    // p + 8 <= body <= k, inside each slice (lengths checked).
-    let acc: [[[f32; LANES]; C]; R] = unsafe {
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let mut p = 0;
-        while p < body {
-            let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(xs[r].as_ptr().add(p)));
-            for c in 0..C {
-                let wv = _mm256_loadu_ps(ws[c].as_ptr().add(p));
-                for r in 0..R {
-                    acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
-                }
-            }
-            p += LANES;
-        }
-        std::mem::transmute_copy(&acc)
-    };
-    finish_dots(xs, ws, &acc, body)
-}
-
-/// The one reduction order of `linear` and attention scores: lane `l` accumulates
-/// `a[p]·b[p]` for `p ≡ l (mod 8)` with fused multiply-adds in increasing `p`, the lanes are
-/// summed as a fixed tree, then the tail (`k mod 8` elements) is fused in, in order.
-#[inline]
-pub fn dot_fixed(a: &[f32], b: &[f32]) -> f32 {
-    dot_block(&[a], &[b])[0][0]
-}
-
-#[inline(always)]
-fn sum_lanes(a: &[f32; LANES]) -> f32 {
-    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
 /// Dot product with 16 independent accumulators so it vectorizes.
@@ -715,6 +624,10 @@ fn attend_part<L: KvLayout>(
     Partial { m, l, o }
 }
 
+/// Query rows × keys per score block (the AVX2 kernel's register blocking).
+const SMR: usize = 2;
+const SNR: usize = 3;
+
 /// `sc[r, j] = dot_fixed(qg[r], key j)` for `rows` query rows and the tile's keys.
 fn score_tile(qg: &[f32], hd: usize, rows: usize, keys: &[(&[f32], &[f32])], sc: &mut [f32]) {
     let kn = keys.len();
@@ -722,15 +635,15 @@ fn score_tile(qg: &[f32], hd: usize, rows: usize, keys: &[(&[f32], &[f32])], sc:
     let mut r = 0;
     while r < rows {
         let mut j = 0;
-        if r + MR <= rows {
-            let xs: [&[f32]; MR] = std::array::from_fn(|i| qrow(r + i));
-            while j + NR <= kn {
-                let ws: [&[f32]; NR] = std::array::from_fn(|c| keys[j + c].0);
+        if r + SMR <= rows {
+            let xs: [&[f32]; SMR] = std::array::from_fn(|i| qrow(r + i));
+            while j + SNR <= kn {
+                let ws: [&[f32]; SNR] = std::array::from_fn(|c| keys[j + c].0);
                 let b = dot_block(&xs, &ws);
                 for (i, row) in b.iter().enumerate() {
-                    sc[(r + i) * K_TILE + j..][..NR].copy_from_slice(row);
+                    sc[(r + i) * K_TILE + j..][..SNR].copy_from_slice(row);
                 }
-                j += NR;
+                j += SNR;
             }
             while j < kn {
                 let b = dot_block(&xs, &[keys[j].0]);
@@ -739,7 +652,7 @@ fn score_tile(qg: &[f32], hd: usize, rows: usize, keys: &[(&[f32], &[f32])], sc:
                 }
                 j += 1;
             }
-            r += MR;
+            r += SMR;
         } else {
             for (jj, key) in keys.iter().enumerate() {
                 sc[r * K_TILE + jj] = dot_fixed(qrow(r), key.0);
@@ -864,21 +777,6 @@ mod tests {
         let mut out = vec![0.0; 7 * n];
         linear(&x2, &w, None, &mut out, 7, k, n);
         assert_eq!(bits(&out[3 * n..4 * n]), bits(&all[3 * n..4 * n]));
-    }
-
-    #[test]
-    fn the_simd_dot_block_reproduces_the_portable_order_bitwise() {
-        let mut rng = StdRng::seed_from_u64(11);
-        for k in [1, 7, 8, 9, 64, 100, 577] {
-            let x: Vec<Vec<f32>> = (0..MR).map(|_| rand_vec(&mut rng, k)).collect();
-            let w: Vec<Vec<f32>> = (0..NR).map(|_| rand_vec(&mut rng, k)).collect();
-            let xs: [&[f32]; MR] = std::array::from_fn(|i| x[i].as_slice());
-            let ws: [&[f32]; NR] = std::array::from_fn(|i| w[i].as_slice());
-            let (a, b) = (dot_block(&xs, &ws), dot_block_portable(&xs, &ws));
-            for r in 0..MR {
-                assert_eq!(bits(&a[r]), bits(&b[r]), "k {k}");
-            }
-        }
     }
 
     #[test]

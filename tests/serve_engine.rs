@@ -144,17 +144,15 @@ fn late_random_order_and_failed_transfers_keep_tokens_exact() {
 }
 
 #[test]
-fn paged_attention_matches_the_contiguous_cache_bitwise() {
-    // With the whole prompt in one prefill chunk the forward calls are those of
-    // `engine::generate`, so the paged gather/scatter must give the same bits.
+fn serving_equals_generate_bitwise_however_the_prompt_is_chunked() {
+    // `engine::generate` runs the whole prompt in one forward over a contiguous cache; the
+    // engine cuts it into 8-token chunks batched with other requests over pages. The
+    // kernels are batch-invariant, so the log-probabilities are the same bits.
     let model = tiny_model("serve_engine_contiguous");
     let (prompts, params) = requests(9, 4, 0);
-    let mut c = config(200, 0, false);
-    c.sched.prefill_chunk = 72;
-    c.sched.max_num_batched_tokens = 72;
-    let got = Engine::new(model.clone(), c)
+    let got = Engine::new(model.clone(), config(200, 0, false))
         .unwrap()
-        .generate(&prompts, &params)
+        .generate_with_logprobs(&prompts, &params)
         .unwrap();
     for (i, p) in prompts.iter().enumerate() {
         let opts = GenerateOptions {
@@ -163,8 +161,54 @@ fn paged_attention_matches_the_contiguous_cache_bitwise() {
             stop_ids: vec![],
         };
         let want = engine::generate(&model, p, &opts, 512, &mut |_| Ok(())).unwrap();
-        assert_eq!(got[i], want.token_ids, "request {i}");
+        assert_eq!(got[i].0, want.token_ids, "request {i}");
+        assert_eq!(bits(&got[i].1), bits(&want.logprobs), "request {i}");
     }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn a_requests_logprobs_are_bitwise_equal_alone_and_among_1_to_15_companions_under_preemption() {
+    let model = tiny_model("serve_engine_invariance");
+    let mut rng = StdRng::seed_from_u64(77);
+    let target: Vec<u32> = (0..60).map(|_| rng.random_range(3..300)).collect();
+    let tp = RequestParams {
+        max_tokens: 30,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let alone = Engine::new(model.clone(), config(100, 0, false))
+        .unwrap()
+        .generate_with_logprobs(std::slice::from_ref(&target), std::slice::from_ref(&tp))
+        .unwrap()
+        .remove(0);
+    let mut preemptions = [0; 2];
+    for n in [2, 3, 5, 8, 12, 16] {
+        let (mut prompts, mut params) = requests(100 + n as u64, n - 1, 0);
+        let at = rng.random_range(0..n);
+        prompts.insert(at, target.clone());
+        params.insert(at, tp.clone());
+        // A third of the working set, but room for the largest request alone.
+        let tight = (working_set(&prompts, &params) / 3).max((70 + 40) / 4);
+        for (c, cpu) in [0, 1000].into_iter().enumerate() {
+            let mut e = Engine::new(model.clone(), config(tight, cpu, false)).unwrap();
+            let got = e.generate_with_logprobs(&prompts, &params).unwrap();
+            preemptions[c] += e.stats().sched.preemptions;
+            assert_eq!(got[at].0, alone.0, "{n} requests, cpu {cpu}: tokens differ");
+            assert_eq!(
+                bits(&got[at].1),
+                bits(&alone.1),
+                "{n} requests, cpu {cpu}: logprobs differ"
+            );
+        }
+    }
+    assert!(
+        preemptions.iter().all(|&p| p >= 5),
+        "too little preemption pressure: {preemptions:?}"
+    );
 }
 
 #[test]

@@ -156,3 +156,57 @@ fn greedy_continuation_matches_candle_llama() {
         "the continuation ended early; pick a prompt with a longer answer"
     );
 }
+
+#[test]
+fn serving_batched_and_chunked_equals_generate_bitwise() {
+    // Three chat prompts served together (16-token blocks, 64-token prefill chunks, decode
+    // rows batched with prefill chunks) against `strata generate`'s whole-prompt,
+    // contiguous-cache run of each alone: the same tokens and the same log-probability bits.
+    use strata::serve::{Engine, EngineConfig, RequestParams, SchedulerConfig};
+    let path = common::require_default_model();
+    let (model, tok) = Model::load(&path, false).unwrap();
+    let prompts: Vec<Vec<u32>> = [
+        PROMPT,
+        "What is the capital of France?",
+        "List three prime numbers and explain why each of them is prime, in one sentence each.",
+    ]
+    .iter()
+    .map(|p| {
+        tok.encode(&tok.apply_chat_template(p).unwrap(), false)
+            .unwrap()
+    })
+    .collect();
+    let max_tokens = 12;
+    let params = RequestParams {
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let cfg = EngineConfig {
+        sched: SchedulerConfig {
+            block_size: 16,
+            num_gpu_blocks: 64,
+            max_cpu_offload_blocks: 0,
+            max_num_seqs: 16,
+            max_num_batched_tokens: 96,
+            prefill_chunk: 32,
+        },
+        link_gbps: 0.0,
+        sanitize: false,
+    };
+    let got = Engine::new(model.clone(), cfg)
+        .unwrap()
+        .generate_with_logprobs(&prompts, &[params])
+        .unwrap();
+    let opts = GenerateOptions {
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+    };
+    for (i, p) in prompts.iter().enumerate() {
+        let want = engine::generate(&model, p, &opts, 8192, &mut |_| Ok(())).unwrap();
+        assert_eq!(got[i].0, want.token_ids, "prompt {i}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got[i].1), bits(&want.logprobs), "prompt {i}");
+    }
+}

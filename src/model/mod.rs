@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 
-use crate::device::cpu::ops::{self, AttnShape};
+use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
 use crate::kv::{KvView, LayerKv};
 pub use config::{Arch, ModelConfig};
 pub use tokenizer::Tokenizer;
@@ -21,6 +21,40 @@ use weights::ModelWeights;
 /// Rows of the MLP processed at once in prefill, so the `[rows, 2 * inter]` activation
 /// stays bounded however long the prompt is.
 const MLP_CHUNK: usize = 1024;
+
+/// One sequence of a batched forward over a page pool.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchSeq<'a> {
+    pub tokens: &'a [u32],
+    /// Absolute position of `tokens[0]`.
+    pub pos0: usize,
+    /// Page of each of its blocks, covering positions `0..pos0 + tokens.len()`.
+    pub pages: &'a [u32],
+    /// Whether the logits of its last token are wanted.
+    pub logits: WantLogits,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WantLogits {
+    Yes,
+    No,
+}
+
+/// Every layer's K and V page pools, `[num_pages, block_size, kv_heads, head_dim]` each.
+pub trait PagePool {
+    fn block_size(&self) -> usize;
+    fn num_pages(&self) -> usize;
+    /// Layer `layer`'s pools, for the duration of that layer's compute.
+    fn layer(&mut self, layer: usize) -> LayerKv<'_>;
+}
+
+/// Where a layer stores its new K/V rows and what its attention reads.
+enum LayerTarget<'a> {
+    /// One sequence over a contiguous cache: rows are positions `pos0..`.
+    Contiguous(LayerKv<'a>),
+    /// A batch of sequences, each over its own pages.
+    Paged(LayerKv<'a>, &'a [AttnSeq<PagedRows<'a>>]),
+}
 
 pub struct Model {
     pub cfg: ModelConfig,
@@ -150,7 +184,11 @@ impl Model {
             let (m, a, toks) = (Arc::clone(self), Arc::clone(&acts), tokens.to_vec());
             kv.run(
                 "embed",
-                Box::new(move || m.embed(&toks, pos0, &mut lock(&a))),
+                Box::new(move || {
+                    let a = &mut lock(&a);
+                    a.pos0 = pos0;
+                    m.embed(&toks, &(pos0..pos0 + toks.len()).collect::<Vec<_>>(), a)
+                }),
             )?;
         }
         for l in 0..cfg.num_layers {
@@ -160,22 +198,97 @@ impl Model {
                 l,
                 pos0,
                 t,
-                Box::new(move |lkv| m.layer(l, &mut lock(&a), lkv)),
+                Box::new(move |lkv| m.layer(l, &mut lock(&a), LayerTarget::Contiguous(lkv))),
             )?;
             kv.end_layer(l)?;
         }
         let logits = Arc::new(Mutex::new(Vec::new()));
         {
             let (m, a, out) = (Arc::clone(self), Arc::clone(&acts), Arc::clone(&logits));
-            kv.run("lm_head", Box::new(move || *lock(&out) = m.head(&lock(&a))))?;
+            kv.run(
+                "lm_head",
+                Box::new(move || {
+                    let a = lock(&a);
+                    *lock(&out) = m.head(&a, &[a.t - 1]).remove(0);
+                }),
+            )?;
         }
         kv.synchronize()?;
         let logits = std::mem::take(&mut *lock(&logits));
         Ok(logits)
     }
 
-    /// Embedding gather and the first layer's input norm.
-    fn embed(&self, tokens: &[u32], pos0: usize, a: &mut Activations) {
+    /// One forward over a batch of sequences (decode rows and prefill chunks alike), each
+    /// storing its new K/V into and attending over its own pages; the weights are read once
+    /// for the whole batch. Returns the last token's logits `[vocab]` of each sequence that
+    /// wants them. Every kernel is batch-invariant, so each sequence's logits are bitwise
+    /// those of `forward` over a contiguous cache, whatever else is in the batch.
+    pub fn forward_batch(
+        &self,
+        seqs: &[BatchSeq<'_>],
+        pool: &mut dyn PagePool,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        let cfg = &self.cfg;
+        let (bs, num_pages) = (pool.block_size(), pool.num_pages());
+        if seqs.is_empty() {
+            bail!("forward_batch called with no sequences");
+        }
+        let mut attn_seqs = Vec::with_capacity(seqs.len());
+        let (mut tokens, mut positions) = (Vec::new(), Vec::new());
+        for (i, s) in seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                bail!("sequence {i} of the batch has no tokens");
+            }
+            if let Some(&id) = s.tokens.iter().find(|&&id| id as usize >= cfg.vocab_size) {
+                bail!(
+                    "token id {id} is outside the vocabulary ({})",
+                    cfg.vocab_size
+                );
+            }
+            let end = s.pos0 + s.tokens.len();
+            if s.pages.len() * bs < end {
+                bail!(
+                    "sequence {i}: {} pages of {bs} do not cover {end} positions",
+                    s.pages.len()
+                );
+            }
+            if let Some(&p) = s.pages.iter().find(|&&p| p as usize >= num_pages) {
+                bail!("sequence {i}: page {p} is outside the pool ({num_pages} pages)");
+            }
+            attn_seqs.push(AttnSeq {
+                row0: tokens.len(),
+                tokens: s.tokens.len(),
+                pos0: s.pos0,
+                kv: PagedRows {
+                    pages: s.pages,
+                    block_size: bs,
+                    row: cfg.kv_dim(),
+                },
+            });
+            tokens.extend_from_slice(s.tokens);
+            positions.extend(s.pos0..end);
+        }
+        let mut a = Activations::new(cfg, tokens.len());
+        self.embed(&tokens, &positions, &mut a);
+        for l in 0..cfg.num_layers {
+            let lkv = pool.layer(l);
+            self.layer(l, &mut a, LayerTarget::Paged(lkv, &attn_seqs));
+        }
+        let rows: Vec<usize> = attn_seqs
+            .iter()
+            .zip(seqs)
+            .filter(|(_, s)| s.logits == WantLogits::Yes)
+            .map(|(a, _)| a.row0 + a.tokens - 1)
+            .collect();
+        let mut logits = self.head(&a, &rows).into_iter();
+        Ok(seqs
+            .iter()
+            .map(|s| (s.logits == WantLogits::Yes).then(|| logits.next().unwrap_or_default()))
+            .collect())
+    }
+
+    /// Embedding gather and the first layer's input norm; `positions[t]` of each row.
+    fn embed(&self, tokens: &[u32], positions: &[usize], a: &mut Activations) {
         let (w, h) = (&self.weights, self.cfg.hidden_size);
         for (row, &id) in a.x.chunks_exact_mut(h).zip(tokens) {
             row.copy_from_slice(&w.embed[id as usize * h..(id as usize + 1) * h]);
@@ -186,16 +299,15 @@ impl Model {
             self.cfg.rms_norm_eps,
             &mut a.hn,
         );
-        (a.cos, a.sin) = ops::rope_tables(&self.inv_freq, pos0, a.t);
-        a.pos0 = pos0;
+        (a.cos, a.sin) = ops::rope_tables_at(&self.inv_freq, positions);
     }
 
     /// One decoder layer: reads `a.hn` (normalised input), updates the residual `a.x`, and
     /// leaves the next layer's normalised input in `a.hn`.
-    fn layer(&self, l: usize, a: &mut Activations, kv: LayerKv<'_>) {
+    fn layer(&self, l: usize, a: &mut Activations, kv: LayerTarget<'_>) {
         let cfg = &self.cfg;
         let lw = &self.weights.layers[l];
-        let (t, pos0) = (a.t, a.pos0);
+        let t = a.t;
         let (h, qd, kvd, inter) = (
             cfg.hidden_size,
             cfg.q_dim(),
@@ -250,19 +362,18 @@ impl Model {
             dst.copy_from_slice(&src[..qd]);
         }
         // 4. Store the new K/V and attend over everything up to them.
-        for (i, src) in a.qkv.chunks_exact(qkv_dim).enumerate() {
-            let at = (pos0 + i) * kvd;
-            kv.k[at..at + kvd].copy_from_slice(&src[qd..qd + kvd]);
-            kv.v[at..at + kvd].copy_from_slice(&src[qd + kvd..]);
+        match kv {
+            LayerTarget::Contiguous(kv) => {
+                let seq = AttnSeq {
+                    row0: 0,
+                    tokens: t,
+                    pos0: a.pos0,
+                    kv: ContiguousRows { row: kvd },
+                };
+                self.store_and_attend(a, kv, &[seq]);
+            }
+            LayerTarget::Paged(kv, seqs) => self.store_and_attend(a, kv, seqs),
         }
-        let shape = AttnShape {
-            tokens: t,
-            pos0,
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
-        ops::attention(&a.q, kv.k, kv.v, &mut a.attn, shape);
         // 5. Output projection, residual add, post-attention norm.
         ops::linear(&a.attn, &lw.wo, None, &mut a.proj, t, qd, h);
         ops::add_rms_norm(&mut a.x, &a.proj, &lw.mlp_norm, eps, &mut a.hn);
@@ -302,20 +413,52 @@ impl Model {
         }
     }
 
-    /// lm_head on the last position only (`a.hn` already holds the final norm).
-    fn head(&self, a: &Activations) -> Vec<f32> {
+    /// Stores each row's new K/V (in `a.qkv`) at its position, then attends each sequence's
+    /// queries over its keys into `a.attn`.
+    fn store_and_attend<L: KvLayout>(
+        &self,
+        a: &mut Activations,
+        kv: LayerKv<'_>,
+        seqs: &[AttnSeq<L>],
+    ) {
+        let cfg = &self.cfg;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let qkv_dim = qd + 2 * kvd;
+        for s in seqs {
+            for i in 0..s.tokens {
+                let src = &a.qkv[(s.row0 + i) * qkv_dim..][..qkv_dim];
+                let at = s.kv.row_offset(s.pos0 + i);
+                kv.k[at..at + kvd].copy_from_slice(&src[qd..qd + kvd]);
+                kv.v[at..at + kvd].copy_from_slice(&src[qd + kvd..]);
+            }
+        }
+        let heads = AttnHeads {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        ops::attention_batch(&a.q, kv.k, kv.v, &mut a.attn, heads, seqs);
+    }
+
+    /// lm_head on the given rows (`a.hn` already holds the final norm): `[vocab]` each.
+    fn head(&self, a: &Activations, rows: &[usize]) -> Vec<Vec<f32>> {
         let (h, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
-        let mut logits = vec![0.0f32; vocab];
+        let x: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| &a.hn[r * h..(r + 1) * h])
+            .copied()
+            .collect(); // [rows, hidden]
+        let mut logits = vec![0.0f32; rows.len() * vocab]; // [rows, vocab]
         ops::linear(
-            &a.hn[(a.t - 1) * h..],
+            &x,
             self.weights.lm_head(),
             None,
             &mut logits,
-            1,
+            rows.len(),
             h,
             vocab,
         );
-        logits
+        logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
     }
 }
 

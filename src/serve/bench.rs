@@ -88,6 +88,11 @@ pub struct ServeArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Side by side in one run: the requests one at a time, all at once, and with GPU
+    /// blocks at a third of the working set with host offload and with recomputation;
+    /// fails unless every run gives the same tokens.
+    #[arg(long)]
+    pub table: bool,
 }
 
 /// Random prompts and output lengths, reproducible from `seed`.
@@ -239,6 +244,9 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         "the KV pools",
         "--num-gpu-blocks, --max-cpu-offload-blocks or --block-size",
     )?;
+    if a.table {
+        return run_table(&a, &model, sched, working_set, &prompts, &params);
+    }
     let r = run_once(&model, sched.clone(), a.link_gbps, &prompts, &params)?;
     let st = r.stats;
     let throughput = st.generated_tokens as f64 / r.secs.max(1e-9);
@@ -311,6 +319,131 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             a.num_seqs
         );
     }
+    Ok(())
+}
+
+/// `--table`: the four configurations of docs/benchmarks.md, measured one after the
+/// other in this process, with throughputs relative to the unconstrained run.
+fn run_table(
+    a: &ServeArgs,
+    model: &Arc<Model>,
+    sched: SchedulerConfig,
+    working_set: usize,
+    prompts: &[Vec<u32>],
+    params: &[RequestParams],
+) -> Result<()> {
+    let free = SchedulerConfig {
+        num_gpu_blocks: working_set,
+        max_cpu_offload_blocks: 0,
+        ..sched.clone()
+    };
+    let third = (working_set / 3).max(
+        prompts
+            .iter()
+            .zip(params)
+            .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(sched.block_size))
+            .max()
+            .unwrap_or(1),
+    );
+    let rows = [
+        (
+            "one at a time (--max-num-seqs 1)",
+            SchedulerConfig {
+                max_num_seqs: 1,
+                ..free.clone()
+            },
+        ),
+        ("all at once, unconstrained", free.clone()),
+        (
+            "GPU blocks at a third, host offload",
+            SchedulerConfig {
+                num_gpu_blocks: third,
+                max_cpu_offload_blocks: working_set,
+                ..free.clone()
+            },
+        ),
+        (
+            "GPU blocks at a third, recompute",
+            SchedulerConfig {
+                num_gpu_blocks: third,
+                ..free.clone()
+            },
+        ),
+    ];
+    let mut runs = Vec::new();
+    for (name, cfg) in rows {
+        let r = run_once(model, cfg.clone(), a.link_gbps, prompts, params)?;
+        runs.push((name, cfg, r));
+    }
+    let tput = |r: &BenchRun| r.stats.generated_tokens as f64 / r.secs.max(1e-9);
+    let base = tput(&runs[1].2);
+    let differ = runs
+        .iter()
+        .map(|(_, _, r)| {
+            r.outputs
+                .iter()
+                .zip(&runs[1].2.outputs)
+                .filter(|(x, y)| x != y)
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    if a.json {
+        let rows: Vec<_> = runs
+            .iter()
+            .map(|(name, cfg, r)| {
+                serde_json::json!({
+                    "configuration": name,
+                    "num_gpu_blocks": cfg.num_gpu_blocks,
+                    "throughput_tokens_per_s": tput(r),
+                    "relative_to_unconstrained": tput(r) / base,
+                    "preemptions": r.stats.sched.preemptions,
+                    "blocks_stored": r.stats.sched.blocks_stored,
+                    "blocks_loaded": r.stats.sched.blocks_loaded,
+                    "recomputations": r.stats.sched.recomputations,
+                    "computed_tokens": r.stats.computed_tokens,
+                    "steps": r.stats.steps,
+                    "elapsed_s": r.secs,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({"working_set_blocks": working_set, "runs": rows, "mismatches": differ})
+        );
+    } else {
+        println!(
+            "{} requests, {} prompt tokens, {} generated; working set {working_set} blocks",
+            prompts.len(),
+            runs[1].2.stats.prompt_tokens,
+            runs[1].2.stats.generated_tokens
+        );
+        println!("| configuration | GPU blocks | tok/s | × unconstrained | preemptions | stored / loaded | recomputations | tokens computed |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for (name, cfg, r) in &runs {
+            let st = &r.stats;
+            println!(
+                "| {name} | {} | {:.1} | {:.2} | {} | {} / {} | {} | {} |",
+                cfg.num_gpu_blocks,
+                tput(r),
+                tput(r) / base,
+                st.sched.preemptions,
+                st.sched.blocks_stored,
+                st.sched.blocks_loaded,
+                st.sched.recomputations,
+                st.computed_tokens
+            );
+        }
+        println!(
+            "all at once / one at a time: {:.2}x | offload / recompute: {:.2}x | runs differing from the unconstrained tokens: {differ}",
+            base / tput(&runs[0].2),
+            tput(&runs[2].2) / tput(&runs[3].2)
+        );
+    }
+    ensure!(
+        differ == 0,
+        "{differ} requests differ from the unconstrained run"
+    );
     Ok(())
 }
 

@@ -37,6 +37,7 @@ pub struct RequestParams {
 pub struct EngineStats {
     pub sched: SchedStats,
     pub steps: usize,
+    /// Batched forward passes (at most one a step).
     pub forward_calls: usize,
     /// Tokens computed by forward calls, replays included.
     pub computed_tokens: usize,
@@ -171,11 +172,16 @@ impl Engine {
             }
         }
         let mut finished = Vec::new();
-        for call in &plan.batch {
-            let logits = self.runner.forward(call)?;
+        // One forward over every scheduled sequence (weights read once a step).
+        let all_logits = if plan.batch.is_empty() {
+            Vec::new()
+        } else {
             self.stats.forward_calls += 1;
+            self.runner.forward(&plan.batch)?
+        };
+        for (call, logits) in plan.batch.iter().zip(all_logits) {
             self.stats.computed_tokens += call.tokens.len();
-            let tok = if call.sample {
+            let tok = if let Some(logits) = logits {
                 let s = self
                     .samplers
                     .get_mut(&call.seq)

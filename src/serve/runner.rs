@@ -5,13 +5,12 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Result};
 
-use super::block_manager::PageId;
 use super::residency::Tier;
 use super::scheduler::ScheduledSeq;
 use super::transfer::{Completion, JobId, Loc, TransferBackend, TransferJob};
 use crate::device::cpu::stream::{Buffer, CpuDevice, Event, MemSpace, Stream};
-use crate::kv::{KvView, LayerKv, LayerWork, Work};
-use crate::model::Model;
+use crate::kv::LayerKv;
+use crate::model::{BatchSeq, Model, PagePool, WantLogits};
 
 /// The KV memory of both tiers, per layer, for K and for V.
 pub struct PagedKvCache {
@@ -60,119 +59,66 @@ impl PagedKvCache {
     }
 }
 
-/// A single sequence's view of the paged cache for one forward call: each layer gathers
-/// the sequence's pages into a contiguous scratch K/V for the attention op, then scatters
-/// the new tokens' K/V back into their pages. Runs inline on the caller's thread.
-struct SeqKv<'a> {
-    cache: &'a PagedKvCache,
-    pages: &'a [PageId],
-    scratch_k: &'a mut Vec<f32>, // [pos0 + tokens, kv_heads, head_dim]
-    scratch_v: &'a mut Vec<f32>,
-}
+/// The device tier's page pools as the model's batched forward sees them.
+struct GpuPages<'a>(&'a PagedKvCache);
 
-impl SeqKv<'_> {
-    /// Copies positions `range` between the pages and the scratch (`to_pages` = scatter).
-    fn copy(&mut self, layer: usize, range: std::ops::Range<usize>, to_pages: bool) {
-        let (bs, row) = (self.cache.block_size, self.cache.row);
-        let pairs = [
-            (&self.cache.gpu_k[layer], &mut *self.scratch_k),
-            (&self.cache.gpu_v[layer], &mut *self.scratch_v),
-        ];
-        for (buf, scratch) in pairs {
-            let mut p = range.start;
-            while p < range.end {
-                let end = ((p / bs + 1) * bs).min(range.end);
-                let at = self.pages[p / bs] as usize * bs * row + (p % bs) * row;
-                let n = (end - p) * row;
-                // SAFETY: these pages belong to a GPU-resident block of this sequence:
-                // no transfer reads or writes them (loads into them completed before the
-                // block turned resident; stores only read blocks of preempted sequences),
-                // and this thread is the only compute.
-                unsafe {
-                    if to_pages {
-                        buf.slice_mut()[at..at + n].copy_from_slice(&scratch[p * row..end * row]);
-                    } else {
-                        scratch[p * row..end * row].copy_from_slice(&buf.slice()[at..at + n]);
-                    }
-                }
-                p = end;
+impl PagePool for GpuPages<'_> {
+    fn block_size(&self) -> usize {
+        self.0.block_size
+    }
+
+    fn num_pages(&self) -> usize {
+        self.0
+            .gpu_k
+            .first()
+            .map_or(0, |b| b.len() / self.0.page_len())
+    }
+
+    fn layer(&mut self, layer: usize) -> LayerKv<'_> {
+        // SAFETY: the forward writes and reads only rows of the pages in its block tables,
+        // which belong to GPU-resident blocks of the scheduled sequences: no transfer reads
+        // or writes them (loads into them completed before the blocks turned resident;
+        // stores only read blocks of preempted sequences), and this thread is the only
+        // compute. Transfers touch other pages of the same buffers concurrently, as the
+        // device's own copy engine would.
+        unsafe {
+            LayerKv {
+                k: self.0.gpu_k[layer].slice_mut(),
+                v: self.0.gpu_v[layer].slice_mut(),
             }
         }
     }
 }
 
-impl KvView for SeqKv<'_> {
-    fn run(&mut self, _name: &'static str, work: Work) -> Result<()> {
-        work();
-        Ok(())
-    }
-
-    fn begin_layer(&mut self, _layer: usize) -> Result<()> {
-        Ok(()) // every page is resident before the call is scheduled
-    }
-
-    fn run_layer(
-        &mut self,
-        layer: usize,
-        pos0: usize,
-        tokens: usize,
-        work: LayerWork,
-    ) -> Result<()> {
-        let end = pos0 + tokens;
-        ensure!(
-            end <= self.pages.len() * self.cache.block_size,
-            "block table covers {} positions, {end} needed",
-            self.pages.len() * self.cache.block_size
-        );
-        let n = end * self.cache.row;
-        self.scratch_k.resize(n, 0.0);
-        self.scratch_v.resize(n, 0.0);
-        self.copy(layer, 0..pos0, false);
-        work(LayerKv {
-            k: &mut self.scratch_k[..n],
-            v: &mut self.scratch_v[..n],
-        });
-        self.copy(layer, pos0..end, true);
-        Ok(())
-    }
-
-    fn end_layer(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn synchronize(&mut self) -> Result<()> {
-        Ok(())
-    }
-}
-
-/// Runs the model over the paged cache, one forward call per scheduled sequence: each
-/// sequence's result is then independent of what else is batched.
+/// Runs one batched forward per engine step over every scheduled sequence's pages. The
+/// kernels are batch-invariant, so each sequence's logits do not depend on the batch.
 pub struct ModelRunner {
     model: Arc<Model>,
     cache: Arc<PagedKvCache>,
-    scratch_k: Vec<f32>,
-    scratch_v: Vec<f32>,
 }
 
 impl ModelRunner {
     pub fn new(model: Arc<Model>, cache: Arc<PagedKvCache>) -> Self {
-        Self {
-            model,
-            cache,
-            scratch_k: Vec::new(),
-            scratch_v: Vec::new(),
-        }
+        Self { model, cache }
     }
 
-    /// The logits `[vocab]` of the call's last token.
-    pub fn forward(&mut self, call: &ScheduledSeq) -> Result<Vec<f32>> {
-        let mut kv = SeqKv {
-            cache: &self.cache,
-            pages: &call.block_table,
-            scratch_k: &mut self.scratch_k,
-            scratch_v: &mut self.scratch_v,
-        };
-        self.model.forward(&call.tokens, call.pos0, &mut kv)
+    /// One forward over all `calls`; the logits `[vocab]` of each call's last token, for
+    /// the calls that sample (`None` for replayed calls of a recomputation).
+    pub fn forward(&mut self, calls: &[ScheduledSeq]) -> Result<Vec<Option<Vec<f32>>>> {
+        let seqs: Vec<BatchSeq<'_>> = calls
+            .iter()
+            .map(|c| BatchSeq {
+                tokens: &c.tokens,
+                pos0: c.pos0,
+                pages: &c.block_table,
+                logits: if c.sample {
+                    WantLogits::Yes
+                } else {
+                    WantLogits::No
+                },
+            })
+            .collect();
+        self.model.forward_batch(&seqs, &mut GpuPages(&self.cache))
     }
 }
 

@@ -3,7 +3,20 @@
 
 use rayon::prelude::*;
 
+pub use super::dot::dot_fixed;
+use super::dot::{dot_block, DotKernel};
+
+/// Weight rows per parallel task of `linear` (a multiple of every kernel's `NR`): the tile
+/// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only
+/// the output columns, never `k`.
+const W_TILE: usize = 24;
+
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` (+ `bias[n]`): a linear layer with HF `[out, in]` weights.
+///
+/// **Batch-invariant**: every output element is `dot_fixed(x row, w row)` (see `dot.rs`),
+/// the same sequence of floating-point operations whatever `m` is, whatever the other rows
+/// are and however the work is tiled, threaded or vectorised; so a token's result never
+/// depends on what it is batched with, nor on the CPU (only the speed does).
 pub fn linear(
     x: &[f32],
     w: &[f32],
@@ -13,44 +26,21 @@ pub fn linear(
     k: usize,
     n: usize,
 ) {
-    debug_assert_eq!(x.len(), m * k);
-    debug_assert_eq!(w.len(), n * k);
-    debug_assert_eq!(out.len(), m * n);
-    if m <= 4 {
-        matvec_rows(x, w, out, m, k, n);
-    } else {
-        let threads = rayon::current_num_threads();
-        let par = if threads > 1 {
-            gemm::Parallelism::Rayon(threads)
-        } else {
-            gemm::Parallelism::None
-        };
-        // SAFETY: the three slices have the lengths asserted above and the strides
-        // describe exactly those row-major layouts; `out` does not alias the inputs.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                k as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
-        }
+    assert_eq!(x.len(), m * k, "linear: x is not [m, k]");
+    assert_eq!(w.len(), n * k, "linear: w is not [n, k]");
+    assert_eq!(out.len(), m * n, "linear: out is not [m, n]");
+    if m == 0 || n == 0 {
+        return;
     }
+    // Register blocks (input rows × weight rows) that fill each ISA's registers.
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kern) = super::dot::Avx512::detect() {
+        linear_tiles::<_, 4, 6>(kern, x, w, out, m, k, n);
+    } else {
+        linear_tiles::<_, 2, 3>(BUILD_KERNEL, x, w, out, m, k, n);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    linear_tiles::<_, 2, 3>(BUILD_KERNEL, x, w, out, m, k, n);
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(n) {
             for (o, b) in row.iter_mut().zip(b) {
@@ -60,23 +50,96 @@ pub fn linear(
     }
 }
 
-/// Few-row linear (decode): memory-bound, so stream each weight row once for all `m` inputs.
-fn matvec_rows(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
-    const ROWS_PER_TASK: usize = 64;
-    let mut tmp = vec![0.0f32; n * m]; // [n, m], transposed into `out` below
-    tmp.par_chunks_mut(ROWS_PER_TASK * m)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            for (r, dst) in chunk.chunks_exact_mut(m).enumerate() {
-                let row = &w[(c * ROWS_PER_TASK + r) * k..][..k];
-                for (i, d) in dst.iter_mut().enumerate() {
-                    *d = dot(row, &x[i * k..(i + 1) * k]);
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+const BUILD_KERNEL: super::dot::Avx2 = super::dot::Avx2;
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+const BUILD_KERNEL: super::dot::Portable = super::dot::Portable;
+
+/// Parallel over weight-row tiles; in each, `MR × NR` blocks, then the edges.
+fn linear_tiles<K: DotKernel, const MR: usize, const NR: usize>(
+    kern: K,
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) {
+    let dst = SyncPtr(out.as_mut_ptr());
+    (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
+        let j_end = ((tile + 1) * W_TILE).min(n);
+        let at = |i, j| Block { i, j, k, n };
+        let mut i = 0;
+        while i < m {
+            let full_rows = i + MR <= m;
+            let mut j = tile * W_TILE;
+            while j < j_end {
+                let full_cols = j + NR <= j_end;
+                match (full_rows, full_cols) {
+                    (true, true) => linear_block::<K, MR, NR>(kern, x, w, at(i, j), dst),
+                    (true, false) => linear_block::<K, MR, 1>(kern, x, w, at(i, j), dst),
+                    (false, true) => linear_block::<K, 1, NR>(kern, x, w, at(i, j), dst),
+                    (false, false) => linear_block::<K, 1, 1>(kern, x, w, at(i, j), dst),
                 }
+                j += if full_cols { NR } else { 1 };
             }
-        });
-    for j in 0..n {
-        for i in 0..m {
-            out[i * n + j] = tmp[j * m + i];
+            i += if full_rows { MR } else { 1 };
+        }
+    });
+}
+
+/// A raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: only used by tasks that write pairwise disjoint elements of one live slice.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// The element at `offset` (a method, so closures capture the `Sync` wrapper).
+    ///
+    /// # Safety
+    /// `offset` is inside the slice the pointer came from.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        self.0.add(offset)
+    }
+}
+
+/// Where a block of `linear` starts: input row `i`, weight row `j`, in `x[m, k]`,
+/// `out[m, n]`.
+#[derive(Clone, Copy)]
+struct Block {
+    i: usize,
+    j: usize,
+    k: usize,
+    n: usize,
+}
+
+/// `out[i.., j..]` for an `R × C` block of inputs × weight rows.
+#[inline(always)]
+fn linear_block<K: DotKernel, const R: usize, const C: usize>(
+    kern: K,
+    x: &[f32],
+    w: &[f32],
+    b: Block,
+    out: SyncPtr,
+) {
+    let Block { i, j, k, n } = b;
+    let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(i + r) * k..(i + r + 1) * k]);
+    let ws: [&[f32]; C] = std::array::from_fn(|c| &w[(j + c) * k..(j + c + 1) * k]);
+    let res = kern.block(&xs, &ws);
+    for (r, row) in res.iter().enumerate() {
+        for (c, v) in row.iter().enumerate() {
+            // SAFETY: (i + r, j + c) is inside [m, n] and this task owns columns j..j + C.
+            unsafe { *out.at((i + r) * n + j + c) = *v };
         }
     }
 }
@@ -175,11 +238,17 @@ pub fn rope(
 
 /// `cos`, `sin` tables `[positions, head_dim / 2]` for positions `pos0..pos0 + n`.
 pub fn rope_tables(inv_freq: &[f32], pos0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+    rope_tables_at(inv_freq, &(pos0..pos0 + n).collect::<Vec<_>>())
+}
+
+/// `cos`, `sin` tables `[positions.len(), head_dim / 2]` for arbitrary positions.
+pub fn rope_tables_at(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
     let half = inv_freq.len();
+    let n = positions.len();
     let mut cos = vec![0.0; n * half];
     let mut sin = vec![0.0; n * half];
-    for t in 0..n {
-        let p = (pos0 + t) as f32;
+    for (t, &p) in positions.iter().enumerate() {
+        let p = p as f32;
         for (i, f) in inv_freq.iter().enumerate() {
             let a = p * f;
             cos[t * half + i] = a.cos();
@@ -287,65 +356,172 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
-const Q_TILE: usize = 32; // query tokens per task (× heads of a KV group)
-const K_TILE: usize = 128; // keys per online-softmax step
-const DECODE_SPLIT: usize = 512; // keys per task when there are few queries (flash-decoding)
+/// Head layout of an attention call (the part every sequence of a batch shares).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnHeads {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
 
-/// Causal GQA attention that never materialises the `tokens × keys` score matrix: each
-/// task takes a tile of queries for one KV group and walks key tiles with an online
-/// softmax; with few queries the key range is also split and the partials merged.
+/// Where a position's K/V row (`[kv_heads, head_dim]`) starts in a layer's K and V buffers.
+pub trait KvLayout: Sync {
+    fn row_offset(&self, pos: usize) -> usize;
+}
+
+/// One sequence's cache, positions in order: `[capacity, kv_heads, head_dim]`.
+#[derive(Clone, Copy, Debug)]
+pub struct ContiguousRows {
+    pub row: usize, // kv_heads * head_dim
+}
+
+impl KvLayout for ContiguousRows {
+    #[inline(always)]
+    fn row_offset(&self, pos: usize) -> usize {
+        pos * self.row
+    }
+}
+
+/// A page pool `[num_pages, block_size, kv_heads, head_dim]` read through one sequence's
+/// block table: position `p` lives in page `pages[p / block_size]`, slot `p % block_size`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedRows<'a> {
+    pub pages: &'a [u32],
+    pub block_size: usize,
+    pub row: usize, // kv_heads * head_dim
+}
+
+impl KvLayout for PagedRows<'_> {
+    #[inline(always)]
+    fn row_offset(&self, pos: usize) -> usize {
+        (self.pages[pos / self.block_size] as usize * self.block_size + pos % self.block_size)
+            * self.row
+    }
+}
+
+/// One sequence of a batched attention call: query rows `row0..row0 + tokens` of `q`/`out`
+/// are its positions `pos0..pos0 + tokens`, and its keys are read through `kv`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSeq<L> {
+    pub row0: usize,
+    pub tokens: usize,
+    pub pos0: usize,
+    pub kv: L,
+}
+
+const Q_TILE: usize = 32; // query tokens per task (× heads of a KV group); never changes bits
+const K_TILE: usize = 128; // keys per online-softmax step, at absolute multiples of K_TILE
+/// Keys per partition, at absolute multiples of KV_SPLIT (flash-decoding splits); the
+/// partials of a query are merged in partition order. Fixed, so the bits never depend
+/// on how many queries a call has or how many threads run it.
+const KV_SPLIT: usize = 512;
+
+/// Causal GQA attention of one sequence over a contiguous cache (see [`attention_batch`]).
 ///
 /// `q[tokens, num_heads, head_dim]`; `k`, `v`: `[>= pos0 + tokens, num_kv_heads, head_dim]`
 /// (the layer's cache, the new tokens already stored); `out[tokens, num_heads, head_dim]`.
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], s: AttnShape) {
-    let AttnShape {
-        tokens,
-        pos0,
-        num_heads,
-        num_kv_heads,
-        head_dim: hd,
-    } = s;
-    let group = num_heads / num_kv_heads;
-    let keys_total = pos0 + tokens;
-    let q_tiles = tokens.div_ceil(Q_TILE);
-    // Split the key range only when there are too few query tiles to feed the cores.
-    let splits = if q_tiles * num_kv_heads >= 4 * rayon::current_num_threads() {
-        1
-    } else {
-        keys_total.div_ceil(DECODE_SPLIT).max(1)
+    let heads = AttnHeads {
+        num_heads: s.num_heads,
+        num_kv_heads: s.num_kv_heads,
+        head_dim: s.head_dim,
     };
-    let tasks: Vec<(usize, usize, usize)> = (0..num_kv_heads)
-        .flat_map(|g| (0..q_tiles).flat_map(move |t| (0..splits).map(move |sp| (g, t, sp))))
-        .collect();
-    // Each task returns its partial (row max, row sum, unnormalised output) per query row.
+    let seq = AttnSeq {
+        row0: 0,
+        tokens: s.tokens,
+        pos0: s.pos0,
+        kv: ContiguousRows {
+            row: s.num_kv_heads * s.head_dim,
+        },
+    };
+    attention_batch(q, k, v, out, heads, &[seq]);
+}
+
+/// Causal GQA attention for a batch of sequences, each over its own keys (contiguous or
+/// paged: no gather), never materialising a `tokens × keys` score matrix.
+///
+/// **Batch-invariant**: a query row's output is a function of its own q, its position and
+/// its keys alone. Its keys are cut into partitions at absolute multiples of `KV_SPLIT`,
+/// each walked in `K_TILE` tiles (absolute too) with an online softmax, scores by
+/// [`dot_fixed`], `P·V` one key after the other; the partials are merged in partition
+/// order. So batching, chunking, the task split and paging never change a bit.
+///
+/// `q[rows, num_heads, head_dim]`; `k`, `v`: the layer's K/V buffers, addressed by each
+/// sequence's layout; `out[rows, num_heads, head_dim]`.
+pub fn attention_batch<L: KvLayout>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    h: AttnHeads,
+    seqs: &[AttnSeq<L>],
+) {
+    let hd = h.head_dim;
+    let group = h.num_heads / h.num_kv_heads;
+    let row_stride = h.num_heads * hd;
+    // Work items: (sequence, KV group, query tile); each has one task per partition.
+    #[derive(Clone, Copy)]
+    struct Item {
+        seq: usize,
+        g: usize,
+        t0: usize, // first query of the tile, relative to the sequence
+        nq: usize,
+        parts: usize,
+        first_task: usize,
+    }
+    let mut items = Vec::new();
+    let mut tasks = Vec::new(); // (item, partition)
+    for (si, s) in seqs.iter().enumerate() {
+        for g in 0..h.num_kv_heads {
+            for t0 in (0..s.tokens).step_by(Q_TILE) {
+                let nq = Q_TILE.min(s.tokens - t0);
+                let parts = (s.pos0 + t0 + nq).div_ceil(KV_SPLIT);
+                let item = items.len();
+                items.push(Item {
+                    seq: si,
+                    g,
+                    t0,
+                    nq,
+                    parts,
+                    first_task: tasks.len(),
+                });
+                tasks.extend((0..parts).map(|p| (item, p)));
+            }
+        }
+    }
     let partials: Vec<Partial> = tasks
         .par_iter()
-        .map(|&(g, t, sp)| {
-            let t0 = t * Q_TILE;
-            let nq = Q_TILE.min(tokens - t0);
-            let key_end = pos0 + t0 + nq; // exclusive: the last query sees keys < key_end
-            let per = keys_total.div_ceil(splits);
-            let (ks, ke) = ((sp * per).min(key_end), ((sp + 1) * per).min(key_end));
-            attend_tile(q, k, v, s, g, group, t0, nq, ks, ke)
+        .map(|&(it, p)| {
+            let it = items[it];
+            let s = &seqs[it.seq];
+            let key_end = s.pos0 + it.t0 + it.nq; // exclusive: the tile's last query sees keys < key_end
+            let (ks, ke) = (p * KV_SPLIT, ((p + 1) * KV_SPLIT).min(key_end));
+            attend_part(q, k, v, h, s, it.g, group, it.t0, it.nq, ks, ke)
         })
         .collect();
-    // Merge the splits of each (group, tile) and normalise into `out`.
-    let row_stride = num_heads * hd;
-    for (chunk_idx, chunk) in partials.chunks(splits).enumerate() {
-        let (g, t, _) = tasks[chunk_idx * splits];
-        let t0 = t * Q_TILE;
-        let nq = Q_TILE.min(tokens - t0);
+    // Merge each query row's partials in partition order and normalise into `out`.
+    let dst_ptr = SyncPtr(out.as_mut_ptr());
+    items.par_iter().for_each(|it| {
+        let parts = &partials[it.first_task..it.first_task + it.parts];
+        let row0 = seqs[it.seq].row0 + it.t0;
         for j in 0..group {
-            for i in 0..nq {
-                let r = j * nq + i;
-                let m = chunk
+            for i in 0..it.nq {
+                let r = j * it.nq + i;
+                let m = parts
                     .iter()
                     .map(|p| p.m[r])
                     .fold(f32::NEG_INFINITY, f32::max);
-                let dst = &mut out[(t0 + i) * row_stride + (g * group + j) * hd..][..hd];
+                // SAFETY: this item alone writes head g*group + j of its rows; `out` is
+                // [rows, num_heads, head_dim] and the row is inside it.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        dst_ptr.at((row0 + i) * row_stride + (it.g * group + j) * hd),
+                        hd,
+                    )
+                };
                 dst.fill(0.0);
                 let mut l = 0.0;
-                for p in chunk {
+                for p in parts {
                     if p.m[r] == f32::NEG_INFINITY {
                         continue;
                     }
@@ -359,7 +535,7 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], s: AttnShape)
                 dst.iter_mut().for_each(|d| *d *= inv);
             }
         }
-    }
+    });
 }
 
 struct Partial {
@@ -368,13 +544,15 @@ struct Partial {
     o: Vec<f32>, // [rows, head_dim] Σ exp(score - m) · v
 }
 
-/// One task: rows = the `group` heads × `nq` queries of KV head `g`, keys `ks..ke`.
+/// One task: rows = the `group` heads × `nq` queries (from `t0`) of KV head `g` of one
+/// sequence, keys `ks..ke`. Every step is per row; rows only share loads.
 #[allow(clippy::too_many_arguments)]
-fn attend_tile(
+fn attend_part<L: KvLayout>(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    s: AttnShape,
+    h: AttnHeads,
+    s: &AttnSeq<L>,
     g: usize,
     group: usize,
     t0: usize,
@@ -382,16 +560,15 @@ fn attend_tile(
     ks: usize,
     ke: usize,
 ) -> Partial {
-    let hd = s.head_dim;
+    let hd = h.head_dim;
     let rows = group * nq;
-    let q_stride = s.num_heads * hd;
-    let kv_stride = s.num_kv_heads * hd;
+    let q_stride = h.num_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     // qg[rows, hd], row r = j * nq + i: head g*group + j, token t0 + i; pre-scaled.
     let mut qg = vec![0.0f32; rows * hd];
     for j in 0..group {
         for i in 0..nq {
-            let src = &q[(t0 + i) * q_stride + (g * group + j) * hd..][..hd];
+            let src = &q[(s.row0 + t0 + i) * q_stride + (g * group + j) * hd..][..hd];
             for (d, x) in qg[(j * nq + i) * hd..][..hd].iter_mut().zip(src) {
                 *d = x * scale;
             }
@@ -404,87 +581,85 @@ fn attend_tile(
     let mut kb = ks;
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
-        let kbase = &k[kb * kv_stride + g * hd..];
-        let vbase = &v[kb * kv_stride + g * hd..];
-        // sc[rows, kn] = qg · K[kb..kb+kn]ᵀ
-        // SAFETY: qg is [rows, hd]; K rows are `kv_stride` apart with `hd` valid values
-        // each, kn rows from kb; sc has rows × K_TILE ≥ rows × kn entries.
-        unsafe {
-            gemm::gemm(
-                rows,
-                kn,
-                hd,
-                sc.as_mut_ptr(),
-                1,
-                K_TILE as isize,
-                false,
-                qg.as_ptr(),
-                1,
-                hd as isize,
-                kbase.as_ptr(),
-                kv_stride as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
+        // This tile's key and value rows of head g, wherever their pages are.
+        let krow = |j: usize| {
+            let at = s.kv.row_offset(kb + j) + g * hd;
+            (&k[at..at + hd], &v[at..at + hd])
+        };
+        let kv_rows: Vec<(&[f32], &[f32])> = (0..kn).map(krow).collect();
+        // sc[rows, kn] = qg · Kᵀ, each score by dot_fixed (blocked 4 × 4 for reuse).
+        score_tile(&qg, hd, rows, &kv_rows, &mut sc);
         for j in 0..group {
             for i in 0..nq {
                 let r = j * nq + i;
-                let row = &mut sc[r * K_TILE..r * K_TILE + kn];
                 // Causal: query at position p sees keys <= p.
                 let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);
                 if visible == 0 {
-                    row.fill(0.0);
                     continue;
                 }
-                let m_new = m[r].max(max_of(&row[..visible]));
+                let row = &mut sc[r * K_TILE..r * K_TILE + visible];
+                let m_new = m[r].max(max_of(row));
                 let corr = exp_nonpos(m[r] - m_new);
                 // Separate map and sum loops: each vectorizes, a fused one would not.
-                for x in row[..visible].iter_mut() {
+                for x in row.iter_mut() {
                     *x = exp_nonpos(*x - m_new);
                 }
-                let sum = sum_of(&row[..visible]);
-                row[visible..].fill(0.0);
+                let sum = sum_of(row);
                 l[r] = l[r] * corr + sum;
                 m[r] = m_new;
+                let acc = &mut o[r * hd..(r + 1) * hd];
                 if corr != 1.0 {
-                    o[r * hd..(r + 1) * hd].iter_mut().for_each(|x| *x *= corr);
+                    acc.iter_mut().for_each(|x| *x *= corr);
+                }
+                // acc += P[r, ..visible] · V, one key after the other.
+                for (p, (_, vr)) in row.iter().zip(&kv_rows) {
+                    for (a, x) in acc.iter_mut().zip(*vr) {
+                        *a = p.mul_add(*x, *a);
+                    }
                 }
             }
-        }
-        // o[rows, hd] += P[rows, kn] · V[kb..kb+kn]
-        // SAFETY: as above, V has the same layout as K.
-        unsafe {
-            gemm::gemm(
-                rows,
-                hd,
-                kn,
-                o.as_mut_ptr(),
-                1,
-                hd as isize,
-                true,
-                sc.as_ptr(),
-                1,
-                K_TILE as isize,
-                vbase.as_ptr(),
-                1,
-                kv_stride as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
         }
         kb += kn;
     }
     Partial { m, l, o }
+}
+
+/// Query rows × keys per score block (the AVX2 kernel's register blocking).
+const SMR: usize = 2;
+const SNR: usize = 3;
+
+/// `sc[r, j] = dot_fixed(qg[r], key j)` for `rows` query rows and the tile's keys.
+fn score_tile(qg: &[f32], hd: usize, rows: usize, keys: &[(&[f32], &[f32])], sc: &mut [f32]) {
+    let kn = keys.len();
+    let qrow = |r: usize| &qg[r * hd..(r + 1) * hd];
+    let mut r = 0;
+    while r < rows {
+        let mut j = 0;
+        if r + SMR <= rows {
+            let xs: [&[f32]; SMR] = std::array::from_fn(|i| qrow(r + i));
+            while j + SNR <= kn {
+                let ws: [&[f32]; SNR] = std::array::from_fn(|c| keys[j + c].0);
+                let b = dot_block(&xs, &ws);
+                for (i, row) in b.iter().enumerate() {
+                    sc[(r + i) * K_TILE + j..][..SNR].copy_from_slice(row);
+                }
+                j += SNR;
+            }
+            while j < kn {
+                let b = dot_block(&xs, &[keys[j].0]);
+                for (i, row) in b.iter().enumerate() {
+                    sc[(r + i) * K_TILE + j] = row[0];
+                }
+                j += 1;
+            }
+            r += SMR;
+        } else {
+            for (jj, key) in keys.iter().enumerate() {
+                sc[r * K_TILE + jj] = dot_fixed(qrow(r), key.0);
+            }
+            r += 1;
+        }
+    }
 }
 
 /// Reference attention for tests: plain softmax over the full score row.
@@ -572,6 +747,122 @@ mod tests {
                 .fold(0.0, f32::max);
             assert!(err < 1e-5, "{s:?}: max abs error {err}");
         }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn a_linear_rows_bits_do_not_depend_on_the_other_rows() {
+        let mut rng = StdRng::seed_from_u64(5);
+        // k = 37: eight-lane body and a tail; n = 70: partial weight tiles and blocks.
+        let (m, k, n) = (19, 37, 70);
+        let x = rand_vec(&mut rng, m * k);
+        let w = rand_vec(&mut rng, n * k);
+        let mut all = vec![0.0; m * n];
+        linear(&x, &w, None, &mut all, m, k, n);
+        for i in 0..m {
+            let mut one = vec![0.0; n];
+            linear(&x[i * k..(i + 1) * k], &w, None, &mut one, 1, k, n);
+            assert_eq!(bits(&one), bits(&all[i * n..(i + 1) * n]), "row {i} alone");
+            for j in 0..n {
+                let d = dot_fixed(&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
+                assert_eq!(d.to_bits(), all[i * n + j].to_bits());
+            }
+        }
+        // Row 3 among 6 other random rows.
+        let mut x2 = rand_vec(&mut rng, 7 * k);
+        x2[3 * k..4 * k].copy_from_slice(&x[3 * k..4 * k]);
+        let mut out = vec![0.0; 7 * n];
+        linear(&x2, &w, None, &mut out, 7, k, n);
+        assert_eq!(bits(&out[3 * n..4 * n]), bits(&all[3 * n..4 * n]));
+    }
+
+    #[test]
+    fn attention_rows_do_not_depend_on_chunking_batching_or_pages() {
+        let mut rng = StdRng::seed_from_u64(9);
+        let (nh, nkv, hd, total, bs) = (6, 2, 16, 700, 4);
+        let row = nkv * hd;
+        let heads = AttnHeads {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let q = rand_vec(&mut rng, total * nh * hd);
+        let k = rand_vec(&mut rng, total * row);
+        let v = rand_vec(&mut rng, total * row);
+        let shape = |tokens, pos0| AttnShape {
+            tokens,
+            pos0,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let qd = nh * hd;
+        let mut whole = vec![0.0; total * qd];
+        attention(&q, &k, &v, &mut whole, shape(total, 0));
+        // Chunked as a scheduler might (one decode row at the end, across a partition).
+        let mut pos = 0;
+        for len in [1, 37, 200, 300, 161, 1] {
+            let mut part = vec![0.0; len * qd];
+            attention(
+                &q[pos * qd..(pos + len) * qd],
+                &k,
+                &v,
+                &mut part,
+                shape(len, pos),
+            );
+            assert_eq!(
+                bits(&part),
+                bits(&whole[pos * qd..(pos + len) * qd]),
+                "chunk at {pos}"
+            );
+            pos += len;
+        }
+        // Paged at shuffled pages, in a batch with a second sequence sharing the pool.
+        let pages_total = 2 * total.div_ceil(bs);
+        let mut order: Vec<u32> = (0..pages_total as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        let (mine, other) = order.split_at(total.div_ceil(bs));
+        let mut kp = rand_vec(&mut rng, pages_total * bs * row);
+        let mut vp = rand_vec(&mut rng, pages_total * bs * row);
+        let mine_rows = PagedRows {
+            pages: mine,
+            block_size: bs,
+            row,
+        };
+        for p in 0..total {
+            let at = mine_rows.row_offset(p);
+            kp[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
+            vp[at..at + row].copy_from_slice(&v[p * row..(p + 1) * row]);
+        }
+        // Rows: 3 of the other sequence's queries, then positions 600..700 of ours.
+        let q_other = rand_vec(&mut rng, 3 * qd);
+        let qb = [q_other, q[600 * qd..].to_vec()].concat();
+        let seqs = [
+            AttnSeq {
+                row0: 0,
+                tokens: 3,
+                pos0: 50,
+                kv: PagedRows {
+                    pages: other,
+                    block_size: bs,
+                    row,
+                },
+            },
+            AttnSeq {
+                row0: 3,
+                tokens: 100,
+                pos0: 600,
+                kv: mine_rows,
+            },
+        ];
+        let mut out = vec![0.0; 103 * qd];
+        attention_batch(&qb, &kp, &vp, &mut out, heads, &seqs);
+        assert_eq!(bits(&out[3 * qd..]), bits(&whole[600 * qd..]));
     }
 
     #[test]

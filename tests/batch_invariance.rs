@@ -1,0 +1,257 @@
+//! Batch invariance of the batched forward: a sequence's logits are bitwise those of the
+//! plain contiguous-cache run (`strata generate`'s forward, whole prompt at once), whatever
+//! it is batched with, however its prompt is chunked and wherever its pages are.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{scratch_dir, TinySpec};
+use rand::seq::SliceRandom;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::kv::{ContiguousKv, LayerKv};
+use strata::model::{BatchSeq, Model, PagePool, WantLogits};
+
+const BLOCK: usize = 4;
+
+/// A host page pool for the test: `[layers] × [pages, BLOCK, kv_dim]` for K and V.
+struct Pool {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    pages: usize,
+}
+
+impl Pool {
+    fn new(model: &Model, pages: usize) -> Self {
+        let n = pages * BLOCK * model.cfg.kv_dim();
+        Self {
+            k: vec![vec![f32::NAN; n]; model.cfg.num_layers],
+            v: vec![vec![f32::NAN; n]; model.cfg.num_layers],
+            pages,
+        }
+    }
+}
+
+impl PagePool for Pool {
+    fn block_size(&self) -> usize {
+        BLOCK
+    }
+    fn num_pages(&self) -> usize {
+        self.pages
+    }
+    fn layer(&mut self, layer: usize) -> LayerKv<'_> {
+        LayerKv {
+            k: &mut self.k[layer],
+            v: &mut self.v[layer],
+        }
+    }
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The reference: the whole prompt in one contiguous-cache forward, then one decode
+/// forward per token (greedy). Returns the tokens fed after the prompt and the logits of
+/// the prompt's last token and of every decoded token.
+fn reference(model: &Arc<Model>, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let c = &model.cfg;
+    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, 4096);
+    let mut logits = vec![model.forward(prompt, 0, &mut kv).unwrap()];
+    let mut fed = Vec::new();
+    for _ in 0..steps {
+        let t = argmax(logits.last().unwrap());
+        fed.push(t);
+        let pos = prompt.len() + fed.len() - 1;
+        logits.push(model.forward(&[t], pos, &mut kv).unwrap());
+    }
+    (fed, logits)
+}
+
+/// One sequence of the simulated serving run: its tokens (prompt, then what it decodes),
+/// where its prompt is cut into chunks, its pages, and what it has computed.
+struct Seq {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    cuts: Vec<usize>, // chunk ends, increasing, the last = prompt_len
+    pages: Vec<u32>,
+    done: usize,           // positions computed
+    steps: usize,          // decode steps to run
+    start: usize,          // engine step at which it joins
+    logits: Vec<Vec<f32>>, // of the prompt's last token and of every decoded token
+}
+
+impl Seq {
+    fn new(rng: &mut StdRng, prompt: Vec<u32>, steps: usize, start: usize) -> Self {
+        let mut cuts: Vec<usize> = (1..prompt.len())
+            .filter(|_| rng.random_bool(0.15))
+            .collect();
+        cuts.push(prompt.len());
+        Self {
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            cuts,
+            pages: Vec::new(),
+            done: 0,
+            steps,
+            start,
+            logits: Vec::new(),
+        }
+    }
+
+    fn finished(&self) -> bool {
+        self.done == self.prompt_len + self.steps
+    }
+
+    /// The positions it computes this step: the next prompt chunk or one decode token.
+    fn next(&self) -> std::ops::Range<usize> {
+        if self.done < self.prompt_len {
+            let end = *self.cuts.iter().find(|&&c| c > self.done).unwrap();
+            self.done..end
+        } else {
+            self.done..self.done + 1
+        }
+    }
+}
+
+/// Runs `seqs` as a continuous-batching engine would: each step, one batched forward over
+/// every joined unfinished sequence; pages are drawn at random from a shuffled free list.
+fn serve(model: &Model, seqs: &mut [Seq], rng: &mut StdRng) {
+    let mut pool = Pool::new(model, 1024);
+    let mut free: Vec<u32> = (0..1024).collect();
+    free.shuffle(rng);
+    let mut step = 0;
+    while seqs.iter().any(|s| !s.finished()) {
+        let active: Vec<usize> = (0..seqs.len())
+            .filter(|&i| seqs[i].start <= step && !seqs[i].finished())
+            .collect();
+        step += 1;
+        if active.is_empty() {
+            continue;
+        }
+        let ranges: Vec<_> = active.iter().map(|&i| seqs[i].next()).collect();
+        for (&i, r) in active.iter().zip(&ranges) {
+            let s = &mut seqs[i];
+            while s.pages.len() * BLOCK < r.end {
+                s.pages.push(free.pop().expect("pool too small"));
+            }
+        }
+        let batch: Vec<BatchSeq> = active
+            .iter()
+            .zip(&ranges)
+            .map(|(&i, r)| BatchSeq {
+                tokens: &seqs[i].tokens[r.clone()],
+                pos0: r.start,
+                pages: &seqs[i].pages,
+                logits: if r.end >= seqs[i].prompt_len {
+                    WantLogits::Yes
+                } else {
+                    WantLogits::No
+                },
+            })
+            .collect();
+        let out = model.forward_batch(&batch, &mut pool).unwrap();
+        for ((&i, r), logits) in active.iter().zip(ranges).zip(out) {
+            let s = &mut seqs[i];
+            s.done = r.end;
+            if let Some(l) = logits {
+                let t = argmax(&l);
+                s.logits.push(l);
+                if s.tokens.len() < s.prompt_len + s.steps {
+                    s.tokens.push(t);
+                }
+            }
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn check_family(spec: TinySpec, name: &str) {
+    let dir = scratch_dir(name);
+    spec.write(&dir, 13);
+    let model = Model::load(&dir, false).unwrap().0;
+    let vocab = model.cfg.vocab_size as u32;
+    let mut rng = StdRng::seed_from_u64(42);
+    // Long enough to cross the attention's fixed 512-key partitions.
+    let prompt: Vec<u32> = (0..530).map(|_| rng.random_range(3..vocab)).collect();
+    let steps = 12;
+    let (want_fed, want) = reference(&model, &prompt, steps);
+    for n in 1..=16 {
+        let start = rng.random_range(0..3);
+        let mut seqs = vec![Seq::new(&mut rng, prompt.clone(), steps, start)];
+        for _ in 1..n {
+            let len = rng.random_range(1..90);
+            let p: Vec<u32> = (0..len).map(|_| rng.random_range(3..vocab)).collect();
+            let (steps, start) = (rng.random_range(0..20), rng.random_range(0..8));
+            seqs.push(Seq::new(&mut rng, p, steps, start));
+        }
+        seqs.shuffle(&mut rng);
+        serve(&model, &mut seqs, &mut rng);
+        let target = seqs
+            .iter()
+            .find(|s| s.prompt_len == prompt.len() && s.tokens[..prompt.len()] == prompt[..])
+            .unwrap();
+        assert_eq!(target.tokens[prompt.len()..], want_fed[..], "batch of {n}");
+        assert_eq!(target.logits.len(), want.len());
+        for (i, (g, w)) in target.logits.iter().zip(&want).enumerate() {
+            assert!(
+                bits(g) == bits(w),
+                "{name}: batch of {n}, step {i}: logits differ from the contiguous run"
+            );
+        }
+        // Every companion is exact too.
+        for s in &seqs {
+            let (fed, logits) = reference(&model, &s.tokens[..s.prompt_len], s.steps);
+            assert_eq!(s.tokens[s.prompt_len..], fed[..s.steps]);
+            for (g, w) in s.logits.iter().zip(&logits) {
+                assert!(
+                    bits(g) == bits(w),
+                    "{name}: batch of {n}: a companion differs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_llama() {
+    check_family(TinySpec::llama(), "batch_invariance_llama");
+}
+
+#[test]
+fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_qwen3() {
+    check_family(TinySpec::qwen3(), "batch_invariance_qwen3");
+}
+
+#[test]
+fn a_batch_with_a_bad_page_table_is_an_error_not_a_panic() {
+    let dir = scratch_dir("batch_invariance_errors");
+    TinySpec::llama().write(&dir, 1);
+    let model = Model::load(&dir, false).unwrap().0;
+    let mut pool = Pool::new(&model, 4);
+    let seq = |tokens: &'static [u32], pos0, pages: &'static [u32]| BatchSeq {
+        tokens,
+        pos0,
+        pages,
+        logits: WantLogits::Yes,
+    };
+    // Too few pages for the positions, a page outside the pool, no tokens, a bad token.
+    for bad in [
+        seq(&[1, 2, 3, 4, 5], 0, &[0]),
+        seq(&[1], 0, &[9]),
+        seq(&[], 0, &[0]),
+        seq(&[100_000], 0, &[0]),
+    ] {
+        assert!(model.forward_batch(&[bad], &mut pool).is_err());
+    }
+    assert!(model.forward_batch(&[], &mut pool).is_err());
+}

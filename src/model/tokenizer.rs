@@ -276,6 +276,14 @@ impl Tokenizer {
 
     /// Renders the chat template with the prompt as one user turn, ready for generation.
     pub fn apply_chat_template(&self, user: &str) -> Result<String> {
+        self.render_chat(&[ChatMessage {
+            role: "user".into(),
+            content: user.into(),
+        }])
+    }
+
+    /// Renders the chat template over a conversation, ready for the assistant's next turn.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
         let template = self
             .chat_template
             .as_deref()
@@ -295,7 +303,7 @@ impl Tokenizer {
         env.add_template("chat", template)
             .map_err(|e| anyhow::anyhow!("invalid chat template: {e}"))?;
         let ctx = minijinja::context! {
-            messages => vec![minijinja::context! { role => "user", content => user }],
+            messages => messages,
             add_generation_prompt => true,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -304,6 +312,13 @@ impl Tokenizer {
             .and_then(|t| t.render(ctx))
             .map_err(|e| anyhow::anyhow!("rendering chat template: {e}"))
     }
+}
+
+/// One turn of a conversation, as chat templates read it (`message.role`, `message.content`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
 }
 
 /// Turns a growing list of token ids into text pieces as soon as they are complete UTF-8,

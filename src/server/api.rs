@@ -31,6 +31,10 @@ pub struct GenerationFields {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Generate past end-of-sequence tokens up to `max_tokens` (vLLM's extension, for
+    /// benchmarks with fixed output lengths).
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -153,6 +157,7 @@ pub struct Generation {
     pub stops: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    pub ignore_eos: bool,
 }
 
 impl GenerationFields {
@@ -243,6 +248,7 @@ impl GenerationFields {
             stops,
             stream: self.stream,
             include_usage,
+            ignore_eos: self.ignore_eos,
         })
     }
 }

@@ -118,6 +118,8 @@ struct Active {
     last_token: Option<Instant>,
     /// Output tokens already sent.
     sent: usize,
+    /// An end-of-sequence token ends it (`finish_reason: stop`); false with `ignore_eos`.
+    stops_at_eos: bool,
 }
 
 struct EngineLoop {
@@ -216,6 +218,7 @@ impl EngineLoop {
                         arrived,
                         last_token: None,
                         sent: 0,
+                        stops_at_eos: !params.ignore_eos,
                     },
                 );
             }
@@ -275,7 +278,8 @@ impl EngineLoop {
                 .engine
                 .take_finished(id)
                 .filter(|s| s.status == SeqStatus::Finished);
-            let stopped = seq
+            let stopped = a.stops_at_eos
+                && seq
                 .as_ref()
                 .and_then(|s| s.output().last())
                 .is_some_and(|t| self.eos.contains(t));

@@ -127,7 +127,7 @@ impl Metrics {
         );
         r.register(
             "strata:time_to_first_token_seconds",
-            "Time from a request's arrival at the engine to its first token",
+            "Time from a request's submission to the engine to its first token",
             m.ttft.clone(),
         );
         r.register(

@@ -268,7 +268,7 @@ async fn generate(
     let params = RequestParams {
         max_tokens,
         sampling: gen.sampling.clone(),
-        ignore_eos: false,
+        ignore_eos: gen.ignore_eos,
     };
     let prompt_tokens = prompt.len();
     let events = loaded
@@ -469,6 +469,7 @@ mod tests {
             stops: vec![],
             stream: false,
             include_usage: false,
+            ignore_eos: false,
         }
     }
 

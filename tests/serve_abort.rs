@@ -11,6 +11,7 @@ use std::sync::Arc;
 use common::{scratch_dir, TinySpec};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::model::Model;
+use strata::serve::scheduler::SeqStatus;
 use strata::serve::transfer::ChaosBackend;
 use strata::serve::{Engine, EngineConfig, RequestParams, SchedulerConfig};
 
@@ -69,21 +70,33 @@ fn aborted_requests_in_every_state_free_all_pages_and_slots_and_spare_the_others
             .zip(&params)
             .map(|(p, r)| e.add_request(p.clone(), r).unwrap())
             .collect();
-        // Every third request is aborted, each at its own step.
-        let abort_at: HashMap<usize, usize> = (0..n)
+        // Every third request is aborted the first time it is seen in its target state
+        // (after the first steps, so some have been preempted and offloaded by then).
+        let targets = [SeqStatus::Preempted, SeqStatus::Running, SeqStatus::Waiting];
+        let mut to_abort: HashMap<usize, SeqStatus> = (0..n)
             .filter(|i| i % 3 == 1)
-            .map(|i| (2 + i * 3 + seed as usize, i))
+            .map(|i| (i, targets[(i / 3 + seed as usize) % 3]))
             .collect();
+        let aborted_set: BTreeSet<usize> = to_abort.keys().copied().collect();
         let mut got: HashMap<usize, Vec<u32>> = HashMap::new();
         let mut step = 0;
         while e.has_unfinished() {
-            if let Some(&i) = abort_at.get(&step) {
-                if let Some(s) = e.scheduler().seq(ids[i]) {
-                    states_aborted.insert(format!("{:?}", s.status));
+            if step >= 3 {
+                let due: Vec<usize> = to_abort
+                    .iter()
+                    .filter(|(&i, &want)| {
+                        e.scheduler().seq(ids[i]).is_some_and(|s| s.status == want)
+                    })
+                    .map(|(&i, _)| i)
+                    .collect();
+                for i in due {
+                    let state = to_abort.remove(&i).unwrap();
+                    states_aborted.insert(format!("{state:?}"));
                     e.abort(ids[i]).unwrap();
                     if e.scheduler().seq(ids[i]).is_some() {
                         deferred += 1; // a copy over its blocks is in flight
                     }
+                    e.scheduler().check().unwrap();
                 }
             }
             for id in e.step().unwrap() {
@@ -94,7 +107,8 @@ fn aborted_requests_in_every_state_free_all_pages_and_slots_and_spare_the_others
             step += 1;
         }
         for i in 0..n {
-            if abort_at.values().any(|&a| a == i) && !got.contains_key(&i) {
+            if aborted_set.contains(&i) && !to_abort.contains_key(&i) {
+                assert!(!got.contains_key(&i), "aborted request {i} finished");
                 assert!(e.scheduler().seq(ids[i]).is_none(), "aborted request {i} remembered");
                 continue;
             }

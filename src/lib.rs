@@ -2,7 +2,8 @@
 //!
 //! Layout: `model` (config, weights, tokenizer, the layer loop), `device` (compute ops
 //! and devices), `kv` (the KV seam and caches), `engine` (generation, sampling),
-//! `serve` (continuous batching over a paged KV cache with host offload).
+//! `serve` (continuous batching over a paged KV cache with host offload), `server`
+//! (`strata serve`, the OpenAI-compatible HTTP server over it).
 
 pub mod bounded;
 pub mod device;
@@ -16,3 +17,4 @@ pub mod model;
 pub mod needle;
 pub mod offload;
 pub mod serve;
+pub mod server;

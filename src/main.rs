@@ -33,6 +33,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt.
     Generate(GenerateArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(strata::server::ServeArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -148,6 +150,9 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
+        Command::Serve(args) => {
+            resolve_model(args.model.clone()).and_then(|m| strata::server::run(args, m))
+        }
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
     };

@@ -326,12 +326,20 @@ impl Tokenizer {
 
     /// Renders the chat template with the prompt as one user turn, ready for generation.
     pub fn apply_chat_template(&self, user: &str) -> Result<String> {
+        self.render_chat(&[ChatMessage {
+            role: "user".into(),
+            content: user.into(),
+        }])
+    }
+
+    /// Renders the chat template over a conversation, ready for the assistant's next turn.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
         let template = self
             .chat_template
             .as_ref()
             .context("the model has no chat template")?;
         let ctx = minijinja::context! {
-            messages => vec![minijinja::context! { role => "user", content => user }],
+            messages => messages,
             add_generation_prompt => true,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -420,6 +428,13 @@ impl std::io::Write for CappedWriter {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// One turn of a conversation, as chat templates read it (`message.role`, `message.content`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
 }
 
 /// Turns a growing list of token ids into text pieces as soon as they are complete UTF-8,

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use super::runner::{CpuTransferBackend, ModelRunner, PagedKvCache};
-use super::scheduler::{SchedStats, Scheduler, SchedulerConfig, SeqId};
+use super::scheduler::{SchedStats, Scheduler, SchedulerConfig, SeqId, Sequence};
 use super::transfer::TransferBackend;
 use crate::device::cpu::stream::CpuDevice;
 use crate::engine::{Sampler, SamplingParams};
@@ -144,6 +144,28 @@ impl Engine {
 
     pub fn has_unfinished(&self) -> bool {
         self.sched.has_unfinished()
+    }
+
+    /// Cancels a request (queued, running, preempted or finished) and forgets it. Its GPU
+    /// pages and host slots are free after this call, or after the step that collects
+    /// the transfer in flight over them.
+    pub fn abort(&mut self, id: SeqId) -> Result<()> {
+        self.sched.abort(id)?;
+        self.forget(id);
+        Ok(())
+    }
+
+    /// Forgets a finished request and returns its sequence (prompt and output tokens).
+    pub fn take_finished(&mut self, id: SeqId) -> Option<Sequence> {
+        let seq = self.sched.remove_finished(id)?;
+        self.forget(id);
+        Some(seq)
+    }
+
+    fn forget(&mut self, id: SeqId) {
+        self.samplers.remove(&id);
+        self.streams.remove(&id);
+        self.logprobs.remove(&id);
     }
 
     fn complete_jobs(&mut self, wait: bool) -> Result<()> {

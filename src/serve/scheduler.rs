@@ -58,6 +58,9 @@ pub enum SeqStatus {
     /// Preempted with its blocks offloaded (or being offloaded).
     Preempted,
     Finished,
+    /// Cancelled while a transfer over its blocks was in flight: out of every queue, its
+    /// blocks are released (and the sequence forgotten) when that job completes.
+    Aborted,
 }
 
 #[derive(Debug, Clone)]
@@ -230,8 +233,45 @@ impl Scheduler {
         }
     }
 
+    /// Whether steps still have work: queued requests, or transfers to collect (an aborted
+    /// request's blocks are released only when its job completes).
     pub fn has_unfinished(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        !self.waiting.is_empty() || !self.running.is_empty() || !self.jobs.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Waiting requests, preempted ones included.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Cancels a request in any state and forgets it: it leaves the queues now, and its
+    /// blocks (GPU pages, host slots) are released now or, when a transfer over them is in
+    /// flight, as soon as that job completes (a page under a copy cannot be reused early).
+    pub fn abort(&mut self, id: SeqId) -> Result<()> {
+        let seq = self
+            .seqs
+            .get_mut(&id)
+            .with_context(|| format!("abort of unknown sequence {id}"))?;
+        seq.status = SeqStatus::Aborted;
+        let in_flight = seq.job.is_some();
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        if !in_flight {
+            self.drop_aborted(id)?;
+        }
+        Ok(())
+    }
+
+    fn drop_aborted(&mut self, id: SeqId) -> Result<()> {
+        let seq = self.seqs.remove(&id).expect("aborted sequences exist");
+        for b in seq.block_ids {
+            self.bm.release(b)?;
+        }
+        Ok(())
     }
 
     pub fn jobs_in_flight(&self) -> usize {
@@ -560,7 +600,11 @@ impl Scheduler {
             (JobKind::Load, true) => self.stats.blocks_loaded += n,
             _ => self.stats.failed_jobs += 1,
         }
-        self.seqs.get_mut(&meta.seq).expect("exists").job = None;
+        let seq = self.seqs.get_mut(&meta.seq).expect("exists");
+        seq.job = None;
+        if seq.status == SeqStatus::Aborted {
+            return self.drop_aborted(meta.seq);
+        }
         if meta.kind == JobKind::Load && !ok {
             self.recompute(meta.seq)?; // still in the waiting queue, at its place
         }
@@ -629,7 +673,10 @@ impl Scheduler {
         for (&sid, s) in &self.seqs {
             let queued = self.waiting.iter().filter(|&&w| w == sid).count()
                 + self.running.iter().filter(|&&r| r == sid).count();
-            let want = usize::from(s.status != SeqStatus::Finished);
+            let want = usize::from(!matches!(
+                s.status,
+                SeqStatus::Finished | SeqStatus::Aborted
+            ));
             if queued != want {
                 return Err(format!(
                     "sequence {sid} ({:?}) queued {queued} times",

@@ -1,0 +1,450 @@
+//! The OpenAI request bodies we accept, their validation into an engine request, and the
+//! response objects (whole and streamed) in the shapes OpenAI clients parse.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::error::ApiError;
+use crate::engine::SamplingParams;
+use crate::model::tokenizer::ChatMessage;
+use crate::model::config::GenerationDefaults;
+
+/// At most this many stop strings, each at most `MAX_STOP_BYTES` long.
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_BYTES: usize = 1024;
+
+/// Fields shared by `/v1/chat/completions` and `/v1/completions`. Unknown fields are
+/// ignored (clients send many); a known field of the wrong type is a 400.
+#[derive(Debug, Default, Deserialize)]
+pub struct GenerationFields {
+    pub model: String,
+    pub max_tokens: Option<u64>,
+    /// The chat endpoint's newer name for `max_tokens`; wins when both are given.
+    pub max_completion_tokens: Option<u64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// 0 or -1: no top-k cut.
+    pub top_k: Option<i64>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopField>,
+    pub n: Option<u64>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// Generate past end-of-sequence tokens up to `max_tokens` (vLLM's extension, for
+    /// benchmarks with fixed output lengths).
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessageIn>,
+    #[serde(flatten)]
+    pub fields: GenerationFields,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessageIn {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<ContentIn>,
+}
+
+/// Message content: a string, or a list of parts of which only `text` parts are supported.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ContentIn {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptIn,
+    #[serde(flatten)]
+    pub fields: GenerationFields,
+}
+
+/// A prompt string (a one-element list of strings is accepted too).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptIn {
+    Text(String),
+    List(Vec<String>),
+}
+
+impl PromptIn {
+    pub fn into_text(self) -> Result<String, ApiError> {
+        match self {
+            PromptIn::Text(s) => Ok(s),
+            PromptIn::List(mut v) if v.len() == 1 => Ok(v.remove(0)),
+            PromptIn::List(v) => Err(ApiError::bad_field(
+                "prompt",
+                format!(
+                    "only one prompt per request is supported, got {}",
+                    v.len()
+                ),
+            )),
+        }
+    }
+}
+
+impl ChatRequest {
+    /// The conversation as the chat template reads it.
+    pub fn conversation(&self) -> Result<Vec<ChatMessage>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::bad_field("messages", "`messages` is empty"));
+        }
+        self.messages
+            .iter()
+            .map(|m| {
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(ContentIn::Text(s)) => s.clone(),
+                    Some(ContentIn::Parts(parts)) => {
+                        let mut s = String::new();
+                        for p in parts {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(t)) => s.push_str(t),
+                                (kind, _) => {
+                                    return Err(ApiError::bad_field(
+                                        "messages",
+                                        format!("unsupported content part type {kind:?} (only \"text\")"),
+                                    ))
+                                }
+                            }
+                        }
+                        s
+                    }
+                };
+                Ok(ChatMessage {
+                    role: m.role.clone(),
+                    content,
+                })
+            })
+            .collect()
+    }
+}
+
+/// A validated request, ready for the engine once its prompt is tokenized.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// `None`: as many as the context leaves after the prompt.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub ignore_eos: bool,
+}
+
+impl GenerationFields {
+    /// Checks every field; defaults come from the model's generation config.
+    pub fn validate(
+        &self,
+        defaults: &GenerationDefaults,
+        random_seed: u64,
+    ) -> Result<Generation, ApiError> {
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ApiError::bad_field(
+                    "n",
+                    format!("only n = 1 is supported, got {n}"),
+                ));
+            }
+        }
+        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+            Some(0) => {
+                return Err(ApiError::bad_field(
+                    "max_tokens",
+                    "max_tokens must be at least 1",
+                ))
+            }
+            Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+            None => None,
+        };
+        let temperature = self.temperature.unwrap_or(defaults.temperature);
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            return Err(ApiError::bad_field(
+                "temperature",
+                format!("temperature must be a number >= 0, got {temperature}"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(defaults.top_p);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::bad_field(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
+        }
+        let top_k = match self.top_k {
+            None => defaults.top_k,
+            Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+            Some(k) => {
+                return Err(ApiError::bad_field(
+                    "top_k",
+                    format!("top_k must be -1, 0 (no cut) or positive, got {k}"),
+                ))
+            }
+        };
+        let stops = match &self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(v)) => v.clone(),
+        };
+        if stops.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::bad_field(
+                "stop",
+                format!(
+                    "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                    stops.len()
+                ),
+            ));
+        }
+        if let Some(s) = stops
+            .iter()
+            .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+        {
+            return Err(ApiError::bad_field(
+                "stop",
+                format!(
+                    "stop strings must be 1 to {MAX_STOP_BYTES} bytes long, got {}",
+                    s.len()
+                ),
+            ));
+        }
+        let include_usage = self.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        Ok(Generation {
+            max_tokens,
+            sampling: SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed: self.seed.map_or(random_seed, |s| s as u64),
+            },
+            stops,
+            stream: self.stream,
+            include_usage,
+            ignore_eos: self.ignore_eos,
+        })
+    }
+}
+
+/// Why a generation ended, as `finish_reason` says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled by the server (shutdown grace period over).
+    Abort,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Abort => "abort",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Every token the engine generated for the response, an end-of-sequence token included.
+    pub completion_tokens: usize,
+}
+
+impl Usage {
+    pub fn json(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        })
+    }
+}
+
+/// Which endpoint answers: it decides the object names and where the text goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// What every response object of one request shares.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl ResponseMeta {
+    /// The non-streamed response.
+    pub fn full(&self, text: &str, finish: Finish, usage: Usage) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish.as_str(),
+            }),
+            Endpoint::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish.as_str(),
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": match self.endpoint {
+                Endpoint::Chat => "chat.completion",
+                Endpoint::Completion => "text_completion",
+            },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage.json(),
+        })
+    }
+
+    /// One streamed chunk: the role goes only in the first chat delta (`first`), the
+    /// finish reason only in the last. `with_usage` adds `"usage": null`, as OpenAI does on
+    /// every chunk before the usage chunk when `include_usage` is set.
+    pub fn chunk(
+        &self,
+        text: &str,
+        first: bool,
+        finish: Option<Finish>,
+        with_usage: bool,
+    ) -> Value {
+        let reason = finish.map(Finish::as_str);
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = match (first, finish) {
+                    (true, _) => json!({"role": "assistant", "content": text}),
+                    (false, Some(_)) if text.is_empty() => json!({}),
+                    (false, _) => json!({"content": text}),
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+            }
+            Endpoint::Completion => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason})
+            }
+        };
+        let mut v = self.chunk_frame(vec![choice]);
+        if with_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// The final chunk of `include_usage`: no choices, the usage.
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
+        let mut v = self.chunk_frame(Vec::new());
+        v["usage"] = usage.json();
+        v
+    }
+
+    fn chunk_frame(&self, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": match self.endpoint {
+                Endpoint::Chat => "chat.completion.chunk",
+                Endpoint::Completion => "text_completion",
+            },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(v: Value) -> Result<Generation, ApiError> {
+        let f: GenerationFields = serde_json::from_value(v).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        f.validate(&GenerationDefaults::default(), 7)
+    }
+
+    #[test]
+    fn n_other_than_one_is_refused() {
+        let e = fields(json!({"model": "m", "n": 2})).unwrap_err();
+        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        assert_eq!(e.param, Some("n"));
+        assert!(fields(json!({"model": "m", "n": 1})).is_ok());
+    }
+
+    #[test]
+    fn out_of_range_sampling_fields_are_refused_and_named() {
+        for (v, param) in [
+            (json!({"model": "m", "temperature": -0.5}), "temperature"),
+            (json!({"model": "m", "top_p": 0.0}), "top_p"),
+            (json!({"model": "m", "top_p": 1.5}), "top_p"),
+            (json!({"model": "m", "top_k": -2}), "top_k"),
+            (json!({"model": "m", "max_tokens": 0}), "max_tokens"),
+            (json!({"model": "m", "stop": [""]}), "stop"),
+        ] {
+            assert_eq!(fields(v.clone()).unwrap_err().param, Some(param), "{v}");
+        }
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_over_max_tokens_and_a_given_seed_is_kept() {
+        let g = fields(json!({"model": "m", "max_tokens": 5, "max_completion_tokens": 9, "seed": 3}))
+            .unwrap();
+        assert_eq!(g.max_tokens, Some(9));
+        assert_eq!(g.sampling.seed, 3);
+        assert_eq!(fields(json!({"model": "m"})).unwrap().sampling.seed, 7);
+    }
+
+    #[test]
+    fn chat_chunks_carry_the_role_first_and_the_finish_reason_last_only() {
+        let meta = ResponseMeta {
+            endpoint: Endpoint::Chat,
+            id: "chatcmpl-1".into(),
+            created: 1,
+            model: "m".into(),
+        };
+        let first = meta.chunk("", true, None, false);
+        assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+        assert!(first["choices"][0]["finish_reason"].is_null());
+        let mid = meta.chunk("hi", false, None, false);
+        assert!(mid["choices"][0]["delta"].get("role").is_none());
+        let last = meta.chunk("", false, Some(Finish::Length), true);
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        assert_eq!(last["choices"][0]["delta"], json!({}));
+        assert!(last["usage"].is_null() && last.get("usage").is_some());
+    }
+}

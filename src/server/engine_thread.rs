@@ -1,0 +1,297 @@
+//! The serving engine on its own (non-async) thread, and the channels to it.
+//!
+//! Handlers send commands over a std channel; each request gets a tokio channel of
+//! `Event`s back. Before every step the thread checks each request's event channel: a
+//! closed one means the client went away (the handler's stream or future was dropped), and
+//! the request is aborted, so its GPU pages and host slots are free after that step.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use anyhow::Result;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use super::api::Finish;
+use super::metrics::Metrics;
+use crate::serve::scheduler::{SeqId, SeqStatus};
+use crate::serve::{Engine, EngineStats, RequestParams};
+
+/// What a request hears from the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Token(u32),
+    /// The last event of a request that ran.
+    Done(Finish),
+    /// The engine refused the request (a bad request; the last event).
+    Refused(String),
+    /// The engine failed (the last event).
+    Failed(String),
+}
+
+enum Command {
+    Submit {
+        prompt: Vec<u32>,
+        params: RequestParams,
+        events: UnboundedSender<Event>,
+        arrived: Instant,
+    },
+    /// End every request now with `Finish::Abort` (the shutdown grace period is over).
+    CancelAll,
+    /// Finish what is in flight, then stop the thread.
+    Shutdown,
+}
+
+/// The handlers' side: cheap to clone.
+#[derive(Clone)]
+pub struct EngineClient {
+    tx: Sender<Command>,
+    alive: Arc<AtomicBool>,
+}
+
+impl EngineClient {
+    /// Queues a request; its events arrive on the receiver. Dropping the receiver cancels it.
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: RequestParams,
+    ) -> Result<UnboundedReceiver<Event>, EngineStopped> {
+        let (events, rx) = unbounded_channel();
+        self.tx
+            .send(Command::Submit {
+                prompt,
+                params,
+                events,
+                arrived: Instant::now(),
+            })
+            .map_err(|_| EngineStopped)?;
+        Ok(rx)
+    }
+
+    pub fn cancel_all(&self) {
+        let _ = self.tx.send(Command::CancelAll);
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+
+    /// False once the engine thread has stopped (after shutdown, or after an engine error).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct EngineStopped;
+
+/// Starts the engine thread. `eos` are the ids whose generation means `finish_reason: stop`.
+pub fn spawn(
+    engine: Engine,
+    metrics: Arc<Metrics>,
+    eos: Vec<u32>,
+) -> (EngineClient, JoinHandle<Result<()>>) {
+    let (tx, rx) = channel();
+    let alive = Arc::new(AtomicBool::new(true));
+    let flag = Arc::clone(&alive);
+    let thread = std::thread::Builder::new()
+        .name("strata-engine".into())
+        .spawn(move || {
+            let r = EngineLoop::new(engine, metrics, eos).run(rx);
+            flag.store(false, Ordering::Release);
+            if let Err(e) = &r {
+                eprintln!("error: the engine stopped: {e:#}");
+            }
+            r
+        })
+        .expect("spawning the engine thread");
+    (EngineClient { tx, alive }, thread)
+}
+
+/// A request the engine is working on.
+struct Active {
+    events: UnboundedSender<Event>,
+    arrived: Instant,
+    last_token: Option<Instant>,
+    /// Output tokens already sent.
+    sent: usize,
+    /// An end-of-sequence token ends it (`finish_reason: stop`); false with `ignore_eos`.
+    stops_at_eos: bool,
+}
+
+struct EngineLoop {
+    engine: Engine,
+    metrics: Arc<Metrics>,
+    eos: Vec<u32>,
+    active: HashMap<SeqId, Active>,
+    last_stats: EngineStats,
+}
+
+impl EngineLoop {
+    fn new(engine: Engine, metrics: Arc<Metrics>, eos: Vec<u32>) -> Self {
+        Self {
+            engine,
+            metrics,
+            eos,
+            active: HashMap::new(),
+            last_stats: EngineStats::default(),
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Command>) -> Result<()> {
+        self.observe();
+        let mut open = true;
+        loop {
+            // Admit commands between steps; block only when there is nothing to step.
+            loop {
+                let cmd = if self.engine.has_unfinished() || !open {
+                    match rx.try_recv() {
+                        Ok(c) => c,
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => {
+                            open = false;
+                            break;
+                        }
+                    }
+                } else {
+                    match rx.recv() {
+                        Ok(c) => c,
+                        Err(_) => {
+                            open = false;
+                            break;
+                        }
+                    }
+                };
+                match cmd {
+                    Command::Submit {
+                        prompt,
+                        params,
+                        events,
+                        arrived,
+                    } => self.admit(prompt, &params, events, arrived),
+                    Command::CancelAll => self.cancel_all()?,
+                    Command::Shutdown => open = false,
+                }
+            }
+            self.cancel_disconnected()?;
+            if !self.engine.has_unfinished() {
+                self.observe();
+                if !open {
+                    return Ok(());
+                }
+                continue;
+            }
+            match self.engine.step() {
+                Ok(finished) => self.deliver(&finished)?,
+                Err(e) => {
+                    for (_, a) in self.active.drain() {
+                        let _ = a.events.send(Event::Failed(format!("engine error: {e:#}")));
+                    }
+                    return Err(e);
+                }
+            }
+            self.observe();
+        }
+    }
+
+    fn admit(
+        &mut self,
+        prompt: Vec<u32>,
+        params: &RequestParams,
+        events: UnboundedSender<Event>,
+        arrived: Instant,
+    ) {
+        match self.engine.add_request(prompt, params) {
+            Ok(id) if params.max_tokens == 0 => {
+                // Finished on arrival: no step will report it.
+                self.engine.take_finished(id);
+                let _ = events.send(Event::Done(Finish::Length));
+            }
+            Ok(id) => {
+                self.active.insert(
+                    id,
+                    Active {
+                        events,
+                        arrived,
+                        last_token: None,
+                        sent: 0,
+                        stops_at_eos: !params.ignore_eos,
+                    },
+                );
+            }
+            Err(e) => {
+                let _ = events.send(Event::Refused(format!("{e:#}")));
+            }
+        }
+    }
+
+    /// Aborts every request whose client has gone.
+    fn cancel_disconnected(&mut self) -> Result<()> {
+        let gone: Vec<SeqId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.active.remove(&id);
+            self.engine.abort(id)?;
+            self.metrics.request_cancelled();
+        }
+        Ok(())
+    }
+
+    fn cancel_all(&mut self) -> Result<()> {
+        for (id, a) in std::mem::take(&mut self.active) {
+            self.engine.abort(id)?;
+            let _ = a.events.send(Event::Done(Finish::Abort));
+        }
+        Ok(())
+    }
+
+    /// Sends every request its new tokens, and `Done` to those that finished.
+    fn deliver(&mut self, finished: &[SeqId]) -> Result<()> {
+        let now = Instant::now();
+        for (&id, a) in self.active.iter_mut() {
+            let Some(seq) = self.engine.scheduler().seq(id) else {
+                continue;
+            };
+            let out = seq.output();
+            for &t in &out[a.sent..] {
+                match a.last_token {
+                    None => self.metrics.ttft.observe((now - a.arrived).as_secs_f64()),
+                    Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64()),
+                }
+                a.last_token = Some(now);
+                let _ = a.events.send(Event::Token(t));
+            }
+            a.sent = out.len();
+        }
+        for &id in finished {
+            let Some(a) = self.active.remove(&id) else {
+                continue;
+            };
+            let seq = self
+                .engine
+                .take_finished(id)
+                .filter(|s| s.status == SeqStatus::Finished);
+            let stopped = a.stops_at_eos
+                && seq
+                .as_ref()
+                .and_then(|s| s.output().last())
+                .is_some_and(|t| self.eos.contains(t));
+            let reason = if stopped { Finish::Stop } else { Finish::Length };
+            let _ = a.events.send(Event::Done(reason));
+        }
+        Ok(())
+    }
+
+    fn observe(&mut self) {
+        let stats = self.engine.stats();
+        self.metrics
+            .observe_engine(self.engine.scheduler(), &stats, &mut self.last_stats);
+    }
+}

@@ -1,0 +1,307 @@
+//! `strata serve`: an OpenAI-compatible HTTP server over the serving engine (docs/server.md).
+//!
+//! axum + tokio answer HTTP; the engine runs on its own thread and is not async
+//! (`engine_thread`), fed and drained through channels. `api` holds the request and
+//! response shapes, `text` incremental detokenization and stop strings, `routes` the
+//! endpoints, `metrics` the Prometheus registry, `error` OpenAI-style errors.
+
+pub mod api;
+pub mod engine_thread;
+pub mod error;
+pub mod metrics;
+pub mod routes;
+pub mod text;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use tokio::net::TcpListener;
+
+use crate::device::DeviceKind;
+use crate::model::Model;
+use crate::serve::{Engine, EngineConfig, SchedulerConfig};
+use metrics::Metrics;
+use routes::{AppState, Loaded, ServerConfig};
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// GGUF file or Hugging Face model directory [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed either way).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// The model name clients send in `model` [default: the model file's name without extension]
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1/* requests.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Device the engine runs on.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
+    /// Most requests in the running batch.
+    #[arg(long, default_value_t = 16)]
+    pub max_num_seqs: usize,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+    /// GPU KV pages [default: two full contexts, 2 × --max-model-len / --block-size]
+    #[arg(long)]
+    pub num_gpu_blocks: Option<usize>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Host-tier blocks for preemption offload; 0 = recompute instead [default: --num-gpu-blocks]
+    #[arg(long)]
+    pub max_cpu_offload_blocks: Option<usize>,
+    /// Context limit in tokens, prompt + output [default: the model's maximum]
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Requests admitted at once, running and waiting; more are answered 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_pending_requests: usize,
+    /// On Ctrl-C/SIGTERM, seconds to let requests in flight finish before cancelling them.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout: u64,
+}
+
+/// Prompt tokens per forward call: 64, or the block size when blocks are larger.
+const PREFILL_CHUNK_TOKENS: usize = 64;
+
+/// The engine's geometry, from the flags and the model.
+fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize)> {
+    let trained = model.cfg.max_position_embeddings;
+    let max_model_len = args.max_model_len.unwrap_or(trained);
+    ensure!(
+        (1..=trained).contains(&max_model_len),
+        "--max-model-len must be between 1 and the model's context ({trained}), got {max_model_len}"
+    );
+    let bs = args.block_size;
+    let per_context = max_model_len.div_ceil(bs);
+    let num_gpu_blocks = args.num_gpu_blocks.unwrap_or(2 * per_context);
+    ensure!(
+        num_gpu_blocks >= per_context,
+        "--num-gpu-blocks {num_gpu_blocks} holds {} tokens, less than --max-model-len {max_model_len}",
+        num_gpu_blocks * bs
+    );
+    let cpu_blocks = args.max_cpu_offload_blocks.unwrap_or(num_gpu_blocks);
+    let c = &model.cfg;
+    let block_bytes = 2 * c.num_layers * bs * c.num_kv_heads * c.head_dim * 4;
+    let kv_bytes = (num_gpu_blocks as u128 + cpu_blocks as u128) * block_bytes as u128;
+    if let Some(avail) = available_memory_bytes() {
+        ensure!(
+            kv_bytes <= avail as u128,
+            "the KV cache needs {:.1} GiB ({num_gpu_blocks} GPU + {cpu_blocks} host blocks of {bs} tokens) but only {:.1} GiB of memory is available; lower --num-gpu-blocks, --max-cpu-offload-blocks or --max-model-len",
+            kv_bytes as f64 / (1u64 << 30) as f64,
+            avail as f64 / (1u64 << 30) as f64
+        );
+    }
+    let sched = SchedulerConfig {
+        block_size: bs,
+        num_gpu_blocks,
+        max_cpu_offload_blocks: cpu_blocks,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        prefill_chunk: PREFILL_CHUNK_TOKENS.div_ceil(bs).max(1) * bs,
+    };
+    sched.validate()?;
+    Ok((
+        EngineConfig {
+            sched,
+            link_gbps: 0.0,
+            sanitize: false,
+        },
+        max_model_len,
+    ))
+}
+
+/// `MemAvailable` from /proc/meminfo, where there is one.
+fn available_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn check_args(args: &ServeArgs) -> Result<()> {
+    if args.device == DeviceKind::Cuda {
+        bail!("the serving engine runs on the CPU device in this build; --device cuda is not available for `strata serve` yet");
+    }
+    ensure!(
+        (1..=4096).contains(&args.block_size),
+        "--block-size must be between 1 and 4096, got {}",
+        args.block_size
+    );
+    ensure!(
+        (1..=4096).contains(&args.max_num_seqs),
+        "--max-num-seqs must be between 1 and 4096, got {}",
+        args.max_num_seqs
+    );
+    ensure!(
+        args.max_pending_requests >= 1,
+        "--max-pending-requests must be at least 1"
+    );
+    if let Some(k) = &args.api_key {
+        ensure!(!k.is_empty(), "--api-key must not be empty");
+    }
+    Ok(())
+}
+
+/// Runs the server until Ctrl-C or SIGTERM; `model_path` is `--model` resolved.
+pub fn run(args: ServeArgs, model_path: PathBuf) -> Result<()> {
+    check_args(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let engine_thread = Arc::new(Mutex::new(None));
+    let r = runtime.block_on(serve(args, model_path, Arc::clone(&engine_thread)));
+    drop(runtime);
+    let thread: Option<JoinHandle<Result<()>>> = engine_thread.lock().expect("not poisoned").take();
+    if let Some(t) = thread {
+        t.join()
+            .map_err(|_| anyhow::anyhow!("the engine thread panicked"))??;
+    }
+    r
+}
+
+type EngineThread = Arc<Mutex<Option<JoinHandle<Result<()>>>>>;
+
+async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread) -> Result<()> {
+    let listener = TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    let served_model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        model_path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    println!("strata serve: listening on http://{addr} (model `{served_model_name}`)");
+    std::io::stdout().flush()?;
+
+    let state = Arc::new(AppState::new(
+        ServerConfig {
+            served_model_name,
+            api_key: args.api_key.clone(),
+            max_pending_requests: args.max_pending_requests,
+        },
+        Arc::new(Metrics::new()),
+    ));
+
+    // Load in the background: /health answers 503 until the engine runs.
+    let (load_failed_tx, load_failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
+    {
+        let (state, args, slot) = (Arc::clone(&state), args.clone(), Arc::clone(&engine_thread));
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = load(&state, &args, &model_path, &slot) {
+                let _ = load_failed_tx.send(e);
+            }
+        });
+    }
+
+    let load_error = Arc::new(Mutex::new(None));
+    let shutdown = {
+        let (state, load_error) = (Arc::clone(&state), Arc::clone(&load_error));
+        let grace = Duration::from_secs(args.shutdown_timeout);
+        async move {
+            tokio::select! {
+                _ = termination() => {}
+                Ok(e) = load_failed_rx => {
+                    *load_error.lock().expect("not poisoned") = Some(e);
+                    return;
+                }
+            }
+            eprintln!(
+                "strata serve: shutting down; requests in flight get {}s to finish (a second signal cancels them)",
+                grace.as_secs()
+            );
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = tokio::time::sleep(grace) => {}
+                    _ = termination() => {}
+                }
+                if let Some(l) = state.loaded.get() {
+                    eprintln!("strata serve: cancelling the requests still in flight");
+                    l.engine.cancel_all();
+                }
+            });
+        }
+    };
+    axum::serve(listener, routes::router(Arc::clone(&state)))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving HTTP")?;
+    if let Some(e) = load_error.lock().expect("not poisoned").take() {
+        return Err(e);
+    }
+    if let Some(l) = state.loaded.get() {
+        l.engine.shutdown();
+    }
+    eprintln!("strata serve: stopped");
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn termination() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
+
+/// Loads the model, starts the engine thread and marks the server ready.
+fn load(
+    state: &AppState,
+    args: &ServeArgs,
+    model_path: &std::path::Path,
+    engine_thread: &Mutex<Option<JoinHandle<Result<()>>>>,
+) -> Result<()> {
+    let (model, tokenizer) = Model::load(model_path, false)?;
+    let (cfg, max_model_len) = engine_config(args, &model)?;
+    let eos = model.cfg.eos_token_ids.clone();
+    let defaults = model.cfg.generation.clone();
+    let sched = cfg.sched.clone();
+    let engine = Engine::new(model, cfg)?;
+    let (client, thread) = engine_thread::spawn(engine, Arc::clone(&state.metrics), eos);
+    *engine_thread.lock().expect("not poisoned") = Some(thread);
+    let loaded = Loaded {
+        tokenizer: Arc::new(tokenizer),
+        defaults,
+        engine: client,
+        max_model_len,
+    };
+    if state.loaded.set(loaded).is_err() {
+        bail!("the model was loaded twice");
+    }
+    eprintln!(
+        "strata serve: ready (max-model-len {max_model_len}, {} GPU blocks + {} host blocks of {} tokens, max-num-seqs {})",
+        sched.num_gpu_blocks, sched.max_cpu_offload_blocks, sched.block_size, sched.max_num_seqs
+    );
+    Ok(())
+}

@@ -1,0 +1,486 @@
+//! The HTTP surface: routes, authentication, admission, and turning engine events into
+//! OpenAI responses (whole or as server-sent events).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::api::{
+    ChatRequest, CompletionRequest, Endpoint, Finish, Generation, GenerationFields, ResponseMeta,
+    Usage,
+};
+use super::engine_thread::{EngineClient, Event};
+use super::error::ApiError;
+use super::metrics::Metrics;
+use super::text::TextStream;
+use crate::model::config::GenerationDefaults;
+use crate::model::Tokenizer;
+use crate::serve::RequestParams;
+
+/// Largest request body accepted (413 beyond).
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// What the server knows before the model is loaded.
+pub struct ServerConfig {
+    pub served_model_name: String,
+    pub api_key: Option<String>,
+    /// Requests admitted at once (running + waiting); more get 429.
+    pub max_pending_requests: usize,
+}
+
+/// What exists once the model is loaded.
+pub struct Loaded {
+    pub tokenizer: Arc<Tokenizer>,
+    pub defaults: GenerationDefaults,
+    pub engine: EngineClient,
+    /// Prompt + output limit in tokens.
+    pub max_model_len: usize,
+}
+
+pub struct AppState {
+    pub cfg: ServerConfig,
+    pub loaded: OnceLock<Loaded>,
+    pub metrics: Arc<Metrics>,
+    pending: AtomicUsize,
+}
+
+impl AppState {
+    pub fn new(cfg: ServerConfig, metrics: Arc<Metrics>) -> Self {
+        Self {
+            cfg,
+            loaded: OnceLock::new(),
+            metrics,
+            pending: AtomicUsize::new(0),
+        }
+    }
+
+    fn ready(&self) -> Result<&Loaded, ApiError> {
+        match self.loaded.get() {
+            None => Err(ApiError::unavailable("the model is still loading")),
+            Some(l) if !l.engine.is_alive() => Err(ApiError::unavailable(
+                "the engine has stopped; see the server log",
+            )),
+            Some(l) => Ok(l),
+        }
+    }
+
+    /// Counts a request in, or refuses it when the server is at its limit.
+    fn admit(self: &Arc<Self>) -> Result<Admitted, ApiError> {
+        let limit = self.cfg.max_pending_requests;
+        self.pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .map_err(|_| ApiError::overloaded(limit))?;
+        Ok(Admitted(Arc::clone(self)))
+    }
+}
+
+/// One admitted request; dropping it (response sent, or client gone) counts it out.
+struct Admitted(Arc<AppState>);
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+async fn require_api_key(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Some(key) = &state.cfg.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found("no such endpoint")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: "method not allowed on this endpoint".into(),
+        param: None,
+    }
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    match state.ready() {
+        Ok(_) => (StatusCode::OK, "ok").into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
+    let loaded = state.ready()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.cfg.served_model_name,
+            "object": "model",
+            "created": unix_now(),
+            "owned_by": "strata",
+            "max_model_len": loaded.max_model_len,
+        }],
+    })))
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Parses a JSON body into `T`, with OpenAI-style errors for every failure.
+fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let bytes = body.map_err(|r| ApiError {
+        status: r.status(),
+        message: format!("could not read the request body: {}", r.body_text()),
+        param: None,
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse_body(body)?;
+    let conversation = req.conversation()?;
+    let loaded = state.ready()?;
+    let tokenizer = Arc::clone(&loaded.tokenizer);
+    let prompt = run_blocking(move || -> Result<Vec<u32>, ApiError> {
+        let text = tokenizer
+            .render_chat(&conversation)
+            .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))?;
+        tokenizer
+            .encode(&text, false)
+            .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))
+    })
+    .await?;
+    generate(state, Endpoint::Chat, &req.fields, prompt).await
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(body)?;
+    let text = req.prompt.into_text()?;
+    let loaded = state.ready()?;
+    let tokenizer = Arc::clone(&loaded.tokenizer);
+    let prompt = run_blocking(move || {
+        tokenizer
+            .encode(&text, true)
+            .map_err(|e| ApiError::bad_field("prompt", format!("{e:#}")))
+    })
+    .await?;
+    generate(state, Endpoint::Completion, &req.fields, prompt).await
+}
+
+/// Tokenizing and template rendering are CPU work: keep them off the async workers.
+async fn run_blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// Checks the request against the model and the context, submits it, and answers.
+async fn generate(
+    state: Arc<AppState>,
+    endpoint: Endpoint,
+    fields: &GenerationFields,
+    prompt: Vec<u32>,
+) -> Result<Response, ApiError> {
+    let loaded = state.ready()?;
+    if fields.model != state.cfg.served_model_name {
+        return Err(ApiError {
+            param: Some("model"),
+            ..ApiError::not_found(format!(
+                "the model `{}` does not exist; this server serves `{}`",
+                fields.model, state.cfg.served_model_name
+            ))
+        });
+    }
+    let gen = fields.validate(&loaded.defaults, rand::random())?;
+    let max_tokens = context_budget(&gen, prompt.len(), loaded.max_model_len)?;
+    let admitted = state.admit()?;
+    let params = RequestParams {
+        max_tokens,
+        sampling: gen.sampling.clone(),
+        ignore_eos: gen.ignore_eos,
+    };
+    let prompt_tokens = prompt.len();
+    let events = loaded
+        .engine
+        .submit(prompt, params)
+        .map_err(|_| ApiError::unavailable("the engine has stopped; see the server log"))?;
+    let meta = ResponseMeta {
+        endpoint,
+        id: response_id(endpoint),
+        created: unix_now(),
+        model: state.cfg.served_model_name.clone(),
+    };
+    let text = TextStream::new(Arc::clone(&loaded.tokenizer), gen.stops.clone());
+    let run = Run {
+        events,
+        text,
+        prompt_tokens,
+        completion_tokens: 0,
+        _admitted: admitted,
+    };
+    if gen.stream {
+        Ok(stream_response(run, meta, gen).into_response())
+    } else {
+        let (text, finish, usage) = run.collect().await?;
+        Ok(Json(meta.full(&text, finish, usage)).into_response())
+    }
+}
+
+/// `max_tokens` within the context: the prompt plus the output must fit `max_model_len`.
+fn context_budget(gen: &Generation, prompt: usize, max_model_len: usize) -> Result<usize, ApiError> {
+    if prompt == 0 {
+        return Err(ApiError::bad_field("prompt", "the prompt is empty"));
+    }
+    match gen.max_tokens {
+        Some(m) if prompt.saturating_add(m) > max_model_len => Err(ApiError::bad_field(
+            "max_tokens",
+            format!(
+                "this model's maximum context length is {max_model_len} tokens, but the prompt has {prompt} tokens and max_tokens is {m} ({} in all)",
+                prompt.saturating_add(m)
+            ),
+        )),
+        Some(m) => Ok(m),
+        None if prompt >= max_model_len => Err(ApiError::bad_field(
+            "prompt",
+            format!(
+                "this model's maximum context length is {max_model_len} tokens, but the prompt has {prompt} tokens, leaving none to generate"
+            ),
+        )),
+        None => Ok(max_model_len - prompt),
+    }
+}
+
+fn response_id(endpoint: Endpoint) -> String {
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completion => "cmpl",
+    };
+    format!("{prefix}-{:032x}", rand::random::<u128>())
+}
+
+/// One request in flight: its engine events and its text pipeline.
+struct Run {
+    events: UnboundedReceiver<Event>,
+    text: TextStream,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    _admitted: Admitted,
+}
+
+/// What the next engine event means for the response.
+enum Step {
+    Text(String),
+    End(String, Finish),
+}
+
+impl Run {
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+        }
+    }
+
+    /// Waits for the next piece of text or the end. After a stop string the event channel
+    /// is closed, which cancels the request in the engine at its next step.
+    async fn next(&mut self) -> Result<Step, ApiError> {
+        match self.events.recv().await {
+            Some(Event::Token(id)) => {
+                self.completion_tokens += 1;
+                let r = self
+                    .text
+                    .push(id)
+                    .map_err(|e| ApiError::internal(format!("{e:#}")))?;
+                if r.stopped {
+                    self.events.close();
+                    Ok(Step::End(r.text, Finish::Stop))
+                } else {
+                    Ok(Step::Text(r.text))
+                }
+            }
+            Some(Event::Done(finish)) => Ok(Step::End(self.text.finish(), finish)),
+            Some(Event::Refused(msg)) => Err(ApiError::bad_request(msg)),
+            Some(Event::Failed(msg)) => Err(ApiError::internal(msg)),
+            None => Err(ApiError::unavailable(
+                "the engine stopped before the request finished",
+            )),
+        }
+    }
+
+    async fn collect(mut self) -> Result<(String, Finish, Usage), ApiError> {
+        let mut out = String::new();
+        loop {
+            match self.next().await? {
+                Step::Text(t) => out.push_str(&t),
+                Step::End(t, finish) => {
+                    out.push_str(&t);
+                    return Ok((out, finish, self.usage()));
+                }
+            }
+        }
+    }
+}
+
+fn sse_json(v: &serde_json::Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// The SSE response: a role chunk (chat), text chunks, a chunk with the finish reason, the
+/// usage chunk if asked, then `[DONE]`. Dropping the stream (client gone) drops the event
+/// receiver, which cancels the request.
+fn stream_response(
+    run: Run,
+    meta: ResponseMeta,
+    gen: Generation,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    struct S {
+        run: Run,
+        meta: ResponseMeta,
+        include_usage: bool,
+        queue: VecDeque<SseEvent>,
+        ended: bool,
+    }
+    let mut queue = VecDeque::new();
+    if meta.endpoint == Endpoint::Chat {
+        queue.push_back(sse_json(&meta.chunk("", true, None, gen.include_usage)));
+    }
+    let init = S {
+        run,
+        meta,
+        include_usage: gen.include_usage,
+        queue,
+        ended: false,
+    };
+    let events = stream::unfold(init, |mut s| async move {
+        loop {
+            if let Some(e) = s.queue.pop_front() {
+                return Some((Ok(e), s));
+            }
+            if s.ended {
+                return None;
+            }
+            let (m, u) = (&s.meta, s.include_usage);
+            match s.run.next().await {
+                Ok(Step::Text(t)) if t.is_empty() => {}
+                Ok(Step::Text(t)) => s.queue.push_back(sse_json(&m.chunk(&t, false, None, u))),
+                Ok(Step::End(t, finish)) => {
+                    if !t.is_empty() {
+                        s.queue.push_back(sse_json(&m.chunk(&t, false, None, u)));
+                    }
+                    s.queue
+                        .push_back(sse_json(&m.chunk("", false, Some(finish), u)));
+                    if u {
+                        s.queue.push_back(sse_json(&m.usage_chunk(s.run.usage())));
+                    }
+                    s.queue.push_back(SseEvent::default().data("[DONE]"));
+                    s.ended = true;
+                }
+                Err(e) => {
+                    s.queue.push_back(sse_json(&e.body()));
+                    s.queue.push_back(SseEvent::default().data("[DONE]"));
+                    s.ended = true;
+                }
+            }
+        }
+    });
+    Sse::new(events)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::SamplingParams;
+
+    fn gen(max_tokens: Option<usize>) -> Generation {
+        Generation {
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stops: vec![],
+            stream: false,
+            include_usage: false,
+            ignore_eos: false,
+        }
+    }
+
+    #[test]
+    fn a_request_over_the_context_is_refused_naming_both_numbers() {
+        let e = context_budget(&gen(Some(30)), 80, 100).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.message.contains("80") && e.message.contains("30"), "{}", e.message);
+        assert_eq!(context_budget(&gen(Some(20)), 80, 100).unwrap(), 20);
+        assert_eq!(context_budget(&gen(None), 80, 100).unwrap(), 20);
+        assert!(context_budget(&gen(None), 100, 100).is_err());
+        assert!(context_budget(&gen(Some(usize::MAX)), 80, 100).is_err());
+    }
+}

@@ -485,6 +485,20 @@ impl BlockManager {
         self.release(id)
     }
 
+    /// Whether the block is pinned by its write-through to disk.
+    pub fn is_pinned(&self, id: LogicalId) -> bool {
+        self.disk.persisting.contains_key(&id)
+    }
+
+    /// Whether the block is being loaded from a persisted prefix copy (not a spill).
+    pub fn loads_persisted_copy(&self, id: LogicalId) -> bool {
+        self.blocks.get(&id).is_some_and(|b| {
+            b.state == Residency::MovingFromSsd
+                && b.disk
+                    .is_some_and(|d| self.disk.persisted_hash.contains_key(&d))
+        })
+    }
+
     /// Whether a persisted copy of the block with this hash is on disk.
     pub fn is_persisted(&self, hash: u64) -> bool {
         self.disk.persisted.contains_key(&hash)

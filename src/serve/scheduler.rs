@@ -308,6 +308,12 @@ impl Scheduler {
                     break;
                 }
                 let victim = *self.running.last().expect("sid is running");
+                // Its blocks are being written through (pinned): they can be offloaded
+                // once that finishes, so wait rather than recompute.
+                if self.only_pinned_blocks(victim)? {
+                    stalled = true;
+                    break;
+                }
                 preempted = true;
                 let how = self.preempt(victim, &mut out)?;
                 if victim == sid || matches!(how, Preempted::Offloaded) {
@@ -482,7 +488,6 @@ impl Scheduler {
                 self.bm.acquire(id)?;
                 hits.push(id);
             } else if let Some(id) = self.bm.acquire_persisted(h) {
-                self.stats.prefix_blocks_from_disk += 1;
                 hits.push(id);
             } else {
                 break; // a block with this hash exists but is mid-copy: compute the rest
@@ -491,22 +496,13 @@ impl Scheduler {
         }
         hashes.truncate(hits.len() / (chunk / bs) * (chunk / bs));
         for id in hits.drain(hashes.len()..) {
-            self.release_lookup_hit(id)?;
+            self.bm.release(id)?;
         }
         self.stats.prefix_hit_blocks += hits.len();
         let seq = self.seqs.get_mut(&sid).expect("exists");
         seq.num_computed = hits.len() * bs;
         seq.block_ids = hits;
         seq.hashes = hashes;
-        Ok(())
-    }
-
-    /// Gives back one prefix-lookup hit (counted neither as a hit nor from disk).
-    fn release_lookup_hit(&mut self, id: LogicalId) -> Result<()> {
-        if self.bm.state(id)? == Residency::Ssd {
-            self.stats.prefix_blocks_from_disk -= 1;
-        }
-        self.bm.release(id)?;
         Ok(())
     }
 
@@ -517,7 +513,7 @@ impl Scheduler {
         seq.hashes.clear();
         self.stats.prefix_hit_blocks -= ids.len();
         for id in ids {
-            self.release_lookup_hit(id)?;
+            self.bm.release(id)?;
         }
         Ok(())
     }
@@ -668,6 +664,24 @@ impl Scheduler {
         Ok(Preempted::Recomputed)
     }
 
+    /// Whether none of the sequence's GPU blocks is exclusive now, but some would be once
+    /// their write-through to disk completes.
+    fn only_pinned_blocks(&self, sid: SeqId) -> Result<bool> {
+        let mut pinned = false;
+        for &id in &self.seqs[&sid].block_ids {
+            let b = self.bm.block(id)?;
+            if b.state != Residency::Gpu {
+                continue;
+            }
+            match (b.refs, self.bm.is_pinned(id)) {
+                (1, _) => return Ok(false),
+                (2, true) => pinned = true,
+                _ => {}
+            }
+        }
+        Ok(pinned)
+    }
+
     /// Drops a sequence's KV: release its blocks and start it over (its tokens are kept).
     fn recompute(&mut self, sid: SeqId) -> Result<()> {
         self.stats.recomputations += 1;
@@ -702,11 +716,19 @@ impl Scheduler {
             }
             return Ok(());
         };
+        let from_persisted = meta
+            .blocks
+            .iter()
+            .filter(|&&id| self.bm.loads_persisted_copy(id))
+            .count();
         for &id in &meta.blocks {
             match meta.kind {
                 JobKind::Store => self.bm.finish_store(id, ok)?,
                 JobKind::Load => self.bm.finish_load(id, ok)?,
             }
+        }
+        if ok {
+            self.stats.prefix_blocks_from_disk += from_persisted;
         }
         let disk = meta.tier == Tier::Ssd;
         match (meta.kind, ok) {

@@ -86,6 +86,8 @@ enum BenchCommand {
     Offload(BenchOffloadArgs),
     /// Continuous batching over a paged KV cache, preemption to host memory or recompute.
     Serve(strata::serve::bench::ServeArgs),
+    /// The disk tier's store: sequential write/read GB/s against dd with O_DIRECT.
+    Disk(strata::serve::disk::bench::DiskBenchArgs),
 }
 
 #[derive(Args)]
@@ -190,6 +192,9 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
         Command::CudaKernelCheck { emulate } => run_cuda_kernel_check(emulate),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
+        Command::Bench(BenchCommand::Disk(args)) => {
+            strata::serve::disk::bench::run_disk_bench(args)
+        }
         Command::CudaLogitsCheck { emulate } => {
             use device::cuda::gpucheck;
             let f = if emulate {

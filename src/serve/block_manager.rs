@@ -441,8 +441,9 @@ impl BlockManager {
     // ---- the persisted prefix blocks of the disk tier ----
 
     /// Starts writing a registered GPU block through to disk for the prefix cache, if it
-    /// is not persisted yet and a slot is free (persisted copies keep at most half of the
-    /// disk tier's free slots; past that the least recently used one is replaced). The
+    /// is not persisted yet and a disk slot is free. Write-throughs never evict other
+    /// persisted copies (evicting the head of a prefix chain for its tail would make the
+    /// whole chain unreachable); spills reclaim persisted copies when they need room. The
     /// block is pinned (one more reference) until `finish_persist`.
     pub fn start_persist(&mut self, id: LogicalId) -> Option<(PageId, DiskSlotId, u64)> {
         let b = self.blocks.get(&id)?;
@@ -450,17 +451,10 @@ impl BlockManager {
             return None;
         };
         let d = &self.disk;
-        if d.num == 0
-            || d.persisted.contains_key(&hash)
-            || d.persisting.values().any(|&(h, _)| h == hash)
-        {
+        if d.persisted.contains_key(&hash) || d.persisting.values().any(|&(h, _)| h == hash) {
             return None;
         }
-        let slot = if self.disk.free.len() > self.disk.num / 2 {
-            self.disk.free.pop()?
-        } else {
-            self.evict_persisted()?
-        };
+        let slot = self.disk.free.pop()?;
         self.acquire(id).ok()?;
         self.disk.persisting.insert(id, (hash, slot));
         Some((page, slot, hash))

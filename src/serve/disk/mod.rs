@@ -8,10 +8,12 @@
 //! - `backend`: the disk transfer backend (staging through host memory) and the tiered
 //!   backend that routes jobs between it and the host tier's;
 //! - `index`: the persisted prefix index (temp file + fsync + rename);
+//! - `bench`: `strata bench disk`, the store against `dd` on the same file system;
 //! - this file: configuration, the CLI options, the model fingerprint, and `DiskTier`, the
 //!   engine's handle on all of it.
 
 pub mod backend;
+pub mod bench;
 pub mod index;
 pub mod pool;
 pub mod store;

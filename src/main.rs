@@ -46,6 +46,8 @@ enum BenchCommand {
     Offload(BenchOffloadArgs),
     /// Continuous batching over a paged KV cache, preemption to host memory or recompute.
     Serve(strata::serve::bench::ServeArgs),
+    /// The disk tier's store: sequential write/read GB/s against dd with O_DIRECT.
+    Disk(strata::serve::disk::bench::DiskBenchArgs),
 }
 
 #[derive(Args)]
@@ -155,6 +157,9 @@ fn main() -> ExitCode {
         }
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
+        Command::Bench(BenchCommand::Disk(args)) => {
+            strata::serve::disk::bench::run_disk_bench(args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -45,6 +45,7 @@ fn sched(gpu: usize, cpu: usize) -> SchedulerConfig {
         block_size: 4,
         num_gpu_blocks: gpu,
         max_cpu_offload_blocks: cpu,
+        max_disk_offload_blocks: 0,
         max_num_seqs: 16,
         max_num_batched_tokens: 16, // few requests join per step, so later ones hit the prefix cache
         prefill_chunk: 8,
@@ -56,6 +57,7 @@ fn config(gpu: usize, cpu: usize, sanitize: bool) -> EngineConfig {
         sched: sched(gpu, cpu),
         link_gbps: 0.0,
         sanitize,
+        disk: None,
     }
 }
 

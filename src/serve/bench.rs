@@ -9,6 +9,7 @@ use anyhow::{bail, ensure, Result};
 use clap::Args;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use super::disk::{DiskArgs, DiskTierConfig};
 use super::engine::{Engine, EngineConfig, EngineStats, RequestParams};
 use super::scheduler::SchedulerConfig;
 use crate::flags;
@@ -82,6 +83,8 @@ pub struct ServeArgs {
     /// Simulated host↔device link in GB/s for offload copies; 0 = unthrottled.
     #[arg(long, default_value_t = 0.0, value_parser = flags::link_gbps)]
     pub link_gbps: f64,
+    #[command(flatten)]
+    pub disk: DiskArgs,
     /// Also run unconstrained and fail unless every request's tokens are identical.
     #[arg(long)]
     pub compare: bool,
@@ -170,12 +173,15 @@ pub struct BenchRun {
     pub outputs: Vec<Vec<u32>>,
     pub stats: EngineStats,
     pub secs: f64,
+    /// Mean time from the start to each request's first generated token.
+    pub mean_ttft_s: f64,
 }
 
 pub fn run_once(
     model: &Arc<Model>,
     sched: SchedulerConfig,
     link_gbps: f64,
+    disk: Option<DiskTierConfig>,
     prompts: &[Vec<u32>],
     params: &[RequestParams],
 ) -> Result<BenchRun> {
@@ -185,15 +191,57 @@ pub fn run_once(
             sched,
             link_gbps,
             sanitize: false,
+            disk,
         },
     )?;
+    if let Some(plan) = engine.disk_plan() {
+        eprintln!("{plan}");
+    }
     let t = Instant::now();
-    let outputs = engine.generate(prompts, params)?;
+    let rxs = prompts
+        .iter()
+        .zip(params)
+        .map(|(p, r)| Ok(engine.submit(p.clone(), r)?.1))
+        .collect::<Result<Vec<_>>>()?;
+    let mut outputs = vec![Vec::new(); rxs.len()];
+    let mut ttft = vec![None; rxs.len()];
+    while engine.has_unfinished() {
+        engine.step()?;
+        for (i, rx) in rxs.iter().enumerate() {
+            outputs[i].extend(rx.try_iter());
+            if ttft[i].is_none() && !outputs[i].is_empty() {
+                ttft[i] = Some(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    engine.drain_transfers()?; // write-throughs finish (and the index is saved) untimed
+    let firsts: Vec<f64> = ttft.into_iter().flatten().collect();
     Ok(BenchRun {
         outputs,
         stats: engine.stats(),
-        secs: t.elapsed().as_secs_f64(),
+        secs,
+        mean_ttft_s: firsts.iter().sum::<f64>() / firsts.len().max(1) as f64,
     })
+}
+
+/// The memory plan, printed at start: what each tier holds.
+fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize) {
+    let c = &model.cfg;
+    let block = 2 * c.num_layers * sched.block_size * c.num_kv_heads * c.head_dim * 4;
+    let mib = |n: usize| (n * block) as f64 / (1u64 << 20) as f64;
+    eprintln!(
+        "plan: KV block {} tokens = {:.1} KiB | GPU {} blocks ({:.1} MiB) | host {} blocks ({:.1} MiB) | disk {} blocks ({:.1} MiB) | working set {} blocks",
+        sched.block_size,
+        block as f64 / 1024.0,
+        sched.num_gpu_blocks,
+        mib(sched.num_gpu_blocks),
+        sched.max_cpu_offload_blocks,
+        mib(sched.max_cpu_offload_blocks),
+        sched.max_disk_offload_blocks,
+        mib(sched.max_disk_offload_blocks),
+        working_set
+    );
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
@@ -234,6 +282,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         block_size: a.block_size,
         num_gpu_blocks: a.num_gpu_blocks.unwrap_or(working_set),
         max_cpu_offload_blocks: a.max_cpu_offload_blocks,
+        max_disk_offload_blocks: a.disk.max_disk_offload_blocks,
         max_num_seqs: a.max_num_seqs,
         max_num_batched_tokens: a.max_num_batched_tokens,
         prefill_chunk: a.prefill_chunk,
@@ -244,10 +293,12 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         "the KV pools",
         "--num-gpu-blocks, --max-cpu-offload-blocks or --block-size",
     )?;
+    let disk = a.disk.config()?;
+    print_plan(&model, &sched, working_set);
     if a.table {
         return run_table(&a, &model, sched, working_set, &prompts, &params);
     }
-    let r = run_once(&model, sched.clone(), a.link_gbps, &prompts, &params)?;
+    let r = run_once(&model, sched.clone(), a.link_gbps, disk, &prompts, &params)?;
     let st = r.stats;
     let throughput = st.generated_tokens as f64 / r.secs.max(1e-9);
     let mut mismatches = None;
@@ -255,6 +306,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         let free = SchedulerConfig {
             num_gpu_blocks: working_set,
             max_cpu_offload_blocks: 0,
+            max_disk_offload_blocks: 0,
             ..sched.clone()
         };
         ensure_fits(
@@ -262,7 +314,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             "the unconstrained run's KV pool",
             "--num-seqs or the lengths",
         )?;
-        let base = run_once(&model, free, 0.0, &prompts, &params)?;
+        let base = run_once(&model, free, 0.0, None, &prompts, &params)?;
         let bad = r
             .outputs
             .iter()
@@ -285,6 +337,17 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             "elapsed_s": r.secs,
             "num_gpu_blocks": sched.num_gpu_blocks,
             "working_set_blocks": working_set,
+            "mean_ttft_s": r.mean_ttft_s,
+            "blocks_stored_disk": st.sched.blocks_stored_disk,
+            "blocks_loaded_disk": st.sched.blocks_loaded_disk,
+            "disk_read_gbps": st.disk.read_gbps(),
+            "disk_write_gbps": st.disk.write_gbps(),
+            "checksum_failures": st.disk.checksum_failures,
+            "disk_io_errors": st.disk.io_errors,
+            "disk_load_failures": st.sched.disk_load_failures,
+            "prefix_blocks_from_disk": st.sched.prefix_blocks_from_disk,
+            "prefix_blocks_persisted": st.sched.prefix_blocks_persisted,
+            "restored_prefix_blocks": st.restored_prefix_blocks,
         });
         if let Some(m) = mismatches {
             obj["compare_mismatches"] = m.into();
@@ -306,6 +369,21 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             st.sched.prefix_hit_blocks,
             st.computed_tokens
         );
+        if st.disk.slots_written + st.disk.slots_read > 0 || st.restored_prefix_blocks > 0 {
+            println!(
+                "disk: blocks stored {} | loaded {} | prefix blocks persisted {} / from disk {} (restored {}) | write {:.2} GB/s, read {:.2} GB/s | checksum failures {} | IO errors {}",
+                st.sched.blocks_stored_disk,
+                st.sched.blocks_loaded_disk,
+                st.sched.prefix_blocks_persisted,
+                st.sched.prefix_blocks_from_disk,
+                st.restored_prefix_blocks,
+                st.disk.write_gbps(),
+                st.disk.read_gbps(),
+                st.disk.checksum_failures,
+                st.disk.io_errors
+            );
+        }
+        println!("mean time to first token: {:.3} s", r.mean_ttft_s);
         if let Some(m) = mismatches {
             println!(
                 "compare: {} of {} requests differ from the unconstrained run",

@@ -1,6 +1,7 @@
 //! Block metadata, owned by the scheduler side: logical block ids (stable for a sequence's
-//! life), which physical GPU page or host slot each one occupies, reference counts, and
-//! the prefix cache. It never touches KV memory; the worker side does, through jobs.
+//! life), which physical GPU page, host slot or disk slot each one occupies, reference
+//! counts, the prefix cache, and the persisted prefix blocks of the disk tier (which
+//! outlive the process). It never touches KV memory; the worker side does, through jobs.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
@@ -16,6 +17,8 @@ pub type LogicalId = u32;
 pub type PageId = u32;
 /// An index into the host tier `[max_cpu_offload_blocks, block_size, kv_heads, head_dim]`.
 pub type SlotId = u32;
+/// An index into the disk tier's slot file (`serve::disk::store`).
+pub type DiskSlotId = u32;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum BlockError {
@@ -23,6 +26,8 @@ pub enum BlockError {
     NoPages { need: usize, free: usize },
     #[error("out of host slots: {need} needed, {free} free")]
     NoSlots { need: usize, free: usize },
+    #[error("out of disk slots: {need} needed, {free} free")]
+    NoDiskSlots { need: usize, free: usize },
     #[error("unknown logical block {0}")]
     Unknown(LogicalId),
     #[error("block {id} is not resident on the GPU (it is {state:?})")]
@@ -41,6 +46,8 @@ pub struct Block {
     pub state: Residency,
     pub page: Option<PageId>,
     pub slot: Option<SlotId>,
+    /// Disk-tier slot (while spilled to disk, or loading from a persisted prefix copy).
+    pub disk: Option<DiskSlotId>,
     /// Content hash (chained with the previous block's) once the block is full, computed,
     /// and registered in the prefix cache.
     pub hash: Option<u64>,
@@ -66,10 +73,34 @@ pub struct BlockManager {
     /// Unreferenced but cached GPU blocks, least recently released first; their pages are
     /// reclaimed (and the cache entry dropped) when free pages run out.
     evictable: VecDeque<LogicalId>,
+    disk: DiskSlots,
+}
+
+/// The disk tier's slots: free, spilled (owned by a block), being written through for the
+/// prefix cache (pinned block), or persisted (a prefix block's durable copy, named in the
+/// on-disk index and reusable after a restart).
+#[derive(Default)]
+struct DiskSlots {
+    num: usize,
+    free: Vec<DiskSlotId>,
+    /// hash → slot of persisted prefix blocks, and the reverse.
+    persisted: HashMap<u64, DiskSlotId>,
+    persisted_hash: HashMap<DiskSlotId, u64>,
+    /// Persisted hashes, least recently written or hit first (evicted first).
+    lru: VecDeque<u64>,
+    /// Write-through jobs in flight: pinned block → (its hash, the reserved slot).
+    persisting: HashMap<LogicalId, (u64, DiskSlotId)>,
+    /// The persisted set changed since the index was last written.
+    changed: bool,
 }
 
 impl BlockManager {
     pub fn new(num_pages: usize, num_slots: usize) -> Self {
+        Self::with_disk(num_pages, num_slots, 0)
+    }
+
+    /// As `new`, with a disk tier of `num_disk_slots` slots (0 = none).
+    pub fn with_disk(num_pages: usize, num_slots: usize, num_disk_slots: usize) -> Self {
         Self {
             num_pages,
             num_slots,
@@ -79,6 +110,11 @@ impl BlockManager {
             free_slots: (0..num_slots as SlotId).rev().collect(),
             by_hash: HashMap::new(),
             evictable: VecDeque::new(),
+            disk: DiskSlots {
+                num: num_disk_slots,
+                free: (0..num_disk_slots as DiskSlotId).rev().collect(),
+                ..Default::default()
+            },
         }
     }
 
@@ -97,6 +133,62 @@ impl BlockManager {
 
     pub fn free_slots(&self) -> usize {
         self.free_slots.len()
+    }
+
+    pub fn num_disk_slots(&self) -> usize {
+        self.disk.num
+    }
+
+    /// Disk slots that are free (persisted prefix copies not counted).
+    pub fn free_disk_slots(&self) -> usize {
+        self.disk.free.len()
+    }
+
+    /// Disk slots a spill can get now: free ones plus persisted copies not being loaded.
+    pub fn disk_room(&self) -> usize {
+        self.disk.free.len()
+            + self
+                .disk
+                .persisted
+                .iter()
+                .filter(|&(&h, &s)| !self.borrowed(h, s))
+                .count()
+    }
+
+    /// Whether a block (being loaded from it) currently uses persisted slot `slot`.
+    fn borrowed(&self, hash: u64, slot: DiskSlotId) -> bool {
+        self.by_hash
+            .get(&hash)
+            .and_then(|id| self.blocks.get(id))
+            .is_some_and(|b| b.disk == Some(slot))
+    }
+
+    /// A disk slot for a spill: a free one, else the least recently used persisted copy's.
+    fn take_disk_slot(&mut self) -> Option<DiskSlotId> {
+        if let Some(s) = self.disk.free.pop() {
+            return Some(s);
+        }
+        self.evict_persisted()
+    }
+
+    /// Drops the least recently used persisted copy that no block is loading; its slot.
+    fn evict_persisted(&mut self) -> Option<DiskSlotId> {
+        let pos = self.disk.lru.iter().position(|h| {
+            let s = self.disk.persisted[h];
+            !self.borrowed(*h, s)
+        })?;
+        let h = self.disk.lru.remove(pos).expect("found");
+        let s = self.disk.persisted.remove(&h).expect("lru names persisted");
+        self.disk.persisted_hash.remove(&s);
+        self.disk.changed = true;
+        Some(s)
+    }
+
+    /// Returns a block's disk slot, unless it is a persisted copy (which stays).
+    fn free_disk_slot(&mut self, slot: DiskSlotId) {
+        if !self.disk.persisted_hash.contains_key(&slot) {
+            self.disk.free.push(slot);
+        }
     }
 
     /// Pages that will come free when in-flight stores complete.
@@ -163,6 +255,7 @@ impl BlockManager {
                     state: Residency::Gpu,
                     page: Some(page),
                     slot: None,
+                    disk: None,
                     hash: None,
                 },
             );
@@ -226,6 +319,25 @@ impl BlockManager {
         }
         self.free_pages.extend(b.page);
         self.free_slots.extend(b.slot);
+        if let Some(d) = b.disk {
+            self.free_disk_slot(d);
+        }
+        Ok(())
+    }
+
+    /// Frees whatever a block holds that its (new) state does not: the page after a store
+    /// or a failed load, the lower-tier slot after a load or a failed store.
+    fn settle(&mut self, id: LogicalId) -> Result<(), BlockError> {
+        let b = self.block_mut(id)?;
+        let state = b.state;
+        let page = b.page.take_if(|_| !state.holds_page());
+        let slot = b.slot.take_if(|_| !state.holds_host_slot());
+        let disk = b.disk.take_if(|_| !state.holds_disk_slot());
+        self.free_pages.extend(page);
+        self.free_slots.extend(slot);
+        if let Some(d) = disk {
+            self.free_disk_slot(d);
+        }
         Ok(())
     }
 
@@ -236,21 +348,38 @@ impl BlockManager {
         ids: &[LogicalId],
         tier: Tier,
     ) -> Result<Vec<(LogicalId, PageId, SlotId)>, BlockError> {
-        if self.free_slots.len() < ids.len() {
-            return Err(BlockError::NoSlots {
-                need: ids.len(),
-                free: self.free_slots.len(),
-            });
+        let need = ids.len();
+        match tier {
+            Tier::Cpu if self.free_slots.len() < need => {
+                return Err(BlockError::NoSlots {
+                    need,
+                    free: self.free_slots.len(),
+                })
+            }
+            Tier::Ssd if self.disk_room() < need => {
+                return Err(BlockError::NoDiskSlots {
+                    need,
+                    free: self.disk_room(),
+                })
+            }
+            _ => {}
         }
         for &id in ids {
             self.block(id)?.state.apply(Move::StartStore(tier))?;
         }
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
-            let slot = self.free_slots.pop().expect("counted above");
+            let slot = match tier {
+                Tier::Cpu => self.free_slots.pop(),
+                Tier::Ssd => self.take_disk_slot(),
+            }
+            .expect("counted above");
             let b = self.blocks.get_mut(&id).expect("checked above");
             b.state = b.state.apply(Move::StartStore(tier))?;
-            b.slot = Some(slot);
+            match tier {
+                Tier::Cpu => b.slot = Some(slot),
+                Tier::Ssd => b.disk = Some(slot),
+            }
             out.push((id, b.page.expect("a GPU block has a page"), slot));
         }
         Ok(out)
@@ -265,17 +394,11 @@ impl BlockManager {
         } else {
             Move::StoreFailed
         })?;
-        let freed = if ok {
-            (b.page.take(), None)
-        } else {
-            (None, b.slot.take())
-        };
-        self.free_pages.extend(freed.0);
-        self.free_slots.extend(freed.1);
-        Ok(())
+        self.settle(id)
     }
 
-    /// Starts loading lower-tier blocks back: each gets a reserved (new) page. All or nothing.
+    /// Starts loading lower-tier blocks back: each gets a reserved (new) page. All or
+    /// nothing. Returns each block's lower-tier slot (host or disk, per its state) and page.
     pub fn start_load(
         &mut self,
         ids: &[LogicalId],
@@ -295,26 +418,163 @@ impl BlockManager {
             let b = self.blocks.get_mut(&id).expect("checked above");
             b.state = b.state.apply(Move::StartLoad)?;
             b.page = Some(page);
-            out.push((id, b.slot.expect("an offloaded block has a slot"), page));
+            let slot = b.slot.or(b.disk).expect("an offloaded block has a slot");
+            out.push((id, slot, page));
         }
         Ok(out)
     }
 
     /// A load finished: on success the slot is released and the block resolves to its new
     /// page; on failure the reserved page is released and the data stays in the lower tier.
+    /// A persisted copy that failed to load is dropped from the persisted set: it is bad.
     pub fn finish_load(&mut self, id: LogicalId, ok: bool) -> Result<(), BlockError> {
         let b = self.block_mut(id)?;
         b.state = b
             .state
             .apply(if ok { Move::LoadDone } else { Move::LoadFailed })?;
-        let freed = if ok {
-            (None, b.slot.take())
-        } else {
-            (b.page.take(), None)
+        if let (false, Some(d)) = (ok, b.disk) {
+            self.forget_persisted(d);
+        }
+        self.settle(id)
+    }
+
+    // ---- the persisted prefix blocks of the disk tier ----
+
+    /// Starts writing a registered GPU block through to disk for the prefix cache, if it
+    /// is not persisted yet and a disk slot is free. Write-throughs never evict other
+    /// persisted copies (evicting the head of a prefix chain for its tail would make the
+    /// whole chain unreachable); spills reclaim persisted copies when they need room. The
+    /// block is pinned (one more reference) until `finish_persist`.
+    pub fn start_persist(&mut self, id: LogicalId) -> Option<(PageId, DiskSlotId, u64)> {
+        let b = self.blocks.get(&id)?;
+        let (Residency::Gpu, Some(page), Some(hash)) = (b.state, b.page, b.hash) else {
+            return None;
         };
-        self.free_pages.extend(freed.0);
-        self.free_slots.extend(freed.1);
-        Ok(())
+        let d = &self.disk;
+        if d.persisted.contains_key(&hash) || d.persisting.values().any(|&(h, _)| h == hash) {
+            return None;
+        }
+        let slot = self.disk.free.pop()?;
+        self.acquire(id).ok()?;
+        self.disk.persisting.insert(id, (hash, slot));
+        Some((page, slot, hash))
+    }
+
+    /// A write-through finished: the copy is persisted (and the index must be rewritten),
+    /// or its slot is freed. Unpins the block.
+    pub fn finish_persist(&mut self, id: LogicalId, ok: bool) -> Result<(), BlockError> {
+        let (hash, slot) = self
+            .disk
+            .persisting
+            .remove(&id)
+            .ok_or(BlockError::NotReferenced(id))?;
+        if ok && !self.disk.persisted.contains_key(&hash) {
+            self.disk.persisted.insert(hash, slot);
+            self.disk.persisted_hash.insert(slot, hash);
+            self.disk.lru.push_back(hash);
+            self.disk.changed = true;
+        } else {
+            self.disk.free.push(slot);
+        }
+        self.release(id)
+    }
+
+    /// Whether the block is pinned by its write-through to disk.
+    pub fn is_pinned(&self, id: LogicalId) -> bool {
+        self.disk.persisting.contains_key(&id)
+    }
+
+    /// Whether the block is being loaded from a persisted prefix copy (not a spill).
+    pub fn loads_persisted_copy(&self, id: LogicalId) -> bool {
+        self.blocks.get(&id).is_some_and(|b| {
+            b.state == Residency::MovingFromSsd
+                && b.disk
+                    .is_some_and(|d| self.disk.persisted_hash.contains_key(&d))
+        })
+    }
+
+    /// Whether a persisted copy of the block with this hash is on disk.
+    pub fn is_persisted(&self, hash: u64) -> bool {
+        self.disk.persisted.contains_key(&hash)
+    }
+
+    /// A prefix-cache hit on disk: a new block with one reference, in the `Ssd` state over
+    /// the persisted copy's slot (which it borrows: loading it back leaves the copy
+    /// persisted). `None` if no copy, or if a block with this hash exists already.
+    pub fn acquire_persisted(&mut self, hash: u64) -> Option<LogicalId> {
+        if self.by_hash.contains_key(&hash) {
+            return None;
+        }
+        let slot = *self.disk.persisted.get(&hash)?;
+        if let Some(pos) = self.disk.lru.iter().position(|&h| h == hash) {
+            self.disk.lru.remove(pos);
+            self.disk.lru.push_back(hash);
+        }
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        self.blocks.insert(
+            id,
+            Block {
+                refs: 1,
+                state: Residency::Ssd,
+                page: None,
+                slot: None,
+                disk: Some(slot),
+                hash: Some(hash),
+            },
+        );
+        self.by_hash.insert(hash, id);
+        Some(id)
+    }
+
+    /// Drops a persisted copy (it failed to load): it is never offered again.
+    fn forget_persisted(&mut self, slot: DiskSlotId) {
+        if let Some(h) = self.disk.persisted_hash.remove(&slot) {
+            self.disk.persisted.remove(&h);
+            self.disk.lru.retain(|&x| x != h);
+            self.disk.changed = true;
+            if !self.blocks.values().any(|b| b.disk == Some(slot)) {
+                self.disk.free.push(slot);
+            }
+        }
+    }
+
+    /// Takes over persisted copies from an earlier process's index: `(hash, slot)` pairs
+    /// whose slots were already verified. Returns how many were adopted.
+    pub fn adopt_persisted(&mut self, entries: &[(u64, DiskSlotId)]) -> usize {
+        let mut n = 0;
+        for &(hash, slot) in entries {
+            let Some(pos) = self.disk.free.iter().position(|&s| s == slot) else {
+                continue; // out of range or named twice
+            };
+            if self.disk.persisted.contains_key(&hash) {
+                continue;
+            }
+            self.disk.free.swap_remove(pos);
+            self.disk.persisted.insert(hash, slot);
+            self.disk.persisted_hash.insert(slot, hash);
+            self.disk.lru.push_back(hash);
+            n += 1;
+        }
+        n
+    }
+
+    /// The persisted set as `(hash, slot)` pairs, if it changed since the last call.
+    pub fn take_persisted_changes(&mut self) -> Option<Vec<(u64, DiskSlotId)>> {
+        if !std::mem::take(&mut self.disk.changed) {
+            return None;
+        }
+        Some(
+            self.disk
+                .lru
+                .iter()
+                .map(|h| (*h, self.disk.persisted[h]))
+                .collect(),
+        )
+    }
+
+    pub fn num_persisted(&self) -> usize {
+        self.disk.persisted.len()
     }
 
     /// Checks the bookkeeping against the sequences' block lists (`holders`): reference
@@ -327,8 +587,12 @@ impl BlockManager {
                 *refs.entry(id).or_default() += 1;
             }
         }
+        for &id in self.disk.persisting.keys() {
+            *refs.entry(id).or_default() += 1; // pinned by its write-through job
+        }
         let mut page_owner = vec![None; self.num_pages];
         let mut slot_owner = vec![None; self.num_slots];
+        let mut disk_owner: Vec<Option<String>> = vec![None; self.disk.num];
         for (&id, b) in &self.blocks {
             let want = refs.get(&id).copied().unwrap_or(0);
             if b.refs != want {
@@ -337,12 +601,22 @@ impl BlockManager {
             if b.refs == 0 && !self.evictable.contains(&id) {
                 return Err(format!("block {id}: unreferenced but not evictable"));
             }
-            if b.state.holds_page() != b.page.is_some() || b.state.holds_slot() != b.slot.is_some()
+            if b.state.holds_page() != b.page.is_some()
+                || b.state.holds_host_slot() != b.slot.is_some()
+                || b.state.holds_disk_slot() != b.disk.is_some()
             {
                 return Err(format!(
-                    "block {id}: {:?} with {:?}/{:?}",
-                    b.state, b.page, b.slot
+                    "block {id}: {:?} with {:?}/{:?}/{:?}",
+                    b.state, b.page, b.slot, b.disk
                 ));
+            }
+            if let Some(d) = b.disk {
+                let o = disk_owner
+                    .get_mut(d as usize)
+                    .ok_or(format!("disk slot {d} out of range"))?;
+                if let Some(other) = o.replace(format!("block {id}")) {
+                    return Err(format!("disk slot {d} owned by {other} and block {id}"));
+                }
             }
             if let Some(p) = b.page {
                 let o = page_owner
@@ -390,6 +664,51 @@ impl BlockManager {
                 "slots leaked: {owned} owned + {} free != {}",
                 self.free_slots.len(),
                 self.num_slots
+            ));
+        }
+        self.check_disk(disk_owner)
+    }
+
+    /// Disk slots: each one free, or owned by exactly one block, persisted copy or
+    /// write-through job (a persisted copy may be borrowed by the one block of its hash).
+    fn check_disk(&self, mut owner: Vec<Option<String>>) -> Result<(), String> {
+        let d = &self.disk;
+        if d.persisted.len() != d.persisted_hash.len() || d.persisted.len() != d.lru.len() {
+            return Err("persisted maps disagree".into());
+        }
+        for (&h, &s) in &d.persisted {
+            if d.persisted_hash.get(&s) != Some(&h) {
+                return Err(format!("persisted slot {s} maps back to another hash"));
+            }
+            let o = owner
+                .get_mut(s as usize)
+                .ok_or(format!("persisted slot {s} out of range"))?;
+            if o.is_some() && !self.borrowed(h, s) {
+                return Err(format!("persisted slot {s} also owned by {o:?}"));
+            }
+            *o = Some("persisted".into());
+        }
+        for (&id, &(_, s)) in &d.persisting {
+            let o = owner
+                .get_mut(s as usize)
+                .ok_or(format!("write-through slot {s} out of range"))?;
+            if let Some(other) = o.replace(format!("write-through of {id}")) {
+                return Err(format!("write-through slot {s} also owned by {other}"));
+            }
+        }
+        for &s in &d.free {
+            match owner.get(s as usize) {
+                Some(None) => {}
+                Some(Some(o)) => return Err(format!("free disk slot {s} is owned by {o}")),
+                None => return Err(format!("free disk slot {s} out of range")),
+            }
+        }
+        let owned = owner.iter().flatten().count();
+        if owned + d.free.len() != d.num {
+            return Err(format!(
+                "disk slots leaked: {owned} owned + {} free != {}",
+                d.free.len(),
+                d.num
             ));
         }
         Ok(())

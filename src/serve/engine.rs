@@ -9,6 +9,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
+use super::disk::backend::{DiskBackend, TieredBackend};
+use super::disk::store::{DiskStats, SlotIo, StoreLayout};
+use super::disk::{DiskTier, DiskTierConfig};
 use super::runner::{CpuTransferBackend, ModelRunner, PagedKvCache};
 use super::scheduler::{SchedStats, Scheduler, SchedulerConfig, SeqId, Sequence};
 use super::transfer::TransferBackend;
@@ -23,6 +26,8 @@ pub struct EngineConfig {
     pub link_gbps: f64,
     /// Random delays on every copy (to expose ordering bugs).
     pub sanitize: bool,
+    /// The disk tier's directory; its capacity is `sched.max_disk_offload_blocks`.
+    pub disk: Option<DiskTierConfig>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -43,6 +48,10 @@ pub struct EngineStats {
     pub computed_tokens: usize,
     pub generated_tokens: usize,
     pub prompt_tokens: usize,
+    /// The disk store's counters (zero without a disk tier).
+    pub disk: DiskStats,
+    /// Persisted prefix blocks taken over from an earlier process at start.
+    pub restored_prefix_blocks: usize,
 }
 
 pub struct Engine {
@@ -57,6 +66,7 @@ pub struct Engine {
     streams: HashMap<SeqId, Sender<u32>>,
     stats: EngineStats,
     idle_rounds: usize,
+    disk: Option<DiskTier>,
 }
 
 impl Engine {
@@ -65,13 +75,32 @@ impl Engine {
         Self::with_backend(model, cfg, |b| b)
     }
 
-    /// As `new`, with the CPU backend wrapped by `wrap` (tests inject late or failed jobs).
+    /// As `new`, with the transfer backend wrapped by `wrap` (tests inject late or failed
+    /// jobs).
     pub fn with_backend(
         model: Arc<Model>,
         cfg: EngineConfig,
         wrap: impl FnOnce(Box<dyn TransferBackend>) -> Box<dyn TransferBackend>,
     ) -> Result<Self> {
-        let sched = Scheduler::new(cfg.sched.clone())?;
+        Self::build(model, cfg, wrap, |io| io)
+    }
+
+    /// As `new`, with the disk store's IO wrapped by `wrap_io` (tests inject disk faults).
+    pub fn with_disk_io(
+        model: Arc<Model>,
+        cfg: EngineConfig,
+        wrap_io: impl FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo>,
+    ) -> Result<Self> {
+        Self::build(model, cfg, |b| b, wrap_io)
+    }
+
+    fn build(
+        model: Arc<Model>,
+        cfg: EngineConfig,
+        wrap: impl FnOnce(Box<dyn TransferBackend>) -> Box<dyn TransferBackend>,
+        wrap_io: impl FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo>,
+    ) -> Result<Self> {
+        let mut sched = Scheduler::new(cfg.sched.clone())?;
         let s = &cfg.sched;
         let cache = Arc::new(PagedKvCache::new(
             &model,
@@ -80,23 +109,69 @@ impl Engine {
             s.max_cpu_offload_blocks,
         )?);
         let dev = CpuDevice::new(cfg.link_gbps, cfg.sanitize);
-        let backend = wrap(Box::new(CpuTransferBackend::new(&dev, Arc::clone(&cache))));
+        let host: Box<dyn TransferBackend> =
+            Box::new(CpuTransferBackend::new(&dev, Arc::clone(&cache)));
+        let mut stats = EngineStats::default();
+        let (backend, disk) = match (&cfg.disk, s.max_disk_offload_blocks) {
+            (None, 0) => (host, None),
+            (None, _) => bail!("--max-disk-offload-blocks needs --disk-offload-dir"),
+            (Some(_), 0) => bail!("--disk-offload-dir needs --max-disk-offload-blocks > 0"),
+            (Some(dc), n) => {
+                let layout = StoreLayout {
+                    payload_bytes: cache.block_bytes(),
+                    num_slots: n,
+                };
+                let fp = super::disk::fingerprint(&model, s.block_size);
+                let mut tier = DiskTier::open(dc, layout, fp, wrap_io)?;
+                let entries = tier.restore_entries();
+                tier.restore.adopted = sched.bm.adopt_persisted(&entries);
+                stats.restored_prefix_blocks = tier.restore.adopted;
+                let disk = DiskBackend::new(
+                    &dev,
+                    Arc::clone(&cache),
+                    Arc::clone(&tier.store),
+                    dc.io_threads,
+                )?;
+                let tiered: Box<dyn TransferBackend> = Box::new(TieredBackend { host, disk });
+                (tiered, Some(tier))
+            }
+        };
         Ok(Self {
             runner: ModelRunner::new(Arc::clone(&model), cache),
             model,
             sched,
-            backend,
+            backend: wrap(backend),
             samplers: HashMap::new(),
             logprobs: HashMap::new(),
             streams: HashMap::new(),
-            stats: EngineStats::default(),
+            stats,
             idle_rounds: 0,
+            disk,
         })
+    }
+
+    /// The disk tier's one-line plan (`None` without a disk tier).
+    pub fn disk_plan(&self) -> Option<String> {
+        self.disk.as_ref().map(DiskTier::describe)
+    }
+
+    /// Waits for every transfer in flight (write-throughs included) and applies them, so
+    /// no block stays pinned and the persisted index is complete.
+    pub fn drain_transfers(&mut self) -> Result<()> {
+        while self.backend.in_flight() > 0 {
+            self.complete_jobs(true)?;
+        }
+        Ok(())
     }
 
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             sched: self.sched.stats,
+            disk: self
+                .disk
+                .as_ref()
+                .map(|d| d.store.stats())
+                .unwrap_or_default(),
             ..self.stats
         }
     }
@@ -176,6 +251,11 @@ impl Engine {
         };
         for c in done {
             self.sched.on_job_done(c.job, c.ok)?;
+        }
+        if let Some(d) = &self.disk {
+            if let Some(persisted) = self.sched.bm.take_persisted_changes() {
+                d.save_index_async(persisted);
+            }
         }
         Ok(())
     }
@@ -280,6 +360,7 @@ impl Engine {
         while self.has_unfinished() {
             self.step()?;
         }
+        self.drain_transfers()?;
         ids.iter()
             .map(|&id| {
                 let s = self
@@ -326,6 +407,7 @@ fn serve_loop(mut engine: Engine, rx: Receiver<Submission>) -> Result<EngineStat
             let _ = reply.send(engine.submit(prompt, &params).map(|(_, r)| r));
         }
         if !engine.has_unfinished() && !open {
+            engine.drain_transfers()?;
             return Ok(engine.stats());
         }
         if engine.has_unfinished() {

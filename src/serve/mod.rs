@@ -4,11 +4,13 @@
 //! Scheduler side (metadata only): `residency` (block state machine), `block_manager`
 //! (logical blocks, pages, host slots, prefix cache), `scheduler` (policy, job creation).
 //! Worker side (KV memory): `runner` (paged KV, forward calls, CPU transfer backend).
-//! Between them: `transfer` (jobs and the backend trait). `engine` drives both; `bench`
+//! Between them: `transfer` (jobs and the backend trait). `disk`: the third tier (slot
+//! file, IO threads, integrity checks, the restart-surviving prefix index). `engine` drives both; `bench`
 //! is `strata bench serve`.
 
 pub mod bench;
 pub mod block_manager;
+pub mod disk;
 pub mod engine;
 pub mod residency;
 pub mod runner;

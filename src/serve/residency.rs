@@ -6,7 +6,8 @@
 //!    ▲ ▲◀──── store_failed ──────┘                     │ start_load
 //!    │ └──────── load_done ◀──── MovingToGpu ◀─────────┘
 //!    │                               └── load_failed ──▶ Cpu
-//!    │  (reserved: the same shape with Ssd / MovingToSsd / MovingFromSsd)
+//!    │  (the disk tier: the same shape with Ssd / MovingToSsd / MovingFromSsd; its
+//!    │   copies are staged through host memory by the disk backend)
 //! ```
 //!
 //! A block is freed only from a settled state (`Gpu`, `Cpu`, `Ssd`): freeing a block
@@ -18,7 +19,7 @@ use thiserror::Error;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Tier {
     Cpu,
-    /// Reserved for the on-card SSD tier: the state machine accepts it, no backend yet.
+    /// The disk tier (`serve::disk`): one slot file, staged through host memory.
     Ssd,
 }
 
@@ -101,8 +102,19 @@ impl Residency {
         )
     }
 
-    /// Holds a lower-tier slot (as the valid copy, a store's destination, or a load's source).
-    pub fn holds_slot(self) -> bool {
-        self != Residency::Gpu
+    /// Holds a host-tier slot (as the valid copy, a store's destination, or a load's source).
+    pub fn holds_host_slot(self) -> bool {
+        matches!(
+            self,
+            Residency::Cpu | Residency::MovingToCpu | Residency::MovingToGpu
+        )
+    }
+
+    /// Holds a disk-tier slot (as the valid copy, a store's destination, or a load's source).
+    pub fn holds_disk_slot(self) -> bool {
+        matches!(
+            self,
+            Residency::Ssd | Residency::MovingToSsd | Residency::MovingFromSsd
+        )
     }
 }

@@ -49,8 +49,15 @@ impl PagedKvCache {
         })
     }
 
-    fn page_len(&self) -> usize {
+    /// f32s in one block's page of one layer, K or V: `[block_size, kv_heads, head_dim]`.
+    pub fn page_len(&self) -> usize {
         self.block_size * self.row
+    }
+
+    /// The device page pools of `layer`, K then V, each
+    /// `[num_gpu_blocks, block_size, kv_heads, head_dim]` (for the disk tier's staging copies).
+    pub(crate) fn gpu_pages(&self, layer: usize) -> [&Buffer; 2] {
+        [&self.gpu_k[layer], &self.gpu_v[layer]]
     }
 
     /// Bytes of KV memory per block across all layers (K and V).
@@ -144,7 +151,9 @@ impl CpuTransferBackend {
         let (buf, idx) = match loc {
             Loc::Gpu(p) => (if v { &c.gpu_v } else { &c.gpu_k }, p),
             Loc::Host(Tier::Cpu, s) => (if v { &c.host_v } else { &c.host_k }, s),
-            Loc::Host(Tier::Ssd, _) => bail!("the SSD tier has no backend yet"),
+            Loc::Host(Tier::Ssd, _) | Loc::Disk { .. } => {
+                bail!("{loc:?} is the disk backend's (serve::disk), not the host tier's")
+            }
         };
         let buf = &buf[layer];
         let at = idx as usize * c.page_len();

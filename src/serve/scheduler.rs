@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use anyhow::{bail, ensure, Context, Result};
 
-use super::block_manager::{block_hash, BlockManager, LogicalId, PageId};
+use super::block_manager::{block_hash, BlockManager, LogicalId, PageId, SlotId};
 use super::residency::{Residency, Tier};
 use super::transfer::{BlockCopy, JobId, JobKind, Loc, TransferJob};
 
@@ -23,6 +23,9 @@ pub struct SchedulerConfig {
     pub num_gpu_blocks: usize,
     /// Host-tier capacity in blocks; 0 disables offload (preemption recomputes).
     pub max_cpu_offload_blocks: usize,
+    /// Disk-tier capacity in blocks; 0 = no disk tier. When the host tier has no room for
+    /// a victim, its blocks go to disk; full prefix blocks are written through to disk.
+    pub max_disk_offload_blocks: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     /// Prompt tokens per forward call, a multiple of `block_size`. Chunks start at
@@ -132,11 +135,29 @@ pub struct SchedStats {
     pub recomputations: usize,
     pub failed_jobs: usize,
     pub prefix_hit_blocks: usize,
+    /// Of `blocks_stored` / `blocks_loaded`, those to / from the disk tier.
+    pub blocks_stored_disk: usize,
+    pub blocks_loaded_disk: usize,
+    /// Disk loads that failed (IO error or integrity check): the request recomputed.
+    pub disk_load_failures: usize,
+    /// Prefix-cache hits served from persisted disk copies (of `prefix_hit_blocks`).
+    pub prefix_blocks_from_disk: usize,
+    /// Prefix blocks written through to disk.
+    pub prefix_blocks_persisted: usize,
+}
+
+/// Who a job works for: a sequence (its store on preemption, its load on resume), or the
+/// prefix cache (a write-through of registered blocks, which it pins meanwhile).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobOwner {
+    Seq(SeqId),
+    WriteThrough,
 }
 
 struct JobMeta {
-    seq: SeqId,
+    owner: JobOwner,
     kind: JobKind,
+    tier: Tier,
     blocks: Vec<LogicalId>,
 }
 
@@ -151,6 +172,9 @@ pub struct Scheduler {
     next_seq: SeqId,
     next_job: JobId,
     pub stats: SchedStats,
+    /// Blocks registered in the prefix cache since the last schedule: write-through
+    /// candidates for the disk tier.
+    to_persist: Vec<LogicalId>,
 }
 
 enum Preempted {
@@ -162,7 +186,11 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Result<Self> {
         cfg.validate()?;
         Ok(Self {
-            bm: BlockManager::new(cfg.num_gpu_blocks, cfg.max_cpu_offload_blocks),
+            bm: BlockManager::with_disk(
+                cfg.num_gpu_blocks,
+                cfg.max_cpu_offload_blocks,
+                cfg.max_disk_offload_blocks,
+            ),
             cfg,
             seqs: BTreeMap::new(),
             waiting: VecDeque::new(),
@@ -171,6 +199,7 @@ impl Scheduler {
             next_seq: 0,
             next_job: 0,
             stats: SchedStats::default(),
+            to_persist: Vec::new(),
         })
     }
 
@@ -288,6 +317,7 @@ impl Scheduler {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut preempted = false;
         let mut stalled = false;
+        self.write_through(&mut out);
 
         // Phase 1: running requests, in priority order.
         for sid in self.running.clone() {
@@ -319,6 +349,12 @@ impl Scheduler {
                     break;
                 }
                 let victim = *self.running.last().expect("sid is running");
+                // Its blocks are being written through (pinned): they can be offloaded
+                // once that finishes, so wait rather than recompute.
+                if self.only_pinned_blocks(victim)? {
+                    stalled = true;
+                    break;
+                }
                 preempted = true;
                 let how = self.preempt(victim, &mut out)?;
                 if victim == sid || matches!(how, Preempted::Offloaded) {
@@ -396,16 +432,27 @@ impl Scheduler {
                     .blocks_for(seq.next_chunk(chunk).end)
                     .saturating_sub(seq.block_ids.len());
                 if self.bm.available_pages() >= offloaded.len() + need {
-                    let moves = self.bm.start_load(&offloaded)?;
+                    // One tier per job (a backend serves one tier); the rest next round.
+                    let tier = match self.bm.state(offloaded[0])? {
+                        Residency::Ssd => Tier::Ssd,
+                        _ => Tier::Cpu,
+                    };
+                    let mut group = Vec::new();
+                    for id in offloaded {
+                        if (self.bm.state(id)? == Residency::Ssd) == (tier == Tier::Ssd) {
+                            group.push(id);
+                        }
+                    }
+                    let moves = self.bm.start_load(&group)?;
                     let copies = moves
                         .iter()
                         .map(|&(block, slot, page)| BlockCopy {
                             block,
-                            src: Loc::Host(Tier::Cpu, slot),
+                            src: self.tier_loc(tier, block, slot),
                             dst: Loc::Gpu(page),
                         })
                         .collect();
-                    let job = self.new_job(sid, JobKind::Load, offloaded, copies);
+                    let job = self.new_job(sid, JobKind::Load, tier, group, copies);
                     out.jobs.push(job);
                 }
                 break;
@@ -443,7 +490,7 @@ impl Scheduler {
             return false; // no whole chunk to share (a lookup always leaves a token to compute)
         }
         let first = block_hash(None, &seq.tokens[..bs]);
-        if self.bm.lookup(first).is_some() {
+        if self.bm.lookup(first).is_some() || self.bm.is_persisted(first) {
             return false; // cached already: the lookup will take it
         }
         self.running.iter().any(|r| {
@@ -462,25 +509,35 @@ impl Scheduler {
         let limit = seq
             .canonical_end(chunk)
             .min((seq.tokens.len() - 1) / chunk * chunk);
-        let mut hits = Vec::new();
-        let mut hashes = Vec::new();
+        // A hit is a GPU-resident block, or a persisted disk copy (loaded on admission).
+        let mut found = Vec::new(); // (hash, Some(GPU block) | None for a disk copy)
         let mut prev = None;
         for b in 0..limit / bs {
             let h = block_hash(prev, &seq.tokens[b * bs..(b + 1) * bs]);
             match self.bm.lookup(h) {
-                Some(id) => {
-                    hits.push(id);
-                    hashes.push(h);
-                    prev = Some(h);
-                }
+                Some(id) => found.push((h, Some(id))),
+                None if self.bm.is_persisted(h) => found.push((h, None)),
                 None => break,
             }
+            prev = Some(h);
         }
-        let keep = hits.len() * bs / chunk * chunk / bs;
-        hits.truncate(keep);
-        hashes.truncate(keep);
-        for &id in &hits {
-            self.bm.acquire(id)?;
+        found.truncate(found.len() * bs / chunk * chunk / bs);
+        let mut hits = Vec::with_capacity(found.len());
+        let mut hashes = Vec::with_capacity(found.len());
+        for (h, on_gpu) in found {
+            if let Some(id) = on_gpu {
+                self.bm.acquire(id)?;
+                hits.push(id);
+            } else if let Some(id) = self.bm.acquire_persisted(h) {
+                hits.push(id);
+            } else {
+                break; // a block with this hash exists but is mid-copy: compute the rest
+            }
+            hashes.push(h);
+        }
+        hashes.truncate(hits.len() / (chunk / bs) * (chunk / bs));
+        for id in hits.drain(hashes.len()..) {
+            self.bm.release(id)?;
         }
         self.stats.prefix_hit_blocks += hits.len();
         let seq = self.seqs.get_mut(&sid).expect("exists");
@@ -522,49 +579,148 @@ impl Scheduler {
         &mut self,
         seq: SeqId,
         kind: JobKind,
+        tier: Tier,
+        blocks: Vec<LogicalId>,
+        copies: Vec<BlockCopy>,
+    ) -> TransferJob {
+        self.seqs.get_mut(&seq).expect("exists").job = Some(self.next_job);
+        self.add_job(JobOwner::Seq(seq), kind, tier, blocks, copies)
+    }
+
+    fn add_job(
+        &mut self,
+        owner: JobOwner,
+        kind: JobKind,
+        tier: Tier,
         blocks: Vec<LogicalId>,
         copies: Vec<BlockCopy>,
     ) -> TransferJob {
         let id = self.next_job;
         self.next_job += 1;
-        self.jobs.insert(id, JobMeta { seq, kind, blocks });
-        self.seqs.get_mut(&seq).expect("exists").job = Some(id);
+        self.jobs.insert(
+            id,
+            JobMeta {
+                owner,
+                kind,
+                tier,
+                blocks,
+            },
+        );
         TransferJob { id, kind, copies }
     }
 
-    /// Preempts a running victim: offload its exclusive resident blocks when the host tier
-    /// has room for all of them, else recompute. Shared (prefix) blocks stay on the GPU.
+    /// The lower-tier end of a copy for `block` in `slot` of `tier`.
+    fn tier_loc(&self, tier: Tier, block: LogicalId, slot: SlotId) -> Loc {
+        match tier {
+            Tier::Cpu => Loc::Host(Tier::Cpu, slot),
+            Tier::Ssd => Loc::Disk {
+                slot,
+                key: self.disk_key(block),
+            },
+        }
+    }
+
+    /// The key a block's disk slot header carries: its content hash for a prefix block (so
+    /// a later process can check it), else its logical id, tagged so the two never collide
+    /// by construction of the tag bit alone.
+    fn disk_key(&self, block: LogicalId) -> u64 {
+        match self.bm.block(block).ok().and_then(|b| b.hash) {
+            Some(h) => h,
+            None => (1 << 63) | block as u64,
+        }
+    }
+
+    /// Writes newly registered prefix blocks through to the disk tier (one job), pinning
+    /// them until it completes, so a restarted process can reuse them.
+    fn write_through(&mut self, out: &mut Schedule) {
+        if self.cfg.max_disk_offload_blocks == 0 {
+            self.to_persist.clear();
+            return;
+        }
+        let mut blocks = Vec::new();
+        let mut copies = Vec::new();
+        for id in std::mem::take(&mut self.to_persist) {
+            if let Some((page, slot, hash)) = self.bm.start_persist(id) {
+                blocks.push(id);
+                copies.push(BlockCopy {
+                    block: id,
+                    src: Loc::Gpu(page),
+                    dst: Loc::Disk { slot, key: hash },
+                });
+            }
+        }
+        if !blocks.is_empty() {
+            let job = self.add_job(
+                JobOwner::WriteThrough,
+                JobKind::Store,
+                Tier::Ssd,
+                blocks,
+                copies,
+            );
+            out.jobs.push(job);
+        }
+    }
+
+    /// Preempts a running victim: offload its exclusive resident blocks to the host tier
+    /// when it has room for all of them, else to the disk tier when that has room, else
+    /// recompute. Shared (prefix) blocks stay on the GPU.
     fn preempt(&mut self, victim: SeqId, out: &mut Schedule) -> Result<Preempted> {
         self.stats.preemptions += 1;
         self.running.retain(|&r| r != victim);
-        if self.cfg.max_cpu_offload_blocks > 0 {
-            let mut exclusive = Vec::new();
-            for &id in &self.seqs[&victim].block_ids {
-                let b = self.bm.block(id)?;
-                if b.refs == 1 && b.state == Residency::Gpu {
-                    exclusive.push(id);
-                }
+        let mut exclusive = Vec::new();
+        for &id in &self.seqs[&victim].block_ids {
+            let b = self.bm.block(id)?;
+            if b.refs == 1 && b.state == Residency::Gpu {
+                exclusive.push(id);
             }
-            if !exclusive.is_empty() && self.bm.free_slots() >= exclusive.len() {
-                let moves = self.bm.start_store(&exclusive, Tier::Cpu)?;
-                let copies = moves
-                    .iter()
-                    .map(|&(block, page, slot)| BlockCopy {
-                        block,
-                        src: Loc::Gpu(page),
-                        dst: Loc::Host(Tier::Cpu, slot),
-                    })
-                    .collect();
-                let job = self.new_job(victim, JobKind::Store, exclusive, copies);
-                out.jobs.push(job);
-                self.seqs.get_mut(&victim).expect("exists").status = SeqStatus::Preempted;
-                self.waiting.push_front(victim);
-                return Ok(Preempted::Offloaded);
-            }
+        }
+        let n = exclusive.len();
+        let tier = if n == 0 {
+            None
+        } else if self.cfg.max_cpu_offload_blocks > 0 && self.bm.free_slots() >= n {
+            Some(Tier::Cpu)
+        } else if self.cfg.max_disk_offload_blocks > 0 && self.bm.disk_room() >= n {
+            Some(Tier::Ssd)
+        } else {
+            None
+        };
+        if let Some(tier) = tier {
+            let moves = self.bm.start_store(&exclusive, tier)?;
+            let copies = moves
+                .iter()
+                .map(|&(block, page, slot)| BlockCopy {
+                    block,
+                    src: Loc::Gpu(page),
+                    dst: self.tier_loc(tier, block, slot),
+                })
+                .collect();
+            let job = self.new_job(victim, JobKind::Store, tier, exclusive, copies);
+            out.jobs.push(job);
+            self.seqs.get_mut(&victim).expect("exists").status = SeqStatus::Preempted;
+            self.waiting.push_front(victim);
+            return Ok(Preempted::Offloaded);
         }
         self.recompute(victim)?;
         self.waiting.push_front(victim);
         Ok(Preempted::Recomputed)
+    }
+
+    /// Whether none of the sequence's GPU blocks is exclusive now, but some would be once
+    /// their write-through to disk completes.
+    fn only_pinned_blocks(&self, sid: SeqId) -> Result<bool> {
+        let mut pinned = false;
+        for &id in &self.seqs[&sid].block_ids {
+            let b = self.bm.block(id)?;
+            if b.state != Residency::Gpu {
+                continue;
+            }
+            match (b.refs, self.bm.is_pinned(id)) {
+                (1, _) => return Ok(false),
+                (2, true) => pinned = true,
+                _ => {}
+            }
+        }
+        Ok(pinned)
     }
 
     /// Drops a sequence's KV: release its blocks and start it over (its tokens are kept).
@@ -582,31 +738,63 @@ impl Scheduler {
     }
 
     /// A job finished: update metadata. A failed store leaves the blocks on the GPU; a
-    /// failed load releases the reserved pages and the request falls back to recomputation.
+    /// failed load releases the reserved pages and the request falls back to recomputation;
+    /// a failed write-through just frees its disk slots.
     pub fn on_job_done(&mut self, job: JobId, ok: bool) -> Result<()> {
         let meta = self
             .jobs
             .remove(&job)
             .with_context(|| format!("completion for unknown job {job}"))?;
+        let n = meta.blocks.len();
+        let JobOwner::Seq(seq) = meta.owner else {
+            for &id in &meta.blocks {
+                self.bm.finish_persist(id, ok)?;
+            }
+            if ok {
+                self.stats.prefix_blocks_persisted += n;
+            } else {
+                self.stats.failed_jobs += 1;
+            }
+            return Ok(());
+        };
+        let from_persisted = meta
+            .blocks
+            .iter()
+            .filter(|&&id| self.bm.loads_persisted_copy(id))
+            .count();
         for &id in &meta.blocks {
             match meta.kind {
                 JobKind::Store => self.bm.finish_store(id, ok)?,
                 JobKind::Load => self.bm.finish_load(id, ok)?,
             }
         }
-        let n = meta.blocks.len();
-        match (meta.kind, ok) {
-            (JobKind::Store, true) => self.stats.blocks_stored += n,
-            (JobKind::Load, true) => self.stats.blocks_loaded += n,
-            _ => self.stats.failed_jobs += 1,
+        if ok {
+            self.stats.prefix_blocks_from_disk += from_persisted;
         }
-        let seq = self.seqs.get_mut(&meta.seq).expect("exists");
-        seq.job = None;
-        if seq.status == SeqStatus::Aborted {
-            return self.drop_aborted(meta.seq);
+        let disk = meta.tier == Tier::Ssd;
+        match (meta.kind, ok) {
+            (JobKind::Store, true) => {
+                self.stats.blocks_stored += n;
+                self.stats.blocks_stored_disk += if disk { n } else { 0 };
+            }
+            (JobKind::Load, true) => {
+                self.stats.blocks_loaded += n;
+                self.stats.blocks_loaded_disk += if disk { n } else { 0 };
+            }
+            (kind, false) => {
+                self.stats.failed_jobs += 1;
+                if disk && kind == JobKind::Load {
+                    self.stats.disk_load_failures += 1;
+                }
+            }
+        }
+        let s = self.seqs.get_mut(&seq).expect("exists");
+        s.job = None;
+        if s.status == SeqStatus::Aborted {
+            return self.drop_aborted(seq);
         }
         if meta.kind == JobKind::Load && !ok {
-            self.recompute(meta.seq)?; // still in the waiting queue, at its place
+            self.recompute(seq)?; // still in the waiting queue, at its place
         }
         Ok(())
     }
@@ -635,6 +823,7 @@ impl Scheduler {
             );
             self.bm.register(seq.block_ids[b], h)?;
             seq.hashes.push(h);
+            self.to_persist.push(seq.block_ids[b]);
         }
         let Some(tok) = sampled else {
             return Ok(false);

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use anyhow::Result;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::block_manager::{LogicalId, PageId, SlotId};
+use super::block_manager::{DiskSlotId, LogicalId, PageId, SlotId};
 use super::residency::Tier;
 
 pub type JobId = u64;
@@ -26,6 +26,18 @@ pub enum JobKind {
 pub enum Loc {
     Gpu(PageId),
     Host(Tier, SlotId),
+    /// A disk-tier slot and the key its header carries (the block's content hash for
+    /// prefix blocks), checked on every read.
+    Disk {
+        slot: DiskSlotId,
+        key: u64,
+    },
+}
+
+impl Loc {
+    pub fn is_disk(&self) -> bool {
+        matches!(self, Loc::Disk { .. })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +45,15 @@ pub struct BlockCopy {
     pub block: LogicalId,
     pub src: Loc,
     pub dst: Loc,
+}
+
+impl TransferJob {
+    /// Whether the job moves data to or from the disk tier.
+    pub fn touches_disk(&self) -> bool {
+        self.copies
+            .iter()
+            .any(|c| c.src.is_disk() || c.dst.is_disk())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

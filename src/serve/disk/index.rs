@@ -1,0 +1,107 @@
+//! The prefix index: which disk slots hold which prefix-cache blocks, so that a restarted
+//! process on the same directory can reuse them. Written crash-safely (temp file, fsync,
+//! rename, fsync of the directory) after the slot file itself is synced, so the index never
+//! names data that is not durable. Read back with a checksum over the whole file; anything
+//! that does not parse, check, or match this model and layout is ignored, not trusted.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::store::{SlotStamp, StoreLayout};
+use crate::serve::block_manager::DiskSlotId;
+
+pub const INDEX_FILE: &str = "strata-kv.index";
+const VERSION: u32 = 1;
+
+/// One persisted prefix block: its chained content hash, where it is, and the stamp the
+/// slot must carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexEntry {
+    pub hash: u64,
+    pub slot: DiskSlotId,
+    pub key: u64,
+    pub generation: u64,
+}
+
+impl IndexEntry {
+    pub fn stamp(&self) -> SlotStamp {
+        SlotStamp {
+            key: self.key,
+            generation: self.generation,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct IndexFile {
+    version: u32,
+    fingerprint: u64,
+    slot_bytes: u64,
+    num_slots: u64,
+    entries: Vec<IndexEntry>,
+}
+
+/// Writes the index for `entries` (replacing the old one atomically).
+pub fn write(
+    dir: &Path,
+    fingerprint: u64,
+    layout: StoreLayout,
+    entries: &[IndexEntry],
+) -> Result<()> {
+    let body = serde_json::to_vec(&IndexFile {
+        version: VERSION,
+        fingerprint,
+        slot_bytes: layout.slot_bytes() as u64,
+        num_slots: layout.num_slots as u64,
+        entries: entries.to_vec(),
+    })?;
+    let tmp = dir.join(format!("{INDEX_FILE}.tmp"));
+    let mut f = File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    f.write_all(&body)?;
+    writeln!(f, "\n{:08x}", crc32fast::hash(&body))?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, dir.join(INDEX_FILE))?;
+    File::open(dir)?.sync_all()?; // the rename itself
+    Ok(())
+}
+
+/// The index in `dir`: `Ok(None)` when there is none, `Err` (with why) when there is one
+/// that must not be trusted: corrupt, another version, model/configuration or layout.
+pub fn read(dir: &Path, fingerprint: u64, layout: StoreLayout) -> Result<Option<Vec<IndexEntry>>> {
+    let path = dir.join(INDEX_FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => bail!("cannot read {}: {e}", path.display()),
+    };
+    let text = std::str::from_utf8(&bytes).context("not text")?;
+    let (body, crc) = text
+        .trim_end_matches('\n')
+        .rsplit_once('\n')
+        .context("no checksum line")?;
+    let crc = u32::from_str_radix(crc, 16).context("bad checksum line")?;
+    ensure!(
+        crc32fast::hash(body.as_bytes()) == crc,
+        "checksum mismatch (torn or corrupted)"
+    );
+    let f: IndexFile = serde_json::from_str(body).context("does not parse")?;
+    ensure!(
+        f.version == VERSION,
+        "version {} (want {VERSION})",
+        f.version
+    );
+    ensure!(
+        f.fingerprint == fingerprint,
+        "written for another model, dtype or block size"
+    );
+    ensure!(
+        f.slot_bytes == layout.slot_bytes() as u64 && f.num_slots == layout.num_slots as u64,
+        "written for another slot layout"
+    );
+    Ok(Some(f.entries))
+}

@@ -49,6 +49,15 @@ thread_local! {
     static FLAG: Cell<*const AtomicBool> = const { Cell::new(std::ptr::null()) };
 }
 
+/// Work abandoned so far (parked over its memory budget, or left running past its time).
+static ABANDONED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many pieces of work this process has abandoned: each may still hold up to its
+/// memory budget (the fuzzer restarts its worker process when this grows).
+pub fn abandoned() -> usize {
+    ABANDONED.load(Ordering::Relaxed)
+}
+
 /// The system allocator, counting the bytes of threads running under `run`.
 pub struct BudgetAlloc;
 
@@ -146,9 +155,11 @@ pub fn run<T: Send + 'static>(
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if flag.load(Ordering::SeqCst) {
+                    ABANDONED.fetch_add(1, Ordering::Relaxed);
                     return Err(Exceeded::Memory);
                 }
                 if start.elapsed() > limits.time {
+                    ABANDONED.fetch_add(1, Ordering::Relaxed);
                     return Err(Exceeded::Time);
                 }
             }

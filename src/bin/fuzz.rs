@@ -95,7 +95,8 @@ fn target_seed(seed: u64, t: Target) -> u64 {
 
 /// Worker: runs cases `start..start+cases` of one target (or until the deadline).
 /// Protocol, one line each: `c I` before case I, `p I MSG` for a panic, `x I KIND` for a
-/// budget exceeded (then exits 3), `done N` at the end.
+/// budget exceeded (then exits 3), `r I` after a case that was refused but left an
+/// abandoned thread behind (then exits 4, to be restarted), `done N` at the end.
 fn worker(args: &Args) -> Result<bool> {
     let [target] = targets(args)?[..] else {
         bail!("a worker runs exactly one --target");
@@ -128,6 +129,13 @@ fn worker(args: &Args) -> Result<bool> {
             }
         }
         done += 1;
+        if strata::bounded::abandoned() > 0 {
+            // A refused case (a template over its budget) left a parked thread holding
+            // memory: start afresh after it, so leaks cannot add up.
+            writeln!(out, "r {i}")?;
+            out.flush()?;
+            std::process::exit(4);
+        }
     }
     writeln!(out, "done {done}")?;
     Ok(true)
@@ -192,6 +200,7 @@ fn supervise(args: &Args) -> Result<bool> {
             let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
             let reader = BufReader::new(child.stdout.take().context("worker stdout")?);
             let mut last_started = None;
+            let mut restart_after = None;
             let mut finished = false;
             for line in reader.lines() {
                 let line = line?;
@@ -213,6 +222,7 @@ fn supervise(args: &Args) -> Result<bool> {
                     (Some("x"), Some(i)) => {
                         record(args, t, i, rest.unwrap_or("budget exceeded"), &mut tally)?
                     }
+                    (Some("r"), Some(i)) => restart_after = Some(i),
                     (Some("done"), _) => finished = true,
                     _ => {}
                 }
@@ -220,6 +230,10 @@ fn supervise(args: &Args) -> Result<bool> {
             let status = child.wait()?;
             if finished {
                 break;
+            }
+            if let Some(i) = restart_after {
+                next = i + 1; // not a finding: the case ended in an error
+                continue;
             }
             // Died without finishing: the last case it started is the culprit (unless it
             // was already recorded as over budget).

@@ -32,7 +32,7 @@ pub mod template_limits {
     /// Bytes of rendered text.
     pub const MAX_OUTPUT_BYTES: usize = 64 << 20;
     /// Bytes the rendering may hold at once (values it builds but never prints included).
-    pub const MAX_MEMORY_BYTES: usize = 512 << 20;
+    pub const MAX_MEMORY_BYTES: usize = 256 << 20;
     /// Wall-clock backstop behind the fuel: one instruction can iterate a lazy sequence
     /// (`''.join(['a'] * 99999999)`) for seconds. Real templates take milliseconds.
     pub const MAX_SECONDS: u64 = 5;

@@ -96,12 +96,21 @@ impl Server {
         let _ = s.write_all(request);
         let mut buf = Vec::new();
         if let Err(e) = s.read_to_end(&mut buf) {
-            panic!("no complete answer to {head:?}: {e} (got {:?})", String::from_utf8_lossy(&buf));
+            panic!(
+                "no complete answer to {head:?}: {e} (got {:?})",
+                String::from_utf8_lossy(&buf)
+            );
         }
         HttpResponse::parse(&buf)
     }
 
-    pub fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> HttpResponse {
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> HttpResponse {
         self.raw(&request_bytes(method, path, headers, body))
     }
 
@@ -157,7 +166,10 @@ pub fn request_bytes(method: &str, path: &str, headers: &[(&str, &str)], body: &
         req += &format!("{k}: {v}\r\n");
     }
     if !body.is_empty() || method == "POST" {
-        req += &format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len());
+        req += &format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
     }
     req += "\r\n";
     let mut bytes = req.into_bytes();
@@ -246,7 +258,11 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
             return out;
         };
         let size = usize::from_str_radix(
-            String::from_utf8_lossy(&raw[..eol]).split(';').next().unwrap().trim(),
+            String::from_utf8_lossy(&raw[..eol])
+                .split(';')
+                .next()
+                .unwrap()
+                .trim(),
             16,
         )
         .unwrap_or(0);

@@ -43,11 +43,13 @@ fn open_stream(
     let mut line = String::new();
     r.read_line(&mut line).unwrap();
     assert!(line.starts_with("HTTP/1.1 200"), "{line}");
-    while first_data {
-        line.clear();
-        assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early");
-        if line.contains("data:") {
-            break;
+    if first_data {
+        loop {
+            line.clear();
+            assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early");
+            if line.contains("data:") {
+                break;
+            }
         }
     }
     r

@@ -125,12 +125,14 @@ impl ChatRequest {
                         for p in parts {
                             match (p.kind.as_str(), &p.text) {
                                 ("text", Some(t)) => s.push_str(t),
-                                (kind, _) => return Err(ApiError::bad_field(
-                                    "messages",
-                                    format!(
+                                (kind, _) => {
+                                    return Err(ApiError::bad_field(
+                                        "messages",
+                                        format!(
                                         "unsupported content part type {kind:?} (only \"text\")"
                                     ),
-                                )),
+                                    ))
+                                }
                             }
                         }
                         s

@@ -132,7 +132,7 @@ def test_concurrent(args, client):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(16)]
 
     def one(p):
-        return client.completions.create(model=args.model, prompt=p, max_tokens=8, temperature=0)
+        return client.completions.create(model=args.model, prompt=p, max_tokens=4, temperature=0)
 
     sequential = [one(p) for p in prompts]
     results = [None] * len(prompts)

@@ -38,7 +38,11 @@ fn aborted_requests_in_every_state_free_all_pages_and_slots_and_spare_the_others
     let mut rng = StdRng::seed_from_u64(5);
     let n = 12;
     let prompts: Vec<Vec<u32>> = (0..n)
-        .map(|_| (0..rng.random_range(10..60)).map(|_| rng.random_range(3..300)).collect())
+        .map(|_| {
+            (0..rng.random_range(10..60))
+                .map(|_| rng.random_range(3..300))
+                .collect()
+        })
         .collect();
     let params: Vec<RequestParams> = (0..n)
         .map(|_| RequestParams {
@@ -109,18 +113,38 @@ fn aborted_requests_in_every_state_free_all_pages_and_slots_and_spare_the_others
         for i in 0..n {
             if aborted_set.contains(&i) && !to_abort.contains_key(&i) {
                 assert!(!got.contains_key(&i), "aborted request {i} finished");
-                assert!(e.scheduler().seq(ids[i]).is_none(), "aborted request {i} remembered");
+                assert!(
+                    e.scheduler().seq(ids[i]).is_none(),
+                    "aborted request {i} remembered"
+                );
                 continue;
             }
-            assert_eq!(got[&i], want[i], "seed {seed}: request {i} changed by the aborts");
+            assert_eq!(
+                got[&i], want[i],
+                "seed {seed}: request {i} changed by the aborts"
+            );
         }
         let bm = &e.scheduler().bm;
-        assert_eq!(bm.available_pages(), bm.num_pages(), "seed {seed}: GPU pages leaked");
-        assert_eq!(bm.free_slots(), bm.num_slots(), "seed {seed}: host slots leaked");
-        assert!(e.stats().sched.blocks_stored > 0, "seed {seed}: no offload happened");
+        assert_eq!(
+            bm.available_pages(),
+            bm.num_pages(),
+            "seed {seed}: GPU pages leaked"
+        );
+        assert_eq!(
+            bm.free_slots(),
+            bm.num_slots(),
+            "seed {seed}: host slots leaked"
+        );
+        assert!(
+            e.stats().sched.blocks_stored > 0,
+            "seed {seed}: no offload happened"
+        );
     }
     for s in ["Running", "Waiting", "Preempted"] {
-        assert!(states_aborted.contains(s), "no abort while {s}: {states_aborted:?}");
+        assert!(
+            states_aborted.contains(s),
+            "no abort while {s}: {states_aborted:?}"
+        );
     }
     assert!(deferred > 0, "no abort happened with a transfer in flight");
 }

@@ -21,8 +21,13 @@ fn the_openai_python_client_gets_the_cli_greedy_text_exact_usage_and_openai_erro
         .unwrap_or(false);
     if !probe {
         let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-        assert!(!ci, "the `openai` Python module is missing (CI=true): pip install openai");
-        eprintln!("\n**** SKIPPED: the `openai` Python module is missing; pip install openai ****\n");
+        assert!(
+            !ci,
+            "the `openai` Python module is missing (CI=true): pip install openai"
+        );
+        eprintln!(
+            "\n**** SKIPPED: the `openai` Python module is missing; pip install openai ****\n"
+        );
         return;
     }
     let server = live_server::Server::start(&model, &[]);

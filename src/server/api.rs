@@ -6,8 +6,8 @@ use serde_json::{json, Value};
 
 use super::error::ApiError;
 use crate::engine::SamplingParams;
-use crate::model::tokenizer::ChatMessage;
 use crate::model::config::GenerationDefaults;
+use crate::model::tokenizer::ChatMessage;
 
 /// At most this many stop strings, each at most `MAX_STOP_BYTES` long.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -102,10 +102,7 @@ impl PromptIn {
             PromptIn::List(mut v) if v.len() == 1 => Ok(v.remove(0)),
             PromptIn::List(v) => Err(ApiError::bad_field(
                 "prompt",
-                format!(
-                    "only one prompt per request is supported, got {}",
-                    v.len()
-                ),
+                format!("only one prompt per request is supported, got {}", v.len()),
             )),
         }
     }
@@ -131,7 +128,9 @@ impl ChatRequest {
                                 (kind, _) => {
                                     return Err(ApiError::bad_field(
                                         "messages",
-                                        format!("unsupported content part type {kind:?} (only \"text\")"),
+                                        format!(
+                                        "unsupported content part type {kind:?} (only \"text\")"
+                                    ),
                                     ))
                                 }
                             }
@@ -236,7 +235,10 @@ impl GenerationFields {
                 ),
             ));
         }
-        let include_usage = self.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let include_usage = self
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
         Ok(Generation {
             max_tokens,
             sampling: SamplingParams {
@@ -394,7 +396,8 @@ mod tests {
     use super::*;
 
     fn fields(v: Value) -> Result<Generation, ApiError> {
-        let f: GenerationFields = serde_json::from_value(v).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let f: GenerationFields =
+            serde_json::from_value(v).map_err(|e| ApiError::bad_request(e.to_string()))?;
         f.validate(&GenerationDefaults::default(), 7)
     }
 
@@ -422,8 +425,9 @@ mod tests {
 
     #[test]
     fn max_completion_tokens_wins_over_max_tokens_and_a_given_seed_is_kept() {
-        let g = fields(json!({"model": "m", "max_tokens": 5, "max_completion_tokens": 9, "seed": 3}))
-            .unwrap();
+        let g =
+            fields(json!({"model": "m", "max_tokens": 5, "max_completion_tokens": 9, "seed": 3}))
+                .unwrap();
         assert_eq!(g.max_tokens, Some(9));
         assert_eq!(g.sampling.seed, 3);
         assert_eq!(fields(json!({"model": "m"})).unwrap().sampling.seed, 7);

@@ -280,10 +280,14 @@ impl EngineLoop {
                 .filter(|s| s.status == SeqStatus::Finished);
             let stopped = a.stops_at_eos
                 && seq
-                .as_ref()
-                .and_then(|s| s.output().last())
-                .is_some_and(|t| self.eos.contains(t));
-            let reason = if stopped { Finish::Stop } else { Finish::Length };
+                    .as_ref()
+                    .and_then(|s| s.output().last())
+                    .is_some_and(|t| self.eos.contains(t));
+            let reason = if stopped {
+                Finish::Stop
+            } else {
+                Finish::Length
+            };
             let _ = a.events.send(Event::Done(reason));
         }
         Ok(())

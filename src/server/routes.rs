@@ -120,11 +120,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-async fn require_api_key(
-    State(state): State<Arc<AppState>>,
-    req: Request,
-    next: Next,
-) -> Response {
+async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.cfg.api_key {
         let given = req
             .headers()
@@ -298,7 +294,11 @@ async fn generate(
 }
 
 /// `max_tokens` within the context: the prompt plus the output must fit `max_model_len`.
-fn context_budget(gen: &Generation, prompt: usize, max_model_len: usize) -> Result<usize, ApiError> {
+fn context_budget(
+    gen: &Generation,
+    prompt: usize,
+    max_model_len: usize,
+) -> Result<usize, ApiError> {
     if prompt == 0 {
         return Err(ApiError::bad_field("prompt", "the prompt is empty"));
     }
@@ -477,7 +477,11 @@ mod tests {
     fn a_request_over_the_context_is_refused_naming_both_numbers() {
         let e = context_budget(&gen(Some(30)), 80, 100).unwrap_err();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
-        assert!(e.message.contains("80") && e.message.contains("30"), "{}", e.message);
+        assert!(
+            e.message.contains("80") && e.message.contains("30"),
+            "{}",
+            e.message
+        );
         assert_eq!(context_budget(&gen(Some(20)), 80, 100).unwrap(), 20);
         assert_eq!(context_budget(&gen(None), 80, 100).unwrap(), 20);
         assert!(context_budget(&gen(None), 100, 100).is_err());

@@ -31,11 +31,18 @@ pub const BASE_ARGS: &[&str] = &[
 impl Server {
     /// Starts `strata serve` on `model` and waits until /health answers 200.
     pub fn start(model: &Path, extra: &[&str]) -> Server {
+        // BASE_ARGS, except the flags `extra` sets itself.
+        let base: Vec<&str> = BASE_ARGS
+            .chunks(2)
+            .filter(|kv| !extra.contains(&kv[0]))
+            .flatten()
+            .copied()
+            .collect();
         let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
             .arg("serve")
             .arg("--model")
             .arg(model)
-            .args(BASE_ARGS)
+            .args(base)
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -84,13 +91,26 @@ impl Server {
     /// Sends raw request bytes and reads the whole response (the server closes after it).
     pub fn raw(&self, request: &[u8]) -> HttpResponse {
         let mut s = self.connect();
-        s.write_all(request).unwrap();
+        let head = String::from_utf8_lossy(&request[..request.len().min(200)]).into_owned();
+        // The server may answer (413) and close before reading a huge body to its end.
+        let _ = s.write_all(request);
         let mut buf = Vec::new();
-        s.read_to_end(&mut buf).unwrap();
+        if let Err(e) = s.read_to_end(&mut buf) {
+            panic!(
+                "no complete answer to {head:?}: {e} (got {:?})",
+                String::from_utf8_lossy(&buf)
+            );
+        }
         HttpResponse::parse(&buf)
     }
 
-    pub fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> HttpResponse {
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> HttpResponse {
         self.raw(&request_bytes(method, path, headers, body))
     }
 
@@ -146,7 +166,10 @@ pub fn request_bytes(method: &str, path: &str, headers: &[(&str, &str)], body: &
         req += &format!("{k}: {v}\r\n");
     }
     if !body.is_empty() || method == "POST" {
-        req += &format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len());
+        req += &format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
     }
     req += "\r\n";
     let mut bytes = req.into_bytes();
@@ -235,7 +258,11 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
             return out;
         };
         let size = usize::from_str_radix(
-            String::from_utf8_lossy(&raw[..eol]).split(';').next().unwrap().trim(),
+            String::from_utf8_lossy(&raw[..eol])
+                .split(';')
+                .next()
+                .unwrap()
+                .trim(),
             16,
         )
         .unwrap_or(0);

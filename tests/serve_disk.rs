@@ -686,3 +686,57 @@ fn the_prefix_cache_survives_a_restart_and_corruption_is_ignored() {
     assert_eq!(u(&other, "restored_prefix_blocks"), 0, "{other}");
     assert_eq!(u(&other, "compare_mismatches"), 0);
 }
+
+#[test]
+fn bad_disk_options_are_one_line_errors() {
+    let (_, model) = tiny_model("disk_cli_model");
+    let blocked = scratch_dir("disk_cli").join("a-file");
+    std::fs::write(&blocked, b"not a directory").unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--max-disk-offload-blocks", "8"],
+            "needs --disk-offload-dir",
+        ),
+        (
+            &["--disk-offload-dir", "/tmp/x"],
+            "needs --max-disk-offload-blocks",
+        ),
+        (
+            &[
+                "--disk-offload-dir",
+                "/tmp/x",
+                "--max-disk-offload-blocks",
+                "8",
+                "--disk-io-threads",
+                "0",
+            ],
+            "--disk-io-threads",
+        ),
+        (
+            &[
+                "--disk-offload-dir",
+                blocked.to_str().unwrap(),
+                "--max-disk-offload-blocks",
+                "8",
+            ],
+            "cannot create --disk-offload-dir",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["bench", "serve", "--model"])
+            .arg(&model)
+            .args(["--num-seqs", "1", "--input-len", "8", "--output-len", "2"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        let last = err.trim_end().lines().last().unwrap_or("");
+        assert!(
+            last.starts_with("error:") && last.contains(want),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

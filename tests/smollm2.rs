@@ -187,12 +187,14 @@ fn serving_batched_and_chunked_equals_generate_bitwise() {
             block_size: 16,
             num_gpu_blocks: 64,
             max_cpu_offload_blocks: 0,
+            max_disk_offload_blocks: 0,
             max_num_seqs: 16,
             max_num_batched_tokens: 96,
             prefill_chunk: 32,
         },
         link_gbps: 0.0,
         sanitize: false,
+        disk: None,
     };
     let got = Engine::new(model.clone(), cfg)
         .unwrap()

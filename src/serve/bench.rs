@@ -450,7 +450,7 @@ fn run_table(
     ];
     let mut runs = Vec::new();
     for (name, cfg) in rows {
-        let r = run_once(model, cfg.clone(), a.link_gbps, prompts, params)?;
+        let r = run_once(model, cfg.clone(), a.link_gbps, None, prompts, params)?;
         runs.push((name, cfg, r));
     }
     let tput = |r: &BenchRun| r.stats.generated_tokens as f64 / r.secs.max(1e-9);

@@ -23,6 +23,7 @@ pub struct TierLabel {
 
 const GPU: TierLabel = TierLabel { tier: "gpu" };
 const CPU: TierLabel = TierLabel { tier: "cpu" };
+const DISK: TierLabel = TierLabel { tier: "disk" };
 
 pub struct Metrics {
     registry: Registry,
@@ -35,6 +36,10 @@ pub struct Metrics {
     blocks_stored: Counter,
     blocks_loaded: Counter,
     recomputations: Counter,
+    blocks_stored_disk: Counter,
+    blocks_loaded_disk: Counter,
+    checksum_failures: Counter,
+    prefix_blocks_from_disk: Counter,
     prompt_tokens: Counter,
     generation_tokens: Counter,
     /// Requests cancelled because their client went away.
@@ -61,6 +66,10 @@ impl Metrics {
             blocks_stored: Counter::default(),
             blocks_loaded: Counter::default(),
             recomputations: Counter::default(),
+            blocks_stored_disk: Counter::default(),
+            blocks_loaded_disk: Counter::default(),
+            checksum_failures: Counter::default(),
+            prefix_blocks_from_disk: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             cancelled: Counter::default(),
@@ -111,6 +120,26 @@ impl Metrics {
             m.recomputations.clone(),
         );
         r.register(
+            "strata:kv_blocks_stored_disk",
+            "KV blocks written to the disk tier (victims and prefix write-throughs)",
+            m.blocks_stored_disk.clone(),
+        );
+        r.register(
+            "strata:kv_blocks_loaded_disk",
+            "KV blocks loaded back from the disk tier",
+            m.blocks_loaded_disk.clone(),
+        );
+        r.register(
+            "strata:disk_checksum_failures",
+            "Disk-tier slots refused on read (header or checksum mismatch); the request recomputed",
+            m.checksum_failures.clone(),
+        );
+        r.register(
+            "strata:prefix_blocks_from_disk",
+            "Prefix-cache blocks served from the disk tier (e.g. after a restart)",
+            m.prefix_blocks_from_disk.clone(),
+        );
+        r.register(
             "strata:prompt_tokens",
             "Prompt tokens of admitted requests",
             m.prompt_tokens.clone(),
@@ -146,6 +175,7 @@ impl Metrics {
         let tiers = [
             (GPU, bm.num_pages(), bm.available_pages()),
             (CPU, bm.num_slots(), bm.free_slots()),
+            (DISK, bm.num_disk_slots(), bm.free_disk_slots()),
         ];
         for (label, total, free) in tiers {
             let used = total.saturating_sub(free);
@@ -165,6 +195,27 @@ impl Metrics {
         advance(&self.blocks_stored, s.blocks_stored, l.blocks_stored);
         advance(&self.blocks_loaded, s.blocks_loaded, l.blocks_loaded);
         advance(&self.recomputations, s.recomputations, l.recomputations);
+        advance(
+            &self.blocks_stored_disk,
+            s.blocks_stored_disk,
+            l.blocks_stored_disk,
+        );
+        advance(
+            &self.blocks_loaded_disk,
+            s.blocks_loaded_disk,
+            l.blocks_loaded_disk,
+        );
+        advance(
+            &self.prefix_blocks_from_disk,
+            s.prefix_blocks_from_disk,
+            l.prefix_blocks_from_disk,
+        );
+        self.checksum_failures.inc_by(
+            stats
+                .disk
+                .checksum_failures
+                .saturating_sub(last.disk.checksum_failures),
+        );
         advance(&self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens);
         advance(
             &self.generation_tokens,
@@ -202,6 +253,9 @@ mod tests {
             "strata:kv_blocks_stored_total ",
             "strata:kv_blocks_loaded_total ",
             "strata:num_recomputations_total ",
+            "strata:kv_blocks_stored_disk_total ",
+            "strata:disk_checksum_failures_total ",
+            "strata:prefix_blocks_from_disk_total ",
             "strata:prompt_tokens_total ",
             "strata:generation_tokens_total ",
             "strata:time_to_first_token_seconds_bucket",

@@ -72,6 +72,8 @@ pub struct ServeArgs {
     /// On Ctrl-C/SIGTERM, seconds to let requests in flight finish before cancelling them.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    #[command(flatten)]
+    pub disk: crate::serve::disk::DiskArgs,
 }
 
 /// Prompt tokens per forward call: 64, or the block size when blocks are larger.
@@ -105,10 +107,16 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
             avail as f64 / (1u64 << 30) as f64
         );
     }
+    let disk = args.disk.config()?;
     let sched = SchedulerConfig {
         block_size: bs,
         num_gpu_blocks,
         max_cpu_offload_blocks: cpu_blocks,
+        max_disk_offload_blocks: if disk.is_some() {
+            args.disk.max_disk_offload_blocks
+        } else {
+            0
+        },
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         prefill_chunk: PREFILL_CHUNK_TOKENS.div_ceil(bs).max(1) * bs,
@@ -119,6 +127,7 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
             sched,
             link_gbps: 0.0,
             sanitize: false,
+            disk,
         },
         max_model_len,
     ))

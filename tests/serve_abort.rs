@@ -21,12 +21,14 @@ fn config(gpu: usize, cpu: usize) -> EngineConfig {
             block_size: 4,
             num_gpu_blocks: gpu,
             max_cpu_offload_blocks: cpu,
+            max_disk_offload_blocks: 0,
             max_num_seqs: 16,
             max_num_batched_tokens: 16,
             prefill_chunk: 8,
         },
         link_gbps: 0.0,
         sanitize: true,
+        disk: None,
     }
 }
 

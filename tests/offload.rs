@@ -175,7 +175,8 @@ fn bad_settings_are_refused() {
             .expect("must fail")
             .to_string()
     };
-    assert!(err(offload_cfg(1, 16, 64)).contains("--num-kv-buffers must be at least 2"));
+    assert!(err(offload_cfg(1, 16, 64)).contains("--num-kv-buffers must be in 2..="));
+    assert!(err(offload_cfg(65, 16, 64)).contains("--num-kv-buffers must be in 2..="));
     assert!(err(offload_cfg(2, 1 << 20, 64)).contains("--block-size 1048576 is too large"));
     assert!(err(offload_cfg(2, 0, 64)).contains("--block-size must be at least 1"));
     // Host KV smaller than the prompt: a clean error from the step, not a panic.

@@ -297,6 +297,9 @@ fn load(
     let defaults = model.cfg.generation.clone();
     let sched = cfg.sched.clone();
     let engine = Engine::new(model, cfg)?;
+    if let Some(line) = engine.disk_plan() {
+        eprintln!("strata serve: {line}");
+    }
     let (client, thread) = engine_thread::spawn(engine, Arc::clone(&state.metrics), eos);
     *engine_thread.lock().expect("not poisoned") = Some(thread);
     let loaded = Loaded {

@@ -164,12 +164,6 @@ impl Engine {
         Ok(())
     }
 
-    /// The disk tier's plan line (slots, size, file system, IO mode, prefix blocks
-    /// restored), when the tier is on.
-    pub fn disk_plan(&self) -> Option<String> {
-        self.disk.as_ref().map(DiskTier::describe)
-    }
-
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             sched: self.sched.stats,

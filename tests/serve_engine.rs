@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{scratch_dir, TinySpec};
+use common::{scratch_dir, serve_requests as requests, TinySpec};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::model::Model;
@@ -17,27 +17,6 @@ fn tiny_model(name: &str) -> Arc<Model> {
     let dir = scratch_dir(name);
     TinySpec::llama().write(&dir, 7);
     Model::load(&dir, false).unwrap().0
-}
-
-fn requests(seed: u64, n: usize, shared: usize) -> (Vec<Vec<u32>>, Vec<RequestParams>) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let prefix: Vec<u32> = (0..shared).map(|_| rng.random_range(3..300)).collect();
-    let prompts = (0..n)
-        .map(|_| {
-            let len = rng.random_range(shared.max(5)..70);
-            let mut p = prefix.clone();
-            p.extend((shared..len).map(|_| rng.random_range(3..300)));
-            p
-        })
-        .collect();
-    let params = (0..n)
-        .map(|_| RequestParams {
-            max_tokens: rng.random_range(5..40),
-            ignore_eos: true,
-            ..Default::default()
-        })
-        .collect();
-    (prompts, params)
 }
 
 fn sched(gpu: usize, cpu: usize) -> SchedulerConfig {

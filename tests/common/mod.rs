@@ -293,3 +293,30 @@ pub fn require_default_model() -> PathBuf {
     );
     p
 }
+
+/// `n` serving requests for a tiny model (ids 3..300): prompts of 5..70 tokens that share
+/// their first `shared` tokens, 5..40 new tokens each, run past end-of-sequence.
+pub fn serve_requests(
+    seed: u64,
+    n: usize,
+    shared: usize,
+) -> (Vec<Vec<u32>>, Vec<strata::serve::RequestParams>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let prefix: Vec<u32> = (0..shared).map(|_| rng.random_range(3..300)).collect();
+    let prompts = (0..n)
+        .map(|_| {
+            let len = rng.random_range(shared.max(5)..70);
+            let mut p = prefix.clone();
+            p.extend((shared..len).map(|_| rng.random_range(3..300)));
+            p
+        })
+        .collect();
+    let params = (0..n)
+        .map(|_| strata::serve::RequestParams {
+            max_tokens: rng.random_range(5..40),
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .collect();
+    (prompts, params)
+}

@@ -1,7 +1,9 @@
 //! strata: an LLM inference runtime built around layerwise KV-cache offload.
 //!
-//! Layout: `model` (config, weights, tokenizer, the layer loop), `device` (compute ops
-//! and devices), `kv` (the KV seam and caches), `engine` (generation, sampling),
+//! Layout (the file map lives in docs/architecture.md): `session` (run a request: the
+//! library entry point), `model` (config, weights, tokenizer, the layer loop), `device`
+//! (compute ops and devices), `kv` (the KV seam and resident caches), `offload` (the one
+//! layerwise offload engine and its CPU device), `engine` (generation loop, sampling),
 //! `serve` (continuous batching over a paged KV cache with host offload), `server`
 //! (`strata serve`, the OpenAI-compatible HTTP server over it).
 
@@ -18,3 +20,6 @@ pub mod needle;
 pub mod offload;
 pub mod serve;
 pub mod server;
+pub mod session;
+
+pub use session::{Session, SessionConfig};

@@ -1,22 +1,21 @@
 //! The `strata` command line.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use strata::{errors, flags};
-
-use strata::device::cuda::generate::{run_request, CudaRequest, ProfileSteps};
+use strata::device::cuda::generate::ProfileSteps;
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
-use strata::model::Model;
+use strata::model::{Model, Tokenizer};
 use strata::offload::bench::{run_bench, OffloadBenchArgs};
-use strata::offload::{OffloadConfig, OffloadEngine};
+use strata::offload::OffloadConfig;
+use strata::{errors, flags, Session, SessionConfig};
 
 #[derive(Parser)]
 #[command(
@@ -52,7 +51,7 @@ enum BenchCommand {
 
 #[derive(Args)]
 struct BenchOffloadArgs {
-    /// GGUF file or Hugging Face model directory [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt (context) length in tokens.
@@ -78,7 +77,7 @@ struct BenchOffloadArgs {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// GGUF file or Hugging Face model directory [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt text.
@@ -153,7 +152,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => {
-            resolve_model(args.model.clone()).and_then(|m| strata::server::run(args, m))
+            strata::model::resolve(args.model.clone()).and_then(|m| strata::server::run(args, m))
         }
         Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
@@ -168,55 +167,10 @@ fn main() -> ExitCode {
     }
 }
 
-const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// `--model`, else `$STRATA_MODEL`, else the default model in ./models or beside the binary's checkout.
-fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
-    if let Some(p) = arg.or_else(|| std::env::var_os("STRATA_MODEL").map(PathBuf::from)) {
-        return Ok(p);
-    }
-    let mut candidates = vec![PathBuf::from(DEFAULT_MODEL)];
-    if let Ok(exe) = std::env::current_exe() {
-        // target/{release,debug}/strata → the checkout's models/
-        if let Some(root) = exe.parent().and_then(Path::parent).and_then(Path::parent) {
-            candidates.push(root.join(DEFAULT_MODEL));
-        }
-    }
-    candidates
-        .into_iter()
-        .find(|p| p.exists())
-        .context("no --model given and the default model is missing: run `models/fetch.sh` to download SmolLM2-135M-Instruct")
-}
-
-/// One request through the CPU device's offload engine, with its trace if asked.
-fn generate_offloaded(
-    model: &Arc<Model>,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    ocfg: OffloadConfig,
-    trace_out: Option<&Path>,
-    on_token: &mut dyn FnMut(u32) -> Result<()>,
-) -> Result<GenerationOutput> {
-    let mut kv = OffloadEngine::new(&model.cfg, ocfg)?;
-    kv.device().set_tracing(trace_out.is_some());
-    let cap = kv.capacity();
-    let out = engine::generate_with(model, &mut kv, cap, prompt, opts, on_token)?;
-    if let Some(path) = trace_out {
-        kv.device().set_tracing(false);
-        let events = kv.device().take_trace();
-        strata::offload::trace::write_chrome_trace(path, &events)?;
-        eprintln!("trace: {} ops written to {}", events.len(), path.display());
-    }
-    Ok(out)
-}
-
 fn run_generate(args: GenerateArgs) -> Result<()> {
     // Everything is checked before anything is printed: a failing run prints only its
     // error line (docs/errors.md); warnings and the memory plan follow validation.
     device::check_available(args.device)?;
-    if args.profile_steps.is_some() && args.device != DeviceKind::Cuda {
-        bail!("--profile-steps needs --device cuda");
-    }
     if let Some(path) = &args.trace_out {
         strata::offload::trace::check_trace_out(path)?;
     }
@@ -229,10 +183,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     if prompt_text.is_empty() {
         bail!("empty prompt: nothing to generate from");
     }
-    let model_path = resolve_model(args.model.clone())?;
-    let (model, tok) = Model::load(&model_path, !args.json)?;
+    let (model, tok) = Model::load(&strata::model::resolve(args.model.clone())?, !args.json)?;
     let cfg = &model.cfg;
-
     let text = if args.chat {
         tok.apply_chat_template(&prompt_text)?
     } else {
@@ -243,13 +195,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     let max_model_len = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
-    let mut infos = Vec::new();
-    if max_model_len > cfg.max_position_embeddings {
-        infos.push(format!(
-            "warning: --max-model-len {max_model_len} exceeds the model's trained context ({})",
-            cfg.max_position_embeddings
-        ));
-    }
     let defaults = &cfg.generation;
     let sampling = SamplingParams {
         temperature: args.temperature.unwrap_or(defaults.temperature),
@@ -264,48 +209,39 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         stop_ids: cfg.eos_token_ids.clone(),
     };
     engine::check_prompt(&prompt, max_model_len)?;
-    // Prompt + output, bounded by the context (flags are bounded, so this cannot wrap).
+    // Size the KV for this request (prompt + output, within the context) unless told.
     let request_len = prompt
         .len()
         .saturating_add(args.max_tokens)
         .min(max_model_len);
+    let max_len = args.max_model_len.unwrap_or(request_len);
     let sanitize = args.sanitize || std::env::var("STRATA_SANITIZE").is_ok_and(|v| v == "1");
-    let offload = if args.enable_offload {
-        // Size the offload buffers for this request unless told otherwise.
-        let max_len = args.max_model_len.unwrap_or(request_len);
-        let ocfg = OffloadConfig {
+    let session_cfg = SessionConfig {
+        device: args.device,
+        max_len: if args.enable_offload { max_len } else { request_len },
+        offload: args.enable_offload.then(|| OffloadConfig {
             num_kv_buffers: args.num_kv_buffers,
             block_size: args.block_size,
             max_model_len: max_len,
             num_cpu_blocks: args.num_cpu_blocks,
             link_gbps: args.sim_link_gbps,
             sanitize,
-            drop_wait: None,
-        };
-        // KV in f32 on the CPU device, bf16 on CUDA.
-        let elem = if args.device == DeviceKind::Cuda {
-            2
-        } else {
-            4
-        };
-        let plan = ocfg.plan_for(cfg, elem)?;
-        let holds = max_len.min(plan.num_cpu_blocks.saturating_mul(args.block_size));
-        if prompt.len() >= holds {
-            bail!(
-                "host KV too small for the prompt: {} tokens, the engine holds {holds} ({} blocks of {}, --max-model-len {max_len}); raise --num-cpu-blocks or --max-model-len",
-                prompt.len(),
-                plan.num_cpu_blocks,
-                args.block_size
-            );
-        }
-        infos.push(plan.to_string());
-        Some((ocfg, max_len))
-    } else {
-        None
+        }),
+        trace_out: args.trace_out.clone(),
+        profile: args.profile_steps,
     };
-    for line in &infos {
-        eprintln!("{line}");
+    let plan = session_cfg.plan(cfg)?;
+    session_cfg.check_prompt(cfg, prompt.len())?;
+    if max_model_len > cfg.max_position_embeddings {
+        eprintln!(
+            "warning: --max-model-len {max_model_len} exceeds the model's trained context ({})",
+            cfg.max_position_embeddings
+        );
     }
+    if let Some(plan) = plan {
+        eprintln!("{plan}");
+    }
+    let mut session = Session::new(Arc::clone(&model), session_cfg)?;
 
     let mut stream = StreamDecoder::new();
     let stdout = std::io::stdout();
@@ -321,36 +257,12 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
         Ok(())
     };
-    let out = if let Some((ocfg, max_len)) = offload {
-        if args.device == DeviceKind::Cuda {
-            let req = CudaRequest {
-                offload: Some(ocfg),
-                max_len,
-                profile: args.profile_steps,
-                trace_out: args.trace_out.clone(),
-            };
-            run_request(&model, &prompt, &opts, &req, &mut on_token)?
-        } else {
-            generate_offloaded(
-                &model,
-                &prompt,
-                &opts,
-                ocfg,
-                args.trace_out.as_deref(),
-                &mut on_token,
-            )?
-        }
-    } else if args.device == DeviceKind::Cuda {
-        let req = CudaRequest {
-            offload: None,
-            max_len: request_len,
-            profile: args.profile_steps,
-            trace_out: None,
-        };
-        run_request(&model, &prompt, &opts, &req, &mut on_token)?
-    } else {
-        engine::generate(&model, &prompt, &opts, max_model_len, &mut on_token)?
-    };
+    let out = session.generate(&prompt, &opts, &mut on_token)?;
+    print_result(&tok, &out, json)
+}
+
+/// The text (JSON: one object) on stdout, the stats line on stderr.
+fn print_result(tok: &Tokenizer, out: &GenerationOutput, json: bool) -> Result<()> {
     let text = tok.decode(&out.token_ids, true)?;
     let peak = engine::peak_rss_bytes().unwrap_or(0);
     if json {
@@ -381,7 +293,7 @@ fn run_bench_offload(args: BenchOffloadArgs) -> Result<()> {
     if let Some(path) = &args.trace_out {
         strata::offload::trace::check_trace_out(path)?;
     }
-    let (model, _) = Model::load(&resolve_model(args.model)?, !args.json)?;
+    let (model, _) = Model::load(&strata::model::resolve(args.model)?, !args.json)?;
     if args.context == 0 || args.context + args.decode_steps >= model.cfg.max_position_embeddings {
         bail!(
             "--context must be between 1 and the model's context ({}) minus --decode-steps",

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use common::{scratch_dir, TinySpec};
 use rand::seq::SliceRandom;
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use strata::kv::{ContiguousKv, LayerKv};
+use strata::device::DevPtr;
+use strata::kv::{ContiguousKv, KvCache, LayerSlot};
 use strata::model::{BatchSeq, Model, PagePool, WantLogits};
 
 const BLOCK: usize = 4;
@@ -32,18 +33,36 @@ impl Pool {
     }
 }
 
+// SAFETY: the pool's memory is its own and this test's thread the only one touching it.
+unsafe impl KvCache<f32> for Pool {
+    fn reset(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn capacity(&self) -> usize {
+        self.pages * BLOCK
+    }
+    fn begin_step(&mut self, _pos0: usize, _tokens: usize) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn begin_layer(&mut self, layer: usize) -> anyhow::Result<LayerSlot<f32>> {
+        let ptr = |b: &mut Vec<f32>| DevPtr::from_addr(b.as_mut_ptr() as u64);
+        Ok(LayerSlot {
+            k: ptr(&mut self.k[layer]),
+            v: ptr(&mut self.v[layer]),
+            rows: self.pages * BLOCK,
+        })
+    }
+    fn end_layer(&mut self, _layer: usize) -> anyhow::Result<()> {
+        Ok(())
+    }
+}
+
 impl PagePool for Pool {
     fn block_size(&self) -> usize {
         BLOCK
     }
     fn num_pages(&self) -> usize {
         self.pages
-    }
-    fn layer(&mut self, layer: usize) -> LayerKv<'_> {
-        LayerKv {
-            k: &mut self.k[layer],
-            v: &mut self.v[layer],
-        }
     }
 }
 

@@ -79,18 +79,14 @@ fn qwen2_style_head_dim_96_on_the_emulator_matches_the_cpu_model() {
     assert!(row.pass, "{row:?}");
 }
 
-/// gpu-check step 3 with the copy streams on worker threads (CUDA event semantics,
-/// every copy delayed by a random 0–1.5 ms, compute on the host thread): greedy tokens
+/// gpu-check step 3 with the CUDA model on the emulator and the offload engine on the
+/// CPU device in bf16 (copy streams on worker threads with CUDA event semantics, compute
+/// on the host thread, every copy delayed at random under the sanitizer): greedy tokens
 /// and log-probs of offload (and offload + sanitizer) equal the resident run's, bit for
 /// bit, so the engine's waits order every copy against the compute that needs it.
 #[test]
 fn offload_engine_on_the_emulator_matches_resident() {
-    use strata::device::cuda::offload::CudaOffloadEngine;
-    use strata::gpucheck::host_offload_dev::ThreadedHostOffloadDev;
-    let engine = |cfg: &strata::model::ModelConfig, o| {
-        let d = ThreadedHostOffloadDev::new(2, true);
-        CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
-    };
+    let engine = strata::gpucheck::emu::emulator_offload_engine;
     // 2 layers (no slot reused within a step) and 8 (prefill reuses the 3 slots).
     let mut deep = Shape::tiny();
     deep.layers = 8;
@@ -352,17 +348,16 @@ fn guard_page_stops_an_overrun() {
     );
 }
 
-/// `needle --device cuda`'s path (`CudaSession` with resident KV and the offload engine,
-/// one session for both, as `--compare-offload` runs it) on the emulator with SmolLM2: a
-/// 256-token haystack, the needle found, identical tokens and log-probs with offload.
+/// `needle --device cuda`'s path (one `Session` with the offload engine and its resident
+/// reference, as `--compare-offload` runs it) on the emulator with SmolLM2: a 256-token
+/// haystack, the needle found, identical tokens and log-probs with offload.
 #[test]
 fn needle_session_on_the_emulator_finds_it_with_and_without_offload() {
-    use strata::device::cuda::generate::CudaSession;
-    use strata::device::cuda::offload::CudaOffloadEngine;
+    use strata::device::DeviceKind;
     use strata::engine::{GenerateOptions, SamplingParams};
-    use strata::gpucheck::host_offload_dev::ThreadedHostOffloadDev;
     use strata::needle::{answer_found, Case, NeedleKind};
     use strata::offload::OffloadConfig;
+    use strata::{Session, SessionConfig};
 
     let path = common::require_default_model();
     let (model, tok) = strata::model::Model::load(&path, false).unwrap();
@@ -374,28 +369,26 @@ fn needle_session_on_the_emulator_finds_it_with_and_without_offload() {
     };
     let prompt = case.build(&tok).unwrap();
     let max_len = 256 + 32;
-    let engine = |cfg: &strata::model::ModelConfig, o| {
-        let d = ThreadedHostOffloadDev::new(2, false);
-        CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
+    let cfg = SessionConfig {
+        offload: Some(OffloadConfig {
+            num_kv_buffers: 4,
+            block_size: 64,
+            max_model_len: max_len,
+            ..Default::default()
+        }),
+        ..SessionConfig::new(DeviceKind::Cuda, max_len)
     };
-    let ocfg = OffloadConfig {
-        num_kv_buffers: 4,
-        block_size: 64,
-        max_model_len: max_len,
-        ..Default::default()
-    };
-    let x = emu_exec();
-    let mut s = CudaSession::new(x, &engine, &model, max_len, true, Some(ocfg)).unwrap();
+    let engine = strata::gpucheck::emu::emulator_offload_engine;
+    let mut s = Session::on_exec(model.clone(), cfg, emu_exec(), &engine).unwrap();
     let opts = GenerateOptions {
         max_tokens: 16,
         sampling: SamplingParams::default(),
         stop_ids: model.cfg.eos_token_ids.clone(),
     };
-    let mut run = |offloaded| {
-        s.generate(offloaded, &prompt.ids, &opts, None, &mut |_| Ok(()))
-            .unwrap()
-    };
-    let (plain, offloaded) = (run(false), run(true));
+    let plain = s
+        .generate_resident(&prompt.ids, &opts, &mut |_| Ok(()))
+        .unwrap();
+    let offloaded = s.generate(&prompt.ids, &opts, &mut |_| Ok(())).unwrap();
     let text = tok.decode(&plain.token_ids, true).unwrap();
     eprintln!("answer: {text:?} (value {})", prompt.value);
     assert!(

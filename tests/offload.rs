@@ -12,7 +12,8 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::kv::ContiguousKv;
 use strata::model::{weights, Model, ModelConfig};
-use strata::offload::{OffloadConfig, OffloadEngine};
+use strata::offload::{CpuOffloadEngine, OffloadConfig};
+use strata::kv::KvCache;
 
 fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
     let dir = scratch_dir(name);
@@ -56,7 +57,7 @@ fn offloaded(
     prompt: &[u32],
     n: usize,
 ) -> anyhow::Result<Vec<u32>> {
-    let mut kv = OffloadEngine::new(&model.cfg, cfg)?;
+    let mut kv = CpuOffloadEngine::on_cpu(&model.cfg, cfg)?;
     let cap = kv.capacity();
     Ok(engine::generate_with(model, &mut kv, cap, prompt, &greedy(n), &mut |_| Ok(()))?.token_ids)
 }
@@ -152,7 +153,7 @@ fn requests_in_one_process_match_fresh_processes() {
         sanitize: true,
         ..offload_cfg(3, 16, 96)
     };
-    let mut shared = OffloadEngine::new(&model.cfg, cfg.clone()).unwrap();
+    let mut shared = CpuOffloadEngine::on_cpu(&model.cfg, cfg.clone()).unwrap();
     let cap = shared.capacity();
     for (i, p) in prompts.iter().enumerate() {
         let fresh = offloaded(&model, cfg.clone(), p, n).unwrap();
@@ -170,7 +171,7 @@ fn bad_settings_are_refused() {
     let model = tiny(TinySpec::llama(), "off_bad");
     let c = &model.cfg;
     let err = |cfg: OffloadConfig| {
-        OffloadEngine::new(c, cfg)
+        CpuOffloadEngine::on_cpu(c, cfg)
             .err()
             .expect("must fail")
             .to_string()

@@ -1,5 +1,6 @@
-//! The harness can fail: a test-only switch that drops one event wait makes the sanitized
-//! offload run diverge from the resident run.
+//! The harness can fail: a test-only device that drops one event wait makes the sanitized
+//! offload run diverge from the resident run. The fault lives here, in a wrapper around
+//! the CPU device, not in the engine: the production engine has no fault switch.
 //!
 //! This is its own test binary so that no other test competes for the two cores: the race
 //! shows when the compute stream outruns a delayed copy, and a compute thread descheduled
@@ -15,7 +16,70 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::kv::ContiguousKv;
 use strata::model::{weights, Model, ModelConfig};
-use strata::offload::{DropWait, OffloadConfig, OffloadEngine};
+use strata::device::cpu::stream::TraceEvent;
+use strata::device::DevPtr;
+use strata::offload::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
+use strata::offload::engine::OFFLOAD_STREAMS;
+use strata::offload::{CpuOffloadDevice, OffloadConfig, OffloadEngine};
+
+/// The CPU device, but the compute stream skips every wait labelled `dropped`.
+struct DroppingWait {
+    dev: CpuOffloadDevice<f32>,
+    dropped: &'static str,
+}
+
+impl OffloadDevice for DroppingWait {
+    type Elem = f32;
+    fn num_offload_streams(&self) -> usize {
+        self.dev.num_offload_streams()
+    }
+    fn alloc(&mut self, space: Space, elems: usize) -> anyhow::Result<MemId> {
+        self.dev.alloc(space, elems)
+    }
+    fn ptr(&self, mem: MemId) -> DevPtr<f32> {
+        self.dev.ptr(mem)
+    }
+    fn new_event(&mut self) -> anyhow::Result<EventId> {
+        self.dev.new_event()
+    }
+    fn wait(&mut self, s: StreamRole, e: EventId, what: &'static str) -> anyhow::Result<()> {
+        if s == StreamRole::Compute && what == self.dropped {
+            return Ok(());
+        }
+        self.dev.wait(s, e, what)
+    }
+    fn record(&mut self, s: StreamRole, e: EventId) -> anyhow::Result<()> {
+        self.dev.record(s, e)
+    }
+    fn copy(
+        &mut self,
+        s: StreamRole,
+        name: &'static str,
+        layer: usize,
+        src: Span,
+        dst: Span,
+    ) -> anyhow::Result<()> {
+        self.dev.copy(s, name, layer, src, dst)
+    }
+    fn poison(&mut self, s: StreamRole, dst: Span) -> anyhow::Result<()> {
+        self.dev.poison(s, dst)
+    }
+    fn sync_all(&mut self) -> anyhow::Result<()> {
+        self.dev.sync_all()
+    }
+    fn layer_begin(&mut self, layer: usize) -> anyhow::Result<()> {
+        self.dev.layer_begin(layer)
+    }
+    fn layer_end(&mut self, layer: usize) -> anyhow::Result<()> {
+        self.dev.layer_end(layer)
+    }
+    fn set_tracing(&mut self, on: bool) -> anyhow::Result<()> {
+        self.dev.set_tracing(on)
+    }
+    fn take_trace(&mut self) -> anyhow::Result<Vec<TraceEvent>> {
+        self.dev.take_trace()
+    }
+}
 
 #[test]
 fn a_dropped_wait_is_caught_by_the_sanitizer() {
@@ -48,25 +112,33 @@ fn a_dropped_wait_is_caught_by_the_sanitizer() {
     )
     .unwrap()
     .token_ids;
-    for drop in [DropWait::DecodeSlotReady, DropWait::PrefillSlotReuse] {
-        let diverged = (0..3).any(|_| {
-            let cfg = OffloadConfig {
-                num_kv_buffers: 2,
-                block_size: 16,
-                max_model_len: 128,
-                sanitize: true,
-                drop_wait: Some(drop),
-                ..Default::default()
-            };
-            let mut kv = OffloadEngine::new(c, cfg).unwrap();
-            match engine::generate_with(&model, &mut kv, 128, &prompt, &opts, &mut |_| Ok(())) {
-                Ok(out) => out.token_ids != want,
-                Err(_) => true,
-            }
+    let run = |dropped: &'static str| {
+        let cfg = OffloadConfig {
+            num_kv_buffers: 2,
+            block_size: 16,
+            max_model_len: 128,
+            sanitize: true,
+            ..Default::default()
+        };
+        let dev = DroppingWait {
+            dev: CpuOffloadDevice::new(0.0, true, OFFLOAD_STREAMS),
+            dropped,
+        };
+        let mut kv = OffloadEngine::new(dev, c, cfg).unwrap();
+        engine::generate_with(&model, &mut kv, 128, &prompt, &opts, &mut |_| Ok(()))
+    };
+    // The wrapper itself changes nothing when it drops nothing.
+    assert_eq!(run("none").unwrap().token_ids, want);
+    // Decode computes before its slot's prefetch landed; prefill overwrites a slot whose
+    // previous layer is still being offloaded.
+    for dropped in ["slot-ready", "slot-offload-done"] {
+        let diverged = (0..3).any(|_| match run(dropped) {
+            Ok(out) => out.token_ids != want,
+            Err(_) => true,
         });
         assert!(
             diverged,
-            "dropping {drop:?} went unnoticed in three sanitized runs"
+            "dropping the compute stream's {dropped:?} wait went unnoticed in three sanitized runs"
         );
     }
 }

@@ -10,13 +10,12 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use strata::{errors, flags};
 
-use strata::device::cuda::generate::CudaSession;
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
-use strata::kv::KvView;
 use strata::model::Model;
 use strata::needle::{answer_found, Case, NeedleKind};
-use strata::offload::{OffloadConfig, OffloadEngine};
+use strata::offload::OffloadConfig;
+use strata::{Session, SessionConfig};
 
 /// New tokens allowed for the answer: small models often restate the question first.
 const NEW_TOKENS: usize = 32;
@@ -30,7 +29,7 @@ const ANSWER_SLACK: usize = 24;
     about = "Needle-in-a-haystack retrieval test for strata"
 )]
 struct Args {
-    /// GGUF file or Hugging Face model directory [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     model: Option<PathBuf>,
     /// Context limit [default: the longest --input-len plus 32 answer tokens]
@@ -104,42 +103,19 @@ fn main() -> ExitCode {
     }
 }
 
-fn default_model() -> Result<PathBuf> {
-    let rel = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    let mut c = vec![PathBuf::from(rel)];
-    if let Some(root) = std::env::current_exe()
-        .ok()
-        .and_then(|e| Some(e.parent()?.parent()?.parent()?.to_path_buf()))
-    {
-        c.push(root.join(rel));
-    }
-    c.into_iter()
-        .find(|p| p.exists())
-        .context("no --model given and the default model is missing: run `models/fetch.sh`")
-}
-
-/// Where the cases run: the f32 model on the CPU (resident, and the offload engine when
-/// asked), or the bf16 model on CUDA (a session holding the resident KV, the offload
-/// engine, or both). Engines are made once and reused by every case and repeat.
-enum Backend {
-    Cpu(Option<Box<OffloadEngine>>),
-    Cuda(Box<CudaSession>),
-}
-
-/// Generates the answer greedily, with the offload engine or without; returns the output
-/// and the time to the first token.
+/// Generates the answer greedily, on the session's KV (offloaded when asked) or, for
+/// `--compare-offload`'s reference, all resident; returns the output and the time to the
+/// first token.
 fn answer(
-    model: &Arc<Model>,
-    backend: &mut Backend,
-    offloaded: bool,
+    session: &mut Session,
+    resident: bool,
     ids: &[u32],
-    max_len: usize,
     new_tokens: usize,
 ) -> Result<(GenerationOutput, f64)> {
     let opts = GenerateOptions {
         max_tokens: new_tokens,
         sampling: SamplingParams::default(),
-        stop_ids: model.cfg.eos_token_ids.clone(),
+        stop_ids: session.model().cfg.eos_token_ids.clone(),
     };
     let start = Instant::now();
     let mut ttft = None;
@@ -147,24 +123,17 @@ fn answer(
         ttft.get_or_insert(start.elapsed().as_secs_f64());
         Ok(())
     };
-    let out = match (backend, offloaded) {
-        (Backend::Cpu(Some(kv)), true) => {
-            let cap = kv.capacity();
-            let kv: &mut dyn KvView = kv.as_mut();
-            engine::generate_with(model, kv, cap, ids, &opts, &mut on_token)?
-        }
-        (Backend::Cpu(_), _) => engine::generate(model, ids, &opts, max_len, &mut on_token)?,
-        (Backend::Cuda(s), offloaded) => s.generate(offloaded, ids, &opts, None, &mut on_token)?,
+    let out = if resident {
+        session.generate_resident(ids, &opts, &mut on_token)?
+    } else {
+        session.generate(ids, &opts, &mut on_token)?
     };
     Ok((out, ttft.unwrap_or(0.0)))
 }
 
 fn run(args: Args) -> Result<bool> {
     device::check_available(args.device)?;
-    let (model, tok) = Model::load(
-        &args.model.clone().map_or_else(default_model, Ok)?,
-        !args.json,
-    )?;
+    let (model, tok) = Model::load(&strata::model::resolve(args.model.clone())?, !args.json)?;
     let longest = *args
         .input_len
         .iter()
@@ -193,31 +162,16 @@ fn run(args: Args) -> Result<bool> {
         num_cpu_blocks: args.num_cpu_blocks,
         ..Default::default()
     });
-    let mut plan = None;
-    if let Some(cfg) = &ocfg {
-        // KV in f32 on the CPU device, bf16 on CUDA.
-        let elem = if args.device == DeviceKind::Cuda {
-            2
-        } else {
-            4
-        };
-        plan = Some(cfg.plan_for(&model.cfg, elem)?);
-    }
-    let mut backend = match args.device {
-        DeviceKind::Cuda => {
-            let resident = !offloaded || args.compare_offload;
-            let s = CudaSession::on_gpu(&model, max_len, resident, ocfg)?;
-            Backend::Cuda(Box::new(s))
-        }
-        _ => Backend::Cpu(
-            ocfg.map(|c| OffloadEngine::new(&model.cfg, c).map(Box::new))
-                .transpose()?,
-        ),
+    let session_cfg = SessionConfig {
+        offload: ocfg,
+        ..SessionConfig::new(args.device, max_len)
     };
-    // Printed once everything it describes exists: no line precedes a setup error.
+    let plan = session_cfg.plan(&model.cfg)?;
     if let (Some(plan), false) = (plan, args.json) {
         eprintln!("{plan}");
     }
+    // One session for every case and repeat: weights uploaded and engines made once.
+    let mut session = Session::new(Arc::clone(&model), session_cfg)?;
 
     let mut reports = Vec::new();
     for repeat in 0..args.repeats {
@@ -235,14 +189,7 @@ fn run(args: Args) -> Result<bool> {
                 let new_tokens = NEW_TOKENS
                     .max(tok.encode(&prompt.value, false)?.len() + ANSWER_SLACK)
                     .min(max_len - input_len);
-                let (out, ttft) = answer(
-                    &model,
-                    &mut backend,
-                    offloaded,
-                    &prompt.ids,
-                    max_len,
-                    new_tokens,
-                )?;
+                let (out, ttft) = answer(&mut session, false, &prompt.ids, new_tokens)?;
                 let text = tok.decode(&out.token_ids, true)?;
                 let mut report = CaseReport {
                     input_len,
@@ -264,14 +211,7 @@ fn run(args: Args) -> Result<bool> {
                     max_logprob_diff: None,
                 };
                 if args.compare_offload {
-                    let (plain, _) = answer(
-                        &model,
-                        &mut backend,
-                        false,
-                        &prompt.ids,
-                        max_len,
-                        new_tokens,
-                    )?;
+                    let (plain, _) = answer(&mut session, true, &prompt.ids, new_tokens)?;
                     let plain_text = tok.decode(&plain.token_ids, true)?;
                     report.tokens_agree = Some(plain.token_ids == out.token_ids);
                     report.max_logprob_diff = Some(

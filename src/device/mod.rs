@@ -5,6 +5,9 @@
 pub mod bf16;
 pub mod cpu;
 pub mod cuda;
+pub mod ptr;
+
+pub use ptr::DevPtr;
 
 use anyhow::Result;
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 
-use crate::kv::{ContiguousKv, KvView};
+use crate::kv::{ContiguousKv, KvCache};
 use crate::model::Model;
 pub use sampler::{Sampler, SamplingParams};
 
@@ -88,7 +88,7 @@ pub fn generate(
 /// The prefill/decode loop over any KV view with room for `capacity` tokens.
 pub fn generate_with(
     model: &Arc<Model>,
-    kv: &mut dyn KvView,
+    kv: &mut dyn KvCache<f32>,
     capacity: usize,
     prompt: &[u32],
     opts: &GenerateOptions,

@@ -10,14 +10,16 @@
 use crate::device::cpu::stream::TraceEvent;
 use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::cuda::kv::{CudaKv, ResidentKv};
+use crate::device::cuda::kv::ResidentKv;
 use crate::device::cuda::model::CudaModel;
-use crate::device::cuda::offload::CudaOffloadEngine;
+use crate::device::cuda::offload_dev::offload_engine;
 use crate::device::cuda::ops::{dtoh, htod, mem_used};
 use crate::device::cuda::weights::CudaWeights;
 use crate::engine::sampler::argmax;
 use crate::model::random::Shape;
-use crate::offload::OffloadConfig;
+use crate::kv::KvCache;
+use crate::offload::{OffloadConfig, OffloadControl};
+use half::bf16;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{sys, CudaEvent, CudaStream};
 use std::fmt::Write as _;
@@ -304,7 +306,7 @@ struct Timing {
 /// Prefill `prompt`, 2 warm-up decode steps, then `steps` timed ones.
 fn run_once(
     model: &mut CudaModel,
-    kv: &mut dyn CudaKv,
+    kv: &mut dyn KvCache<bf16>,
     prompt: &[u32],
     steps: usize,
     kv_mem: usize,
@@ -385,7 +387,7 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
             max_model_len: max_len,
             ..OffloadConfig::default()
         };
-        let mut kv = CudaOffloadEngine::new(dev.clone(), compute.clone(), &cfg, ocfg)?;
+        let mut kv = offload_engine(dev.clone(), compute.clone(), &cfg, ocfg)?;
         compute.synchronize()?;
         let plan = kv.plan();
         let kv_mem = mem_used()?

@@ -411,3 +411,15 @@ impl Exec for EmuExec {
         Ok(())
     }
 }
+
+/// The offload engine the emulated CUDA model pairs with: the CPU device in bf16 (its
+/// memory is host memory, which the emulated kernels read), random copy delays under the
+/// sanitizer.
+pub fn emulator_offload_engine(
+    model: &crate::model::ModelConfig,
+    cfg: crate::offload::OffloadConfig,
+) -> Result<Box<dyn crate::offload::OffloadKv<half::bf16>>> {
+    use crate::offload::{engine::OFFLOAD_STREAMS, CpuOffloadDevice, OffloadEngine};
+    let d = CpuOffloadDevice::<half::bf16>::new(0.0, cfg.sanitize, OFFLOAD_STREAMS);
+    Ok(Box::new(OffloadEngine::new(d, model, cfg)?))
+}

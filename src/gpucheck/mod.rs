@@ -6,9 +6,8 @@
 //! - `model_checks`: CUDA model logits vs the CPU model, and greedy generation with and
 //!   without offload (steps 2 and 3);
 //! - `bench`: pinned-memory bandwidth and the offload benchmark (steps 4 and 5);
-//! - `emu`: the kernels' own `.cu` sources run on the CPU (`emu/`), an `Exec` for tests;
-//! - `host_offload_dev`: the offload engine's device interface on host memory, copy streams
-//!   on worker threads (ordering checks without a GPU).
+//! - `emu`: the kernels' own `.cu` sources run on the CPU (`emu/`), an `Exec` for tests,
+//!   paired with the offload engine on the CPU device in bf16 (`emulator_offload_engine`).
 //!
 //! One reference per kernel: its CPU twin (`device::cpu::ops` / `twins`), checked against
 //! the kernel's own source on the emulator. The former host twin of the kernels
@@ -17,6 +16,5 @@
 
 pub mod bench;
 pub mod emu;
-pub mod host_offload_dev;
 pub mod kernels;
 pub mod model_checks;

@@ -12,16 +12,18 @@
 
 use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::cuda::generate::{generate, EngineFactory};
-use crate::device::cuda::kv::{CudaKv, ResidentKv};
+use crate::device::cuda::kv::ResidentKv;
 use crate::device::cuda::model::CudaModel;
-use crate::device::cuda::offload::CudaOffloadEngine;
+use crate::device::cuda::offload_dev::offload_engine;
 use crate::device::cuda::weights::CudaWeights;
+use crate::device::DeviceKind;
 use crate::engine::{GenerateOptions, GenerationOutput, SamplingParams};
 use crate::kv::ContiguousKv;
 use crate::model::random::{random_weights, Shape};
 use crate::model::Model;
-use crate::offload::OffloadConfig;
+use crate::offload::{OffloadConfig, OffloadKv};
+use crate::session::{EngineFactory, Session, SessionConfig};
+use half::bf16;
 use anyhow::Result;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
@@ -212,7 +214,8 @@ pub fn offload_check() -> Result<Vec<CheckRow>> {
         let compute = dev.new_stream()?;
         let x = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
         let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
-            CudaOffloadEngine::new(dev.clone(), compute.clone(), cfg, o)
+            let e = offload_engine(dev.clone(), compute.clone(), cfg, o)?;
+            Ok(Box::new(e) as Box<dyn OffloadKv<bf16>>)
         };
         rows.extend(
             offload_case(x, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
@@ -231,13 +234,11 @@ fn offload_shapes() -> [(&'static str, Shape); 2] {
     ]
 }
 
-/// Step 3 on the kernel emulator, the copy streams on threads with random delays.
+/// Step 3 on the kernel emulator, the offload engine on the CPU device in bf16 (copy
+/// streams on threads; random delays under the sanitizer).
 pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
     let x: Arc<dyn Exec> = Arc::new(super::emu::EmuExec::new()?);
-    let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
-        let d = super::host_offload_dev::ThreadedHostOffloadDev::new(2, true);
-        CudaOffloadEngine::with_dev(Box::new(d), cfg, o)
-    };
+    let engine = super::emu::emulator_offload_engine;
     let mut rows = Vec::new();
     for (name, shape) in offload_shapes() {
         rows.extend(
@@ -256,34 +257,35 @@ pub fn offload_case(
     shape: Shape,
 ) -> Result<Vec<CheckRow>> {
     let cfg = shape.config();
-    let model = Model::new(cfg.clone(), random_weights(&cfg, 3, shape.qk_gain));
-    let w = CudaWeights::from_model(&*x, &model)?;
+    let model = Arc::new(Model::new(cfg.clone(), random_weights(&cfg, 3, shape.qk_gain)));
     let (prompt_len, new) = (100usize, 40usize);
     let cap = prompt_len + new;
-    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap)?;
     let mut rng = StdRng::seed_from_u64(9);
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
     let opts = greedy(new);
-    let mut run =
-        |kv: &mut dyn CudaKv| generate(&mut gpu, kv, &prompt, &opts, None, &mut |_| Ok(()));
-    let mut resident = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap)?;
-    let base = run(&mut resident)?;
-    drop(resident);
+    let mut base = None;
     let mut rows = Vec::new();
     for sanitize in [false, true] {
-        let ocfg = OffloadConfig {
-            num_kv_buffers: 3,
-            block_size: 16,
-            max_model_len: cap,
-            sanitize,
-            ..OffloadConfig::default()
+        let scfg = SessionConfig {
+            offload: Some(OffloadConfig {
+                num_kv_buffers: 3,
+                block_size: 16,
+                max_model_len: cap,
+                sanitize,
+                ..OffloadConfig::default()
+            }),
+            ..SessionConfig::new(DeviceKind::Cuda, cap)
         };
-        let mut kv = engine(&cfg, ocfg)?;
-        let out = run(&mut kv)?;
+        let mut s = Session::on_exec(model.clone(), scfg, x.clone(), engine)?;
+        if base.is_none() {
+            base = Some(s.generate_resident(&prompt, &opts, &mut |_| Ok(()))?);
+        }
+        let out = s.generate(&prompt, &opts, &mut |_| Ok(()))?;
         let label = if sanitize { " + sanitizer" } else { "" };
-        rows.push(equal_row(&format!("{name}: offload{label}"), &base, &out));
+        let base = base.as_ref().expect("set above");
+        rows.push(equal_row(&format!("{name}: offload{label}"), base, &out));
     }
     Ok(rows)
 }

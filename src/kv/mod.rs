@@ -1,57 +1,163 @@
-//! The KV seam: the model's layer loop talks to a per-step KV view through
-//! `begin_layer / layer / end_layer` and never knows where the cache lives.
+//! The KV seam, pull-shaped: the model's layer loop asks a cache where layer `l`'s K and V
+//! are (`begin_layer`), enqueues its own work on the compute stream against them, and says
+//! when it is done (`end_layer`). The CPU model and the CUDA model use the same seam; the
+//! resident caches, the offload engine and the serving path's page pool implement it.
+//!
+//! ```text
+//! begin_step(pos0, tokens) → [ begin_layer(l) → layer l's work → end_layer(l) ]* (l = 0..L)
+//! ```
+
+use std::marker::PhantomData;
 
 use anyhow::{bail, Result};
 
-/// One layer's K and V as the attention sees them: `[capacity, kv_heads, head_dim]`,
-/// positions `0..len` valid once the step's new tokens are stored.
-pub struct LayerKv<'a> {
-    pub k: &'a mut [f32],
-    pub v: &'a mut [f32],
+use crate::device::DevPtr;
+
+/// Where one layer's K and V live while it computes: `[rows, kv_dim]` each, in the
+/// device's KV element type (f32 on the CPU device, bf16 on CUDA).
+#[derive(Debug)]
+pub struct LayerSlot<T> {
+    pub k: DevPtr<T>,
+    pub v: DevPtr<T>,
+    pub rows: usize,
 }
 
-/// Work for the compute stream.
-pub type Work = Box<dyn FnOnce() + Send>;
-/// One layer's compute, handed that layer's KV when it runs.
-pub type LayerWork = Box<dyn for<'a> FnOnce(LayerKv<'a>) + Send>;
+impl<T> Clone for LayerSlot<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
 
-/// What the layer loop needs from a KV cache during one forward step. Work is handed
-/// over, not run by the caller, so an implementation may queue it on a device stream and
-/// return at once; `synchronize` waits for all of it.
-pub trait KvView {
+impl<T> Copy for LayerSlot<T> {}
+
+/// What the layer loop needs from a KV cache during one forward step.
+///
+/// # Safety
+/// Implementors promise that from `begin_layer(l)` returning until `end_layer(l)`, the
+/// slot's memory is valid for `rows` rows, and the rows the step stores and attends (its
+/// sequences' positions) are touched by nothing but the compute stream: every copy into
+/// them has completed (as seen by the compute stream) and none out of them is pending.
+pub unsafe trait KvCache<T> {
     /// Forgets everything of the previous request (called before each request's prefill).
-    fn reset(&mut self) -> Result<()> {
-        Ok(())
-    }
+    fn reset(&mut self) -> Result<()>;
+    /// Tokens one sequence may hold.
+    fn capacity(&self) -> usize;
     /// A forward step over positions `pos0..pos0 + tokens` begins (e.g. start prefetching).
-    fn begin_step(&mut self, _pos0: usize, _tokens: usize) -> Result<()> {
-        Ok(())
-    }
-    /// Runs non-layer work (embedding, lm_head) on the compute stream.
-    fn run(&mut self, name: &'static str, work: Work) -> Result<()>;
-    /// Before layer `layer` attends: make its KV usable (e.g. wait for a prefetch).
-    fn begin_layer(&mut self, layer: usize) -> Result<()>;
-    /// Runs layer `layer`'s compute, which stores K/V for positions `pos0..pos0 + tokens`
-    /// and attends over `0..pos0 + tokens`.
-    fn run_layer(
-        &mut self,
-        layer: usize,
-        pos0: usize,
-        tokens: usize,
-        work: LayerWork,
-    ) -> Result<()>;
-    /// After layer `layer` is done with its KV (e.g. start an offload or the next prefetch).
+    fn begin_step(&mut self, pos0: usize, tokens: usize) -> Result<()>;
+    /// Makes layer `layer`'s KV usable by the compute stream (waits queued there, or on the
+    /// CPU device, where the calling thread is the compute stream, waited for) and returns
+    /// where it is.
+    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<T>>;
+    /// The layer's work is enqueued: record, offload, prefetch ahead.
     fn end_layer(&mut self, layer: usize) -> Result<()>;
-    /// Blocks until every piece of work handed over so far has run.
-    fn synchronize(&mut self) -> Result<()>;
 }
 
-/// A contiguous per-sequence cache in device memory: `num_layers × [capacity, kv_heads, head_dim]`
-/// for K and for V. begin/end are no-ops: everything is resident.
+/// One layer's K and V memory on the CPU device, `[rows, kv_dim]` f32 each, as the model
+/// stores into it. It holds raw pointers and hands out one row-sized slice at a time, never
+/// a reference spanning rows that another stream may be writing (the serving pool's other
+/// pages, a ring slot's neighbours).
+pub struct LayerKv<'a> {
+    k: *mut f32,
+    v: *mut f32,
+    len: usize, // f32s in each of K and V
+    _borrow: PhantomData<&'a mut [f32]>,
+}
+
+impl<'a> LayerKv<'a> {
+    /// # Safety
+    /// `slot` must come from a `KvCache::begin_layer` whose `end_layer` has not been
+    /// called yet, on the CPU device (its addresses are host memory).
+    pub unsafe fn from_slot(slot: LayerSlot<f32>, kv_dim: usize) -> Self {
+        Self {
+            k: slot.k.as_host_ptr(),
+            v: slot.v.as_host_ptr(),
+            len: slot.rows * kv_dim,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Over two buffers the caller owns (tests, references).
+    pub fn from_slices(k: &'a mut [f32], v: &'a mut [f32]) -> Self {
+        assert_eq!(k.len(), v.len(), "K and V hold the same rows");
+        Self {
+            k: k.as_mut_ptr(),
+            v: v.as_mut_ptr(),
+            len: k.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Writes one position's K and V row at `at` (an offset in f32s).
+    pub fn store(&mut self, at: usize, k: &[f32], v: &[f32]) {
+        assert!(
+            k.len() == v.len() && at + k.len() <= self.len,
+            "KV store out of range"
+        );
+        // SAFETY: in bounds; the row is the compute stream's (the `KvCache` contract, or
+        // the caller's own buffers); the sources are activations, never the cache.
+        unsafe {
+            std::ptr::copy_nonoverlapping(k.as_ptr(), self.k.add(at), k.len());
+            std::ptr::copy_nonoverlapping(v.as_ptr(), self.v.add(at), v.len());
+        }
+    }
+
+    /// The same memory, to read.
+    pub fn read(&self) -> KvRows<'_> {
+        KvRows {
+            k: self.k,
+            v: self.v,
+            len: self.len,
+            _borrow: PhantomData,
+        }
+    }
+}
+
+/// A layer's K and V as the attention reads them, row by row (see `LayerKv`).
+#[derive(Clone, Copy)]
+pub struct KvRows<'a> {
+    k: *const f32,
+    v: *const f32,
+    len: usize,
+    _borrow: PhantomData<&'a [f32]>,
+}
+
+// SAFETY: a shared view; the rows it reaches are not written while it lives (the
+// `KvCache` contract, or a borrow of the caller's buffers).
+unsafe impl Send for KvRows<'_> {}
+unsafe impl Sync for KvRows<'_> {}
+
+impl<'a> KvRows<'a> {
+    pub fn from_slices(k: &'a [f32], v: &'a [f32]) -> Self {
+        assert_eq!(k.len(), v.len(), "K and V hold the same rows");
+        Self {
+            k: k.as_ptr(),
+            v: v.as_ptr(),
+            len: k.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// K and V at `at..at + n` (offsets in f32s).
+    #[inline(always)]
+    pub fn rows(&self, at: usize, n: usize) -> (&'a [f32], &'a [f32]) {
+        assert!(at + n <= self.len, "KV read {at}+{n} past {}", self.len);
+        // SAFETY: in bounds (above); nothing writes the range while the view lives.
+        unsafe {
+            (
+                std::slice::from_raw_parts(self.k.add(at), n),
+                std::slice::from_raw_parts(self.v.add(at), n),
+            )
+        }
+    }
+}
+
+/// A contiguous per-sequence cache in CPU memory: `num_layers × [capacity, kv_dim]` f32
+/// for K and for V, grown as positions are used. Everything is resident and the calling
+/// thread is the compute stream, so `begin_layer`/`end_layer` wait for nothing.
 pub struct ContiguousKv {
     row: usize, // kv_heads * head_dim
     capacity: usize,
-    k: Vec<Vec<f32>>, // [num_layers][capacity * row]
+    k: Vec<Vec<f32>>, // [num_layers][rows * row]
     v: Vec<Vec<f32>>,
 }
 
@@ -66,18 +172,24 @@ impl ContiguousKv {
         }
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     /// Bytes currently held.
     pub fn bytes(&self) -> usize {
         self.k.iter().chain(&self.v).map(|b| b.len() * 4).sum()
     }
 }
 
-impl ContiguousKv {
-    fn layer(&mut self, layer: usize, end: usize) -> Result<LayerKv<'_>> {
+// SAFETY: the buffers are this cache's alone and only grow in `begin_step`, between steps.
+unsafe impl KvCache<f32> for ContiguousKv {
+    fn reset(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn begin_step(&mut self, pos0: usize, tokens: usize) -> Result<()> {
+        let end = pos0 + tokens;
         if end > self.capacity {
             bail!(
                 "KV cache full: {end} tokens needed, room for {}",
@@ -85,47 +197,26 @@ impl ContiguousKv {
             );
         }
         let need = end * self.row;
-        for buf in [&mut self.k[layer], &mut self.v[layer]] {
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
             if buf.len() < need {
                 // Grow geometrically so decode does not reallocate every step.
-                let target = (need.max(buf.len() * 2)).min(self.capacity * self.row);
+                let target = need.max(buf.len() * 2).min(self.capacity * self.row);
                 buf.resize(target, 0.0);
             }
         }
-        Ok(LayerKv {
-            k: &mut self.k[layer],
-            v: &mut self.v[layer],
+        Ok(())
+    }
+
+    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<f32>> {
+        let (k, v) = (&mut self.k[layer], &mut self.v[layer]);
+        Ok(LayerSlot {
+            k: DevPtr::from_addr(k.as_mut_ptr() as u64),
+            v: DevPtr::from_addr(v.as_mut_ptr() as u64),
+            rows: k.len() / self.row.max(1),
         })
-    }
-}
-
-/// Everything is resident and the caller's thread is the compute stream: work runs inline.
-impl KvView for ContiguousKv {
-    fn run(&mut self, _name: &'static str, work: Work) -> Result<()> {
-        work();
-        Ok(())
-    }
-
-    fn begin_layer(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn run_layer(
-        &mut self,
-        layer: usize,
-        pos0: usize,
-        tokens: usize,
-        work: LayerWork,
-    ) -> Result<()> {
-        work(self.layer(layer, pos0 + tokens)?);
-        Ok(())
     }
 
     fn end_layer(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn synchronize(&mut self) -> Result<()> {
         Ok(())
     }
 }

@@ -8,12 +8,12 @@ pub mod tokenizer;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
 use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
-use crate::kv::{KvView, LayerKv};
+use crate::kv::{KvCache, LayerKv};
 pub use config::{Arch, ModelConfig};
 pub use tokenizer::Tokenizer;
 use weights::ModelWeights;
@@ -40,26 +40,41 @@ pub enum WantLogits {
     No,
 }
 
-/// Every layer's K and V page pools, `[num_pages, block_size, kv_heads, head_dim]` each.
-pub trait PagePool {
+/// Every layer's K and V page pools, `[num_pages, block_size, kv_heads, head_dim]` each,
+/// through the KV seam: `begin_layer` returns the whole pool of a layer, and each
+/// sequence's block table says which pages are its.
+pub trait PagePool: KvCache<f32> {
     fn block_size(&self) -> usize;
     fn num_pages(&self) -> usize;
-    /// Layer `layer`'s pools, for the duration of that layer's compute.
-    fn layer(&mut self, layer: usize) -> LayerKv<'_>;
-}
-
-/// Where a layer stores its new K/V rows and what its attention reads.
-enum LayerTarget<'a> {
-    /// One sequence over a contiguous cache: rows are positions `pos0..`.
-    Contiguous(LayerKv<'a>),
-    /// A batch of sequences, each over its own pages.
-    Paged(LayerKv<'a>, &'a [AttnSeq<PagedRows<'a>>]),
 }
 
 pub struct Model {
     pub cfg: ModelConfig,
     pub weights: ModelWeights,
     inv_freq: Vec<f32>, // [head_dim / 2]
+}
+
+/// The default model, downloaded by `models/fetch.sh`.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The one resolution of the model path for every binary and subcommand: `--model`, else
+/// `$STRATA_MODEL`, else the default model in ./models or in the checkout the running
+/// binary was built in.
+pub fn resolve(arg: Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(p) = arg.or_else(|| std::env::var_os("STRATA_MODEL").map(PathBuf::from)) {
+        return Ok(p);
+    }
+    let mut candidates = vec![PathBuf::from(DEFAULT_MODEL)];
+    if let Ok(exe) = std::env::current_exe() {
+        // target/{release,debug}/<binary> → the checkout's models/
+        if let Some(root) = exe.parent().and_then(Path::parent).and_then(Path::parent) {
+            candidates.push(root.join(DEFAULT_MODEL));
+        }
+    }
+    candidates
+        .into_iter()
+        .find(|p| p.exists())
+        .context("no --model given and the default model is missing: run `models/fetch.sh` to download SmolLM2-135M-Instruct")
 }
 
 /// A model file or directory, resolved to its format.
@@ -162,60 +177,28 @@ impl Model {
     /// Runs `tokens` at positions `pos0..` through every layer, storing their K/V through
     /// `kv`, and returns the logits `[vocab]` of the last token.
     pub fn forward(
-        self: &Arc<Self>,
+        &self,
         tokens: &[u32],
         pos0: usize,
-        kv: &mut dyn KvView,
+        kv: &mut dyn KvCache<f32>,
     ) -> Result<Vec<f32>> {
-        let cfg = &self.cfg;
         let t = tokens.len();
         if t == 0 {
             bail!("forward called with no tokens");
         }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab_size) {
-            bail!(
-                "token id {id} is outside the vocabulary ({})",
-                cfg.vocab_size
-            );
-        }
+        self.check_ids(tokens)?;
         kv.begin_step(pos0, t)?;
-        let acts = Arc::new(Mutex::new(Activations::new(cfg, t)));
-        {
-            let (m, a, toks) = (Arc::clone(self), Arc::clone(&acts), tokens.to_vec());
-            kv.run(
-                "embed",
-                Box::new(move || {
-                    let a = &mut lock(&a);
-                    a.pos0 = pos0;
-                    m.embed(&toks, &(pos0..pos0 + toks.len()).collect::<Vec<_>>(), a)
-                }),
-            )?;
-        }
-        for l in 0..cfg.num_layers {
-            kv.begin_layer(l)?;
-            let (m, a) = (Arc::clone(self), Arc::clone(&acts));
-            kv.run_layer(
-                l,
-                pos0,
-                t,
-                Box::new(move |lkv| m.layer(l, &mut lock(&a), LayerTarget::Contiguous(lkv))),
-            )?;
-            kv.end_layer(l)?;
-        }
-        let logits = Arc::new(Mutex::new(Vec::new()));
-        {
-            let (m, a, out) = (Arc::clone(self), Arc::clone(&acts), Arc::clone(&logits));
-            kv.run(
-                "lm_head",
-                Box::new(move || {
-                    let a = lock(&a);
-                    *lock(&out) = m.head(&a, &[a.t - 1]).remove(0);
-                }),
-            )?;
-        }
-        kv.synchronize()?;
-        let logits = std::mem::take(&mut *lock(&logits));
-        Ok(logits)
+        let seq = AttnSeq {
+            row0: 0,
+            tokens: t,
+            pos0,
+            kv: ContiguousRows {
+                row: self.cfg.kv_dim(),
+            },
+        };
+        let positions: Vec<usize> = (pos0..pos0 + t).collect();
+        let a = self.run_layers(tokens, &positions, &[seq], kv)?;
+        Ok(self.head(&a, &[t - 1]).remove(0))
     }
 
     /// One forward over a batch of sequences (decode rows and prefill chunks alike), each
@@ -239,12 +222,7 @@ impl Model {
             if s.tokens.is_empty() {
                 bail!("sequence {i} of the batch has no tokens");
             }
-            if let Some(&id) = s.tokens.iter().find(|&&id| id as usize >= cfg.vocab_size) {
-                bail!(
-                    "token id {id} is outside the vocabulary ({})",
-                    cfg.vocab_size
-                );
-            }
+            self.check_ids(s.tokens)?;
             let end = s.pos0 + s.tokens.len();
             if s.pages.len() * bs < end {
                 bail!(
@@ -268,12 +246,7 @@ impl Model {
             tokens.extend_from_slice(s.tokens);
             positions.extend(s.pos0..end);
         }
-        let mut a = Activations::new(cfg, tokens.len());
-        self.embed(&tokens, &positions, &mut a);
-        for l in 0..cfg.num_layers {
-            let lkv = pool.layer(l);
-            self.layer(l, &mut a, LayerTarget::Paged(lkv, &attn_seqs));
-        }
+        let a = self.run_layers(&tokens, &positions, &attn_seqs, pool)?;
         let rows: Vec<usize> = attn_seqs
             .iter()
             .zip(seqs)
@@ -285,6 +258,51 @@ impl Model {
             .iter()
             .map(|s| (s.logits == WantLogits::Yes).then(|| logits.next().unwrap_or_default()))
             .collect())
+    }
+
+    fn check_ids(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.cfg.vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+            bail!("token id {id} is outside the vocabulary ({vocab})");
+        }
+        Ok(())
+    }
+
+    /// Embedding, then every layer over the KV seam: layer `l` pulls its K/V from `kv`,
+    /// runs here (the CPU device's compute stream is the calling thread) and hands the
+    /// slot back. Returns the activations, the final norm in `hn`.
+    fn run_layers<L: KvLayout>(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        seqs: &[AttnSeq<L>],
+        kv: &mut dyn KvCache<f32>,
+    ) -> Result<Activations> {
+        let kvd = self.cfg.kv_dim();
+        // f32s of K (and of V) the step addresses: its last row's end, in any sequence.
+        let need = seqs
+            .iter()
+            .map(|s| s.kv.row_offset(s.pos0 + s.tokens - 1) + kvd)
+            .max()
+            .unwrap_or(0);
+        let mut a = Activations::new(&self.cfg, tokens.len());
+        self.embed(tokens, positions, &mut a);
+        for l in 0..self.cfg.num_layers {
+            let slot = kv.begin_layer(l)?;
+            if slot.rows * kvd < need {
+                bail!(
+                    "layer {l}: the step addresses {} KV rows, its slot holds {}",
+                    need / kvd,
+                    slot.rows
+                );
+            }
+            // SAFETY: the slot is this (compute) thread's until `end_layer` below, which
+            // is called after the layer's work has run.
+            let lkv = unsafe { LayerKv::from_slot(slot, kvd) };
+            self.layer(l, &mut a, lkv, seqs);
+            kv.end_layer(l)?;
+        }
+        Ok(a)
     }
 
     /// Embedding gather and the first layer's input norm; `positions[t]` of each row.
@@ -304,7 +322,13 @@ impl Model {
 
     /// One decoder layer: reads `a.hn` (normalised input), updates the residual `a.x`, and
     /// leaves the next layer's normalised input in `a.hn`.
-    fn layer(&self, l: usize, a: &mut Activations, kv: LayerTarget<'_>) {
+    fn layer<L: KvLayout>(
+        &self,
+        l: usize,
+        a: &mut Activations,
+        kv: LayerKv<'_>,
+        seqs: &[AttnSeq<L>],
+    ) {
         let cfg = &self.cfg;
         let lw = &self.weights.layers[l];
         let t = a.t;
@@ -362,18 +386,7 @@ impl Model {
             dst.copy_from_slice(&src[..qd]);
         }
         // 4. Store the new K/V and attend over everything up to them.
-        match kv {
-            LayerTarget::Contiguous(kv) => {
-                let seq = AttnSeq {
-                    row0: 0,
-                    tokens: t,
-                    pos0: a.pos0,
-                    kv: ContiguousRows { row: kvd },
-                };
-                self.store_and_attend(a, kv, &[seq]);
-            }
-            LayerTarget::Paged(kv, seqs) => self.store_and_attend(a, kv, seqs),
-        }
+        self.store_and_attend(a, kv, seqs);
         // 5. Output projection, residual add, post-attention norm.
         ops::linear(&a.attn, &lw.wo, None, &mut a.proj, t, qd, h);
         ops::add_rms_norm(&mut a.x, &a.proj, &lw.mlp_norm, eps, &mut a.hn);
@@ -418,7 +431,7 @@ impl Model {
     fn store_and_attend<L: KvLayout>(
         &self,
         a: &mut Activations,
-        kv: LayerKv<'_>,
+        mut kv: LayerKv<'_>,
         seqs: &[AttnSeq<L>],
     ) {
         let cfg = &self.cfg;
@@ -427,9 +440,11 @@ impl Model {
         for s in seqs {
             for i in 0..s.tokens {
                 let src = &a.qkv[(s.row0 + i) * qkv_dim..][..qkv_dim];
-                let at = s.kv.row_offset(s.pos0 + i);
-                kv.k[at..at + kvd].copy_from_slice(&src[qd..qd + kvd]);
-                kv.v[at..at + kvd].copy_from_slice(&src[qd + kvd..]);
+                kv.store(
+                    s.kv.row_offset(s.pos0 + i),
+                    &src[qd..qd + kvd],
+                    &src[qd + kvd..],
+                );
             }
         }
         let heads = AttnHeads {
@@ -437,7 +452,7 @@ impl Model {
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
         };
-        ops::attention_batch(&a.q, kv.k, kv.v, &mut a.attn, heads, seqs);
+        ops::attention_batch(&a.q, kv.read(), &mut a.attn, heads, seqs);
     }
 
     /// lm_head on the given rows (`a.hn` already holds the final norm): `[vocab]` each.
@@ -462,14 +477,9 @@ impl Model {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// The step's activations ("device memory" of the compute stream), sized for `t` tokens.
 struct Activations {
     t: usize,
-    pos0: usize,
     chunk: usize,   // MLP rows at once
     x: Vec<f32>,    // [t, hidden] residual stream
     hn: Vec<f32>,   // [t, hidden] normalised input of the next block
@@ -489,7 +499,6 @@ impl Activations {
         let chunk = t.min(MLP_CHUNK);
         Self {
             t,
-            pos0: 0,
             chunk,
             x: vec![0.0; t * h],
             hn: vec![0.0; t * h],

@@ -10,10 +10,10 @@ use std::time::Instant;
 use anyhow::Result;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::{trace, OffloadConfig, OffloadEngine};
+use super::{trace, CpuOffloadEngine, OffloadConfig, OffloadControl};
 use crate::device::cpu::stream::{Buffer, CpuDevice, MemSpace, Stream};
 use crate::engine::sampler::argmax;
-use crate::kv::{ContiguousKv, KvView};
+use crate::kv::{ContiguousKv, KvCache};
 use crate::model::Model;
 
 #[derive(Debug, Clone)]
@@ -44,24 +44,27 @@ pub struct OffloadBenchReport {
     pub min_bytes_per_step: f64,
 }
 
-/// Runs `steps` decode steps after a prefill of `prompt`; returns (prefill s, mean step s).
-fn run(
-    model: &Arc<Model>,
-    kv: &mut dyn KvView,
-    prompt: &[u32],
-    steps: usize,
-    before_decode: &dyn Fn(),
-) -> Result<(f64, f64)> {
+/// Resets `kv` and prefills `prompt`: (seconds, the last logits).
+fn prefill(model: &Model, kv: &mut dyn KvCache<f32>, prompt: &[u32]) -> Result<(f64, Vec<f32>)> {
     kv.reset()?;
     let t0 = Instant::now();
-    let mut logits = model.forward(prompt, 0, kv)?;
-    let prefill = t0.elapsed().as_secs_f64();
-    before_decode();
+    let logits = model.forward(prompt, 0, kv)?;
+    Ok((t0.elapsed().as_secs_f64(), logits))
+}
+
+/// `steps` greedy decode steps after a prefill of `pos` tokens: mean seconds per step.
+fn decode(
+    model: &Model,
+    kv: &mut dyn KvCache<f32>,
+    mut logits: Vec<f32>,
+    pos: usize,
+    steps: usize,
+) -> Result<f64> {
     let t1 = Instant::now();
     for i in 0..steps {
-        logits = model.forward(&[argmax(&logits)], prompt.len() + i, kv)?;
+        logits = model.forward(&[argmax(&logits)], pos + i, kv)?;
     }
-    Ok((prefill, t1.elapsed().as_secs_f64() / steps.max(1) as f64))
+    Ok(t1.elapsed().as_secs_f64() / steps.max(1) as f64)
 }
 
 /// Time to move `layers` layers of K and V (`bytes_per_layer` in all) over the link, alone.
@@ -92,14 +95,11 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
 
     // 1. Compute alone: everything resident.
     let mut plain = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, total);
-    run(
-        model,
-        &mut plain,
-        &prompt[..prompt.len().min(64)],
-        2,
-        &|| {},
-    )?; // warm-up
-    let (prefill_plain, step_compute) = run(model, &mut plain, &prompt, args.decode_steps, &|| {})?;
+    let warm = &prompt[..prompt.len().min(64)];
+    let (_, logits) = prefill(model, &mut plain, warm)?;
+    decode(model, &mut plain, logits, warm.len(), 2)?;
+    let (prefill_plain, logits) = prefill(model, &mut plain, &prompt)?;
+    let step_compute = decode(model, &mut plain, logits, prompt.len(), args.decode_steps)?;
 
     // 2. The link: one layer's decode transfer ≈ one layer's decode compute.
     let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
@@ -116,15 +116,13 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
         link_gbps: gbps,
         ..Default::default()
     };
-    let mut engine = OffloadEngine::new(c, cfg)?;
-    let dev = Arc::clone(engine.device());
-    let (prefill_offload, step_offload) =
-        run(model, &mut engine, &prompt, args.decode_steps, &|| {
-            dev.take_trace();
-            dev.set_tracing(true);
-        })?;
-    dev.set_tracing(false);
-    let events = dev.take_trace();
+    let mut engine = CpuOffloadEngine::on_cpu(c, cfg)?;
+    let (prefill_offload, logits) = prefill(model, &mut engine, &prompt)?;
+    engine.take_trace()?;
+    engine.set_tracing(true)?;
+    let step_offload = decode(model, &mut engine, logits, prompt.len(), args.decode_steps)?;
+    engine.set_tracing(false)?;
+    let events = engine.take_trace()?;
     if let Some(p) = &args.trace_out {
         trace::write_chrome_trace(p, &events)?;
     }

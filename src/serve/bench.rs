@@ -44,9 +44,9 @@ impl std::str::FromStr for LenRange {
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// GGUF file or Hugging Face model directory.
-    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
-    pub model: PathBuf,
+    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    pub model: Option<PathBuf>,
     /// Number of requests.
     #[arg(long, default_value_t = 16, value_parser = flags::seqs())]
     pub num_seqs: usize,
@@ -245,10 +245,7 @@ fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize) {
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
-    if !a.model.exists() {
-        bail!("model not found: {} (give --model)", a.model.display());
-    }
-    let (model, _tok) = Model::load(&a.model, false)?;
+    let (model, _tok) = Model::load(&crate::model::resolve(a.model.clone())?, false)?;
     // Checked before the requests are built: their total size follows from these flags.
     let longest = a.input_len.hi.saturating_add(a.output_len.hi);
     ensure!(

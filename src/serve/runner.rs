@@ -9,7 +9,8 @@ use super::residency::Tier;
 use super::scheduler::ScheduledSeq;
 use super::transfer::{Completion, JobId, Loc, TransferBackend, TransferJob};
 use crate::device::cpu::stream::{Buffer, CpuDevice, Event, MemSpace, Stream};
-use crate::kv::LayerKv;
+use crate::device::DevPtr;
+use crate::kv::{KvCache, LayerSlot};
 use crate::model::{BatchSeq, Model, PagePool, WantLogits};
 
 /// The KV memory of both tiers, per layer, for K and for V.
@@ -66,8 +67,42 @@ impl PagedKvCache {
     }
 }
 
-/// The device tier's page pools as the model's batched forward sees them.
+/// The device tier's page pools as the model's batched forward sees them, through the KV
+/// seam: layer `l`'s slot is its whole pool `[num_gpu_blocks, block_size, row]`.
 struct GpuPages<'a>(&'a PagedKvCache);
+
+// SAFETY: the forward writes and reads only rows of the pages in its block tables, which
+// belong to GPU-resident blocks of the scheduled sequences: no transfer reads or writes
+// them (loads into them completed before the blocks turned resident; stores only read
+// blocks of preempted sequences), and this thread is the only compute. Transfers touch
+// other pages of the same buffers concurrently, as a device's copy engine would; the
+// model reaches the pool a row at a time (`kv::LayerKv`), never as one slice.
+unsafe impl KvCache<f32> for GpuPages<'_> {
+    fn reset(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn capacity(&self) -> usize {
+        self.num_pages() * self.0.block_size
+    }
+
+    fn begin_step(&mut self, _pos0: usize, _tokens: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<f32>> {
+        let ptr = |b: &Buffer| DevPtr::from_addr(b.as_ptr() as u64);
+        Ok(LayerSlot {
+            k: ptr(&self.0.gpu_k[layer]),
+            v: ptr(&self.0.gpu_v[layer]),
+            rows: self.capacity(),
+        })
+    }
+
+    fn end_layer(&mut self, _layer: usize) -> Result<()> {
+        Ok(())
+    }
+}
 
 impl PagePool for GpuPages<'_> {
     fn block_size(&self) -> usize {
@@ -79,21 +114,6 @@ impl PagePool for GpuPages<'_> {
             .gpu_k
             .first()
             .map_or(0, |b| b.len() / self.0.page_len())
-    }
-
-    fn layer(&mut self, layer: usize) -> LayerKv<'_> {
-        // SAFETY: the forward writes and reads only rows of the pages in its block tables,
-        // which belong to GPU-resident blocks of the scheduled sequences: no transfer reads
-        // or writes them (loads into them completed before the blocks turned resident;
-        // stores only read blocks of preempted sequences), and this thread is the only
-        // compute. Transfers touch other pages of the same buffers concurrently, as the
-        // device's own copy engine would.
-        unsafe {
-            LayerKv {
-                k: self.0.gpu_k[layer].slice_mut(),
-                v: self.0.gpu_v[layer].slice_mut(),
-            }
-        }
     }
 }
 

@@ -30,7 +30,7 @@ use routes::{AppState, Loaded, ServerConfig};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// GGUF file or Hugging Face model directory [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Address to listen on.

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 pub use super::dot::dot_fixed;
 use super::dot::{dot_block, DotKernel};
+use crate::kv::KvRows;
 
 /// Weight rows per parallel task of `linear` (a multiple of every kernel's `NR`): the tile
 /// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only
@@ -434,7 +435,7 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], s: AttnShape)
             row: s.num_kv_heads * s.head_dim,
         },
     };
-    attention_batch(q, k, v, out, heads, &[seq]);
+    attention_batch(q, KvRows::from_slices(k, v), out, heads, &[seq]);
 }
 
 /// Causal GQA attention for a batch of sequences, each over its own keys (contiguous or
@@ -450,8 +451,7 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], s: AttnShape)
 /// sequence's layout; `out[rows, num_heads, head_dim]`.
 pub fn attention_batch<L: KvLayout>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: KvRows<'_>,
     out: &mut [f32],
     h: AttnHeads,
     seqs: &[AttnSeq<L>],
@@ -496,7 +496,7 @@ pub fn attention_batch<L: KvLayout>(
             let s = &seqs[it.seq];
             let key_end = s.pos0 + it.t0 + it.nq; // exclusive: the tile's last query sees keys < key_end
             let (ks, ke) = (p * KV_SPLIT, ((p + 1) * KV_SPLIT).min(key_end));
-            attend_part(q, k, v, h, s, it.g, group, it.t0, it.nq, ks, ke)
+            attend_part(q, kv, h, s, it.g, group, it.t0, it.nq, ks, ke)
         })
         .collect();
     // Merge each query row's partials in partition order and normalise into `out`.
@@ -549,8 +549,7 @@ struct Partial {
 #[allow(clippy::too_many_arguments)]
 fn attend_part<L: KvLayout>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: KvRows<'_>,
     h: AttnHeads,
     s: &AttnSeq<L>,
     g: usize,
@@ -582,10 +581,7 @@ fn attend_part<L: KvLayout>(
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
         // This tile's key and value rows of head g, wherever their pages are.
-        let krow = |j: usize| {
-            let at = s.kv.row_offset(kb + j) + g * hd;
-            (&k[at..at + hd], &v[at..at + hd])
-        };
+        let krow = |j: usize| kv.rows(s.kv.row_offset(kb + j) + g * hd, hd);
         let kv_rows: Vec<(&[f32], &[f32])> = (0..kn).map(krow).collect();
         // sc[rows, kn] = qg · Kᵀ, each score by dot_fixed (blocked 4 × 4 for reuse).
         score_tile(&qg, hd, rows, &kv_rows, &mut sc);
@@ -861,7 +857,7 @@ mod tests {
             },
         ];
         let mut out = vec![0.0; 103 * qd];
-        attention_batch(&qb, &kp, &vp, &mut out, heads, &seqs);
+        attention_batch(&qb, KvRows::from_slices(&kp, &vp), &mut out, heads, &seqs);
         assert_eq!(bits(&out[3 * qd..]), bits(&whole[600 * qd..]));
     }
 

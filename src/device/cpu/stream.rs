@@ -22,6 +22,24 @@ pub enum MemSpace {
     Host,
 }
 
+/// Which way a copy crosses the host↔device link (only those are throttled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    None,
+    H2D,
+    D2H,
+}
+
+impl Link {
+    pub fn between(src: MemSpace, dst: MemSpace) -> Self {
+        match (src, dst) {
+            (MemSpace::Host, MemSpace::Device) => Link::H2D,
+            (MemSpace::Device, MemSpace::Host) => Link::D2H,
+            _ => Link::None,
+        }
+    }
+}
+
 /// A block of f32 memory shared with stream workers. Access is ordered by streams and
 /// events, exactly as with real device memory: the type system does not police it, the
 /// event discipline (and the sanitizer) does.
@@ -84,17 +102,32 @@ impl Buffer {
         self.cell.space
     }
 
-    /// # Safety
-    /// The caller must be ordered (by stream order or events) after every writer of the range.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut(&self) -> &mut [f32] {
-        &mut *self.cell.data.get()
+    /// The first element. Streams and the model reach the buffer through this, a range at
+    /// a time: no reference to the whole buffer is ever formed while a stream may be
+    /// touching another part of it.
+    pub fn as_ptr(&self) -> *mut f32 {
+        // SAFETY: a pointer, not a reference, to the boxed slice's elements.
+        unsafe { (*self.cell.data.get()).as_mut_ptr() }
     }
 
+    /// `len` elements from `off`, as a shared slice.
+    ///
     /// # Safety
-    /// As for `slice_mut`.
-    pub unsafe fn slice(&self) -> &[f32] {
-        &*self.cell.data.get()
+    /// No stream may write the range while the slice lives; the caller must be ordered (by
+    /// stream order or events) after every writer of the range.
+    pub unsafe fn range(&self, off: usize, len: usize) -> &[f32] {
+        assert!(off + len <= self.len(), "buffer range out of bounds");
+        std::slice::from_raw_parts(self.as_ptr().add(off), len)
+    }
+
+    /// `len` elements from `off`, as an exclusive slice.
+    ///
+    /// # Safety
+    /// As for `range`, and nothing else may read the range while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn range_mut(&self, off: usize, len: usize) -> &mut [f32] {
+        assert!(off + len <= self.len(), "buffer range out of bounds");
+        std::slice::from_raw_parts_mut(self.as_ptr().add(off), len)
     }
 }
 
@@ -219,11 +252,11 @@ impl CpuDevice {
         std::mem::take(&mut *self.trace.lock().expect("trace lock"))
     }
 
-    fn now_us(&self) -> f64 {
+    pub(crate) fn now_us(&self) -> f64 {
         self.epoch.elapsed().as_secs_f64() * 1e6
     }
 
-    fn record(&self, ev: TraceEvent) {
+    pub(crate) fn record(&self, ev: TraceEvent) {
         if self.trace_on.load(Ordering::Relaxed) {
             self.trace.lock().expect("trace lock").push(ev);
         }
@@ -298,8 +331,6 @@ impl Stream {
     }
 
     /// Enqueues an async copy of `len` f32s, `src[src_off..]` → `dst[dst_off..]`.
-    /// Host↔device copies are throttled to the link speed; under the sanitizer every copy
-    /// first sleeps a random while, so a missing wait shows up.
     #[allow(clippy::too_many_arguments)]
     pub fn copy(
         &self,
@@ -315,43 +346,58 @@ impl Stream {
             src_off + len <= src.len() && dst_off + len <= dst.len(),
             "copy {name} out of bounds"
         );
-        let (src, dst) = (src.clone(), dst.clone());
+        let link = Link::between(src.space(), dst.space());
+        let (s, d) = (src.as_ptr().wrapping_add(src_off), dst.as_ptr().wrapping_add(dst_off));
+        // The clones keep both buffers alive until the copy has run.
+        let keep = (src.clone(), dst.clone());
+        // SAFETY: in bounds (above) of buffers kept alive by `keep`; ordering is the
+        // caller's contract (events).
+        unsafe { self.copy_raw(name, layer, s as *const u8, d as *mut u8, len * 4, link, keep) }
+    }
+
+    /// Enqueues an async copy of `bytes` from `src` to `dst`. Copies that cross the link
+    /// are throttled to its speed; under the sanitizer every copy first sleeps a random
+    /// while, so a missing wait shows up. `keep` is dropped after the copy ran.
+    ///
+    /// # Safety
+    /// Both ranges must be valid for `bytes` until the copy has run (`keep` may own them);
+    /// ordering against other streams is the caller's, by events.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_raw(
+        &self,
+        name: &'static str,
+        layer: Option<usize>,
+        src: *const u8,
+        dst: *mut u8,
+        bytes: usize,
+        link: Link,
+        keep: impl Send + 'static,
+    ) {
         let dev = Arc::clone(&self.dev);
-        let crosses_link = src.space() != dst.space();
-        self.launch(
-            OpInfo {
-                name,
-                layer,
-                bytes: len * 4,
-            },
-            move || {
-                if dev.sanitize {
-                    std::thread::sleep(Duration::from_micros(rand::random_range(0..1500)));
+        // Addresses as integers: the worker dereferences them when the copy runs.
+        let (src, dst) = (src as usize, dst as usize);
+        self.launch(OpInfo { name, layer, bytes }, move || {
+            if dev.sanitize {
+                std::thread::sleep(Duration::from_micros(rand::random_range(0..1500)));
+            }
+            let throttled = dev.link_gbps > 0.0;
+            // Hold the link's direction for the whole (throttled) copy.
+            let _link = match (throttled, link) {
+                (false, _) | (_, Link::None) => None,
+                (true, Link::H2D) => Some(dev.link_h2d.lock().unwrap_or_else(|e| e.into_inner())),
+                (true, Link::D2H) => Some(dev.link_d2h.lock().unwrap_or_else(|e| e.into_inner())),
+            };
+            let t0 = Instant::now();
+            // SAFETY: the caller's contract (valid ranges, ordered by events).
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+            if throttled && link != Link::None {
+                let want = Duration::from_secs_f64(bytes as f64 / (dev.link_gbps * 1e9));
+                if let Some(rest) = want.checked_sub(t0.elapsed()) {
+                    std::thread::sleep(rest);
                 }
-                // Hold the link's direction for the whole (throttled) copy.
-                let _link = match (crosses_link && dev.link_gbps > 0.0, dst.space()) {
-                    (false, _) => None,
-                    (true, MemSpace::Device) => {
-                        Some(dev.link_h2d.lock().unwrap_or_else(|e| e.into_inner()))
-                    }
-                    (true, MemSpace::Host) => {
-                        Some(dev.link_d2h.lock().unwrap_or_else(|e| e.into_inner()))
-                    }
-                };
-                let t0 = Instant::now();
-                // SAFETY: ordering is the caller's contract (events); ranges are in bounds.
-                unsafe {
-                    let s = &src.slice()[src_off..src_off + len];
-                    dst.slice_mut()[dst_off..dst_off + len].copy_from_slice(s);
-                }
-                if crosses_link && dev.link_gbps > 0.0 {
-                    let want = Duration::from_secs_f64(len as f64 * 4.0 / (dev.link_gbps * 1e9));
-                    if let Some(rest) = want.checked_sub(t0.elapsed()) {
-                        std::thread::sleep(rest);
-                    }
-                }
-            },
-        );
+            }
+            drop(keep);
+        });
     }
 
     /// Enqueues a record of `ev`: it completes when this stream reaches this point.
@@ -388,29 +434,23 @@ impl Stream {
         }));
     }
 
-    /// Enqueues a fill of `dst[off..off + len]` with `value` (the sanitizer's poison).
-    pub fn fill(
+    /// Enqueues a fill of `bytes` at `dst` with `byte` (the sanitizer's poison).
+    ///
+    /// # Safety
+    /// As for `copy_raw`.
+    pub unsafe fn fill_raw(
         &self,
         name: &'static str,
         layer: Option<usize>,
-        dst: &Buffer,
-        off: usize,
-        len: usize,
-        value: f32,
+        dst: *mut u8,
+        bytes: usize,
+        byte: u8,
     ) {
-        assert!(off + len <= dst.len(), "fill {name} out of bounds");
-        let dst = dst.clone();
-        self.launch(
-            OpInfo {
-                name,
-                layer,
-                bytes: len * 4,
-            },
-            move || {
-                // SAFETY: ordering is the caller's contract; the range is in bounds.
-                unsafe { dst.slice_mut()[off..off + len].fill(value) };
-            },
-        );
+        let dst = dst as usize;
+        self.launch(OpInfo { name, layer, bytes }, move || {
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::write_bytes(dst as *mut u8, byte, bytes) }
+        });
     }
 
     /// Blocks the host until everything enqueued so far has run.
@@ -478,7 +518,7 @@ mod tests {
                 while !*open {
                     open = cv.wait(open).unwrap();
                 }
-                unsafe { s2.slice_mut().copy_from_slice(&[1.0, 2.0, 3.0, 4.0]) };
+                unsafe { s2.range_mut(0, 4).copy_from_slice(&[1.0, 2.0, 3.0, 4.0]) };
             },
         );
         compute.record(&done);
@@ -495,7 +535,7 @@ mod tests {
         gate.1.notify_all();
         copied.synchronize();
         assert!(done.query());
-        assert_eq!(unsafe { dst.slice() }, &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(unsafe { dst.range(0, 4) }, &[1.0, 2.0, 3.0, 4.0]);
     }
 
     #[test]

@@ -1,53 +1,29 @@
-//! The CUDA side of the KV seam. Same protocol as `crate::kv::KvView`
-//! (`begin_step → [begin_layer → layer kernels → end_layer]*`), but the layer's work is
-//! not a closure: the model enqueues kernels on the shared compute stream between
-//! `begin_layer`, which queues the waits (and copies) that make the layer's KV valid and
-//! returns where it lives, and `end_layer`, which records the events and queues what
-//! follows (offload, next prefetch). The host never blocks inside a step.
+//! Every layer's KV resident on the CUDA device (or the emulator's memory): the
+//! `KvCache` seam with nothing to wait for, since it shares the model's stream.
 
 use super::exec::{Buf, Exec};
-use super::ops::DPtr;
+use crate::device::DevPtr;
+use crate::kv::{KvCache, LayerSlot};
 use anyhow::{bail, Result};
+use half::bf16;
 
-/// Where one layer's K and V live while it computes: bf16 `[capacity, kv_dim]` each,
-/// positions `0..pos0 + tokens` valid once the layer's kv_store has run.
-#[derive(Clone, Copy, Debug)]
-pub struct LayerSlot {
-    pub k: DPtr,
-    pub v: DPtr,
-    pub capacity: usize,
-}
-
-pub trait CudaKv {
-    /// Forgets the previous request (before each prefill).
-    fn reset(&mut self) -> Result<()>;
-    /// Tokens one request may hold.
-    fn capacity(&self) -> usize;
-    fn begin_step(&mut self, pos0: usize, tokens: usize) -> Result<()>;
-    /// Queues on the compute stream what makes `layer`'s KV usable; returns where it is.
-    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot>;
-    /// The layer's kernels are queued: record, offload, prefetch ahead.
-    fn end_layer(&mut self, layer: usize) -> Result<()>;
-}
-
-/// Every layer's KV resident on the device: `num_layers × [capacity, kv_dim]` bf16 for K
-/// and V, allocated up front. Same stream as the model, so nothing to wait for.
+/// `num_layers × [capacity, kv_dim]` bf16 for K and V, allocated up front.
 pub struct ResidentKv {
     capacity: usize,
     bytes: usize,
-    _bufs: Vec<Buf>, // 2 × num_layers × bf16 [capacity, kv_dim]
-    k: Vec<DPtr>,    // [num_layers]
-    v: Vec<DPtr>,
+    _bufs: Vec<Buf>,      // 2 × num_layers × bf16 [capacity, kv_dim]
+    k: Vec<DevPtr<bf16>>, // [num_layers]
+    v: Vec<DevPtr<bf16>>,
 }
 
 impl ResidentKv {
-    /// On `x`'s stream (the model's compute stream).
-    pub fn new(x: &dyn Exec, num_layers: usize, kv_dim: usize, capacity: usize) -> Result<Self> {
+    /// On `exec`'s stream (the model's compute stream).
+    pub fn new(exec: &dyn Exec, num_layers: usize, kv_dim: usize, capacity: usize) -> Result<Self> {
         let (mut bufs, mut ptrs) = (Vec::new(), Vec::new());
         for _ in 0..2 * num_layers {
-            let (b, p) = x.alloc(capacity * kv_dim * 2)?;
+            let (b, p) = exec.alloc(capacity * kv_dim * 2)?;
             bufs.push(b);
-            ptrs.push(p);
+            ptrs.push(DevPtr::from_addr(p));
         }
         Ok(Self {
             capacity,
@@ -63,7 +39,8 @@ impl ResidentKv {
     }
 }
 
-impl CudaKv for ResidentKv {
+// SAFETY: the memory is this cache's; the model's stream is the only one that touches it.
+unsafe impl KvCache<bf16> for ResidentKv {
     fn reset(&mut self) -> Result<()> {
         Ok(())
     }
@@ -83,11 +60,11 @@ impl CudaKv for ResidentKv {
         Ok(())
     }
 
-    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot> {
+    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<bf16>> {
         Ok(LayerSlot {
             k: self.k[layer],
             v: self.v[layer],
-            capacity: self.capacity,
+            rows: self.capacity,
         })
     }
 

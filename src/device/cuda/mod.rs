@@ -2,19 +2,9 @@
 //! when a library is missing, so every entry point first finds and loads the libraries
 //! itself (`libs`) and fails with one line naming what is absent.
 //!
-//! - `libs`: where CUDA libraries are looked for, and the preload;
-//! - `nvrtc`: kernel sources embedded by `build.rs`, compiled to CUBIN, cached on disk;
-//! - `context`: context, streams, events, pinned memory, copies, modules and launches;
-//! - `ops`: kernel launches and raw async copies on device pointers;
-//! - `exec`: the model's device interface (the GPU; the kernel emulator and host twin in
-//!   `crate::gpucheck` implement it too);
-//! - `weights`, `model`, `kv`, `generate`: the bf16 model and its layer loop over the
-//!   `CudaKv` seam (resident KV), and the generation loop;
-//! - `offload`, `offload_dev`, `trace`: layerwise KV offload (the CPU engine's twin), its
-//!   device interface and its trace.
-//!
-//! The tools that validate this device (kernel checks, gpu-check steps, benches, the kernel
-//! emulator, host twins) live in `crate::gpucheck`; nothing here depends on them.
+//! Its files are listed in `docs/architecture.md` (the one file map). The tools that
+//! validate this device (kernel checks, gpu-check steps, benches, the kernel emulator)
+//! live in `crate::gpucheck`; nothing here depends on them.
 
 pub mod context;
 pub mod exec;
@@ -23,7 +13,6 @@ pub mod kv;
 pub mod libs;
 pub mod model;
 pub mod nvrtc;
-pub mod offload;
 pub mod offload_dev;
 pub mod ops;
 pub mod trace;

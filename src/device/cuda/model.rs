@@ -1,10 +1,11 @@
 //! The model on the GPU: the same layer loop as `Model::forward`, enqueued from the host
 //! thread on one compute stream (CUDA's own asynchrony replaces the CPU device's worker
-//! threads), with the KV behind the `CudaKv` seam. Activations bf16; cuBLAS and the
+//! threads), with the KV behind the `KvCache` seam (`crate::kv`). Activations bf16; cuBLAS and the
 //! kernels accumulate in f32; logits f32.
 
 use super::exec::{Buf, Exec};
-use super::kv::{CudaKv, LayerSlot};
+use crate::kv::{KvCache, LayerSlot};
+use half::bf16;
 use super::ops::{at, AttnArgs, DPtr, DecodeScratch};
 use super::weights::CudaWeights;
 use crate::device::cpu::ops::rope_tables;
@@ -89,6 +90,11 @@ impl CudaModel {
         })
     }
 
+    /// The executor the model runs on (allocations for a KV beside it).
+    pub fn exec(&self) -> &dyn Exec {
+        &*self.x
+    }
+
     pub fn max_pos(&self) -> usize {
         self.max_pos
     }
@@ -151,7 +157,7 @@ impl CudaModel {
         &mut self,
         tokens: &[u32],
         pos0: usize,
-        kv: &mut dyn CudaKv,
+        kv: &mut dyn KvCache<bf16>,
     ) -> Result<Vec<f32>> {
         self.enqueue(tokens, pos0, kv)?;
         let a = self
@@ -168,7 +174,7 @@ impl CudaModel {
     }
 
     /// Everything of `forward` but the download: the host returns once the step is queued.
-    pub fn enqueue(&mut self, tokens: &[u32], pos0: usize, kv: &mut dyn CudaKv) -> Result<()> {
+    pub fn enqueue(&mut self, tokens: &[u32], pos0: usize, kv: &mut dyn KvCache<bf16>) -> Result<()> {
         let t = tokens.len();
         let c = self.cfg.clone();
         if t == 0 {
@@ -246,7 +252,14 @@ impl CudaModel {
 
     /// One decoder layer on `a.hn` → residual `a.x` → next block's normalised input in
     /// `a.hn`; K/V of the new tokens stored into `slot` at their positions.
-    fn layer(&self, l: usize, t: usize, pos0: usize, pos: DPtr, slot: LayerSlot) -> Result<()> {
+    fn layer(
+        &self,
+        l: usize,
+        t: usize,
+        pos0: usize,
+        pos: DPtr,
+        slot: LayerSlot<bf16>,
+    ) -> Result<()> {
         let c = &self.cfg;
         let a = self.acts.as_ref().expect("allocated by enqueue");
         let (k, lw) = (&*self.x, &self.w.layers[l]);
@@ -275,24 +288,25 @@ impl CudaModel {
         k.rope(a.qkv, pos, self.cos, self.sin, t, nh + nkv, hd, qkv_dim)?;
         // 4. Store the new K/V at their positions, attend over 0..ctx.
         let (kp, vp) = (at::<u16>(a.qkv, qd), at::<u16>(a.qkv, qd + kvd));
-        k.kv_store(kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim)?;
+        let (kc, vc) = (slot.k.addr(), slot.v.addr());
+        k.kv_store(kp, vp, kc, vc, pos, t, kvd, qkv_dim)?;
         let args = AttnArgs {
             q: a.qkv,
-            k: slot.k,
-            v: slot.v,
+            k: kc,
+            v: vc,
             out: a.attn,
             cu_seqlens: at::<i32>(a.meta, 2 * t),
             ctx_len: at::<i32>(a.meta, 2 * t + 2),
             table: at::<i32>(a.meta, 2 * t + 3),
-            capacity: slot.capacity,
+            capacity: slot.rows,
             tokens: t,
             ctx,
             num_heads: nh,
             num_kv_heads: nkv,
             q_stride: qkv_dim,
         };
-        if ctx > slot.capacity {
-            bail!("layer {l}: {ctx} tokens in a KV slot of {}", slot.capacity);
+        if ctx > slot.rows {
+            bail!("layer {l}: {ctx} tokens in a KV slot of {}", slot.rows);
         }
         if t == 1 {
             k.attn_decode(&args, &self.scratch, hd)?;

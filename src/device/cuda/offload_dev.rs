@@ -1,78 +1,37 @@
-//! What the offload engine needs from a device: streams and events by id, copies, poison,
-//! memory. `CudaOffloadDev` is the GPU; host implementations for tests without one live
-//! in `crate::gpucheck::host_offload_dev`.
+//! The offload engine's CUDA device: the model's compute stream, an H2D prefetch stream
+//! and a pool of D2H offload streams; CUDA events; pinned host KV and device memory; async
+//! copies on raw addresses (see `ops` for why not cudarc's safe copies) traced with timed
+//! events and NVTX ranges when asked. KV in bf16.
 
 use super::context::CudaDevice;
-use super::exec::Buf;
-use super::ops::{dtod, dtoh, htod, poison, DPtr};
+use super::ops::{dptr, dtod, dtoh, htod, poison, DPtr};
 use super::trace::Tracer;
 use crate::device::cpu::stream::TraceEvent;
-use anyhow::{anyhow, Result};
-use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
+use crate::device::DevPtr;
+use crate::offload::device::{
+    Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole,
+};
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+use half::bf16;
 use std::sync::Arc;
 
-/// 0: compute (the model's stream), 1: H2D prefetch, 2..: the D2H offload pool.
-pub type StreamId = usize;
-pub const COMPUTE: StreamId = 0;
-pub const PREFETCH: StreamId = 1;
-pub type EventId = usize;
+/// bf16.
+const ELEM: usize = 2;
 
-#[derive(Clone, Copy, Debug)]
-pub enum Copy {
-    H2D { dst: DPtr, src: *const u8 },
-    D2H { dst: *mut u8, src: DPtr },
-    D2D { dst: DPtr, src: DPtr },
+/// An allocation (kept alive) and its address.
+enum Mem {
+    Pinned(#[allow(dead_code)] PinnedHostSlice<u8>, *mut u8),
+    Device(#[allow(dead_code)] CudaSlice<u8>, DPtr),
 }
 
-/// Host memory owned by a device: pinned on CUDA.
-pub enum HostMem {
-    Pinned(PinnedHostSlice<u8>),
-    Vec(Vec<u128>),
-}
-
-pub trait OffloadDev {
-    fn num_offload_streams(&self) -> usize;
-    fn new_event(&mut self) -> Result<EventId>;
-    fn wait(&self, s: StreamId, e: EventId) -> Result<()>;
-    fn record(&self, s: StreamId, e: EventId) -> Result<()>;
-    /// # Safety
-    /// Both sides of `c` must hold `bytes` and outlive the copy.
-    unsafe fn copy(
-        &mut self,
-        s: StreamId,
-        name: &'static str,
-        layer: usize,
-        c: Copy,
-        bytes: usize,
-    ) -> Result<()>;
-    /// Fills with 0xFF (bf16 NaN).
-    ///
-    /// # Safety
-    /// `dst` must hold `bytes`.
-    unsafe fn poison(&self, s: StreamId, dst: DPtr, bytes: usize) -> Result<()>;
-    fn sync(&self, s: StreamId) -> Result<()>;
-    fn sync_all(&self) -> Result<()>;
-    fn alloc_host(&self, bytes: usize) -> Result<(HostMem, *mut u8)>;
-    fn alloc_device(&self, bytes: usize) -> Result<(Buf, DPtr)>;
-    /// Trace marks around a layer's compute (the host devices trace nothing).
-    fn layer_begin(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-    fn layer_end(&mut self, _layer: usize) -> Result<()> {
-        Ok(())
-    }
-    fn set_tracing(&mut self, _on: bool) -> Result<()> {
-        Ok(())
-    }
-    fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
-        Ok(Vec::new())
-    }
-}
-
-pub struct CudaOffloadDev {
+pub struct CudaOffloadDevice {
     dev: Arc<CudaDevice>,
-    streams: Vec<(Arc<CudaStream>, String)>,
+    compute: (Arc<CudaStream>, String),
+    prefetch: (Arc<CudaStream>, String),
+    offload: Vec<(Arc<CudaStream>, String)>,
     events: Vec<CudaEvent>,
+    mem: Allocations<Mem>,
     tracer: Tracer,
     layer_start: Option<CudaEvent>,
 }
@@ -81,114 +40,178 @@ fn drv(r: Result<(), cudarc::driver::DriverError>, what: &str) -> Result<()> {
     r.map_err(|e| anyhow!("{what} failed: {e:?}"))
 }
 
-impl CudaOffloadDev {
+impl CudaOffloadDevice {
     /// `compute`: the model's stream; `offload_streams` D2H streams are created.
     pub fn new(
         dev: Arc<CudaDevice>,
         compute: Arc<CudaStream>,
         offload_streams: usize,
     ) -> Result<Self> {
-        let mut streams = vec![
-            (compute, "compute".to_string()),
-            (dev.new_stream()?, "h2d-prefetch".to_string()),
-        ];
-        for i in 0..offload_streams {
-            streams.push((dev.new_stream()?, format!("d2h-offload-{i}")));
-        }
+        let named = |s: Arc<CudaStream>, n: &str| (s, n.to_string());
         Ok(Self {
+            compute: named(compute, "compute"),
+            prefetch: named(dev.new_stream()?, "h2d-prefetch"),
+            offload: (0..offload_streams)
+                .map(|i| Ok(named(dev.new_stream()?, &format!("d2h-offload-{i}"))))
+                .collect::<Result<_>>()?,
             dev,
-            streams,
             events: Vec::new(),
+            mem: Allocations::default(),
             tracer: Tracer::default(),
             layer_start: None,
         })
     }
+
+    fn stream(&self, s: StreamRole) -> &(Arc<CudaStream>, String) {
+        match s {
+            StreamRole::Compute => &self.compute,
+            StreamRole::Prefetch => &self.prefetch,
+            StreamRole::Offload(i) => &self.offload[i % self.offload.len()],
+        }
+    }
+
+    /// The span's address: a host pointer or a device address, by its allocation.
+    fn addr(&self, s: Span) -> Result<u64> {
+        self.mem.check(s)?;
+        let off = (s.off * ELEM) as u64;
+        Ok(match self.mem.get(s.mem) {
+            Mem::Pinned(_, p) => *p as u64 + off,
+            Mem::Device(_, p) => p + off,
+        })
+    }
+
+    fn all_streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
+        [&self.compute, &self.prefetch]
+            .into_iter()
+            .chain(&self.offload)
+            .map(|(s, _)| s)
+    }
 }
 
-impl OffloadDev for CudaOffloadDev {
+impl OffloadDevice for CudaOffloadDevice {
+    type Elem = bf16;
+
     fn num_offload_streams(&self) -> usize {
-        self.streams.len() - 2
+        self.offload.len()
+    }
+
+    fn alloc(&mut self, space: Space, elems: usize) -> Result<MemId> {
+        let bytes = elems
+            .checked_mul(ELEM)
+            .ok_or_else(|| anyhow!("offload buffer size overflows"))?
+            .max(1);
+        let mem = match space {
+            Space::Host => {
+                let mut h = self.dev.alloc_pinned::<u8>(bytes)?;
+                // as_mut_ptr only waits on the slice's own event, never recorded: every
+                // copy uses the raw pointer (see ops.rs for why).
+                let p = h
+                    .as_mut_ptr()
+                    .map_err(|e| anyhow!("pinned host memory: {e:?}"))?;
+                Mem::Pinned(h, p)
+            }
+            Space::Device => {
+                let st = &self.compute.0;
+                let b = self.dev.alloc_zeros::<u8>(st, bytes)?;
+                let p = dptr(&b, st);
+                Mem::Device(b, p)
+            }
+        };
+        Ok(self.mem.add(mem, space, elems))
+    }
+
+    fn ptr(&self, mem: MemId) -> DevPtr<bf16> {
+        match self.mem.get(mem) {
+            Mem::Device(_, p) => DevPtr::from_addr(*p),
+            Mem::Pinned(_, p) => DevPtr::from_addr(*p as u64), // mapped pinned memory
+        }
     }
 
     fn new_event(&mut self) -> Result<EventId> {
         self.events.push(self.dev.new_event()?);
-        Ok(self.events.len() - 1)
+        Ok(EventId(self.events.len() - 1))
     }
 
-    fn wait(&self, s: StreamId, e: EventId) -> Result<()> {
-        drv(self.streams[s].0.wait(&self.events[e]), "cuStreamWaitEvent")
+    fn wait(&mut self, s: StreamRole, e: EventId, _what: &'static str) -> Result<()> {
+        drv(self.stream(s).0.wait(&self.events[e.0]), "cuStreamWaitEvent")
     }
 
-    fn record(&self, s: StreamId, e: EventId) -> Result<()> {
-        drv(self.events[e].record(&self.streams[s].0), "cuEventRecord")
+    fn record(&mut self, s: StreamRole, e: EventId) -> Result<()> {
+        drv(self.events[e.0].record(&self.stream(s).0), "cuEventRecord")
     }
 
-    unsafe fn copy(
+    fn copy(
         &mut self,
-        s: StreamId,
+        s: StreamRole,
         name: &'static str,
         layer: usize,
-        c: Copy,
-        bytes: usize,
+        src: Span,
+        dst: Span,
     ) -> Result<()> {
-        let (st, sname) = (&self.streams[s].0, &self.streams[s].1);
+        if src.len != dst.len {
+            bail!("offload copy {name}: {} elements into {}", src.len, dst.len);
+        }
+        let (from, to, bytes) = (self.addr(src)?, self.addr(dst)?, src.len * ELEM);
+        if bytes == 0 {
+            return Ok(());
+        }
+        let (st, sname) = self.stream(s).clone();
+        let st = &st;
         nvtx::range_push!("{name} L{layer} {bytes} B");
         let start = self.tracer.start(&self.dev, st)?;
-        match c {
-            Copy::H2D { dst, src } => htod(st, dst, src, bytes)?,
-            Copy::D2H { dst, src } => dtoh(st, dst, src, bytes)?,
-            Copy::D2D { dst, src } => dtod(st, dst, src, bytes)?,
+        // SAFETY: both spans lie inside allocations this device owns for its whole life
+        // (checked by `addr`); the engine orders the copy against the kernels by events.
+        unsafe {
+            match (self.mem.space(src.mem), self.mem.space(dst.mem)) {
+                (Space::Host, Space::Device) => htod(st, to, from as *const u8, bytes)?,
+                (Space::Device, Space::Host) => dtoh(st, to as *mut u8, from, bytes)?,
+                (Space::Device, Space::Device) => dtod(st, to, from, bytes)?,
+                (Space::Host, Space::Host) => bail!("offload copy {name}: host to host"),
+            }
         }
         self.tracer
-            .end(&self.dev, st, start, sname, name, Some(layer), bytes)?;
+            .end(&self.dev, st, start, &sname, name, Some(layer), bytes)?;
         nvtx::range_pop!();
         Ok(())
     }
 
-    unsafe fn poison(&self, s: StreamId, dst: DPtr, bytes: usize) -> Result<()> {
-        poison(&self.streams[s].0, dst, bytes)
+    fn poison(&mut self, s: StreamRole, dst: Span) -> Result<()> {
+        let (to, bytes) = (self.addr(dst)?, dst.len * ELEM);
+        match self.mem.space(dst.mem) {
+            // SAFETY: inside an allocation this device owns (checked by `addr`).
+            Space::Device => unsafe { poison(&self.stream(s).0, to, bytes) },
+            Space::Host => {
+                // Host memory is poisoned from the host: every stream must be idle.
+                self.sync_all()?;
+                // SAFETY: as above; the streams are idle.
+                unsafe { std::ptr::write_bytes(to as *mut u8, 0xff, bytes) };
+                Ok(())
+            }
+        }
     }
 
-    fn sync(&self, s: StreamId) -> Result<()> {
-        drv(self.streams[s].0.synchronize(), "cuStreamSynchronize")
-    }
-
-    fn sync_all(&self) -> Result<()> {
-        (0..self.streams.len()).try_for_each(|s| self.sync(s))
-    }
-
-    fn alloc_host(&self, bytes: usize) -> Result<(HostMem, *mut u8)> {
-        let mut h = self.dev.alloc_pinned::<u8>(bytes.max(1))?;
-        // as_mut_ptr only waits on the slice's own event, never recorded: every copy uses
-        // the raw pointer (see ops.rs for why).
-        let p = h
-            .as_mut_ptr()
-            .map_err(|e| anyhow!("pinned host memory: {e:?}"))?;
-        Ok((HostMem::Pinned(h), p))
-    }
-
-    fn alloc_device(&self, bytes: usize) -> Result<(Buf, DPtr)> {
-        let st = &self.streams[COMPUTE].0;
-        let b = self.dev.alloc_zeros::<u8>(st, bytes.max(1))?;
-        let p = super::ops::dptr(&b, st);
-        Ok((Buf::Cuda(b), p))
+    fn sync_all(&mut self) -> Result<()> {
+        for st in self.all_streams() {
+            drv(st.synchronize(), "cuStreamSynchronize")?;
+        }
+        Ok(())
     }
 
     fn layer_begin(&mut self, _layer: usize) -> Result<()> {
-        self.layer_start = self.tracer.start(&self.dev, &self.streams[COMPUTE].0)?;
+        self.layer_start = self.tracer.start(&self.dev, &self.compute.0)?;
         Ok(())
     }
 
     fn layer_end(&mut self, layer: usize) -> Result<()> {
         let start = self.layer_start.take();
-        let (st, name) = (&self.streams[COMPUTE].0, &self.streams[COMPUTE].1);
+        let (st, name) = &self.compute;
         self.tracer
             .end(&self.dev, st, start, name, "layer", Some(layer), 0)
     }
 
     fn set_tracing(&mut self, on: bool) -> Result<()> {
         if on {
-            self.tracer.enable(&self.dev, &self.streams[COMPUTE].0)
+            self.tracer.enable(&self.dev, &self.compute.0)
         } else {
             self.tracer.disable();
             Ok(())
@@ -198,4 +221,28 @@ impl OffloadDev for CudaOffloadDev {
     fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
         self.tracer.take()
     }
+}
+
+impl Drop for CudaOffloadDevice {
+    /// Queued copies address this device's memory: let them finish first.
+    fn drop(&mut self) {
+        let _ = self.sync_all();
+    }
+}
+
+/// The offload engine on the GPU, bf16 KV.
+pub type CudaOffloadEngine = crate::offload::OffloadEngine<CudaOffloadDevice>;
+
+/// The engine on `compute`'s GPU, beside the model.
+pub fn offload_engine(
+    dev: Arc<CudaDevice>,
+    compute: Arc<CudaStream>,
+    model: &crate::model::ModelConfig,
+    cfg: crate::offload::OffloadConfig,
+) -> Result<CudaOffloadEngine> {
+    if cfg.link_gbps > 0.0 {
+        bail!("--sim-link-gbps throttles the CPU device only; the CUDA device uses the real link");
+    }
+    let d = CudaOffloadDevice::new(dev, compute, crate::offload::engine::OFFLOAD_STREAMS)?;
+    crate::offload::OffloadEngine::new(d, model, cfg)
 }

@@ -217,7 +217,7 @@ impl TransferBackend for DiskBackend {
                         let ok = store.slot_buffer().is_ok_and(|mut buf| {
                             // SAFETY: ordered after the staging copies (event); block i of
                             // the staging buffer is only read from here on.
-                            let src = unsafe { &staging.slice()[i * bf..(i + 1) * bf] };
+                            let src = unsafe { staging.range(i * bf, bf) };
                             as_bytes_into(src, store.payload_mut(&mut buf));
                             store.write_slot(slot, key, &mut buf).is_ok()
                         });
@@ -238,7 +238,7 @@ impl TransferBackend for DiskBackend {
                             }
                             // SAFETY: block i of this job's staging buffer is written only
                             // here; the staging → page copies are enqueued after every read.
-                            let dst = unsafe { &mut staging.slice_mut()[i * bf..(i + 1) * bf] };
+                            let dst = unsafe { staging.range_mut(i * bf, bf) };
                             from_bytes_into(store.payload(&buf), dst);
                             true
                         });

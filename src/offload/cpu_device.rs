@@ -1,0 +1,217 @@
+//! The offload engine's CPU device: the compute stream is the calling thread (the model
+//! computes a layer between `begin_layer` and `end_layer`, as a GPU would run the kernels
+//! queued there), the prefetch and offload streams are worker threads with CUDA's event
+//! semantics, and host and device memory are separate allocations, so every offload and
+//! prefetch is a real copy running beside compute. A wait on the compute stream blocks the
+//! calling thread until the event completes; a record on it completes at once.
+//!
+//! Debugging aids: a link throttle (`link_gbps`: host↔device copies take as long as over
+//! PCIe) and a sanitizer (random copy delays, so a missing wait changes the tokens).
+//!
+//! Elements are `T`: f32 for the CPU model, bf16 for the CUDA model on the kernel emulator
+//! (whose kernels read host memory), so the one engine runs under both without a GPU.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+
+use super::device::{Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole};
+use crate::device::cpu::stream::{CpuDevice, Event, Link, MemSpace, Stream, TraceEvent};
+use crate::device::DevPtr;
+
+pub struct CpuOffloadDevice<T> {
+    dev: Arc<CpuDevice>,
+    prefetch: Stream,
+    offload: Vec<Stream>,
+    events: Vec<Event>,
+    mem: Allocations<Vec<u128>>, // u128: 16-byte aligned, as kernels' vector loads expect
+    layer_start: f64,
+    _elem: PhantomData<fn() -> T>,
+}
+
+impl<T> CpuOffloadDevice<T> {
+    /// `link_gbps` 0: unthrottled.
+    pub fn new(link_gbps: f64, sanitize: bool, offload_streams: usize) -> Self {
+        let dev = CpuDevice::new(link_gbps, sanitize);
+        Self {
+            prefetch: Stream::new(&dev, "h2d-prefetch"),
+            offload: (0..offload_streams)
+                .map(|i| Stream::new(&dev, &format!("d2h-offload-{i}")))
+                .collect(),
+            dev,
+            events: Vec::new(),
+            mem: Allocations::default(),
+            layer_start: 0.0,
+            _elem: PhantomData,
+        }
+    }
+
+    /// `None`: the compute stream, which is the calling thread.
+    fn stream(&self, s: StreamRole) -> Option<&Stream> {
+        match s {
+            StreamRole::Compute => None,
+            StreamRole::Prefetch => Some(&self.prefetch),
+            StreamRole::Offload(i) => Some(&self.offload[i % self.offload.len()]),
+        }
+    }
+
+    fn addr(&self, s: Span) -> Result<*mut u8> {
+        self.mem.check(s)?;
+        let base = self.mem.get(s.mem).as_ptr() as *mut u8;
+        Ok(base.wrapping_add(s.off * std::mem::size_of::<T>()))
+    }
+
+    fn space(&self, m: MemId) -> MemSpace {
+        match self.mem.space(m) {
+            Space::Host => MemSpace::Host,
+            Space::Device => MemSpace::Device,
+        }
+    }
+
+    fn trace_compute(&self, name: &str, layer: Option<usize>, bytes: usize, start_us: f64) {
+        self.dev.record(TraceEvent {
+            stream: "compute".into(),
+            name: name.into(),
+            layer,
+            bytes,
+            start_us,
+            end_us: self.dev.now_us(),
+        });
+    }
+}
+
+impl<T> OffloadDevice for CpuOffloadDevice<T> {
+    type Elem = T;
+
+    fn num_offload_streams(&self) -> usize {
+        self.offload.len()
+    }
+
+    fn alloc(&mut self, space: Space, elems: usize) -> Result<MemId> {
+        let bytes = elems
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| anyhow::anyhow!("offload buffer size overflows"))?;
+        let mut v: Vec<u128> = Vec::new();
+        let words = bytes.div_ceil(16).max(1);
+        if v.try_reserve_exact(words).is_err() {
+            let what = if space == Space::Host { "host" } else { "device" };
+            bail!(
+                "out of {what} memory allocating {:.1} MiB",
+                bytes as f64 / (1 << 20) as f64
+            );
+        }
+        v.resize(words, 0);
+        Ok(self.mem.add(v, space, elems))
+    }
+
+    fn ptr(&self, mem: MemId) -> DevPtr<T> {
+        DevPtr::from_addr(self.mem.get(mem).as_ptr() as u64)
+    }
+
+    fn new_event(&mut self) -> Result<EventId> {
+        self.events.push(Event::new());
+        Ok(EventId(self.events.len() - 1))
+    }
+
+    fn wait(&mut self, s: StreamRole, e: EventId, what: &'static str) -> Result<()> {
+        let ev = &self.events[e.0];
+        match self.stream(s) {
+            Some(st) => st.wait(ev, what),
+            None if !ev.query() => {
+                let start = self.dev.now_us();
+                ev.synchronize();
+                self.trace_compute(&format!("wait:{what}"), None, 0, start);
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    fn record(&mut self, s: StreamRole, e: EventId) -> Result<()> {
+        let ev = &self.events[e.0];
+        match self.stream(s) {
+            Some(st) => st.record(ev),
+            None => ev.complete_on_host(ev.record_on_host()),
+        }
+        Ok(())
+    }
+
+    fn copy(
+        &mut self,
+        s: StreamRole,
+        name: &'static str,
+        layer: usize,
+        src: Span,
+        dst: Span,
+    ) -> Result<()> {
+        if src.len != dst.len {
+            bail!("offload copy {name}: {} elements into {}", src.len, dst.len);
+        }
+        let (from, to) = (self.addr(src)?, self.addr(dst)?);
+        let bytes = src.len * std::mem::size_of::<T>();
+        if bytes == 0 {
+            return Ok(());
+        }
+        let link = Link::between(self.space(src.mem), self.space(dst.mem));
+        match self.stream(s) {
+            // SAFETY: both spans are inside allocations this device owns for its whole
+            // life (checked above); ordering against the other streams is by events.
+            Some(st) => unsafe { st.copy_raw(name, Some(layer), from, to, bytes, link, ()) },
+            None => {
+                let start = self.dev.now_us();
+                // SAFETY: as above; the compute stream is this thread, so the copy is now.
+                unsafe { std::ptr::copy(from, to, bytes) };
+                self.trace_compute(name, Some(layer), bytes, start);
+            }
+        }
+        Ok(())
+    }
+
+    fn poison(&mut self, s: StreamRole, dst: Span) -> Result<()> {
+        let to = self.addr(dst)?;
+        let bytes = dst.len * std::mem::size_of::<T>();
+        match self.stream(s) {
+            // SAFETY: inside an allocation this device owns (checked by `addr`).
+            Some(st) => unsafe { st.fill_raw("poison", None, to, bytes, 0xff) },
+            // SAFETY: as above, now, on the compute stream (this thread).
+            None => unsafe { std::ptr::write_bytes(to, 0xff, bytes) },
+        }
+        Ok(())
+    }
+
+    fn sync_all(&mut self) -> Result<()> {
+        self.prefetch.synchronize();
+        for o in &self.offload {
+            o.synchronize();
+        }
+        Ok(())
+    }
+
+    fn layer_begin(&mut self, _layer: usize) -> Result<()> {
+        self.layer_start = self.dev.now_us();
+        Ok(())
+    }
+
+    fn layer_end(&mut self, layer: usize) -> Result<()> {
+        self.trace_compute("layer", Some(layer), 0, self.layer_start);
+        Ok(())
+    }
+
+    fn set_tracing(&mut self, on: bool) -> Result<()> {
+        self.dev.set_tracing(on);
+        Ok(())
+    }
+
+    fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
+        self.sync_all()?;
+        Ok(self.dev.take_trace())
+    }
+}
+
+impl<T> Drop for CpuOffloadDevice<T> {
+    /// The streams must not outlive the memory their queued copies address.
+    fn drop(&mut self) {
+        let _ = self.sync_all();
+    }
+}

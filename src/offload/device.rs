@@ -1,0 +1,126 @@
+//! What the offload engine needs from a device: streams by role, events, memory in two
+//! spaces, ranged copies checked against their allocations, poison, and trace marks. The
+//! CPU device (`super::cpu_device`) and the CUDA device (`crate::device::cuda::offload_dev`)
+//! implement it; the engine (`super::engine`) is written once against it.
+
+use anyhow::{bail, Result};
+
+use crate::device::cpu::stream::TraceEvent;
+use crate::device::DevPtr;
+
+/// A stream by what it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamRole {
+    /// The model's stream: layer compute and the decode-buffer copies.
+    Compute,
+    /// Host → device prefetch of the next layers' KV.
+    Prefetch,
+    /// Device → host offload, a pool: consecutive layers' offloads run side by side.
+    Offload(usize),
+}
+
+/// An event created by the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventId(pub usize);
+
+/// An allocation made by the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemId(pub usize);
+
+/// Host memory (pinned on CUDA) or device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Space {
+    Host,
+    Device,
+}
+
+/// `len` elements of allocation `mem`, from element `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub mem: MemId,
+    pub off: usize,
+    pub len: usize,
+}
+
+/// Allocations by id with their sizes, so every copy is checked against its buffers.
+pub struct Allocations<M> {
+    mems: Vec<(M, Space, usize)>, // (memory, space, elements)
+}
+
+impl<M> Default for Allocations<M> {
+    fn default() -> Self {
+        Self { mems: Vec::new() }
+    }
+}
+
+impl<M> Allocations<M> {
+    pub fn add(&mut self, mem: M, space: Space, elems: usize) -> MemId {
+        self.mems.push((mem, space, elems));
+        MemId(self.mems.len() - 1)
+    }
+
+    pub fn get(&self, id: MemId) -> &M {
+        &self.mems[id.0].0
+    }
+
+    pub fn space(&self, id: MemId) -> Space {
+        self.mems[id.0].1
+    }
+
+    /// Errors unless `s` lies inside its allocation.
+    pub fn check(&self, s: Span) -> Result<()> {
+        let Some(&(_, _, elems)) = self.mems.get(s.mem.0) else {
+            bail!("offload copy names allocation {} of {}", s.mem.0, self.mems.len());
+        };
+        match s.off.checked_add(s.len) {
+            Some(end) if end <= elems => Ok(()),
+            _ => bail!(
+                "offload copy of {} elements at {} overruns an allocation of {elems}",
+                s.len,
+                s.off
+            ),
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (MemId, Space, usize)> + '_ {
+        self.mems
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, sp, n))| (MemId(i), sp, n))
+    }
+}
+
+pub trait OffloadDevice {
+    /// The KV element: f32 on the CPU device, bf16 on CUDA.
+    type Elem;
+    /// Streams in the offload pool (`StreamRole::Offload(0..n)`).
+    fn num_offload_streams(&self) -> usize;
+    /// `elems` zeroed elements in `space`; they live as long as the device.
+    fn alloc(&mut self, space: Space, elems: usize) -> Result<MemId>;
+    /// Where device allocation `mem` is, for the model's kernels.
+    fn ptr(&self, mem: MemId) -> DevPtr<Self::Elem>;
+    fn new_event(&mut self) -> Result<EventId>;
+    /// Later work on `s` waits for `e`'s newest record (`what`: for traces and fault tests).
+    fn wait(&mut self, s: StreamRole, e: EventId, what: &'static str) -> Result<()>;
+    fn record(&mut self, s: StreamRole, e: EventId) -> Result<()>;
+    /// Queues a copy of `src` into `dst` (equal lengths; both checked against their
+    /// allocations). Ordering against other streams is the caller's, by events.
+    fn copy(
+        &mut self,
+        s: StreamRole,
+        name: &'static str,
+        layer: usize,
+        src: Span,
+        dst: Span,
+    ) -> Result<()>;
+    /// Queues a fill of `dst` with 0xFF bytes: NaN in f32 and in bf16 (the sanitizer).
+    fn poison(&mut self, s: StreamRole, dst: Span) -> Result<()>;
+    /// Blocks the host until every stream has run everything queued.
+    fn sync_all(&mut self) -> Result<()>;
+    /// Trace marks around a layer's compute.
+    fn layer_begin(&mut self, layer: usize) -> Result<()>;
+    fn layer_end(&mut self, layer: usize) -> Result<()>;
+    fn set_tracing(&mut self, on: bool) -> Result<()>;
+    /// The ops traced so far (waits for them).
+    fn take_trace(&mut self) -> Result<Vec<TraceEvent>>;
+}

@@ -1,0 +1,393 @@
+//! The offload engine, written once against `OffloadDevice`: the CPU model runs it on the
+//! CPU device, the CUDA model on the GPU (or, in tests, on the CPU device in bf16 under
+//! the kernel emulator). See the module docs of `super` for the memory layout, streams and
+//! events, and `ring` for the slot state machine.
+
+use anyhow::{bail, Result};
+
+use super::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
+use super::ring::{ReleasedAfter, Ring};
+use super::{MemoryPlan, OffloadConfig};
+use crate::device::cpu::stream::TraceEvent;
+use crate::kv::{KvCache, LayerSlot};
+use crate::model::ModelConfig;
+
+/// D2H streams in the offload pool: consecutive layers' offloads run side by side.
+pub const OFFLOAD_STREAMS: usize = 2;
+
+/// A K buffer and its V twin, always copied together.
+#[derive(Debug, Clone, Copy)]
+struct KvMem {
+    k: MemId,
+    v: MemId,
+}
+
+/// Per-slot events.
+struct SlotEvents {
+    ready: EventId,        // H2D prefetch done
+    compute_done: EventId, // last compute reading/writing the slot done
+    offload_done: EventId, // D2H offload reading the slot done
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Idle,
+    Prefill { tokens: usize },
+    Decode { pos: usize },
+}
+
+pub struct OffloadEngine<D: OffloadDevice> {
+    cfg: OffloadConfig,
+    plan: MemoryPlan,
+    d: D,
+    num_layers: usize,
+    row: usize, // kv_dim: elements per token per layer, in K (and in V)
+    depth: usize,
+    host: KvMem,      // [num_layers, num_cpu_blocks, block_size, row]
+    ring: Vec<KvMem>, // num_kv_buffers × [slot_tokens, row]
+    dbuf: KvMem,      // [num_layers, block_size, row]: each layer's partial last block
+    slots: Vec<SlotEvents>,
+    layer_stored: Vec<EventId>, // the layer's host blocks and decode buffer are up to date
+    state: Ring,
+    /// Layers of the next decode step already prefetched (during this step's tail).
+    ahead: usize,
+    /// Tokens whose KV is stored (host blocks + decode buffer).
+    seq_len: usize,
+    step: Step,
+}
+
+impl<D: OffloadDevice> OffloadEngine<D> {
+    pub fn new(mut d: D, model: &ModelConfig, cfg: OffloadConfig) -> Result<Self> {
+        let plan = cfg.plan_for(model, std::mem::size_of::<D::Elem>())?;
+        let row = model.kv_dim();
+        let (l, bs, n) = (model.num_layers, cfg.block_size, cfg.num_kv_buffers);
+        let mut pair = |space, elems| -> Result<KvMem> {
+            Ok(KvMem {
+                k: d.alloc(space, elems)?,
+                v: d.alloc(space, elems)?,
+            })
+        };
+        let host = pair(Space::Host, l * plan.num_cpu_blocks * bs * row)?;
+        let ring = (0..n)
+            .map(|_| pair(Space::Device, plan.slot_tokens * row))
+            .collect::<Result<Vec<_>>>()?;
+        let dbuf = pair(Space::Device, l * bs * row)?;
+        let mut slots = Vec::new();
+        for _ in 0..n {
+            slots.push(SlotEvents {
+                ready: d.new_event()?,
+                compute_done: d.new_event()?,
+                offload_done: d.new_event()?,
+            });
+        }
+        let layer_stored = (0..l).map(|_| d.new_event()).collect::<Result<Vec<_>>>()?;
+        let mut e = Self {
+            depth: (n - 1).min(l),
+            num_layers: l,
+            row,
+            host,
+            ring,
+            dbuf,
+            slots,
+            layer_stored,
+            state: Ring::new(n, l),
+            ahead: 0,
+            seq_len: 0,
+            step: Step::Idle,
+            cfg,
+            plan,
+            d,
+        };
+        e.reset()?;
+        Ok(e)
+    }
+
+    /// Layer `layer`'s host blocks from `block` on.
+    fn host_at(&self, layer: usize, block: usize) -> usize {
+        (layer * self.plan.num_cpu_blocks + block) * self.cfg.block_size * self.row
+    }
+
+    fn dbuf_at(&self, layer: usize) -> usize {
+        layer * self.cfg.block_size * self.row
+    }
+
+    fn offload_stream(&self, layer: usize) -> StreamRole {
+        StreamRole::Offload(layer % self.d.num_offload_streams())
+    }
+
+    /// Queues `len` elements of K and of V from `src` at `src_off` to `dst` at `dst_off`.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_kv(
+        &mut self,
+        s: StreamRole,
+        names: [&'static str; 2],
+        layer: usize,
+        (src, src_off): (KvMem, usize),
+        (dst, dst_off): (KvMem, usize),
+        len: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        if self.cfg.sanitize && s != StreamRole::Compute {
+            // Enqueue at random moments too: the CPU device also delays the copy itself.
+            std::thread::sleep(std::time::Duration::from_micros(rand::random_range(0..200)));
+        }
+        let span = |mem, off| Span { mem, off, len };
+        self.d
+            .copy(s, names[0], layer, span(src.k, src_off), span(dst.k, dst_off))?;
+        self.d
+            .copy(s, names[1], layer, span(src.v, src_off), span(dst.v, dst_off))
+    }
+
+    /// Makes `s` wait for whatever the previous user of `slot` left in flight.
+    fn wait_released(&mut self, s: StreamRole, slot: usize, after: ReleasedAfter) -> Result<()> {
+        match after {
+            ReleasedAfter::Nothing => Ok(()),
+            ReleasedAfter::Compute => {
+                self.d
+                    .wait(s, self.slots[slot].compute_done, "slot-compute-done")
+            }
+            ReleasedAfter::Offload => {
+                self.d
+                    .wait(s, self.slots[slot].offload_done, "slot-offload-done")
+            }
+        }
+    }
+
+    /// Decode: queues the H2D of `layer`'s full host blocks (`0..full_blocks`) into its
+    /// slot, for this step or, when `next_step`, for the next.
+    fn prefetch_layer(&mut self, layer: usize, full_blocks: usize, next_step: bool) -> Result<()> {
+        let (s, after) = self.state.begin_load(layer, next_step)?;
+        let p = StreamRole::Prefetch;
+        self.wait_released(p, s, after)?;
+        self.d.wait(p, self.layer_stored[layer], "layer-stored")?;
+        let len = full_blocks * self.cfg.block_size * self.row;
+        let src = (self.host, self.host_at(layer, 0));
+        self.copy_kv(p, ["h2d-k", "h2d-v"], layer, src, (self.ring[s], 0), len)?;
+        self.d.record(p, self.slots[s].ready)
+    }
+
+    /// After `layer` is queued: prefetch `depth` layers ahead, running on into the next
+    /// decode step (at position `next_pos`) so the link stays busy across step boundaries.
+    fn prefetch_after(&mut self, layer: usize, next_pos: usize) -> Result<()> {
+        let target = layer + self.depth;
+        if target < self.num_layers {
+            if let Step::Decode { pos } = self.step {
+                self.prefetch_layer(target, pos / self.cfg.block_size, false)?;
+            }
+        } else if target - self.num_layers < self.depth && next_pos < self.capacity() {
+            let full = next_pos / self.cfg.block_size;
+            self.prefetch_layer(target - self.num_layers, full, true)?;
+            self.ahead += 1;
+        }
+        if layer + 1 == self.num_layers {
+            self.seq_len = next_pos;
+            self.state.advance();
+        }
+        Ok(())
+    }
+
+    /// NaN over the first `tokens` rows of slot `s`, queued on `st` (sanitizer).
+    fn poison_slot(&mut self, st: StreamRole, s: usize, tokens: usize) -> Result<()> {
+        let len = tokens * self.row;
+        let slot = self.ring[s];
+        for mem in [slot.k, slot.v] {
+            self.d.poison(st, Span { mem, off: 0, len })?;
+        }
+        Ok(())
+    }
+
+    /// Prefill: the slot's KV goes to the host (full blocks) and the decode buffer (the
+    /// partial last block), on an offload stream, while the next layers compute.
+    fn offload_prefill(&mut self, layer: usize, s: usize, tokens: usize) -> Result<()> {
+        let bs = self.cfg.block_size;
+        let o = self.offload_stream(layer);
+        self.d.wait(o, self.slots[s].compute_done, "slot-compute-done")?;
+        let (full, rem) = (tokens / bs, tokens % bs);
+        let len = full * bs * self.row;
+        let slot = self.ring[s];
+        let host = (self.host, self.host_at(layer, 0));
+        self.copy_kv(o, ["d2h-k", "d2h-v"], layer, (slot, 0), host, len)?;
+        let dbuf = (self.dbuf, self.dbuf_at(layer));
+        let names = ["slot-to-dbuf-k", "slot-to-dbuf-v"];
+        self.copy_kv(o, names, layer, (slot, len), dbuf, rem * self.row)?;
+        if self.cfg.sanitize {
+            self.poison_slot(o, s, tokens)?;
+        }
+        self.d.record(o, self.slots[s].offload_done)?;
+        self.d.record(o, self.layer_stored[layer])
+    }
+
+    /// Decode: the new token's K/V joins the decode buffer; when that fills a block, the
+    /// block moves to the host on an offload stream.
+    fn store_decoded(&mut self, layer: usize, s: usize, pos: usize) -> Result<()> {
+        let (bs, c) = (self.cfg.block_size, StreamRole::Compute);
+        let (full, r) = (pos / bs, pos % bs);
+        let dbuf = (self.dbuf, self.dbuf_at(layer) + r * self.row);
+        let names = ["slot-to-dbuf-k", "slot-to-dbuf-v"];
+        self.copy_kv(c, names, layer, (self.ring[s], pos * self.row), dbuf, self.row)?;
+        if self.cfg.sanitize {
+            self.poison_slot(c, s, pos + 1)?;
+        }
+        self.state.end_compute(layer)?;
+        self.d.record(c, self.slots[s].compute_done)?;
+        if r + 1 == bs {
+            let o = self.offload_stream(layer);
+            self.d.wait(o, self.slots[s].compute_done, "slot-compute-done")?;
+            let (src, dst) = ((self.dbuf, self.dbuf_at(layer)), (self.host, self.host_at(layer, full)));
+            self.copy_kv(o, ["d2h-flush-k", "d2h-flush-v"], layer, src, dst, bs * self.row)?;
+            self.d.record(o, self.layer_stored[layer])?;
+        }
+        Ok(())
+    }
+}
+
+// SAFETY: a layer's slot is handed to the compute stream only after its prefetch (decode)
+// or its previous offload (prefill) is waited for there, and nothing queued later touches
+// it before the compute stream records `compute_done` in `end_layer`.
+unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
+    /// Waits for every stream and forgets the previous request; under the sanitizer,
+    /// poisons all KV memory so that anything it leaked would show. After a full
+    /// synchronize every recorded event has completed, so the events are reused.
+    fn reset(&mut self) -> Result<()> {
+        self.d.sync_all()?;
+        self.state.reset();
+        self.ahead = 0;
+        self.seq_len = 0;
+        self.step = Step::Idle;
+        if self.cfg.sanitize {
+            let c = StreamRole::Compute;
+            let whole = |mem, len| Span { mem, off: 0, len };
+            let host = self.host_at(self.num_layers, 0);
+            let dbuf = self.dbuf_at(self.num_layers);
+            for (m, len) in [(self.host, host), (self.dbuf, dbuf)] {
+                self.d.poison(c, whole(m.k, len))?;
+                self.d.poison(c, whole(m.v, len))?;
+            }
+            for s in 0..self.slots.len() {
+                self.poison_slot(c, s, self.plan.slot_tokens)?;
+            }
+            self.d.sync_all()?;
+        }
+        Ok(())
+    }
+
+    /// Tokens one request may hold: the smaller of the ring slot and the host KV.
+    fn capacity(&self) -> usize {
+        self.cfg
+            .max_model_len
+            .min(self.plan.num_cpu_blocks * self.cfg.block_size)
+    }
+
+    fn begin_step(&mut self, pos0: usize, tokens: usize) -> Result<()> {
+        let cap = self.capacity();
+        if pos0 + tokens > cap {
+            bail!(
+                "offload KV is full: {} tokens need {} blocks of {}, the engine holds {} tokens (raise --max-model-len or --num-cpu-blocks)",
+                pos0 + tokens,
+                (pos0 + tokens).div_ceil(self.cfg.block_size),
+                self.cfg.block_size,
+                cap
+            );
+        }
+        self.step = if pos0 == 0 && self.seq_len == 0 {
+            Step::Prefill { tokens }
+        } else if tokens == 1 && pos0 == self.seq_len {
+            Step::Decode { pos: pos0 }
+        } else {
+            bail!("offload engine: a step must be a whole-prompt prefill or one decode token (got {tokens} tokens at position {pos0}, {} stored)", self.seq_len);
+        };
+        if let Step::Decode { pos } = self.step {
+            // Layers not already prefetched during the previous step's tail.
+            let full = pos / self.cfg.block_size;
+            for layer in self.ahead..self.depth {
+                self.prefetch_layer(layer, full, false)?;
+            }
+        }
+        self.ahead = 0;
+        Ok(())
+    }
+
+    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<D::Elem>> {
+        let c = StreamRole::Compute;
+        let s = match self.step {
+            Step::Prefill { .. } => {
+                let (s, after) = self.state.begin_prefill_compute(layer)?;
+                self.wait_released(c, s, after)?;
+                s
+            }
+            Step::Decode { pos } => {
+                let s = self.state.begin_decode_compute(layer)?;
+                self.d.wait(c, self.slots[s].ready, "slot-ready")?;
+                // The decode buffer of this layer may still be read by an offload stream.
+                self.d.wait(c, self.layer_stored[layer], "layer-stored")?;
+                // Append the partial block so the attention sees one contiguous context.
+                let (r, base) = (pos % self.cfg.block_size, pos - pos % self.cfg.block_size);
+                let (dbuf, slot) = ((self.dbuf, self.dbuf_at(layer)), (self.ring[s], base * self.row));
+                let names = ["dbuf-to-slot-k", "dbuf-to-slot-v"];
+                self.copy_kv(c, names, layer, dbuf, slot, r * self.row)?;
+                s
+            }
+            Step::Idle => bail!("offload engine: begin_layer outside a step"),
+        };
+        self.d.layer_begin(layer)?;
+        Ok(LayerSlot {
+            k: self.d.ptr(self.ring[s].k),
+            v: self.d.ptr(self.ring[s].v),
+            rows: self.plan.slot_tokens,
+        })
+    }
+
+    fn end_layer(&mut self, layer: usize) -> Result<()> {
+        let s = self.state.slot_of(layer);
+        self.d.layer_end(layer)?;
+        match self.step {
+            Step::Prefill { tokens } => {
+                self.state.end_compute(layer)?;
+                self.d.record(StreamRole::Compute, self.slots[s].compute_done)?;
+                self.offload_prefill(layer, s, tokens)?;
+                self.prefetch_after(layer, tokens)
+            }
+            Step::Decode { pos } => {
+                self.store_decoded(layer, s, pos)?;
+                self.prefetch_after(layer, pos + 1)
+            }
+            Step::Idle => bail!("offload engine: end_layer outside a step"),
+        }
+    }
+}
+
+/// What a session asks of an offload engine besides the KV seam, whatever its element type.
+pub trait OffloadControl {
+    fn plan(&self) -> MemoryPlan;
+    /// Traces every copy and layer from now on.
+    fn set_tracing(&mut self, on: bool) -> Result<()>;
+    /// The ops traced so far (waits for them).
+    fn take_trace(&mut self) -> Result<Vec<TraceEvent>>;
+}
+
+/// An offload engine behind the KV seam, whatever its device: what a session holds.
+pub trait OffloadKv<T>: KvCache<T> + OffloadControl {}
+
+impl<T, E: KvCache<T> + OffloadControl> OffloadKv<T> for E {}
+
+impl<D: OffloadDevice> OffloadControl for OffloadEngine<D> {
+    fn plan(&self) -> MemoryPlan {
+        self.plan
+    }
+
+    fn set_tracing(&mut self, on: bool) -> Result<()> {
+        self.d.set_tracing(on)
+    }
+
+    fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
+        self.d.take_trace()
+    }
+}
+
+impl<D: OffloadDevice> Drop for OffloadEngine<D> {
+    fn drop(&mut self) {
+        let _ = self.d.sync_all();
+    }
+}

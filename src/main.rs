@@ -218,7 +218,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let sanitize = args.sanitize || std::env::var("STRATA_SANITIZE").is_ok_and(|v| v == "1");
     let session_cfg = SessionConfig {
         device: args.device,
-        max_len: if args.enable_offload { max_len } else { request_len },
+        max_len: if args.enable_offload {
+            max_len
+        } else {
+            request_len
+        },
         offload: args.enable_offload.then(|| OffloadConfig {
             num_kv_buffers: args.num_kv_buffers,
             block_size: args.block_size,

@@ -215,10 +215,9 @@ impl Session {
             DeviceKind::Cpu => {
                 let capacity = cfg.capacity(&model.cfg)?;
                 let kv = match &cfg.offload {
-                    Some(o) => Kv::Offload(Box::new(CpuOffloadEngine::on_cpu(
-                        &model.cfg,
-                        o.clone(),
-                    )?)),
+                    Some(o) => {
+                        Kv::Offload(Box::new(CpuOffloadEngine::on_cpu(&model.cfg, o.clone())?))
+                    }
                     None => Kv::Resident(Box::new(resident_cpu(&model.cfg, capacity))),
                 };
                 let backend = Backend::Cpu { kv, resident: None };
@@ -234,10 +233,13 @@ impl Session {
                 let dev = Arc::new(crate::device::cuda::context::CudaDevice::new(0)?);
                 let compute = dev.new_stream()?;
                 let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
-                let engine = |m: &ModelConfig, o: OffloadConfig| -> Result<Box<dyn OffloadKv<bf16>>> {
-                    let (d, st) = (dev.clone(), compute.clone());
-                    Ok(Box::new(crate::device::cuda::offload_dev::offload_engine(d, st, m, o)?))
-                };
+                let engine =
+                    |m: &ModelConfig, o: OffloadConfig| -> Result<Box<dyn OffloadKv<bf16>>> {
+                        let (d, st) = (dev.clone(), compute.clone());
+                        Ok(Box::new(crate::device::cuda::offload_dev::offload_engine(
+                            d, st, m, o,
+                        )?))
+                    };
                 Self::on_exec(model, cfg, exec, &engine)
             }
         }
@@ -304,7 +306,15 @@ impl Session {
             o.set_tracing(trace.is_some())?;
         }
         let (cap, profile) = (self.capacity, self.cfg.profile);
-        let out = self.backend.run(&self.model, Which::Session, cap, profile, prompt, opts, on_token)?;
+        let out = self.backend.run(
+            &self.model,
+            Which::Session,
+            cap,
+            profile,
+            prompt,
+            opts,
+            on_token,
+        )?;
         if let (Some(path), Some(o)) = (trace, self.backend.offload()) {
             let events = o.take_trace()?;
             crate::offload::trace::write_chrome_trace(&path, &events)?;
@@ -322,7 +332,15 @@ impl Session {
         on_token: &mut dyn FnMut(u32) -> Result<()>,
     ) -> Result<GenerationOutput> {
         let cap = self.capacity;
-        self.backend.run(&self.model, Which::Resident, cap, None, prompt, opts, on_token)
+        self.backend.run(
+            &self.model,
+            Which::Resident,
+            cap,
+            None,
+            prompt,
+            opts,
+            on_token,
+        )
     }
 }
 

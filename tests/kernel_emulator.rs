@@ -9,8 +9,10 @@
 mod common;
 
 use std::sync::Arc;
-use strata::device::cuda::exec::Exec;
+use strata::device::cuda::exec::{Buf, Exec};
+use strata::device::cuda::ops::{GemmOut, GemmShape};
 use strata::device::cuda::ops::{KArg, Launch};
+use strata::device::DevPtr;
 use strata::gpucheck::emu::{EmuExec, Emulator};
 use strata::gpucheck::kernels::{format_table, run_kernel_checks_on, CheckSizes};
 use strata::gpucheck::model_checks::{compare_model, offload_case};
@@ -243,18 +245,17 @@ struct Swapped {
     j: usize,
 }
 
-#[allow(clippy::too_many_arguments)]
 impl Exec for Swapped {
-    fn alloc(&self, bytes: usize) -> anyhow::Result<(strata::device::cuda::exec::Buf, u64)> {
+    fn alloc(&self, bytes: usize) -> anyhow::Result<(Buf, DevPtr<u8>)> {
         self.inner.alloc(bytes)
     }
-    fn upload(&self, data: &[u8]) -> anyhow::Result<(strata::device::cuda::exec::Buf, u64)> {
+    fn upload(&self, data: &[u8]) -> anyhow::Result<(Buf, DevPtr<u8>)> {
         self.inner.upload(data)
     }
-    unsafe fn htod(&self, dst: u64, src: &[u8]) -> anyhow::Result<()> {
+    unsafe fn htod(&self, dst: DevPtr<u8>, src: &[u8]) -> anyhow::Result<()> {
         self.inner.htod(dst, src)
     }
-    unsafe fn download(&self, src: u64, dst: &mut [u8]) -> anyhow::Result<()> {
+    unsafe fn download(&self, src: DevPtr<u8>, dst: &mut [u8]) -> anyhow::Result<()> {
         self.inner.download(src, dst)
     }
     fn sync(&self) -> anyhow::Result<()> {
@@ -269,15 +270,12 @@ impl Exec for Swapped {
     }
     fn gemm(
         &self,
-        x: u64,
-        w: u64,
-        out: u64,
-        m: usize,
-        k: usize,
-        n: usize,
-        out_f32: bool,
+        x: DevPtr<half::bf16>,
+        w: DevPtr<half::bf16>,
+        out: GemmOut,
+        s: GemmShape,
     ) -> anyhow::Result<()> {
-        self.inner.gemm(x, w, out, m, k, n, out_f32)
+        self.inner.gemm(x, w, out, s)
     }
 }
 
@@ -322,7 +320,8 @@ fn overrun_child() {
         .flat_map(|s| s.to_ne_bytes())
         .collect();
     let (_sb, s) = x.upload(&slots).unwrap();
-    let l = ops::kv_store(k, k, cache, cache, s, 4, kv_dim, kv_dim);
+    let (k, cache) = (k.cast(), cache.cast());
+    let l = ops::kv_store(k, k, cache, cache, s.cast(), 4, kv_dim, kv_dim);
     x.launch(&l).unwrap();
     eprintln!("overrun not caught");
 }

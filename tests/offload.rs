@@ -11,9 +11,9 @@ use common::{scratch_dir, TinySpec};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::kv::ContiguousKv;
+use strata::kv::KvCache;
 use strata::model::{weights, Model, ModelConfig};
 use strata::offload::{CpuOffloadEngine, OffloadConfig};
-use strata::kv::KvCache;
 
 fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
     let dir = scratch_dir(name);

@@ -13,11 +13,11 @@ use std::sync::Arc;
 
 use common::{scratch_dir, TinySpec};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::device::cpu::stream::TraceEvent;
+use strata::device::DevPtr;
 use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::kv::ContiguousKv;
 use strata::model::{weights, Model, ModelConfig};
-use strata::device::cpu::stream::TraceEvent;
-use strata::device::DevPtr;
 use strata::offload::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
 use strata::offload::engine::OFFLOAD_STREAMS;
 use strata::offload::{CpuOffloadDevice, OffloadConfig, OffloadEngine};

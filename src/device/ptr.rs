@@ -25,7 +25,12 @@ impl<T> PartialEq for DevPtr<T> {
 
 impl<T> std::fmt::Debug for DevPtr<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DevPtr<{}>({:#x})", std::any::type_name::<T>(), self.addr)
+        write!(
+            f,
+            "DevPtr<{}>({:#x})",
+            std::any::type_name::<T>(),
+            self.addr
+        )
     }
 }
 

@@ -16,12 +16,12 @@ use crate::device::cuda::offload_dev::offload_engine;
 use crate::device::cuda::ops::{dtoh, htod, mem_used};
 use crate::device::cuda::weights::CudaWeights;
 use crate::engine::sampler::argmax;
-use crate::model::random::Shape;
 use crate::kv::KvCache;
+use crate::model::random::Shape;
 use crate::offload::{OffloadConfig, OffloadControl};
-use half::bf16;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{sys, CudaEvent, CudaStream};
+use half::bf16;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Instant;
@@ -344,10 +344,10 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
     let max_ctx = *args.contexts.iter().max().expect("checked above");
     shape.max_pos = (max_ctx + extra).max(WARM_CAP);
     let cfg = shape.config();
-    let x: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
-    let w = CudaWeights::random_shared(&*x, &cfg, 1)?;
+    let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
+    let w = CudaWeights::random_shared(&*exec, &cfg, 1)?;
     let weights_bytes = w.bytes;
-    let mut model = CudaModel::new(x.clone(), cfg.clone(), w, shape.max_pos)?;
+    let mut model = CudaModel::new(exec.clone(), cfg.clone(), w, shape.max_pos)?;
     model.nvtx = false;
     let mut report = BenchReport {
         layers: args.layers,
@@ -359,7 +359,7 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
     // Warm-up (cuBLAS initialisation, first launches) and the largest activations, so
     // neither lands in the first timed prefill.
     {
-        let mut kv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), WARM_CAP)?;
+        let mut kv = ResidentKv::new(&*exec, cfg.num_layers, cfg.kv_dim(), WARM_CAP)?;
         let warm: Vec<u32> = (0..512).collect();
         run_once(&mut model, &mut kv, &warm, 2, 0)?;
         model.reserve(max_ctx)?;
@@ -373,7 +373,7 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
         // Resident.
         compute.synchronize()?;
         let m0 = mem_used()?;
-        let mut kv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), max_len)?;
+        let mut kv = ResidentKv::new(&*exec, cfg.num_layers, cfg.kv_dim(), max_len)?;
         compute.synchronize()?;
         let kv_mem = mem_used()?.saturating_sub(m0).max(kv.bytes());
         let res = run_once(&mut model, &mut kv, &prompt, args.decode_steps, kv_mem)?;

@@ -15,8 +15,10 @@
 use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::cuda::nvrtc::{Fnv, HEADERS, SOURCES};
-use crate::device::cuda::ops::{DPtr, KArg, Launch, KERNELS};
+use crate::device::cuda::ops::{GemmOut, GemmShape, KArg, Launch, KERNELS};
+use crate::device::DevPtr;
 use anyhow::{anyhow, bail, Context, Result};
+use half::bf16;
 use std::ffi::{c_char, c_void, CString};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -83,7 +85,7 @@ impl Emulator {
             .map(|a| match a {
                 KArg::Ptr(p) => {
                     sig.push('p');
-                    p as *const DPtr as *mut c_void
+                    p as *const u64 as *mut c_void
                 }
                 KArg::I32(i) => {
                     sig.push('i');
@@ -298,7 +300,7 @@ unsafe impl Send for GuardedBuf {}
 unsafe impl Sync for GuardedBuf {}
 
 impl GuardedBuf {
-    fn new(bytes: usize) -> Result<(Self, DPtr)> {
+    fn new(bytes: usize) -> Result<(Self, DevPtr<u8>)> {
         let page = 4096usize;
         let len = bytes.max(1).next_multiple_of(16);
         let data = len.next_multiple_of(page);
@@ -321,7 +323,8 @@ impl GuardedBuf {
                 libc::munmap(map, map_len);
                 bail!("kernel emulator: cannot protect a guard page");
             }
-            Ok((Self { map, map_len }, guard.sub(len) as DPtr))
+            let start = DevPtr::from_addr(guard.sub(len) as u64);
+            Ok((Self { map, map_len }, start))
         }
     }
 }
@@ -351,43 +354,46 @@ impl EmuExec {
 ///
 /// # Safety
 /// `x`, `w` and `out` must hold `m·k`, `n·k` and `m·n` elements of their types.
-unsafe fn host_gemm(x: DPtr, w: DPtr, out: DPtr, m: usize, k: usize, n: usize, out_f32: bool) {
-    let widen = |p: DPtr, len: usize| -> Vec<f32> {
-        let bits = std::slice::from_raw_parts(p as *const u16, len);
+unsafe fn host_gemm(x: DevPtr<bf16>, w: DevPtr<bf16>, out: GemmOut, s: GemmShape) {
+    let GemmShape { m, k, n } = s;
+    let widen = |p: DevPtr<bf16>, len: usize| -> Vec<f32> {
+        let bits = std::slice::from_raw_parts(p.addr() as *const u16, len);
         bits.iter().map(|&b| bf16_to_f32(b)).collect()
     };
     let (xf, wf) = (widen(x, m * k), widen(w, n * k));
-    if out_f32 {
-        let o = std::slice::from_raw_parts_mut(out as *mut f32, m * n);
-        crate::device::cpu::ops::linear(&xf, &wf, None, o, m, k, n);
-    } else {
-        let mut o = vec![0.0f32; m * n];
-        crate::device::cpu::ops::linear(&xf, &wf, None, &mut o, m, k, n);
-        let dst = std::slice::from_raw_parts_mut(out as *mut u16, m * n);
-        for (d, v) in dst.iter_mut().zip(o) {
-            *d = f32_to_bf16(v);
+    match out {
+        GemmOut::F32(p) => {
+            let o = std::slice::from_raw_parts_mut(p.as_host_ptr(), m * n);
+            crate::device::cpu::ops::linear(&xf, &wf, None, o, m, k, n);
+        }
+        GemmOut::Bf16(p) => {
+            let mut o = vec![0.0f32; m * n];
+            crate::device::cpu::ops::linear(&xf, &wf, None, &mut o, m, k, n);
+            let dst = std::slice::from_raw_parts_mut(p.addr() as *mut u16, m * n);
+            for (d, v) in dst.iter_mut().zip(o) {
+                *d = f32_to_bf16(v);
+            }
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 impl Exec for EmuExec {
-    fn alloc(&self, bytes: usize) -> Result<(Buf, DPtr)> {
+    fn alloc(&self, bytes: usize) -> Result<(Buf, DevPtr<u8>)> {
         let (b, p) = GuardedBuf::new(bytes)?;
         Ok((Buf::Other(Box::new(b)), p))
     }
-    fn upload(&self, data: &[u8]) -> Result<(Buf, DPtr)> {
+    fn upload(&self, data: &[u8]) -> Result<(Buf, DevPtr<u8>)> {
         let (b, p) = self.alloc(data.len())?;
         // SAFETY: the new allocation holds data.len() bytes.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, data.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p.as_host_ptr(), data.len()) };
         Ok((b, p))
     }
-    unsafe fn htod(&self, dst: DPtr, src: &[u8]) -> Result<()> {
-        std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len());
+    unsafe fn htod(&self, dst: DevPtr<u8>, src: &[u8]) -> Result<()> {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_host_ptr(), src.len());
         Ok(())
     }
-    unsafe fn download(&self, src: DPtr, dst: &mut [u8]) -> Result<()> {
-        std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len());
+    unsafe fn download(&self, src: DevPtr<u8>, dst: &mut [u8]) -> Result<()> {
+        std::ptr::copy_nonoverlapping(src.as_host_ptr(), dst.as_mut_ptr(), dst.len());
         Ok(())
     }
     fn sync(&self) -> Result<()> {
@@ -396,18 +402,9 @@ impl Exec for EmuExec {
     fn launch(&self, l: &Launch) -> Result<()> {
         self.emu.launch(l)
     }
-    fn gemm(
-        &self,
-        x: DPtr,
-        w: DPtr,
-        out: DPtr,
-        m: usize,
-        k: usize,
-        n: usize,
-        out_f32: bool,
-    ) -> Result<()> {
+    fn gemm(&self, x: DevPtr<bf16>, w: DevPtr<bf16>, out: GemmOut, s: GemmShape) -> Result<()> {
         // SAFETY: the model passes live allocations of these shapes, as to cuBLAS.
-        unsafe { host_gemm(x, w, out, m, k, n, out_f32) };
+        unsafe { host_gemm(x, w, out, s) };
         Ok(())
     }
 }

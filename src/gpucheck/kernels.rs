@@ -10,7 +10,8 @@
 use crate::device::cpu::{ops, twins};
 use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{Buf, CudaExec, Exec};
-use crate::device::cuda::ops::{self as kernels, at, DPtr, DecodeScratch, PagedAttn};
+use crate::device::cuda::ops::{self as kernels, DecodeScratch, GemmOut, GemmShape, PagedAttn};
+use crate::device::DevPtr;
 use anyhow::{bail, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
@@ -69,24 +70,24 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
         ("kv_store", check_kv_store),
         ("argmax", check_argmax),
         ("sample", check_sample),
-        ("attn_prefill_hd128", |x, r, z| {
-            check_prefill(x, r, z, heads(z, 128), 128)
+        ("attn_prefill_hd128", |exec, r, z| {
+            check_prefill(exec, r, z, heads(z, 128), 128)
         }),
-        ("attn_prefill_hd64", |x, r, z| {
-            check_prefill(x, r, z, heads(z, 64), 64)
+        ("attn_prefill_hd64", |exec, r, z| {
+            check_prefill(exec, r, z, heads(z, 64), 64)
         }),
-        ("attn_decode_hd128", |x, r, z| {
-            check_decode(x, r, z, heads(z, 128), 128, 16)
+        ("attn_decode_hd128", |exec, r, z| {
+            check_decode(exec, r, z, heads(z, 128), 128, 16)
         }),
-        ("attn_decode_hd64 (ring slot)", |x, r, z| {
-            check_decode(x, r, z, heads(z, 64), 64, 0)
+        ("attn_decode_hd64 (ring slot)", |exec, r, z| {
+            check_decode(exec, r, z, heads(z, 64), 64, 0)
         }),
         ("add_bias", check_add_bias),
-        ("attn_prefill_hd96", |x, r, z| {
-            check_prefill(x, r, z, heads(z, 96), 96)
+        ("attn_prefill_hd96", |exec, r, z| {
+            check_prefill(exec, r, z, heads(z, 96), 96)
         }),
-        ("attn_decode_hd96", |x, r, z| {
-            check_decode(x, r, z, heads(z, 96), 96, 16)
+        ("attn_decode_hd96", |exec, r, z| {
+            check_decode(exec, r, z, heads(z, 96), 96, 16)
         }),
         ("cublas linear bf16→f32", check_linear),
     ];
@@ -134,14 +135,17 @@ pub fn format_table(rows: &[CheckRow]) -> String {
 /// An element type of device buffers, moved as little-endian bytes.
 trait Elem: Copy {
     const SIZE: usize;
+    /// Its type on the device (bf16 bits are `u16` here, `bf16` there).
+    type Dev;
     fn put(self, out: &mut Vec<u8>);
     fn get(b: &[u8]) -> Self;
 }
 
 macro_rules! elem {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $d:ty),*) => {$(
         impl Elem for $t {
             const SIZE: usize = std::mem::size_of::<$t>();
+            type Dev = $d;
             fn put(self, out: &mut Vec<u8>) {
                 out.extend_from_slice(&self.to_le_bytes());
             }
@@ -151,54 +155,55 @@ macro_rules! elem {
         }
     )*};
 }
-elem!(u16, i32, f32); // bf16 bits, ids/metadata, f32
+elem!(u16 => half::bf16, i32 => i32, f32 => f32); // bf16 bits, ids/metadata, f32
 
 /// The device memory of one check: typed uploads and downloads, freed when the check
 /// ends. A download must lie inside a buffer allocated here.
 struct Mem<'a> {
-    x: &'a dyn Exec,
-    bufs: Vec<(Buf, DPtr, usize)>, // (allocation, address, bytes)
+    exec: &'a dyn Exec,
+    bufs: Vec<(Buf, u64, usize)>, // (allocation, address, bytes)
 }
 
 impl<'a> Mem<'a> {
-    fn new(x: &'a dyn Exec) -> Self {
+    fn new(exec: &'a dyn Exec) -> Self {
         Self {
-            x,
+            exec,
             bufs: Vec::new(),
         }
     }
 
-    fn upload<T: Elem>(&mut self, v: &[T]) -> Result<DPtr> {
+    fn upload<T: Elem>(&mut self, v: &[T]) -> Result<DevPtr<T::Dev>> {
         let mut bytes = Vec::with_capacity(v.len() * T::SIZE);
         v.iter().for_each(|e| e.put(&mut bytes));
-        let (b, p) = self.x.upload(&bytes)?;
-        self.bufs.push((b, p, bytes.len()));
-        Ok(p)
+        let (b, p) = self.exec.upload(&bytes)?;
+        self.bufs.push((b, p.addr(), bytes.len()));
+        Ok(p.cast())
     }
 
     /// `n` zeroed elements.
-    fn zeros<T: Elem>(&mut self, n: usize) -> Result<DPtr> {
-        let (b, p) = self.x.alloc(n * T::SIZE)?;
-        self.bufs.push((b, p, n * T::SIZE));
-        Ok(p)
+    fn zeros<T: Elem>(&mut self, n: usize) -> Result<DevPtr<T::Dev>> {
+        let (b, p) = self.exec.alloc(n * T::SIZE)?;
+        self.bufs.push((b, p.addr(), n * T::SIZE));
+        Ok(p.cast())
     }
 
     /// `n` elements at `p`, after everything queued so far.
-    fn download<T: Elem>(&self, p: DPtr, n: usize) -> Result<Vec<T>> {
-        let bytes = n * T::SIZE;
+    fn download<T: Elem>(&self, p: DevPtr<T::Dev>, n: usize) -> Result<Vec<T>> {
+        let (bytes, p) = (n * T::SIZE, p.cast::<u8>());
+        let a = p.addr();
         let inside =
-            |&(_, b, len): &(Buf, DPtr, usize)| p >= b && p + bytes as u64 <= b + len as u64;
+            |&(_, b, len): &(Buf, u64, usize)| a >= b && a + bytes as u64 <= b + len as u64;
         if !self.bufs.iter().any(inside) {
-            bail!("download of {bytes} bytes at {p:#x}: not inside one of this check's buffers");
+            bail!("download of {bytes} bytes at {a:#x}: not inside one of this check's buffers");
         }
         let mut raw = vec![0u8; bytes];
         // SAFETY: [p, p + bytes) lies inside a live allocation of this check (just checked).
-        unsafe { self.x.download(p, &mut raw)? };
+        unsafe { self.exec.download(p, &mut raw)? };
         Ok(raw.chunks_exact(T::SIZE).map(T::get).collect())
     }
 
     /// `n` bf16 values at `p`, widened to f32.
-    fn bf16(&self, p: DPtr, n: usize) -> Result<Vec<f32>> {
+    fn bf16(&self, p: DevPtr<half::bf16>, n: usize) -> Result<Vec<f32>> {
         Ok(widen(&self.download::<u16>(p, n)?))
     }
 }
@@ -239,17 +244,17 @@ fn compare(name: &str, shape: String, got: &[f32], want: &[f32], atol: f32, rtol
     }
 }
 
-fn check_embedding(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_embedding(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (vocab, dim, tokens) = z.pick((1000, 2560, 37), (100, 320, 7));
     let (tb, tf) = rand_bf16(rng, vocab * dim, 1.0); // [vocab, dim]
     let mut ids: Vec<i32> = (0..tokens)
         .map(|_| rng.random_range(0..vocab as i32))
         .collect();
     ids[5] = -1; // out of range: a zero row
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let (table, ids_d) = (m.upload(&tb)?, m.upload(&ids)?);
     let out = m.zeros::<u16>(tokens * dim)?; // [tokens, dim]
-    x.launch(&kernels::embedding(table, ids_d, out, tokens, vocab, dim))?;
+    exec.launch(&kernels::embedding(table, ids_d, out, tokens, vocab, dim))?;
     let got = m.bf16(out, tokens * dim)?;
     let mut want = vec![0.0; tokens * dim];
     twins::embedding_gather(&tf, &ids, dim, &mut want);
@@ -268,14 +273,14 @@ fn norm_rows(z: CheckSizes) -> (usize, usize) {
     z.pick((37, 2560), (5, 320))
 }
 
-fn check_rms_norm(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_rms_norm(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let ((rows, dim), eps) = (norm_rows(z), 1e-6f32);
     let (xb, xf) = rand_bf16(rng, rows * dim, 2.0); // [rows, dim]
     let (wb, wf) = rand_bf16(rng, dim, 1.5); // [dim]
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let (x_d, w_d) = (m.upload(&xb)?, m.upload(&wb)?);
     let out = m.zeros::<u16>(rows * dim)?;
-    x.launch(&kernels::rms_norm(x_d, w_d, out, rows, dim, eps))?;
+    exec.launch(&kernels::rms_norm(x_d, w_d, out, rows, dim, eps))?;
     let got = m.bf16(out, rows * dim)?;
     let mut want = vec![0.0; rows * dim];
     ops::rms_norm(&xf, &wf, eps, &mut want);
@@ -289,15 +294,15 @@ fn check_rms_norm(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Check
     ))
 }
 
-fn check_add_rms_norm(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_add_rms_norm(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let ((rows, dim), eps) = (norm_rows(z), 1e-6f32);
     let (xb, xf) = rand_bf16(rng, rows * dim, 2.0); // [rows, dim] residual
     let (db, df) = rand_bf16(rng, rows * dim, 2.0); // [rows, dim] delta
     let (wb, wf) = rand_bf16(rng, dim, 1.5); // [dim]
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let (x_d, d_d, w_d) = (m.upload(&xb)?, m.upload(&db)?, m.upload(&wb)?);
     let out = m.zeros::<u16>(rows * dim)?;
-    x.launch(&kernels::add_rms_norm(x_d, d_d, w_d, out, rows, dim, eps))?;
+    exec.launch(&kernels::add_rms_norm(x_d, d_d, w_d, out, rows, dim, eps))?;
     let mut got = m.bf16(x_d, rows * dim)?; // the residual, then the normed output
     got.extend(m.bf16(out, rows * dim)?);
     let (mut xw, mut want) = (xf, vec![0.0; rows * dim]);
@@ -319,16 +324,16 @@ fn qkv(z: CheckSizes) -> (usize, usize, usize, usize) {
     z.pick((37, 32, 8, 128), (5, 4, 1, 128))
 }
 
-fn check_head_rms_norm(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_head_rms_norm(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (tokens, nh, nkv, hd) = qkv(z);
     let stride = (nh + 2 * nkv) * hd;
     let eps = 1e-6f32;
     let (xb, mut xf) = rand_bf16(rng, tokens * stride, 2.0); // [tokens, stride]
     let (wb, wf) = rand_bf16(rng, hd, 1.5); // [hd]
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let (x_d, w_d) = (m.upload(&xb)?, m.upload(&wb)?);
     // The q heads of each row, in place.
-    x.launch(&kernels::head_rms_norm(
+    exec.launch(&kernels::head_rms_norm(
         x_d, w_d, tokens, nh, hd, stride, eps,
     ))?;
     let got = m.bf16(x_d, tokens * stride)?;
@@ -343,7 +348,7 @@ fn check_head_rms_norm(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<
     ))
 }
 
-fn check_rope(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_rope(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (tokens, nh, nkv, hd) = qkv(z);
     let stride = (nh + 2 * nkv) * hd;
     let (half, max_pos) = (hd / 2, 4096usize);
@@ -355,11 +360,11 @@ fn check_rope(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow>
         .map(|_| rng.random_range(0..max_pos as i32))
         .collect();
     let (xb, mut xf) = rand_bf16(rng, tokens * stride, 2.0); // [tokens, stride]
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let (x_d, p_d) = (m.upload(&xb)?, m.upload(&pos)?);
     let (c_d, s_d) = (m.upload(&cos)?, m.upload(&sin)?);
     let heads = nh + nkv; // q and k are adjacent in the fused buffer: one launch rotates both
-    x.launch(&kernels::rope(
+    exec.launch(&kernels::rope(
         x_d, p_d, c_d, s_d, tokens, heads, hd, stride,
     ))?;
     let got = m.bf16(x_d, tokens * stride)?;
@@ -387,13 +392,13 @@ fn check_rope(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow>
     ))
 }
 
-fn check_add_bias(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_add_bias(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (rows, n) = z.pick((37, 6144), (5, 768)); // fused QKV rows
     let (xb, xf) = rand_bf16(rng, rows * n, 4.0);
     let (bb, bf) = rand_bf16(rng, n, 1.0);
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let (x_d, b_d) = (m.upload(&xb)?, m.upload(&bb)?);
-    x.launch(&kernels::add_bias(x_d, b_d, rows, n))?;
+    exec.launch(&kernels::add_bias(x_d, b_d, rows, n))?;
     let got = m.bf16(x_d, rows * n)?;
     let want: Vec<f32> = xf.iter().enumerate().map(|(i, v)| v + bf[i % n]).collect();
     Ok(compare(
@@ -406,13 +411,13 @@ fn check_add_bias(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Check
     ))
 }
 
-fn check_silu_mul(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_silu_mul(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (tokens, inter) = z.pick((37, 9728), (5, 320));
     let (gb, gf) = rand_bf16(rng, tokens * 2 * inter, 4.0); // [tokens, gate | up]
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let g_d = m.upload(&gb)?;
     let out = m.zeros::<u16>(tokens * inter)?; // [tokens, inter]
-    x.launch(&kernels::silu_mul(g_d, out, tokens, inter))?;
+    exec.launch(&kernels::silu_mul(g_d, out, tokens, inter))?;
     let got = m.bf16(out, tokens * inter)?;
     let mut want = vec![0.0; tokens * inter];
     ops::silu_mul(&gf, inter, &mut want);
@@ -426,7 +431,7 @@ fn check_silu_mul(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Check
     ))
 }
 
-fn check_kv_store(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_kv_store(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (tokens, nh, nkv, hd) = qkv(z);
     let (stride, kv_dim) = ((nh + 2 * nkv) * hd, nkv * hd);
     let n_slots = z.pick(256, 32);
@@ -437,14 +442,14 @@ fn check_kv_store(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Check
     }
     let mut slots = perm[..tokens].to_vec(); // [tokens], distinct
     slots[3] = -1; // padding
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let qkv_d = m.upload(&qkvb)?;
     // K and V are views into the fused QKV rows.
-    let (k_view, v_view) = (at::<u16>(qkv_d, nh * hd), at::<u16>(qkv_d, (nh + nkv) * hd));
+    let (k_view, v_view) = (qkv_d.at(nh * hd), qkv_d.at((nh + nkv) * hd));
     let s_d = m.upload(&slots)?;
     let kc = m.zeros::<u16>(n_slots * kv_dim)?; // [n_slots, kv_dim]
     let vc = m.zeros::<u16>(n_slots * kv_dim)?;
-    x.launch(&kernels::kv_store(
+    exec.launch(&kernels::kv_store(
         k_view, v_view, kc, vc, s_d, tokens, kv_dim, stride,
     ))?;
     let mut got = m.bf16(kc, n_slots * kv_dim)?;
@@ -474,13 +479,13 @@ fn rand_logits(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-scale..scale)).collect()
 }
 
-fn check_argmax(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_argmax(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (rows, vocab) = z.pick((8, 151_936), (2, 5000));
     let logits = rand_logits(rng, rows * vocab, 10.0); // f32 [rows, vocab]
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let l_d = m.upload(&logits)?;
     let out = m.zeros::<i32>(rows)?;
-    x.launch(&kernels::argmax(l_d, out, rows, vocab))?;
+    exec.launch(&kernels::argmax(l_d, out, rows, vocab))?;
     let got: Vec<f32> = m
         .download::<i32>(out, rows)?
         .iter()
@@ -500,7 +505,7 @@ fn check_argmax(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRo
     ))
 }
 
-fn check_sample(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_sample(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (rows, vocab) = z.pick((64, 151_936), (8, 4000));
     let mut mismatches = 0;
     let mut total = 0;
@@ -513,10 +518,10 @@ fn check_sample(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRo
     ] {
         let logits = rand_logits(rng, rows * vocab, 8.0); // f32 [rows, vocab]
         let u: Vec<f32> = (0..rows).map(|_| rng.random::<f32>()).collect(); // [rows]
-        let mut m = Mem::new(x);
+        let mut m = Mem::new(exec);
         let (l_d, u_d) = (m.upload(&logits)?, m.upload(&u)?);
         let out = m.zeros::<i32>(rows)?;
-        x.launch(&kernels::sample(
+        exec.launch(&kernels::sample(
             l_d, u_d, out, rows, vocab, temp, top_k, top_p,
         ))?;
         let got = m.download::<i32>(out, rows)?;
@@ -564,7 +569,7 @@ fn max_of(v: &[i32]) -> usize {
 }
 
 fn check_prefill(
-    x: &dyn Exec,
+    exec: &dyn Exec,
     rng: &mut StdRng,
     z: CheckSizes,
     (nh, nkv): (usize, usize),
@@ -589,7 +594,7 @@ fn check_prefill(
     let (qb, qf) = rand_bf16(rng, total_q * nh * hd, 1.0); // [total_q, nh × hd]
     let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0); // [n_slots, kv_dim]
     let (vb, vf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let a = PagedAttn {
         q: m.upload(&qb)?,
         k: m.upload(&kb)?,
@@ -608,7 +613,7 @@ fn check_prefill(
         max_q_len: max_of(&q_lens),
         max_ctx: max_of(&ctx),
     };
-    x.launch(&kernels::attn_prefill(&a))?;
+    exec.launch(&kernels::attn_prefill(&a))?;
     let got = m.bf16(a.out, total_q * nh * hd)?;
     let mut want = vec![0.0; total_q * nh * hd];
     twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, twin_shape(&a), &mut want);
@@ -635,7 +640,7 @@ fn twin_shape(a: &PagedAttn) -> twins::PagedShape {
 
 /// `block_size` 0: the contiguous ring-slot layout (one block per sequence).
 fn check_decode(
-    x: &dyn Exec,
+    exec: &dyn Exec,
     rng: &mut StdRng,
     z: CheckSizes,
     (nh, nkv): (usize, usize),
@@ -657,7 +662,7 @@ fn check_decode(
     let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0); // [n_slots, kv_dim]
     let (vb, vf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
     let cu: Vec<i32> = (0..=batch as i32).collect(); // one query per sequence (the twin's)
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let a = PagedAttn {
         q: m.upload(&qb)?,
         k: m.upload(&kb)?,
@@ -683,7 +688,7 @@ fn check_decode(
         max_splits,
     };
     for l in kernels::attn_decode(&a, &scratch)? {
-        x.launch(&l)?;
+        exec.launch(&l)?;
     }
     let got = m.bf16(a.out, batch * nh * hd)?;
     let mut want = vec![0.0; batch * nh * hd];
@@ -699,14 +704,15 @@ fn check_decode(
 }
 
 /// `Exec::gemm` (cuBLAS on the GPU), bf16 in, f32 out.
-fn check_linear(x: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+fn check_linear(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (rows, k, n) = z.pick((37, 2560, 1024), (5, 320, 96));
     let (xb, xf) = rand_bf16(rng, rows * k, 1.0); // [rows, k]
     let (wb, wf) = rand_bf16(rng, n * k, 0.05); // [n, k]
-    let mut m = Mem::new(x);
+    let mut m = Mem::new(exec);
     let (x_d, w_d) = (m.upload(&xb)?, m.upload(&wb)?);
     let out = m.zeros::<f32>(rows * n)?; // f32 [rows, n]
-    x.gemm(x_d, w_d, out, rows, k, n, true)?;
+    let shape = GemmShape { m: rows, k, n };
+    exec.gemm(x_d, w_d, GemmOut::F32(out), shape)?;
     let got = m.download::<f32>(out, rows * n)?;
     let mut want = vec![0.0; rows * n];
     ops::linear(&xf, &wf, None, &mut want, rows, k, n);

@@ -23,8 +23,8 @@ use crate::model::random::{random_weights, Shape};
 use crate::model::Model;
 use crate::offload::{OffloadConfig, OffloadKv};
 use crate::session::{EngineFactory, Session, SessionConfig};
-use half::bf16;
 use anyhow::Result;
+use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
 
@@ -86,19 +86,19 @@ pub struct StepError {
 }
 
 /// Prefills `prompt`, then `decode` greedy steps (tokens chosen by the CPU, fed to
-/// both), comparing the logits of every step: the CUDA model on `x` (resident KV)
+/// both), comparing the logits of every step: the CUDA model on `exec` (resident KV)
 /// against the f32 CPU model.
 pub fn compare_loaded(
-    x: Arc<dyn Exec>,
+    exec: Arc<dyn Exec>,
     model: &Arc<Model>,
     prompt: &[u32],
     decode: usize,
 ) -> Result<Vec<StepError>> {
     let cfg = &model.cfg;
-    let w = CudaWeights::from_model(&*x, model)?;
+    let w = CudaWeights::from_model(&*exec, model)?;
     let cap = prompt.len() + decode + 1;
-    let mut gpu = CudaModel::new(x.clone(), cfg.clone(), w, cap)?;
-    let mut gkv = ResidentKv::new(&*x, cfg.num_layers, cfg.kv_dim(), cap)?;
+    let mut gpu = CudaModel::new(exec.clone(), cfg.clone(), w, cap)?;
+    let mut gkv = ResidentKv::new(&*exec, cfg.num_layers, cfg.kv_dim(), cap)?;
     let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
     let mut steps = Vec::new();
     let (mut tokens, mut pos) = (prompt.to_vec(), 0);
@@ -120,10 +120,10 @@ pub fn compare_loaded(
     Ok(steps)
 }
 
-/// `compare_loaded` on a random model of `shape` and `prompt_len` random tokens, on `x`:
+/// `compare_loaded` on a random model of `shape` and `prompt_len` random tokens, on `exec`:
 /// the GPU, or the emulator/host twin in tests.
 pub fn compare_model(
-    x: Arc<dyn Exec>,
+    exec: Arc<dyn Exec>,
     name: &str,
     shape: Shape,
     prompt_len: usize,
@@ -138,7 +138,7 @@ pub fn compare_model(
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
-    let steps = compare_loaded(x, &model, &prompt, decode)?;
+    let steps = compare_loaded(exec, &model, &prompt, decode)?;
     let errs: Vec<(f32, f32)> = steps.iter().map(|s| (s.rel_rms, s.rel_max)).collect();
     let s = format!(
         "{} layer(s), hidden {}, vocab {}, {prompt_len}+{decode} tok",
@@ -162,7 +162,7 @@ pub fn logits_check_emulated() -> Result<Vec<CheckRow>> {
     Ok(logits_check_on(Arc::new(super::emu::EmuExec::new()?)))
 }
 
-fn logits_check_on(x: Arc<dyn Exec>) -> Vec<CheckRow> {
+fn logits_check_on(exec: Arc<dyn Exec>) -> Vec<CheckRow> {
     let mut big = Shape::qwen3_4b();
     big.layers = 1;
     big.vocab = 4096;
@@ -173,7 +173,7 @@ fn logits_check_on(x: Arc<dyn Exec>) -> Vec<CheckRow> {
     cases
         .into_iter()
         .map(|(name, shape, p, d)| {
-            compare_model(x.clone(), name, shape, p, d).unwrap_or_else(|e| failed(name, e))
+            compare_model(exec.clone(), name, shape, p, d).unwrap_or_else(|e| failed(name, e))
         })
         .collect()
 }
@@ -212,13 +212,13 @@ pub fn offload_check() -> Result<Vec<CheckRow>> {
     let mut rows = Vec::new();
     for (name, shape) in offload_shapes() {
         let compute = dev.new_stream()?;
-        let x = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
+        let exec = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
         let engine = |cfg: &crate::model::ModelConfig, o: OffloadConfig| {
             let e = offload_engine(dev.clone(), compute.clone(), cfg, o)?;
             Ok(Box::new(e) as Box<dyn OffloadKv<bf16>>)
         };
         rows.extend(
-            offload_case(x, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+            offload_case(exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
     Ok(rows)
@@ -237,27 +237,31 @@ fn offload_shapes() -> [(&'static str, Shape); 2] {
 /// Step 3 on the kernel emulator, the offload engine on the CPU device in bf16 (copy
 /// streams on threads; random delays under the sanitizer).
 pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
-    let x: Arc<dyn Exec> = Arc::new(super::emu::EmuExec::new()?);
+    let exec: Arc<dyn Exec> = Arc::new(super::emu::EmuExec::new()?);
     let engine = super::emu::emulator_offload_engine;
     let mut rows = Vec::new();
     for (name, shape) in offload_shapes() {
         rows.extend(
-            offload_case(x.clone(), &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+            offload_case(exec.clone(), &engine, name, shape)
+                .unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
     Ok(rows)
 }
 
-/// Resident vs offload vs offload + sanitizer, greedy, on `x` with offload engines from
+/// Resident vs offload vs offload + sanitizer, greedy, on `exec` with offload engines from
 /// `engine` (the GPU, or the emulator/host twins in tests).
 pub fn offload_case(
-    x: Arc<dyn Exec>,
+    exec: Arc<dyn Exec>,
     engine: &EngineFactory<'_>,
     name: &str,
     shape: Shape,
 ) -> Result<Vec<CheckRow>> {
     let cfg = shape.config();
-    let model = Arc::new(Model::new(cfg.clone(), random_weights(&cfg, 3, shape.qk_gain)));
+    let model = Arc::new(Model::new(
+        cfg.clone(),
+        random_weights(&cfg, 3, shape.qk_gain),
+    ));
     let (prompt_len, new) = (100usize, 40usize);
     let cap = prompt_len + new;
     let mut rng = StdRng::seed_from_u64(9);
@@ -278,7 +282,7 @@ pub fn offload_case(
             }),
             ..SessionConfig::new(DeviceKind::Cuda, cap)
         };
-        let mut s = Session::on_exec(model.clone(), scfg, x.clone(), engine)?;
+        let mut s = Session::on_exec(model.clone(), scfg, exec.clone(), engine)?;
         if base.is_none() {
             base = Some(s.generate_resident(&prompt, &opts, &mut |_| Ok(()))?);
         }

@@ -95,7 +95,11 @@ impl<T> OffloadDevice for CpuOffloadDevice<T> {
         let mut v: Vec<u128> = Vec::new();
         let words = bytes.div_ceil(16).max(1);
         if v.try_reserve_exact(words).is_err() {
-            let what = if space == Space::Host { "host" } else { "device" };
+            let what = if space == Space::Host {
+                "host"
+            } else {
+                "device"
+            };
             bail!(
                 "out of {what} memory allocating {:.1} MiB",
                 bytes as f64 / (1 << 20) as f64

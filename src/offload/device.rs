@@ -70,7 +70,11 @@ impl<M> Allocations<M> {
     /// Errors unless `s` lies inside its allocation.
     pub fn check(&self, s: Span) -> Result<()> {
         let Some(&(_, _, elems)) = self.mems.get(s.mem.0) else {
-            bail!("offload copy names allocation {} of {}", s.mem.0, self.mems.len());
+            bail!(
+                "offload copy names allocation {} of {}",
+                s.mem.0,
+                self.mems.len()
+            );
         };
         match s.off.checked_add(s.len) {
             Some(end) if end <= elems => Ok(()),

@@ -134,10 +134,20 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             std::thread::sleep(std::time::Duration::from_micros(rand::random_range(0..200)));
         }
         let span = |mem, off| Span { mem, off, len };
-        self.d
-            .copy(s, names[0], layer, span(src.k, src_off), span(dst.k, dst_off))?;
-        self.d
-            .copy(s, names[1], layer, span(src.v, src_off), span(dst.v, dst_off))
+        self.d.copy(
+            s,
+            names[0],
+            layer,
+            span(src.k, src_off),
+            span(dst.k, dst_off),
+        )?;
+        self.d.copy(
+            s,
+            names[1],
+            layer,
+            span(src.v, src_off),
+            span(dst.v, dst_off),
+        )
     }
 
     /// Makes `s` wait for whatever the previous user of `slot` left in flight.
@@ -203,7 +213,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     fn offload_prefill(&mut self, layer: usize, s: usize, tokens: usize) -> Result<()> {
         let bs = self.cfg.block_size;
         let o = self.offload_stream(layer);
-        self.d.wait(o, self.slots[s].compute_done, "slot-compute-done")?;
+        self.d
+            .wait(o, self.slots[s].compute_done, "slot-compute-done")?;
         let (full, rem) = (tokens / bs, tokens % bs);
         let len = full * bs * self.row;
         let slot = self.ring[s];
@@ -226,7 +237,14 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let (full, r) = (pos / bs, pos % bs);
         let dbuf = (self.dbuf, self.dbuf_at(layer) + r * self.row);
         let names = ["slot-to-dbuf-k", "slot-to-dbuf-v"];
-        self.copy_kv(c, names, layer, (self.ring[s], pos * self.row), dbuf, self.row)?;
+        self.copy_kv(
+            c,
+            names,
+            layer,
+            (self.ring[s], pos * self.row),
+            dbuf,
+            self.row,
+        )?;
         if self.cfg.sanitize {
             self.poison_slot(c, s, pos + 1)?;
         }
@@ -234,9 +252,20 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         self.d.record(c, self.slots[s].compute_done)?;
         if r + 1 == bs {
             let o = self.offload_stream(layer);
-            self.d.wait(o, self.slots[s].compute_done, "slot-compute-done")?;
-            let (src, dst) = ((self.dbuf, self.dbuf_at(layer)), (self.host, self.host_at(layer, full)));
-            self.copy_kv(o, ["d2h-flush-k", "d2h-flush-v"], layer, src, dst, bs * self.row)?;
+            self.d
+                .wait(o, self.slots[s].compute_done, "slot-compute-done")?;
+            let (src, dst) = (
+                (self.dbuf, self.dbuf_at(layer)),
+                (self.host, self.host_at(layer, full)),
+            );
+            self.copy_kv(
+                o,
+                ["d2h-flush-k", "d2h-flush-v"],
+                layer,
+                src,
+                dst,
+                bs * self.row,
+            )?;
             self.d.record(o, self.layer_stored[layer])?;
         }
         Ok(())
@@ -324,7 +353,10 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
                 self.d.wait(c, self.layer_stored[layer], "layer-stored")?;
                 // Append the partial block so the attention sees one contiguous context.
                 let (r, base) = (pos % self.cfg.block_size, pos - pos % self.cfg.block_size);
-                let (dbuf, slot) = ((self.dbuf, self.dbuf_at(layer)), (self.ring[s], base * self.row));
+                let (dbuf, slot) = (
+                    (self.dbuf, self.dbuf_at(layer)),
+                    (self.ring[s], base * self.row),
+                );
                 let names = ["dbuf-to-slot-k", "dbuf-to-slot-v"];
                 self.copy_kv(c, names, layer, dbuf, slot, r * self.row)?;
                 s
@@ -345,7 +377,8 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         match self.step {
             Step::Prefill { tokens } => {
                 self.state.end_compute(layer)?;
-                self.d.record(StreamRole::Compute, self.slots[s].compute_done)?;
+                self.d
+                    .record(StreamRole::Compute, self.slots[s].compute_done)?;
                 self.offload_prefill(layer, s, tokens)?;
                 self.prefetch_after(layer, tokens)
             }

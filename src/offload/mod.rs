@@ -179,7 +179,10 @@ mod tests {
             max_model_len: 1000,
             ..OffloadConfig::default()
         };
-        let (f, b) = (cfg.plan_for(&model, 4).unwrap(), cfg.plan_for(&model, 2).unwrap());
+        let (f, b) = (
+            cfg.plan_for(&model, 4).unwrap(),
+            cfg.plan_for(&model, 2).unwrap(),
+        );
         assert_eq!(f.slot_tokens, b.slot_tokens);
         assert_eq!(f.ring_bytes, 2 * b.ring_bytes);
         assert_eq!(f.decode_buffer_bytes, 2 * b.decode_buffer_bytes);

@@ -347,12 +347,25 @@ impl Stream {
             "copy {name} out of bounds"
         );
         let link = Link::between(src.space(), dst.space());
-        let (s, d) = (src.as_ptr().wrapping_add(src_off), dst.as_ptr().wrapping_add(dst_off));
+        let (s, d) = (
+            src.as_ptr().wrapping_add(src_off),
+            dst.as_ptr().wrapping_add(dst_off),
+        );
         // The clones keep both buffers alive until the copy has run.
         let keep = (src.clone(), dst.clone());
         // SAFETY: in bounds (above) of buffers kept alive by `keep`; ordering is the
         // caller's contract (events).
-        unsafe { self.copy_raw(name, layer, s as *const u8, d as *mut u8, len * 4, link, keep) }
+        unsafe {
+            self.copy_raw(
+                name,
+                layer,
+                s as *const u8,
+                d as *mut u8,
+                len * 4,
+                link,
+                keep,
+            )
+        }
     }
 
     /// Enqueues an async copy of `bytes` from `src` to `dst`. Copies that cross the link

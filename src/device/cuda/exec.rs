@@ -1,5 +1,5 @@
 //! What the CUDA model needs from a device: memory, copies on its stream, kernel launches
-//! and the GEMM, all on addresses (`DPtr`). A backend implements memory, `launch` (run an
+//! and the GEMM, all on typed device addresses (`DevPtr<T>`). A backend implements memory, `launch` (run an
 //! `ops::Launch`) and `gemm`; the kernel methods default to building their launches with
 //! the `ops` builders, so every backend that runs launches (`CudaExec`, the GPU; a CPU
 //! emulator of the `.cu` sources, `crate::gpucheck::emu::EmuExec`) runs the same ones, so
@@ -7,10 +7,12 @@
 //! kernels themselves are tested on machines without a GPU.
 
 use super::context::CudaDevice;
-use super::ops::{self, AttnArgs, DPtr, DecodeScratch, Kernels, Launch};
+use super::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, Kernels, Launch};
+use crate::device::DevPtr;
 use anyhow::{anyhow, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
 use std::sync::Arc;
 
 /// An allocation owned by an `Exec`; its address stays fixed while it lives.
@@ -23,21 +25,27 @@ pub enum Buf {
     Other(Box<dyn std::any::Any + Send + Sync>),
 }
 
+/// Typed allocation helpers over `Exec`'s byte-level memory.
+pub fn alloc<T>(exec: &dyn Exec, elems: usize) -> Result<(Buf, DevPtr<T>)> {
+    let (b, p) = exec.alloc(elems * std::mem::size_of::<T>())?;
+    Ok((b, p.cast()))
+}
+
 #[allow(clippy::too_many_arguments)]
 pub trait Exec {
     /// Zeroed memory of `bytes`, and its address.
-    fn alloc(&self, bytes: usize) -> Result<(Buf, DPtr)>;
-    fn upload(&self, data: &[u8]) -> Result<(Buf, DPtr)>;
+    fn alloc(&self, bytes: usize) -> Result<(Buf, DevPtr<u8>)>;
+    fn upload(&self, data: &[u8]) -> Result<(Buf, DevPtr<u8>)>;
     /// Queues `src` → `dst` on the stream (`src` may be dropped on return).
     ///
     /// # Safety
     /// `dst` must hold `src.len()` bytes.
-    unsafe fn htod(&self, dst: DPtr, src: &[u8]) -> Result<()>;
+    unsafe fn htod(&self, dst: DevPtr<u8>, src: &[u8]) -> Result<()>;
     /// Waits for the stream, then copies `src` → `dst`.
     ///
     /// # Safety
     /// `src` must hold `dst.len()` bytes.
-    unsafe fn download(&self, src: DPtr, dst: &mut [u8]) -> Result<()>;
+    unsafe fn download(&self, src: DevPtr<u8>, dst: &mut [u8]) -> Result<()>;
     fn sync(&self) -> Result<()>;
 
     /// Queues one kernel launch on the stream. The addresses in `l.args` must be live
@@ -48,9 +56,9 @@ pub trait Exec {
 
     fn embedding(
         &self,
-        table: DPtr,
-        ids: DPtr,
-        out: DPtr,
+        table: DevPtr<bf16>,
+        ids: DevPtr<i32>,
+        out: DevPtr<bf16>,
         tokens: usize,
         vocab: usize,
         dim: usize,
@@ -59,9 +67,9 @@ pub trait Exec {
     }
     fn rms_norm(
         &self,
-        x: DPtr,
-        w: DPtr,
-        out: DPtr,
+        x: DevPtr<bf16>,
+        w: DevPtr<bf16>,
+        out: DevPtr<bf16>,
         rows: usize,
         dim: usize,
         eps: f32,
@@ -70,10 +78,10 @@ pub trait Exec {
     }
     fn add_rms_norm(
         &self,
-        x: DPtr,
-        delta: DPtr,
-        w: DPtr,
-        out: DPtr,
+        x: DevPtr<bf16>,
+        delta: DevPtr<bf16>,
+        w: DevPtr<bf16>,
+        out: DevPtr<bf16>,
         rows: usize,
         dim: usize,
         eps: f32,
@@ -82,8 +90,8 @@ pub trait Exec {
     }
     fn head_rms_norm(
         &self,
-        x: DPtr,
-        w: DPtr,
+        x: DevPtr<bf16>,
+        w: DevPtr<bf16>,
         tokens: usize,
         heads: usize,
         head_dim: usize,
@@ -96,10 +104,10 @@ pub trait Exec {
     }
     fn rope(
         &self,
-        x: DPtr,
-        pos: DPtr,
-        cos: DPtr,
-        sin: DPtr,
+        x: DevPtr<bf16>,
+        pos: DevPtr<i32>,
+        cos: DevPtr<f32>,
+        sin: DevPtr<f32>,
         tokens: usize,
         heads: usize,
         head_dim: usize,
@@ -109,20 +117,26 @@ pub trait Exec {
             x, pos, cos, sin, tokens, heads, head_dim, stride,
         ))
     }
-    fn silu_mul(&self, gu: DPtr, out: DPtr, tokens: usize, inter: usize) -> Result<()> {
+    fn silu_mul(
+        &self,
+        gu: DevPtr<bf16>,
+        out: DevPtr<bf16>,
+        tokens: usize,
+        inter: usize,
+    ) -> Result<()> {
         self.launch(&ops::silu_mul(gu, out, tokens, inter))
     }
     /// `x[t, j] += b[j]` on `rows` rows of `n`.
-    fn add_bias(&self, x: DPtr, b: DPtr, rows: usize, n: usize) -> Result<()> {
+    fn add_bias(&self, x: DevPtr<bf16>, b: DevPtr<bf16>, rows: usize, n: usize) -> Result<()> {
         self.launch(&ops::add_bias(x, b, rows, n))
     }
     fn kv_store(
         &self,
-        k: DPtr,
-        v: DPtr,
-        k_cache: DPtr,
-        v_cache: DPtr,
-        slots: DPtr,
+        k: DevPtr<bf16>,
+        v: DevPtr<bf16>,
+        k_cache: DevPtr<bf16>,
+        v_cache: DevPtr<bf16>,
+        slots: DevPtr<i32>,
         tokens: usize,
         kv_dim: usize,
         stride: usize,
@@ -141,16 +155,7 @@ pub trait Exec {
         Ok(())
     }
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 in, f32 accumulate, out bf16 or f32.
-    fn gemm(
-        &self,
-        x: DPtr,
-        w: DPtr,
-        out: DPtr,
-        m: usize,
-        k: usize,
-        n: usize,
-        out_f32: bool,
-    ) -> Result<()>;
+    fn gemm(&self, x: DevPtr<bf16>, w: DevPtr<bf16>, out: GemmOut, s: GemmShape) -> Result<()>;
 }
 
 /// The GPU: one stream (the model's compute stream), its kernels and a cuBLAS handle.
@@ -173,24 +178,24 @@ impl CudaExec {
 }
 
 impl Exec for CudaExec {
-    fn alloc(&self, bytes: usize) -> Result<(Buf, DPtr)> {
+    fn alloc(&self, bytes: usize) -> Result<(Buf, DevPtr<u8>)> {
         let b = self.dev.alloc_zeros::<u8>(&self.st, bytes.max(1))?;
         let p = ops::dptr(&b, &self.st);
         Ok((Buf::Cuda(b), p))
     }
 
-    fn upload(&self, data: &[u8]) -> Result<(Buf, DPtr)> {
+    fn upload(&self, data: &[u8]) -> Result<(Buf, DevPtr<u8>)> {
         let b = super::context::upload(&self.st, data)?;
         let p = ops::dptr(&b, &self.st);
         Ok((Buf::Cuda(b), p))
     }
 
-    unsafe fn htod(&self, dst: DPtr, src: &[u8]) -> Result<()> {
+    unsafe fn htod(&self, dst: DevPtr<u8>, src: &[u8]) -> Result<()> {
         // Pageable source: the driver stages it before returning.
         ops::htod(&self.st, dst, src.as_ptr(), src.len())
     }
 
-    unsafe fn download(&self, src: DPtr, dst: &mut [u8]) -> Result<()> {
+    unsafe fn download(&self, src: DevPtr<u8>, dst: &mut [u8]) -> Result<()> {
         ops::dtoh(&self.st, dst.as_mut_ptr(), src, dst.len())?;
         self.sync()
     }
@@ -205,16 +210,7 @@ impl Exec for CudaExec {
         self.k.launch(&self.st, l)
     }
 
-    fn gemm(
-        &self,
-        x: DPtr,
-        w: DPtr,
-        out: DPtr,
-        m: usize,
-        k: usize,
-        n: usize,
-        out_f32: bool,
-    ) -> Result<()> {
-        ops::gemm(&self.blas, x, w, out, m, k, n, out_f32)
+    fn gemm(&self, x: DevPtr<bf16>, w: DevPtr<bf16>, out: GemmOut, s: GemmShape) -> Result<()> {
+        ops::gemm(&self.blas, x, w, out, s)
     }
 }

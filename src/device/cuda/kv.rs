@@ -23,7 +23,7 @@ impl ResidentKv {
         for _ in 0..2 * num_layers {
             let (b, p) = exec.alloc(capacity * kv_dim * 2)?;
             bufs.push(b);
-            ptrs.push(DevPtr::from_addr(p));
+            ptrs.push(p.cast());
         }
         Ok(Self {
             capacity,

@@ -3,14 +3,16 @@
 //! threads), with the KV behind the `KvCache` seam (`crate::kv`). Activations bf16; cuBLAS and the
 //! kernels accumulate in f32; logits f32.
 
+use super::exec::alloc;
 use super::exec::{Buf, Exec};
-use crate::kv::{KvCache, LayerSlot};
-use half::bf16;
-use super::ops::{at, AttnArgs, DPtr, DecodeScratch};
+use super::ops::{AttnArgs, DecodeScratch, GemmOut, GemmShape};
 use super::weights::CudaWeights;
 use crate::device::cpu::ops::rope_tables;
+use crate::device::DevPtr;
+use crate::kv::{KvCache, LayerSlot};
 use crate::model::{config, ModelConfig};
 use anyhow::{bail, Result};
+use half::bf16;
 use std::sync::Arc;
 
 /// MLP rows at once (as on the CPU), bounding the `[rows, 2 inter]` activation.
@@ -21,12 +23,12 @@ const SPLIT_LEN: usize = 512;
 pub struct CudaModel {
     pub cfg: ModelConfig,
     /// The GPU (`CudaExec`, on the compute stream) or the kernel emulator (`EmuExec`).
-    x: Arc<dyn Exec>,
+    exec: Arc<dyn Exec>,
     pub w: CudaWeights,
     max_pos: usize,
-    _bufs: Vec<Buf>, // RoPE tables f32 [max_pos, head_dim / 2] ×2, decode scratch
-    cos: DPtr,
-    sin: DPtr,
+    _bufs: Vec<Buf>,  // RoPE tables f32 [max_pos, head_dim / 2] ×2, decode scratch
+    cos: DevPtr<f32>, // [max_pos, head_dim / 2]
+    sin: DevPtr<f32>,
     scratch: DecodeScratch,
     acts: Option<Acts>,
     /// NVTX ranges around each layer, attention and MLP (host enqueue side).
@@ -39,21 +41,26 @@ struct Acts {
     chunk: usize,
     _bufs: Vec<Buf>,
     vocab: usize,
-    x: DPtr,      // [rows, hidden] residual stream
-    hn: DPtr,     // [rows, hidden] normalised input of the next block
-    qkv: DPtr,    // [rows, q | k | v]
-    attn: DPtr,   // [rows, q_dim]
-    proj: DPtr,   // [rows, hidden]
-    gu: DPtr,     // [chunk, gate | up]
-    act: DPtr,    // [chunk, inter]
-    meta: DPtr,   // i32 [ids: rows | pos: rows | cu_seqlens: 2 | ctx_len: 1 | table: 1]
-    logits: DPtr, // f32 [vocab]
+    x: DevPtr<bf16>,     // [rows, hidden] residual stream
+    hn: DevPtr<bf16>,    // [rows, hidden] normalised input of the next block
+    qkv: DevPtr<bf16>,   // [rows, q | k | v]
+    attn: DevPtr<bf16>,  // [rows, q_dim]
+    proj: DevPtr<bf16>,  // [rows, hidden]
+    gu: DevPtr<bf16>,    // [chunk, gate | up]
+    act: DevPtr<bf16>,   // [chunk, inter]
+    meta: DevPtr<i32>,   // [ids: rows | pos: rows | cu_seqlens: 2 | ctx_len: 1 | table: 1]
+    logits: DevPtr<f32>, // [vocab]
 }
 
 impl CudaModel {
     /// `max_pos`: the longest context this model will run (sizes the RoPE tables and the
     /// decode scratch). `w` must have been uploaded through `x`.
-    pub fn new(x: Arc<dyn Exec>, cfg: ModelConfig, w: CudaWeights, max_pos: usize) -> Result<Self> {
+    pub fn new(
+        exec: Arc<dyn Exec>,
+        cfg: ModelConfig,
+        w: CudaWeights,
+        max_pos: usize,
+    ) -> Result<Self> {
         // The attention kernels are instantiated for these head dims only.
         super::ops::check_head_dim(cfg.head_dim)?;
         if w.layers.len() != cfg.num_layers {
@@ -65,16 +72,16 @@ impl CudaModel {
         }
         let (cos_h, sin_h) = rope_tables(&config::rope_inv_freq(&cfg), 0, max_pos);
         let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
-        let (cos_b, cos) = x.upload(&f32_bytes(&cos_h))?;
-        let (sin_b, sin) = x.upload(&f32_bytes(&sin_h))?;
+        let (cos_b, cos) = exec.upload(&f32_bytes(&cos_h))?;
+        let (sin_b, sin) = exec.upload(&f32_bytes(&sin_h))?;
         let max_splits = max_pos.div_ceil(SPLIT_LEN);
         let nh = cfg.num_heads;
-        let (po_b, part_o) = x.alloc(4 * nh * max_splits * cfg.head_dim)?;
-        let (pm_b, part_ml) = x.alloc(4 * nh * max_splits * 2)?;
+        let (po_b, part_o) = alloc::<f32>(&*exec, nh * max_splits * cfg.head_dim)?;
+        let (pm_b, part_ml) = alloc::<f32>(&*exec, nh * max_splits * 2)?;
         Ok(Self {
             _bufs: vec![cos_b, sin_b, po_b, pm_b],
-            cos,
-            sin,
+            cos: cos.cast(),
+            sin: sin.cast(),
             scratch: DecodeScratch {
                 part_o,
                 part_ml,
@@ -82,7 +89,7 @@ impl CudaModel {
                 max_splits,
             },
             cfg,
-            x,
+            exec,
             w,
             max_pos,
             acts: None,
@@ -92,7 +99,7 @@ impl CudaModel {
 
     /// The executor the model runs on (allocations for a KV beside it).
     pub fn exec(&self) -> &dyn Exec {
-        &*self.x
+        &*self.exec
     }
 
     pub fn max_pos(&self) -> usize {
@@ -110,42 +117,36 @@ impl CudaModel {
         if self.acts.as_ref().is_some_and(|a| a.rows >= t) {
             return Ok(());
         }
-        self.x.sync()?;
+        self.exec.sync()?;
         self.acts = None; // free before allocating the larger set
         let c = &self.cfg;
         let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let chunk = t.min(MLP_CHUNK);
-        // bf16 activations, then i32 meta, then f32 logits.
-        let sizes = [
-            2 * t * h,
-            2 * t * h,
-            2 * t * (qd + 2 * kvd),
-            2 * t * qd,
-            2 * t * h,
-            2 * chunk * 2 * inter,
-            2 * chunk * inter,
-            4 * (2 * t + 4),
-            4 * c.vocab_size,
-        ];
-        let (mut bufs, mut p) = (Vec::new(), Vec::new());
-        for n in sizes {
-            let (b, ptr) = self.x.alloc(n)?;
+        let mut bufs = Vec::new();
+        let mut bf = |n: usize| -> Result<DevPtr<bf16>> {
+            let (b, p) = alloc::<bf16>(&*self.exec, n)?;
             bufs.push(b);
-            p.push(ptr);
-        }
+            Ok(p)
+        };
+        let (x, hn, qkv) = (bf(t * h)?, bf(t * h)?, bf(t * (qd + 2 * kvd))?);
+        let (attn, proj) = (bf(t * qd)?, bf(t * h)?);
+        let (gu, act) = (bf(chunk * 2 * inter)?, bf(chunk * inter)?);
+        let (meta_b, meta) = alloc::<i32>(&*self.exec, 2 * t + 4)?;
+        let (logits_b, logits) = alloc::<f32>(&*self.exec, c.vocab_size)?;
+        bufs.extend([meta_b, logits_b]);
         self.acts = Some(Acts {
             rows: t,
             chunk,
             vocab: c.vocab_size,
-            x: p[0],
-            hn: p[1],
-            qkv: p[2],
-            attn: p[3],
-            proj: p[4],
-            gu: p[5],
-            act: p[6],
-            meta: p[7],
-            logits: p[8],
+            x,
+            hn,
+            qkv,
+            attn,
+            proj,
+            gu,
+            act,
+            meta,
+            logits,
             _bufs: bufs,
         });
         Ok(())
@@ -168,13 +169,18 @@ impl CudaModel {
         // SAFETY: the logits buffer holds `vocab` f32; `download` waits for the step.
         unsafe {
             let dst = std::slice::from_raw_parts_mut(logits.as_mut_ptr() as *mut u8, a.vocab * 4);
-            self.x.download(a.logits, dst)?;
+            self.exec.download(a.logits.cast(), dst)?;
         }
         Ok(logits)
     }
 
     /// Everything of `forward` but the download: the host returns once the step is queued.
-    pub fn enqueue(&mut self, tokens: &[u32], pos0: usize, kv: &mut dyn KvCache<bf16>) -> Result<()> {
+    pub fn enqueue(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<bf16>,
+    ) -> Result<()> {
         let t = tokens.len();
         let c = self.cfg.clone();
         if t == 0 {
@@ -193,7 +199,7 @@ impl CudaModel {
         kv.begin_step(pos0, t)?;
         self.ensure_acts(t)?;
         let a = self.acts.as_ref().expect("allocated above");
-        let x = &self.x;
+        let exec = &self.exec;
         // Step metadata in one upload (pageable: the driver stages it before returning).
         let mut meta: Vec<i32> = tokens.iter().map(|&id| id as i32).collect();
         meta.extend((pos0..pos0 + t).map(|p| p as i32));
@@ -201,14 +207,14 @@ impl CudaModel {
         // SAFETY: `meta` fits the [2 rows + 4] buffer; pageable source, staged at once.
         unsafe {
             let bytes = std::slice::from_raw_parts(meta.as_ptr() as *const u8, meta.len() * 4);
-            x.htod(a.meta, bytes)?;
+            exec.htod(a.meta.cast(), bytes)?;
         }
-        let (ids, pos) = (a.meta, at::<i32>(a.meta, t));
+        let (ids, pos) = (a.meta, a.meta.at(t));
         let h = c.hidden_size;
         self.range("embed");
-        x.embedding(self.w.embed.ptr, ids, a.x, t, c.vocab_size, h)?;
+        exec.embedding(self.w.embed.ptr, ids, a.x, t, c.vocab_size, h)?;
         let l0 = &self.w.layers[0];
-        x.rms_norm(a.x, l0.attn_norm.ptr, a.hn, t, h, c.rms_norm_eps)?;
+        exec.rms_norm(a.x, l0.attn_norm.ptr, a.hn, t, h, c.rms_norm_eps)?;
         self.pop();
         for l in 0..c.num_layers {
             let slot = kv.begin_layer(l)?;
@@ -219,15 +225,14 @@ impl CudaModel {
         }
         let a = self.acts.as_ref().expect("allocated above");
         self.range("lm_head");
-        self.x.gemm(
-            at::<u16>(a.hn, (t - 1) * h),
-            self.w.lm_head(),
-            a.logits,
-            1,
-            h,
-            c.vocab_size,
-            true,
-        )?;
+        let shape = GemmShape {
+            m: 1,
+            k: h,
+            n: c.vocab_size,
+        };
+        let last = a.hn.at((t - 1) * h);
+        let out = GemmOut::F32(a.logits);
+        self.exec.gemm(last, self.w.lm_head(), out, shape)?;
         self.pop();
         Ok(())
     }
@@ -257,12 +262,12 @@ impl CudaModel {
         l: usize,
         t: usize,
         pos0: usize,
-        pos: DPtr,
+        pos: DevPtr<i32>,
         slot: LayerSlot<bf16>,
     ) -> Result<()> {
         let c = &self.cfg;
         let a = self.acts.as_ref().expect("allocated by enqueue");
-        let (k, lw) = (&*self.x, &self.w.layers[l]);
+        let (exec, lw) = (&*self.exec, &self.w.layers[l]);
         let (h, qd, kvd, inter, hd) = (
             c.hidden_size,
             c.q_dim(),
@@ -275,29 +280,30 @@ impl CudaModel {
         let ctx = pos0 + t;
         self.range("attention");
         // 1. Fused QKV projection.
-        k.gemm(a.hn, lw.wqkv.ptr, a.qkv, t, h, qkv_dim, false)?;
+        let shape = |m, k, n| GemmShape { m, k, n };
+        let linear = |x, w, out, s| exec.gemm(x, w, GemmOut::Bf16(out), s);
+        linear(a.hn, lw.wqkv.ptr, a.qkv, shape(t, h, qkv_dim))?;
         if let Some(b) = &lw.bqkv {
-            k.add_bias(a.qkv, b.ptr, t, qkv_dim)?;
+            exec.add_bias(a.qkv, b.ptr, t, qkv_dim)?;
         }
         // 2. Qwen3: per-head RMSNorm of q and k before RoPE.
         if let Some((qn, kn)) = &lw.qk_norm {
-            k.head_rms_norm(a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps)?;
-            k.head_rms_norm(at::<u16>(a.qkv, qd), kn.ptr, t, nkv, hd, qkv_dim, eps)?;
+            exec.head_rms_norm(a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps)?;
+            exec.head_rms_norm(a.qkv.at(qd), kn.ptr, t, nkv, hd, qkv_dim, eps)?;
         }
         // 3. RoPE on q and k together (adjacent heads in the fused row).
-        k.rope(a.qkv, pos, self.cos, self.sin, t, nh + nkv, hd, qkv_dim)?;
+        exec.rope(a.qkv, pos, self.cos, self.sin, t, nh + nkv, hd, qkv_dim)?;
         // 4. Store the new K/V at their positions, attend over 0..ctx.
-        let (kp, vp) = (at::<u16>(a.qkv, qd), at::<u16>(a.qkv, qd + kvd));
-        let (kc, vc) = (slot.k.addr(), slot.v.addr());
-        k.kv_store(kp, vp, kc, vc, pos, t, kvd, qkv_dim)?;
+        let (kp, vp) = (a.qkv.at(qd), a.qkv.at(qd + kvd));
+        exec.kv_store(kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim)?;
         let args = AttnArgs {
             q: a.qkv,
-            k: kc,
-            v: vc,
+            k: slot.k,
+            v: slot.v,
             out: a.attn,
-            cu_seqlens: at::<i32>(a.meta, 2 * t),
-            ctx_len: at::<i32>(a.meta, 2 * t + 2),
-            table: at::<i32>(a.meta, 2 * t + 3),
+            cu_seqlens: a.meta.at(2 * t),
+            ctx_len: a.meta.at(2 * t + 2),
+            table: a.meta.at(2 * t + 3),
             capacity: slot.rows,
             tokens: t,
             ctx,
@@ -309,13 +315,13 @@ impl CudaModel {
             bail!("layer {l}: {ctx} tokens in a KV slot of {}", slot.rows);
         }
         if t == 1 {
-            k.attn_decode(&args, &self.scratch, hd)?;
+            exec.attn_decode(&args, &self.scratch, hd)?;
         } else {
-            k.attn_prefill(&args, hd)?;
+            exec.attn_prefill(&args, hd)?;
         }
         // 5. Output projection, residual add, post-attention norm.
-        k.gemm(a.attn, lw.wo.ptr, a.proj, t, qd, h, false)?;
-        k.add_rms_norm(a.x, a.proj, lw.mlp_norm.ptr, a.hn, t, h, eps)?;
+        linear(a.attn, lw.wo.ptr, a.proj, shape(t, qd, h))?;
+        exec.add_rms_norm(a.x, a.proj, lw.mlp_norm.ptr, a.hn, t, h, eps)?;
         self.pop();
         // 6. MLP in row chunks; the residual add is fused with the next block's norm.
         self.range("mlp");
@@ -326,11 +332,11 @@ impl CudaModel {
             .map_or(self.w.final_norm.ptr, |n| n.attn_norm.ptr);
         for r0 in (0..t).step_by(a.chunk) {
             let n = a.chunk.min(t - r0);
-            let row = |p: DPtr| at::<u16>(p, r0 * h);
-            k.gemm(row(a.hn), lw.w_gate_up.ptr, a.gu, n, h, 2 * inter, false)?;
-            k.silu_mul(a.gu, a.act, n, inter)?;
-            k.gemm(a.act, lw.w_down.ptr, row(a.proj), n, inter, h, false)?;
-            k.add_rms_norm(row(a.x), row(a.proj), next_norm, row(a.hn), n, h, eps)?;
+            let row = |p: DevPtr<bf16>| p.at(r0 * h);
+            linear(row(a.hn), lw.w_gate_up.ptr, a.gu, shape(n, h, 2 * inter))?;
+            exec.silu_mul(a.gu, a.act, n, inter)?;
+            linear(a.act, lw.w_down.ptr, row(a.proj), shape(n, inter, h))?;
+            exec.add_rms_norm(row(a.x), row(a.proj), next_norm, row(a.hn), n, h, eps)?;
         }
         self.pop();
         Ok(())

@@ -4,13 +4,11 @@
 //! events and NVTX ranges when asked. KV in bf16.
 
 use super::context::CudaDevice;
-use super::ops::{dptr, dtod, dtoh, htod, poison, DPtr};
+use super::ops::{dptr, dtod, dtoh, htod, poison};
 use super::trace::Tracer;
 use crate::device::cpu::stream::TraceEvent;
 use crate::device::DevPtr;
-use crate::offload::device::{
-    Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole,
-};
+use crate::offload::device::{Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole};
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use half::bf16;
@@ -22,7 +20,7 @@ const ELEM: usize = 2;
 /// An allocation (kept alive) and its address.
 enum Mem {
     Pinned(#[allow(dead_code)] PinnedHostSlice<u8>, *mut u8),
-    Device(#[allow(dead_code)] CudaSlice<u8>, DPtr),
+    Device(#[allow(dead_code)] CudaSlice<u8>, DevPtr<u8>),
 }
 
 pub struct CudaOffloadDevice {
@@ -34,6 +32,11 @@ pub struct CudaOffloadDevice {
     mem: Allocations<Mem>,
     tracer: Tracer,
     layer_start: Option<CudaEvent>,
+}
+
+/// A device address as the raw copies take it.
+fn dev(addr: u64) -> DevPtr<u8> {
+    DevPtr::from_addr(addr)
 }
 
 fn drv(r: Result<(), cudarc::driver::DriverError>, what: &str) -> Result<()> {
@@ -76,7 +79,7 @@ impl CudaOffloadDevice {
         let off = (s.off * ELEM) as u64;
         Ok(match self.mem.get(s.mem) {
             Mem::Pinned(_, p) => *p as u64 + off,
-            Mem::Device(_, p) => p + off,
+            Mem::Device(_, p) => p.addr() + off,
         })
     }
 
@@ -122,7 +125,7 @@ impl OffloadDevice for CudaOffloadDevice {
 
     fn ptr(&self, mem: MemId) -> DevPtr<bf16> {
         match self.mem.get(mem) {
-            Mem::Device(_, p) => DevPtr::from_addr(*p),
+            Mem::Device(_, p) => p.cast(),
             Mem::Pinned(_, p) => DevPtr::from_addr(*p as u64), // mapped pinned memory
         }
     }
@@ -133,7 +136,10 @@ impl OffloadDevice for CudaOffloadDevice {
     }
 
     fn wait(&mut self, s: StreamRole, e: EventId, _what: &'static str) -> Result<()> {
-        drv(self.stream(s).0.wait(&self.events[e.0]), "cuStreamWaitEvent")
+        drv(
+            self.stream(s).0.wait(&self.events[e.0]),
+            "cuStreamWaitEvent",
+        )
     }
 
     fn record(&mut self, s: StreamRole, e: EventId) -> Result<()> {
@@ -163,9 +169,9 @@ impl OffloadDevice for CudaOffloadDevice {
         // (checked by `addr`); the engine orders the copy against the kernels by events.
         unsafe {
             match (self.mem.space(src.mem), self.mem.space(dst.mem)) {
-                (Space::Host, Space::Device) => htod(st, to, from as *const u8, bytes)?,
-                (Space::Device, Space::Host) => dtoh(st, to as *mut u8, from, bytes)?,
-                (Space::Device, Space::Device) => dtod(st, to, from, bytes)?,
+                (Space::Host, Space::Device) => htod(st, dev(to), from as *const u8, bytes)?,
+                (Space::Device, Space::Host) => dtoh(st, to as *mut u8, dev(from), bytes)?,
+                (Space::Device, Space::Device) => dtod(st, dev(to), dev(from), bytes)?,
                 (Space::Host, Space::Host) => bail!("offload copy {name}: host to host"),
             }
         }
@@ -179,7 +185,7 @@ impl OffloadDevice for CudaOffloadDevice {
         let (to, bytes) = (self.addr(dst)?, dst.len * ELEM);
         match self.mem.space(dst.mem) {
             // SAFETY: inside an allocation this device owns (checked by `addr`).
-            Space::Device => unsafe { poison(&self.stream(s).0, to, bytes) },
+            Space::Device => unsafe { poison(&self.stream(s).0, dev(to), bytes) },
             Space::Host => {
                 // Host memory is poisoned from the host: every stream must be idle.
                 self.sync_all()?;

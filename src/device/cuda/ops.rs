@@ -13,26 +13,25 @@
 //! getters below add no waits either.
 
 use super::context::CudaDevice;
+use crate::device::DevPtr;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{self, CudaBlas};
 use cudarc::driver::{
     result, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
+use half::bf16;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use KArg::{Ptr, F32};
-
-/// A device address (`CUdeviceptr`).
-pub type DPtr = u64;
+use KArg::F32;
 
 /// The address of `s[0]`. With event tracking off the returned guard records nothing.
-pub fn dptr<T>(s: &CudaSlice<T>, st: &Arc<CudaStream>) -> DPtr {
-    s.device_ptr(st).0
+pub fn dptr<T>(s: &CudaSlice<T>, st: &Arc<CudaStream>) -> DevPtr<T> {
+    DevPtr::from_addr(s.device_ptr(st).0)
 }
 
-/// The address of element `i` of a `T` array at `p`.
-pub fn at<T>(p: DPtr, i: usize) -> DPtr {
-    p + (i * std::mem::size_of::<T>()) as u64
+/// A pointer argument.
+fn arg<T>(p: DevPtr<T>) -> KArg {
+    KArg::Ptr(p.addr())
 }
 
 fn drv<T>(what: &str, r: Result<T, cudarc::driver::DriverError>) -> Result<T> {
@@ -44,30 +43,30 @@ fn drv<T>(what: &str, r: Result<T, cudarc::driver::DriverError>) -> Result<T> {
 ///
 /// # Safety
 /// `dst` must hold `bytes`; `src` must point to `bytes` readable bytes.
-pub unsafe fn htod(st: &CudaStream, dst: DPtr, src: *const u8, bytes: usize) -> Result<()> {
+pub unsafe fn htod(st: &CudaStream, dst: DevPtr<u8>, src: *const u8, bytes: usize) -> Result<()> {
     let s = std::slice::from_raw_parts(src, bytes);
     drv(
         "cuMemcpyHtoDAsync",
-        result::memcpy_htod_async(dst, s, st.cu_stream()),
+        result::memcpy_htod_async(dst.addr(), s, st.cu_stream()),
     )
 }
 
 /// # Safety
 /// `src` must hold `bytes`; `dst` must point to `bytes` writable bytes that outlive the copy.
-pub unsafe fn dtoh(st: &CudaStream, dst: *mut u8, src: DPtr, bytes: usize) -> Result<()> {
+pub unsafe fn dtoh(st: &CudaStream, dst: *mut u8, src: DevPtr<u8>, bytes: usize) -> Result<()> {
     let d = std::slice::from_raw_parts_mut(dst, bytes);
     drv(
         "cuMemcpyDtoHAsync",
-        result::memcpy_dtoh_async(d, src, st.cu_stream()),
+        result::memcpy_dtoh_async(d, src.addr(), st.cu_stream()),
     )
 }
 
 /// # Safety
 /// Both ranges must be live device memory of at least `bytes`.
-pub unsafe fn dtod(st: &CudaStream, dst: DPtr, src: DPtr, bytes: usize) -> Result<()> {
+pub unsafe fn dtod(st: &CudaStream, dst: DevPtr<u8>, src: DevPtr<u8>, bytes: usize) -> Result<()> {
     drv(
         "cuMemcpyDtoDAsync",
-        result::memcpy_dtod_async(dst, src, bytes, st.cu_stream()),
+        result::memcpy_dtod_async(dst.addr(), src.addr(), bytes, st.cu_stream()),
     )
 }
 
@@ -75,10 +74,10 @@ pub unsafe fn dtod(st: &CudaStream, dst: DPtr, src: DPtr, bytes: usize) -> Resul
 ///
 /// # Safety
 /// `dst` must hold `bytes`.
-pub unsafe fn poison(st: &CudaStream, dst: DPtr, bytes: usize) -> Result<()> {
+pub unsafe fn poison(st: &CudaStream, dst: DevPtr<u8>, bytes: usize) -> Result<()> {
     drv(
         "cuMemsetD8Async",
-        result::memset_d8_async(dst, 0xff, bytes, st.cu_stream()),
+        result::memset_d8_async(dst.addr(), 0xff, bytes, st.cu_stream()),
     )
 }
 
@@ -86,7 +85,7 @@ pub unsafe fn poison(st: &CudaStream, dst: DPtr, bytes: usize) -> Result<()> {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KArg {
     /// A pointer (`const T*` / `T*`): a device address.
-    Ptr(DPtr),
+    Ptr(u64),
     I32(i32),
     F32(f32),
 }
@@ -191,43 +190,43 @@ fn launch(file: &'static str, func: &str, cfg: LaunchConfig, args: Vec<KArg>) ->
 /// embedding.cu `embedding_gather(table, ids, out, vocab, dim)`: `out[t] = table[ids[t]]`
 /// (a zero row for an id outside the vocabulary), one block per token.
 pub fn embedding(
-    table: DPtr, // bf16 [vocab, dim]
-    ids: DPtr,   // i32 [tokens]
-    out: DPtr,   // bf16 [tokens, dim]
+    table: DevPtr<bf16>, // bf16 [vocab, dim]
+    ids: DevPtr<i32>,    // i32 [tokens]
+    out: DevPtr<bf16>,   // bf16 [tokens, dim]
     tokens: usize,
     vocab: usize,
     dim: usize,
 ) -> Launch {
-    let args = vec![Ptr(table), Ptr(ids), Ptr(out), i(vocab), i(dim)];
+    let args = vec![arg(table), arg(ids), arg(out), i(vocab), i(dim)];
     launch("embedding.cu", "embedding_gather", rows(tokens, EW), args)
 }
 
 /// norm.cu `rms_norm(x, w, out, dim, eps)`: `out[r] = x[r] / rms(x[r]) * w`, one block
 /// per row.
 pub fn rms_norm(
-    x: DPtr,   // bf16 [n_rows, dim]
-    w: DPtr,   // bf16 [dim]
-    out: DPtr, // bf16 [n_rows, dim]
+    x: DevPtr<bf16>,   // bf16 [n_rows, dim]
+    w: DevPtr<bf16>,   // bf16 [dim]
+    out: DevPtr<bf16>, // bf16 [n_rows, dim]
     n_rows: usize,
     dim: usize,
     eps: f32,
 ) -> Launch {
-    let args = vec![Ptr(x), Ptr(w), Ptr(out), i(dim), F32(eps)];
+    let args = vec![arg(x), arg(w), arg(out), i(dim), F32(eps)];
     launch("norm.cu", "rms_norm", rows(n_rows, EW), args)
 }
 
 /// norm.cu `add_rms_norm(x, delta, w, out, dim, eps)`: `x += delta` (stored in bf16),
 /// then `out = rms_norm(x) * w`, one block per row.
 pub fn add_rms_norm(
-    x: DPtr,     // bf16 [n_rows, dim], updated in place
-    delta: DPtr, // bf16 [n_rows, dim]
-    w: DPtr,     // bf16 [dim]
-    out: DPtr,   // bf16 [n_rows, dim]
+    x: DevPtr<bf16>,     // bf16 [n_rows, dim], updated in place
+    delta: DevPtr<bf16>, // bf16 [n_rows, dim]
+    w: DevPtr<bf16>,     // bf16 [dim]
+    out: DevPtr<bf16>,   // bf16 [n_rows, dim]
     n_rows: usize,
     dim: usize,
     eps: f32,
 ) -> Launch {
-    let args = vec![Ptr(x), Ptr(delta), Ptr(w), Ptr(out), i(dim), F32(eps)];
+    let args = vec![arg(x), arg(delta), arg(w), arg(out), i(dim), F32(eps)];
     launch("norm.cu", "add_rms_norm", rows(n_rows, EW), args)
 }
 
@@ -235,8 +234,8 @@ pub fn add_rms_norm(
 /// the first `heads` heads of each strided row; one warp per (token, head), 4 warps per
 /// block.
 pub fn head_rms_norm(
-    x: DPtr, // bf16 [tokens, row_stride]: heads × head_dim used
-    w: DPtr, // bf16 [head_dim]
+    x: DevPtr<bf16>, // bf16 [tokens, row_stride]: heads × head_dim used
+    w: DevPtr<bf16>, // bf16 [head_dim]
     tokens: usize,
     heads: usize,
     head_dim: usize,
@@ -244,8 +243,8 @@ pub fn head_rms_norm(
     eps: f32,
 ) -> Launch {
     let args = vec![
-        Ptr(x),
-        Ptr(w),
+        arg(x),
+        arg(w),
         i(tokens),
         i(heads),
         i(head_dim),
@@ -260,20 +259,20 @@ pub fn head_rms_norm(
 /// adjacent heads (q then k in the fused QKV row), one thread per rotated pair.
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
-    x: DPtr,   // bf16 [tokens, row_stride]: heads × head_dim used, in place
-    pos: DPtr, // i32 [tokens] absolute positions
-    cos: DPtr, // f32 [max_pos, head_dim / 2]
-    sin: DPtr, // f32 [max_pos, head_dim / 2]
+    x: DevPtr<bf16>,  // bf16 [tokens, row_stride]: heads × head_dim used, in place
+    pos: DevPtr<i32>, // i32 [tokens] absolute positions
+    cos: DevPtr<f32>, // f32 [max_pos, head_dim / 2]
+    sin: DevPtr<f32>, // f32 [max_pos, head_dim / 2]
     tokens: usize,
     heads: usize,
     head_dim: usize,
     row_stride: usize,
 ) -> Launch {
     let args = vec![
-        Ptr(x),
-        Ptr(pos),
-        Ptr(cos),
-        Ptr(sin),
+        arg(x),
+        arg(pos),
+        arg(cos),
+        arg(sin),
         i(tokens),
         i(heads),
         i(head_dim),
@@ -286,23 +285,23 @@ pub fn rope(
 /// activation.cu `silu_mul(gu, out, tokens, inter)`:
 /// `out[t, j] = silu(gu[t, j]) * gu[t, inter + j]`.
 pub fn silu_mul(
-    gu: DPtr,  // bf16 [tokens, 2 × inter]: gate then up
-    out: DPtr, // bf16 [tokens, inter]
+    gu: DevPtr<bf16>,  // bf16 [tokens, 2 × inter]: gate then up
+    out: DevPtr<bf16>, // bf16 [tokens, inter]
     tokens: usize,
     inter: usize,
 ) -> Launch {
-    let args = vec![Ptr(gu), Ptr(out), i(tokens), i(inter)];
+    let args = vec![arg(gu), arg(out), i(tokens), i(inter)];
     launch("activation.cu", "silu_mul", grid1(tokens * inter, EW), args)
 }
 
 /// bias.cu `add_bias(x, b, rows, n)`: `x[t, j] += b[j]` in place.
 pub fn add_bias(
-    x: DPtr, // bf16 [rows, n]
-    b: DPtr, // bf16 [n]
+    x: DevPtr<bf16>, // bf16 [rows, n]
+    b: DevPtr<bf16>, // bf16 [n]
     rows: usize,
     n: usize,
 ) -> Launch {
-    let args = vec![Ptr(x), Ptr(b), i(rows), i(n)];
+    let args = vec![arg(x), arg(b), i(rows), i(n)];
     launch("bias.cu", "add_bias", grid1(rows * n, EW), args)
 }
 
@@ -310,21 +309,21 @@ pub fn add_bias(
 /// rows `k[t]`, `v[t]` (strided inside fused QKV) to cache rows `slots[t]` (−1: skipped).
 #[allow(clippy::too_many_arguments)]
 pub fn kv_store(
-    k: DPtr,       // bf16 [tokens, src_stride]: kv_dim used
-    v: DPtr,       // bf16 [tokens, src_stride]
-    k_cache: DPtr, // bf16 [slots, kv_dim]
-    v_cache: DPtr, // bf16 [slots, kv_dim]
-    slots: DPtr,   // i32 [tokens]
+    k: DevPtr<bf16>,       // bf16 [tokens, src_stride]: kv_dim used
+    v: DevPtr<bf16>,       // bf16 [tokens, src_stride]
+    k_cache: DevPtr<bf16>, // bf16 [slots, kv_dim]
+    v_cache: DevPtr<bf16>, // bf16 [slots, kv_dim]
+    slots: DevPtr<i32>,    // i32 [tokens]
     tokens: usize,
     kv_dim: usize,
     src_stride: usize,
 ) -> Launch {
     let args = vec![
-        Ptr(k),
-        Ptr(v),
-        Ptr(k_cache),
-        Ptr(v_cache),
-        Ptr(slots),
+        arg(k),
+        arg(v),
+        arg(k_cache),
+        arg(v_cache),
+        arg(slots),
         i(tokens),
         i(kv_dim),
         i(src_stride),
@@ -335,12 +334,12 @@ pub fn kv_store(
 /// sampling.cu `argmax(logits, out, vocab)`: the first index of each row's maximum, one
 /// block of 1,024 threads per row.
 pub fn argmax(
-    logits: DPtr, // f32 [n_rows, vocab]
-    out: DPtr,    // i32 [n_rows]
+    logits: DevPtr<f32>, // f32 [n_rows, vocab]
+    out: DevPtr<i32>,    // i32 [n_rows]
     n_rows: usize,
     vocab: usize,
 ) -> Launch {
-    let args = vec![Ptr(logits), Ptr(out), i(vocab)];
+    let args = vec![arg(logits), arg(out), i(vocab)];
     launch("sampling.cu", "argmax", rows(n_rows, 1024), args)
 }
 
@@ -349,9 +348,9 @@ pub fn argmax(
 /// threads per row.
 #[allow(clippy::too_many_arguments)]
 pub fn sample(
-    logits: DPtr,  // f32 [n_rows, vocab]
-    uniform: DPtr, // f32 [n_rows] in [0, 1)
-    out: DPtr,     // i32 [n_rows]
+    logits: DevPtr<f32>,  // f32 [n_rows, vocab]
+    uniform: DevPtr<f32>, // f32 [n_rows] in [0, 1)
+    out: DevPtr<i32>,     // i32 [n_rows]
     n_rows: usize,
     vocab: usize,
     temperature: f32,
@@ -359,9 +358,9 @@ pub fn sample(
     top_p: f32,
 ) -> Launch {
     let args = vec![
-        Ptr(logits),
-        Ptr(uniform),
-        Ptr(out),
+        arg(logits),
+        arg(uniform),
+        arg(out),
         i(vocab),
         F32(temperature),
         i(top_k),
@@ -377,13 +376,13 @@ pub fn sample(
 /// one query per sequence, row `b` of `q`.
 #[derive(Clone, Copy, Debug)]
 pub struct PagedAttn {
-    pub q: DPtr,          // bf16 [total_q, q_stride]: num_heads × head_dim used
-    pub k: DPtr,          // bf16 [cache rows, num_kv_heads × head_dim]
-    pub v: DPtr,          // bf16 [cache rows, num_kv_heads × head_dim]
-    pub out: DPtr,        // bf16 [total_q, num_heads × head_dim]
-    pub cu_seqlens: DPtr, // i32 [batch + 1] query offsets (prefill only)
-    pub ctx_lens: DPtr,   // i32 [batch]
-    pub tables: DPtr,     // i32 [batch, max_blocks]
+    pub q: DevPtr<bf16>,   // bf16 [total_q, q_stride]: num_heads × head_dim used
+    pub k: DevPtr<bf16>,   // bf16 [cache rows, num_kv_heads × head_dim]
+    pub v: DevPtr<bf16>,   // bf16 [cache rows, num_kv_heads × head_dim]
+    pub out: DevPtr<bf16>, // bf16 [total_q, num_heads × head_dim]
+    pub cu_seqlens: DevPtr<i32>, // i32 [batch + 1] query offsets (prefill only)
+    pub ctx_lens: DevPtr<i32>, // i32 [batch]
+    pub tables: DevPtr<i32>, // i32 [batch, max_blocks]
     pub max_blocks: usize,
     pub block_size: usize,
     pub num_heads: usize,
@@ -398,7 +397,7 @@ pub struct PagedAttn {
 impl PagedAttn {
     /// (q, k_cache, v_cache): the first three arguments of both kernels.
     fn qkv(&self) -> [KArg; 3] {
-        [Ptr(self.q), Ptr(self.k), Ptr(self.v)]
+        [arg(self.q), arg(self.k), arg(self.v)]
     }
 
     /// (max_blocks, block_size, num_heads, num_kv_heads, q_stride): shared by both kernels.
@@ -422,13 +421,13 @@ impl PagedAttn {
 /// `capacity` tokens (`paged`).
 #[derive(Clone, Copy, Debug)]
 pub struct AttnArgs {
-    pub q: DPtr,          // bf16 [tokens, q_stride]: q heads first (inside fused QKV)
-    pub k: DPtr,          // bf16 [capacity, kv_dim]
-    pub v: DPtr,          // bf16 [capacity, kv_dim]
-    pub out: DPtr,        // bf16 [tokens, num_heads × head_dim]
-    pub cu_seqlens: DPtr, // i32 [2] = {0, tokens}
-    pub ctx_len: DPtr,    // i32 [1] = pos0 + tokens
-    pub table: DPtr,      // i32 [1] = {0}
+    pub q: DevPtr<bf16>, // bf16 [tokens, q_stride]: q heads first (inside fused QKV)
+    pub k: DevPtr<bf16>, // bf16 [capacity, kv_dim]
+    pub v: DevPtr<bf16>, // bf16 [capacity, kv_dim]
+    pub out: DevPtr<bf16>, // bf16 [tokens, num_heads × head_dim]
+    pub cu_seqlens: DevPtr<i32>, // i32 [2] = {0, tokens}
+    pub ctx_len: DevPtr<i32>, // i32 [1] = pos0 + tokens
+    pub table: DevPtr<i32>, // i32 [1] = {0}
     pub capacity: usize,
     pub tokens: usize,
     pub ctx: usize, // pos0 + tokens (host copy, sizes the decode grid)
@@ -465,8 +464,8 @@ impl AttnArgs {
 /// `part_ml` f32 `[batch, num_heads, max_splits, 2]`.
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeScratch {
-    pub part_o: DPtr,
-    pub part_ml: DPtr,
+    pub part_o: DevPtr<f32>,
+    pub part_ml: DevPtr<f32>,
     pub split_len: usize,
     pub max_splits: usize,
 }
@@ -478,10 +477,10 @@ pub struct DecodeScratch {
 pub fn attn_prefill(a: &PagedAttn) -> Launch {
     let mut args = a.qkv().to_vec();
     args.extend([
-        Ptr(a.out),
-        Ptr(a.cu_seqlens),
-        Ptr(a.ctx_lens),
-        Ptr(a.tables),
+        arg(a.out),
+        arg(a.cu_seqlens),
+        arg(a.ctx_lens),
+        arg(a.tables),
     ]);
     args.extend(a.shape());
     args.push(a.scale());
@@ -516,10 +515,10 @@ pub fn attn_decode(a: &PagedAttn, s: &DecodeScratch) -> Result<[Launch; 2]> {
     }
     let mut args = a.qkv().to_vec();
     args.extend([
-        Ptr(s.part_o),
-        Ptr(s.part_ml),
-        Ptr(a.ctx_lens),
-        Ptr(a.tables),
+        arg(s.part_o),
+        arg(s.part_ml),
+        arg(a.ctx_lens),
+        arg(a.tables),
     ]);
     args.extend(a.shape());
     args.extend([i(s.split_len), i(s.max_splits), a.scale()]);
@@ -531,10 +530,10 @@ pub fn attn_decode(a: &PagedAttn, s: &DecodeScratch) -> Result<[Launch; 2]> {
     };
     let func = format!("attn_decode_hd{}", a.head_dim);
     let reduce_args = vec![
-        Ptr(s.part_o),
-        Ptr(s.part_ml),
-        Ptr(a.out),
-        Ptr(a.ctx_lens),
+        arg(s.part_o),
+        arg(s.part_ml),
+        arg(a.out),
+        arg(a.ctx_lens),
         i(a.num_heads),
         i(a.head_dim),
         i(s.split_len),
@@ -606,26 +605,47 @@ impl Kernels {
     }
 }
 
-/// `out[m, n] = x[m, k] · w[n, k]ᵀ` (bf16 in, f32 accumulate; `out` bf16, or f32 when
-/// `out_f32`), on the handle's stream. Row-major `out` is column-major `outᵀ`, so cuBLAS
-/// computes `outᵀ[n, m] = W · xᵀ` with W transposed from its `[n, k]` storage.
-#[allow(clippy::too_many_arguments)]
+/// A GEMM's shape: `out[m, n] = x[m, k] · w[n, k]ᵀ` (`m` rows of activations, `n`
+/// output features, `k` the reduced dimension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmShape {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+/// Where a GEMM writes, in which type: activations stay bf16, logits are f32.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GemmOut {
+    Bf16(DevPtr<bf16>),
+    F32(DevPtr<f32>),
+}
+
+impl GemmOut {
+    pub fn addr(self) -> u64 {
+        match self {
+            GemmOut::Bf16(p) => p.addr(),
+            GemmOut::F32(p) => p.addr(),
+        }
+    }
+}
+
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ` (bf16 in, f32 accumulate), on the handle's stream.
+/// Row-major `out` is column-major `outᵀ`, so cuBLAS computes `outᵀ[n, m] = W · xᵀ` with
+/// W transposed from its `[n, k]` storage.
 pub fn gemm(
     blas: &CudaBlas,
-    x: DPtr,
-    w: DPtr,
-    out: DPtr,
-    m: usize,
-    k: usize,
-    n: usize,
-    out_f32: bool,
+    x: DevPtr<bf16>,
+    w: DevPtr<bf16>,
+    out: GemmOut,
+    s: GemmShape,
 ) -> Result<()> {
-    let out_type = if out_f32 {
-        cublas::sys::cudaDataType::CUDA_R_32F
-    } else {
-        cublas::sys::cudaDataType::CUDA_R_16BF
+    let out_type = match out {
+        GemmOut::F32(_) => cublas::sys::cudaDataType::CUDA_R_32F,
+        GemmOut::Bf16(_) => cublas::sys::cudaDataType::CUDA_R_16BF,
     };
     let (alpha, beta) = (1.0f32, 0.0f32);
+    let GemmShape { m, k, n } = s;
     // SAFETY: the caller passes live allocations of [m, k], [n, k] and [m, n].
     unsafe {
         cublas::result::gemm_ex(
@@ -636,14 +656,14 @@ pub fn gemm(
             m as i32,
             k as i32,
             &alpha as *const f32 as *const _,
-            w as *const _,
+            w.addr() as *const _,
             cublas::sys::cudaDataType::CUDA_R_16BF,
             k as i32,
-            x as *const _,
+            x.addr() as *const _,
             cublas::sys::cudaDataType::CUDA_R_16BF,
             k as i32,
             &beta as *const f32 as *const _,
-            out as *mut _,
+            out.addr() as *mut _,
             out_type,
             n as i32,
             cublas::sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -730,7 +750,10 @@ mod tests {
 
     #[test]
     fn every_builder_launches_a_listed_kernel() {
-        let p = |n: u64| n << 12; // distinct, recognisable addresses
+        // Distinct, recognisable addresses.
+        fn p<T>(n: u64) -> DevPtr<T> {
+            DevPtr::from_addr(n << 12)
+        }
         let mut launches = vec![
             embedding(p(1), p(2), p(3), 7, 100, 64),
             rms_norm(p(1), p(2), p(3), 5, 64, 1e-6),
@@ -775,13 +798,13 @@ mod tests {
         // Three splits of 512 for 1,500 keys; too many for the scratch is an error.
         assert_eq!(launches[11].cfg.grid_dim, (8, 3, 1));
         let mut long = AttnArgs {
-            q: 0,
-            k: 0,
-            v: 0,
-            out: 0,
-            cu_seqlens: 0,
-            ctx_len: 0,
-            table: 0,
+            q: DevPtr::from_addr(0),
+            k: DevPtr::from_addr(0),
+            v: DevPtr::from_addr(0),
+            out: DevPtr::from_addr(0),
+            cu_seqlens: DevPtr::from_addr(0),
+            ctx_len: DevPtr::from_addr(0),
+            table: DevPtr::from_addr(0),
             capacity: 4096,
             tokens: 1,
             ctx: 2049,
@@ -801,13 +824,13 @@ mod tests {
     #[test]
     fn contiguous_attention_is_one_block() {
         let a = AttnArgs {
-            q: 1,
-            k: 2,
-            v: 3,
-            out: 4,
-            cu_seqlens: 5,
-            ctx_len: 6,
-            table: 7,
+            q: DevPtr::from_addr(1),
+            k: DevPtr::from_addr(2),
+            v: DevPtr::from_addr(3),
+            out: DevPtr::from_addr(4),
+            cu_seqlens: DevPtr::from_addr(5),
+            ctx_len: DevPtr::from_addr(6),
+            table: DevPtr::from_addr(7),
             capacity: 300,
             tokens: 33,
             ctx: 40,
@@ -820,7 +843,7 @@ mod tests {
         assert_eq!(l.cfg.grid_dim, (3, 9, 1));
         assert_eq!(l.cfg.block_dim, (128, 1, 1));
         let scale = 1.0 / 8.0;
-        let want = [1, 2, 3, 4, 5, 6, 7].map(Ptr).to_vec();
+        let want = [1, 2, 3, 4, 5, 6, 7].map(KArg::Ptr).to_vec();
         let want: Vec<KArg> = want
             .into_iter()
             .chain([1, 300, 9, 3, 960].map(KArg::I32))

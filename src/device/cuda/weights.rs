@@ -4,30 +4,34 @@
 //! memory figure then counts one layer's weights).
 
 use super::exec::{Buf, Exec};
-use super::ops::DPtr;
 use crate::device::bf16::f32_to_bf16;
+use crate::device::DevPtr;
 use crate::model::{Model, ModelConfig};
 use anyhow::Result;
+use half::bf16;
 use std::sync::Arc;
 
 /// One bf16 tensor on the device and its address.
 pub struct Tensor {
     _buf: Buf,
-    pub ptr: DPtr,
+    pub ptr: DevPtr<bf16>,
 }
 
 impl Tensor {
-    pub fn from_bf16(x: &dyn Exec, bits: &[u16]) -> Result<Self> {
+    pub fn from_bf16(exec: &dyn Exec, bits: &[u16]) -> Result<Self> {
         // SAFETY: a u16 slice viewed as its bytes.
         let bytes =
             unsafe { std::slice::from_raw_parts(bits.as_ptr() as *const u8, bits.len() * 2) };
-        let (buf, ptr) = x.upload(bytes)?;
-        Ok(Self { _buf: buf, ptr })
+        let (buf, ptr) = exec.upload(bytes)?;
+        Ok(Self {
+            _buf: buf,
+            ptr: ptr.cast(),
+        })
     }
 
-    pub fn from_f32(x: &dyn Exec, v: &[f32]) -> Result<Self> {
+    pub fn from_f32(exec: &dyn Exec, v: &[f32]) -> Result<Self> {
         let bits: Vec<u16> = v.iter().map(|&x| f32_to_bf16(x)).collect();
-        Self::from_bf16(x, &bits)
+        Self::from_bf16(exec, &bits)
     }
 }
 
@@ -51,16 +55,16 @@ pub struct CudaWeights {
 }
 
 impl CudaWeights {
-    pub fn lm_head(&self) -> DPtr {
+    pub fn lm_head(&self) -> DevPtr<bf16> {
         self.lm_head.as_ref().unwrap_or(&self.embed).ptr
     }
 
     /// Uploads a loaded model's f32 weights, rounded to bf16.
-    pub fn from_model(x: &dyn Exec, model: &Model) -> Result<Self> {
+    pub fn from_model(exec: &dyn Exec, model: &Model) -> Result<Self> {
         let w = &model.weights;
         // Before uploading gigabytes (`CudaModel::new` checks it again for any weights).
         super::ops::check_head_dim(model.cfg.head_dim)?;
-        let t = |v: &[f32]| Tensor::from_f32(x, v);
+        let t = |v: &[f32]| Tensor::from_f32(exec, v);
         let layers = w
             .layers
             .iter()
@@ -91,7 +95,7 @@ impl CudaWeights {
 
     /// Random bf16 weights of `cfg`'s shape generated on the host by a cheap hash (fast
     /// enough for Qwen3-4B's 390M-entry embedding), every layer sharing one set.
-    pub fn random_shared(x: &dyn Exec, cfg: &ModelConfig, seed: u64) -> Result<Self> {
+    pub fn random_shared(exec: &dyn Exec, cfg: &ModelConfig, seed: u64) -> Result<Self> {
         let (h, qd, kvd, inter, hd) = (
             cfg.hidden_size,
             cfg.q_dim(),
@@ -109,7 +113,7 @@ impl CudaWeights {
                     f32_to_bf16(center + scale * r)
                 })
                 .collect();
-            Tensor::from_bf16(x, &bits)
+            Tensor::from_bf16(exec, &bits)
         };
         let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
         let layer = Arc::new(LayerW {

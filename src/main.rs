@@ -13,7 +13,6 @@ use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
 use strata::model::{Model, Tokenizer};
-use strata::offload::bench::{run_bench, OffloadBenchArgs};
 use strata::offload::OffloadConfig;
 use strata::{errors, flags, Session, SessionConfig};
 
@@ -42,37 +41,11 @@ enum Command {
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Layerwise offload vs compute alone and transfer alone (simulated link on the CPU device).
-    Offload(BenchOffloadArgs),
+    Offload(strata::offload::bench::OffloadBenchArgs),
     /// Continuous batching over a paged KV cache, preemption to host memory or recompute.
     Serve(strata::serve::bench::ServeArgs),
     /// The disk tier's store: sequential write/read GB/s against dd with O_DIRECT.
     Disk(strata::serve::disk::bench::DiskBenchArgs),
-}
-
-#[derive(Args)]
-struct BenchOffloadArgs {
-    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Prompt (context) length in tokens.
-    #[arg(long, default_value_t = 2048, value_parser = flags::tokens())]
-    context: usize,
-    /// Decode steps timed after the prefill.
-    #[arg(long, default_value_t = 32, value_parser = flags::tokens_or_zero())]
-    decode_steps: usize,
-    #[arg(long, default_value_t = 4, value_parser = flags::kv_buffers())]
-    num_kv_buffers: usize,
-    #[arg(long, default_value_t = 256, value_parser = flags::block_size())]
-    block_size: usize,
-    /// Simulated link speed [default: one layer's transfer ≈ one layer's decode compute]
-    #[arg(long, value_parser = flags::link_gbps)]
-    sim_link_gbps: Option<f64>,
-    /// Write the decode steps' Chrome/Perfetto trace here.
-    #[arg(long)]
-    trace_out: Option<PathBuf>,
-    /// Print one JSON object instead of the table.
-    #[arg(long)]
-    json: bool,
 }
 
 #[derive(Args)]
@@ -154,7 +127,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => {
             strata::model::resolve(args.model.clone()).and_then(|m| strata::server::run(args, m))
         }
-        Command::Bench(BenchCommand::Offload(args)) => run_bench_offload(args),
+        Command::Bench(BenchCommand::Offload(args)) => strata::offload::bench::run(args),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
         Command::Bench(BenchCommand::Disk(args)) => {
             strata::serve::disk::bench::run_disk_bench(args)
@@ -290,35 +263,5 @@ fn print_result(tok: &Tokenizer, out: &GenerationOutput, json: bool) -> Result<(
         out.decode_tokens_per_s(),
         peak as f64 / (1024.0 * 1024.0)
     );
-    Ok(())
-}
-
-fn run_bench_offload(args: BenchOffloadArgs) -> Result<()> {
-    if let Some(path) = &args.trace_out {
-        strata::offload::trace::check_trace_out(path)?;
-    }
-    let (model, _) = Model::load(&strata::model::resolve(args.model)?, !args.json)?;
-    if args.context == 0 || args.context + args.decode_steps >= model.cfg.max_position_embeddings {
-        bail!(
-            "--context must be between 1 and the model's context ({}) minus --decode-steps",
-            model.cfg.max_position_embeddings
-        );
-    }
-    let report = run_bench(
-        &model,
-        &OffloadBenchArgs {
-            context: args.context,
-            decode_steps: args.decode_steps,
-            num_kv_buffers: args.num_kv_buffers,
-            block_size: args.block_size,
-            link_gbps: args.sim_link_gbps,
-            trace_out: args.trace_out,
-        },
-    )?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        println!("{report}");
-    }
     Ok(())
 }

@@ -107,98 +107,37 @@ impl SessionConfig {
 pub type EngineFactory<'a> =
     dyn Fn(&ModelConfig, OffloadConfig) -> Result<Box<dyn OffloadKv<bf16>>> + 'a;
 
-/// A device's KV: resident, or offloaded through the engine.
-enum Kv<T> {
-    Resident(Box<dyn KvCache<T>>),
-    Offload(Box<dyn OffloadKv<T>>),
+/// A device's KV caches: the offload engine when offloading, and an all-resident cache
+/// (the session's own without offload, `generate_resident`'s with it), made on first use.
+struct Caches<T> {
+    offload: Option<Box<dyn OffloadKv<T>>>,
+    resident: Option<Box<dyn KvCache<T>>>,
 }
 
-impl<T: 'static> Kv<T> {
-    fn cache(&mut self) -> &mut dyn KvCache<T> {
-        match self {
-            Kv::Resident(kv) => &mut **kv,
-            Kv::Offload(kv) => &mut **kv,
-        }
-    }
-
-    fn offload(&mut self) -> Option<&mut dyn OffloadControl> {
-        match self {
-            Kv::Resident(_) => None,
-            Kv::Offload(kv) => Some(&mut **kv),
-        }
-    }
-}
-
-/// The model on its device with the session's KV and, made on first use, an all-resident
-/// KV for `generate_resident`.
-enum Backend {
-    Cpu {
-        kv: Kv<f32>,
-        resident: Option<ContiguousKv>,
-    },
-    Cuda {
-        model: Box<CudaModel>,
-        kv: Kv<bf16>,
-        resident: Option<ResidentKv>,
-    },
-}
-
-/// Which of a backend's caches a request runs on.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Which {
-    Session,
-    Resident,
-}
-
-impl Backend {
-    fn offload(&mut self) -> Option<&mut dyn OffloadControl> {
-        match self {
-            Backend::Cpu { kv, .. } => kv.offload(),
-            Backend::Cuda { kv, .. } => kv.offload(),
-        }
-    }
-
-    /// One request: check, reset the cache, prefill and decode.
-    #[allow(clippy::too_many_arguments)]
-    fn run(
+impl<T: 'static> Caches<T> {
+    /// The offload engine unless `resident` is asked or there is none; else the resident
+    /// cache, made by `make` the first time.
+    fn pick(
         &mut self,
-        model: &Arc<Model>,
-        which: Which,
-        capacity: usize,
-        profile: Option<ProfileSteps>,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        on_token: &mut dyn FnMut(u32) -> Result<()>,
-    ) -> Result<GenerationOutput> {
-        engine::check_prompt(prompt, capacity)?;
-        let c = &model.cfg;
-        match self {
-            Backend::Cpu { kv, resident } => {
-                let kv: &mut dyn KvCache<f32> = match which {
-                    Which::Session => kv.cache(),
-                    Which::Resident => resident.get_or_insert_with(|| resident_cpu(c, capacity)),
-                };
-                engine::generate_with(model, kv, capacity, prompt, opts, on_token)
-            }
-            Backend::Cuda {
-                model: gpu,
-                kv,
-                resident,
-            } => {
-                let kv: &mut dyn KvCache<bf16> = match (which, resident) {
-                    (Which::Session, _) => kv.cache(),
-                    (Which::Resident, Some(r)) => r,
-                    (Which::Resident, r) => r.insert(ResidentKv::new(
-                        gpu.exec(),
-                        c.num_layers,
-                        c.kv_dim(),
-                        capacity,
-                    )?),
-                };
-                run_cuda(gpu, kv, capacity, prompt, opts, profile, on_token)
+        resident: bool,
+        make: impl FnOnce() -> Result<Box<dyn KvCache<T>>>,
+    ) -> Result<&mut dyn KvCache<T>> {
+        match (&mut self.offload, resident) {
+            (Some(o), false) => Ok(&mut **o),
+            _ => {
+                if self.resident.is_none() {
+                    self.resident = Some(make()?);
+                }
+                Ok(&mut **self.resident.as_mut().expect("made above"))
             }
         }
     }
+}
+
+/// The model on its device, with its caches.
+enum Backend {
+    Cpu(Caches<f32>),
+    Cuda(Box<CudaModel>, Caches<bf16>),
 }
 
 pub struct Session {
@@ -211,38 +150,34 @@ pub struct Session {
 impl Session {
     /// On the CPU, or on GPU 0 with the weights uploaded in bf16.
     pub fn new(model: Arc<Model>, cfg: SessionConfig) -> Result<Self> {
-        match cfg.device {
-            DeviceKind::Cpu => {
-                let capacity = cfg.capacity(&model.cfg)?;
-                let kv = match &cfg.offload {
-                    Some(o) => {
-                        Kv::Offload(Box::new(CpuOffloadEngine::on_cpu(&model.cfg, o.clone())?))
-                    }
-                    None => Kv::Resident(Box::new(resident_cpu(&model.cfg, capacity))),
-                };
-                let backend = Backend::Cpu { kv, resident: None };
-                Ok(Self {
-                    model,
-                    cfg,
-                    capacity,
-                    backend,
-                })
-            }
-            DeviceKind::Cuda => {
-                crate::device::check_available(DeviceKind::Cuda)?;
-                let dev = Arc::new(crate::device::cuda::context::CudaDevice::new(0)?);
-                let compute = dev.new_stream()?;
-                let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
-                let engine =
-                    |m: &ModelConfig, o: OffloadConfig| -> Result<Box<dyn OffloadKv<bf16>>> {
-                        let (d, st) = (dev.clone(), compute.clone());
-                        Ok(Box::new(crate::device::cuda::offload_dev::offload_engine(
-                            d, st, m, o,
-                        )?))
-                    };
-                Self::on_exec(model, cfg, exec, &engine)
-            }
+        if cfg.device == DeviceKind::Cpu {
+            let capacity = cfg.capacity(&model.cfg)?;
+            let offload = match &cfg.offload {
+                Some(o) => Some(Box::new(CpuOffloadEngine::on_cpu(&model.cfg, o.clone())?) as _),
+                None => None,
+            };
+            let backend = Backend::Cpu(Caches {
+                offload,
+                resident: None,
+            });
+            return Ok(Self {
+                model,
+                cfg,
+                capacity,
+                backend,
+            });
         }
+        crate::device::check_available(DeviceKind::Cuda)?;
+        let dev = Arc::new(crate::device::cuda::context::CudaDevice::new(0)?);
+        let compute = dev.new_stream()?;
+        let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
+        let engine = |m: &ModelConfig, o: OffloadConfig| -> Result<Box<dyn OffloadKv<bf16>>> {
+            let (d, st) = (dev.clone(), compute.clone());
+            Ok(Box::new(crate::device::cuda::offload_dev::offload_engine(
+                d, st, m, o,
+            )?))
+        };
+        Self::on_exec(model, cfg, exec, &engine)
     }
 
     /// The CUDA model on any executor (the GPU, or the kernel emulator in tests), with
@@ -256,26 +191,17 @@ impl Session {
         let capacity = cfg.capacity(&model.cfg)?;
         let c = &model.cfg;
         let w = CudaWeights::from_model(&*exec, &model)?;
-        let gpu = CudaModel::new(exec.clone(), c.clone(), w, capacity)?;
-        let kv = match &cfg.offload {
-            Some(o) => Kv::Offload(engine(c, o.clone())?),
-            None => Kv::Resident(Box::new(ResidentKv::new(
-                &*exec,
-                c.num_layers,
-                c.kv_dim(),
-                capacity,
-            )?)),
-        };
-        let backend = Backend::Cuda {
-            model: Box::new(gpu),
-            kv,
+        let gpu = CudaModel::new(exec, c.clone(), w, capacity)?;
+        let offload = cfg.offload.clone().map(|o| engine(c, o)).transpose()?;
+        let caches = Caches {
+            offload,
             resident: None,
         };
         Ok(Self {
+            backend: Backend::Cuda(Box::new(gpu), caches),
             model,
             cfg,
             capacity,
-            backend,
         })
     }
 
@@ -288,9 +214,17 @@ impl Session {
         self.capacity
     }
 
+    /// The offload engine, when offloading.
+    fn offload(&mut self) -> Option<&mut dyn OffloadControl> {
+        match &mut self.backend {
+            Backend::Cpu(c) => c.offload.as_deref_mut().map(|o| o as _),
+            Backend::Cuda(_, c) => c.offload.as_deref_mut().map(|o| o as _),
+        }
+    }
+
     /// The offload engine's memory plan, when offloading.
     pub fn plan(&mut self) -> Option<MemoryPlan> {
-        self.backend.offload().map(|o| o.plan())
+        self.offload().map(|o| o.plan())
     }
 
     /// One request to completion, `on_token` called with each new token; with
@@ -302,20 +236,11 @@ impl Session {
         on_token: &mut dyn FnMut(u32) -> Result<()>,
     ) -> Result<GenerationOutput> {
         let trace = self.cfg.trace_out.clone();
-        if let Some(o) = self.backend.offload() {
+        if let Some(o) = self.offload() {
             o.set_tracing(trace.is_some())?;
         }
-        let (cap, profile) = (self.capacity, self.cfg.profile);
-        let out = self.backend.run(
-            &self.model,
-            Which::Session,
-            cap,
-            profile,
-            prompt,
-            opts,
-            on_token,
-        )?;
-        if let (Some(path), Some(o)) = (trace, self.backend.offload()) {
+        let out = self.run(false, prompt, opts, on_token)?;
+        if let (Some(path), Some(o)) = (trace, self.offload()) {
             let events = o.take_trace()?;
             crate::offload::trace::write_chrome_trace(&path, &events)?;
             eprintln!("trace: {} ops written to {}", events.len(), path.display());
@@ -331,19 +256,35 @@ impl Session {
         opts: &GenerateOptions,
         on_token: &mut dyn FnMut(u32) -> Result<()>,
     ) -> Result<GenerationOutput> {
-        let cap = self.capacity;
-        self.backend.run(
-            &self.model,
-            Which::Resident,
-            cap,
-            None,
-            prompt,
-            opts,
-            on_token,
-        )
+        self.run(true, prompt, opts, on_token)
     }
-}
 
-fn resident_cpu(c: &ModelConfig, capacity: usize) -> ContiguousKv {
-    ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
+    /// One request on the offload engine or the resident cache.
+    fn run(
+        &mut self,
+        resident: bool,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> Result<()>,
+    ) -> Result<GenerationOutput> {
+        let (cap, c) = (self.capacity, &self.model.cfg);
+        engine::check_prompt(prompt, cap)?;
+        match &mut self.backend {
+            Backend::Cpu(caches) => {
+                let kv = caches.pick(resident, || {
+                    let kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, cap);
+                    Ok(Box::new(kv))
+                })?;
+                engine::generate_with(&self.model, kv, cap, prompt, opts, on_token)
+            }
+            Backend::Cuda(gpu, caches) => {
+                let kv = caches.pick(resident, || {
+                    let kv = ResidentKv::new(gpu.exec(), c.num_layers, c.kv_dim(), cap)?;
+                    Ok(Box::new(kv))
+                })?;
+                let profile = if resident { None } else { self.cfg.profile };
+                run_cuda(gpu, kv, cap, prompt, opts, profile, on_token)
+            }
+        }
+    }
 }

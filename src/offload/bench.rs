@@ -13,17 +13,57 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use super::{trace, CpuOffloadEngine, OffloadConfig, OffloadControl};
 use crate::device::cpu::stream::{Buffer, CpuDevice, MemSpace, Stream};
 use crate::engine::sampler::argmax;
+use crate::flags;
 use crate::kv::{ContiguousKv, KvCache};
 use crate::model::Model;
 
-#[derive(Debug, Clone)]
+/// `strata bench offload`.
+#[derive(Debug, Clone, clap::Args)]
 pub struct OffloadBenchArgs {
+    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Prompt (context) length in tokens.
+    #[arg(long, default_value_t = 2048, value_parser = flags::tokens())]
     pub context: usize,
+    /// Decode steps timed after the prefill.
+    #[arg(long, default_value_t = 32, value_parser = flags::tokens_or_zero())]
     pub decode_steps: usize,
+    #[arg(long, default_value_t = 4, value_parser = flags::kv_buffers())]
     pub num_kv_buffers: usize,
+    #[arg(long, default_value_t = 256, value_parser = flags::block_size())]
     pub block_size: usize,
-    pub link_gbps: Option<f64>,
+    /// Simulated link speed [default: one layer's transfer ≈ one layer's decode compute]
+    #[arg(long, value_parser = flags::link_gbps)]
+    pub sim_link_gbps: Option<f64>,
+    /// Write the decode steps' Chrome/Perfetto trace here.
+    #[arg(long)]
     pub trace_out: Option<PathBuf>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The command: load the model, run the benchmark, print the table (or JSON).
+pub fn run(args: OffloadBenchArgs) -> Result<()> {
+    if let Some(path) = &args.trace_out {
+        trace::check_trace_out(path)?;
+    }
+    let path = crate::model::resolve(args.model.clone())?;
+    let (model, _) = Model::load(&path, !args.json)?;
+    let max = model.cfg.max_position_embeddings;
+    if args.context == 0 || args.context + args.decode_steps >= max {
+        anyhow::bail!(
+            "--context must be between 1 and the model's context ({max}) minus --decode-steps"
+        );
+    }
+    let report = run_bench(&model, &args)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{report}");
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -104,7 +144,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
     // 2. The link: one layer's decode transfer ≈ one layer's decode compute.
     let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
     let gbps = args
-        .link_gbps
+        .sim_link_gbps
         .unwrap_or(bytes_per_layer as f64 / (step_compute / c.num_layers as f64) / 1e9);
     let step_transfer = transfer_only_step(gbps, c.num_layers, bytes_per_layer)?;
 

@@ -149,9 +149,7 @@ impl<T> OffloadDevice for CpuOffloadDevice<T> {
         src: Span,
         dst: Span,
     ) -> Result<()> {
-        if src.len != dst.len {
-            bail!("offload copy {name}: {} elements into {}", src.len, dst.len);
-        }
+        self.mem.check_copy(name, src, dst)?;
         let (from, to) = (self.addr(src)?, self.addr(dst)?);
         let bytes = src.len * std::mem::size_of::<T>();
         if bytes == 0 {

@@ -86,11 +86,13 @@ impl<M> Allocations<M> {
         }
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (MemId, Space, usize)> + '_ {
-        self.mems
-            .iter()
-            .enumerate()
-            .map(|(i, &(_, sp, n))| (MemId(i), sp, n))
+    /// Errors unless `src` and `dst` are equally long and lie inside their allocations.
+    pub fn check_copy(&self, name: &str, src: Span, dst: Span) -> Result<()> {
+        if src.len != dst.len {
+            bail!("offload copy {name}: {} elements into {}", src.len, dst.len);
+        }
+        self.check(src)?;
+        self.check(dst)
     }
 }
 

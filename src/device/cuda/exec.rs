@@ -1,13 +1,13 @@
 //! What the CUDA model needs from a device: memory, copies on its stream, kernel launches
-//! and the GEMM, all on typed device addresses (`DevPtr<T>`). A backend implements memory, `launch` (run an
-//! `ops::Launch`) and `gemm`; the kernel methods default to building their launches with
-//! the `ops` builders, so every backend that runs launches (`CudaExec`, the GPU; a CPU
-//! emulator of the `.cu` sources, `crate::gpucheck::emu::EmuExec`) runs the same ones, so
-//! the model's orchestration (buffer offsets, strides, step metadata, chunking) and the
-//! kernels themselves are tested on machines without a GPU.
+//! and the GEMM, on typed device addresses (`DevPtr<T>`). The model builds each launch
+//! with its `ops` builder and hands the value to `launch`, so every backend that runs
+//! launches (`CudaExec`, the GPU; a CPU emulator of the `.cu` sources,
+//! `crate::gpucheck::emu::EmuExec`) runs the same ones: the model's orchestration (buffer
+//! offsets, strides, step metadata, chunking) and the kernels themselves are tested on
+//! machines without a GPU.
 
 use super::context::CudaDevice;
-use super::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, Kernels, Launch};
+use super::ops::{self, GemmOut, GemmShape, Kernels, Launch};
 use crate::device::DevPtr;
 use anyhow::{anyhow, Result};
 use cudarc::cublas::CudaBlas;
@@ -31,7 +31,6 @@ pub fn alloc<T>(exec: &dyn Exec, elems: usize) -> Result<(Buf, DevPtr<T>)> {
     Ok((b, p.cast()))
 }
 
-#[allow(clippy::too_many_arguments)]
 pub trait Exec {
     /// Zeroed memory of `bytes`, and its address.
     fn alloc(&self, bytes: usize) -> Result<(Buf, DevPtr<u8>)>;
@@ -52,108 +51,6 @@ pub trait Exec {
     /// allocations of the sizes the kernel reads and writes, as for any launch.
     fn launch(&self, l: &Launch) -> Result<()>;
 
-    // The kernels the model calls, one method each (see the `ops` builder of that name).
-
-    fn embedding(
-        &self,
-        table: DevPtr<bf16>,
-        ids: DevPtr<i32>,
-        out: DevPtr<bf16>,
-        tokens: usize,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<()> {
-        self.launch(&ops::embedding(table, ids, out, tokens, vocab, dim))
-    }
-    fn rms_norm(
-        &self,
-        x: DevPtr<bf16>,
-        w: DevPtr<bf16>,
-        out: DevPtr<bf16>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.launch(&ops::rms_norm(x, w, out, rows, dim, eps))
-    }
-    fn add_rms_norm(
-        &self,
-        x: DevPtr<bf16>,
-        delta: DevPtr<bf16>,
-        w: DevPtr<bf16>,
-        out: DevPtr<bf16>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.launch(&ops::add_rms_norm(x, delta, w, out, rows, dim, eps))
-    }
-    fn head_rms_norm(
-        &self,
-        x: DevPtr<bf16>,
-        w: DevPtr<bf16>,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        stride: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.launch(&ops::head_rms_norm(
-            x, w, tokens, heads, head_dim, stride, eps,
-        ))
-    }
-    fn rope(
-        &self,
-        x: DevPtr<bf16>,
-        pos: DevPtr<i32>,
-        cos: DevPtr<f32>,
-        sin: DevPtr<f32>,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        stride: usize,
-    ) -> Result<()> {
-        self.launch(&ops::rope(
-            x, pos, cos, sin, tokens, heads, head_dim, stride,
-        ))
-    }
-    fn silu_mul(
-        &self,
-        gu: DevPtr<bf16>,
-        out: DevPtr<bf16>,
-        tokens: usize,
-        inter: usize,
-    ) -> Result<()> {
-        self.launch(&ops::silu_mul(gu, out, tokens, inter))
-    }
-    /// `x[t, j] += b[j]` on `rows` rows of `n`.
-    fn add_bias(&self, x: DevPtr<bf16>, b: DevPtr<bf16>, rows: usize, n: usize) -> Result<()> {
-        self.launch(&ops::add_bias(x, b, rows, n))
-    }
-    fn kv_store(
-        &self,
-        k: DevPtr<bf16>,
-        v: DevPtr<bf16>,
-        k_cache: DevPtr<bf16>,
-        v_cache: DevPtr<bf16>,
-        slots: DevPtr<i32>,
-        tokens: usize,
-        kv_dim: usize,
-        stride: usize,
-    ) -> Result<()> {
-        self.launch(&ops::kv_store(
-            k, v, k_cache, v_cache, slots, tokens, kv_dim, stride,
-        ))
-    }
-    fn attn_prefill(&self, a: &AttnArgs, head_dim: usize) -> Result<()> {
-        self.launch(&ops::attn_prefill(&a.paged(head_dim)))
-    }
-    fn attn_decode(&self, a: &AttnArgs, s: &DecodeScratch, head_dim: usize) -> Result<()> {
-        for l in ops::attn_decode(&a.paged(head_dim), s)? {
-            self.launch(&l)?;
-        }
-        Ok(())
-    }
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 in, f32 accumulate, out bf16 or f32.
     fn gemm(&self, x: DevPtr<bf16>, w: DevPtr<bf16>, out: GemmOut, s: GemmShape) -> Result<()>;
 }

@@ -5,7 +5,7 @@
 
 use super::exec::alloc;
 use super::exec::{Buf, Exec};
-use super::ops::{AttnArgs, DecodeScratch, GemmOut, GemmShape};
+use super::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape};
 use super::weights::CudaWeights;
 use crate::device::cpu::ops::rope_tables;
 use crate::device::DevPtr;
@@ -212,9 +212,23 @@ impl CudaModel {
         let (ids, pos) = (a.meta, a.meta.at(t));
         let h = c.hidden_size;
         self.range("embed");
-        exec.embedding(self.w.embed.ptr, ids, a.x, t, c.vocab_size, h)?;
+        exec.launch(&ops::embedding(
+            self.w.embed.ptr,
+            ids,
+            a.x,
+            t,
+            c.vocab_size,
+            h,
+        ))?;
         let l0 = &self.w.layers[0];
-        exec.rms_norm(a.x, l0.attn_norm.ptr, a.hn, t, h, c.rms_norm_eps)?;
+        exec.launch(&ops::rms_norm(
+            a.x,
+            l0.attn_norm.ptr,
+            a.hn,
+            t,
+            h,
+            c.rms_norm_eps,
+        ))?;
         self.pop();
         for l in 0..c.num_layers {
             let slot = kv.begin_layer(l)?;
@@ -284,18 +298,22 @@ impl CudaModel {
         let linear = |x, w, out, s| exec.gemm(x, w, GemmOut::Bf16(out), s);
         linear(a.hn, lw.wqkv.ptr, a.qkv, shape(t, h, qkv_dim))?;
         if let Some(b) = &lw.bqkv {
-            exec.add_bias(a.qkv, b.ptr, t, qkv_dim)?;
+            exec.launch(&ops::add_bias(a.qkv, b.ptr, t, qkv_dim))?;
         }
         // 2. Qwen3: per-head RMSNorm of q and k before RoPE.
         if let Some((qn, kn)) = &lw.qk_norm {
-            exec.head_rms_norm(a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps)?;
-            exec.head_rms_norm(a.qkv.at(qd), kn.ptr, t, nkv, hd, qkv_dim, eps)?;
+            exec.launch(&ops::head_rms_norm(a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps))?;
+            let k_heads = a.qkv.at(qd);
+            exec.launch(&ops::head_rms_norm(
+                k_heads, kn.ptr, t, nkv, hd, qkv_dim, eps,
+            ))?;
         }
         // 3. RoPE on q and k together (adjacent heads in the fused row).
-        exec.rope(a.qkv, pos, self.cos, self.sin, t, nh + nkv, hd, qkv_dim)?;
+        let (cos, sin) = (self.cos, self.sin);
+        exec.launch(&ops::rope(a.qkv, pos, cos, sin, t, nh + nkv, hd, qkv_dim))?;
         // 4. Store the new K/V at their positions, attend over 0..ctx.
         let (kp, vp) = (a.qkv.at(qd), a.qkv.at(qd + kvd));
-        exec.kv_store(kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim)?;
+        exec.launch(&ops::kv_store(kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim))?;
         let args = AttnArgs {
             q: a.qkv,
             k: slot.k,
@@ -315,13 +333,23 @@ impl CudaModel {
             bail!("layer {l}: {ctx} tokens in a KV slot of {}", slot.rows);
         }
         if t == 1 {
-            exec.attn_decode(&args, &self.scratch, hd)?;
+            for l in ops::attn_decode(&args.paged(hd), &self.scratch)? {
+                exec.launch(&l)?;
+            }
         } else {
-            exec.attn_prefill(&args, hd)?;
+            exec.launch(&ops::attn_prefill(&args.paged(hd)))?;
         }
         // 5. Output projection, residual add, post-attention norm.
         linear(a.attn, lw.wo.ptr, a.proj, shape(t, qd, h))?;
-        exec.add_rms_norm(a.x, a.proj, lw.mlp_norm.ptr, a.hn, t, h, eps)?;
+        exec.launch(&ops::add_rms_norm(
+            a.x,
+            a.proj,
+            lw.mlp_norm.ptr,
+            a.hn,
+            t,
+            h,
+            eps,
+        ))?;
         self.pop();
         // 6. MLP in row chunks; the residual add is fused with the next block's norm.
         self.range("mlp");
@@ -334,9 +362,10 @@ impl CudaModel {
             let n = a.chunk.min(t - r0);
             let row = |p: DevPtr<bf16>| p.at(r0 * h);
             linear(row(a.hn), lw.w_gate_up.ptr, a.gu, shape(n, h, 2 * inter))?;
-            exec.silu_mul(a.gu, a.act, n, inter)?;
+            exec.launch(&ops::silu_mul(a.gu, a.act, n, inter))?;
             linear(a.act, lw.w_down.ptr, row(a.proj), shape(n, inter, h))?;
-            exec.add_rms_norm(row(a.x), row(a.proj), next_norm, row(a.hn), n, h, eps)?;
+            let (x, d, out) = (row(a.x), row(a.proj), row(a.hn));
+            exec.launch(&ops::add_rms_norm(x, d, next_norm, out, n, h, eps))?;
         }
         self.pop();
         Ok(())

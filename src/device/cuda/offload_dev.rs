@@ -154,9 +154,7 @@ impl OffloadDevice for CudaOffloadDevice {
         src: Span,
         dst: Span,
     ) -> Result<()> {
-        if src.len != dst.len {
-            bail!("offload copy {name}: {} elements into {}", src.len, dst.len);
-        }
+        self.mem.check_copy(name, src, dst)?;
         let (from, to, bytes) = (self.addr(src)?, self.addr(dst)?, src.len * ELEM);
         if bytes == 0 {
             return Ok(());

@@ -14,6 +14,7 @@ use strata::device::cuda::generate::{run_request, CudaRequest, ProfileSteps};
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
+use strata::model::weights::WeightDtype;
 use strata::model::Model;
 use strata::offload::bench::{run_bench, OffloadBenchArgs};
 use strata::offload::{OffloadConfig, OffloadEngine};
@@ -118,6 +119,9 @@ struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
+    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
+    dtype: WeightDtype,
     /// Layerwise KV offload: the KV cache lives in host memory, layers stream through a device ring.
     #[arg(long)]
     enable_offload: bool,
@@ -230,7 +234,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         bail!("empty prompt: nothing to generate from");
     }
     let model_path = resolve_model(args.model.clone())?;
-    let (model, tok) = Model::load(&model_path, !args.json)?;
+    let (model, tok) = Model::load_as(&model_path, !args.json, args.dtype)?;
     let cfg = &model.cfg;
 
     let text = if args.chat {
@@ -243,7 +247,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     let max_model_len = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
-    let mut infos = Vec::new();
+    let mut infos = vec![model.weights.describe()];
     if max_model_len > cfg.max_position_embeddings {
         infos.push(format!(
             "warning: --max-model-len {max_model_len} exceeds the model's trained context ({})",
@@ -361,18 +365,21 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "prefill_tokens_per_s": out.prefill_tokens_per_s(),
             "decode_tokens_per_s": out.decode_tokens_per_s(),
             "peak_memory_bytes": peak,
+            "weights_bytes": model.weight_bytes(),
+            "weights_resident_bytes": model.weights.resident_bytes(),
         });
         println!("{obj}");
     } else {
         println!();
     }
     eprintln!(
-        "prompt tokens: {} | generated: {} | prefill: {:.1} tok/s | decode: {:.1} tok/s | peak memory: {:.1} MiB",
+        "prompt tokens: {} | generated: {} | prefill: {:.1} tok/s | decode: {:.1} tok/s | peak memory: {:.1} MiB | weights resident: {:.1} MiB",
         out.prompt_tokens,
         out.token_ids.len(),
         out.prefill_tokens_per_s(),
         out.decode_tokens_per_s(),
-        peak as f64 / (1024.0 * 1024.0)
+        peak as f64 / (1024.0 * 1024.0),
+        model.weights.resident_bytes() as f64 / (1024.0 * 1024.0)
     );
     Ok(())
 }

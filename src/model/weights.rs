@@ -51,6 +51,33 @@ impl Bytes {
             Bytes::Owned(v) => v,
         }
     }
+
+    /// Bytes in memory now: owned bytes all; mapped ones by the pages the kernel holds
+    /// (`mincore`), counted whole (a page shared with a neighbour counts for both).
+    fn resident(&self) -> usize {
+        let Bytes::Mapped { map, range } = self else {
+            return self.as_slice().len();
+        };
+        if range.is_empty() {
+            return 0;
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+        let base = map.as_ptr() as usize; // page-aligned: mmap returns page-aligned maps
+        let start = (base + range.start) / page * page;
+        let end = base + range.end;
+        let pages = (end - start).div_ceil(page);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: [start, start + pages·page) lies inside the live map (its end rounded up
+        // to the page, which the map covers); `vec` has one byte per page.
+        let rc =
+            unsafe { libc::mincore(start as *mut libc::c_void, pages * page, vec.as_mut_ptr()) };
+        if rc != 0 {
+            return range.len(); // unknown: count it all
+        }
+        let in_core = vec.iter().filter(|&&b| b & 1 == 1).count();
+        (in_core * page).min(range.len())
+    }
 }
 
 /// Consecutive rows of a weight in one format.
@@ -96,6 +123,13 @@ impl Segment {
         match self {
             Segment::F32 { data, .. } => 4 * data.len(),
             Segment::Stored { bytes, .. } => bytes.as_slice().len(),
+        }
+    }
+
+    fn resident(&self) -> usize {
+        match self {
+            Segment::F32 { data, .. } => 4 * data.len(),
+            Segment::Stored { bytes, .. } => bytes.resident(),
         }
     }
 }
@@ -223,6 +257,11 @@ impl Weight {
     /// Bytes held (mapped or owned).
     pub fn bytes(&self) -> usize {
         self.segments.iter().map(Segment::bytes).sum()
+    }
+
+    /// Bytes in memory now (mapped pages not yet read, or evicted, do not count).
+    pub fn resident_bytes(&self) -> usize {
+        self.segments.iter().map(Segment::resident).sum()
     }
 
     /// Each segment's format and its bytes.
@@ -357,6 +396,12 @@ impl ModelWeights {
     /// Bytes of weights held, as stored (mapped or owned).
     pub fn bytes(&self) -> usize {
         self.matrices().map(Weight::bytes).sum::<usize>()
+            + self.vectors().map(|v| 4 * v.len()).sum::<usize>()
+    }
+
+    /// Bytes of weights in memory now (see `Weight::resident_bytes`).
+    pub fn resident_bytes(&self) -> usize {
+        self.matrices().map(Weight::resident_bytes).sum::<usize>()
             + self.vectors().map(|v| 4 * v.len()).sum::<usize>()
     }
 
@@ -1019,4 +1064,157 @@ pub fn load_gguf(
         converted: Vec::new(),
     };
     build(cfg, &mut src, &GGUF_NAMES, progress)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::cpu::ops;
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    const FORMATS: [(Format, GgmlDType); 9] = [
+        (Format::Bf16, GgmlDType::BF16),
+        (Format::F16, GgmlDType::F16),
+        (Format::Q4_0, GgmlDType::Q4_0),
+        (Format::Q4_1, GgmlDType::Q4_1),
+        (Format::Q5_0, GgmlDType::Q5_0),
+        (Format::Q5_1, GgmlDType::Q5_1),
+        (Format::Q8_0, GgmlDType::Q8_0),
+        (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q6K, GgmlDType::Q6K),
+    ];
+
+    /// A random `[rows, cols]` matrix quantized by candle, as our `Weight` and as candle's
+    /// dequantized f32 (the independent reference).
+    fn quantized(
+        rng: &mut StdRng,
+        f: (Format, GgmlDType),
+        rows: usize,
+        cols: usize,
+    ) -> (Weight, Vec<f32>) {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let t = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, f.1).unwrap();
+        let reference = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let bytes = Bytes::Owned(q.data().unwrap().into_owned());
+        let shape = MatShape {
+            out_features: rows,
+            in_features: cols,
+        };
+        (Weight::stored(f.0, bytes, shape).unwrap(), reference)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// `linear` over every stored format gives, bitwise, `linear` over candle's
+    /// dequantization of the same blocks (tolerance 0: same values, same order), for
+    /// batch sizes on and off the register blocks and widths across several row tiles;
+    /// and a row's result is the same whatever the batch (m = 1 vs m = 7). A loose f64
+    /// check catches a kernel that would be wrong in both.
+    #[test]
+    fn linear_on_stored_formats_equals_f32_linear_on_their_dequantization() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let (n, k) = (53, 512); // 53: three 24-row tiles, the last partial
+        for f in FORMATS {
+            let (w, deq) = quantized(&mut rng, f, n, k);
+            assert_eq!(bits(&w.to_f32()), bits(&deq), "{}: dequantization", f.0);
+            for m in [1, 2, 5, 7] {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let mut got = vec![0.0; m * n];
+                ops::linear_weight(&x, &w, None, &mut got, m);
+                let mut want = vec![0.0; m * n];
+                ops::linear(&x, &deq, None, &mut want, m, k, n);
+                assert_eq!(bits(&got), bits(&want), "{}: m {m}", f.0);
+                let mut alone = vec![0.0; n];
+                ops::linear_weight(&x[(m - 1) * k..], &w, None, &mut alone, 1);
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[(m - 1) * n..]),
+                    "{}: last row alone",
+                    f.0
+                );
+                let naive: f64 = (0..k).map(|p| x[p] as f64 * deq[p] as f64).sum();
+                assert!(
+                    (got[0] as f64 - naive).abs() < 1e-3,
+                    "{}: {} vs {naive}",
+                    f.0,
+                    got[0]
+                );
+            }
+        }
+    }
+
+    /// A fused matrix whose parts have different formats (as llama.cpp's mixed files have)
+    /// reads each row from its own part, across tile boundaries.
+    #[test]
+    fn fused_parts_of_different_formats_read_as_one_matrix() {
+        let mut rng = StdRng::seed_from_u64(4);
+        let k = 256;
+        let (a, da) = quantized(&mut rng, FORMATS[3], 20, k);
+        let (b, db) = quantized(&mut rng, FORMATS[8], 9, k);
+        let (c, dc) = quantized(&mut rng, FORMATS[0], 30, k);
+        let w = Weight::concat(vec![a, b, c]);
+        assert_eq!(
+            w.shape(),
+            MatShape {
+                out_features: 59,
+                in_features: k
+            }
+        );
+        let deq: Vec<f32> = [da, db, dc].concat();
+        assert_eq!(bits(&w.to_f32()), bits(&deq));
+        let x: Vec<f32> = (0..3 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (mut got, mut want) = (vec![0.0; 3 * 59], vec![0.0; 3 * 59]);
+        ops::linear_weight(&x, &w, None, &mut got, 3);
+        ops::linear(&x, &deq, None, &mut want, 3, k, 59);
+        assert_eq!(bits(&got), bits(&want));
+        let mut row = vec![0.0; k];
+        w.row_f32(25, &mut row);
+        assert_eq!(bits(&row), bits(&deq[25 * k..26 * k]));
+    }
+
+    #[test]
+    fn a_row_that_is_not_whole_blocks_is_refused() {
+        let shape = MatShape {
+            out_features: 2,
+            in_features: 48,
+        };
+        let err = Weight::stored(Format::Q4_1, Bytes::Owned(vec![0; 60]), shape)
+            .err()
+            .unwrap();
+        assert!(
+            format!("{err}").contains("not whole 32-value blocks"),
+            "{err}"
+        );
+        let shape = MatShape {
+            out_features: 3,
+            in_features: 32,
+        };
+        assert!(Weight::stored(Format::Q4_1, Bytes::Owned(vec![0; 40]), shape).is_err());
+    }
+
+    #[test]
+    fn bf16_upload_bits_are_the_rounded_values() {
+        let mut rng = StdRng::seed_from_u64(6);
+        for f in FORMATS {
+            let (w, deq) = quantized(&mut rng, f, 3, 256);
+            let want: Vec<u16> = deq
+                .iter()
+                .map(|&x| crate::device::bf16::f32_to_bf16(x))
+                .collect();
+            assert_eq!(w.to_bf16_bits(), want, "{}", f.0);
+        }
+    }
 }

@@ -22,6 +22,7 @@ use strata::model::weights::{self, GgufFile, Weight, WeightDtype};
 use strata::model::{Model, ModelConfig};
 
 const CHILD: &str = "STRATA_BENCH_WEIGHTS_CHILD";
+const PREFILL_CHUNK: usize = 512;
 
 fn main() {
     rayon::ThreadPoolBuilder::new()
@@ -153,12 +154,17 @@ fn run_mode(mode: &str) -> Value {
     let (mut pos, mut fed) = (0, 0);
     let mut res = json!({ "mode": mode, "load_s": load_s, "kv_bytes": kv_bytes });
     for (i, &ctx) in ctxs.iter().enumerate() {
-        let chunk = &toks[fed..fed + (ctx - pos)];
+        // Prefill in chunks of PREFILL_CHUNK (as `strata serve` does), so activations stay
+        // bounded and peak RSS is the weights + KV + a fixed overhead.
         let t = Instant::now();
-        let mut logits = model.forward(chunk, pos, &mut kv).unwrap();
-        let prefill = chunk.len() as f64 / t.elapsed().as_secs_f64();
-        pos += chunk.len();
-        fed += chunk.len();
+        let n = ctx - pos;
+        let mut logits = Vec::new();
+        for chunk in toks[fed..fed + n].chunks(PREFILL_CHUNK) {
+            logits = model.forward(chunk, pos, &mut kv).unwrap();
+            pos += chunk.len();
+        }
+        let prefill = n as f64 / t.elapsed().as_secs_f64();
+        fed += n;
         let t = Instant::now();
         let mut greedy = Vec::new();
         for _ in 0..steps {

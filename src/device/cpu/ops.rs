@@ -116,9 +116,10 @@ fn linear_tiles<K: DotKernel, W: WeightRows, const MR: usize, const NR: usize>(
 ) {
     let (n, k) = w.out_in();
     let dst = SyncPtr(out.as_mut_ptr());
-    (0..n.div_ceil(W_TILE))
-        .into_par_iter()
-        .for_each_init(Vec::new, |scratch, tile| {
+    (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
+        // One scratch per thread, kept across calls: a fresh buffer per task would cost an
+        // allocation (and, past malloc's mmap threshold, page faults) per tile.
+        TILE_SCRATCH.with_borrow_mut(|scratch| {
             let j0 = tile * W_TILE;
             let j_end = (j0 + W_TILE).min(n);
             let wt = w.rows_f32(j0..j_end, scratch); // [j_end - j0, k]
@@ -139,7 +140,13 @@ fn linear_tiles<K: DotKernel, W: WeightRows, const MR: usize, const NR: usize>(
                 }
                 i += if full_rows { MR } else { 1 };
             }
-        });
+        })
+    });
+}
+
+thread_local! {
+    /// A weight tile dequantized to f32, `[W_TILE, k]`.
+    static TILE_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A raw output pointer shared by tasks that write disjoint elements.

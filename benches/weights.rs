@@ -255,7 +255,7 @@ fn write_safetensors_bf16(path: &Path, tensors: Vec<(String, Vec<usize>, Gen<'_>
         off += n;
     }
     let mut h = serde_json::to_vec(&Value::Object(header)).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();

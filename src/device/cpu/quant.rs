@@ -12,7 +12,7 @@
 //! has it (detected at run time). Both compile the same IEEE operations, so they agree
 //! bitwise (a test checks it).
 
-use half::{bf16, f16};
+use half::f16;
 
 /// How a weight matrix's rows are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -273,13 +273,6 @@ fn q6_k(x: &[u8], y: &mut [f32; QK_K]) {
             y[l + 96] = d * sc[is + 6] as i8 as f32 * q4 as f32;
         }
     }
-}
-
-/// f32 values rounded to bf16 (round to nearest even), little-endian bytes.
-pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
-        .collect()
 }
 
 #[cfg(test)]

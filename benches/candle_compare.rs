@@ -29,24 +29,28 @@ fn candle_weights(m: &Model) -> HashMap<String, Tensor> {
     let mut w = HashMap::new();
     w.insert(
         "model.embed_tokens.weight".into(),
-        t(&m.weights.embed, &[c.vocab_size, h]),
+        t(&m.weights.embed.to_f32(), &[c.vocab_size, h]),
     );
     w.insert("model.norm.weight".into(), t(&m.weights.final_norm, &[h]));
     for (i, l) in m.weights.layers.iter().enumerate() {
         let p = format!("model.layers.{i}");
+        let (wqkv, w_gate_up) = (l.wqkv.to_f32(), l.w_gate_up.to_f32());
         w.insert(
             format!("{p}.self_attn.q_proj.weight"),
-            t(&l.wqkv[..q * h], &[q, h]),
+            t(&wqkv[..q * h], &[q, h]),
         );
         w.insert(
             format!("{p}.self_attn.k_proj.weight"),
-            t(&l.wqkv[q * h..(q + kv) * h], &[kv, h]),
+            t(&wqkv[q * h..(q + kv) * h], &[kv, h]),
         );
         w.insert(
             format!("{p}.self_attn.v_proj.weight"),
-            t(&l.wqkv[(q + kv) * h..], &[kv, h]),
+            t(&wqkv[(q + kv) * h..], &[kv, h]),
         );
-        w.insert(format!("{p}.self_attn.o_proj.weight"), t(&l.wo, &[h, q]));
+        w.insert(
+            format!("{p}.self_attn.o_proj.weight"),
+            t(&l.wo.to_f32(), &[h, q]),
+        );
         w.insert(format!("{p}.input_layernorm.weight"), t(&l.attn_norm, &[h]));
         w.insert(
             format!("{p}.post_attention_layernorm.weight"),
@@ -54,15 +58,15 @@ fn candle_weights(m: &Model) -> HashMap<String, Tensor> {
         );
         w.insert(
             format!("{p}.mlp.gate_proj.weight"),
-            t(&l.w_gate_up[..inter * h], &[inter, h]),
+            t(&w_gate_up[..inter * h], &[inter, h]),
         );
         w.insert(
             format!("{p}.mlp.up_proj.weight"),
-            t(&l.w_gate_up[inter * h..], &[inter, h]),
+            t(&w_gate_up[inter * h..], &[inter, h]),
         );
         w.insert(
             format!("{p}.mlp.down_proj.weight"),
-            t(&l.w_down, &[h, inter]),
+            t(&l.w_down.to_f32(), &[h, inter]),
         );
     }
     w
@@ -133,7 +137,9 @@ fn main() {
         eprintln!("{} is missing: run models/fetch.sh", path.display());
         std::process::exit(1);
     }
-    let (model, _) = Model::load(&path, false).unwrap();
+    // The f32 reference mode: both runtimes read the same f32 weights.
+    let (model, _) =
+        Model::load_as(&path, false, strata::model::weights::WeightDtype::F32).unwrap();
     let c = &model.cfg;
     let cfg = llama::Config {
         hidden_size: c.hidden_size,

@@ -12,6 +12,7 @@ use strata::device::cuda::generate::ProfileSteps;
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
+use strata::model::weights::WeightDtype;
 use strata::model::{Model, Tokenizer};
 use strata::offload::OffloadConfig;
 use strata::{errors, flags, Session, SessionConfig};
@@ -90,6 +91,9 @@ struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
+    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
+    dtype: WeightDtype,
     /// Layerwise KV offload: the KV cache lives in host memory, layers stream through a device ring.
     #[arg(long)]
     enable_offload: bool,
@@ -156,7 +160,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     if prompt_text.is_empty() {
         bail!("empty prompt: nothing to generate from");
     }
-    let (model, tok) = Model::load(&strata::model::resolve(args.model.clone())?, !args.json)?;
+    let path = strata::model::resolve(args.model.clone())?;
+    let (model, tok) = Model::load_as(&path, !args.json, args.dtype)?;
     let cfg = &model.cfg;
     let text = if args.chat {
         tok.apply_chat_template(&prompt_text)?
@@ -215,6 +220,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
+    eprintln!("{}", model.weights.describe());
     if let Some(plan) = plan {
         eprintln!("{plan}");
     }
@@ -235,11 +241,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         Ok(())
     };
     let out = session.generate(&prompt, &opts, &mut on_token)?;
-    print_result(&tok, &out, json)
+    print_result(&model, &tok, &out, json)
 }
 
 /// The text (JSON: one object) on stdout, the stats line on stderr.
-fn print_result(tok: &Tokenizer, out: &GenerationOutput, json: bool) -> Result<()> {
+fn print_result(model: &Model, tok: &Tokenizer, out: &GenerationOutput, json: bool) -> Result<()> {
     let text = tok.decode(&out.token_ids, true)?;
     let peak = engine::peak_rss_bytes().unwrap_or(0);
     if json {
@@ -250,18 +256,21 @@ fn print_result(tok: &Tokenizer, out: &GenerationOutput, json: bool) -> Result<(
             "prefill_tokens_per_s": out.prefill_tokens_per_s(),
             "decode_tokens_per_s": out.decode_tokens_per_s(),
             "peak_memory_bytes": peak,
+            "weights_bytes": model.weight_bytes(),
+            "weights_resident_bytes": model.weights.resident_bytes(),
         });
         println!("{obj}");
     } else {
         println!();
     }
     eprintln!(
-        "prompt tokens: {} | generated: {} | prefill: {:.1} tok/s | decode: {:.1} tok/s | peak memory: {:.1} MiB",
+        "prompt tokens: {} | generated: {} | prefill: {:.1} tok/s | decode: {:.1} tok/s | peak memory: {:.1} MiB | weights resident: {:.1} MiB",
         out.prompt_tokens,
         out.token_ids.len(),
         out.prefill_tokens_per_s(),
         out.decode_tokens_per_s(),
-        peak as f64 / (1024.0 * 1024.0)
+        peak as f64 / (1024.0 * 1024.0),
+        model.weights.resident_bytes() as f64 / (1024.0 * 1024.0)
     );
     Ok(())
 }

@@ -197,13 +197,16 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn check_family(spec: TinySpec, name: &str) {
     let dir = scratch_dir(name);
     spec.write(&dir, 13);
-    let model = Model::load(&dir, false).unwrap().0;
+    check_model(&Model::load(&dir, false).unwrap().0, name);
+}
+
+fn check_model(model: &Arc<Model>, name: &str) {
     let vocab = model.cfg.vocab_size as u32;
     let mut rng = StdRng::seed_from_u64(42);
     // Long enough to cross the attention's fixed 512-key partitions.
     let prompt: Vec<u32> = (0..530).map(|_| rng.random_range(3..vocab)).collect();
     let steps = 12;
-    let (want_fed, want) = reference(&model, &prompt, steps);
+    let (want_fed, want) = reference(model, &prompt, steps);
     for n in 1..=16 {
         let start = rng.random_range(0..3);
         let mut seqs = vec![Seq::new(&mut rng, prompt.clone(), steps, start)];
@@ -214,7 +217,7 @@ fn check_family(spec: TinySpec, name: &str) {
             seqs.push(Seq::new(&mut rng, p, steps, start));
         }
         seqs.shuffle(&mut rng);
-        serve(&model, &mut seqs, &mut rng);
+        serve(model, &mut seqs, &mut rng);
         let target = seqs
             .iter()
             .find(|s| s.prompt_len == prompt.len() && s.tokens[..prompt.len()] == prompt[..])
@@ -229,7 +232,7 @@ fn check_family(spec: TinySpec, name: &str) {
         }
         // Every companion is exact too.
         for s in &seqs {
-            let (fed, logits) = reference(&model, &s.tokens[..s.prompt_len], s.steps);
+            let (fed, logits) = reference(model, &s.tokens[..s.prompt_len], s.steps);
             assert_eq!(s.tokens[s.prompt_len..], fed[..s.steps]);
             for (g, w) in s.logits.iter().zip(&logits) {
                 assert!(
@@ -249,6 +252,26 @@ fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_llama() 
 #[test]
 fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_qwen3() {
     check_family(TinySpec::qwen3(), "batch_invariance_qwen3");
+}
+
+/// The same in the stored-precision mode (the default) on a GGUF whose matrices are Q4_1
+/// and Q8_0 blocks: dequantization happens per weight tile, never per batch.
+#[test]
+fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_q4_1_gguf() {
+    use candle_core::quantized::GgmlDType;
+    let spec = TinySpec::llama();
+    let dir = scratch_dir("batch_invariance_q4_1");
+    let w = spec.write(&dir, 13);
+    let path = dir.join("model.gguf");
+    let dtype_of = |n: &str| match () {
+        _ if n.ends_with("norm.weight") => GgmlDType::F32,
+        _ if n.contains("k_proj") || n.contains("down") => GgmlDType::Q8_0,
+        _ => GgmlDType::Q4_1,
+    };
+    common::gguf::write_gguf_as(&spec, &w, &path, "llama-bpe", &dtype_of);
+    let model = Model::load(&path, false).unwrap().0;
+    assert!(model.weights.describe().contains("Q4_1"));
+    check_model(&model, "batch_invariance_q4_1");
 }
 
 #[test]

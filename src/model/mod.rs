@@ -16,7 +16,7 @@ use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout
 use crate::kv::{KvCache, LayerKv};
 pub use config::{Arch, ModelConfig};
 pub use tokenizer::Tokenizer;
-use weights::ModelWeights;
+use weights::{ModelWeights, WeightDtype};
 
 /// Rows of the MLP processed at once in prefill, so the `[rows, 2 * inter]` activation
 /// stays bounded however long the prompt is.
@@ -115,8 +115,17 @@ impl Model {
         }
     }
 
-    /// Loads weights and tokenizer from a GGUF file or a Hugging Face directory.
+    /// Loads weights (as stored) and tokenizer from a GGUF file or a Hugging Face directory.
     pub fn load(path: &Path, progress: bool) -> Result<(Arc<Self>, Tokenizer)> {
+        Self::load_as(path, progress, WeightDtype::Stored)
+    }
+
+    /// `load`, holding the weights as `dtype`.
+    pub fn load_as(
+        path: &Path,
+        progress: bool,
+        dtype: WeightDtype,
+    ) -> Result<(Arc<Self>, Tokenizer)> {
         match ModelSource::detect(path)? {
             ModelSource::Gguf(p) => {
                 let mut gguf = weights::GgufFile::open(&p)?;
@@ -124,7 +133,7 @@ impl Model {
                     .with_context(|| format!("{}", p.display()))?;
                 let tok = Tokenizer::from_gguf(&gguf.content.metadata)
                     .with_context(|| format!("{}", p.display()))?;
-                let w = weights::load_gguf(&mut gguf, &mut cfg, progress)
+                let w = weights::load_gguf(&mut gguf, &mut cfg, progress, dtype)
                     .with_context(|| format!("{}", p.display()))?;
                 if cfg.eos_token_ids.is_empty() {
                     cfg.eos_token_ids = tok.eos_token_ids.clone();
@@ -146,32 +155,19 @@ impl Model {
                     cfg.generation = config::GenerationDefaults::from_json(&v)
                         .with_context(|| format!("{}", gen_path.display()))?;
                 }
-                let w = weights::load_safetensors(&dir, &mut cfg, progress)
+                let mut w = weights::load_safetensors(&dir, &mut cfg, progress)
                     .with_context(|| format!("{}", dir.display()))?;
+                if dtype == WeightDtype::F32 {
+                    w.widen();
+                }
                 Ok((Arc::new(Self::new(cfg, w)), tok))
             }
         }
     }
 
-    /// Bytes of f32 weights held.
+    /// Bytes of weights held, as stored (memory-mapped or owned).
     pub fn weight_bytes(&self) -> usize {
-        let w = &self.weights;
-        let layer: usize = w
-            .layers
-            .iter()
-            .map(|l| {
-                l.attn_norm.len()
-                    + l.wqkv.len()
-                    + l.bqkv.as_ref().map_or(0, Vec::len)
-                    + l.q_norm.as_ref().map_or(0, Vec::len)
-                    + l.k_norm.as_ref().map_or(0, Vec::len)
-                    + l.wo.len()
-                    + l.mlp_norm.len()
-                    + l.w_gate_up.len()
-                    + l.w_down.len()
-            })
-            .sum();
-        4 * (w.embed.len() + layer + w.final_norm.len() + w.lm_head.as_ref().map_or(0, Vec::len))
+        self.weights.bytes()
     }
 
     /// Runs `tokens` at positions `pos0..` through every layer, storing their K/V through
@@ -309,7 +305,7 @@ impl Model {
     fn embed(&self, tokens: &[u32], positions: &[usize], a: &mut Activations) {
         let (w, h) = (&self.weights, self.cfg.hidden_size);
         for (row, &id) in a.x.chunks_exact_mut(h).zip(tokens) {
-            row.copy_from_slice(&w.embed[id as usize * h..(id as usize + 1) * h]);
+            w.embed.row_f32(id as usize, row);
         }
         ops::rms_norm(
             &a.x,
@@ -341,15 +337,7 @@ impl Model {
         let qkv_dim = qd + 2 * kvd;
         let eps = cfg.rms_norm_eps;
         // 1. Fused QKV projection.
-        ops::linear(
-            &a.hn,
-            &lw.wqkv,
-            lw.bqkv.as_deref(),
-            &mut a.qkv,
-            t,
-            h,
-            qkv_dim,
-        );
+        ops::linear_weight(&a.hn, &lw.wqkv, lw.bqkv.as_deref(), &mut a.qkv, t);
         // 2. Qwen3: per-head RMSNorm of q and k, before RoPE.
         if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
             ops::head_rms_norm(&mut a.qkv, t, cfg.num_heads, cfg.head_dim, qkv_dim, qn, eps);
@@ -388,7 +376,7 @@ impl Model {
         // 4. Store the new K/V and attend over everything up to them.
         self.store_and_attend(a, kv, seqs);
         // 5. Output projection, residual add, post-attention norm.
-        ops::linear(&a.attn, &lw.wo, None, &mut a.proj, t, qd, h);
+        ops::linear_weight(&a.attn, &lw.wo, None, &mut a.proj, t);
         ops::add_rms_norm(&mut a.x, &a.proj, &lw.mlp_norm, eps, &mut a.hn);
         // 6. MLP in row chunks; the residual add is fused with the next block's norm.
         let w = &self.weights;
@@ -397,24 +385,20 @@ impl Model {
         for r0 in (0..t).step_by(chunk) {
             let n = chunk.min(t - r0);
             let rows = r0 * h..(r0 + n) * h;
-            ops::linear(
+            ops::linear_weight(
                 &a.hn[rows.clone()],
                 &lw.w_gate_up,
                 None,
                 &mut a.gu[..n * 2 * inter],
                 n,
-                h,
-                2 * inter,
             );
             ops::silu_mul(&a.gu[..n * 2 * inter], inter, &mut a.act[..n * inter]);
-            ops::linear(
+            ops::linear_weight(
                 &a.act[..n * inter],
                 &lw.w_down,
                 None,
                 &mut a.proj[rows.clone()],
                 n,
-                inter,
-                h,
             );
             ops::add_rms_norm(
                 &mut a.x[rows.clone()],
@@ -464,15 +448,7 @@ impl Model {
             .copied()
             .collect(); // [rows, hidden]
         let mut logits = vec![0.0f32; rows.len() * vocab]; // [rows, vocab]
-        ops::linear(
-            &x,
-            self.weights.lm_head(),
-            None,
-            &mut logits,
-            rows.len(),
-            h,
-            vocab,
-        );
+        ops::linear_weight(&x, self.weights.lm_head(), None, &mut logits, rows.len());
         logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
     }
 }

@@ -3,7 +3,7 @@
 //! rounded to bf16 so the f32 CPU path and the bf16 CUDA path start from the same values.
 
 use super::config::{Arch, GenerationDefaults, ModelConfig, RopeScaling};
-use super::weights::{LayerWeights, ModelWeights};
+use super::weights::{LayerWeights, MatShape, ModelWeights, Weight};
 use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -117,10 +117,19 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeight
         cfg.intermediate_size,
     );
     let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    let mat = |data: Vec<f32>, out_features: usize, in_features: usize| {
+        Weight::f32(
+            data,
+            MatShape {
+                out_features,
+                in_features,
+            },
+        )
+    };
     let layers = (0..cfg.num_layers)
         .map(|_| LayerWeights {
             attn_norm: norm(&mut rng, h),
-            wqkv: uniform(&mut rng, (qd + 2 * kvd) * h, s(h)),
+            wqkv: mat(uniform(&mut rng, (qd + 2 * kvd) * h, s(h)), qd + 2 * kvd, h),
             bqkv: cfg
                 .attention_bias
                 .then(|| uniform(&mut rng, qd + 2 * kvd, 0.5)),
@@ -130,19 +139,24 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeight
             k_norm: cfg
                 .qk_norm
                 .then(|| scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
-            wo: uniform(&mut rng, h * qd, s(qd)),
+            wo: mat(uniform(&mut rng, h * qd, s(qd)), h, qd),
             mlp_norm: norm(&mut rng, h),
-            w_gate_up: uniform(&mut rng, 2 * inter * h, s(h)),
-            w_down: uniform(&mut rng, h * inter, s(inter)),
+            w_gate_up: mat(uniform(&mut rng, 2 * inter * h, s(h)), 2 * inter, h),
+            w_down: mat(uniform(&mut rng, h * inter, s(inter)), h, inter),
         })
         .collect();
     ModelWeights {
         // Small, as in trained models: a residual stream much larger than the layers'
         // outputs would round their contributions away in bf16.
-        embed: uniform(&mut rng, cfg.vocab_size * h, 0.1),
+        embed: mat(
+            uniform(&mut rng, cfg.vocab_size * h, 0.1),
+            cfg.vocab_size,
+            h,
+        ),
         layers,
         final_norm: norm(&mut rng, h),
         lm_head: None,
+        conversions: Vec::new(),
     }
 }
 
@@ -161,6 +175,7 @@ mod tests {
         let w = random_weights(&cfg, 11, Shape::tiny().qk_gain);
         assert!(w.layers[0]
             .wqkv
+            .to_f32()
             .iter()
             .all(|&x| bf16_to_f32(f32_to_bf16(x)) == x));
         let model = Arc::new(Model::new(cfg.clone(), w));

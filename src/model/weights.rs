@@ -1,49 +1,484 @@
-//! Weight loading: Hugging Face safetensors (single file or sharded) and GGUF, widened
-//! once to f32 and fused for the forward pass (QKV into one matrix, gate/up into one).
+//! Weight loading: Hugging Face safetensors (single file or sharded) and GGUF, kept in
+//! their stored precision (bf16/f16 safetensors and GGUF blocks memory-mapped where the
+//! file allows), or widened once to f32 in the reference mode (`WeightDtype::F32`).
+//! Q/K/V and gate/up are fused as row segments of one `Weight`, without copying.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::{gguf_file, GgmlDType};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::config::{Arch, ModelConfig};
 use super::{files, gguf_header};
+use crate::device::cpu::ops::WeightRows;
+use crate::device::cpu::quant::{self, Format};
 use crate::errors;
+
+/// How the CPU holds the weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightDtype {
+    /// As stored in the file (bf16, f16, GGUF blocks), computed on as stored.
+    #[default]
+    Stored,
+    /// Widened once to f32 at load: the reference mode.
+    F32,
+}
+
+/// A weight matrix's row-major shape: `out_features` rows of `in_features` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatShape {
+    pub out_features: usize,
+    pub in_features: usize,
+}
+
+/// Stored bytes: a range of a memory-mapped file, or owned.
+enum Bytes {
+    Mapped {
+        map: Arc<memmap2::Mmap>,
+        range: Range<usize>,
+    },
+    Owned(Vec<u8>),
+}
+
+impl Bytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped { map, range } => &map[range.clone()],
+            Bytes::Owned(v) => v,
+        }
+    }
+
+    /// Bytes in memory now: owned bytes all; mapped ones by the pages the kernel holds
+    /// (`mincore`), counted whole (a page shared with a neighbour counts for both).
+    fn resident(&self) -> usize {
+        let Bytes::Mapped { map, range } = self else {
+            return self.as_slice().len();
+        };
+        if range.is_empty() {
+            return 0;
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+        let base = map.as_ptr() as usize; // page-aligned: mmap returns page-aligned maps
+        let start = (base + range.start) / page * page;
+        let end = base + range.end;
+        let pages = (end - start).div_ceil(page);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: [start, start + pages·page) lies inside the live map (its end rounded up
+        // to the page, which the map covers); `vec` has one byte per page.
+        let rc =
+            unsafe { libc::mincore(start as *mut libc::c_void, pages * page, vec.as_mut_ptr()) };
+        if rc != 0 {
+            return range.len(); // unknown: count it all
+        }
+        let in_core = vec.iter().filter(|&&b| b & 1 == 1).count();
+        (in_core * page).min(range.len())
+    }
+}
+
+/// Consecutive rows of a weight in one format.
+enum Segment {
+    F32 {
+        rows: usize,
+        data: Vec<f32>,
+    }, // [rows, cols]
+    Stored {
+        rows: usize,
+        format: Format,
+        bytes: Bytes,
+    },
+}
+
+impl Segment {
+    fn rows(&self) -> usize {
+        match self {
+            Segment::F32 { rows, .. } | Segment::Stored { rows, .. } => *rows,
+        }
+    }
+
+    fn format(&self) -> Format {
+        match self {
+            Segment::F32 { .. } => Format::F32,
+            Segment::Stored { format, .. } => *format,
+        }
+    }
+
+    /// Row `r` (of this segment) as f32 into `out[cols]`.
+    fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let cols = out.len();
+        match self {
+            Segment::F32 { data, .. } => out.copy_from_slice(&data[r * cols..(r + 1) * cols]),
+            Segment::Stored { format, bytes, .. } => {
+                let rb = format.row_bytes(cols).expect("checked at construction");
+                quant::dequantize(*format, &bytes.as_slice()[r * rb..(r + 1) * rb], out);
+            }
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Segment::F32 { data, .. } => 4 * data.len(),
+            Segment::Stored { bytes, .. } => bytes.as_slice().len(),
+        }
+    }
+
+    fn resident(&self) -> usize {
+        match self {
+            Segment::F32 { data, .. } => 4 * data.len(),
+            Segment::Stored { bytes, .. } => bytes.resident(),
+        }
+    }
+}
+
+/// A weight matrix `[out_features, in_features]` held as stored: one or more row segments
+/// (a fused matrix keeps each part's format), each f32, 16-bit or GGUF blocks.
+pub struct Weight {
+    cols: usize,
+    segments: Vec<Segment>,
+}
+
+impl Weight {
+    /// An f32 matrix `data[shape]`.
+    pub fn f32(data: Vec<f32>, shape: MatShape) -> Self {
+        assert_eq!(data.len(), shape.out_features * shape.in_features);
+        Self {
+            cols: shape.in_features,
+            segments: vec![Segment::F32 {
+                rows: shape.out_features,
+                data,
+            }],
+        }
+    }
+
+    /// `shape` in `format` from `bytes` (whole rows of whole blocks).
+    fn stored(format: Format, bytes: Bytes, shape: MatShape) -> Result<Self> {
+        let MatShape {
+            out_features: rows,
+            in_features: cols,
+        } = shape;
+        let Some(rb) = format.row_bytes(cols) else {
+            bail!(
+                "rows of {cols} values are not whole {}-value blocks of {format}",
+                format.block_elems()
+            );
+        };
+        if rows.checked_mul(rb) != Some(bytes.as_slice().len()) {
+            bail!(
+                "{} bytes are not {rows} rows of {cols} {format} values",
+                bytes.as_slice().len()
+            );
+        }
+        Ok(Self {
+            cols,
+            segments: vec![Segment::Stored {
+                rows,
+                format,
+                bytes,
+            }],
+        })
+    }
+
+    pub fn shape(&self) -> MatShape {
+        MatShape {
+            out_features: self.segments.iter().map(Segment::rows).sum(),
+            in_features: self.cols,
+        }
+    }
+
+    /// The rows of `parts` in order, as one matrix (no copy: each part stays a segment).
+    fn concat(parts: Vec<Weight>) -> Self {
+        let cols = parts[0].cols;
+        assert!(
+            parts.iter().all(|p| p.cols == cols),
+            "concat: widths differ"
+        );
+        Self {
+            cols,
+            segments: parts.into_iter().flat_map(|p| p.segments).collect(),
+        }
+    }
+
+    /// Row `r` as f32 into `out[in_features]` (the embedding gather).
+    pub fn row_f32(&self, mut r: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols, "row_f32: out is not one row");
+        for s in &self.segments {
+            if r < s.rows() {
+                return s.row_f32(r, out);
+            }
+            r -= s.rows();
+        }
+        panic!("row_f32: row out of range");
+    }
+
+    /// The whole matrix in f32, `[out_features, in_features]`.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let n = self.shape().out_features;
+        let mut out = vec![0.0f32; n * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
+            self.row_f32(r, row);
+        }
+        out
+    }
+
+    /// The whole matrix in f32, held so (the reference mode).
+    pub fn widened(&self) -> Self {
+        Self::f32(self.to_f32(), self.shape())
+    }
+
+    /// The matrix rounded to bf16, row by row (no f32 copy of the whole tensor): bf16
+    /// segments are copied as they are.
+    pub fn to_bf16_bits(&self) -> Vec<u16> {
+        let shape = self.shape();
+        let mut out = Vec::with_capacity(shape.out_features * self.cols);
+        let mut row = vec![0.0f32; self.cols];
+        for s in &self.segments {
+            if let Segment::Stored {
+                format: Format::Bf16,
+                bytes,
+                ..
+            } = s
+            {
+                let b = bytes.as_slice();
+                out.extend(b.chunks_exact(2).map(|x| u16::from_le_bytes([x[0], x[1]])));
+                continue;
+            }
+            for r in 0..s.rows() {
+                s.row_f32(r, &mut row);
+                out.extend(row.iter().map(|&x| crate::device::bf16::f32_to_bf16(x)));
+            }
+        }
+        out
+    }
+
+    /// Bytes held (mapped or owned).
+    pub fn bytes(&self) -> usize {
+        self.segments.iter().map(Segment::bytes).sum()
+    }
+
+    /// Bytes in memory now (mapped pages not yet read, or evicted, do not count).
+    pub fn resident_bytes(&self) -> usize {
+        self.segments.iter().map(Segment::resident).sum()
+    }
+
+    /// Each segment's format and its bytes.
+    pub fn formats(&self) -> impl Iterator<Item = (Format, usize)> + '_ {
+        self.segments.iter().map(|s| (s.format(), s.bytes()))
+    }
+
+    /// Feeds the format and stored bytes of every segment (a fingerprint of the values).
+    pub fn hash_into(&self, crc: &mut crc32fast::Hasher) {
+        for s in &self.segments {
+            crc.update(s.format().name().as_bytes());
+            match s {
+                // SAFETY: f32 has no padding; viewing its bytes is sound.
+                Segment::F32 { data, .. } => crc.update(unsafe {
+                    std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4)
+                }),
+                Segment::Stored { bytes, .. } => crc.update(bytes.as_slice()),
+            }
+        }
+    }
+
+    /// A single-segment weight with its rows reordered: row `dst` is row `src_of(dst)`.
+    fn permuted_rows(&self, src_of: impl Fn(usize) -> usize) -> Self {
+        let [seg] = self.segments.as_slice() else {
+            unreachable!("permuted_rows: a loaded tensor is one segment");
+        };
+        let (rows, cols) = (seg.rows(), self.cols);
+        let segment = match seg {
+            Segment::F32 { data, .. } => Segment::F32 {
+                rows,
+                data: (0..rows)
+                    .flat_map(|d| &data[src_of(d) * cols..(src_of(d) + 1) * cols])
+                    .copied()
+                    .collect(),
+            },
+            Segment::Stored { format, bytes, .. } => {
+                let rb = format.row_bytes(cols).expect("checked at construction");
+                let b = bytes.as_slice();
+                Segment::Stored {
+                    rows,
+                    format: *format,
+                    bytes: Bytes::Owned(
+                        (0..rows)
+                            .flat_map(|d| &b[src_of(d) * rb..(src_of(d) + 1) * rb])
+                            .copied()
+                            .collect(),
+                    ),
+                }
+            }
+        };
+        Self {
+            cols,
+            segments: vec![segment],
+        }
+    }
+}
+
+impl WeightRows for Weight {
+    fn out_in(&self) -> (usize, usize) {
+        (self.shape().out_features, self.cols)
+    }
+
+    fn rows_f32<'s>(&'s self, rows: Range<usize>, scratch: &'s mut Vec<f32>) -> &'s [f32] {
+        // Borrow when the rows lie in one f32 segment.
+        let mut first = rows.start;
+        for s in &self.segments {
+            if first < s.rows() {
+                if let Segment::F32 { rows: n, data } = s {
+                    if first + rows.len() <= *n {
+                        return &data[first * self.cols..(first + rows.len()) * self.cols];
+                    }
+                }
+                break;
+            }
+            first -= s.rows();
+        }
+        scratch.resize(rows.len() * self.cols, 0.0);
+        for (r, out) in rows.zip(scratch.chunks_exact_mut(self.cols)) {
+            self.row_f32(r, out);
+        }
+        scratch
+    }
+}
 
 /// One decoder layer's weights, row-major `[out, in]` as Hugging Face stores them.
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,      // [hidden]
-    pub wqkv: Vec<f32>,           // [q_dim + 2 * kv_dim, hidden]  rows: q, then k, then v
+    pub wqkv: Weight,             // [q_dim + 2 * kv_dim, hidden]  rows: q, then k, then v
     pub bqkv: Option<Vec<f32>>,   // [q_dim + 2 * kv_dim]
     pub q_norm: Option<Vec<f32>>, // [head_dim] (Qwen3)
     pub k_norm: Option<Vec<f32>>, // [head_dim] (Qwen3)
-    pub wo: Vec<f32>,             // [hidden, q_dim]
+    pub wo: Weight,               // [hidden, q_dim]
     pub mlp_norm: Vec<f32>,       // [hidden]
-    pub w_gate_up: Vec<f32>,      // [2 * inter, hidden]  rows: gate, then up
-    pub w_down: Vec<f32>,         // [hidden, inter]
+    pub w_gate_up: Weight,        // [2 * inter, hidden]  rows: gate, then up
+    pub w_down: Weight,           // [hidden, inter]
 }
 
 pub struct ModelWeights {
-    pub embed: Vec<f32>, // [vocab, hidden]
+    pub embed: Weight, // [vocab, hidden]
     pub layers: Vec<LayerWeights>,
-    pub final_norm: Vec<f32>,      // [hidden]
-    pub lm_head: Option<Vec<f32>>, // [vocab, hidden]; None = tied to `embed`
+    pub final_norm: Vec<f32>,    // [hidden]
+    pub lm_head: Option<Weight>, // [vocab, hidden]; None = tied to `embed`
+    /// Tensors converted at load to a format with a kernel, e.g. "12 × Q5_K → Q6_K".
+    pub conversions: Vec<String>,
 }
 
 impl ModelWeights {
-    pub fn lm_head(&self) -> &[f32] {
-        self.lm_head.as_deref().unwrap_or(&self.embed)
+    pub fn lm_head(&self) -> &Weight {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Every matrix (the tied head once).
+    pub fn matrices(&self) -> impl Iterator<Item = &Weight> {
+        std::iter::once(&self.embed)
+            .chain(self.lm_head.as_ref())
+            .chain(
+                self.layers
+                    .iter()
+                    .flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]),
+            )
+    }
+
+    /// Every f32 vector (norms, biases).
+    pub fn vectors(&self) -> impl Iterator<Item = &Vec<f32>> {
+        std::iter::once(&self.final_norm).chain(self.layers.iter().flat_map(|l| {
+            [&l.attn_norm, &l.mlp_norm]
+                .into_iter()
+                .chain([&l.bqkv, &l.q_norm, &l.k_norm].into_iter().flatten())
+        }))
+    }
+
+    /// Bytes of weights held, as stored (mapped or owned).
+    pub fn bytes(&self) -> usize {
+        self.matrices().map(Weight::bytes).sum::<usize>()
+            + self.vectors().map(|v| 4 * v.len()).sum::<usize>()
+    }
+
+    /// Bytes of weights in memory now (see `Weight::resident_bytes`).
+    pub fn resident_bytes(&self) -> usize {
+        self.matrices().map(Weight::resident_bytes).sum::<usize>()
+            + self.vectors().map(|v| 4 * v.len()).sum::<usize>()
+    }
+
+    /// Every matrix widened to f32 (the reference mode; exact for every stored format).
+    pub fn widen(&mut self) {
+        for w in self.matrices_mut() {
+            *w = w.widened();
+        }
+    }
+
+    fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Weight> {
+        std::iter::once(&mut self.embed)
+            .chain(self.lm_head.as_mut())
+            .chain(
+                self.layers
+                    .iter_mut()
+                    .flat_map(|l| [&mut l.wqkv, &mut l.wo, &mut l.w_gate_up, &mut l.w_down]),
+            )
+    }
+
+    /// The load line: bytes held per format, and any conversion.
+    pub fn describe(&self) -> String {
+        let mut by: Vec<(Format, usize)> = Vec::new();
+        for (f, b) in self.matrices().flat_map(Weight::formats) {
+            match by.iter_mut().find(|(g, _)| *g == f) {
+                Some((_, n)) => *n += b,
+                None => by.push((f, b)),
+            }
+        }
+        let vec_bytes: usize = self.vectors().map(|v| 4 * v.len()).sum();
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        let parts: Vec<String> = by
+            .iter()
+            .map(|(f, b)| format!("{f} {:.1}", mib(*b)))
+            .chain(std::iter::once(format!(
+                "f32 vectors {:.1}",
+                mib(vec_bytes)
+            )))
+            .collect();
+        let mut line = format!(
+            "weights: {:.1} MiB held ({} MiB)",
+            mib(self.bytes()),
+            parts.join(", ")
+        );
+        if !self.conversions.is_empty() {
+            line += &format!("; converted at load: {}", self.conversions.join(", "));
+        }
+        line
     }
 }
 
-/// A named-tensor store that yields f32 data with its shape (outermost dim first).
+/// A loaded tensor: its shape (outermost dim first) and data as stored.
+struct Loaded {
+    shape: Vec<usize>,
+    weight: Weight,
+}
+
+/// A named-tensor store that yields tensors as stored, with their shape (outermost dim
+/// first); a tensor's rows are its innermost dim.
 trait TensorSource {
     fn has(&self, name: &str) -> bool;
     /// The stored shape (outermost dim first), read from the header without loading data.
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
-    fn load(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
+    fn load(&mut self, name: &str) -> Result<Loaded>;
+    /// Conversions made so far, e.g. "12 × Q5_K → Q6_K".
+    fn conversions(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// `[outer dims.., inner]` as a matrix of `inner`-wide rows (a vector is one row).
+fn mat_shape(shape: &[usize]) -> MatShape {
+    let in_features = shape.last().copied().unwrap_or(1);
+    MatShape {
+        out_features: shape[..shape.len().saturating_sub(1)].iter().product(),
+        in_features,
+    }
 }
 
 /// Tensor names of one checkpoint family.
@@ -131,7 +566,7 @@ fn build(
     let per_layer = 9 + 2 * cfg.qk_norm as usize;
     let bar = progress_bar(progress, (cfg.num_layers * per_layer + 3) as u64);
     let has_lm_head = src.has(names.lm_head);
-    let mut get = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
+    let mut get = |name: &str, shape: &[usize]| -> Result<Weight> {
         let Some(got) = src.shape(name) else {
             bail!("missing tensor `{name}` in the weights");
         };
@@ -139,51 +574,61 @@ fn build(
         if got != shape {
             bail!("tensor `{name}` has shape {got:?}, expected {shape:?}");
         }
-        let (got, data) = src.load(name).with_context(|| format!("tensor `{name}`"))?;
-        if got != shape || data.len() != shape.iter().product::<usize>() {
-            bail!("tensor `{name}` has shape {got:?}, expected {shape:?}");
+        let loaded = src.load(name).with_context(|| format!("tensor `{name}`"))?;
+        if loaded.shape != shape || loaded.weight.shape() != mat_shape(shape) {
+            bail!(
+                "tensor `{name}` has shape {:?}, expected {shape:?}",
+                loaded.shape
+            );
         }
         bar.inc(1);
-        Ok(data)
+        Ok(loaded.weight)
     };
     let embed = get(names.embed, &[cfg.vocab_size, h])?;
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
         let n = |p: &str| (names.layer)(i, p);
-        let mut wqkv = get(&n("q"), &[q, h])?;
-        wqkv.extend(get(&n("k"), &[kv, h])?);
-        wqkv.extend(get(&n("v"), &[kv, h])?);
+        let mut vector = |p: &str, len: usize| get(&n(p), &[len]).map(|w| w.to_f32());
         let bqkv = if cfg.attention_bias {
-            let mut b = get(&n("q_bias"), &[q])?;
-            b.extend(get(&n("k_bias"), &[kv])?);
-            b.extend(get(&n("v_bias"), &[kv])?);
+            let mut b = vector("q_bias", q)?;
+            b.extend(vector("k_bias", kv)?);
+            b.extend(vector("v_bias", kv)?);
             Some(b)
         } else {
             None
         };
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
-                Some(get(&n("q_norm"), &[cfg.head_dim])?),
-                Some(get(&n("k_norm"), &[cfg.head_dim])?),
+                Some(vector("q_norm", cfg.head_dim)?),
+                Some(vector("k_norm", cfg.head_dim)?),
             )
         } else {
             (None, None)
         };
-        let mut w_gate_up = get(&n("gate"), &[inter, h])?;
-        w_gate_up.extend(get(&n("up"), &[inter, h])?);
+        let attn_norm = vector("attn_norm", h)?;
+        let mlp_norm = vector("mlp_norm", h)?;
+        let wqkv = Weight::concat(vec![
+            get(&n("q"), &[q, h])?,
+            get(&n("k"), &[kv, h])?,
+            get(&n("v"), &[kv, h])?,
+        ]);
+        let w_gate_up = Weight::concat(vec![
+            get(&n("gate"), &[inter, h])?,
+            get(&n("up"), &[inter, h])?,
+        ]);
         layers.push(LayerWeights {
-            attn_norm: get(&n("attn_norm"), &[h])?,
+            attn_norm,
             wqkv,
             bqkv,
             q_norm,
             k_norm,
             wo: get(&n("o"), &[h, q])?,
-            mlp_norm: get(&n("mlp_norm"), &[h])?,
+            mlp_norm,
             w_gate_up,
             w_down: get(&n("down"), &[h, inter])?,
         });
     }
-    let final_norm = get(names.final_norm, &[h])?;
+    let final_norm = get(names.final_norm, &[h])?.to_f32();
     // A checkpoint without an lm_head ties it to the embedding, whatever the config says.
     let lm_head = if !cfg.tie_word_embeddings && has_lm_head {
         Some(get(names.lm_head, &[cfg.vocab_size, h])?)
@@ -197,6 +642,7 @@ fn build(
         layers,
         final_norm,
         lm_head,
+        conversions: src.conversions(),
     })
 }
 
@@ -217,7 +663,7 @@ fn progress_bar(show: bool, len: u64) -> ProgressBar {
 
 struct SafetensorsSource {
     /// One memory map per shard file.
-    files: Vec<(PathBuf, memmap2::Mmap)>,
+    files: Vec<(PathBuf, Arc<memmap2::Mmap>)>,
     /// Tensor name → index into `files`.
     index: HashMap<String, usize>,
 }
@@ -273,7 +719,7 @@ impl SafetensorsSource {
             for (tname, _) in st.tensors() {
                 index.insert(tname, files.len());
             }
-            files.push((path, mmap));
+            files.push((path, Arc::new(mmap)));
         }
         Ok(Self { files, index })
     }
@@ -290,28 +736,40 @@ impl TensorSource for SafetensorsSource {
         Some(st.tensor(name).ok()?.shape().to_vec())
     }
 
-    fn load(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+    fn load(&mut self, name: &str) -> Result<Loaded> {
         let (path, mmap) = &self.files[self.index[name]];
         let st = safetensors::SafeTensors::deserialize(mmap)
             .map_err(|e| anyhow::anyhow!("{}: invalid safetensors file: {e}", path.display()))?;
         let view = st.tensor(name).map_err(|e| anyhow::anyhow!("{e}"))?;
         let bytes = view.data();
-        let data: Vec<f32> = match view.dtype() {
-            safetensors::Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            safetensors::Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            safetensors::Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+        let shape = view.shape().to_vec();
+        let mat = mat_shape(&shape);
+        // 16-bit data stays in the map; f32 is copied out (the map need not be 4-aligned).
+        let mapped = |format| {
+            let start = bytes.as_ptr() as usize - mmap.as_ptr() as usize;
+            let range = start..start + bytes.len();
+            Weight::stored(
+                format,
+                Bytes::Mapped {
+                    map: Arc::clone(mmap),
+                    range,
+                },
+                mat,
+            )
+        };
+        let weight = match view.dtype() {
+            safetensors::Dtype::F32 => Weight::f32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                mat,
+            ),
+            safetensors::Dtype::BF16 => mapped(Format::Bf16)?,
+            safetensors::Dtype::F16 => mapped(Format::F16)?,
             other => bail!("unsupported dtype {other:?} (supported: f32, bf16, f16)"),
         };
-        Ok((view.shape().to_vec(), data))
+        Ok(Loaded { shape, weight })
     }
 }
 
@@ -321,6 +779,8 @@ impl TensorSource for SafetensorsSource {
 pub struct GgufFile {
     pub content: gguf_file::Content,
     file: std::fs::File,
+    /// The whole file, mapped: tensors in a format with a kernel are used in place.
+    map: Arc<memmap2::Mmap>,
     path: PathBuf,
 }
 
@@ -352,9 +812,14 @@ impl GgufFile {
         let len = file.metadata()?.len();
         check_tensor_layout(&content, len)
             .with_context(|| format!("{}: invalid GGUF file", path.display()))?;
+        // SAFETY: read-only; a file changed under us mid-run is the user's problem, as with
+        // every memory-mapped weight loader (llama.cpp maps GGUF files the same way).
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("mapping {}", path.display()))?;
         Ok(Self {
             content,
             file,
+            map: Arc::new(map),
             path: path.to_path_buf(),
         })
     }
@@ -429,10 +894,49 @@ fn gguf_int(v: &gguf_file::Value) -> Option<i64> {
 
 struct GgufSource<'a> {
     gguf: &'a mut GgufFile,
+    dtype: WeightDtype,
     /// llama.cpp stores Llama Q/K rows permuted for interleaved RoPE; we undo it.
     unpermute: bool,
     num_heads: usize,
     num_kv_heads: usize,
+    /// (from, to) → tensors converted.
+    converted: Vec<((GgmlDType, Format), usize)>,
+}
+
+/// The format a GGUF type is computed in: itself where a kernel exists, else the nearest
+/// with one (more bits, never fewer), converted once at load.
+fn kernel_format(t: GgmlDType) -> (Format, bool) {
+    use GgmlDType as G;
+    match t {
+        G::F32 => (Format::F32, false),
+        G::F16 => (Format::F16, false),
+        G::BF16 => (Format::Bf16, false),
+        G::Q4_0 => (Format::Q4_0, false),
+        G::Q4_1 => (Format::Q4_1, false),
+        G::Q5_0 => (Format::Q5_0, false),
+        G::Q5_1 => (Format::Q5_1, false),
+        G::Q8_0 => (Format::Q8_0, false),
+        G::Q4K => (Format::Q4K, false),
+        G::Q6K => (Format::Q6K, false),
+        G::Q2K | G::Q3K => (Format::Q4K, true),
+        G::Q5K => (Format::Q6K, true),
+        G::Q8_1 | G::Q8K => (Format::Q8_0, true),
+    }
+}
+
+fn ggml_of(f: Format) -> GgmlDType {
+    match f {
+        Format::F32 => GgmlDType::F32,
+        Format::Bf16 => GgmlDType::BF16,
+        Format::F16 => GgmlDType::F16,
+        Format::Q4_0 => GgmlDType::Q4_0,
+        Format::Q4_1 => GgmlDType::Q4_1,
+        Format::Q5_0 => GgmlDType::Q5_0,
+        Format::Q5_1 => GgmlDType::Q5_1,
+        Format::Q8_0 => GgmlDType::Q8_0,
+        Format::Q4K => GgmlDType::Q4K,
+        Format::Q6K => GgmlDType::Q6K,
+    }
 }
 
 impl TensorSource for GgufSource<'_> {
@@ -452,47 +956,91 @@ impl TensorSource for GgufSource<'_> {
         )
     }
 
-    fn load(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+    fn load(&mut self, name: &str) -> Result<Loaded> {
         let g = &mut *self.gguf;
-        let qt = g
-            .content
-            .tensor(&mut g.file, name, &candle_core::Device::Cpu)
-            .map_err(|e| anyhow::anyhow!("{}: {}", g.path.display(), errors::candle(e)))?;
-        let t = qt
-            .dequantize(&candle_core::Device::Cpu)
-            .map_err(errors::candle)?;
-        let shape = t.dims().to_vec();
-        let mut data = t
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(errors::candle)?;
-        if self.unpermute && shape.len() == 2 {
-            if name.ends_with("attn_q.weight") {
-                data = unpermute_rows(&data, self.num_heads, shape[0], shape[1]);
-            } else if name.ends_with("attn_k.weight") {
-                data = unpermute_rows(&data, self.num_kv_heads, shape[0], shape[1]);
+        let info = &g.content.tensor_infos[name];
+        let shape = info.shape.dims().to_vec();
+        let mat = mat_shape(&shape);
+        let (format, convert) = kernel_format(info.ggml_dtype);
+        let candle_err = |e| anyhow::anyhow!("{}: {}", g.path.display(), errors::candle(e));
+        let weight = if self.dtype == WeightDtype::F32 || format == Format::F32 || convert {
+            // Through candle's dequantizer: the f32 reference mode, f32 tensors, and the
+            // source of a conversion.
+            let qt = g
+                .content
+                .tensor(&mut g.file, name, &candle_core::Device::Cpu)
+                .map_err(candle_err)?;
+            let t = qt
+                .dequantize(&candle_core::Device::Cpu)
+                .map_err(errors::candle)?;
+            if convert && self.dtype == WeightDtype::Stored {
+                if !mat.in_features.is_multiple_of(format.block_elems()) {
+                    bail!(
+                        "rows of {} values cannot be converted to {format}",
+                        mat.in_features
+                    );
+                }
+                let q = candle_core::quantized::QTensor::quantize(&t, ggml_of(format))
+                    .map_err(errors::candle)?;
+                let bytes = q.data().map_err(errors::candle)?.into_owned();
+                let key = (info.ggml_dtype, format);
+                match self.converted.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, n)) => *n += 1,
+                    None => self.converted.push((key, 1)),
+                }
+                Weight::stored(format, Bytes::Owned(bytes), mat)?
+            } else {
+                let data = t
+                    .flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(errors::candle)?;
+                Weight::f32(data, mat)
             }
-        }
-        Ok((shape, data))
+        } else {
+            // In place: `check_tensor_layout` proved the range lies inside the file.
+            let start = (g.content.tensor_data_offset + info.offset) as usize;
+            let len = mat.out_features * format.row_bytes(mat.in_features).unwrap_or(0);
+            let bytes = Bytes::Mapped {
+                map: Arc::clone(&g.map),
+                range: start..start + len,
+            };
+            Weight::stored(format, bytes, mat)?
+        };
+        let heads = if !self.unpermute || shape.len() != 2 {
+            None
+        } else if name.ends_with("attn_q.weight") {
+            Some(self.num_heads)
+        } else if name.ends_with("attn_k.weight") {
+            Some(self.num_kv_heads)
+        } else {
+            None
+        };
+        let weight = match heads {
+            Some(heads) => {
+                let head_dim = shape[0] / heads;
+                weight.permuted_rows(|dst| unpermuted_source_row(dst, head_dim))
+            }
+            None => weight,
+        };
+        Ok(Loaded { shape, weight })
+    }
+
+    fn conversions(&self) -> Vec<String> {
+        self.converted
+            .iter()
+            .map(|((from, to), n)| format!("{n} × {from:?} → {to}"))
+            .collect()
     }
 }
 
-/// Inverse of llama.cpp's `permute`: within each head, GGUF row `(i, j)` (i < d/2, j < 2)
-/// holds Hugging Face row `(j, i)`, i.e. rotary pairs interleaved instead of split in halves.
-pub fn unpermute_rows(w: &[f32], heads: usize, rows: usize, cols: usize) -> Vec<f32> {
-    let head_dim = rows / heads;
+/// The GGUF row that holds Hugging Face row `dst`: the inverse of llama.cpp's `permute`.
+/// Within each head, GGUF row `(i, j)` (i < d/2, j < 2) holds Hugging Face row `(j, i)`,
+/// i.e. rotary pairs interleaved instead of split in halves.
+fn unpermuted_source_row(dst: usize, head_dim: usize) -> usize {
     let half = head_dim / 2;
-    let mut out = vec![0.0; w.len()];
-    for h in 0..heads {
-        for i in 0..half {
-            for j in 0..2 {
-                let src = h * head_dim + i * 2 + j;
-                let dst = h * head_dim + j * half + i;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
+    let (h, r) = (dst / head_dim, dst % head_dim);
+    let (j, i) = (r / half, r % half);
+    h * head_dim + i * 2 + j
 }
 
 /// Loads weights from a Hugging Face directory; `cfg.tie_word_embeddings` is settled here.
@@ -505,12 +1053,168 @@ pub fn load_gguf(
     gguf: &mut GgufFile,
     cfg: &mut ModelConfig,
     progress: bool,
+    dtype: WeightDtype,
 ) -> Result<ModelWeights> {
     let mut src = GgufSource {
         unpermute: cfg.arch == Arch::Llama,
         num_heads: cfg.num_heads,
         num_kv_heads: cfg.num_kv_heads,
         gguf,
+        dtype,
+        converted: Vec::new(),
     };
     build(cfg, &mut src, &GGUF_NAMES, progress)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::cpu::ops;
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    const FORMATS: [(Format, GgmlDType); 9] = [
+        (Format::Bf16, GgmlDType::BF16),
+        (Format::F16, GgmlDType::F16),
+        (Format::Q4_0, GgmlDType::Q4_0),
+        (Format::Q4_1, GgmlDType::Q4_1),
+        (Format::Q5_0, GgmlDType::Q5_0),
+        (Format::Q5_1, GgmlDType::Q5_1),
+        (Format::Q8_0, GgmlDType::Q8_0),
+        (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q6K, GgmlDType::Q6K),
+    ];
+
+    /// A random `[rows, cols]` matrix quantized by candle, as our `Weight` and as candle's
+    /// dequantized f32 (the independent reference).
+    fn quantized(
+        rng: &mut StdRng,
+        f: (Format, GgmlDType),
+        rows: usize,
+        cols: usize,
+    ) -> (Weight, Vec<f32>) {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let t = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, f.1).unwrap();
+        let reference = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let bytes = Bytes::Owned(q.data().unwrap().into_owned());
+        let shape = MatShape {
+            out_features: rows,
+            in_features: cols,
+        };
+        (Weight::stored(f.0, bytes, shape).unwrap(), reference)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// `linear` over every stored format gives, bitwise, `linear` over candle's
+    /// dequantization of the same blocks (tolerance 0: same values, same order), for
+    /// batch sizes on and off the register blocks and widths across several row tiles;
+    /// and a row's result is the same whatever the batch (m = 1 vs m = 7). A loose f64
+    /// check catches a kernel that would be wrong in both.
+    #[test]
+    fn linear_on_stored_formats_equals_f32_linear_on_their_dequantization() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let (n, k) = (53, 512); // 53: three 24-row tiles, the last partial
+        for f in FORMATS {
+            let (w, deq) = quantized(&mut rng, f, n, k);
+            assert_eq!(bits(&w.to_f32()), bits(&deq), "{}: dequantization", f.0);
+            for m in [1, 2, 5, 7] {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let mut got = vec![0.0; m * n];
+                ops::linear_weight(&x, &w, None, &mut got, m);
+                let mut want = vec![0.0; m * n];
+                ops::linear(&x, &deq, None, &mut want, m, k, n);
+                assert_eq!(bits(&got), bits(&want), "{}: m {m}", f.0);
+                let mut alone = vec![0.0; n];
+                ops::linear_weight(&x[(m - 1) * k..], &w, None, &mut alone, 1);
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[(m - 1) * n..]),
+                    "{}: last row alone",
+                    f.0
+                );
+                let naive: f64 = (0..k).map(|p| x[p] as f64 * deq[p] as f64).sum();
+                assert!(
+                    (got[0] as f64 - naive).abs() < 1e-3,
+                    "{}: {} vs {naive}",
+                    f.0,
+                    got[0]
+                );
+            }
+        }
+    }
+
+    /// A fused matrix whose parts have different formats (as llama.cpp's mixed files have)
+    /// reads each row from its own part, across tile boundaries.
+    #[test]
+    fn fused_parts_of_different_formats_read_as_one_matrix() {
+        let mut rng = StdRng::seed_from_u64(4);
+        let k = 256;
+        let (a, da) = quantized(&mut rng, FORMATS[3], 20, k);
+        let (b, db) = quantized(&mut rng, FORMATS[8], 9, k);
+        let (c, dc) = quantized(&mut rng, FORMATS[0], 30, k);
+        let w = Weight::concat(vec![a, b, c]);
+        assert_eq!(
+            w.shape(),
+            MatShape {
+                out_features: 59,
+                in_features: k
+            }
+        );
+        let deq: Vec<f32> = [da, db, dc].concat();
+        assert_eq!(bits(&w.to_f32()), bits(&deq));
+        let x: Vec<f32> = (0..3 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (mut got, mut want) = (vec![0.0; 3 * 59], vec![0.0; 3 * 59]);
+        ops::linear_weight(&x, &w, None, &mut got, 3);
+        ops::linear(&x, &deq, None, &mut want, 3, k, 59);
+        assert_eq!(bits(&got), bits(&want));
+        let mut row = vec![0.0; k];
+        w.row_f32(25, &mut row);
+        assert_eq!(bits(&row), bits(&deq[25 * k..26 * k]));
+    }
+
+    #[test]
+    fn a_row_that_is_not_whole_blocks_is_refused() {
+        let shape = MatShape {
+            out_features: 2,
+            in_features: 48,
+        };
+        let err = Weight::stored(Format::Q4_1, Bytes::Owned(vec![0; 60]), shape)
+            .err()
+            .unwrap();
+        assert!(
+            format!("{err}").contains("not whole 32-value blocks"),
+            "{err}"
+        );
+        let shape = MatShape {
+            out_features: 3,
+            in_features: 32,
+        };
+        assert!(Weight::stored(Format::Q4_1, Bytes::Owned(vec![0; 40]), shape).is_err());
+    }
+
+    #[test]
+    fn bf16_upload_bits_are_the_rounded_values() {
+        let mut rng = StdRng::seed_from_u64(6);
+        for f in FORMATS {
+            let (w, deq) = quantized(&mut rng, f, 3, 256);
+            let want: Vec<u16> = deq
+                .iter()
+                .map(|&x| crate::device::bf16::f32_to_bf16(x))
+                .collect();
+            assert_eq!(w.to_bf16_bits(), want, "{}", f.0);
+        }
+    }
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: tiny random models written to disk.
 #![allow(dead_code)]
 
+pub mod gguf;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

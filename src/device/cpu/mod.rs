@@ -1,6 +1,8 @@
-//! The CPU device: f32 compute ops (the reference twins of the CUDA kernels).
+//! The CPU device: f32 compute ops (the reference twins of the CUDA kernels) and the
+//! stored weight formats they read.
 
 pub mod dot;
 pub mod ops;
+pub mod quant;
 pub mod stream;
 pub mod twins;

@@ -1,6 +1,8 @@
 //! CPU compute ops in f32: the reference every CUDA kernel is checked against, and the
 //! kernels the CPU device runs. Row-major throughout; shapes are given beside each argument.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 pub use super::dot::dot_fixed;
@@ -11,6 +13,32 @@ use crate::kv::KvRows;
 /// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only
 /// the output columns, never `k`.
 const W_TILE: usize = 24;
+
+/// A weight matrix `[n, k]` (HF `[out, in]`) whose rows `linear` reads as f32.
+pub trait WeightRows: Sync {
+    /// `(n, k)`: output features, input features.
+    fn out_in(&self) -> (usize, usize);
+    /// Rows `rows` as f32, `[rows.len(), k]`: borrowed where stored in f32, else
+    /// dequantized into `scratch` (exactly, so the result never depends on which).
+    fn rows_f32<'s>(&'s self, rows: Range<usize>, scratch: &'s mut Vec<f32>) -> &'s [f32];
+}
+
+/// A row-major f32 matrix `[n, k]` borrowed as a weight.
+#[derive(Clone, Copy)]
+pub struct F32Rows<'a> {
+    pub data: &'a [f32], // [n, k]
+    pub k: usize,
+}
+
+impl WeightRows for F32Rows<'_> {
+    fn out_in(&self) -> (usize, usize) {
+        (self.data.len() / self.k.max(1), self.k)
+    }
+
+    fn rows_f32<'s>(&'s self, rows: Range<usize>, _: &'s mut Vec<f32>) -> &'s [f32] {
+        &self.data[rows.start * self.k..rows.end * self.k]
+    }
+}
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` (+ `bias[n]`): a linear layer with HF `[out, in]` weights.
 ///
@@ -27,8 +55,23 @@ pub fn linear(
     k: usize,
     n: usize,
 ) {
-    assert_eq!(x.len(), m * k, "linear: x is not [m, k]");
     assert_eq!(w.len(), n * k, "linear: w is not [n, k]");
+    linear_weight(x, &F32Rows { data: w, k }, bias, out, m);
+}
+
+/// `linear` over any stored weight `w[n, k]`: each tile of weight rows is dequantized once
+/// (into a per-task scratch that stays in L2) and every input row streams past it, so a
+/// stored format costs one dequantization per call whatever `m` is, and its results are
+/// bitwise those of `linear` over the dequantized f32 weights.
+pub fn linear_weight<W: WeightRows>(
+    x: &[f32],
+    w: &W,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    m: usize,
+) {
+    let (n, k) = w.out_in();
+    assert_eq!(x.len(), m * k, "linear: x is not [m, k]");
     assert_eq!(out.len(), m * n, "linear: out is not [m, n]");
     if m == 0 || n == 0 {
         return;
@@ -36,12 +79,12 @@ pub fn linear(
     // Register blocks (input rows × weight rows) that fill each ISA's registers.
     #[cfg(target_arch = "x86_64")]
     if let Some(kern) = super::dot::Avx512::detect() {
-        linear_tiles::<_, 4, 6>(kern, x, w, out, m, k, n);
+        linear_tiles::<_, _, 4, 6>(kern, x, w, out, m);
     } else {
-        linear_tiles::<_, 2, 3>(BUILD_KERNEL, x, w, out, m, k, n);
+        linear_tiles::<_, _, 2, 3>(BUILD_KERNEL, x, w, out, m);
     }
     #[cfg(not(target_arch = "x86_64"))]
-    linear_tiles::<_, 2, 3>(BUILD_KERNEL, x, w, out, m, k, n);
+    linear_tiles::<_, _, 2, 3>(BUILD_KERNEL, x, w, out, m);
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(n) {
             for (o, b) in row.iter_mut().zip(b) {
@@ -65,36 +108,46 @@ const BUILD_KERNEL: super::dot::Avx2 = super::dot::Avx2;
 const BUILD_KERNEL: super::dot::Portable = super::dot::Portable;
 
 /// Parallel over weight-row tiles; in each, `MR × NR` blocks, then the edges.
-fn linear_tiles<K: DotKernel, const MR: usize, const NR: usize>(
+fn linear_tiles<K: DotKernel, W: WeightRows, const MR: usize, const NR: usize>(
     kern: K,
     x: &[f32],
-    w: &[f32],
+    w: &W,
     out: &mut [f32],
     m: usize,
-    k: usize,
-    n: usize,
 ) {
+    let (n, k) = w.out_in();
     let dst = SyncPtr(out.as_mut_ptr());
     (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
-        let j_end = ((tile + 1) * W_TILE).min(n);
-        let at = |i, j| Block { i, j, k, n };
-        let mut i = 0;
-        while i < m {
-            let full_rows = i + MR <= m;
-            let mut j = tile * W_TILE;
-            while j < j_end {
-                let full_cols = j + NR <= j_end;
-                match (full_rows, full_cols) {
-                    (true, true) => linear_block::<K, MR, NR>(kern, x, w, at(i, j), dst),
-                    (true, false) => linear_block::<K, MR, 1>(kern, x, w, at(i, j), dst),
-                    (false, true) => linear_block::<K, 1, NR>(kern, x, w, at(i, j), dst),
-                    (false, false) => linear_block::<K, 1, 1>(kern, x, w, at(i, j), dst),
+        // One scratch per thread, kept across calls: a fresh buffer per task would cost an
+        // allocation (and, past malloc's mmap threshold, page faults) per tile.
+        TILE_SCRATCH.with_borrow_mut(|scratch| {
+            let j0 = tile * W_TILE;
+            let j_end = (j0 + W_TILE).min(n);
+            let wt = w.rows_f32(j0..j_end, scratch); // [j_end - j0, k]
+            let at = |i, j| Block { i, j, j0, k, n };
+            let mut i = 0;
+            while i < m {
+                let full_rows = i + MR <= m;
+                let mut j = j0;
+                while j < j_end {
+                    let full_cols = j + NR <= j_end;
+                    match (full_rows, full_cols) {
+                        (true, true) => linear_block::<K, MR, NR>(kern, x, wt, at(i, j), dst),
+                        (true, false) => linear_block::<K, MR, 1>(kern, x, wt, at(i, j), dst),
+                        (false, true) => linear_block::<K, 1, NR>(kern, x, wt, at(i, j), dst),
+                        (false, false) => linear_block::<K, 1, 1>(kern, x, wt, at(i, j), dst),
+                    }
+                    j += if full_cols { NR } else { 1 };
                 }
-                j += if full_cols { NR } else { 1 };
+                i += if full_rows { MR } else { 1 };
             }
-            i += if full_rows { MR } else { 1 };
-        }
+        })
     });
+}
+
+thread_local! {
+    /// A weight tile dequantized to f32, `[W_TILE, k]`.
+    static TILE_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A raw output pointer shared by tasks that write disjoint elements.
@@ -114,28 +167,29 @@ impl SyncPtr {
     }
 }
 
-/// Where a block of `linear` starts: input row `i`, weight row `j`, in `x[m, k]`,
-/// `out[m, n]`.
+/// Where a block of `linear` starts: input row `i`, weight row `j` of the tile whose first
+/// row is `j0`, in `x[m, k]`, `out[m, n]`.
 #[derive(Clone, Copy)]
 struct Block {
     i: usize,
     j: usize,
+    j0: usize,
     k: usize,
     n: usize,
 }
 
-/// `out[i.., j..]` for an `R × C` block of inputs × weight rows.
+/// `out[i.., j..]` for an `R × C` block of inputs × weight rows (`wt` = the tile's rows).
 #[inline(always)]
 fn linear_block<K: DotKernel, const R: usize, const C: usize>(
     kern: K,
     x: &[f32],
-    w: &[f32],
+    wt: &[f32],
     b: Block,
     out: SyncPtr,
 ) {
-    let Block { i, j, k, n } = b;
+    let Block { i, j, j0, k, n } = b;
     let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(i + r) * k..(i + r + 1) * k]);
-    let ws: [&[f32]; C] = std::array::from_fn(|c| &w[(j + c) * k..(j + c + 1) * k]);
+    let ws: [&[f32]; C] = std::array::from_fn(|c| &wt[(j - j0 + c) * k..(j - j0 + c + 1) * k]);
     let res = kern.block(&xs, &ws);
     for (r, row) in res.iter().enumerate() {
         for (c, v) in row.iter().enumerate() {

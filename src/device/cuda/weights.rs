@@ -2,6 +2,10 @@
 //! (QKV rows q|k|v, gate/up rows gate|up). Layers are `Arc`s so a benchmark can run a
 //! deep model whose layers share one set of random weights (timing is the same; the
 //! memory figure then counts one layer's weights).
+//!
+//! Upload streams: each tensor is converted from its stored format to bf16 on the host
+//! (row by row, see `Weight::to_bf16_bits`), uploaded, and its host copy dropped before
+//! the next; the host never holds more than one tensor's bf16 beyond the stored weights.
 
 use super::exec::{Buf, Exec};
 use crate::device::bf16::f32_to_bf16;
@@ -35,15 +39,67 @@ impl Tensor {
     }
 }
 
-pub struct LayerW {
-    pub attn_norm: Tensor,                 // [hidden]
-    pub wqkv: Tensor,                      // [q_dim + 2 kv_dim, hidden]
-    pub bqkv: Option<Tensor>,              // [q_dim + 2 kv_dim] (Qwen2-style bias)
-    pub qk_norm: Option<(Tensor, Tensor)>, // [head_dim] each (Qwen3)
-    pub wo: Tensor,                        // [hidden, q_dim]
-    pub mlp_norm: Tensor,                  // [hidden]
-    pub w_gate_up: Tensor,                 // [2 inter, hidden]
-    pub w_down: Tensor,                    // [hidden, inter]
+/// One layer's tensors, each a `T`: a device `Tensor`, or what a host-side sink returns.
+pub struct LayerOf<T> {
+    pub attn_norm: T,            // [hidden]
+    pub wqkv: T,                 // [q_dim + 2 kv_dim, hidden]
+    pub bqkv: Option<T>,         // [q_dim + 2 kv_dim] (Qwen2-style bias)
+    pub qk_norm: Option<(T, T)>, // [head_dim] each (Qwen3)
+    pub wo: T,                   // [hidden, q_dim]
+    pub mlp_norm: T,             // [hidden]
+    pub w_gate_up: T,            // [2 inter, hidden]
+    pub w_down: T,               // [hidden, inter]
+}
+
+pub type LayerW = LayerOf<Tensor>;
+
+/// A model's tensors, each a `T`, in upload order.
+pub struct ModelOf<T> {
+    pub embed: T, // [vocab, hidden]
+    pub layers: Vec<LayerOf<T>>,
+    pub final_norm: T,      // [hidden]
+    pub lm_head: Option<T>, // [vocab, hidden]; None = tied to embed
+}
+
+/// Converts every tensor of `model` to bf16, one at a time, handing each to `sink` (an
+/// upload, or a host-side measurement) before converting the next.
+pub fn convert_each<T>(
+    model: &Model,
+    mut sink: impl FnMut(&[u16]) -> Result<T>,
+) -> Result<ModelOf<T>> {
+    let w = &model.weights;
+    let bf16 = |x: &[f32]| x.iter().map(|&x| f32_to_bf16(x)).collect::<Vec<_>>();
+    let mut layers = Vec::with_capacity(w.layers.len());
+    for l in &w.layers {
+        let attn_norm = sink(&bf16(&l.attn_norm))?;
+        let bqkv = l.bqkv.as_deref().map(|b| sink(&bf16(b))).transpose()?;
+        let qk_norm = match (&l.q_norm, &l.k_norm) {
+            (Some(q), Some(k)) => Some((sink(&bf16(q))?, sink(&bf16(k))?)),
+            _ => None,
+        };
+        let mlp_norm = sink(&bf16(&l.mlp_norm))?;
+        layers.push(LayerOf {
+            attn_norm,
+            wqkv: sink(&l.wqkv.to_bf16_bits())?,
+            bqkv,
+            qk_norm,
+            wo: sink(&l.wo.to_bf16_bits())?,
+            mlp_norm,
+            w_gate_up: sink(&l.w_gate_up.to_bf16_bits())?,
+            w_down: sink(&l.w_down.to_bf16_bits())?,
+        });
+    }
+    let final_norm = sink(&bf16(&w.final_norm))?;
+    Ok(ModelOf {
+        embed: sink(&w.embed.to_bf16_bits())?,
+        layers,
+        final_norm,
+        lm_head: w
+            .lm_head
+            .as_ref()
+            .map(|h| sink(&h.to_bf16_bits()))
+            .transpose()?,
+    })
 }
 
 pub struct CudaWeights {
@@ -59,37 +115,21 @@ impl CudaWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed).ptr
     }
 
-    /// Uploads a loaded model's f32 weights, rounded to bf16.
+    /// Uploads a loaded model's weights, converted to bf16 tensor by tensor.
     pub fn from_model(exec: &dyn Exec, model: &Model) -> Result<Self> {
-        let w = &model.weights;
         // Before uploading gigabytes (`CudaModel::new` checks it again for any weights).
         super::ops::check_head_dim(model.cfg.head_dim)?;
-        let t = |v: &[f32]| Tensor::from_f32(exec, v);
-        let layers = w
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(Arc::new(LayerW {
-                    attn_norm: t(&l.attn_norm)?,
-                    wqkv: t(&l.wqkv)?,
-                    bqkv: l.bqkv.as_deref().map(t).transpose()?,
-                    qk_norm: match (&l.q_norm, &l.k_norm) {
-                        (Some(q), Some(k)) => Some((t(q)?, t(k)?)),
-                        _ => None,
-                    },
-                    wo: t(&l.wo)?,
-                    mlp_norm: t(&l.mlp_norm)?,
-                    w_gate_up: t(&l.w_gate_up)?,
-                    w_down: t(&l.w_down)?,
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut bytes = 0;
+        let m = convert_each(model, |bits| {
+            bytes += 2 * bits.len();
+            Tensor::from_bf16(exec, bits)
+        })?;
         Ok(Self {
-            embed: t(&w.embed)?,
-            layers,
-            final_norm: t(&w.final_norm)?,
-            lm_head: w.lm_head.as_deref().map(t).transpose()?,
-            bytes: model.weight_bytes() / 2,
+            embed: m.embed,
+            layers: m.layers.into_iter().map(Arc::new).collect(),
+            final_norm: m.final_norm,
+            lm_head: m.lm_head,
+            bytes,
         })
     }
 

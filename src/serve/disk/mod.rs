@@ -86,27 +86,12 @@ pub fn fingerprint(model: &Model, block_size: usize) -> u64 {
     format!("{:?}", model.cfg).hash(&mut h);
     let w = &model.weights;
     let mut crc = crc32fast::Hasher::new();
-    let mut add = |v: &[f32]| {
+    for m in w.matrices() {
+        m.hash_into(&mut crc);
+    }
+    for v in w.vectors() {
         // SAFETY: f32 has no padding; viewing its bytes is sound.
         crc.update(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * 4) });
-    };
-    add(&w.embed);
-    add(&w.final_norm);
-    add(w.lm_head());
-    for l in &w.layers {
-        for t in [
-            &l.attn_norm,
-            &l.wqkv,
-            &l.wo,
-            &l.mlp_norm,
-            &l.w_gate_up,
-            &l.w_down,
-        ] {
-            add(t);
-        }
-        for t in [&l.bqkv, &l.q_norm, &l.k_norm].into_iter().flatten() {
-            add(t);
-        }
     }
     crc.finalize().hash(&mut h);
     h.finish()

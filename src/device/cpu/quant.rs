@@ -1,0 +1,358 @@
+//! Weight storage formats the CPU computes on as stored, and their dequantization.
+//!
+//! A format stores a matrix row as whole blocks (`block_elems` values in `block_bytes`
+//! bytes); dequantizing a row reproduces, bit for bit, what llama.cpp's and candle's
+//! reference `dequantize_row_*` compute (the same f32 operations in the same order: Rust
+//! never fuses a multiply and an add on its own). `linear` over a stored weight is then,
+//! bitwise, `linear` over its dequantized f32 rows: the one fixed reduction order of
+//! `dot.rs`, batch-invariant, whatever the format.
+//!
+//! The dequantizers are written once, scalar; the compiler vectorizes them for the build's
+//! target (AVX2 on x86-64-v3) and, through `#[target_feature]`, for AVX-512 where the CPU
+//! has it (detected at run time). Both compile the same IEEE operations, so they agree
+//! bitwise (a test checks it).
+
+use half::f16;
+
+/// How a weight matrix's rows are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Format {
+    F32,
+    Bf16,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4K,
+    Q6K,
+}
+
+/// Values in one K-quant super-block.
+const QK_K: usize = 256;
+
+impl Format {
+    /// Values per block.
+    pub const fn block_elems(self) -> usize {
+        match self {
+            Format::F32 | Format::Bf16 | Format::F16 => 1,
+            Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::Q8_0 => 32,
+            Format::Q4K | Format::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            Format::F32 => 4,
+            Format::Bf16 | Format::F16 => 2,
+            Format::Q4_0 => 18,
+            Format::Q4_1 => 20,
+            Format::Q5_0 => 22,
+            Format::Q5_1 => 24,
+            Format::Q8_0 => 34,
+            Format::Q4K => 144,
+            Format::Q6K => 210,
+        }
+    }
+
+    /// Bytes of a row of `cols` values, or `None` if `cols` is not a whole number of blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        cols.is_multiple_of(self.block_elems())
+            .then(|| cols / self.block_elems() * self.block_bytes())
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::F32 => "f32",
+            Format::Bf16 => "bf16",
+            Format::F16 => "f16",
+            Format::Q4_0 => "Q4_0",
+            Format::Q4_1 => "Q4_1",
+            Format::Q5_0 => "Q5_0",
+            Format::Q5_1 => "Q5_1",
+            Format::Q8_0 => "Q8_0",
+            Format::Q4K => "Q4_K",
+            Format::Q6K => "Q6_K",
+        }
+    }
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Dequantizes whole blocks: `bytes` holds `out.len() / block_elems` blocks of `format`.
+/// Uses the AVX-512 build of the same code where the CPU has it.
+pub fn dequantize(format: Format, bytes: &[u8], out: &mut [f32]) {
+    assert_eq!(
+        Some(bytes.len()),
+        format.row_bytes(out.len()),
+        "dequantize: {} bytes are not {} {format} values",
+        bytes.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if avx512_detected() {
+        // SAFETY: AVX-512F (and BW, which byte shuffles want) were detected.
+        unsafe { dequantize_avx512(format, bytes, out) };
+        return;
+    }
+    dequantize_generic(format, bytes, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_detected() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn dequantize_avx512(format: Format, bytes: &[u8], out: &mut [f32]) {
+    dequantize_generic(format, bytes, out);
+}
+
+/// The one definition of every format's values (the build's vector width).
+#[inline(always)]
+pub fn dequantize_generic(format: Format, bytes: &[u8], out: &mut [f32]) {
+    let (n, b) = (format.block_elems(), format.block_bytes());
+    match format {
+        Format::F32 => {
+            for (o, x) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+            }
+        }
+        Format::Bf16 => {
+            for (o, x) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                // bf16 is the top half of an f32: widening is a shift.
+                *o = f32::from_bits((u16::from_le_bytes([x[0], x[1]]) as u32) << 16);
+            }
+        }
+        Format::F16 => {
+            for (o, x) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([x[0], x[1]]).to_f32();
+            }
+        }
+        _ => {
+            let blocks = bytes.chunks_exact(b).zip(out.chunks_exact_mut(n));
+            match format {
+                Format::Q4_0 => blocks.for_each(|(x, y)| q4_0(x, y.try_into().unwrap())),
+                Format::Q4_1 => blocks.for_each(|(x, y)| q4_1(x, y.try_into().unwrap())),
+                Format::Q5_0 => blocks.for_each(|(x, y)| q5_0(x, y.try_into().unwrap())),
+                Format::Q5_1 => blocks.for_each(|(x, y)| q5_1(x, y.try_into().unwrap())),
+                Format::Q8_0 => blocks.for_each(|(x, y)| q8_0(x, y.try_into().unwrap())),
+                Format::Q4K => blocks.for_each(|(x, y)| q4_k(x, y.try_into().unwrap())),
+                Format::Q6K => blocks.for_each(|(x, y)| q6_k(x, y.try_into().unwrap())),
+                Format::F32 | Format::Bf16 | Format::F16 => unreachable!(),
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn half_at(x: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([x[at], x[at + 1]]).to_f32()
+}
+
+/// `d: f16, qs: [u8; 16]`; value `j` (`j + 16`) is the low (high) nibble of `qs[j]`, − 8, × d.
+#[inline(always)]
+fn q4_0(x: &[u8], y: &mut [f32; 32]) {
+    let d = half_at(x, 0);
+    let qs = &x[2..18];
+    for j in 0..16 {
+        y[j] = ((qs[j] & 0x0F) as i32 - 8) as f32 * d;
+        y[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+    }
+}
+
+/// `d: f16, m: f16, qs: [u8; 16]`: nibble × d + m.
+#[inline(always)]
+fn q4_1(x: &[u8], y: &mut [f32; 32]) {
+    let (d, m) = (half_at(x, 0), half_at(x, 2));
+    let qs = &x[4..20];
+    for j in 0..16 {
+        y[j] = (qs[j] & 0x0F) as f32 * d + m;
+        y[j + 16] = (qs[j] >> 4) as f32 * d + m;
+    }
+}
+
+/// `d: f16, qh: u32, qs: [u8; 16]`: (nibble | fifth bit from qh) − 16, × d.
+#[inline(always)]
+fn q5_0(x: &[u8], y: &mut [f32; 32]) {
+    let d = half_at(x, 0);
+    let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
+    let qs = &x[6..22];
+    for j in 0..16 {
+        let h0 = ((qh >> j) << 4) & 0x10;
+        let h1 = (qh >> (j + 12)) & 0x10;
+        y[j] = (((qs[j] & 0x0F) as u32 | h0) as i32 - 16) as f32 * d;
+        y[j + 16] = (((qs[j] >> 4) as u32 | h1) as i32 - 16) as f32 * d;
+    }
+}
+
+/// `d: f16, m: f16, qh: u32, qs: [u8; 16]`: (nibble | fifth bit) × d + m.
+#[inline(always)]
+fn q5_1(x: &[u8], y: &mut [f32; 32]) {
+    let (d, m) = (half_at(x, 0), half_at(x, 2));
+    let qh = u32::from_le_bytes([x[4], x[5], x[6], x[7]]);
+    let qs = &x[8..24];
+    for j in 0..16 {
+        let h0 = ((qh >> j) << 4) & 0x10;
+        let h1 = (qh >> (j + 12)) & 0x10;
+        y[j] = ((qs[j] & 0x0F) as u32 | h0) as f32 * d + m;
+        y[j + 16] = ((qs[j] >> 4) as u32 | h1) as f32 * d + m;
+    }
+}
+
+/// `d: f16, qs: [i8; 32]`: q × d.
+#[inline(always)]
+fn q8_0(x: &[u8], y: &mut [f32; 32]) {
+    let d = half_at(x, 0);
+    for (y, &q) in y.iter_mut().zip(&x[2..34]) {
+        *y = q as i8 as f32 * d;
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` (of 8) packed in a K-quant's 12 scale bytes.
+#[inline(always)]
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// `d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]`: 8 sub-blocks of 32, each
+/// `d·scale · nibble − dmin·min`; a 64-value chunk takes 32 bytes' low then high nibbles.
+#[inline(always)]
+fn q4_k(x: &[u8], y: &mut [f32; QK_K]) {
+    let (d, dmin) = (half_at(x, 0), half_at(x, 2));
+    let scales = &x[4..16];
+    let qs = &x[16..144];
+    for c in 0..4 {
+        let q = &qs[c * 32..c * 32 + 32];
+        let (s1, m1) = scale_min_k4(2 * c, scales);
+        let (s2, m2) = scale_min_k4(2 * c + 1, scales);
+        let (d1, m1) = (d * s1 as f32, dmin * m1 as f32);
+        let (d2, m2) = (d * s2 as f32, dmin * m2 as f32);
+        let y = &mut y[c * 64..c * 64 + 64];
+        for l in 0..32 {
+            y[l] = d1 * (q[l] & 0xF) as f32 - m1;
+            y[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
+        }
+    }
+}
+
+/// `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`: 6-bit values (4 low bits from
+/// `ql`, 2 high from `qh`) − 32, × d × their 16-value sub-block's scale.
+#[inline(always)]
+fn q6_k(x: &[u8], y: &mut [f32; QK_K]) {
+    let d = half_at(x, 208);
+    for half in 0..2 {
+        let ql = &x[64 * half..64 * half + 64];
+        let qh = &x[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &x[192 + 8 * half..192 + 8 * half + 8];
+        let y = &mut y[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+            let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+            y[l] = d * sc[is] as i8 as f32 * q1 as f32;
+            y[l + 32] = d * sc[is + 2] as i8 as f32 * q2 as f32;
+            y[l + 64] = d * sc[is + 4] as i8 as f32 * q3 as f32;
+            y[l + 96] = d * sc[is + 6] as i8 as f32 * q4 as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    fn candle_dtype(f: Format) -> GgmlDType {
+        match f {
+            Format::F32 => GgmlDType::F32,
+            Format::Bf16 => GgmlDType::BF16,
+            Format::F16 => GgmlDType::F16,
+            Format::Q4_0 => GgmlDType::Q4_0,
+            Format::Q4_1 => GgmlDType::Q4_1,
+            Format::Q5_0 => GgmlDType::Q5_0,
+            Format::Q5_1 => GgmlDType::Q5_1,
+            Format::Q8_0 => GgmlDType::Q8_0,
+            Format::Q4K => GgmlDType::Q4K,
+            Format::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    const ALL: [Format; 10] = [
+        Format::F32,
+        Format::Bf16,
+        Format::F16,
+        Format::Q4_0,
+        Format::Q4_1,
+        Format::Q5_0,
+        Format::Q5_1,
+        Format::Q8_0,
+        Format::Q4K,
+        Format::Q6K,
+    ];
+
+    /// Candle's quantizer writes the blocks, candle's dequantizer (an implementation we did
+    /// not write: llama.cpp's `dequantize_row_*` ported) is the reference; ours must give
+    /// its bits exactly, on the default and on the AVX-512 build. The block sizes and
+    /// byte counts are candle's too.
+    #[test]
+    fn dequantize_matches_candle_bitwise_for_every_format() {
+        let mut rng = StdRng::seed_from_u64(5);
+        for f in ALL {
+            let n = 4 * QK_K;
+            let src: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..3.0)).collect();
+            let t = Tensor::from_vec(src, (4, QK_K), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&t, candle_dtype(f)).unwrap();
+            assert_eq!(candle_dtype(f).block_size(), f.block_elems(), "{f}");
+            assert_eq!(candle_dtype(f).type_size(), f.block_bytes(), "{f}");
+            let bytes = q.data().unwrap().into_owned();
+            let want: Vec<f32> = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let mut got = vec![0.0f32; n];
+            dequantize_generic(f, &bytes, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{f}: default build");
+            let mut got = vec![0.0f32; n];
+            dequantize(f, &bytes, &mut got);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{f}: dispatched (AVX-512 if present)"
+            );
+            // Not all zeros / not constant: the quantizer kept information.
+            assert!(want.iter().any(|&x| x != want[0]), "{f}");
+        }
+    }
+
+    #[test]
+    fn row_bytes_refuses_partial_blocks() {
+        assert_eq!(Format::Q4_1.row_bytes(64), Some(40));
+        assert_eq!(Format::Q4_1.row_bytes(48), None);
+        assert_eq!(Format::Q6K.row_bytes(512), Some(420));
+        assert_eq!(Format::Bf16.row_bytes(3), Some(6));
+    }
+}

@@ -344,43 +344,71 @@ fn assert_all_free(e: &Engine) {
     );
 }
 
+/// Runs `prompts` unconstrained and on `gpu` pages, `host` host slots and a disk tier;
+/// every token and log-prob must be bitwise equal. Returns the constrained run's stats.
+fn bitwise_equal_with_disk(
+    model: &Arc<Model>,
+    prompts: &[Vec<u32>],
+    params: &[RequestParams],
+    gpu: usize,
+    host: usize,
+) -> strata::serve::EngineStats {
+    let ws = working_set(prompts, params);
+    let want = Engine::new(model.clone(), config(ws, 0, None))
+        .unwrap()
+        .generate_with_logprobs(prompts, params)
+        .unwrap();
+    let dir = scratch_dir(&format!("disk_accuracy_{gpu}_{host}"));
+    let mut e = Engine::new(model.clone(), config(gpu, host, Some((&dir, 400)))).unwrap();
+    let got = e.generate_with_logprobs(prompts, params).unwrap();
+    let st = e.stats();
+    assert!(
+        st.sched.blocks_stored_disk > 0 && st.sched.blocks_loaded_disk > 0,
+        "host {host}: {st:?}"
+    );
+    assert_eq!(st.disk.checksum_failures + st.disk.io_errors, 0, "{st:?}");
+    assert_eq!(st.sched.recomputations, 0, "host {host}: {st:?}");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.0, w.0, "host {host}: request {i} tokens differ");
+        assert_eq!(g.1, w.1, "host {host}: request {i} log-probs differ");
+    }
+    assert_all_free(&e);
+    st
+}
+
 #[test]
 fn a_tiny_host_tier_with_a_disk_tier_matches_the_unconstrained_run_bitwise() {
+    // Host slots for 2 blocks: victims go straight to disk.
     let (model, _) = tiny_model("disk_accuracy_model");
     let (prompts, params) = requests(31, 8, 16);
     let ws = working_set(&prompts, &params);
-    let want = Engine::new(model.clone(), config(ws, 0, None))
-        .unwrap()
-        .generate_with_logprobs(&prompts, &params)
-        .unwrap();
-    let tight = ws / 3;
-    assert!(tight * 4 >= 70 + 40);
-    // Host slots for 2 blocks: victims go straight to disk. For a tenth of the working
-    // set: victims go to the host tier, and the coldest are demoted to disk to make room.
-    for host in [2, ws / 10] {
-        let dir = scratch_dir(&format!("disk_accuracy_{host}"));
-        let mut e = Engine::new(model.clone(), config(tight, host, Some((&dir, 400)))).unwrap();
-        let got = e.generate_with_logprobs(&prompts, &params).unwrap();
-        let st = e.stats();
-        assert!(
-            st.sched.blocks_stored_disk > 0 && st.sched.blocks_loaded_disk > 0,
-            "host {host}: {st:?}"
-        );
-        if host > 2 {
-            assert!(
-                st.sched.blocks_demoted > 0,
-                "host {host}: no demotion: {st:?}"
-            );
-        }
-        assert!(st.sched.prefix_blocks_persisted > 0, "{st:?}");
-        assert_eq!(st.disk.checksum_failures + st.disk.io_errors, 0, "{st:?}");
-        assert_eq!(st.sched.recomputations, 0, "host {host}: {st:?}");
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.0, w.0, "host {host}: request {i} tokens differ");
-            assert_eq!(g.1, w.1, "host {host}: request {i} log-probs differ");
-        }
-        assert_all_free(&e);
-    }
+    assert!((ws / 3) * 4 >= 70 + 40);
+    let st = bitwise_equal_with_disk(&model, &prompts, &params, ws / 3, 2);
+    assert!(st.sched.prefix_blocks_persisted > 0, "{st:?}");
+}
+
+/// Six requests of 8 prompt tokens that decode to 12 blocks each (48 tokens): on 24 pages
+/// decode growth preempts repeatedly; 12 host slots hold one victim, so the next victim
+/// finds the host tier full and the older one is demoted to disk.
+fn decode_growth_requests() -> (Vec<Vec<u32>>, Vec<RequestParams>) {
+    let mut rng = StdRng::seed_from_u64(61);
+    let prompts = (0..6)
+        .map(|_| (0..8).map(|_| rng.random_range(3..300)).collect())
+        .collect();
+    let params = RequestParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    (prompts, vec![params; 6])
+}
+
+#[test]
+fn demotions_from_a_full_host_tier_match_the_unconstrained_run_bitwise() {
+    let (model, _) = tiny_model("disk_demote_model");
+    let (prompts, params) = decode_growth_requests();
+    let st = bitwise_equal_with_disk(&model, &prompts, &params, 24, 12);
+    assert!(st.sched.blocks_demoted > 0, "no demotion: {st:?}");
 }
 
 #[test]
@@ -393,12 +421,11 @@ fn random_disk_faults_never_change_a_token_and_are_counted() {
         .generate_with_logprobs(&prompts, &params)
         .unwrap();
     let mut fallbacks = 0;
-    let mut demotion_failures = 0;
     for seed in 0..6u64 {
         let dir = scratch_dir(&format!("disk_faults_{seed}"));
         let injected = Arc::new(AtomicUsize::new(0));
         let inj = Arc::clone(&injected);
-        // Half the runs with a host tier that demotes to disk (faults hit demotions).
+        // Half the runs with a host tier that can demote to disk (faults may hit them).
         let host = if seed % 2 == 0 { 1 } else { ws / 10 };
         let cfg = config(ws / 3, host, Some((&dir, 400)));
         let mut e = Engine::with_disk_io(model.clone(), cfg, |io| {
@@ -416,14 +443,63 @@ fn random_disk_faults_never_change_a_token_and_are_counted() {
             "seed {seed}: faults not counted: {st:?}"
         );
         fallbacks += st.sched.disk_load_failures + st.sched.failed_jobs;
-        demotion_failures += st.sched.demotion_failures;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, w, "seed {seed}: request {i} differs");
         }
         assert_all_free(&e);
     }
     assert!(fallbacks > 0);
-    assert!(demotion_failures > 0, "no fault hit a demotion");
+}
+
+/// A disk whose every write fails (EIO): reads and syncs pass through.
+struct WritesFail(Box<dyn SlotIo>);
+
+impl SlotIo for WritesFail {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.0.read_at(buf, offset)
+    }
+    fn write_at(&self, _buf: &[u8], _offset: u64) -> io::Result<usize> {
+        Err(os_err(5))
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+}
+
+#[test]
+fn failed_demotions_fall_back_to_recomputation_without_a_wrong_token() {
+    // The demotion test's workload; every disk write fails, so every demotion fails: its
+    // request recomputes (spills and write-throughs fail too: blocks stay on the GPU).
+    let (model, _) = tiny_model("disk_demote_fail_model");
+    let (prompts, params) = decode_growth_requests();
+    let ws = working_set(&prompts, &params);
+    let want = Engine::new(model.clone(), config(ws, 0, None))
+        .unwrap()
+        .generate_with_logprobs(&prompts, &params)
+        .unwrap();
+    let dir = scratch_dir("disk_demote_fail");
+    let cfg = config(24, 12, Some((&dir, 400)));
+    let mut e = Engine::with_disk_io(model, cfg, |io| Box::new(WritesFail(io))).unwrap();
+    let got = e.generate_with_logprobs(&prompts, &params).unwrap();
+    let st = e.stats();
+    assert!(
+        st.sched.demotion_failures > 0,
+        "no demotion was tried: {st:?}"
+    );
+    assert_eq!(
+        st.sched.blocks_demoted + st.sched.blocks_stored_disk,
+        0,
+        "{st:?}"
+    );
+    assert!(
+        st.sched.recomputations >= st.sched.demotion_failures,
+        "{st:?}"
+    );
+    assert!(st.disk.io_errors > 0, "{st:?}");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i} differs");
+    }
+    assert_all_free(&e);
 }
 
 #[test]

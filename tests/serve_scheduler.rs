@@ -543,3 +543,91 @@ fn property_three_tiers_with_demotions_and_faults_in_random_orders() {
         "demotions (and failed ones) were not exercised: {m:?}"
     );
 }
+
+#[test]
+fn demotion_takes_the_least_recently_preempted_request_first() {
+    // Jobs complete at the next poll and never fail, so every store of an earlier step is
+    // done when the scheduler picks what to demote. The test keeps its own model of the
+    // host tier's order from the jobs alone and checks each demotion against it.
+    let mut demoted = 0;
+    for case in 0..40u64 {
+        let mut rng = StdRng::seed_from_u64(500 + case);
+        let c = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: rng.random_range(14..30),
+            max_cpu_offload_blocks: rng.random_range(4..16),
+            max_disk_offload_blocks: 200,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 16,
+            prefill_chunk: 4,
+        };
+        let mut s = Scheduler::new(c).unwrap();
+        let mut b = SimBackend::new(case, 1.0, 0.0);
+        let ids: Vec<SeqId> = (0..rng.random_range(6..10))
+            .map(|_| {
+                let p = (0..rng.random_range(4..16))
+                    .map(|_| rng.random_range(3..90))
+                    .collect();
+                s.add(p, rng.random_range(10..40), vec![]).unwrap()
+            })
+            .collect();
+        let owner = |s: &Scheduler, block: u32| -> SeqId {
+            *ids.iter()
+                .find(|&&id| s.seq(id).unwrap().block_ids.contains(&block))
+                .expect("a job's blocks belong to a request")
+        };
+        let mut lru: Vec<SeqId> = Vec::new(); // host-resident, least recently preempted first
+        for _ in 0..20_000 {
+            if !s.has_unfinished() {
+                break;
+            }
+            for c in b.poll().unwrap() {
+                s.on_job_done(c.job, c.ok).unwrap();
+            }
+            let plan = s.schedule().unwrap();
+            let mut stored_now = Vec::new();
+            for j in &plan.jobs {
+                let (src, dst) = (j.copies[0].src, j.copies[0].dst);
+                let seq = owner(&s, j.copies[0].block);
+                match (src, dst) {
+                    (Loc::Gpu(_), Loc::Host(..)) => {
+                        lru.push(seq);
+                        stored_now.push(seq);
+                    }
+                    (Loc::Host(..), Loc::Gpu(_)) => lru.retain(|&x| x != seq),
+                    (Loc::Host(..), Loc::Disk { .. }) => {
+                        let want = lru.iter().find(|x| !stored_now.contains(x)).copied();
+                        assert_eq!(Some(seq), want, "case {case}: demoted out of order");
+                        lru.retain(|&x| x != seq);
+                        demoted += 1;
+                    }
+                    _ => {}
+                }
+                b.submit(j.clone()).unwrap();
+            }
+            for call in &plan.batch {
+                let tok = call
+                    .sample
+                    .then(|| fake_token(call.seq, s.seq(call.seq).unwrap().output().len()));
+                s.on_forward_done(call, tok).unwrap();
+            }
+            if plan.batch.is_empty() && b.in_flight() > 0 {
+                for c in b.wait().unwrap() {
+                    s.on_job_done(c.job, c.ok).unwrap();
+                }
+            }
+            s.check().unwrap();
+            // A request recomputed while host-resident leaves the host tier.
+            lru.retain(|&x| {
+                s.seq(x).unwrap().block_ids.iter().any(|&id| {
+                    matches!(
+                        s.bm.state(id).unwrap(),
+                        Residency::Cpu | Residency::MovingToCpu
+                    )
+                })
+            });
+        }
+        assert!(!s.has_unfinished(), "case {case} did not finish");
+    }
+    assert!(demoted > 0, "no demotion happened");
+}

@@ -300,6 +300,10 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         "--num-gpu-blocks, --max-cpu-offload-blocks or --block-size",
     )?;
     let disk = a.disk.config()?;
+    ensure!(
+        !a.tier_table || disk.is_some(),
+        "--tier-table needs --disk-offload-dir and --max-disk-offload-blocks"
+    );
     print_plan(&model, &sched, working_set);
     if a.table {
         return run_table(&a, &model, sched, working_set, &prompts, &params);

@@ -1,5 +1,6 @@
-//! The disk tier: the slot store's integrity checks under injected faults, the three-tier
-//! scheduler property test, bitwise accuracy with a tiny host tier and a disk tier, engine
+//! The disk tier: the slot store's integrity checks under injected faults (the three-tier
+//! scheduler property test is tests/serve_scheduler.rs's, parametrised by tiers), bitwise
+//! accuracy with a tiny host tier and a disk tier, engine
 //! runs under random disk faults, and the prefix cache surviving a restart (new processes).
 
 mod common;
@@ -16,8 +17,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::model::Model;
 use strata::serve::disk::store::{DiskStore, IoMode, SlotError, SlotIo, StoreLayout, ALIGN};
 use strata::serve::disk::DiskTierConfig;
-use strata::serve::scheduler::{Scheduler, SchedulerConfig, SeqId};
-use strata::serve::transfer::{SimBackend, TransferBackend};
+use strata::serve::scheduler::SchedulerConfig;
 use strata::serve::{Engine, EngineConfig, RequestParams};
 
 // ---------------------------------------------------------------- faults below the store
@@ -297,125 +297,6 @@ fn one_process_per_directory_and_tmpfs_falls_back_to_buffered_io_reported() {
     }
 }
 
-// ---------------------------------------------------------------- scheduler, three tiers
-
-fn fake_token(seq: SeqId, i: usize) -> u32 {
-    ((seq as usize * 31 + i * 7) % 97) as u32 + 3
-}
-
-#[test]
-fn property_three_tiers_random_arrivals_capacities_and_completion_orders() {
-    let mut to_disk = 0;
-    let mut from_disk = 0;
-    let mut persisted = 0;
-    for case in 0..80u64 {
-        let mut rng = StdRng::seed_from_u64(7000 + case);
-        let bs: usize = [1, 2, 4][rng.random_range(0..3)];
-        let chunk = bs * rng.random_range(1..4);
-        let max_len: usize = rng.random_range(4..60);
-        let gpu = max_len.div_ceil(bs) + rng.random_range(0..12);
-        let c = SchedulerConfig {
-            block_size: bs,
-            num_gpu_blocks: gpu,
-            max_cpu_offload_blocks: [0, 1, 3, 8][rng.random_range(0..4)],
-            max_disk_offload_blocks: [1, 4, 16, 100][rng.random_range(0..4)],
-            max_num_seqs: rng.random_range(1..8),
-            max_num_batched_tokens: chunk * rng.random_range(1..4),
-            prefill_chunk: chunk,
-        };
-        let mut s = Scheduler::new(c).unwrap();
-        let mut b = SimBackend::new(
-            case,
-            rng.random_range(0.05..1.0),
-            rng.random_range(0.0..0.3),
-        );
-        let prefix: Vec<u32> = (0..max_len).map(|_| rng.random_range(3..20)).collect();
-        let n = rng.random_range(1..12);
-        let mut pending: Vec<(usize, Vec<u32>, usize)> = (0..n)
-            .map(|_| {
-                let total = rng.random_range(2..=max_len);
-                let out = rng.random_range(1..total);
-                let plen = total - out;
-                let keep = rng.random_range(0..=plen);
-                let mut p = prefix[..keep].to_vec();
-                p.extend((keep..plen).map(|_| rng.random_range(3..20)));
-                (rng.random_range(0..40), p, out)
-            })
-            .collect();
-        let mut ids = Vec::new();
-        let mut t = 0;
-        while (s.has_unfinished() || !pending.is_empty()) && t < 50_000 {
-            pending.retain(|(at, p, out)| {
-                let due = *at <= t;
-                if due {
-                    ids.push((s.add(p.clone(), *out, vec![]).unwrap(), *out));
-                }
-                !due
-            });
-            step(&mut s, &mut b);
-            t += 1;
-        }
-        assert!(!s.has_unfinished(), "case {case} did not finish");
-        while b.in_flight() > 0 {
-            for c in b.wait().unwrap() {
-                s.on_job_done(c.job, c.ok).unwrap();
-            }
-        }
-        s.check().unwrap();
-        for (id, out) in ids {
-            let want: Vec<u32> = (0..out).map(|i| fake_token(id, i)).collect();
-            assert_eq!(s.seq(id).unwrap().output(), &want[..], "case {case}");
-        }
-        let bm = &s.bm;
-        assert_eq!(
-            bm.available_pages(),
-            bm.num_pages(),
-            "case {case}: pages leaked"
-        );
-        assert_eq!(
-            bm.free_slots(),
-            bm.num_slots(),
-            "case {case}: host slots leaked"
-        );
-        assert_eq!(
-            bm.free_disk_slots() + bm.num_persisted(),
-            bm.num_disk_slots(),
-            "case {case}: disk slots leaked"
-        );
-        to_disk += s.stats.blocks_stored_disk;
-        from_disk += s.stats.blocks_loaded_disk;
-        persisted += s.stats.prefix_blocks_persisted;
-    }
-    assert!(
-        to_disk > 0 && from_disk > 0 && persisted > 0,
-        "{to_disk} {from_disk} {persisted}"
-    );
-}
-
-/// One engine step with a simulated model; checks every invariant after it.
-fn step(s: &mut Scheduler, b: &mut dyn TransferBackend) {
-    for c in b.poll().unwrap() {
-        s.on_job_done(c.job, c.ok).unwrap();
-    }
-    let plan = s.schedule().unwrap();
-    for j in &plan.jobs {
-        b.submit(j.clone()).unwrap();
-    }
-    for call in &plan.batch {
-        let tok = call.sample.then(|| {
-            let seq = s.seq(call.seq).unwrap();
-            fake_token(call.seq, seq.output().len())
-        });
-        s.on_forward_done(call, tok).unwrap();
-    }
-    if plan.batch.is_empty() && b.in_flight() > 0 {
-        for c in b.wait().unwrap() {
-            s.on_job_done(c.job, c.ok).unwrap();
-        }
-    }
-    s.check().unwrap();
-}
-
 // ---------------------------------------------------------------- the engine
 
 fn tiny_model(name: &str) -> (Arc<Model>, std::path::PathBuf) {
@@ -463,32 +344,71 @@ fn assert_all_free(e: &Engine) {
     );
 }
 
-#[test]
-fn a_tiny_host_tier_with_a_disk_tier_matches_the_unconstrained_run_bitwise() {
-    let (model, _) = tiny_model("disk_accuracy_model");
-    let (prompts, params) = requests(31, 8, 16);
-    let ws = working_set(&prompts, &params);
+/// Runs `prompts` unconstrained and on `gpu` pages, `host` host slots and a disk tier;
+/// every token and log-prob must be bitwise equal. Returns the constrained run's stats.
+fn bitwise_equal_with_disk(
+    model: &Arc<Model>,
+    prompts: &[Vec<u32>],
+    params: &[RequestParams],
+    gpu: usize,
+    host: usize,
+) -> strata::serve::EngineStats {
+    let ws = working_set(prompts, params);
     let want = Engine::new(model.clone(), config(ws, 0, None))
         .unwrap()
-        .generate_with_logprobs(&prompts, &params)
+        .generate_with_logprobs(prompts, params)
         .unwrap();
-    let tight = ws / 3;
-    assert!(tight * 4 >= 70 + 40);
-    let dir = scratch_dir("disk_accuracy");
-    let mut e = Engine::new(model, config(tight, 2, Some((&dir, 400)))).unwrap();
-    let got = e.generate_with_logprobs(&prompts, &params).unwrap();
+    let dir = scratch_dir(&format!("disk_accuracy_{gpu}_{host}"));
+    let mut e = Engine::new(model.clone(), config(gpu, host, Some((&dir, 400)))).unwrap();
+    let got = e.generate_with_logprobs(prompts, params).unwrap();
     let st = e.stats();
     assert!(
         st.sched.blocks_stored_disk > 0 && st.sched.blocks_loaded_disk > 0,
-        "{st:?}"
+        "host {host}: {st:?}"
     );
-    assert!(st.sched.prefix_blocks_persisted > 0, "{st:?}");
     assert_eq!(st.disk.checksum_failures + st.disk.io_errors, 0, "{st:?}");
+    assert_eq!(st.sched.recomputations, 0, "host {host}: {st:?}");
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g.0, w.0, "request {i} tokens differ");
-        assert_eq!(g.1, w.1, "request {i} log-probs differ");
+        assert_eq!(g.0, w.0, "host {host}: request {i} tokens differ");
+        assert_eq!(g.1, w.1, "host {host}: request {i} log-probs differ");
     }
     assert_all_free(&e);
+    st
+}
+
+#[test]
+fn a_tiny_host_tier_with_a_disk_tier_matches_the_unconstrained_run_bitwise() {
+    // Host slots for 2 blocks: victims go straight to disk.
+    let (model, _) = tiny_model("disk_accuracy_model");
+    let (prompts, params) = requests(31, 8, 16);
+    let ws = working_set(&prompts, &params);
+    assert!((ws / 3) * 4 >= 70 + 40);
+    let st = bitwise_equal_with_disk(&model, &prompts, &params, ws / 3, 2);
+    assert!(st.sched.prefix_blocks_persisted > 0, "{st:?}");
+}
+
+/// Six requests of 8 prompt tokens that decode to 12 blocks each (48 tokens): on 24 pages
+/// decode growth preempts repeatedly; 12 host slots hold one victim, so the next victim
+/// finds the host tier full and the older one is demoted to disk.
+fn decode_growth_requests() -> (Vec<Vec<u32>>, Vec<RequestParams>) {
+    let mut rng = StdRng::seed_from_u64(61);
+    let prompts = (0..6)
+        .map(|_| (0..8).map(|_| rng.random_range(3..300)).collect())
+        .collect();
+    let params = RequestParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    (prompts, vec![params; 6])
+}
+
+#[test]
+fn demotions_from_a_full_host_tier_match_the_unconstrained_run_bitwise() {
+    let (model, _) = tiny_model("disk_demote_model");
+    let (prompts, params) = decode_growth_requests();
+    let st = bitwise_equal_with_disk(&model, &prompts, &params, 24, 12);
+    assert!(st.sched.blocks_demoted > 0, "no demotion: {st:?}");
 }
 
 #[test]
@@ -501,15 +421,17 @@ fn random_disk_faults_never_change_a_token_and_are_counted() {
         .generate_with_logprobs(&prompts, &params)
         .unwrap();
     let mut fallbacks = 0;
-    for seed in 0..4u64 {
+    for seed in 0..6u64 {
         let dir = scratch_dir(&format!("disk_faults_{seed}"));
         let injected = Arc::new(AtomicUsize::new(0));
         let inj = Arc::clone(&injected);
-        let mut e =
-            Engine::with_disk_io(model.clone(), config(ws / 3, 1, Some((&dir, 400))), |io| {
-                Box::new(ChaosIo::new(io, seed, 0.3, inj))
-            })
-            .unwrap();
+        // Half the runs with a host tier that can demote to disk (faults may hit them).
+        let host = if seed % 2 == 0 { 1 } else { ws / 10 };
+        let cfg = config(ws / 3, host, Some((&dir, 400)));
+        let mut e = Engine::with_disk_io(model.clone(), cfg, |io| {
+            Box::new(ChaosIo::new(io, seed, 0.3, inj))
+        })
+        .unwrap();
         let got = e.generate_with_logprobs(&prompts, &params).unwrap();
         let st = e.stats();
         assert!(
@@ -527,6 +449,57 @@ fn random_disk_faults_never_change_a_token_and_are_counted() {
         assert_all_free(&e);
     }
     assert!(fallbacks > 0);
+}
+
+/// A disk whose every write fails (EIO): reads and syncs pass through.
+struct WritesFail(Box<dyn SlotIo>);
+
+impl SlotIo for WritesFail {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.0.read_at(buf, offset)
+    }
+    fn write_at(&self, _buf: &[u8], _offset: u64) -> io::Result<usize> {
+        Err(os_err(5))
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+}
+
+#[test]
+fn failed_demotions_fall_back_to_recomputation_without_a_wrong_token() {
+    // The demotion test's workload; every disk write fails, so every demotion fails: its
+    // request recomputes (spills and write-throughs fail too: blocks stay on the GPU).
+    let (model, _) = tiny_model("disk_demote_fail_model");
+    let (prompts, params) = decode_growth_requests();
+    let ws = working_set(&prompts, &params);
+    let want = Engine::new(model.clone(), config(ws, 0, None))
+        .unwrap()
+        .generate_with_logprobs(&prompts, &params)
+        .unwrap();
+    let dir = scratch_dir("disk_demote_fail");
+    let cfg = config(24, 12, Some((&dir, 400)));
+    let mut e = Engine::with_disk_io(model, cfg, |io| Box::new(WritesFail(io))).unwrap();
+    let got = e.generate_with_logprobs(&prompts, &params).unwrap();
+    let st = e.stats();
+    assert!(
+        st.sched.demotion_failures > 0,
+        "no demotion was tried: {st:?}"
+    );
+    assert_eq!(
+        st.sched.blocks_demoted + st.sched.blocks_stored_disk,
+        0,
+        "{st:?}"
+    );
+    assert!(
+        st.sched.recomputations >= st.sched.demotion_failures,
+        "{st:?}"
+    );
+    assert!(st.disk.io_errors > 0, "{st:?}");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i} differs");
+    }
+    assert_all_free(&e);
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Scheduler-side tests of the serving path: block residency, jobs and their rollback,
-//! logical→physical resolution, preemption policy, and a randomized property test.
+//! logical→physical resolution, preemption policy (demotion to disk included), and the
+//! randomized property test for two and three tiers.
 //! No model and no KV memory: forward calls are simulated by a token function.
 
 use std::collections::HashSet;
@@ -59,6 +60,7 @@ fn every_residency_transition_is_legal_or_an_error() {
     let events = [
         Move::StartStore(Tier::Cpu),
         Move::StartStore(Tier::Ssd),
+        Move::Demote,
         Move::StoreDone,
         Move::StoreFailed,
         Move::StartLoad,
@@ -78,6 +80,9 @@ fn every_residency_transition_is_legal_or_an_error() {
         (MovingFromSsd, Move::LoadDone, Gpu),
         (MovingToGpu, Move::LoadFailed, Cpu),
         (MovingFromSsd, Move::LoadFailed, Ssd),
+        (Cpu, Move::Demote, MovingCpuToSsd),
+        (MovingCpuToSsd, Move::StoreDone, Ssd),
+        (MovingCpuToSsd, Move::StoreFailed, Cpu),
     ];
     let mut illegal = 0;
     for from in Residency::ALL {
@@ -93,10 +98,14 @@ fn every_residency_transition_is_legal_or_an_error() {
             }
         }
     }
-    assert_eq!(illegal, 7 * 7 - legal.len());
+    assert_eq!(illegal, Residency::ALL.len() * events.len() - legal.len());
     // Only settled states may be freed.
     assert!(Gpu.is_settled() && Cpu.is_settled() && Ssd.is_settled());
     assert!(!MovingToCpu.is_settled() && !MovingToGpu.is_settled());
+    assert!(!MovingCpuToSsd.is_settled());
+    // A demotion holds both ends: the host slot it reads and the disk slot it writes.
+    assert!(MovingCpuToSsd.holds_host_slot() && MovingCpuToSsd.holds_disk_slot());
+    assert!(!MovingCpuToSsd.holds_page());
 }
 
 #[test]
@@ -383,20 +392,52 @@ fn a_page_under_an_in_flight_store_is_not_reused() {
     }
 }
 
-#[test]
-fn property_random_arrivals_lengths_capacities_and_completion_orders() {
-    for case in 0..60u64 {
+/// The tiers a property run has below the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tiers {
+    /// Host memory only (or nothing: some cases have no host tier).
+    Host,
+    /// Host memory and disk: victims, demotions from a full host tier, write-throughs.
+    HostAndDisk,
+}
+
+/// What a property run moved, summed over its cases (so the test can insist that every
+/// path it claims to cover was taken).
+#[derive(Debug, Default)]
+struct Moved {
+    stored: usize,
+    to_disk: usize,
+    from_disk: usize,
+    demoted: usize,
+    demotion_failures: usize,
+    persisted: usize,
+}
+
+/// The randomized property test, for either tier set: random arrivals, lengths, shared
+/// prefixes, tier capacities, batch limits, and completion orders and failures (the
+/// simulated backend finishes jobs late, in random order, and fails some, demotions
+/// included). After every step `Scheduler::check` verifies reference counts, one owner per
+/// page / host slot / disk slot, every scheduled block resident, and the host LRU naming
+/// exactly the host-resident requests; at the end every request has exactly its expected
+/// tokens and every page and slot is free.
+fn property_run(tiers: Tiers, cases: u64) -> Moved {
+    let mut moved = Moved::default();
+    for case in 0..cases {
         let mut rng = StdRng::seed_from_u64(1000 + case);
         let bs: usize = [1, 2, 4, 8][rng.random_range(0..4)];
         let chunk = bs * rng.random_range(1..4);
         let max_len: usize = rng.random_range(4..60);
         let gpu = max_len.div_ceil(bs) + rng.random_range(0..20);
         let cpu = [0, 1, 3, 8, 100][rng.random_range(0..5)];
+        let disk = match tiers {
+            Tiers::Host => 0,
+            Tiers::HostAndDisk => [1, 4, 16, 100][rng.random_range(0..4)],
+        };
         let c = SchedulerConfig {
             block_size: bs,
             num_gpu_blocks: gpu,
             max_cpu_offload_blocks: cpu,
-            max_disk_offload_blocks: 0,
+            max_disk_offload_blocks: disk,
             max_num_seqs: rng.random_range(1..8),
             max_num_batched_tokens: chunk * rng.random_range(1..4),
             prefill_chunk: chunk,
@@ -425,19 +466,18 @@ fn property_random_arrivals_lengths_capacities_and_completion_orders() {
         let mut t = 0;
         while (s.has_unfinished() || !pending.is_empty()) && t < 50_000 {
             pending.retain(|(at, p, out)| {
-                if *at <= t {
+                let due = *at <= t;
+                if due {
                     ids.push((s.add(p.clone(), *out, vec![]).unwrap(), *out));
-                    false
-                } else {
-                    true
                 }
+                !due
             });
             step(&mut s, &mut b);
             t += 1;
         }
         assert!(
             !s.has_unfinished() && pending.is_empty(),
-            "case {case} did not finish"
+            "{tiers:?} case {case} did not finish"
         );
         while b.in_flight() > 0 {
             for c in b.wait().unwrap() {
@@ -446,11 +486,11 @@ fn property_random_arrivals_lengths_capacities_and_completion_orders() {
         }
         s.check().unwrap();
         for (id, out) in ids {
-            let got = s.seq(id).unwrap().output().to_vec();
+            let want: Vec<u32> = (0..out).map(|i| fake_token(id, i)).collect();
             assert_eq!(
-                got,
-                (0..out).map(|i| fake_token(id, i)).collect::<Vec<_>>(),
-                "case {case}"
+                s.seq(id).unwrap().output(),
+                &want[..],
+                "{tiers:?} case {case}"
             );
         }
         let bm = &s.bm;
@@ -464,5 +504,130 @@ fn property_random_arrivals_lengths_capacities_and_completion_orders() {
             bm.num_slots(),
             "case {case}: host slots leaked"
         );
+        assert_eq!(
+            bm.free_disk_slots() + bm.num_persisted(),
+            bm.num_disk_slots(),
+            "case {case}: disk slots leaked"
+        );
+        let st = &s.stats;
+        moved.stored += st.blocks_stored;
+        moved.to_disk += st.blocks_stored_disk;
+        moved.from_disk += st.blocks_loaded_disk;
+        moved.demoted += st.blocks_demoted;
+        moved.demotion_failures += st.demotion_failures;
+        moved.persisted += st.prefix_blocks_persisted;
     }
+    moved
+}
+
+#[test]
+fn property_two_tiers_random_arrivals_lengths_capacities_and_completion_orders() {
+    let m = property_run(Tiers::Host, 60);
+    assert!(m.stored > 0, "{m:?}");
+    assert_eq!(
+        m.to_disk + m.from_disk + m.demoted + m.persisted,
+        0,
+        "{m:?}"
+    );
+}
+
+#[test]
+fn property_three_tiers_with_demotions_and_faults_in_random_orders() {
+    let m = property_run(Tiers::HostAndDisk, 120);
+    assert!(
+        m.to_disk > 0 && m.from_disk > 0 && m.persisted > 0,
+        "the disk tier was not exercised: {m:?}"
+    );
+    assert!(
+        m.demoted > 0 && m.demotion_failures > 0,
+        "demotions (and failed ones) were not exercised: {m:?}"
+    );
+}
+
+#[test]
+fn demotion_takes_the_least_recently_preempted_request_first() {
+    // Jobs complete at the next poll and never fail, so every store of an earlier step is
+    // done when the scheduler picks what to demote. The test keeps its own model of the
+    // host tier's order from the jobs alone and checks each demotion against it.
+    let mut demoted = 0;
+    for case in 0..40u64 {
+        let mut rng = StdRng::seed_from_u64(500 + case);
+        let c = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: rng.random_range(14..30),
+            max_cpu_offload_blocks: rng.random_range(4..16),
+            max_disk_offload_blocks: 200,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 16,
+            prefill_chunk: 4,
+        };
+        let mut s = Scheduler::new(c).unwrap();
+        let mut b = SimBackend::new(case, 1.0, 0.0);
+        let ids: Vec<SeqId> = (0..rng.random_range(6..10))
+            .map(|_| {
+                let p = (0..rng.random_range(4..16))
+                    .map(|_| rng.random_range(3..90))
+                    .collect();
+                s.add(p, rng.random_range(10..40), vec![]).unwrap()
+            })
+            .collect();
+        let owner = |s: &Scheduler, block: u32| -> SeqId {
+            *ids.iter()
+                .find(|&&id| s.seq(id).unwrap().block_ids.contains(&block))
+                .expect("a job's blocks belong to a request")
+        };
+        let mut lru: Vec<SeqId> = Vec::new(); // host-resident, least recently preempted first
+        for _ in 0..20_000 {
+            if !s.has_unfinished() {
+                break;
+            }
+            for c in b.poll().unwrap() {
+                s.on_job_done(c.job, c.ok).unwrap();
+            }
+            let plan = s.schedule().unwrap();
+            let mut stored_now = Vec::new();
+            for j in &plan.jobs {
+                let (src, dst) = (j.copies[0].src, j.copies[0].dst);
+                let seq = owner(&s, j.copies[0].block);
+                match (src, dst) {
+                    (Loc::Gpu(_), Loc::Host(..)) => {
+                        lru.push(seq);
+                        stored_now.push(seq);
+                    }
+                    (Loc::Host(..), Loc::Gpu(_)) => lru.retain(|&x| x != seq),
+                    (Loc::Host(..), Loc::Disk { .. }) => {
+                        let want = lru.iter().find(|x| !stored_now.contains(x)).copied();
+                        assert_eq!(Some(seq), want, "case {case}: demoted out of order");
+                        lru.retain(|&x| x != seq);
+                        demoted += 1;
+                    }
+                    _ => {}
+                }
+                b.submit(j.clone()).unwrap();
+            }
+            for call in &plan.batch {
+                let tok = call
+                    .sample
+                    .then(|| fake_token(call.seq, s.seq(call.seq).unwrap().output().len()));
+                s.on_forward_done(call, tok).unwrap();
+            }
+            if plan.batch.is_empty() && b.in_flight() > 0 {
+                for c in b.wait().unwrap() {
+                    s.on_job_done(c.job, c.ok).unwrap();
+                }
+            }
+            s.check().unwrap();
+            // A request recomputed while host-resident leaves the host tier.
+            lru.retain(|&x| {
+                s.seq(x).unwrap().block_ids.iter().any(|&id| {
+                    matches!(
+                        s.bm.state(id).unwrap(),
+                        Residency::Cpu | Residency::MovingToCpu
+                    )
+                })
+            });
+        }
+        assert!(!s.has_unfinished(), "case {case} did not finish");
+    }
+    assert!(demoted > 0, "no demotion happened");
 }

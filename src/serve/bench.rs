@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -96,6 +96,12 @@ pub struct ServeArgs {
     /// fails unless every run gives the same tokens.
     #[arg(long)]
     pub table: bool,
+    /// Side by side in one run: unconstrained, then GPU blocks at a third of the working
+    /// set and host slots for a tenth, with the disk tier (--disk-offload-dir, which must
+    /// hold no persisted prefix from an earlier run) and without it (recomputation);
+    /// fails unless every run gives the same tokens.
+    #[arg(long, conflicts_with = "table")]
+    pub tier_table: bool,
 }
 
 /// Random prompts and output lengths, reproducible from `seed`.
@@ -291,9 +297,18 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         "--num-gpu-blocks, --max-cpu-offload-blocks or --block-size",
     )?;
     let disk = a.disk.config()?;
+    ensure!(
+        !a.tier_table || disk.is_some(),
+        "--tier-table needs --disk-offload-dir and --max-disk-offload-blocks"
+    );
     print_plan(&model, &sched, working_set);
     if a.table {
         return run_table(&a, &model, sched, working_set, &prompts, &params);
+    }
+    if a.tier_table {
+        let disk =
+            disk.context("--tier-table needs --disk-offload-dir and --max-disk-offload-blocks")?;
+        return run_tier_table(&a, &model, sched, working_set, disk, &prompts, &params);
     }
     let r = run_once(&model, sched.clone(), a.link_gbps, disk, &prompts, &params)?;
     let st = r.stats;
@@ -336,6 +351,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             "working_set_blocks": working_set,
             "mean_ttft_s": r.mean_ttft_s,
             "blocks_stored_disk": st.sched.blocks_stored_disk,
+            "blocks_demoted": st.sched.blocks_demoted,
             "blocks_loaded_disk": st.sched.blocks_loaded_disk,
             "disk_read_gbps": st.disk.read_gbps(),
             "disk_write_gbps": st.disk.write_gbps(),
@@ -412,14 +428,7 @@ fn run_table(
         max_cpu_offload_blocks: 0,
         ..sched.clone()
     };
-    let third = (working_set / 3).max(
-        prompts
-            .iter()
-            .zip(params)
-            .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(sched.block_size))
-            .max()
-            .unwrap_or(1),
-    );
+    let third = gpu_third(working_set, prompts, params, sched.block_size);
     let rows = [
         (
             "one at a time (--max-num-seqs 1)",
@@ -513,6 +522,155 @@ fn run_table(
             "all at once / one at a time: {:.2}x | offload / recompute: {:.2}x | runs differing from the unconstrained tokens: {differ}",
             base / tput(&runs[0].2),
             tput(&runs[2].2) / tput(&runs[3].2)
+        );
+    }
+    ensure!(
+        differ == 0,
+        "{differ} requests differ from the unconstrained run"
+    );
+    Ok(())
+}
+
+/// GPU blocks for the constrained rows of the tables: a third of the working set, but at
+/// least the longest request (which must fit alone).
+fn gpu_third(
+    working_set: usize,
+    prompts: &[Vec<u32>],
+    params: &[RequestParams],
+    bs: usize,
+) -> usize {
+    (working_set / 3).max(
+        prompts
+            .iter()
+            .zip(params)
+            .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(bs))
+            .max()
+            .unwrap_or(1),
+    )
+}
+
+/// `--tier-table`: the disk tier against recomputation on the same constrained pools, and
+/// the unconstrained run (the reference tokens), one after the other in this process.
+fn run_tier_table(
+    a: &ServeArgs,
+    model: &Arc<Model>,
+    sched: SchedulerConfig,
+    working_set: usize,
+    disk: DiskTierConfig,
+    prompts: &[Vec<u32>],
+    params: &[RequestParams],
+) -> Result<()> {
+    let free = SchedulerConfig {
+        num_gpu_blocks: working_set,
+        max_cpu_offload_blocks: 0,
+        max_disk_offload_blocks: 0,
+        ..sched.clone()
+    };
+    let tight = SchedulerConfig {
+        num_gpu_blocks: gpu_third(working_set, prompts, params, sched.block_size),
+        max_cpu_offload_blocks: (working_set / 10).max(1),
+        ..free.clone()
+    };
+    let with_disk = SchedulerConfig {
+        max_disk_offload_blocks: sched.max_disk_offload_blocks,
+        ..tight.clone()
+    };
+    ensure_fits(
+        kv_pool_bytes(model, &free),
+        "the unconstrained run's KV pool",
+        "--num-seqs or the lengths",
+    )?;
+    let rows = [
+        ("unconstrained", free, None),
+        ("GPU 1/3, host 1/10, disk tier", with_disk, Some(disk)),
+        ("GPU 1/3, host 1/10, recompute", tight, None),
+    ];
+    let mut runs = Vec::new();
+    for (name, cfg, disk) in rows {
+        let r = run_once(model, cfg.clone(), a.link_gbps, disk, prompts, params)?;
+        ensure!(
+            r.stats.restored_prefix_blocks == 0,
+            "give --tier-table an empty --disk-offload-dir: {} persisted prefix blocks of an earlier run would favour the disk tier",
+            r.stats.restored_prefix_blocks
+        );
+        runs.push((name, cfg, r));
+    }
+    let tput = |r: &BenchRun| r.stats.generated_tokens as f64 / r.secs.max(1e-9);
+    let differ = runs
+        .iter()
+        .map(|(_, _, r)| {
+            r.outputs
+                .iter()
+                .zip(&runs[0].2.outputs)
+                .filter(|(x, y)| x != y)
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    let ratio = tput(&runs[1].2) / tput(&runs[2].2);
+    if a.json {
+        let rows: Vec<_> = runs
+            .iter()
+            .map(|(name, cfg, r)| {
+                let st = &r.stats;
+                serde_json::json!({
+                    "configuration": name,
+                    "num_gpu_blocks": cfg.num_gpu_blocks,
+                    "max_cpu_offload_blocks": cfg.max_cpu_offload_blocks,
+                    "max_disk_offload_blocks": cfg.max_disk_offload_blocks,
+                    "throughput_tokens_per_s": tput(r),
+                    "elapsed_s": r.secs,
+                    "mean_ttft_s": r.mean_ttft_s,
+                    "computed_tokens": st.computed_tokens,
+                    "preemptions": st.sched.preemptions,
+                    "recomputations": st.sched.recomputations,
+                    "blocks_stored": st.sched.blocks_stored,
+                    "blocks_stored_disk": st.sched.blocks_stored_disk,
+                    "blocks_demoted": st.sched.blocks_demoted,
+                    "blocks_loaded_disk": st.sched.blocks_loaded_disk,
+                    "prefix_blocks_persisted": st.sched.prefix_blocks_persisted,
+                    "disk_write_gbps": st.disk.write_gbps(),
+                    "disk_read_gbps": st.disk.read_gbps(),
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({"working_set_blocks": working_set, "runs": rows,
+                "disk_over_recompute": ratio, "mismatches": differ})
+        );
+    } else {
+        println!(
+            "{} requests, {} prompt tokens, {} generated; working set {working_set} blocks",
+            prompts.len(),
+            runs[0].2.stats.prompt_tokens,
+            runs[0].2.stats.generated_tokens
+        );
+        println!("| configuration | GPU / host / disk blocks | tok/s | elapsed s | tokens computed | preemptions | recomputations | to host | to disk (demoted) / from disk | write-through blocks | disk write / read GB/s |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        for (name, cfg, r) in &runs {
+            let st = &r.stats;
+            println!(
+                "| {name} | {} / {} / {} | {:.1} | {:.1} | {} | {} | {} | {} | {} ({}) / {} | {} | {:.2} / {:.2} |",
+                cfg.num_gpu_blocks,
+                cfg.max_cpu_offload_blocks,
+                cfg.max_disk_offload_blocks,
+                tput(r),
+                r.secs,
+                st.computed_tokens,
+                st.sched.preemptions,
+                st.sched.recomputations,
+                st.sched.blocks_stored - (st.sched.blocks_stored_disk - st.sched.blocks_demoted),
+                st.sched.blocks_stored_disk,
+                st.sched.blocks_demoted,
+                st.sched.blocks_loaded_disk,
+                st.sched.prefix_blocks_persisted,
+                st.disk.write_gbps(),
+                st.disk.read_gbps(),
+            );
+        }
+        println!(
+            "disk tier / recompute: {ratio:.2}x | runs differing from the unconstrained tokens: {differ}"
         );
     }
     ensure!(

@@ -385,8 +385,8 @@ impl BlockManager {
         Ok(out)
     }
 
-    /// A store finished: on success the page is released (only now); on failure the slot
-    /// is, and the block is back on the GPU with its data untouched.
+    /// A store (or demotion) finished: on success the page (host slot) is released, only
+    /// now; on failure the new slot is, and the block is back where it was, data untouched.
     pub fn finish_store(&mut self, id: LogicalId, ok: bool) -> Result<(), BlockError> {
         let b = self.block_mut(id)?;
         b.state = b.state.apply(if ok {
@@ -395,6 +395,41 @@ impl BlockManager {
             Move::StoreFailed
         })?;
         self.settle(id)
+    }
+
+    /// Starts demoting host-resident blocks to the disk tier: each gets a disk slot and
+    /// keeps its host slot until the write completes (so the slot cannot be handed out
+    /// under the copy). All or nothing. Returns each block's (host slot, disk slot).
+    pub fn start_demote(
+        &mut self,
+        ids: &[LogicalId],
+    ) -> Result<Vec<(LogicalId, SlotId, DiskSlotId)>, BlockError> {
+        if self.disk_room() < ids.len() {
+            return Err(BlockError::NoDiskSlots {
+                need: ids.len(),
+                free: self.disk_room(),
+            });
+        }
+        for &id in ids {
+            self.block(id)?.state.apply(Move::Demote)?;
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let disk = self.take_disk_slot().expect("counted above");
+            let b = self.blocks.get_mut(&id).expect("checked above");
+            b.state = b.state.apply(Move::Demote)?;
+            b.disk = Some(disk);
+            out.push((id, b.slot.expect("a host-resident block has a slot"), disk));
+        }
+        Ok(out)
+    }
+
+    /// Host slots that will come free when in-flight demotions complete.
+    pub fn slots_being_demoted(&self) -> usize {
+        self.blocks
+            .values()
+            .filter(|b| b.state == Residency::MovingCpuToSsd)
+            .count()
     }
 
     /// Starts loading lower-tier blocks back: each gets a reserved (new) page. All or

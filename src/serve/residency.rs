@@ -10,6 +10,16 @@
 //!    │   copies are staged through host memory by the disk backend)
 //! ```
 //!
+//! Demotion (the host tier is full): a host-resident block moves on to disk, holding its
+//! host slot and a disk slot until the write is done.
+//!
+//! ```text
+//!           demote              store_done
+//!   Cpu ──────────▶ MovingCpuToSsd ──────────▶ Ssd
+//!    ▲                   │
+//!    └── store_failed ───┘   (the host copy is still valid)
+//! ```
+//!
 //! A block is freed only from a settled state (`Gpu`, `Cpu`, `Ssd`): freeing a block
 //! whose copy is in flight would let its page or slot be reused under the copy.
 
@@ -32,12 +42,16 @@ pub enum Residency {
     Ssd,
     MovingToSsd,
     MovingFromSsd,
+    /// Demotion: host slot → disk slot (both held until the write completes).
+    MovingCpuToSsd,
 }
 
 /// What happens to a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Move {
     StartStore(Tier),
+    /// Host tier → disk tier (making room in the host tier).
+    Demote,
     StoreDone,
     StoreFailed,
     StartLoad,
@@ -53,7 +67,7 @@ pub struct IllegalTransition {
 }
 
 impl Residency {
-    pub const ALL: [Residency; 7] = [
+    pub const ALL: [Residency; 8] = [
         Residency::Gpu,
         Residency::Cpu,
         Residency::MovingToCpu,
@@ -61,6 +75,7 @@ impl Residency {
         Residency::Ssd,
         Residency::MovingToSsd,
         Residency::MovingFromSsd,
+        Residency::MovingCpuToSsd,
     ];
 
     /// The state after `event`, or an error if `event` is illegal from `self`.
@@ -74,6 +89,9 @@ impl Residency {
             (MovingToSsd, StoreDone) => Ssd,
             // A failed store leaves the data where it was: the source page is still valid.
             (MovingToCpu | MovingToSsd, StoreFailed) => Gpu,
+            (Cpu, Demote) => MovingCpuToSsd,
+            (MovingCpuToSsd, StoreDone) => Ssd,
+            (MovingCpuToSsd, StoreFailed) => Cpu,
             (Cpu, StartLoad) => MovingToGpu,
             (Ssd, StartLoad) => MovingFromSsd,
             (MovingToGpu | MovingFromSsd, LoadDone) => Gpu,
@@ -106,7 +124,10 @@ impl Residency {
     pub fn holds_host_slot(self) -> bool {
         matches!(
             self,
-            Residency::Cpu | Residency::MovingToCpu | Residency::MovingToGpu
+            Residency::Cpu
+                | Residency::MovingToCpu
+                | Residency::MovingToGpu
+                | Residency::MovingCpuToSsd
         )
     }
 
@@ -114,7 +135,10 @@ impl Residency {
     pub fn holds_disk_slot(self) -> bool {
         matches!(
             self,
-            Residency::Ssd | Residency::MovingToSsd | Residency::MovingFromSsd
+            Residency::Ssd
+                | Residency::MovingToSsd
+                | Residency::MovingFromSsd
+                | Residency::MovingCpuToSsd
         )
     }
 }

@@ -61,6 +61,12 @@ impl PagedKvCache {
         [&self.gpu_k[layer], &self.gpu_v[layer]]
     }
 
+    /// The host tier's slot pools of `layer`, K then V, each
+    /// `[num_cpu_blocks, block_size, kv_heads, head_dim]` (for the disk tier's demotions).
+    pub(crate) fn host_slots(&self, layer: usize) -> [&Buffer; 2] {
+        [&self.host_k[layer], &self.host_v[layer]]
+    }
+
     /// Bytes of KV memory per block across all layers (K and V).
     pub fn block_bytes(&self) -> usize {
         2 * self.num_layers * self.page_len() * 4

@@ -2,8 +2,9 @@
 //! and creates transfer jobs. It never touches KV memory.
 //!
 //! Policy (see docs/serving.md): phase 1 extends running requests, preempting the
-//! lowest-priority one when pages run out (offload its exclusive blocks, else recompute);
-//! phase 2 admits waiting requests only if nothing was preempted this round, loading
+//! lowest-priority one when pages run out (offload its exclusive blocks, else recompute;
+//! when the host tier is full, the least recently preempted host-resident requests are
+//! first demoted to the disk tier to make room); phase 2 admits waiting requests only if nothing was preempted this round, loading
 //! offloaded blocks back before allocating anything new.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -24,7 +25,9 @@ pub struct SchedulerConfig {
     /// Host-tier capacity in blocks; 0 disables offload (preemption recomputes).
     pub max_cpu_offload_blocks: usize,
     /// Disk-tier capacity in blocks; 0 = no disk tier. When the host tier has no room for
-    /// a victim, its blocks go to disk; full prefix blocks are written through to disk.
+    /// a victim, the coldest host-resident blocks are demoted to disk to make room (or,
+    /// when that cannot help, the victim's blocks go to disk); full prefix blocks are
+    /// written through to disk.
     pub max_disk_offload_blocks: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
@@ -136,8 +139,14 @@ pub struct SchedStats {
     pub failed_jobs: usize,
     pub prefix_hit_blocks: usize,
     /// Of `blocks_stored` / `blocks_loaded`, those to / from the disk tier.
+    /// (`blocks_stored_disk` counts every block written to disk for a request: spilled
+    /// from the GPU, or demoted from the host tier.)
     pub blocks_stored_disk: usize,
     pub blocks_loaded_disk: usize,
+    /// Of `blocks_stored_disk`, those demoted host tier → disk to make room for a victim.
+    pub blocks_demoted: usize,
+    /// Demotions that failed: the demoted request recomputed.
+    pub demotion_failures: usize,
     /// Disk loads that failed (IO error or integrity check): the request recomputed.
     pub disk_load_failures: usize,
     /// Prefix-cache hits served from persisted disk copies (of `prefix_hit_blocks`).
@@ -158,6 +167,8 @@ struct JobMeta {
     owner: JobOwner,
     kind: JobKind,
     tier: Tier,
+    /// A store from the host tier to disk (not from the GPU).
+    demotion: bool,
     blocks: Vec<LogicalId>,
 }
 
@@ -175,6 +186,10 @@ pub struct Scheduler {
     /// Blocks registered in the prefix cache since the last schedule: write-through
     /// candidates for the disk tier.
     to_persist: Vec<LogicalId>,
+    /// Requests with blocks in (or moving to) the host tier, least recently preempted
+    /// first: the order in which they are demoted to disk when the host tier is full
+    /// (the most recently preempted request resumes first, so it stays in host memory).
+    host_lru: VecDeque<SeqId>,
 }
 
 enum Preempted {
@@ -200,6 +215,7 @@ impl Scheduler {
             next_job: 0,
             stats: SchedStats::default(),
             to_persist: Vec::new(),
+            host_lru: VecDeque::new(),
         })
     }
 
@@ -296,6 +312,7 @@ impl Scheduler {
     }
 
     fn drop_aborted(&mut self, id: SeqId) -> Result<()> {
+        self.host_lru.retain(|&s| s != id);
         let seq = self.seqs.remove(&id).expect("aborted sequences exist");
         for b in seq.block_ids {
             self.bm.release(b)?;
@@ -352,6 +369,12 @@ impl Scheduler {
                 // Its blocks are being written through (pinned): they can be offloaded
                 // once that finishes, so wait rather than recompute.
                 if self.only_pinned_blocks(victim)? {
+                    stalled = true;
+                    break;
+                }
+                // The host tier is full: demote colder requests to disk and wait for the
+                // room rather than send this (soonest resumed) victim to the lowest tier.
+                if self.demote_for(victim, &mut out)? {
                     stalled = true;
                     break;
                 }
@@ -442,6 +465,9 @@ impl Scheduler {
                         if (self.bm.state(id)? == Residency::Ssd) == (tier == Tier::Ssd) {
                             group.push(id);
                         }
+                    }
+                    if tier == Tier::Cpu {
+                        self.host_lru.retain(|&s| s != sid); // in use again
                     }
                     let moves = self.bm.start_load(&group)?;
                     let copies = moves
@@ -597,12 +623,14 @@ impl Scheduler {
     ) -> TransferJob {
         let id = self.next_job;
         self.next_job += 1;
+        let demotion = copies.iter().any(|c| matches!(c.src, Loc::Host(..)));
         self.jobs.insert(
             id,
             JobMeta {
                 owner,
                 kind,
                 tier,
+                demotion,
                 blocks,
             },
         );
@@ -661,19 +689,82 @@ impl Scheduler {
         }
     }
 
+    /// A sequence's GPU blocks that no one else holds: what a preemption can offload.
+    fn exclusive_blocks(&self, sid: SeqId) -> Result<Vec<LogicalId>> {
+        let mut exclusive = Vec::new();
+        for &id in &self.seqs[&sid].block_ids {
+            let b = self.bm.block(id)?;
+            if b.refs == 1 && b.state == Residency::Gpu {
+                exclusive.push(id);
+            }
+        }
+        Ok(exclusive)
+    }
+
+    /// Makes room in the full host tier for `victim`'s exclusive blocks by demoting the
+    /// least recently preempted host-resident requests to disk (one job each). Returns
+    /// true when the victim should wait for demotions (started now or in flight) instead
+    /// of being preempted now; false when no demotion is needed or none can help (then
+    /// the victim goes to disk itself, or recomputes, as without demotion).
+    fn demote_for(&mut self, victim: SeqId, out: &mut Schedule) -> Result<bool> {
+        if self.cfg.max_cpu_offload_blocks == 0 || self.cfg.max_disk_offload_blocks == 0 {
+            return Ok(false);
+        }
+        let n = self.exclusive_blocks(victim)?.len();
+        let room = self.bm.free_slots() + self.bm.slots_being_demoted();
+        if n == 0 || self.bm.free_slots() >= n || n > self.bm.num_slots() {
+            return Ok(false);
+        }
+        if room >= n {
+            return Ok(true); // in-flight demotions will make the room
+        }
+        let mut chosen = Vec::new(); // (request, its host-resident blocks)
+        let mut got = room;
+        for &sid in &self.host_lru {
+            if got >= n {
+                break;
+            }
+            let seq = &self.seqs[&sid];
+            if seq.job.is_some() {
+                continue; // its store to the host tier is still in flight
+            }
+            let mut blocks = Vec::new();
+            for &id in &seq.block_ids {
+                if self.bm.state(id)? == Residency::Cpu {
+                    blocks.push(id);
+                }
+            }
+            got += blocks.len();
+            chosen.push((sid, blocks));
+        }
+        let to_disk: usize = chosen.iter().map(|(_, b)| b.len()).sum();
+        if got < n || self.bm.disk_room() < to_disk {
+            return Ok(false);
+        }
+        for (sid, blocks) in chosen {
+            self.host_lru.retain(|&s| s != sid);
+            let moves = self.bm.start_demote(&blocks)?;
+            let copies = moves
+                .iter()
+                .map(|&(block, slot, disk)| BlockCopy {
+                    block,
+                    src: Loc::Host(Tier::Cpu, slot),
+                    dst: self.tier_loc(Tier::Ssd, block, disk),
+                })
+                .collect();
+            let job = self.new_job(sid, JobKind::Store, Tier::Ssd, blocks, copies);
+            out.jobs.push(job);
+        }
+        Ok(true)
+    }
+
     /// Preempts a running victim: offload its exclusive resident blocks to the host tier
     /// when it has room for all of them, else to the disk tier when that has room, else
     /// recompute. Shared (prefix) blocks stay on the GPU.
     fn preempt(&mut self, victim: SeqId, out: &mut Schedule) -> Result<Preempted> {
         self.stats.preemptions += 1;
         self.running.retain(|&r| r != victim);
-        let mut exclusive = Vec::new();
-        for &id in &self.seqs[&victim].block_ids {
-            let b = self.bm.block(id)?;
-            if b.refs == 1 && b.state == Residency::Gpu {
-                exclusive.push(id);
-            }
-        }
+        let exclusive = self.exclusive_blocks(victim)?;
         let n = exclusive.len();
         let tier = if n == 0 {
             None
@@ -696,6 +787,9 @@ impl Scheduler {
                 .collect();
             let job = self.new_job(victim, JobKind::Store, tier, exclusive, copies);
             out.jobs.push(job);
+            if tier == Tier::Cpu {
+                self.host_lru.push_back(victim);
+            }
             self.seqs.get_mut(&victim).expect("exists").status = SeqStatus::Preempted;
             self.waiting.push_front(victim);
             return Ok(Preempted::Offloaded);
@@ -726,6 +820,7 @@ impl Scheduler {
     /// Drops a sequence's KV: release its blocks and start it over (its tokens are kept).
     fn recompute(&mut self, sid: SeqId) -> Result<()> {
         self.stats.recomputations += 1;
+        self.host_lru.retain(|&s| s != sid);
         let seq = self.seqs.get_mut(&sid).expect("exists");
         let ids = std::mem::take(&mut seq.block_ids);
         seq.num_computed = 0;
@@ -773,6 +868,10 @@ impl Scheduler {
         }
         let disk = meta.tier == Tier::Ssd;
         match (meta.kind, ok) {
+            (JobKind::Store, true) if meta.demotion => {
+                self.stats.blocks_stored_disk += n;
+                self.stats.blocks_demoted += n;
+            }
             (JobKind::Store, true) => {
                 self.stats.blocks_stored += n;
                 self.stats.blocks_stored_disk += if disk { n } else { 0 };
@@ -786,6 +885,9 @@ impl Scheduler {
                 if disk && kind == JobKind::Load {
                     self.stats.disk_load_failures += 1;
                 }
+                if meta.demotion {
+                    self.stats.demotion_failures += 1;
+                }
             }
         }
         let s = self.seqs.get_mut(&seq).expect("exists");
@@ -793,8 +895,13 @@ impl Scheduler {
         if s.status == SeqStatus::Aborted {
             return self.drop_aborted(seq);
         }
-        if meta.kind == JobKind::Load && !ok {
-            self.recompute(seq)?; // still in the waiting queue, at its place
+        if !ok && meta.kind == JobKind::Store && meta.tier == Tier::Cpu {
+            self.host_lru.retain(|&s| s != seq); // its blocks stayed on the GPU
+        }
+        // A failed load, or a failed demotion (whose host slots the full host tier needs
+        // back): drop the KV and recompute. The request stays in the waiting queue.
+        if !ok && (meta.kind == JobKind::Load || meta.demotion) {
+            self.recompute(seq)?;
         }
         Ok(())
     }
@@ -859,6 +966,7 @@ impl Scheduler {
                 }
             }
         }
+        self.check_host_lru()?;
         for (&sid, s) in &self.seqs {
             let queued = self.waiting.iter().filter(|&&w| w == sid).count()
                 + self.running.iter().filter(|&&r| r == sid).count();
@@ -879,6 +987,33 @@ impl Scheduler {
                     "sequence {sid} has fewer blocks than computed tokens"
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// The demotion order names exactly the requests with blocks in (or moving to) the
+    /// host tier, once each: none is stranded in host memory, none demoted twice.
+    fn check_host_lru(&self) -> Result<(), String> {
+        for (i, sid) in self.host_lru.iter().enumerate() {
+            if self.host_lru.iter().skip(i + 1).any(|s| s == sid) {
+                return Err(format!("sequence {sid} is twice in the host LRU"));
+            }
+        }
+        for (&sid, s) in &self.seqs {
+            let mut in_host = false;
+            for &id in &s.block_ids {
+                let st = self.bm.state(id).map_err(|e| e.to_string())?;
+                in_host |= matches!(st, Residency::Cpu | Residency::MovingToCpu);
+            }
+            if in_host != self.host_lru.contains(&sid) {
+                return Err(format!(
+                    "sequence {sid}: host-resident {in_host}, in the host LRU {}",
+                    !in_host
+                ));
+            }
+        }
+        if let Some(sid) = self.host_lru.iter().find(|s| !self.seqs.contains_key(s)) {
+            return Err(format!("forgotten sequence {sid} is in the host LRU"));
         }
         Ok(())
     }

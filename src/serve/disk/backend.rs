@@ -1,7 +1,7 @@
 //! The disk tier's transfer backend, and the tiered backend that routes each job to the
 //! host tier's backend or this one.
 //!
-//! A store job: device pages → host staging (device copies on a staging stream, then an
+//! A store job: device pages (or, for a demotion, host-tier slots) → host staging (device copies on a staging stream, then an
 //! event) → IO threads wait for the event, checksum each block and write its slot. A load
 //! job: IO threads read and verify each slot into host staging; once all passed, the
 //! engine thread enqueues staging → device page copies and the job completes with their
@@ -23,6 +23,7 @@ use anyhow::{bail, ensure, Result};
 use super::pool::IoPool;
 use super::store::DiskStore;
 use crate::device::cpu::stream::{Buffer, CpuDevice, Event, MemSpace, Stream};
+use crate::serve::residency::Tier;
 use crate::serve::runner::PagedKvCache;
 use crate::serve::transfer::{
     BlockCopy, Completion, JobId, JobKind, Loc, TransferBackend, TransferJob,
@@ -56,10 +57,19 @@ impl Countdown {
     }
 }
 
+/// The memory end of a block's disk copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mem {
+    /// A device page (a spill, or a load).
+    Page(u32),
+    /// A host-tier slot (a demotion).
+    HostSlot(u32),
+}
+
 /// A load whose reads are in flight: its staging buffer and where each block goes.
 struct Reading {
     staging: Buffer,
-    pages: Vec<u32>,
+    pages: Vec<Mem>,
 }
 
 pub struct DiskBackend {
@@ -111,9 +121,11 @@ impl DiskBackend {
         2 * self.cache.num_layers * self.cache.page_len()
     }
 
-    /// Checks a job's copies before anything starts: (page, disk slot, key) per block.
-    fn plan(&self, job: &TransferJob) -> Result<Vec<(u32, u32, u64)>> {
+    /// Checks a job's copies before anything starts: (memory end, disk slot, key) per
+    /// block. Loads go to device pages only; stores come from pages or host-tier slots.
+    fn plan(&self, job: &TransferJob) -> Result<Vec<(Mem, u32, u64)>> {
         let pages = self.cache.gpu_pages(0)[0].len() / self.cache.page_len();
+        let host_slots = self.cache.host_slots(0)[0].len() / self.cache.page_len();
         let slots = self.store.layout().num_slots;
         job.copies
             .iter()
@@ -126,7 +138,14 @@ impl DiskBackend {
                     (Loc::Gpu(p), Loc::Disk { slot, key })
                         if (p as usize) < pages && (slot as usize) < slots =>
                     {
-                        Ok((p, slot, key))
+                        Ok((Mem::Page(p), slot, key))
+                    }
+                    (Loc::Host(Tier::Cpu, h), Loc::Disk { slot, key })
+                        if job.kind == JobKind::Store
+                            && (h as usize) < host_slots
+                            && (slot as usize) < slots =>
+                    {
+                        Ok((Mem::HostSlot(h), slot, key))
                     }
                     _ => bail!("disk job {} has a bad copy {c:?}", job.id),
                 }
@@ -134,13 +153,17 @@ impl DiskBackend {
             .collect()
     }
 
-    /// Enqueues copies between block `i` of `staging` and device page `page`, all layers.
-    fn stage(&self, staging: &Buffer, i: usize, page: u32, to_device: bool) {
+    /// Enqueues copies between block `i` of `staging` and `mem`, all layers.
+    fn stage(&self, staging: &Buffer, i: usize, mem: Mem, to_device: bool) {
         let n = self.cache.page_len();
         for layer in 0..self.cache.num_layers {
-            for (side, pages) in self.cache.gpu_pages(layer).into_iter().enumerate() {
+            let (pools, index) = match mem {
+                Mem::Page(p) => (self.cache.gpu_pages(layer), p),
+                Mem::HostSlot(s) => (self.cache.host_slots(layer), s),
+            };
+            for (side, pages) in pools.into_iter().enumerate() {
                 let at = i * self.block_f32s() + (2 * layer + side) * n;
-                let dev_at = page as usize * n;
+                let dev_at = index as usize * n;
                 if to_device {
                     self.stream
                         .copy("disk_stage_in", Some(layer), staging, at, pages, dev_at, n);
@@ -200,8 +223,8 @@ impl TransferBackend for DiskBackend {
         }
         match job.kind {
             JobKind::Store => {
-                for (i, &(page, _, _)) in plan.iter().enumerate() {
-                    self.stage(&staging, i, page, false);
+                for (i, &(mem, _, _)) in plan.iter().enumerate() {
+                    self.stage(&staging, i, mem, false);
                 }
                 let ev = Event::new();
                 self.stream.record(&ev);

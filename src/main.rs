@@ -201,7 +201,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         } else {
             request_len
         },
-        offload: args.enable_offload.then(|| OffloadConfig {
+        offload: args.enable_offload.then_some(OffloadConfig {
             num_kv_buffers: args.num_kv_buffers,
             block_size: args.block_size,
             max_model_len: max_len,

@@ -924,21 +924,6 @@ fn kernel_format(t: GgmlDType) -> (Format, bool) {
     }
 }
 
-fn ggml_of(f: Format) -> GgmlDType {
-    match f {
-        Format::F32 => GgmlDType::F32,
-        Format::Bf16 => GgmlDType::BF16,
-        Format::F16 => GgmlDType::F16,
-        Format::Q4_0 => GgmlDType::Q4_0,
-        Format::Q4_1 => GgmlDType::Q4_1,
-        Format::Q5_0 => GgmlDType::Q5_0,
-        Format::Q5_1 => GgmlDType::Q5_1,
-        Format::Q8_0 => GgmlDType::Q8_0,
-        Format::Q4K => GgmlDType::Q4K,
-        Format::Q6K => GgmlDType::Q6K,
-    }
-}
-
 impl TensorSource for GgufSource<'_> {
     fn has(&self, name: &str) -> bool {
         self.gguf.content.tensor_infos.contains_key(name)
@@ -980,7 +965,7 @@ impl TensorSource for GgufSource<'_> {
                         mat.in_features
                     );
                 }
-                let q = candle_core::quantized::QTensor::quantize(&t, ggml_of(format))
+                let q = candle_core::quantized::QTensor::quantize(&t, format.ggml())
                     .map_err(errors::candle)?;
                 let bytes = q.data().map_err(errors::candle)?.into_owned();
                 let key = (info.ggml_dtype, format);

@@ -29,6 +29,25 @@ pub enum Format {
     Q6K,
 }
 
+impl Format {
+    /// The same format in candle's (and GGUF's) terms.
+    pub fn ggml(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType as G;
+        match self {
+            Format::F32 => G::F32,
+            Format::Bf16 => G::BF16,
+            Format::F16 => G::F16,
+            Format::Q4_0 => G::Q4_0,
+            Format::Q4_1 => G::Q4_1,
+            Format::Q5_0 => G::Q5_0,
+            Format::Q5_1 => G::Q5_1,
+            Format::Q8_0 => G::Q8_0,
+            Format::Q4K => G::Q4K,
+            Format::Q6K => G::Q6K,
+        }
+    }
+}
+
 /// Values in one K-quant super-block.
 const QK_K: usize = 256;
 
@@ -278,24 +297,9 @@ fn q6_k(x: &[u8], y: &mut [f32; QK_K]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
-
-    fn candle_dtype(f: Format) -> GgmlDType {
-        match f {
-            Format::F32 => GgmlDType::F32,
-            Format::Bf16 => GgmlDType::BF16,
-            Format::F16 => GgmlDType::F16,
-            Format::Q4_0 => GgmlDType::Q4_0,
-            Format::Q4_1 => GgmlDType::Q4_1,
-            Format::Q5_0 => GgmlDType::Q5_0,
-            Format::Q5_1 => GgmlDType::Q5_1,
-            Format::Q8_0 => GgmlDType::Q8_0,
-            Format::Q4K => GgmlDType::Q4K,
-            Format::Q6K => GgmlDType::Q6K,
-        }
-    }
 
     const ALL: [Format; 10] = [
         Format::F32,
@@ -321,9 +325,9 @@ mod tests {
             let n = 4 * QK_K;
             let src: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..3.0)).collect();
             let t = Tensor::from_vec(src, (4, QK_K), &Device::Cpu).unwrap();
-            let q = QTensor::quantize(&t, candle_dtype(f)).unwrap();
-            assert_eq!(candle_dtype(f).block_size(), f.block_elems(), "{f}");
-            assert_eq!(candle_dtype(f).type_size(), f.block_bytes(), "{f}");
+            let q = QTensor::quantize(&t, f.ggml()).unwrap();
+            assert_eq!(f.ggml().block_size(), f.block_elems(), "{f}");
+            assert_eq!(f.ggml().type_size(), f.block_bytes(), "{f}");
             let bytes = q.data().unwrap().into_owned();
             let want: Vec<f32> = q
                 .dequantize(&Device::Cpu)

@@ -40,6 +40,8 @@ pub struct Metrics {
     blocks_loaded_disk: Counter,
     checksum_failures: Counter,
     prefix_blocks_from_disk: Counter,
+    blocks_demoted: Counter,
+    demotion_failures: Counter,
     prompt_tokens: Counter,
     generation_tokens: Counter,
     /// Requests cancelled because their client went away.
@@ -70,6 +72,8 @@ impl Metrics {
             blocks_loaded_disk: Counter::default(),
             checksum_failures: Counter::default(),
             prefix_blocks_from_disk: Counter::default(),
+            blocks_demoted: Counter::default(),
+            demotion_failures: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             cancelled: Counter::default(),
@@ -138,6 +142,16 @@ impl Metrics {
             "strata:prefix_blocks_from_disk",
             "Prefix-cache blocks served from the disk tier (e.g. after a restart)",
             m.prefix_blocks_from_disk.clone(),
+        );
+        r.register(
+            "strata:kv_blocks_demoted",
+            "Host-resident KV blocks of the least recently preempted requests moved to disk",
+            m.blocks_demoted.clone(),
+        );
+        r.register(
+            "strata:kv_demotion_failures",
+            "Demotions to disk that failed; the request recomputes",
+            m.demotion_failures.clone(),
         );
         r.register(
             "strata:prompt_tokens",
@@ -210,6 +224,12 @@ impl Metrics {
             s.prefix_blocks_from_disk,
             l.prefix_blocks_from_disk,
         );
+        advance(&self.blocks_demoted, s.blocks_demoted, l.blocks_demoted);
+        advance(
+            &self.demotion_failures,
+            s.demotion_failures,
+            l.demotion_failures,
+        );
         self.checksum_failures.inc_by(
             stats
                 .disk
@@ -254,6 +274,8 @@ mod tests {
             "strata:kv_blocks_loaded_total ",
             "strata:num_recomputations_total ",
             "strata:kv_blocks_stored_disk_total ",
+            "strata:kv_blocks_demoted_total ",
+            "strata:kv_demotion_failures_total ",
             "strata:disk_checksum_failures_total ",
             "strata:prefix_blocks_from_disk_total ",
             "strata:prompt_tokens_total ",

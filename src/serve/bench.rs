@@ -183,6 +183,26 @@ pub struct BenchRun {
     pub mean_ttft_s: f64,
 }
 
+impl BenchRun {
+    /// Generated tokens per second over the whole run.
+    fn throughput(&self) -> f64 {
+        self.stats.generated_tokens as f64 / self.secs.max(1e-9)
+    }
+}
+
+/// The most requests whose tokens differ from `reference`'s in any one of `runs`.
+fn most_differing<'a>(runs: impl Iterator<Item = &'a BenchRun>, reference: &BenchRun) -> usize {
+    runs.map(|r| {
+        r.outputs
+            .iter()
+            .zip(&reference.outputs)
+            .filter(|(x, y)| x != y)
+            .count()
+    })
+    .max()
+    .unwrap_or(0)
+}
+
 pub fn run_once(
     model: &Arc<Model>,
     sched: SchedulerConfig,
@@ -459,19 +479,9 @@ fn run_table(
         let r = run_once(model, cfg.clone(), a.link_gbps, None, prompts, params)?;
         runs.push((name, cfg, r));
     }
-    let tput = |r: &BenchRun| r.stats.generated_tokens as f64 / r.secs.max(1e-9);
+    let tput = BenchRun::throughput;
     let base = tput(&runs[1].2);
-    let differ = runs
-        .iter()
-        .map(|(_, _, r)| {
-            r.outputs
-                .iter()
-                .zip(&runs[1].2.outputs)
-                .filter(|(x, y)| x != y)
-                .count()
-        })
-        .max()
-        .unwrap_or(0);
+    let differ = most_differing(runs.iter().map(|r| &r.2), &runs[1].2);
     if a.json {
         let rows: Vec<_> = runs
             .iter()
@@ -595,18 +605,8 @@ fn run_tier_table(
         );
         runs.push((name, cfg, r));
     }
-    let tput = |r: &BenchRun| r.stats.generated_tokens as f64 / r.secs.max(1e-9);
-    let differ = runs
-        .iter()
-        .map(|(_, _, r)| {
-            r.outputs
-                .iter()
-                .zip(&runs[0].2.outputs)
-                .filter(|(x, y)| x != y)
-                .count()
-        })
-        .max()
-        .unwrap_or(0);
+    let tput = BenchRun::throughput;
+    let differ = most_differing(runs.iter().map(|r| &r.2), &runs[0].2);
     let ratio = tput(&runs[1].2) / tput(&runs[2].2);
     if a.json {
         let rows: Vec<_> = runs

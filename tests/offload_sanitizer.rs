@@ -51,6 +51,9 @@ impl OffloadDevice for DroppingWait {
     fn record(&mut self, s: StreamRole, e: EventId) -> anyhow::Result<()> {
         self.dev.record(s, e)
     }
+    fn query(&mut self, e: EventId) -> anyhow::Result<bool> {
+        self.dev.query(e)
+    }
     fn copy(
         &mut self,
         s: StreamRole,

@@ -420,3 +420,16 @@ pub fn emulator_offload_engine(
     let d = CpuOffloadDevice::<half::bf16>::new(0.0, cfg.sanitize, OFFLOAD_STREAMS);
     Ok(Box::new(OffloadEngine::new(d, model, cfg)?))
 }
+
+/// The serving engine the emulated CUDA model pairs with: its KV pages on the CPU device
+/// in bf16 (host memory the emulated kernels read; copy streams on worker threads, random
+/// copy delays under the sanitizer, the link throttled as configured).
+pub fn emulator_serve_engine(
+    model: &crate::model::Model,
+    cfg: &crate::serve::EngineConfig,
+) -> Result<crate::serve::Engine> {
+    use crate::offload::CpuOffloadDevice;
+    let exec: Arc<dyn Exec> = Arc::new(EmuExec::new()?);
+    let d = CpuOffloadDevice::<half::bf16>::new(cfg.link_gbps, cfg.sanitize, 1);
+    crate::serve::device_pages::cuda_engine(model, cfg, exec, d)
+}

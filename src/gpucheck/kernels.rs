@@ -90,6 +90,7 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
             check_decode(exec, r, z, heads(z, 96), 96, 16)
         }),
         ("cublas linear bf16→f32", check_linear),
+        ("gemm_fixed (batch-invariant)", check_gemm_fixed),
     ];
     let mut rows = Vec::new();
     for (i, (name, f)) in checks.into_iter().enumerate() {
@@ -724,4 +725,53 @@ fn check_linear(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Chec
         1e-3,
         1e-3,
     ))
+}
+
+/// The batch-invariant GEMM against the CPU linear, both output types, and against itself:
+/// the first rows computed alone (m = 1 and m = 7: other tile heights, other grids) must
+/// equal, bit for bit, the same rows of the m-row product.
+fn check_gemm_fixed(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (rows, k, n) = z.pick((77, 2560, 1000), (21, 200, 130)); // k, n: not tile multiples
+    let (xb, xf) = rand_bf16(rng, rows * k, 1.0); // [rows, k]
+    let (wb, wf) = rand_bf16(rng, n * k, 0.05); // [n, k]
+    let mut m = Mem::new(exec);
+    let (x_d, w_d) = (m.upload(&xb)?, m.upload(&wb)?);
+    let run = |m: &mut Mem, rows: usize| -> Result<(Vec<f32>, Vec<f32>)> {
+        let (of, ob) = (m.zeros::<f32>(rows * n)?, m.zeros::<u16>(rows * n)?);
+        let shape = GemmShape { m: rows, k, n };
+        exec.launch(&kernels::gemm_fixed(x_d, w_d, GemmOut::F32(of), shape))?;
+        exec.launch(&kernels::gemm_fixed(x_d, w_d, GemmOut::Bf16(ob), shape))?;
+        Ok((m.download::<f32>(of, rows * n)?, m.bf16(ob, rows * n)?))
+    };
+    let (got, got_bf16) = run(&mut m, rows)?;
+    let mut note = String::new();
+    for sub in [1, 7] {
+        let (alone, alone_bf16) = run(&mut m, sub)?;
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        if !same(&alone, &got[..sub * n]) || !same(&alone_bf16, &got_bf16[..sub * n]) {
+            note = format!("rows computed with m = {sub} differ from the same rows at m = {rows}");
+        }
+    }
+    let mut want = vec![0.0; rows * n];
+    ops::linear(&xf, &wf, None, &mut want, rows, k, n);
+    let bf16_err = got_bf16
+        .iter()
+        .zip(&want)
+        .any(|(g, w)| (g - w).abs() > 1e-2 + 8e-3 * w.abs());
+    if bf16_err {
+        note = "bf16 output outside 1e-2 + 8e-3·|cpu|".into();
+    }
+    let mut row = compare(
+        "gemm_fixed (batch-invariant)",
+        format!("[{rows}, {k}] · [{n}, {k}]ᵀ"),
+        &got,
+        &want,
+        1e-3,
+        1e-3,
+    );
+    if !note.is_empty() {
+        row.pass = false;
+        row.note = note;
+    }
+    Ok(row)
 }

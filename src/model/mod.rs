@@ -43,9 +43,48 @@ pub enum WantLogits {
 /// Every layer's K and V page pools, `[num_pages, block_size, kv_heads, head_dim]` each,
 /// through the KV seam: `begin_layer` returns the whole pool of a layer, and each
 /// sequence's block table says which pages are its.
-pub trait PagePool: KvCache<f32> {
+pub trait PagePool<T = f32>: KvCache<T> {
     fn block_size(&self) -> usize;
     fn num_pages(&self) -> usize;
+}
+
+/// Errors unless every sequence of a batched forward has tokens inside the vocabulary and
+/// pages (of `block_size` tokens, inside a pool of `num_pages`) covering its positions.
+pub fn check_batch(
+    cfg: &ModelConfig,
+    seqs: &[BatchSeq<'_>],
+    block_size: usize,
+    num_pages: usize,
+) -> Result<()> {
+    if seqs.is_empty() {
+        bail!("forward_batch called with no sequences");
+    }
+    for (i, s) in seqs.iter().enumerate() {
+        if s.tokens.is_empty() {
+            bail!("sequence {i} of the batch has no tokens");
+        }
+        check_ids(cfg, s.tokens)?;
+        let end = s.pos0 + s.tokens.len();
+        if s.pages.len() * block_size < end {
+            bail!(
+                "sequence {i}: {} pages of {block_size} do not cover {end} positions",
+                s.pages.len()
+            );
+        }
+        if let Some(&p) = s.pages.iter().find(|&&p| p as usize >= num_pages) {
+            bail!("sequence {i}: page {p} is outside the pool ({num_pages} pages)");
+        }
+    }
+    Ok(())
+}
+
+/// Errors unless every token id is inside the vocabulary.
+pub fn check_ids(cfg: &ModelConfig, tokens: &[u32]) -> Result<()> {
+    let vocab = cfg.vocab_size;
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+        bail!("token id {id} is outside the vocabulary ({vocab})");
+    }
+    Ok(())
 }
 
 pub struct Model {
@@ -182,7 +221,7 @@ impl Model {
         if t == 0 {
             bail!("forward called with no tokens");
         }
-        self.check_ids(tokens)?;
+        check_ids(&self.cfg, tokens)?;
         kv.begin_step(pos0, t)?;
         let seq = AttnSeq {
             row0: 0,
@@ -208,27 +247,12 @@ impl Model {
         pool: &mut dyn PagePool,
     ) -> Result<Vec<Option<Vec<f32>>>> {
         let cfg = &self.cfg;
-        let (bs, num_pages) = (pool.block_size(), pool.num_pages());
-        if seqs.is_empty() {
-            bail!("forward_batch called with no sequences");
-        }
+        let bs = pool.block_size();
+        check_batch(cfg, seqs, bs, pool.num_pages())?;
         let mut attn_seqs = Vec::with_capacity(seqs.len());
         let (mut tokens, mut positions) = (Vec::new(), Vec::new());
-        for (i, s) in seqs.iter().enumerate() {
-            if s.tokens.is_empty() {
-                bail!("sequence {i} of the batch has no tokens");
-            }
-            self.check_ids(s.tokens)?;
+        for s in seqs {
             let end = s.pos0 + s.tokens.len();
-            if s.pages.len() * bs < end {
-                bail!(
-                    "sequence {i}: {} pages of {bs} do not cover {end} positions",
-                    s.pages.len()
-                );
-            }
-            if let Some(&p) = s.pages.iter().find(|&&p| p as usize >= num_pages) {
-                bail!("sequence {i}: page {p} is outside the pool ({num_pages} pages)");
-            }
             attn_seqs.push(AttnSeq {
                 row0: tokens.len(),
                 tokens: s.tokens.len(),
@@ -254,14 +278,6 @@ impl Model {
             .iter()
             .map(|s| (s.logits == WantLogits::Yes).then(|| logits.next().unwrap_or_default()))
             .collect())
-    }
-
-    fn check_ids(&self, tokens: &[u32]) -> Result<()> {
-        let vocab = self.cfg.vocab_size;
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
-            bail!("token id {id} is outside the vocabulary ({vocab})");
-        }
-        Ok(())
     }
 
     /// Embedding, then every layer over the KV seam: layer `l` pulls its K/V from `kv`,

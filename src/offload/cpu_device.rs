@@ -141,6 +141,10 @@ impl<T> OffloadDevice for CpuOffloadDevice<T> {
         Ok(())
     }
 
+    fn query(&mut self, e: EventId) -> Result<bool> {
+        Ok(self.events[e.0].query())
+    }
+
     fn copy(
         &mut self,
         s: StreamRole,

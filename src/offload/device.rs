@@ -109,6 +109,8 @@ pub trait OffloadDevice {
     /// Later work on `s` waits for `e`'s newest record (`what`: for traces and fault tests).
     fn wait(&mut self, s: StreamRole, e: EventId, what: &'static str) -> Result<()>;
     fn record(&mut self, s: StreamRole, e: EventId) -> Result<()>;
+    /// Whether the work before `e`'s newest record has run (never blocks).
+    fn query(&mut self, e: EventId) -> Result<bool>;
     /// Queues a copy of `src` into `dst` (equal lengths; both checked against their
     /// allocations). Ordering against other streams is the caller's, by events.
     fn copy(

@@ -12,12 +12,12 @@ use anyhow::{bail, Context, Result};
 use super::disk::backend::{DiskBackend, TieredBackend};
 use super::disk::store::{DiskStats, SlotIo, StoreLayout};
 use super::disk::{DiskTier, DiskTierConfig};
-use super::runner::{CpuTransferBackend, ModelRunner, PagedKvCache};
+use super::runner::{BatchRunner, CpuTransferBackend, ModelRunner, PagedKvCache};
 use super::scheduler::{SchedStats, Scheduler, SchedulerConfig, SeqId, Sequence};
 use super::transfer::TransferBackend;
 use crate::device::cpu::stream::CpuDevice;
 use crate::engine::{Sampler, SamplingParams};
-use crate::model::Model;
+use crate::model::{Model, ModelConfig};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -55,9 +55,9 @@ pub struct EngineStats {
 }
 
 pub struct Engine {
-    model: Arc<Model>,
+    model: ModelConfig,
     sched: Scheduler,
-    runner: ModelRunner,
+    runner: Box<dyn BatchRunner>,
     backend: Box<dyn TransferBackend>,
     samplers: HashMap<SeqId, Sampler>,
     /// Log-probability of every sampled token, per request: a bitwise fingerprint of the
@@ -136,18 +136,46 @@ impl Engine {
                 (tiered, Some(tier))
             }
         };
-        Ok(Self {
-            runner: ModelRunner::new(Arc::clone(&model), cache),
+        let runner = Box::new(ModelRunner::new(Arc::clone(&model), cache));
+        let mut e = Self::with_parts(model.cfg.clone(), sched, runner, wrap(backend));
+        e.stats = stats;
+        e.disk = disk;
+        Ok(e)
+    }
+
+    /// An engine over a device's own runner and transfer backend (no disk tier): the
+    /// CUDA model's, `super::device_pages`.
+    pub fn on_device(
+        model: ModelConfig,
+        cfg: &EngineConfig,
+        runner: Box<dyn BatchRunner>,
+        backend: Box<dyn TransferBackend>,
+    ) -> Result<Self> {
+        if cfg.disk.is_some() || cfg.sched.max_disk_offload_blocks > 0 {
+            bail!("the disk tier runs on the CPU device only in this build");
+        }
+        let sched = Scheduler::new(cfg.sched.clone())?;
+        Ok(Self::with_parts(model, sched, runner, backend))
+    }
+
+    fn with_parts(
+        model: ModelConfig,
+        sched: Scheduler,
+        runner: Box<dyn BatchRunner>,
+        backend: Box<dyn TransferBackend>,
+    ) -> Self {
+        Self {
             model,
             sched,
-            backend: wrap(backend),
+            runner,
+            backend,
             samplers: HashMap::new(),
             logprobs: HashMap::new(),
             streams: HashMap::new(),
-            stats,
+            stats: EngineStats::default(),
             idle_rounds: 0,
-            disk,
-        })
+            disk: None,
+        }
     }
 
     /// The disk tier's one-line plan (`None` without a disk tier).
@@ -185,17 +213,17 @@ impl Engine {
         params.sampling.validate()?;
         if let Some(&id) = prompt
             .iter()
-            .find(|&&t| t as usize >= self.model.cfg.vocab_size)
+            .find(|&&t| t as usize >= self.model.vocab_size)
         {
             bail!(
                 "token id {id} is outside the vocabulary ({})",
-                self.model.cfg.vocab_size
+                self.model.vocab_size
             );
         }
         let stop = if params.ignore_eos {
             Vec::new()
         } else {
-            self.model.cfg.eos_token_ids.clone()
+            self.model.eos_token_ids.clone()
         };
         self.stats.prompt_tokens += prompt.len();
         let id = self.sched.add(prompt, params.max_tokens, stop)?;

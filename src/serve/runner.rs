@@ -123,8 +123,33 @@ impl PagePool for GpuPages<'_> {
     }
 }
 
-/// Runs one batched forward per engine step over every scheduled sequence's pages. The
-/// kernels are batch-invariant, so each sequence's logits do not depend on the batch.
+/// One batched forward per engine step over every scheduled sequence's pages, on some
+/// device. The kernels are batch-invariant, so each sequence's logits do not depend on the
+/// batch.
+pub trait BatchRunner: Send {
+    /// One forward over all `calls`; the logits `[vocab]` of each call's last token, for
+    /// the calls that sample (`None` for replayed calls of a recomputation).
+    fn forward(&mut self, calls: &[ScheduledSeq]) -> Result<Vec<Option<Vec<f32>>>>;
+}
+
+/// The scheduled calls as the models' batched forward takes them.
+pub fn batch_seqs(calls: &[ScheduledSeq]) -> Vec<BatchSeq<'_>> {
+    calls
+        .iter()
+        .map(|c| BatchSeq {
+            tokens: &c.tokens,
+            pos0: c.pos0,
+            pages: &c.block_table,
+            logits: if c.sample {
+                WantLogits::Yes
+            } else {
+                WantLogits::No
+            },
+        })
+        .collect()
+}
+
+/// The CPU model over the CPU device's page pools.
 pub struct ModelRunner {
     model: Arc<Model>,
     cache: Arc<PagedKvCache>,
@@ -134,24 +159,12 @@ impl ModelRunner {
     pub fn new(model: Arc<Model>, cache: Arc<PagedKvCache>) -> Self {
         Self { model, cache }
     }
+}
 
-    /// One forward over all `calls`; the logits `[vocab]` of each call's last token, for
-    /// the calls that sample (`None` for replayed calls of a recomputation).
-    pub fn forward(&mut self, calls: &[ScheduledSeq]) -> Result<Vec<Option<Vec<f32>>>> {
-        let seqs: Vec<BatchSeq<'_>> = calls
-            .iter()
-            .map(|c| BatchSeq {
-                tokens: &c.tokens,
-                pos0: c.pos0,
-                pages: &c.block_table,
-                logits: if c.sample {
-                    WantLogits::Yes
-                } else {
-                    WantLogits::No
-                },
-            })
-            .collect();
-        self.model.forward_batch(&seqs, &mut GpuPages(&self.cache))
+impl BatchRunner for ModelRunner {
+    fn forward(&mut self, calls: &[ScheduledSeq]) -> Result<Vec<Option<Vec<f32>>>> {
+        self.model
+            .forward_batch(&batch_seqs(calls), &mut GpuPages(&self.cache))
     }
 }
 

@@ -31,7 +31,36 @@ pub fn alloc<T>(exec: &dyn Exec, elems: usize) -> Result<(Buf, DevPtr<T>)> {
     Ok((b, p.cast()))
 }
 
-pub trait Exec {
+/// A device buffer that only grows, for per-step data whose size varies (batch metadata,
+/// scratch, logits): reallocated, after a sync, when a step needs more.
+pub struct GrowBuf<T> {
+    cur: Option<(Buf, DevPtr<T>, usize)>, // (allocation, address, elements)
+}
+
+impl<T> Default for GrowBuf<T> {
+    fn default() -> Self {
+        Self { cur: None }
+    }
+}
+
+impl<T> GrowBuf<T> {
+    /// Room for `elems` elements (at least one), and where it is.
+    pub fn ensure(&mut self, exec: &dyn Exec, elems: usize) -> Result<DevPtr<T>> {
+        match &self.cur {
+            Some((_, p, cap)) if *cap >= elems => Ok(*p),
+            _ => {
+                exec.sync()?; // nothing queued may still use the old buffer
+                self.cur = None;
+                let n = elems.max(1).next_power_of_two();
+                let (b, p) = alloc::<T>(exec, n)?;
+                self.cur = Some((b, p, n));
+                Ok(p)
+            }
+        }
+    }
+}
+
+pub trait Exec: Send + Sync {
     /// Zeroed memory of `bytes`, and its address.
     fn alloc(&self, bytes: usize) -> Result<(Buf, DevPtr<u8>)>;
     fn upload(&self, data: &[u8]) -> Result<(Buf, DevPtr<u8>)>;

@@ -5,12 +5,12 @@
 
 use super::exec::alloc;
 use super::exec::{Buf, Exec};
-use super::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape};
+use super::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use super::weights::CudaWeights;
 use crate::device::cpu::ops::rope_tables;
 use crate::device::DevPtr;
 use crate::kv::{KvCache, LayerSlot};
-use crate::model::{config, ModelConfig};
+use crate::model::{check_ids, config, ModelConfig};
 use anyhow::{bail, Result};
 use half::bf16;
 use std::sync::Arc;
@@ -19,6 +19,38 @@ use std::sync::Arc;
 const MLP_CHUNK: usize = 1024;
 /// Keys per flash-decoding split.
 const SPLIT_LEN: usize = 512;
+
+/// Which GEMM a step runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gemm {
+    /// `Exec::gemm`: cuBLAS on the GPU (its algorithm, hence a row's reduction order,
+    /// depends on the shape).
+    Fast,
+    /// `ops::gemm_fixed`: every output a fixed-order reduction, whatever the batch.
+    BatchInvariant,
+}
+
+/// How a step's attention runs.
+enum StepAttn {
+    /// One sequence over a contiguous slot (K/V and capacity filled in per layer): the
+    /// prefill kernel for a chunk, the decode kernel for one token.
+    Contiguous(AttnArgs),
+    /// Every row its own query over the page pool (K/V filled in per layer) through the
+    /// flash-decoding kernel: the same kernel and split for a row whatever its batch, its
+    /// chunk, or whether it is a decode token or a (re)computed prompt token.
+    PerRow(PagedAttn, DecodeScratch),
+}
+
+/// One forward step as every layer runs it.
+struct StepPlan {
+    rows: usize,
+    pos: DevPtr<i32>,        // i32 [rows] positions (RoPE)
+    cache_rows: DevPtr<i32>, // i32 [rows] slot row each new token's K/V is stored at
+    gemm: Gemm,
+    attn: StepAttn,
+}
+
+mod batch;
 
 pub struct CudaModel {
     pub cfg: ModelConfig,
@@ -31,6 +63,8 @@ pub struct CudaModel {
     sin: DevPtr<f32>,
     scratch: DecodeScratch,
     acts: Option<Acts>,
+    /// The batched forward's per-step buffers (`batch`).
+    batch: batch::BatchBufs,
     /// NVTX ranges around each layer, attention and MLP (host enqueue side).
     pub nvtx: bool,
 }
@@ -93,6 +127,7 @@ impl CudaModel {
             w,
             max_pos,
             acts: None,
+            batch: Default::default(),
             nvtx: true,
         })
     }
@@ -186,9 +221,7 @@ impl CudaModel {
         if t == 0 {
             bail!("forward called with no tokens");
         }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            bail!("token id {id} is outside the vocabulary ({})", c.vocab_size);
-        }
+        check_ids(&c, tokens)?;
         if pos0 + t > self.max_pos {
             bail!(
                 "position {} is past the {} positions this CUDA model was built for",
@@ -210,35 +243,38 @@ impl CudaModel {
             exec.htod(a.meta.cast(), bytes)?;
         }
         let (ids, pos) = (a.meta, a.meta.at(t));
-        let h = c.hidden_size;
-        self.range("embed");
-        exec.launch(&ops::embedding(
-            self.w.embed.ptr,
-            ids,
-            a.x,
-            t,
-            c.vocab_size,
-            h,
-        ))?;
-        let l0 = &self.w.layers[0];
-        exec.launch(&ops::rms_norm(
-            a.x,
-            l0.attn_norm.ptr,
-            a.hn,
-            t,
-            h,
-            c.rms_norm_eps,
-        ))?;
-        self.pop();
+        let step = StepPlan {
+            rows: t,
+            pos,
+            cache_rows: pos, // one sequence in a contiguous slot: row = position
+            gemm: Gemm::Fast,
+            attn: StepAttn::Contiguous(AttnArgs {
+                q: a.qkv,
+                k: DevPtr::from_addr(0), // the layer's slot
+                v: DevPtr::from_addr(0),
+                out: a.attn,
+                cu_seqlens: a.meta.at(2 * t),
+                ctx_len: a.meta.at(2 * t + 2),
+                table: a.meta.at(2 * t + 3),
+                capacity: 0,
+                tokens: t,
+                ctx: pos0 + t,
+                num_heads: c.num_heads,
+                num_kv_heads: c.num_kv_heads,
+                q_stride: c.q_dim() + 2 * c.kv_dim(),
+            }),
+        };
+        self.embed(ids, t)?;
         for l in 0..c.num_layers {
             let slot = kv.begin_layer(l)?;
             self.range_l("layer", l);
-            self.layer(l, t, pos0, pos, slot)?;
+            self.layer(l, &step, slot)?;
             self.pop();
             kv.end_layer(l)?;
         }
         let a = self.acts.as_ref().expect("allocated above");
         self.range("lm_head");
+        let h = c.hidden_size;
         let shape = GemmShape {
             m: 1,
             k: h,
@@ -246,7 +282,7 @@ impl CudaModel {
         };
         let last = a.hn.at((t - 1) * h);
         let out = GemmOut::F32(a.logits);
-        self.exec.gemm(last, self.w.lm_head(), out, shape)?;
+        self.gemm(Gemm::Fast, last, self.w.lm_head(), out, shape)?;
         self.pop();
         Ok(())
     }
@@ -269,16 +305,43 @@ impl CudaModel {
         }
     }
 
-    /// One decoder layer on `a.hn` → residual `a.x` → next block's normalised input in
-    /// `a.hn`; K/V of the new tokens stored into `slot` at their positions.
-    fn layer(
+    /// Embeds `ids` into `a.x` and normalises for layer 0 into `a.hn`.
+    fn embed(&self, ids: DevPtr<i32>, t: usize) -> Result<()> {
+        let (c, a) = (
+            &self.cfg,
+            self.acts.as_ref().expect("allocated by the caller"),
+        );
+        let h = c.hidden_size;
+        self.range("embed");
+        let table = self.w.embed.ptr;
+        self.exec
+            .launch(&ops::embedding(table, ids, a.x, t, c.vocab_size, h))?;
+        let norm = self.w.layers[0].attn_norm.ptr;
+        let eps = c.rms_norm_eps;
+        self.exec
+            .launch(&ops::rms_norm(a.x, norm, a.hn, t, h, eps))?;
+        self.pop();
+        Ok(())
+    }
+
+    /// `out = x · wᵀ` with the step's GEMM.
+    fn gemm(
         &self,
-        l: usize,
-        t: usize,
-        pos0: usize,
-        pos: DevPtr<i32>,
-        slot: LayerSlot<bf16>,
+        g: Gemm,
+        x: DevPtr<bf16>,
+        w: DevPtr<bf16>,
+        out: GemmOut,
+        s: GemmShape,
     ) -> Result<()> {
+        match g {
+            Gemm::Fast => self.exec.gemm(x, w, out, s),
+            Gemm::BatchInvariant => self.exec.launch(&ops::gemm_fixed(x, w, out, s)),
+        }
+    }
+
+    /// One decoder layer on `a.hn` → residual `a.x` → next block's normalised input in
+    /// `a.hn`; K/V of the new tokens stored into `slot` at the step's cache rows.
+    fn layer(&self, l: usize, step: &StepPlan, slot: LayerSlot<bf16>) -> Result<()> {
         let c = &self.cfg;
         let a = self.acts.as_ref().expect("allocated by enqueue");
         let (exec, lw) = (&*self.exec, &self.w.layers[l]);
@@ -291,11 +354,11 @@ impl CudaModel {
         );
         let (nh, nkv, eps) = (c.num_heads, c.num_kv_heads, c.rms_norm_eps);
         let qkv_dim = qd + 2 * kvd;
-        let ctx = pos0 + t;
+        let t = step.rows;
         self.range("attention");
         // 1. Fused QKV projection.
         let shape = |m, k, n| GemmShape { m, k, n };
-        let linear = |x, w, out, s| exec.gemm(x, w, GemmOut::Bf16(out), s);
+        let linear = |x, w, out, s| self.gemm(step.gemm, x, w, GemmOut::Bf16(out), s);
         linear(a.hn, lw.wqkv.ptr, a.qkv, shape(t, h, qkv_dim))?;
         if let Some(b) = &lw.bqkv {
             exec.launch(&ops::add_bias(a.qkv, b.ptr, t, qkv_dim))?;
@@ -309,35 +372,47 @@ impl CudaModel {
             ))?;
         }
         // 3. RoPE on q and k together (adjacent heads in the fused row).
-        let (cos, sin) = (self.cos, self.sin);
+        let (cos, sin, pos) = (self.cos, self.sin, step.pos);
         exec.launch(&ops::rope(a.qkv, pos, cos, sin, t, nh + nkv, hd, qkv_dim))?;
-        // 4. Store the new K/V at their positions, attend over 0..ctx.
+        // 4. Store the new K/V at their cache rows, attend.
         let (kp, vp) = (a.qkv.at(qd), a.qkv.at(qd + kvd));
-        exec.launch(&ops::kv_store(kp, vp, slot.k, slot.v, pos, t, kvd, qkv_dim))?;
-        let args = AttnArgs {
-            q: a.qkv,
-            k: slot.k,
-            v: slot.v,
-            out: a.attn,
-            cu_seqlens: a.meta.at(2 * t),
-            ctx_len: a.meta.at(2 * t + 2),
-            table: a.meta.at(2 * t + 3),
-            capacity: slot.rows,
-            tokens: t,
-            ctx,
-            num_heads: nh,
-            num_kv_heads: nkv,
-            q_stride: qkv_dim,
-        };
-        if ctx > slot.rows {
-            bail!("layer {l}: {ctx} tokens in a KV slot of {}", slot.rows);
-        }
-        if t == 1 {
-            for l in ops::attn_decode(&args.paged(hd), &self.scratch)? {
-                exec.launch(&l)?;
+        let slots = step.cache_rows;
+        exec.launch(&ops::kv_store(
+            kp, vp, slot.k, slot.v, slots, t, kvd, qkv_dim,
+        ))?;
+        match &step.attn {
+            StepAttn::Contiguous(args) => {
+                let args = AttnArgs {
+                    k: slot.k,
+                    v: slot.v,
+                    capacity: slot.rows,
+                    ..*args
+                };
+                if args.ctx > slot.rows {
+                    bail!(
+                        "layer {l}: {} tokens in a KV slot of {}",
+                        args.ctx,
+                        slot.rows
+                    );
+                }
+                if t == 1 {
+                    for l in ops::attn_decode(&args.paged(hd), &self.scratch)? {
+                        exec.launch(&l)?;
+                    }
+                } else {
+                    exec.launch(&ops::attn_prefill(&args.paged(hd)))?;
+                }
             }
-        } else {
-            exec.launch(&ops::attn_prefill(&args.paged(hd)))?;
+            StepAttn::PerRow(paged, scratch) => {
+                let paged = PagedAttn {
+                    k: slot.k,
+                    v: slot.v,
+                    ..*paged
+                };
+                for l in ops::attn_decode(&paged, scratch)? {
+                    exec.launch(&l)?;
+                }
+            }
         }
         // 5. Output projection, residual add, post-attention norm.
         linear(a.attn, lw.wo.ptr, a.proj, shape(t, qd, h))?;

@@ -23,6 +23,11 @@ enum Mem {
     Device(#[allow(dead_code)] CudaSlice<u8>, DevPtr<u8>),
 }
 
+// SAFETY: the pointer addresses the pinned allocation owned beside it, which moves with it
+// and lives as long; nothing else holds it (the serving engine moves its device to the
+// engine thread, which then alone uses it).
+unsafe impl Send for Mem {}
+
 pub struct CudaOffloadDevice {
     dev: Arc<CudaDevice>,
     compute: (Arc<CudaStream>, String),
@@ -144,6 +149,10 @@ impl OffloadDevice for CudaOffloadDevice {
 
     fn record(&mut self, s: StreamRole, e: EventId) -> Result<()> {
         drv(self.events[e.0].record(&self.stream(s).0), "cuEventRecord")
+    }
+
+    fn query(&mut self, e: EventId) -> Result<bool> {
+        Ok(self.events[e.0].is_complete())
     }
 
     fn copy(

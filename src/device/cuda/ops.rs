@@ -125,6 +125,10 @@ pub const KERNELS: &[(&str, &[&str])] = &[
     ),
     ("bias.cu", &["add_bias"]),
     ("embedding.cu", &["embedding_gather"]),
+    (
+        "gemm.cu",
+        &["gemm_fixed_bm4", "gemm_fixed_bm16", "gemm_fixed_bm64"],
+    ),
     ("kv_store.cu", &["kv_store"]),
     ("norm.cu", &["rms_norm", "add_rms_norm", "head_rms_norm"]),
     ("rope.cu", &["rope_neox"]),
@@ -671,6 +675,41 @@ pub fn gemm(
         )
     }
     .map_err(|e| anyhow!("cublasGemmEx [{m}, {k}]·[{n}, {k}]ᵀ failed: {e:?}"))
+}
+
+/// gemm.cu `gemm_fixed_bm{4,16,64}(x, w, out, m, k, n, out_f32)`: `out[m, n] = x[m, k] ·
+/// w[n, k]ᵀ` with every output one thread's sequential f32 `fmaf` over `k` in order, so a
+/// row's result never depends on `m` (the batch-invariant GEMM of the serving path; cuBLAS
+/// is not). The tile height follows `m` to waste little on decode batches; it picks which
+/// thread computes an output, never its arithmetic. Grid (⌈n / 64⌉, ⌈m / BM⌉), 256 threads.
+pub fn gemm_fixed(
+    x: DevPtr<bf16>, // bf16 [m, k]
+    w: DevPtr<bf16>, // bf16 [n, k]
+    out: GemmOut,    // [m, n]
+    s: GemmShape,
+) -> Launch {
+    let GemmShape { m, k, n } = s;
+    let bm = match m {
+        0..=4 => 4,
+        5..=16 => 16,
+        _ => 64,
+    };
+    let out_f32 = matches!(out, GemmOut::F32(_));
+    let args = vec![
+        arg(x),
+        arg(w),
+        KArg::Ptr(out.addr()),
+        i(m),
+        i(k),
+        i(n),
+        i(out_f32 as usize),
+    ];
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(64) as u32, m.div_ceil(bm).max(1) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch("gemm.cu", &format!("gemm_fixed_bm{bm}"), cfg, args)
 }
 
 /// Device memory in use (total − free), for the offload memory comparison.

@@ -4,7 +4,8 @@
 #   1. every kernel against its CPU twin on random inputs (`strata-gpucheck kernels`)
 #   2. logits CUDA vs CPU                      3. offload equality on CUDA
 #   4. pinned bandwidth sweep 64 KB..256 MB    5. offload benchmark at 8K/32K (Qwen3-4B-shaped)
-# Each step is a `strata-gpucheck` subcommand under a time limit (worst case 465 s in all;
+#   6. the serving path on CUDA: batch invariance, preemption bitwise, tokens vs the CPU engine
+# Each step is a `strata-gpucheck` subcommand under a time limit (worst case 585 s in all;
 # about 2 minutes expected on an H200). A correctness failure (FAIL) makes the exit
 # status non-zero; a missed performance goal of step 5 shows as MISS, and fails only
 # with --strict.
@@ -15,14 +16,14 @@ usage() {
 usage: scripts/gpu-check.sh [--steps LIST] GPUCHECK_BINARY
   GPUCHECK_BINARY a strata-gpucheck binary built on another machine (cargo build
                   --release; strip it to carry it: see docs/cuda.md)
-  --steps LIST    comma-separated steps to run (default 1,2,3,4,5)
+  --steps LIST    comma-separated steps to run (default 1,2,3,4,5,6)
   --strict        a missed step-5 performance goal fails the run too
   -h, --help      this help
 Environment: STRATA_CUDA_LIBS (extra library dirs), STRATA_KERNEL_CACHE (CUBIN cache).
 USAGE
 }
 
-steps="1,2,3,4,5"
+steps="1,2,3,4,5,6"
 bin=""
 strict=0
 while [[ $# -gt 0 ]]; do
@@ -45,8 +46,8 @@ fi
 if [[ ! -x "$bin" ]]; then
     echo "gpu-check: not executable: $bin" >&2; exit 2
 fi
-if [[ ! "$steps" =~ ^[1-5](,[1-5])*$ ]]; then
-    echo "gpu-check: --steps must list numbers 1-5, got '$steps'" >&2; exit 2
+if [[ ! "$steps" =~ ^[1-6](,[1-6])*$ ]]; then
+    echo "gpu-check: --steps must list numbers 1-6, got '$steps'" >&2; exit 2
 fi
 
 rows=()   # "step|check|result|detail"
@@ -80,6 +81,7 @@ want() { [[ ",$steps," == *",$1,"* ]]; }
 want 1 && table_step 1 "kernels vs CPU twins" 90 kernels
 want 2 && table_step 2 "logits CUDA vs CPU" 100 logits
 want 3 && table_step 3 "offload equality on CUDA" 80 offload
+want 6 && table_step 6 "serving path on CUDA" 120 serve
 if want 4; then
     run 45 bandwidth
     if [[ $rc -eq 0 ]]; then

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 
 use strata::device::cuda::context::CudaDevice;
 use strata::gpucheck::kernels::{self, CheckRow, CheckSizes};
-use strata::gpucheck::{bench, emu::EmuExec, model_checks};
+use strata::gpucheck::{bench, emu::EmuExec, model_checks, serve_checks};
 use strata::{errors, flags};
 
 #[derive(Parser)]
@@ -30,6 +30,8 @@ enum Command {
     Logits(Target),
     /// Step 3: greedy tokens with and without offload on CUDA.
     Offload(Target),
+    /// Step 6: the serving path on CUDA: batch invariance, preemption, vs the CPU engine.
+    Serve(Target),
     /// Step 4: pinned H2D/D2H bandwidth by copy size, 64 KB..256 MB (GPU only).
     Bandwidth,
     /// Step 5: offload benchmark on a Qwen3-4B-shaped random model (GPU only).
@@ -82,6 +84,14 @@ fn main() -> ExitCode {
                 model_checks::offload_check
             };
             f().and_then(|r| print_rows(r, "offload"))
+        }
+        Command::Serve(t) => {
+            let f = if t.emulate {
+                serve_checks::serve_check_emulated
+            } else {
+                serve_checks::serve_check
+            };
+            f().and_then(|r| print_rows(r, "serve"))
         }
         Command::Bandwidth => run_bandwidth(),
         Command::BenchOffload(args) => run_bench(args),

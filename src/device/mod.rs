@@ -18,6 +18,15 @@ pub enum DeviceKind {
     Cuda,
 }
 
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        })
+    }
+}
+
 /// Checks that the chosen device can run here, with a one-line reason when it cannot.
 pub fn check_available(kind: DeviceKind) -> Result<()> {
     match kind {

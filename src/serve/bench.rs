@@ -12,6 +12,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use super::disk::{DiskArgs, DiskTierConfig};
 use super::engine::{Engine, EngineConfig, EngineStats, RequestParams};
 use super::scheduler::SchedulerConfig;
+use crate::device::DeviceKind;
 use crate::flags;
 use crate::model::Model;
 
@@ -47,6 +48,10 @@ pub struct ServeArgs {
     /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Device the engine runs on (cuda: the batch-invariant GEMM and paged attention on
+    /// GPU 0, host tier in pinned memory; no disk tier, no --link-gbps).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Number of requests.
     #[arg(long, default_value_t = 16, value_parser = flags::seqs())]
     pub num_seqs: usize,
@@ -205,21 +210,23 @@ fn most_differing<'a>(runs: impl Iterator<Item = &'a BenchRun>, reference: &Benc
 
 pub fn run_once(
     model: &Arc<Model>,
+    device: DeviceKind,
     sched: SchedulerConfig,
     link_gbps: f64,
     disk: Option<DiskTierConfig>,
     prompts: &[Vec<u32>],
     params: &[RequestParams],
 ) -> Result<BenchRun> {
-    let mut engine = Engine::new(
-        Arc::clone(model),
-        EngineConfig {
-            sched,
-            link_gbps,
-            sanitize: false,
-            disk,
-        },
-    )?;
+    let cfg = EngineConfig {
+        sched,
+        link_gbps,
+        sanitize: false,
+        disk,
+    };
+    let mut engine = match device {
+        DeviceKind::Cpu => Engine::new(Arc::clone(model), cfg)?,
+        DeviceKind::Cuda => super::device_pages::gpu_engine(model, &cfg)?,
+    };
     if let Some(plan) = engine.disk_plan() {
         eprintln!("{plan}");
     }
@@ -330,7 +337,15 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             disk.context("--tier-table needs --disk-offload-dir and --max-disk-offload-blocks")?;
         return run_tier_table(&a, &model, sched, working_set, disk, &prompts, &params);
     }
-    let r = run_once(&model, sched.clone(), a.link_gbps, disk, &prompts, &params)?;
+    let r = run_once(
+        &model,
+        a.device,
+        sched.clone(),
+        a.link_gbps,
+        disk,
+        &prompts,
+        &params,
+    )?;
     let st = r.stats;
     let throughput = st.generated_tokens as f64 / r.secs.max(1e-9);
     let mut mismatches = None;
@@ -346,7 +361,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             "the unconstrained run's KV pool",
             "--num-seqs or the lengths",
         )?;
-        let base = run_once(&model, free, 0.0, None, &prompts, &params)?;
+        let base = run_once(&model, a.device, free, 0.0, None, &prompts, &params)?;
         let bad = r
             .outputs
             .iter()
@@ -476,7 +491,15 @@ fn run_table(
     ];
     let mut runs = Vec::new();
     for (name, cfg) in rows {
-        let r = run_once(model, cfg.clone(), a.link_gbps, None, prompts, params)?;
+        let r = run_once(
+            model,
+            a.device,
+            cfg.clone(),
+            a.link_gbps,
+            None,
+            prompts,
+            params,
+        )?;
         runs.push((name, cfg, r));
     }
     let tput = BenchRun::throughput;
@@ -597,7 +620,15 @@ fn run_tier_table(
     ];
     let mut runs = Vec::new();
     for (name, cfg, disk) in rows {
-        let r = run_once(model, cfg.clone(), a.link_gbps, disk, prompts, params)?;
+        let r = run_once(
+            model,
+            a.device,
+            cfg.clone(),
+            a.link_gbps,
+            disk,
+            prompts,
+            params,
+        )?;
         ensure!(
             r.stats.restored_prefix_blocks == 0,
             "give --tier-table an empty --disk-offload-dir: {} persisted prefix blocks of an earlier run would favour the disk tier",

@@ -97,13 +97,20 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
     );
     let cpu_blocks = args.max_cpu_offload_blocks.unwrap_or(num_gpu_blocks);
     let c = &model.cfg;
-    let block_bytes = 2 * c.num_layers * bs * c.num_kv_heads * c.head_dim * 4;
-    let kv_bytes = (num_gpu_blocks as u128 + cpu_blocks as u128) * block_bytes as u128;
+    // Host memory the KV takes: on the CPU device both tiers in f32; on CUDA the host tier
+    // in bf16 (pinned), the device tier in GPU memory (whose allocation fails clearly).
+    let (elem, host_blocks) = match args.device {
+        DeviceKind::Cpu => (4, num_gpu_blocks as u128 + cpu_blocks as u128),
+        DeviceKind::Cuda => (2, cpu_blocks as u128),
+    };
+    let block_bytes = 2 * c.num_layers * bs * c.num_kv_heads * c.head_dim * elem;
+    let kv_bytes = host_blocks * block_bytes as u128;
     if let Some(avail) = available_memory_bytes() {
         ensure!(
             kv_bytes <= avail as u128,
-            "the KV cache needs {:.1} GiB ({num_gpu_blocks} GPU + {cpu_blocks} host blocks of {bs} tokens) but only {:.1} GiB of memory is available; lower --num-gpu-blocks, --max-cpu-offload-blocks or --max-model-len",
+            "the KV cache needs {:.1} GiB of host memory ({num_gpu_blocks} GPU + {cpu_blocks} host blocks of {bs} tokens on --device {}) but only {:.1} GiB is available; lower --num-gpu-blocks, --max-cpu-offload-blocks or --max-model-len",
             kv_bytes as f64 / (1u64 << 30) as f64,
+            args.device,
             avail as f64 / (1u64 << 30) as f64
         );
     }
@@ -143,7 +150,11 @@ fn available_memory_bytes() -> Option<u64> {
 
 fn check_args(args: &ServeArgs) -> Result<()> {
     if args.device == DeviceKind::Cuda {
-        bail!("the serving engine runs on the CPU device in this build; --device cuda is not available for `strata serve` yet");
+        crate::device::check_available(DeviceKind::Cuda)?;
+        ensure!(
+            args.disk.config()?.is_none(),
+            "the disk tier runs on the CPU device only in this build; drop --disk-offload-dir or use --device cpu"
+        );
     }
     ensure!(
         (1..=4096).contains(&args.block_size),
@@ -296,7 +307,10 @@ fn load(
     let eos = model.cfg.eos_token_ids.clone();
     let defaults = model.cfg.generation.clone();
     let sched = cfg.sched.clone();
-    let engine = Engine::new(model, cfg)?;
+    let engine = match args.device {
+        DeviceKind::Cpu => Engine::new(model, cfg)?,
+        DeviceKind::Cuda => crate::serve::device_pages::gpu_engine(&model, &cfg)?,
+    };
     if let Some(line) = engine.disk_plan() {
         eprintln!("strata serve: {line}");
     }

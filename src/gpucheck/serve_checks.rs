@@ -1,0 +1,375 @@
+//! Step 6 of `scripts/gpu-check.sh`: the serving path on the CUDA model, on the GPU or on
+//! the kernel emulator (tests/cuda_serve.rs).
+//!
+//! - `batch_invariance_case`: one sequence's logits through `CudaModel::forward_batch`
+//!   alone, then inside batches of 2…16 random companions and with its prompt chunked
+//!   differently: bitwise equal at every step; and close to the f32 CPU model (step 2's
+//!   tolerances).
+//! - `serve_case`: the serving engine with GPU blocks at a third of the working set, with
+//!   host offload and with recomputation: tokens and log-probs bitwise equal to the
+//!   unconstrained run; greedy tokens equal to the CPU engine's.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use half::bf16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::kernels::CheckRow;
+use super::model_checks::logits_error;
+use crate::device::cuda::context::CudaDevice;
+use crate::device::cuda::exec::{alloc, Buf, CudaExec, Exec};
+use crate::device::cuda::model::CudaModel;
+use crate::device::cuda::weights::CudaWeights;
+use crate::device::DevPtr;
+use crate::kv::{ContiguousKv, KvCache, LayerSlot};
+use crate::model::random::{random_weights, Shape};
+use crate::model::{BatchSeq, Model, PagePool, WantLogits};
+use crate::serve::{Engine, EngineConfig, RequestParams, SchedulerConfig};
+
+const BLOCK: usize = 4;
+const RMS_TOL: f32 = 0.03;
+const MAX_TOL: f32 = 0.08;
+
+/// Every layer's K and V page pool in `exec`'s memory, `[pages, BLOCK, kv_dim]` bf16 each.
+struct ExecPool {
+    _bufs: Vec<Buf>,
+    k: Vec<DevPtr<bf16>>, // [num_layers]
+    v: Vec<DevPtr<bf16>>,
+    pages: usize,
+}
+
+impl ExecPool {
+    fn new(exec: &dyn Exec, model: &Model, pages: usize) -> Result<Self> {
+        let c = &model.cfg;
+        let (mut bufs, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..c.num_layers {
+            for side in [&mut k, &mut v] {
+                let (b, p) = alloc::<bf16>(exec, pages * BLOCK * c.kv_dim())?;
+                bufs.push(b);
+                side.push(p);
+            }
+        }
+        Ok(Self {
+            _bufs: bufs,
+            k,
+            v,
+            pages,
+        })
+    }
+}
+
+// SAFETY: the pools are this check's alone and only the model's stream touches them.
+unsafe impl KvCache<bf16> for ExecPool {
+    fn reset(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn capacity(&self) -> usize {
+        self.pages * BLOCK
+    }
+    fn begin_step(&mut self, _pos0: usize, _tokens: usize) -> Result<()> {
+        Ok(())
+    }
+    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<bf16>> {
+        Ok(LayerSlot {
+            k: self.k[layer],
+            v: self.v[layer],
+            rows: self.capacity(),
+        })
+    }
+    fn end_layer(&mut self, _layer: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl PagePool<bf16> for ExecPool {
+    fn block_size(&self) -> usize {
+        BLOCK
+    }
+    fn num_pages(&self) -> usize {
+        self.pages
+    }
+}
+
+fn random_model(shape: Shape) -> Arc<Model> {
+    let cfg = shape.config();
+    Arc::new(Model::new(
+        cfg.clone(),
+        random_weights(&cfg, 11, shape.qk_gain),
+    ))
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A sequence being run by hand: its tokens so far and its pages.
+struct Seq {
+    tokens: Vec<u32>,
+    done: usize, // tokens whose K/V is stored
+    pages: Vec<u32>,
+}
+
+impl Seq {
+    /// Pages `first..first + n` in descending order: scattered, not the identity.
+    fn new(tokens: Vec<u32>, first: usize, max_len: usize) -> Self {
+        let n = max_len.div_ceil(BLOCK);
+        Self {
+            tokens,
+            done: 0,
+            pages: (first as u32..(first + n) as u32).rev().collect(),
+        }
+    }
+
+    /// The next call: up to `chunk` of the tokens not yet computed.
+    fn call(&self, chunk: usize) -> BatchSeq<'_> {
+        let end = (self.done + chunk).min(self.tokens.len());
+        BatchSeq {
+            tokens: &self.tokens[self.done..end],
+            pos0: self.done,
+            pages: &self.pages[..end.div_ceil(BLOCK)],
+            logits: if end == self.tokens.len() {
+                WantLogits::Yes
+            } else {
+                WantLogits::No
+            },
+        }
+    }
+}
+
+/// Sequence 0 (the subject) run to `steps` new tokens, greedy, its prompt in chunks of
+/// `chunk`, with `companions` random others (random lengths, random chunks) in every
+/// step; the subject's logits at each step where it sampled.
+fn subject_logits(
+    gpu: &mut CudaModel,
+    model: &Model,
+    prompt: &[u32],
+    steps: usize,
+    (companions, chunk): (usize, usize),
+    rng: &mut StdRng,
+) -> Result<Vec<Vec<f32>>> {
+    let vocab = model.cfg.vocab_size as u32;
+    let iters = prompt.len().div_ceil(chunk) + steps;
+    let per_seq = (prompt.len().max(40) + iters).div_ceil(BLOCK) + 1;
+    let mut pool = ExecPool::new(gpu.exec(), model, per_seq * (companions + 1))?;
+    let mut seqs = vec![Seq::new(prompt.to_vec(), 0, prompt.len() + steps)];
+    for i in 1..=companions {
+        let len = rng.random_range(1..40);
+        let toks = (0..len).map(|_| rng.random_range(0..vocab)).collect();
+        seqs.push(Seq::new(toks, i * per_seq, len + iters));
+    }
+    let mut out = Vec::new();
+    while out.len() < steps {
+        let calls: Vec<BatchSeq<'_>> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.call(if i == 0 {
+                    chunk
+                } else {
+                    rng.random_range(1..9)
+                })
+            })
+            .collect();
+        let lens: Vec<usize> = calls.iter().map(|c| c.tokens.len()).collect();
+        let logits = gpu.forward_batch(&calls, &mut pool)?;
+        for (i, (n, l)) in lens.into_iter().zip(logits).enumerate() {
+            seqs[i].done += n;
+            if let Some(l) = l {
+                seqs[i].tokens.push(argmax(&l));
+                if i == 0 {
+                    out.push(l);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The batched forward's batch invariance and accuracy on one random model (see the
+/// module docs).
+pub fn batch_invariance_case(exec: Arc<dyn Exec>, name: &str, shape: Shape) -> Result<CheckRow> {
+    let model = random_model(shape);
+    let c = &model.cfg;
+    let w = CudaWeights::from_model(&*exec, &model)?;
+    let mut gpu = CudaModel::new(exec, c.clone(), w, 1024)?;
+    let mut rng = StdRng::seed_from_u64(3);
+    let prompt: Vec<u32> = (0..37)
+        .map(|_| rng.random_range(0..c.vocab_size as u32))
+        .collect();
+    let steps = 4;
+    let alone = subject_logits(&mut gpu, &model, &prompt, steps, (0, 37), &mut rng)?;
+
+    // Close to the f32 CPU model on the same tokens.
+    let mut tokens = prompt.clone();
+    tokens.extend(alone.iter().take(steps - 1).map(|l| argmax(l)));
+    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, 1024);
+    let mut want = vec![model.forward(&prompt, 0, &mut kv)?];
+    for p in prompt.len()..tokens.len() {
+        want.push(model.forward(&tokens[p..p + 1], p, &mut kv)?);
+    }
+    let errs: Vec<(f32, f32)> = alone
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| logits_error(g, w))
+        .collect();
+    let (rms, max) = errs
+        .iter()
+        .fold((0f32, 0f32), |a, e| (a.0.max(e.0), a.1.max(e.1)));
+    let mut note = String::new();
+    if !errs.iter().all(|&(r, m)| r <= RMS_TOL && m <= MAX_TOL) {
+        note = format!("vs the CPU model: rel rms {rms:.3}, rel max {max:.3}");
+    }
+
+    // Bitwise the same inside batches of 2…16 and with the prompt chunked differently.
+    for run in [(1, 37), (3, 5), (7, 8), (15, 16), (0, 1)] {
+        let got = subject_logits(&mut gpu, &model, &prompt, steps, run, &mut rng)?;
+        for (step, (g, a)) in got.iter().zip(&alone).enumerate() {
+            if !g.iter().zip(a).all(|(x, y)| x.to_bits() == y.to_bits()) {
+                note = format!(
+                    "{} companions, chunks of {}: step {step} logits differ from alone",
+                    run.0, run.1
+                );
+            }
+        }
+    }
+    Ok(CheckRow {
+        name: format!("{name}: batch invariance"),
+        shape: format!("37+{steps} tok, batches 1..16"),
+        max_abs_err: rms,
+        tolerance: "bitwise; rms 3% vs CPU".into(),
+        pass: note.is_empty(),
+        note,
+    })
+}
+
+fn sched(gpu: usize, cpu: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: BLOCK,
+        num_gpu_blocks: gpu,
+        max_cpu_offload_blocks: cpu,
+        max_disk_offload_blocks: 0,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 16,
+        prefill_chunk: 8,
+    }
+}
+
+/// Eight random requests (prompts 5–69 tokens, 5–39 new tokens, run past EOS).
+fn requests(vocab: usize) -> (Vec<Vec<u32>>, Vec<RequestParams>) {
+    let mut rng = StdRng::seed_from_u64(21);
+    let hi = (vocab as u32).min(300);
+    let prompts = (0..8)
+        .map(|_| {
+            let len = rng.random_range(5..70);
+            (0..len).map(|_| rng.random_range(3..hi)).collect()
+        })
+        .collect();
+    let params = (0..8)
+        .map(|_| RequestParams {
+            max_tokens: rng.random_range(5..40),
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .collect();
+    (prompts, params)
+}
+
+/// Makes a serving engine on the device under test.
+pub type ServeEngineFactory<'a> = dyn Fn(&Model, &EngineConfig) -> Result<Engine> + 'a;
+
+/// The serving engine under preemption (see the module docs); `sanitize`: random delays
+/// on the offload run's copies (the CPU device only).
+pub fn serve_case(
+    make: &ServeEngineFactory<'_>,
+    name: &str,
+    shape: Shape,
+    sanitize: bool,
+) -> Result<Vec<CheckRow>> {
+    let model = random_model(shape);
+    let (prompts, params) = requests(model.cfg.vocab_size);
+    let ws: usize = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(BLOCK))
+        .sum();
+    let cfg = |gpu, cpu, sanitize| EngineConfig {
+        sched: sched(gpu, cpu),
+        link_gbps: 0.0,
+        sanitize,
+        disk: None,
+    };
+    let mut free = make(&model, &cfg(ws, 0, false))?;
+    let want = free.generate_with_logprobs(&prompts, &params)?;
+    let mut rows = Vec::new();
+    let mut row = |what: &str, pass: bool, note: String| {
+        rows.push(CheckRow {
+            name: format!("{name}: {what}"),
+            shape: format!("8 requests, GPU blocks {}", ws / 3),
+            max_abs_err: 0.0,
+            tolerance: "bitwise".into(),
+            pass,
+            note,
+        })
+    };
+    for (what, cpu, sanitize) in [
+        ("preempted, host offload", 1000, sanitize),
+        ("preempted, recompute", 0, false),
+    ] {
+        let mut e = make(&model, &cfg(ws / 3, cpu, sanitize))?;
+        let got = e.generate_with_logprobs(&prompts, &params)?;
+        let st = e.stats().sched;
+        let moved = cpu == 0 || (st.blocks_stored > 0 && st.blocks_loaded > 0);
+        let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        let note = format!(
+            "{} preemptions, {} blocks stored, {differ} requests differ",
+            st.preemptions, st.blocks_stored
+        );
+        row(what, st.preemptions >= 3 && moved && differ == 0, note);
+    }
+    let mut cpu = Engine::new(Arc::clone(&model), cfg(ws, 0, false))?;
+    let cpu_out = cpu.generate_with_logprobs(&prompts, &params)?;
+    let same: usize = want
+        .iter()
+        .zip(&cpu_out)
+        .map(|((g, _), (w, _))| g.iter().zip(w).take_while(|(a, b)| a == b).count())
+        .sum();
+    let total: usize = cpu_out.iter().map(|(t, _)| t.len()).sum();
+    row(
+        "greedy tokens vs CPU engine",
+        same == total,
+        format!("{same} of {total} tokens equal before the first difference"),
+    );
+    Ok(rows)
+}
+
+/// Step 6 on the GPU: a tiny Qwen3 and a Qwen3-4B-shaped 3-layer model (vocab 4,096).
+pub fn serve_check() -> Result<Vec<CheckRow>> {
+    let mut four_b = Shape::qwen3_4b();
+    four_b.layers = 3;
+    four_b.vocab = 4096;
+    let mut rows = Vec::new();
+    for (name, shape) in [("tiny qwen3", Shape::tiny()), ("qwen3-4b-shaped", four_b)] {
+        let dev = Arc::new(CudaDevice::new(0)?);
+        let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), dev.new_stream()?)?);
+        rows.push(batch_invariance_case(exec, name, shape)?);
+        let gpu = |m: &Model, c: &EngineConfig| crate::serve::device_pages::gpu_engine(m, c);
+        rows.extend(serve_case(&gpu, name, shape, false)?);
+    }
+    Ok(rows)
+}
+
+/// Step 6 on the kernel emulator (the tiny model; KV pages on the CPU device in bf16).
+pub fn serve_check_emulated() -> Result<Vec<CheckRow>> {
+    let exec: Arc<dyn Exec> = Arc::new(super::emu::EmuExec::new()?);
+    let mut rows = vec![batch_invariance_case(exec, "tiny", Shape::tiny())?];
+    let emu = super::emu::emulator_serve_engine;
+    rows.extend(serve_case(&emu, "tiny", Shape::tiny(), true)?);
+    Ok(rows)
+}

@@ -46,6 +46,16 @@ struct Target {
     emulate: bool,
 }
 
+type Checks = fn() -> Result<Vec<CheckRow>>;
+
+impl Target {
+    /// The GPU's or the emulator's version of a check step, its rows printed.
+    fn run(&self, what: &str, gpu: Checks, emulated: Checks) -> Result<()> {
+        let f = if self.emulate { emulated } else { gpu };
+        f().and_then(|r| print_rows(r, what))
+    }
+}
+
 #[derive(Args, Debug)]
 struct BenchArgs {
     /// Layers of Qwen3-4B's 36 to run (all identical; ratios are per layer).
@@ -69,30 +79,21 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Kernels(t) => kernel_rows(t.emulate).and_then(|r| print_rows(r, "kernel")),
-        Command::Logits(t) => {
-            let f = if t.emulate {
-                model_checks::logits_check_emulated
-            } else {
-                model_checks::logits_check
-            };
-            f().and_then(|r| print_rows(r, "logits"))
-        }
-        Command::Offload(t) => {
-            let f = if t.emulate {
-                model_checks::offload_check_emulated
-            } else {
-                model_checks::offload_check
-            };
-            f().and_then(|r| print_rows(r, "offload"))
-        }
-        Command::Serve(t) => {
-            let f = if t.emulate {
-                serve_checks::serve_check_emulated
-            } else {
-                serve_checks::serve_check
-            };
-            f().and_then(|r| print_rows(r, "serve"))
-        }
+        Command::Logits(t) => t.run(
+            "logits",
+            model_checks::logits_check,
+            model_checks::logits_check_emulated,
+        ),
+        Command::Offload(t) => t.run(
+            "offload",
+            model_checks::offload_check,
+            model_checks::offload_check_emulated,
+        ),
+        Command::Serve(t) => t.run(
+            "serve",
+            serve_checks::serve_check,
+            serve_checks::serve_check_emulated,
+        ),
         Command::Bandwidth => run_bandwidth(),
         Command::BenchOffload(args) => run_bench(args),
     };

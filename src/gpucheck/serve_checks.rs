@@ -22,6 +22,7 @@ use crate::device::cuda::exec::{alloc, Buf, CudaExec, Exec};
 use crate::device::cuda::model::CudaModel;
 use crate::device::cuda::weights::CudaWeights;
 use crate::device::DevPtr;
+use crate::engine::sampler::argmax;
 use crate::kv::{ContiguousKv, KvCache, LayerSlot};
 use crate::model::random::{random_weights, Shape};
 use crate::model::{BatchSeq, Model, PagePool, WantLogits};
@@ -97,16 +98,6 @@ fn random_model(shape: Shape) -> Arc<Model> {
         cfg.clone(),
         random_weights(&cfg, 11, shape.qk_gain),
     ))
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// A sequence being run by hand: its tokens so far and its pages.

@@ -265,13 +265,7 @@ impl CudaModel {
             }),
         };
         self.embed(ids, t)?;
-        for l in 0..c.num_layers {
-            let slot = kv.begin_layer(l)?;
-            self.range_l("layer", l);
-            self.layer(l, &step, slot)?;
-            self.pop();
-            kv.end_layer(l)?;
-        }
+        self.layers(&step, kv)?;
         let a = self.acts.as_ref().expect("allocated above");
         self.range("lm_head");
         let h = c.hidden_size;
@@ -321,6 +315,18 @@ impl CudaModel {
         self.exec
             .launch(&ops::rms_norm(a.x, norm, a.hn, t, h, eps))?;
         self.pop();
+        Ok(())
+    }
+
+    /// Every layer of `step`, each pulling its KV from `kv` and handing it back.
+    fn layers(&self, step: &StepPlan, kv: &mut dyn KvCache<bf16>) -> Result<()> {
+        for l in 0..self.cfg.num_layers {
+            let slot = kv.begin_layer(l)?;
+            self.range_l("layer", l);
+            self.layer(l, step, slot)?;
+            self.pop();
+            kv.end_layer(l)?;
+        }
         Ok(())
     }
 

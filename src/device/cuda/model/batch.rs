@@ -141,13 +141,7 @@ impl CudaModel {
             ),
         };
         self.embed(ids, t)?;
-        for l in 0..c.num_layers {
-            let slot = pool.begin_layer(l)?;
-            self.range_l("layer", l);
-            self.layer(l, &step, slot)?;
-            self.pop();
-            pool.end_layer(l)?;
-        }
+        self.layers(&step, pool)?;
         let mut logits = self.head_rows(want, r)?.into_iter();
         Ok(seqs
             .iter()

@@ -16,8 +16,9 @@ const HEAD_DIM: usize = 8;
 const INTER: usize = 64;
 const MAX_POS: usize = 128;
 
-/// Token strings: three specials, the 256 byte-level symbols, three merged pairs.
-fn vocab() -> Vec<String> {
+/// The three specials (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ids 0–2), then the
+/// 256 byte-level symbols in order: the start of every tiny test model's vocabulary.
+pub fn byte_level_vocab() -> Vec<String> {
     let mut v: Vec<String> = vec![
         "<|endoftext|>".into(),
         "<|im_start|>".into(),
@@ -28,6 +29,12 @@ fn vocab() -> Vec<String> {
         .collect();
     chars.sort();
     v.extend(chars.iter().map(|c| c.to_string()));
+    v
+}
+
+/// Token strings: `byte_level_vocab()` and three merged pairs.
+fn vocab() -> Vec<String> {
+    let mut v = byte_level_vocab();
     v.extend(["he", "ll", "Ġw"].map(String::from));
     v
 }

@@ -88,16 +88,7 @@ pub fn write_gguf_as(
         ));
     }
     // Vocab: specials, the 256 byte-level symbols, then fillers up to the model's size.
-    let mut tokens: Vec<String> = vec![
-        "<|endoftext|>".into(),
-        "<|im_start|>".into(),
-        "<|im_end|>".into(),
-    ];
-    let mut chars: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
-        .into_iter()
-        .collect();
-    chars.sort();
-    tokens.extend(chars.iter().map(|c| c.to_string()));
+    let mut tokens = strata::fuzz::corpus::byte_level_vocab();
     while tokens.len() < spec.vocab {
         tokens.push(format!("<extra_{}>", tokens.len()));
     }

@@ -6,7 +6,7 @@
 //! into a sink (no GPU needed) and the host's peak RSS is compared with the file's size.
 //!
 //! Environment: `STRATA_BENCH_CTX` = "1024,4096" (decode contexts), `STRATA_BENCH_STEPS` = 16
-//! (decode steps timed at each), `STRATA_BENCH_QWEN_LAYERS` = 36 (fewer to fit a small disk).
+//! (decode steps timed at each), `STRATA_BENCH_QWEN_LAYERS` = 36 (fewer to fit a small disk; 0 skips that run).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -49,6 +49,9 @@ fn main() {
         rows.push((mode, child(mode)));
     }
     report(&rows, &gguf, &st);
+    if qwen_shape().layers == 0 {
+        return; // the CUDA host-side run skipped
+    }
     let q = qwen_dir();
     if !q.join("model.safetensors").exists() {
         eprintln!(
@@ -178,9 +181,39 @@ fn run_mode(mode: &str) -> Value {
         res[format!("decode_tps_{ctx}")] = json!(decode);
         res[format!("greedy_{ctx}")] = json!(greedy);
     }
+    res["matvec_ms"] = matvec_ms(&model);
     res["weights_bytes"] = json!(model.weight_bytes());
     res["weights_resident_bytes"] = json!(model.weights.resident_bytes());
     res["peak_rss_bytes"] = json!(peak_rss());
+    res
+}
+
+/// Where a decode step's matrix time goes: one m = 1 `linear` per matrix kind over every
+/// layer (as a decode step reads them), and the lm_head; best of 5 passes, in ms.
+fn matvec_ms(model: &Model) -> Value {
+    let w = &model.weights;
+    let kinds: [(&str, Vec<&Weight>); 5] = [
+        ("qkv", w.layers.iter().map(|l| &l.wqkv).collect()),
+        ("o", w.layers.iter().map(|l| &l.wo).collect()),
+        ("gate_up", w.layers.iter().map(|l| &l.w_gate_up).collect()),
+        ("down", w.layers.iter().map(|l| &l.w_down).collect()),
+        ("lm_head", vec![w.lm_head()]),
+    ];
+    let mut res = json!({});
+    for (name, mats) in kinds {
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = Instant::now();
+            for m in &mats {
+                let s = m.shape();
+                let x: Vec<f32> = (0..s.in_features).map(|i| (i % 7) as f32 - 3.0).collect();
+                let mut out = vec![0.0f32; s.out_features];
+                strata::device::cpu::ops::linear_weight(&x, *m, None, &mut out, 1);
+            }
+            best = best.min(t.elapsed().as_secs_f64() * 1e3);
+        }
+        res[name] = json!(best);
+    }
     res
 }
 
@@ -231,6 +264,24 @@ fn report(rows: &[(&str, Value)], gguf: &Path, st: &Path) {
             ratio(v, "prefill_tps_0"),
             decode.join(" | "),
             if same { "yes" } else { "NO" }
+        );
+    }
+    println!();
+    let kinds = ["qkv", "o", "gate_up", "down", "lm_head"];
+    println!(
+        "decode matrix time, ms per token (m = 1, every layer): | configuration | {} | total |",
+        kinds.join(" | ")
+    );
+    for (mode, v) in rows {
+        let ms: Vec<f64> = kinds
+            .iter()
+            .map(|k| v["matvec_ms"][k].as_f64().unwrap())
+            .collect();
+        let cells: Vec<String> = ms.iter().map(|x| format!("{x:.2}")).collect();
+        println!(
+            "| {mode} | {} | {:.2} |",
+            cells.join(" | "),
+            ms.iter().sum::<f64>()
         );
     }
     std::io::stdout().flush().unwrap();

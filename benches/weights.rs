@@ -34,6 +34,7 @@ fn main() {
     if let Ok(job) = std::env::var(CHILD) {
         let out = match job.as_str() {
             "cuda-host" => cuda_host(&qwen_dir()),
+            "decode-interleaved" => decode_interleaved(),
             mode => run_mode(mode),
         };
         println!("{out}");
@@ -51,6 +52,17 @@ fn main() {
         rows.push((mode, child(mode)));
     }
     report(&rows, &gguf, &st);
+    eprintln!("running decode-interleaved");
+    let d = child("decode-interleaved");
+    println!();
+    println!(
+        "decode interleaved in one process, f32 and stored steps alternating ({} steps each at {} context, median step): f32 {:.1} tok/s, stored {:.1} tok/s = {:.2}×",
+        d["steps"],
+        d["context"],
+        d["f32_tps"].as_f64().unwrap(),
+        d["stored_tps"].as_f64().unwrap(),
+        d["stored_tps"].as_f64().unwrap() / d["f32_tps"].as_f64().unwrap()
+    );
     if qwen_shape().layers == 0 {
         return; // the CUDA host-side run skipped
     }
@@ -222,6 +234,59 @@ fn matvec_ms(model: &Model) -> Value {
         res[name] = json!(best);
     }
     res
+}
+
+/// The decode ratio with the machine's load shared fairly: the Q4_1 GGUF stored and
+/// widened to f32 in one process, both prefilled to the first context, then decode steps
+/// alternating between them (the same tokens); tokens/s from each one's median step.
+fn decode_interleaved() -> Value {
+    let ctx: usize = env_or("STRATA_BENCH_CTX", "1024")
+        .split(',')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let steps: usize = env_or("STRATA_BENCH_STEPS", "16").parse().unwrap();
+    let models = [
+        Model::load_as(&gguf_path(), false, WeightDtype::F32)
+            .unwrap()
+            .0,
+        Model::load(&gguf_path(), false).unwrap().0,
+    ];
+    let c = &models[0].cfg;
+    let toks: Vec<u32> = (0..ctx).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
+    let mut state: Vec<(ContiguousKv, Vec<f32>)> = models
+        .iter()
+        .map(|m| {
+            let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, ctx + steps);
+            let mut logits = Vec::new();
+            for (i, chunk) in toks.chunks(PREFILL_CHUNK).enumerate() {
+                logits = m.forward(chunk, i * PREFILL_CHUNK, &mut kv).unwrap();
+            }
+            (kv, logits)
+        })
+        .collect();
+    let mut step_s = [Vec::new(), Vec::new()];
+    for s in 0..steps {
+        for (i, m) in models.iter().enumerate() {
+            let (kv, logits) = &mut state[i];
+            let next = argmax(logits);
+            let t = Instant::now();
+            *logits = m.forward(&[next], ctx + s, kv).unwrap();
+            step_s[i].push(t.elapsed().as_secs_f64());
+        }
+        assert_eq!(state[0].1, state[1].1, "stored and f32 logits differ");
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    json!({
+        "context": ctx,
+        "steps": steps,
+        "f32_tps": 1.0 / median(&mut step_s[0]),
+        "stored_tps": 1.0 / median(&mut step_s[1]),
+    })
 }
 
 fn argmax(x: &[f32]) -> u32 {

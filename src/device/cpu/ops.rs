@@ -139,7 +139,7 @@ pub(super) fn linear_tiles<
         let j_end = (j0 + W_TILE).min(n);
         if m <= FUSED_MAX_M {
             if let Some(rows) = w.stored_rows(j0..j_end) {
-                return fused_tile::<K, FC>(kern, x, rows, j0..j_end, n, dst);
+                return fused_tile::<K, FC>(kern, x, rows, j0..j_end, (m, n), dst);
             }
         }
         // One scratch per thread, kept across calls: a fresh buffer per task would cost an
@@ -167,19 +167,18 @@ pub(super) fn linear_tiles<
     });
 }
 
-/// One tile on the fused path: weight rows `rows` (stored; the tile's first row is `j0`)
-/// dotted with every input row of `x[m, k]`, in blocks of 4, 2 or 1 input rows × `FC` or 1
-/// weight rows, into `out[m, n]`.
+/// One tile on the fused path: weight rows `tile` of `n`, stored in `rows`, dotted with
+/// every input row of `x[m, k]`, in blocks of 4, 2 or 1 input rows × `FC` or 1 weight
+/// rows, into `out[m, n]`.
 fn fused_tile<K: StoredDot, const FC: usize>(
     kern: K,
     x: &[f32],
     rows: StoredRows<'_>,
     tile: Range<usize>,
-    n: usize,
+    (m, n): (usize, usize),
     out: SyncPtr,
 ) {
     let k = rows.cols;
-    let m = x.len() / k;
     let mut i = 0;
     while i < m {
         let r = [4, 2, 1].into_iter().find(|&r| i + r <= m).unwrap_or(1);

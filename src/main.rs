@@ -122,6 +122,7 @@ struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
+    strata::engine::return_large_buffers_to_the_system();
     let cli = match errors::parse_args::<Cli>("strata") {
         Ok(cli) => cli,
         Err(code) => return code,

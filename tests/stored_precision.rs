@@ -198,3 +198,56 @@ fn default_model_stored_precision_matches_the_f32_mode_bitwise() {
         }
     }
 }
+
+/// `--dtype` on `strata bench serve` (and `strata serve`, which shares the flag's type):
+/// the f32 mode holds the widened weights, the default holds them as stored, and both
+/// generate the same tokens (`--compare` checks each run against its own unconstrained
+/// run; equal token counts across the two modes check they stopped alike). A bad value is
+/// a one-line error naming the choices, on both commands.
+#[test]
+fn dtype_on_bench_serve_and_serve() {
+    let model = require_default_model();
+    let bench = |dtype: &str| -> serde_json::Value {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["bench", "serve", "--model"])
+            .arg(&model)
+            .args([
+                "--num-seqs",
+                "2",
+                "--input-len",
+                "8:16",
+                "--output-len",
+                "4:8",
+            ])
+            .args(["--seed", "3", "--json", "--dtype", dtype])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(&stdout).unwrap()
+    };
+    let (stored, f32_mode) = (bench("stored"), bench("f32"));
+    let bytes = |v: &serde_json::Value| v["weights_bytes"].as_f64().unwrap();
+    assert!(
+        bytes(&f32_mode) > 4.0 * bytes(&stored),
+        "{stored}\n{f32_mode}"
+    );
+    assert_eq!(stored["generated_tokens"], f32_mode["generated_tokens"]);
+    for cmd in [&["bench", "serve"][..], &["serve"][..]] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(cmd)
+            .args(["--dtype", "f16"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{cmd:?}");
+        assert!(
+            stderr.contains("stored") && stderr.contains("f32") && !stderr.contains("panicked"),
+            "{cmd:?}: {stderr}"
+        );
+    }
+}

@@ -14,6 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::config::{Arch, ModelConfig};
 use super::{files, gguf_header};
+use crate::device::cpu::fused::StoredRows;
 use crate::device::cpu::ops::WeightRows;
 use crate::device::cpu::quant::{self, Format};
 use crate::errors;
@@ -343,6 +344,35 @@ impl WeightRows for Weight {
             self.row_f32(r, out);
         }
         scratch
+    }
+
+    fn stored_rows(&self, rows: Range<usize>) -> Option<StoredRows<'_>> {
+        let mut first = rows.start;
+        for s in &self.segments {
+            if first < s.rows() {
+                let Segment::Stored {
+                    rows: n,
+                    format,
+                    bytes,
+                } = s
+                else {
+                    return None;
+                };
+                if first + rows.len() > *n {
+                    return None; // spans two parts: the tile path reads it
+                }
+                let rb = format
+                    .row_bytes(self.cols)
+                    .expect("checked at construction");
+                return Some(StoredRows {
+                    format: *format,
+                    bytes: &bytes.as_slice()[first * rb..(first + rows.len()) * rb],
+                    cols: self.cols,
+                });
+            }
+            first -= s.rows();
+        }
+        None
     }
 }
 

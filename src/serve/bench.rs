@@ -14,6 +14,7 @@ use super::engine::{Engine, EngineConfig, EngineStats, RequestParams};
 use super::scheduler::SchedulerConfig;
 use crate::device::DeviceKind;
 use crate::flags;
+use crate::model::weights::WeightDtype;
 use crate::model::Model;
 
 /// An inclusive length range `A:B` (or `N` for exactly N).
@@ -107,6 +108,9 @@ pub struct ServeArgs {
     /// fails unless every run gives the same tokens.
     #[arg(long, conflicts_with = "table")]
     pub tier_table: bool,
+    /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
+    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
+    pub dtype: WeightDtype,
 }
 
 /// Random prompts and output lengths, reproducible from `seed`.
@@ -278,7 +282,7 @@ fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize) {
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
-    let (model, _tok) = Model::load(&crate::model::resolve(a.model.clone())?, false)?;
+    let (model, _tok) = Model::load_as(&crate::model::resolve(a.model.clone())?, false, a.dtype)?;
     // Checked before the requests are built: their total size follows from these flags.
     let longest = a.input_len.hi.saturating_add(a.output_len.hi);
     ensure!(
@@ -373,6 +377,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     if a.json {
         let mut obj = serde_json::json!({
             "throughput_tokens_per_s": throughput,
+            "weights_bytes": model.weight_bytes(),
             "preemptions": st.sched.preemptions,
             "blocks_stored": st.sched.blocks_stored,
             "blocks_loaded": st.sched.blocks_loaded,

@@ -23,6 +23,7 @@ use clap::Args;
 use tokio::net::TcpListener;
 
 use crate::device::DeviceKind;
+use crate::model::weights::WeightDtype;
 use crate::model::Model;
 use crate::serve::{Engine, EngineConfig, SchedulerConfig};
 use metrics::Metrics;
@@ -72,6 +73,9 @@ pub struct ServeArgs {
     /// On Ctrl-C/SIGTERM, seconds to let requests in flight finish before cancelling them.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
+    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
+    pub dtype: WeightDtype,
     #[command(flatten)]
     pub disk: crate::serve::disk::DiskArgs,
 }
@@ -302,7 +306,7 @@ fn load(
     model_path: &std::path::Path,
     engine_thread: &Mutex<Option<JoinHandle<Result<()>>>>,
 ) -> Result<()> {
-    let (model, tokenizer) = Model::load(model_path, false)?;
+    let (model, tokenizer) = Model::load_as(model_path, false, args.dtype)?;
     let (cfg, max_model_len) = engine_config(args, &model)?;
     let eos = model.cfg.eos_token_ids.clone();
     let defaults = model.cfg.generation.clone();

@@ -61,7 +61,7 @@ fn check_lengths<const R: usize, const C: usize>(xs: &[&[f32]; R], ws: &[&[f32];
 }
 
 #[inline(always)]
-fn sum_lanes(a: &[f32; LANES]) -> f32 {
+pub(super) fn sum_lanes(a: &[f32; LANES]) -> f32 {
     let h: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
     ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]))
 }

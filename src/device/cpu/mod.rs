@@ -2,6 +2,7 @@
 //! stored weight formats they read.
 
 pub mod dot;
+pub mod fused;
 pub mod ops;
 pub mod quant;
 pub mod stream;

@@ -7,12 +7,18 @@ use rayon::prelude::*;
 
 pub use super::dot::dot_fixed;
 use super::dot::{dot_block, DotKernel};
+use super::fused::{StoredDot, StoredRows};
 use crate::kv::KvRows;
 
 /// Weight rows per parallel task of `linear` (a multiple of every kernel's `NR`): the tile
 /// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only
 /// the output columns, never `k`.
 const W_TILE: usize = 24;
+
+/// Batches up to this many rows read stored weights straight into registers (the fused
+/// path, `fused.rs`); larger ones dequantize each tile once into scratch and stream every
+/// input row past it. Both give the same bits, so the switch never shows in a result.
+const FUSED_MAX_M: usize = 4;
 
 /// A weight matrix `[n, k]` (HF `[out, in]`) whose rows `linear` reads as f32.
 pub trait WeightRows: Sync {
@@ -21,6 +27,10 @@ pub trait WeightRows: Sync {
     /// Rows `rows` as f32, `[rows.len(), k]`: borrowed where stored in f32, else
     /// dequantized into `scratch` (exactly, so the result never depends on which).
     fn rows_f32<'s>(&'s self, rows: Range<usize>, scratch: &'s mut Vec<f32>) -> &'s [f32];
+    /// Rows `rows` as stored, if they lie in one stored (not f32) part of the matrix.
+    fn stored_rows(&self, _rows: Range<usize>) -> Option<StoredRows<'_>> {
+        None
+    }
 }
 
 /// A row-major f32 matrix `[n, k]` borrowed as a weight.
@@ -79,12 +89,12 @@ pub fn linear_weight<W: WeightRows>(
     // Register blocks (input rows × weight rows) that fill each ISA's registers.
     #[cfg(target_arch = "x86_64")]
     if let Some(kern) = super::dot::Avx512::detect() {
-        linear_tiles::<_, _, 4, 6>(kern, x, w, out, m);
+        linear_tiles::<_, _, 4, 6, 4>(kern, x, w, out, m);
     } else {
-        linear_tiles::<_, _, 2, 3>(BUILD_KERNEL, x, w, out, m);
+        linear_tiles::<_, _, 2, 3, 3>(BUILD_KERNEL, x, w, out, m);
     }
     #[cfg(not(target_arch = "x86_64"))]
-    linear_tiles::<_, _, 2, 3>(BUILD_KERNEL, x, w, out, m);
+    linear_tiles::<_, _, 2, 3, 3>(BUILD_KERNEL, x, w, out, m);
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(n) {
             for (o, b) in row.iter_mut().zip(b) {
@@ -107,8 +117,15 @@ const BUILD_KERNEL: super::dot::Avx2 = super::dot::Avx2;
 )))]
 const BUILD_KERNEL: super::dot::Portable = super::dot::Portable;
 
-/// Parallel over weight-row tiles; in each, `MR × NR` blocks, then the edges.
-fn linear_tiles<K: DotKernel, W: WeightRows, const MR: usize, const NR: usize>(
+/// Parallel over weight-row tiles; in each, `MR × NR` blocks, then the edges (`FC` weight
+/// rows a block on the fused path).
+pub(super) fn linear_tiles<
+    K: DotKernel + StoredDot,
+    W: WeightRows,
+    const MR: usize,
+    const NR: usize,
+    const FC: usize,
+>(
     kern: K,
     x: &[f32],
     w: &W,
@@ -118,11 +135,16 @@ fn linear_tiles<K: DotKernel, W: WeightRows, const MR: usize, const NR: usize>(
     let (n, k) = w.out_in();
     let dst = SyncPtr(out.as_mut_ptr());
     (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
+        let j0 = tile * W_TILE;
+        let j_end = (j0 + W_TILE).min(n);
+        if m <= FUSED_MAX_M {
+            if let Some(rows) = w.stored_rows(j0..j_end) {
+                return fused_tile::<K, FC>(kern, x, rows, j0..j_end, (m, n), dst);
+            }
+        }
         // One scratch per thread, kept across calls: a fresh buffer per task would cost an
         // allocation (and, past malloc's mmap threshold, page faults) per tile.
         TILE_SCRATCH.with_borrow_mut(|scratch| {
-            let j0 = tile * W_TILE;
-            let j_end = (j0 + W_TILE).min(n);
             let wt = w.rows_f32(j0..j_end, scratch); // [j_end - j0, k]
             let at = |i, j| Block { i, j, j0, k, n };
             let mut i = 0;
@@ -143,6 +165,78 @@ fn linear_tiles<K: DotKernel, W: WeightRows, const MR: usize, const NR: usize>(
             }
         })
     });
+}
+
+/// One tile on the fused path: weight rows `tile` of `n`, stored in `rows`, dotted with
+/// every input row of `x[m, k]`, in blocks of 4, 2 or 1 input rows × `FC` or 1 weight
+/// rows, into `out[m, n]`.
+fn fused_tile<K: StoredDot, const FC: usize>(
+    kern: K,
+    x: &[f32],
+    rows: StoredRows<'_>,
+    tile: Range<usize>,
+    (m, n): (usize, usize),
+    out: SyncPtr,
+) {
+    let k = rows.cols;
+    let mut i = 0;
+    while i < m {
+        let r = [4, 2, 1].into_iter().find(|&r| i + r <= m).unwrap_or(1);
+        let mut j = tile.start;
+        while j < tile.end {
+            let c = if j + FC <= tile.end { FC } else { 1 };
+            let at = Block {
+                i,
+                j,
+                j0: tile.start,
+                k,
+                n,
+            };
+            match (r, c) {
+                (4, 1) => fused_block::<K, 4, 1>(kern, x, rows, at, out),
+                (4, _) => fused_block::<K, 4, FC>(kern, x, rows, at, out),
+                (2, 1) => fused_block::<K, 2, 1>(kern, x, rows, at, out),
+                (2, _) => fused_block::<K, 2, FC>(kern, x, rows, at, out),
+                (_, 1) => fused_block::<K, 1, 1>(kern, x, rows, at, out),
+                (_, _) => fused_block::<K, 1, FC>(kern, x, rows, at, out),
+            }
+            j += c;
+        }
+        i += r;
+    }
+}
+
+/// `out[i.., j..]` for an `R × C` block of inputs × stored weight rows.
+#[inline(always)]
+fn fused_block<K: StoredDot, const R: usize, const C: usize>(
+    kern: K,
+    x: &[f32],
+    rows: StoredRows<'_>,
+    b: Block,
+    out: SyncPtr,
+) {
+    let Block { i, j, j0, k, n } = b;
+    let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(i + r) * k..(i + r + 1) * k]);
+    let ws: [&[u8]; C] = std::array::from_fn(|c| rows.row(j - j0 + c));
+    let res = kern.stored_block(rows.format, &xs, &ws);
+    write_block(&res, i, j, n, out);
+}
+
+/// Writes an `R × C` block's results at `out[i.., j..]` (`out` is `[m, n]`).
+#[inline(always)]
+fn write_block<const R: usize, const C: usize>(
+    res: &[[f32; C]; R],
+    i: usize,
+    j: usize,
+    n: usize,
+    out: SyncPtr,
+) {
+    for (r, row) in res.iter().enumerate() {
+        for (c, v) in row.iter().enumerate() {
+            // SAFETY: (i + r, j + c) is inside [m, n] and this task owns columns j..j + C.
+            unsafe { *out.at((i + r) * n + j + c) = *v };
+        }
+    }
 }
 
 thread_local! {
@@ -190,13 +284,7 @@ fn linear_block<K: DotKernel, const R: usize, const C: usize>(
     let Block { i, j, j0, k, n } = b;
     let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(i + r) * k..(i + r + 1) * k]);
     let ws: [&[f32]; C] = std::array::from_fn(|c| &wt[(j - j0 + c) * k..(j - j0 + c + 1) * k]);
-    let res = kern.block(&xs, &ws);
-    for (r, row) in res.iter().enumerate() {
-        for (c, v) in row.iter().enumerate() {
-            // SAFETY: (i + r, j + c) is inside [m, n] and this task owns columns j..j + C.
-            unsafe { *out.at((i + r) * n + j + c) = *v };
-        }
-    }
+    write_block(&kern.block(&xs, &ws), i, j, n, out);
 }
 
 /// Dot product with 16 independent accumulators so it vectorizes.

@@ -238,7 +238,7 @@ fn q8_0(x: &[u8], y: &mut [f32; 32]) {
 
 /// The 6-bit scale and min of sub-block `j` (of 8) packed in a K-quant's 12 scale bytes.
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -228,7 +228,7 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
         page_size: usize,
         bounds: Span,
     ) -> Result<()> {
-        if keys.len != bounds.len / 2 * page_size || keys.len % (row * page_size) != 0 {
+        if keys.len != bounds.len / 2 * page_size || !keys.len.is_multiple_of(row * page_size) {
             bail!(
                 "page bounds: {} keys do not make {} bounds of {page_size}-row pages",
                 keys.len,

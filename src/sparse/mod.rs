@@ -65,10 +65,10 @@ impl SparseConfig {
         if p == 0 {
             bail!("--sparse-page-size must be at least 1");
         }
-        if block_size % p != 0 {
+        if !block_size.is_multiple_of(p) {
             bail!("--sparse-page-size {p} must divide --block-size {block_size} (pages are cut from host blocks)");
         }
-        if b == 0 || b % p != 0 {
+        if b == 0 || !b.is_multiple_of(p) {
             bail!("--sparse-budget {b} must be a positive multiple of --sparse-page-size {p}");
         }
         if b < p + block_size {

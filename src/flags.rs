@@ -75,6 +75,18 @@ pub fn link_gbps(s: &str) -> Result<f64, String> {
     Ok(x)
 }
 
+/// A ratio in (0, 1000] (`--transfer-over-compute`).
+pub fn positive_ratio(s: &str) -> Result<f64, String> {
+    let x: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("expected a positive number, got {s:?}"))?;
+    if !(x > 0.0 && x <= 1000.0) {
+        return Err(format!("{s} is not in (0, 1000]"));
+    }
+    Ok(x)
+}
+
 /// A fraction in [0, 1] (`--depth`).
 pub fn fraction(s: &str) -> Result<f64, String> {
     let x: f64 = s

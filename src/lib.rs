@@ -21,5 +21,6 @@ pub mod offload;
 pub mod serve;
 pub mod server;
 pub mod session;
+pub mod sparse;
 
 pub use session::{Session, SessionConfig};

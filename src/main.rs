@@ -115,6 +115,8 @@ struct GenerateArgs {
     /// Write a Chrome/Perfetto trace of every op on every stream.
     #[arg(long, requires = "enable_offload")]
     trace_out: Option<PathBuf>,
+    #[command(flatten)]
+    sparse: strata::sparse::SparseArgs,
     /// CUDA: run decode steps A..B (0-based, B exclusive) between cuProfilerStart/Stop, for
     /// `nsys profile --capture-range=cudaProfilerApi`.
     #[arg(long, value_name = "A:B")]
@@ -195,6 +197,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         .min(max_model_len);
     let max_len = args.max_model_len.unwrap_or(request_len);
     let sanitize = args.sanitize || std::env::var("STRATA_SANITIZE").is_ok_and(|v| v == "1");
+    let sparse = args.sparse.config(args.enable_offload)?;
     let session_cfg = SessionConfig {
         device: args.device,
         max_len: if args.enable_offload {
@@ -209,6 +212,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             num_cpu_blocks: args.num_cpu_blocks,
             link_gbps: args.sim_link_gbps,
             sanitize,
+            sparse,
         }),
         trace_out: args.trace_out.clone(),
         profile: args.profile_steps,

@@ -67,6 +67,10 @@ impl SessionConfig {
         if self.trace_out.is_some() && self.offload.is_none() {
             bail!("--trace-out traces the offload engine: add --enable-offload");
         }
+        let sparse = self.offload.as_ref().is_some_and(|o| o.sparse.is_some());
+        if sparse && self.device == DeviceKind::Cuda {
+            bail!("{}", crate::device::cuda::offload_dev::SPARSE_ON_CUDA);
+        }
         if self.profile.is_some() && self.device != DeviceKind::Cuda {
             bail!("--profile-steps needs --device cuda");
         }
@@ -220,6 +224,11 @@ impl Session {
             Backend::Cpu(c) => c.offload.as_deref_mut().map(|o| o as _),
             Backend::Cuda(_, c) => c.offload.as_deref_mut().map(|o| o as _),
         }
+    }
+
+    /// Sparse decode's prefetch hits and misses over the last request, when sparse.
+    pub fn sparse_stats(&mut self) -> Option<crate::sparse::SparseStats> {
+        self.offload().and_then(|o| o.sparse_stats())
     }
 
     /// The offload engine's memory plan, when offloading.

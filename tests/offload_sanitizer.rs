@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use common::{scratch_dir, TinySpec};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::device::cpu::ops::AttnHeads;
 use strata::device::cpu::stream::TraceEvent;
 use strata::device::DevPtr;
 use strata::engine::{self, GenerateOptions, SamplingParams};
@@ -21,6 +22,7 @@ use strata::model::{weights, Model, ModelConfig};
 use strata::offload::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
 use strata::offload::engine::OFFLOAD_STREAMS;
 use strata::offload::{CpuOffloadDevice, OffloadConfig, OffloadEngine};
+use strata::sparse::SparseConfig;
 
 /// The CPU device, but the compute stream skips every wait labelled `dropped`.
 struct DroppingWait {
@@ -82,6 +84,26 @@ impl OffloadDevice for DroppingWait {
     fn take_trace(&mut self) -> anyhow::Result<Vec<TraceEvent>> {
         self.dev.take_trace()
     }
+    fn page_bounds(
+        &mut self,
+        layer: usize,
+        keys: Span,
+        row: usize,
+        page_size: usize,
+        bounds: Span,
+    ) -> anyhow::Result<()> {
+        self.dev.page_bounds(layer, keys, row, page_size, bounds)
+    }
+    fn page_scores(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        bounds: Span,
+        heads: AttnHeads,
+        pages: usize,
+    ) -> anyhow::Result<Vec<f32>> {
+        self.dev.page_scores(layer, q, bounds, heads, pages)
+    }
 }
 
 #[test]
@@ -115,12 +137,13 @@ fn a_dropped_wait_is_caught_by_the_sanitizer() {
     )
     .unwrap()
     .token_ids;
-    let run = |dropped: &'static str| {
+    let run_with = |dropped: &'static str, sparse: Option<SparseConfig>| {
         let cfg = OffloadConfig {
             num_kv_buffers: 2,
             block_size: 16,
             max_model_len: 128,
             sanitize: true,
+            sparse,
             ..Default::default()
         };
         let dev = DroppingWait {
@@ -130,6 +153,7 @@ fn a_dropped_wait_is_caught_by_the_sanitizer() {
         let mut kv = OffloadEngine::new(dev, c, cfg).unwrap();
         engine::generate_with(&model, &mut kv, 128, &prompt, &opts, &mut |_| Ok(()))
     };
+    let run = |dropped| run_with(dropped, None);
     // The wrapper itself changes nothing when it drops nothing.
     assert_eq!(run("none").unwrap().token_ids, want);
     // Decode computes before its slot's prefetch landed; prefill overwrites a slot whose
@@ -144,4 +168,18 @@ fn a_dropped_wait_is_caught_by_the_sanitizer() {
             "dropping the compute stream's {dropped:?} wait went unnoticed in three sanitized runs"
         );
     }
+    // Sparse decode: attention before the missed pages landed.
+    let sparse = Some(SparseConfig {
+        budget: 32,
+        page_size: 8,
+    });
+    let want = run_with("none", sparse).unwrap().token_ids;
+    let diverged = (0..3).any(|_| match run_with("misses-fetched", sparse) {
+        Ok(out) => out.token_ids != want,
+        Err(_) => true,
+    });
+    assert!(
+        diverged,
+        "dropping sparse decode's misses-fetched wait went unnoticed in three sanitized runs"
+    );
 }

@@ -64,6 +64,8 @@ struct Args {
     num_cpu_blocks: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
+    #[command(flatten)]
+    sparse: strata::sparse::SparseArgs,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -89,6 +91,9 @@ struct CaseReport {
     tokens_agree: Option<bool>,
     /// With --compare-offload: largest |log p(offload) - log p(resident)| over the answer tokens.
     max_logprob_diff: Option<f32>,
+    /// With --sparse-budget: the budget, and the share of selected pages already prefetched.
+    sparse_budget: Option<usize>,
+    sparse_hit_rate: Option<f64>,
 }
 
 fn main() -> ExitCode {
@@ -155,11 +160,13 @@ fn run(args: Args) -> Result<bool> {
         bail!("--input-len {longest} leaves no room for the {NEW_TOKENS}-token answer within --max-model-len {max_len}");
     }
     let offloaded = args.enable_offload || args.compare_offload;
+    let sparse = args.sparse.config(offloaded)?;
     let ocfg = offloaded.then(|| OffloadConfig {
         num_kv_buffers: args.num_kv_buffers,
         block_size: args.block_size,
         max_model_len: max_len,
         num_cpu_blocks: args.num_cpu_blocks,
+        sparse,
         ..Default::default()
     });
     let session_cfg = SessionConfig {
@@ -209,6 +216,8 @@ fn run(args: Args) -> Result<bool> {
                         / (1 << 20) as f64,
                     tokens_agree: None,
                     max_logprob_diff: None,
+                    sparse_budget: sparse.map(|s| s.budget),
+                    sparse_hit_rate: session.sparse_stats().map(|s| s.hit_rate()),
                 };
                 if args.compare_offload {
                     let (plain, _) = answer(&mut session, true, &prompt.ids, new_tokens)?;

@@ -30,6 +30,13 @@ impl<T> Clone for LayerSlot<T> {
 
 impl<T> Copy for LayerSlot<T> {}
 
+/// Sparse decode: the slot row where the step's new token's K/V goes. The slot holds the
+/// compacted context (sink page, selected pages, recent window) in position order in rows
+/// `0..row`, so the layer attends rows `0..=row`; K is stored after RoPE, so no position
+/// changes (RoPE still uses the token's true position).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewRow(pub usize);
+
 /// What the layer loop needs from a KV cache during one forward step.
 ///
 /// # Safety
@@ -50,6 +57,14 @@ pub unsafe trait KvCache<T> {
     fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<T>>;
     /// The layer's work is enqueued: record, offload, prefetch ahead.
     fn end_layer(&mut self, layer: usize) -> Result<()>;
+    /// Called by the model between `begin_layer` and attention, once the layer's query
+    /// (`[tokens, num_heads, head_dim]`, post-RoPE, f32 on the host) is known. A sparse
+    /// cache picks the rows to attend from it, makes them ready on the compute stream and
+    /// returns where the new token goes; `None` (every other cache, and prefill): attend
+    /// every position as usual.
+    fn select_rows(&mut self, _layer: usize, _query: &[f32]) -> Result<Option<NewRow>> {
+        Ok(None)
+    }
 }
 
 /// One layer's K and V memory on the CPU device, `[rows, kv_dim]` f32 each, as the model

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 
 use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
-use crate::kv::{KvCache, LayerKv};
+use crate::kv::{KvCache, LayerKv, NewRow};
 pub use config::{Arch, ModelConfig};
 pub use tokenizer::Tokenizer;
 use weights::{ModelWeights, WeightDtype};
@@ -311,7 +311,7 @@ impl Model {
             // SAFETY: the slot is this (compute) thread's until `end_layer` below, which
             // is called after the layer's work has run.
             let lkv = unsafe { LayerKv::from_slot(slot, kvd) };
-            self.layer(l, &mut a, lkv, seqs);
+            self.layer(l, &mut a, lkv, seqs, &mut |q| kv.select_rows(l, q))?;
             kv.end_layer(l)?;
         }
         Ok(a)
@@ -333,14 +333,16 @@ impl Model {
     }
 
     /// One decoder layer: reads `a.hn` (normalised input), updates the residual `a.x`, and
-    /// leaves the next layer's normalised input in `a.hn`.
+    /// leaves the next layer's normalised input in `a.hn`. `select` hands the query to the
+    /// cache (`KvCache::select_rows`: sparse decode picks the rows to attend from it).
     fn layer<L: KvLayout>(
         &self,
         l: usize,
         a: &mut Activations,
         kv: LayerKv<'_>,
         seqs: &[AttnSeq<L>],
-    ) {
+        select: &mut dyn FnMut(&[f32]) -> Result<Option<NewRow>>,
+    ) -> Result<()> {
         let cfg = &self.cfg;
         let lw = &self.weights.layers[l];
         let t = a.t;
@@ -389,8 +391,23 @@ impl Model {
         for (dst, src) in a.q.chunks_exact_mut(qd).zip(a.qkv.chunks_exact(qkv_dim)) {
             dst.copy_from_slice(&src[..qd]);
         }
-        // 4. Store the new K/V and attend over everything up to them.
-        self.store_and_attend(a, kv, seqs);
+        // 4. Store the new K/V and attend over everything up to them (or, in sparse
+        //    decode, over the rows the cache chose from the query).
+        match select(&a.q)? {
+            None => self.store_and_attend(a, kv, seqs),
+            Some(new_row) => {
+                if seqs.len() != 1 || t != 1 {
+                    bail!("sparse decode attends one sequence's one new token, got {} sequences of {t} rows", seqs.len());
+                }
+                let seq = AttnSeq {
+                    row0: 0,
+                    tokens: 1,
+                    pos0: new_row.0,
+                    kv: ContiguousRows { row: kvd },
+                };
+                self.store_and_attend(a, kv, &[seq]);
+            }
+        }
         // 5. Output projection, residual add, post-attention norm.
         ops::linear_weight(&a.attn, &lw.wo, None, &mut a.proj, t);
         ops::add_rms_norm(&mut a.x, &a.proj, &lw.mlp_norm, eps, &mut a.hn);
@@ -424,6 +441,7 @@ impl Model {
                 &mut a.hn[rows],
             );
         }
+        Ok(())
     }
 
     /// Stores each row's new K/V (in `a.qkv`) at its position, then attends each sequence's

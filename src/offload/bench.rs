@@ -1,7 +1,10 @@
 //! `strata bench offload`: layerwise offload against compute alone and transfer alone, on
 //! one model, side by side in one run. The simulated link is set (unless given) so that
-//! one layer's decode transfer takes about as long as one layer's decode compute, the
-//! point where hiding transfers behind compute matters most.
+//! one layer's decode transfer takes `--transfer-over-compute` times (default 1) one
+//! layer's decode compute. With `--sparse-budget B1,B2,..`, sparse decode at each budget
+//! runs beside full loading under the same link (decode speed, bytes per step, prefetch
+//! hit rate), and with `--needle-depth`, needle retrieval at the context length is scored
+//! for full attention and each budget.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,6 +19,7 @@ use crate::engine::sampler::argmax;
 use crate::flags;
 use crate::kv::{ContiguousKv, KvCache};
 use crate::model::Model;
+use crate::sparse::SparseConfig;
 
 /// `strata bench offload`.
 #[derive(Debug, Clone, clap::Args)]
@@ -36,6 +40,18 @@ pub struct OffloadBenchArgs {
     /// Simulated link speed [default: one layer's transfer ≈ one layer's decode compute]
     #[arg(long, value_parser = flags::link_gbps)]
     pub sim_link_gbps: Option<f64>,
+    /// Simulated link (unless --sim-link-gbps): one layer's decode transfer takes this
+    /// many times one layer's decode compute (>= 2: transfer-bound).
+    #[arg(long, default_value_t = 1.0, value_parser = flags::positive_ratio)]
+    pub transfer_over_compute: f64,
+    /// Sparse decode budgets (tokens, comma-separated), each run beside full loading.
+    #[arg(long, value_delimiter = ',', value_parser = flags::tokens())]
+    pub sparse_budget: Vec<usize>,
+    #[arg(long, default_value_t = crate::sparse::DEFAULT_PAGE_SIZE, value_parser = flags::block_size())]
+    pub sparse_page_size: usize,
+    /// Needle depths scored at the context length, full attention and each budget.
+    #[arg(long, value_delimiter = ',', value_parser = flags::fraction)]
+    pub needle_depth: Vec<f64>,
     /// Write the decode steps' Chrome/Perfetto trace here.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
@@ -50,14 +66,24 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
         trace::check_trace_out(path)?;
     }
     let path = crate::model::resolve(args.model.clone())?;
-    let (model, _) = Model::load(&path, !args.json)?;
+    for &budget in &args.sparse_budget {
+        let sc = SparseConfig {
+            budget,
+            page_size: args.sparse_page_size,
+        };
+        sc.check(args.block_size)?;
+    }
+    let (model, tok) = Model::load(&path, !args.json)?;
     let max = model.cfg.max_position_embeddings;
     if args.context == 0 || args.context + args.decode_steps >= max {
         anyhow::bail!(
             "--context must be between 1 and the model's context ({max}) minus --decode-steps"
         );
     }
-    let report = run_bench(&model, &args)?;
+    let mut report = run_bench(&model, &args)?;
+    if !args.needle_depth.is_empty() {
+        needle_scores(&model, &tok, &args, &mut report)?;
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -82,6 +108,30 @@ pub struct OffloadBenchReport {
     pub overlap_fraction: f64,
     pub h2d_bytes_per_step: f64,
     pub min_bytes_per_step: f64,
+    /// Sparse decode, one row per budget, beside the full loading above.
+    pub sparse: Vec<SparseRow>,
+    /// The first budget's sparse ÷ full decode tokens/s and bytes moved per step.
+    pub decode_speedup: Option<f64>,
+    pub bytes_per_step_ratio: Option<f64>,
+    /// Needle passes with full attention (offloaded, full loading), out of `needle_cases`.
+    pub needle_full: Option<usize>,
+    pub needle_cases: usize,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SparseRow {
+    pub budget: usize,
+    pub page_size: usize,
+    pub decode_step_ms: f64,
+    /// Sparse ÷ full-loading decode tokens/s.
+    pub decode_speedup: f64,
+    pub h2d_bytes_per_step: f64,
+    /// Sparse ÷ full-loading H2D bytes per step.
+    pub bytes_per_step_ratio: f64,
+    pub prefetch_hit_rate: f64,
+    /// Copies the misses took per step (all layers).
+    pub miss_copies_per_step: f64,
+    pub needle_passed: Option<usize>,
 }
 
 /// Resets `kv` and prefills `prompt`: (seconds, the last logits).
@@ -143,9 +193,11 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
 
     // 2. The link: one layer's decode transfer ≈ one layer's decode compute.
     let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
-    let gbps = args
-        .sim_link_gbps
-        .unwrap_or(bytes_per_layer as f64 / (step_compute / c.num_layers as f64) / 1e9);
+    let gbps = args.sim_link_gbps.unwrap_or(
+        bytes_per_layer as f64
+            / (args.transfer_over_compute * step_compute / c.num_layers as f64)
+            / 1e9,
+    );
     let step_transfer = transfer_only_step(gbps, c.num_layers, bytes_per_layer)?;
 
     // 3. Offload under that link, decode traced.
@@ -156,7 +208,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
         link_gbps: gbps,
         ..Default::default()
     };
-    let mut engine = CpuOffloadEngine::on_cpu(c, cfg)?;
+    let mut engine = CpuOffloadEngine::on_cpu(c, cfg.clone())?;
     let (prefill_offload, logits) = prefill(model, &mut engine, &prompt)?;
     engine.take_trace()?;
     engine.set_tracing(true)?;
@@ -168,7 +220,46 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
     }
     let (h2d, _) = trace::link_bytes(&events);
     let steps = args.decode_steps.max(1) as f64;
+
+    // 4. Sparse decode at each budget, same link, same prompt.
+    let mut sparse = Vec::new();
+    for &budget in &args.sparse_budget {
+        let sc = SparseConfig {
+            budget,
+            page_size: args.sparse_page_size,
+        };
+        let mut e = CpuOffloadEngine::on_cpu(
+            c,
+            OffloadConfig {
+                sparse: Some(sc),
+                ..cfg.clone()
+            },
+        )?;
+        let (_, logits) = prefill(model, &mut e, &prompt)?;
+        e.take_trace()?;
+        e.set_tracing(true)?;
+        let step = decode(model, &mut e, logits, prompt.len(), args.decode_steps)?;
+        e.set_tracing(false)?;
+        let (bytes, _) = trace::link_bytes(&e.take_trace()?);
+        let stats = e.sparse_stats().unwrap_or_default();
+        sparse.push(SparseRow {
+            budget,
+            page_size: sc.page_size,
+            decode_step_ms: step * 1e3,
+            decode_speedup: step_offload / step,
+            h2d_bytes_per_step: bytes as f64 / steps,
+            bytes_per_step_ratio: bytes as f64 / h2d.max(1) as f64,
+            prefetch_hit_rate: stats.hit_rate(),
+            miss_copies_per_step: stats.miss_copies as f64 / steps,
+            needle_passed: None,
+        });
+    }
     Ok(OffloadBenchReport {
+        decode_speedup: sparse.first().map(|r| r.decode_speedup),
+        bytes_per_step_ratio: sparse.first().map(|r| r.bytes_per_step_ratio),
+        sparse,
+        needle_full: None,
+        needle_cases: 0,
         context: args.context,
         num_kv_buffers: args.num_kv_buffers,
         block_size: args.block_size,
@@ -229,6 +320,113 @@ impl std::fmt::Display for OffloadBenchReport {
             self.h2d_bytes_per_step / (1 << 20) as f64,
             self.min_bytes_per_step / (1 << 20) as f64,
             self.h2d_bytes_per_step / self.min_bytes_per_step
-        )
+        )?;
+        let needle =
+            |n: Option<usize>| n.map_or("-".into(), |n| format!("{n}/{}", self.needle_cases));
+        if !self.sparse.is_empty() || self.needle_full.is_some() {
+            write!(
+                f,
+                "\n{:>8} {:>5} {:>10} {:>8} {:>11} {:>7} {:>8} {:>12} {:>7}",
+                "budget",
+                "page",
+                "step_ms",
+                "speedup",
+                "MiB/step",
+                "bytes",
+                "hit_rate",
+                "miss_copies",
+                "needle"
+            )?;
+            write!(
+                f,
+                "\n{:>8} {:>5} {:>10.2} {:>8} {:>11.2} {:>7} {:>8} {:>12} {:>7}",
+                "full",
+                "-",
+                self.decode_step_ms_offload,
+                "1.00x",
+                self.h2d_bytes_per_step / (1 << 20) as f64,
+                "1.000",
+                "-",
+                "-",
+                needle(self.needle_full)
+            )?;
+        }
+        for r in &self.sparse {
+            write!(
+                f,
+                "\n{:>8} {:>5} {:>10.2} {:>7.2}x {:>11.2} {:>7.3} {:>7.1}% {:>12.1} {:>7}",
+                r.budget,
+                r.page_size,
+                r.decode_step_ms,
+                r.decode_speedup,
+                r.h2d_bytes_per_step / (1 << 20) as f64,
+                r.bytes_per_step_ratio,
+                r.prefetch_hit_rate * 100.0,
+                r.miss_copies_per_step,
+                needle(r.needle_passed)
+            )?;
+        }
+        Ok(())
     }
+}
+
+/// Needle retrieval at the context length with full loading and each budget, offloaded,
+/// one engine per setting; a case passes when the greedy answer contains the value.
+fn needle_scores(
+    model: &Arc<Model>,
+    tok: &crate::model::Tokenizer,
+    args: &OffloadBenchArgs,
+    report: &mut OffloadBenchReport,
+) -> Result<()> {
+    use crate::needle::{answer_found, Case, NeedleKind};
+    const NEW_TOKENS: usize = 32;
+    let c = &model.cfg;
+    let prompts = args
+        .needle_depth
+        .iter()
+        .enumerate()
+        .map(|(i, &depth)| {
+            Case {
+                input_len: args.context,
+                depth,
+                kind: NeedleKind::MagicNumber,
+                seed: i as u64,
+            }
+            .build(tok)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let opts = crate::engine::GenerateOptions {
+        max_tokens: NEW_TOKENS,
+        sampling: crate::engine::SamplingParams::default(),
+        stop_ids: c.eos_token_ids.clone(),
+    };
+    let budgets: Vec<Option<usize>> = std::iter::once(None)
+        .chain(args.sparse_budget.iter().copied().map(Some))
+        .collect();
+    for (i, budget) in budgets.into_iter().enumerate() {
+        let cfg = OffloadConfig {
+            num_kv_buffers: args.num_kv_buffers,
+            block_size: args.block_size,
+            max_model_len: args.context + NEW_TOKENS + 1,
+            sparse: budget.map(|budget| SparseConfig {
+                budget,
+                page_size: args.sparse_page_size,
+            }),
+            ..Default::default()
+        };
+        let mut e = CpuOffloadEngine::on_cpu(c, cfg)?;
+        let cap = e.capacity();
+        let mut passed = 0;
+        for p in &prompts {
+            let out =
+                crate::engine::generate_with(model, &mut e, cap, &p.ids, &opts, &mut |_| Ok(()))?;
+            passed += usize::from(answer_found(&tok.decode(&out.token_ids, true)?, &p.value));
+        }
+        match i {
+            0 => report.needle_full = Some(passed),
+            _ => report.sparse[i - 1].needle_passed = Some(passed),
+        }
+    }
+    report.needle_cases = prompts.len();
+    Ok(())
 }

@@ -17,12 +17,15 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 
 use super::device::{Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole};
+use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::{CpuDevice, Event, Link, MemSpace, Stream, TraceEvent};
 use crate::device::DevPtr;
+use crate::sparse::KvElem;
 
 pub struct CpuOffloadDevice<T> {
     dev: Arc<CpuDevice>,
     prefetch: Stream,
+    miss: Stream, // sparse decode's misses
     offload: Vec<Stream>,
     events: Vec<Event>,
     mem: Allocations<Vec<u128>>, // u128: 16-byte aligned, as kernels' vector loads expect
@@ -36,6 +39,7 @@ impl<T> CpuOffloadDevice<T> {
         let dev = CpuDevice::new(link_gbps, sanitize);
         Self {
             prefetch: Stream::new(&dev, "h2d-prefetch"),
+            miss: Stream::new(&dev, "h2d-miss"),
             offload: (0..offload_streams)
                 .map(|i| Stream::new(&dev, &format!("d2h-offload-{i}")))
                 .collect(),
@@ -47,11 +51,20 @@ impl<T> CpuOffloadDevice<T> {
         }
     }
 
+    fn sync_streams(&self) {
+        self.prefetch.synchronize();
+        self.miss.synchronize();
+        for o in &self.offload {
+            o.synchronize();
+        }
+    }
+
     /// `None`: the compute stream, which is the calling thread.
     fn stream(&self, s: StreamRole) -> Option<&Stream> {
         match s {
             StreamRole::Compute => None,
             StreamRole::Prefetch => Some(&self.prefetch),
+            StreamRole::Miss => Some(&self.miss),
             StreamRole::Offload(i) => Some(&self.offload[i % self.offload.len()]),
         }
     }
@@ -81,7 +94,7 @@ impl<T> CpuOffloadDevice<T> {
     }
 }
 
-impl<T> OffloadDevice for CpuOffloadDevice<T> {
+impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
     type Elem = T;
 
     fn num_offload_streams(&self) -> usize {
@@ -187,10 +200,7 @@ impl<T> OffloadDevice for CpuOffloadDevice<T> {
     }
 
     fn sync_all(&mut self) -> Result<()> {
-        self.prefetch.synchronize();
-        for o in &self.offload {
-            o.synchronize();
-        }
+        self.sync_streams();
         Ok(())
     }
 
@@ -213,11 +223,70 @@ impl<T> OffloadDevice for CpuOffloadDevice<T> {
         self.sync_all()?;
         Ok(self.dev.take_trace())
     }
+
+    fn page_bounds(
+        &mut self,
+        layer: usize,
+        keys: Span,
+        row: usize,
+        page_size: usize,
+        bounds: Span,
+    ) -> Result<()> {
+        if keys.len != bounds.len / 2 * page_size || !keys.len.is_multiple_of(row * page_size) {
+            bail!(
+                "page bounds: {} keys do not make {} bounds of {page_size}-row pages",
+                keys.len,
+                bounds.len
+            );
+        }
+        if keys.mem == bounds.mem {
+            bail!("page bounds: keys and bounds share an allocation");
+        }
+        let start = self.dev.now_us();
+        let (k, b) = (self.addr(keys)? as *const T, self.addr(bounds)? as *mut T);
+        // SAFETY: both spans lie inside distinct allocations (checked above); the compute
+        // stream is this thread and owns the slot, decode buffer and bounds it reads and
+        // writes (the engine waited for their copies).
+        let (k, b) = unsafe {
+            (
+                std::slice::from_raw_parts(k, keys.len),
+                std::slice::from_raw_parts_mut(b, bounds.len),
+            )
+        };
+        crate::sparse::page_bounds(k, row, page_size, b);
+        self.trace_compute("page-bounds", Some(layer), 0, start);
+        Ok(())
+    }
+
+    fn page_scores(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        bounds: Span,
+        heads: AttnHeads,
+        pages: usize,
+    ) -> Result<Vec<f32>> {
+        let row = heads.num_kv_heads * heads.head_dim;
+        if bounds.len != pages * 2 * row || q.len() != heads.num_heads * heads.head_dim {
+            bail!(
+                "page scores: {pages} pages, {} bound values, query of {}",
+                bounds.len,
+                q.len()
+            );
+        }
+        let start = self.dev.now_us();
+        // SAFETY: inside an allocation of this device (checked by `addr`); the compute
+        // stream (this thread) wrote the bounds and nothing else writes them meanwhile.
+        let b = unsafe { std::slice::from_raw_parts(self.addr(bounds)? as *const T, bounds.len) };
+        let scores = crate::sparse::page_scores(q, b, heads, pages);
+        self.trace_compute("page-scores", Some(layer), 0, start);
+        Ok(scores)
+    }
 }
 
 impl<T> Drop for CpuOffloadDevice<T> {
     /// The streams must not outlive the memory their queued copies address.
     fn drop(&mut self) {
-        let _ = self.sync_all();
+        self.sync_streams();
     }
 }

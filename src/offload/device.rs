@@ -5,6 +5,7 @@
 
 use anyhow::{bail, Result};
 
+use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
 use crate::device::DevPtr;
 
@@ -17,6 +18,10 @@ pub enum StreamRole {
     Prefetch,
     /// Device → host offload, a pool: consecutive layers' offloads run side by side.
     Offload(usize),
+    /// Sparse decode: host → device fetch of the pages a layer selected but was not
+    /// prefetched with (its own stream, so it does not queue behind the next layers'
+    /// prefetches; it shares the link with them).
+    Miss,
 }
 
 /// An event created by the device.
@@ -131,4 +136,26 @@ pub trait OffloadDevice {
     fn set_tracing(&mut self, on: bool) -> Result<()>;
     /// The ops traced so far (waits for them).
     fn take_trace(&mut self) -> Result<Vec<TraceEvent>>;
+    /// Sparse decode, queued on the compute stream: the channel-wise min and max of K over
+    /// each `page_size`-row page of `keys` (`[pages · page_size, row]`) into `bounds`
+    /// (`[pages, 2, row]`). Reference: `crate::sparse::page_bounds`.
+    fn page_bounds(
+        &mut self,
+        layer: usize,
+        keys: Span,
+        row: usize,
+        page_size: usize,
+        bounds: Span,
+    ) -> Result<()>;
+    /// Sparse decode: each page's score (`crate::sparse::page_scores`) for the query `q`
+    /// (`[num_heads, head_dim]`), after the compute stream's work so far; the host needs
+    /// them to issue the copies, so this blocks (on CUDA: kernel, small D2H, event).
+    fn page_scores(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        bounds: Span,
+        heads: AttnHeads,
+        pages: usize,
+    ) -> Result<Vec<f32>>;
 }

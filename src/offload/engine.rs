@@ -8,9 +8,11 @@ use anyhow::{bail, Result};
 use super::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
 use super::ring::{ReleasedAfter, Ring};
 use super::{MemoryPlan, OffloadConfig};
+use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
-use crate::kv::{KvCache, LayerSlot};
+use crate::kv::{KvCache, LayerSlot, NewRow};
 use crate::model::ModelConfig;
+use crate::sparse::{self, Page, SparseConfig, SparseStats};
 
 /// D2H streams in the offload pool: consecutive layers' offloads run side by side.
 pub const OFFLOAD_STREAMS: usize = 2;
@@ -54,6 +56,26 @@ pub struct OffloadEngine<D: OffloadDevice> {
     /// Tokens whose KV is stored (host blocks + decode buffer).
     seq_len: usize,
     step: Step,
+    sparse: Option<Sparse>,
+}
+
+/// Sparse decode's state (`crate::sparse`; docs/offload.md, "Sparse decode").
+struct Sparse {
+    cfg: SparseConfig,
+    heads: AttnHeads,
+    bounds: MemId, // [num_layers, max_pages, 2, row]: min and max of K per page (device)
+    max_pages: usize,
+    /// Per layer: the pages its slot was prefetched with (`loaded[l][j]` at slot page `j`).
+    loaded: Vec<Vec<Page>>,
+    /// Per layer: the pages it attended at its last decode step (the next prediction).
+    chosen: Vec<Vec<Page>>,
+    /// The layer computing now: where its new token goes, and whether its rows were
+    /// selected (the model must call `select_rows` before attending).
+    new_row: usize,
+    selected: bool,
+    moves_done: EventId, // compute: moves of prefetched pages inside the slot queued
+    misses_done: EventId, // miss stream: the missed pages are in the slot
+    stats: SparseStats,
 }
 
 impl<D: OffloadDevice> OffloadEngine<D> {
@@ -81,6 +103,29 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             });
         }
         let layer_stored = (0..l).map(|_| d.new_event()).collect::<Result<Vec<_>>>()?;
+        let sparse = match cfg.sparse {
+            None => None,
+            Some(sc) => {
+                let max_pages = plan.num_cpu_blocks * bs / sc.page_size;
+                Some(Sparse {
+                    cfg: sc,
+                    heads: AttnHeads {
+                        num_heads: model.num_heads,
+                        num_kv_heads: model.num_kv_heads,
+                        head_dim: model.head_dim,
+                    },
+                    bounds: d.alloc(Space::Device, l * max_pages * 2 * row)?,
+                    max_pages,
+                    loaded: vec![Vec::new(); l],
+                    chosen: vec![Vec::new(); l],
+                    new_row: 0,
+                    selected: false,
+                    moves_done: d.new_event()?,
+                    misses_done: d.new_event()?,
+                    stats: SparseStats::default(),
+                })
+            }
+        };
         let mut e = Self {
             depth: (n - 1).min(l),
             num_layers: l,
@@ -94,6 +139,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             ahead: 0,
             seq_len: 0,
             step: Step::Idle,
+            sparse,
             cfg,
             plan,
             d,
@@ -109,6 +155,46 @@ impl<D: OffloadDevice> OffloadEngine<D> {
 
     fn dbuf_at(&self, layer: usize) -> usize {
         layer * self.cfg.block_size * self.row
+    }
+
+    /// Sparse: layer `layer`'s bounds from page `page` on.
+    fn bounds_at(&self, sp: &Sparse, layer: usize, page: usize) -> usize {
+        (layer * sp.max_pages + page) * 2 * self.row
+    }
+
+    /// Sparse: elements of K (or V) in `pages` pages.
+    fn page_elems(&self, sp: &Sparse, pages: usize) -> usize {
+        pages * sp.cfg.page_size * self.row
+    }
+
+    /// Sparse, on the compute stream: the bounds of `tokens / page_size` pages of `keys`
+    /// (device K at element `off`) into layer `layer`'s bounds from page `page`.
+    fn queue_bounds(
+        &mut self,
+        layer: usize,
+        (keys, off): (MemId, usize),
+        page: usize,
+        tokens: usize,
+    ) -> Result<()> {
+        let Some(sp) = &self.sparse else {
+            return Ok(());
+        };
+        let pages = tokens / sp.cfg.page_size;
+        if pages == 0 {
+            return Ok(());
+        }
+        let keys = Span {
+            mem: keys,
+            off,
+            len: self.page_elems(sp, pages),
+        };
+        let bounds = Span {
+            mem: sp.bounds,
+            off: self.bounds_at(sp, layer, page),
+            len: pages * 2 * self.row,
+        };
+        let (row, ps) = (self.row, sp.cfg.page_size);
+        self.d.page_bounds(layer, keys, row, ps, bounds)
     }
 
     fn offload_stream(&self, layer: usize) -> StreamRole {
@@ -165,16 +251,35 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         }
     }
 
-    /// Decode: queues the H2D of `layer`'s full host blocks (`0..full_blocks`) into its
-    /// slot, for this step or, when `next_step`, for the next.
-    fn prefetch_layer(&mut self, layer: usize, full_blocks: usize, next_step: bool) -> Result<()> {
+    /// Decode: queues the H2D of `layer`'s full host blocks (of a step at `pos`) into its
+    /// slot, for this step or, when `next_step`, for the next; sparse: the pages predicted.
+    fn prefetch_layer(&mut self, layer: usize, pos: usize, next_step: bool) -> Result<()> {
         let (s, after) = self.state.begin_load(layer, next_step)?;
         let p = StreamRole::Prefetch;
         self.wait_released(p, s, after)?;
         self.d.wait(p, self.layer_stored[layer], "layer-stored")?;
-        let len = full_blocks * self.cfg.block_size * self.row;
-        let src = (self.host, self.host_at(layer, 0));
-        self.copy_kv(p, ["h2d-k", "h2d-v"], layer, src, (self.ring[s], 0), len)?;
+        let names = ["h2d-k", "h2d-v"];
+        if let Some(sp) = &mut self.sparse {
+            // The pages this layer chose last step (its query is not known yet): runs
+            // contiguous in host memory, one copy each.
+            let (candidates, count) = sp.cfg.slot_pages(pos, self.cfg.block_size);
+            sp.loaded[layer] = sparse::predict(&sp.chosen[layer], candidates, count);
+            let runs = sparse::fetch_runs(&sp.loaded[layer]);
+            let sp = self.sparse.as_ref().expect("sparse");
+            let at = |p: usize| self.page_elems(sp, p);
+            let copies: Vec<_> = runs
+                .iter()
+                .map(|r| (at(r.src), at(r.dst), at(r.pages)))
+                .collect();
+            for (src, dst, len) in copies {
+                let src = (self.host, self.host_at(layer, 0) + src);
+                self.copy_kv(p, names, layer, src, (self.ring[s], dst), len)?;
+            }
+        } else {
+            let len = pos / self.cfg.block_size * self.cfg.block_size * self.row;
+            let src = (self.host, self.host_at(layer, 0));
+            self.copy_kv(p, names, layer, src, (self.ring[s], 0), len)?;
+        }
         self.d.record(p, self.slots[s].ready)
     }
 
@@ -184,11 +289,10 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let target = layer + self.depth;
         if target < self.num_layers {
             if let Step::Decode { pos } = self.step {
-                self.prefetch_layer(target, pos / self.cfg.block_size, false)?;
+                self.prefetch_layer(target, pos, false)?;
             }
         } else if target - self.num_layers < self.depth && next_pos < self.capacity() {
-            let full = next_pos / self.cfg.block_size;
-            self.prefetch_layer(target - self.num_layers, full, true)?;
+            self.prefetch_layer(target - self.num_layers, next_pos, true)?;
             self.ahead += 1;
         }
         if layer + 1 == self.num_layers {
@@ -237,11 +341,21 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let (full, r) = (pos / bs, pos % bs);
         let dbuf = (self.dbuf, self.dbuf_at(layer) + r * self.row);
         let names = ["slot-to-dbuf-k", "slot-to-dbuf-v"];
+        // Sparse: the new token sits after the compacted rows, not at its position.
+        let new_row = match &mut self.sparse {
+            Some(sp) => {
+                if !std::mem::take(&mut sp.selected) {
+                    bail!("sparse decode: layer {layer} attended without selecting its rows (the model must call select_rows)");
+                }
+                sp.new_row
+            }
+            None => pos,
+        };
         self.copy_kv(
             c,
             names,
             layer,
-            (self.ring[s], pos * self.row),
+            (self.ring[s], new_row * self.row),
             dbuf,
             self.row,
         )?;
@@ -267,8 +381,96 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                 bs * self.row,
             )?;
             self.d.record(o, self.layer_stored[layer])?;
+            // The block's pages become candidates: their bounds, from the decode buffer,
+            // on the compute stream (which wrote it).
+            if let Some(sp) = &self.sparse {
+                let page = full * bs / sp.cfg.page_size;
+                self.queue_bounds(layer, (self.dbuf.k, self.dbuf_at(layer)), page, bs)?;
+            }
         }
         Ok(())
+    }
+
+    /// Sparse decode at `pos`: chooses `layer`'s pages from its query and turns the slot
+    /// it was prefetched with into them, in position order (moves inside the slot on the
+    /// compute stream, misses fetched on the miss stream and waited for there).
+    fn select(&mut self, layer: usize, pos: usize, q: &[f32]) -> Result<NewRow> {
+        let c = StreamRole::Compute;
+        let s = self.state.slot_of(layer);
+        let sp = self.sparse.as_ref().expect("sparse");
+        let (candidates, count) = sp.cfg.slot_pages(pos, self.cfg.block_size);
+        let heads = sp.heads;
+        if q.len() != heads.num_heads * heads.head_dim {
+            bail!(
+                "sparse decode: a query of {} values, one token's is {}",
+                q.len(),
+                heads.num_heads * heads.head_dim
+            );
+        }
+        let chosen = if candidates == count {
+            (0..candidates as Page).collect()
+        } else {
+            let bounds = Span {
+                mem: sp.bounds,
+                off: self.bounds_at(sp, layer, 0),
+                len: candidates * 2 * self.row,
+            };
+            let scores = self.d.page_scores(layer, q, bounds, heads, candidates)?;
+            sparse::choose(&scores, candidates, count - 1)
+        };
+        let sp = self.sparse.as_ref().expect("sparse");
+        let plan = sparse::compaction(&sp.loaded[layer], &chosen);
+        let at = |p: usize| self.page_elems(sp, p);
+        let moves: Vec<_> = plan
+            .moves
+            .iter()
+            .map(|r| (at(r.src), at(r.dst), at(r.pages)))
+            .collect();
+        let fetches: Vec<_> = plan
+            .fetches
+            .iter()
+            .map(|r| (at(r.src), at(r.dst), at(r.pages)))
+            .collect();
+        let (moves_done, misses_done) = (sp.moves_done, sp.misses_done);
+        let slot = self.ring[s];
+        for (src, dst, len) in moves {
+            self.copy_kv(
+                c,
+                ["move-k", "move-v"],
+                layer,
+                (slot, src),
+                (slot, dst),
+                len,
+            )?;
+        }
+        if !fetches.is_empty() {
+            let m = StreamRole::Miss;
+            self.d.record(c, moves_done)?;
+            self.d.wait(m, moves_done, "slot-moves-done")?;
+            self.d.wait(m, self.layer_stored[layer], "layer-stored")?;
+            for &(src, dst, len) in &fetches {
+                let src = (self.host, self.host_at(layer, 0) + src);
+                self.copy_kv(
+                    m,
+                    ["h2d-miss-k", "h2d-miss-v"],
+                    layer,
+                    src,
+                    (slot, dst),
+                    len,
+                )?;
+            }
+            self.d.record(m, misses_done)?;
+            self.d.wait(c, misses_done, "misses-fetched")?;
+        }
+        let sp = self.sparse.as_mut().expect("sparse");
+        sp.stats.selections += usize::from(candidates > count);
+        sp.stats.hit_pages += plan.hits;
+        sp.stats.miss_pages += plan.misses;
+        sp.stats.miss_copies += fetches.len();
+        sp.loaded[layer] = chosen.clone();
+        sp.chosen[layer] = chosen;
+        sp.selected = true;
+        Ok(NewRow(sp.new_row))
     }
 }
 
@@ -285,6 +487,22 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         self.ahead = 0;
         self.seq_len = 0;
         self.step = Step::Idle;
+        let num_layers = self.num_layers;
+        if let Some(sp) = &mut self.sparse {
+            sp.loaded.iter_mut().for_each(Vec::clear);
+            sp.chosen.iter_mut().for_each(Vec::clear);
+            sp.selected = false;
+            sp.stats = SparseStats::default();
+        }
+        if let (Some(sp), true) = (&self.sparse, self.cfg.sanitize) {
+            let len = self.bounds_at(sp, num_layers, 0);
+            let whole = Span {
+                mem: sp.bounds,
+                off: 0,
+                len,
+            };
+            self.d.poison(StreamRole::Compute, whole)?;
+        }
         if self.cfg.sanitize {
             let c = StreamRole::Compute;
             let whole = |mem, len| Span { mem, off: 0, len };
@@ -329,9 +547,8 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         };
         if let Step::Decode { pos } = self.step {
             // Layers not already prefetched during the previous step's tail.
-            let full = pos / self.cfg.block_size;
             for layer in self.ahead..self.depth {
-                self.prefetch_layer(layer, full, false)?;
+                self.prefetch_layer(layer, pos, false)?;
             }
         }
         self.ahead = 0;
@@ -351,8 +568,21 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
                 self.d.wait(c, self.slots[s].ready, "slot-ready")?;
                 // The decode buffer of this layer may still be read by an offload stream.
                 self.d.wait(c, self.layer_stored[layer], "layer-stored")?;
-                // Append the partial block so the attention sees one contiguous context.
-                let (r, base) = (pos % self.cfg.block_size, pos - pos % self.cfg.block_size);
+                // Append the partial block so the attention sees one contiguous context
+                // (sparse: after the compacted pages, whose number the query does not
+                // change).
+                let r = pos % self.cfg.block_size;
+                let base = match &self.sparse {
+                    None => pos - r,
+                    Some(sp) => {
+                        let (_, count) = sp.cfg.slot_pages(pos, self.cfg.block_size);
+                        let base = count * sp.cfg.page_size;
+                        let sp = self.sparse.as_mut().expect("sparse");
+                        sp.new_row = base + r;
+                        sp.selected = false;
+                        base
+                    }
+                };
                 let (dbuf, slot) = (
                     (self.dbuf, self.dbuf_at(layer)),
                     (self.ring[s], base * self.row),
@@ -377,6 +607,9 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         match self.step {
             Step::Prefill { tokens } => {
                 self.state.end_compute(layer)?;
+                // Sparse: the bounds of the full blocks' pages, before the slot is released.
+                let full = tokens / self.cfg.block_size * self.cfg.block_size;
+                self.queue_bounds(layer, (self.ring[s].k, 0), 0, full)?;
                 self.d
                     .record(StreamRole::Compute, self.slots[s].compute_done)?;
                 self.offload_prefill(layer, s, tokens)?;
@@ -389,6 +622,13 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
             Step::Idle => bail!("offload engine: end_layer outside a step"),
         }
     }
+
+    fn select_rows(&mut self, layer: usize, query: &[f32]) -> Result<Option<NewRow>> {
+        match (self.step, &self.sparse) {
+            (Step::Decode { pos }, Some(_)) => self.select(layer, pos, query).map(Some),
+            _ => Ok(None),
+        }
+    }
 }
 
 /// What a session asks of an offload engine besides the KV seam, whatever its element type.
@@ -398,6 +638,8 @@ pub trait OffloadControl {
     fn set_tracing(&mut self, on: bool) -> Result<()>;
     /// The ops traced so far (waits for them).
     fn take_trace(&mut self) -> Result<Vec<TraceEvent>>;
+    /// Sparse decode's prefetch hits and misses since the last reset.
+    fn sparse_stats(&self) -> Option<SparseStats>;
 }
 
 /// An offload engine behind the KV seam, whatever its device: what a session holds.
@@ -416,6 +658,10 @@ impl<D: OffloadDevice> OffloadControl for OffloadEngine<D> {
 
     fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
         self.d.take_trace()
+    }
+
+    fn sparse_stats(&self) -> Option<SparseStats> {
+        self.sparse.as_ref().map(|sp| sp.stats)
     }
 }
 

@@ -26,6 +26,7 @@ pub mod trace;
 use anyhow::{bail, Result};
 
 use crate::model::ModelConfig;
+use crate::sparse::SparseConfig;
 pub use cpu_device::CpuOffloadDevice;
 pub use engine::{OffloadControl, OffloadEngine, OffloadKv};
 
@@ -57,6 +58,8 @@ pub struct OffloadConfig {
     pub link_gbps: f64,
     /// Poison released slots with NaN and delay copies at random.
     pub sanitize: bool,
+    /// Sparse decode: attend (and load) only the best pages up to a budget.
+    pub sparse: Option<SparseConfig>,
 }
 
 impl Default for OffloadConfig {
@@ -68,6 +71,7 @@ impl Default for OffloadConfig {
             num_cpu_blocks: None,
             link_gbps: 0.0,
             sanitize: false,
+            sparse: None,
         }
     }
 }
@@ -80,6 +84,8 @@ pub struct MemoryPlan {
     pub ring_bytes: usize,
     pub decode_buffer_bytes: usize,
     pub host_kv_bytes: usize,
+    /// Sparse decode's page bounds (min and max of K per page and channel), on the device.
+    pub page_bounds_bytes: usize,
 }
 
 impl std::fmt::Display for MemoryPlan {
@@ -93,7 +99,15 @@ impl std::fmt::Display for MemoryPlan {
             mib(self.decode_buffer_bytes),
             mib(self.host_kv_bytes),
             self.num_cpu_blocks
-        )
+        )?;
+        if self.page_bounds_bytes > 0 {
+            write!(
+                f,
+                ", sparse page bounds {:.1} MiB",
+                mib(self.page_bounds_bytes)
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -138,6 +152,15 @@ impl OffloadConfig {
         let decode_buffer_bytes = mul(model.num_layers, block_bytes)?;
         let host_kv_bytes = mul(decode_buffer_bytes, num_cpu_blocks)?;
         let ring_bytes = mul(mul(kv * self.num_kv_buffers, slot_tokens)?, row_bytes)?;
+        let page_bounds_bytes = match &self.sparse {
+            None => 0,
+            Some(sc) => {
+                sc.check(self.block_size)?;
+                // [num_layers, pages, min | max, row]
+                let pages = mul(num_cpu_blocks, self.block_size)? / sc.page_size;
+                mul(mul(model.num_layers, pages)?, mul(2, row_bytes)?)?
+            }
+        };
         // Linux overcommits: a too-large allocation "succeeds" and the OOM killer strikes
         // when it is touched. Refuse up front a host KV that cannot fit.
         if let Some(avail) = available_memory_bytes() {
@@ -156,6 +179,7 @@ impl OffloadConfig {
             ring_bytes,
             decode_buffer_bytes,
             host_kv_bytes,
+            page_bounds_bytes,
         })
     }
 }

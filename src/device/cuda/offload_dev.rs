@@ -73,7 +73,9 @@ impl CudaOffloadDevice {
     fn stream(&self, s: StreamRole) -> &(Arc<CudaStream>, String) {
         match s {
             StreamRole::Compute => &self.compute,
-            StreamRole::Prefetch => &self.prefetch,
+            // Sparse decode's misses (refused on CUDA until its wiring lands: see
+            // `page_scores`) would take the prefetch stream.
+            StreamRole::Prefetch | StreamRole::Miss => &self.prefetch,
             StreamRole::Offload(i) => &self.offload[i % self.offload.len()],
         }
     }
@@ -234,7 +236,27 @@ impl OffloadDevice for CudaOffloadDevice {
     fn take_trace(&mut self) -> Result<Vec<TraceEvent>> {
         self.tracer.take()
     }
+
+    fn page_bounds(&mut self, _: usize, _: Span, _: usize, _: usize, _: Span) -> Result<()> {
+        bail!("{SPARSE_ON_CUDA}")
+    }
+
+    fn page_scores(
+        &mut self,
+        _: usize,
+        _: &[f32],
+        _: Span,
+        _: crate::device::cpu::ops::AttnHeads,
+        _: usize,
+    ) -> Result<Vec<f32>> {
+        bail!("{SPARSE_ON_CUDA}")
+    }
 }
+
+/// Sparse decode's selection kernel exists (`super::sparse`), the CUDA model's wiring
+/// (query to the engine, selected pages back to the host) does not yet.
+pub const SPARSE_ON_CUDA: &str =
+    "--sparse-budget runs on the CPU device only for now (the CUDA model's sparse decode is not wired)";
 
 impl Drop for CudaOffloadDevice {
     /// Queued copies address this device's memory: let them finish first.

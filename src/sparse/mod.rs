@@ -1,0 +1,469 @@
+//! Sparse decode over offloaded KV (issue #15): per layer and decode step, attention runs
+//! over the sink page, the highest-scoring pages up to the budget and the recent window
+//! (the decode buffer); only the chosen pages cross the link. See docs/offload.md,
+//! "Sparse decode", for the decisions.
+//!
+//! Everything here is host code and the reference of the CUDA selection kernel
+//! (`kernels/sparse_select.cu`): page bounds (channel-wise min and max of K), Quest's upper
+//! bound of a page's attention score, the selection, and the plan of copies that turns the
+//! pages a slot was prefetched with into the selected pages in position order.
+
+use anyhow::{bail, Result};
+
+use crate::device::cpu::ops::AttnHeads;
+
+/// Default tokens per page: 16 (Quest's default page size).
+pub const DEFAULT_PAGE_SIZE: usize = 16;
+
+/// `--sparse-budget` and `--sparse-page-size`, shared by `strata generate`, `needle` and
+/// (budget as a list) `strata bench offload`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SparseArgs {
+    /// Sparse decode (with --enable-offload): KV tokens each layer attends and loads per
+    /// decode step: the sink page, the best pages by Quest's bound, the recent window (the
+    /// partial last block). A multiple of --sparse-page-size, at least page + --block-size.
+    #[arg(long, value_parser = crate::flags::tokens())]
+    pub sparse_budget: Option<usize>,
+    /// Tokens per sparse page (divides --block-size).
+    #[arg(long, default_value_t = DEFAULT_PAGE_SIZE, value_parser = crate::flags::block_size())]
+    pub sparse_page_size: usize,
+}
+
+impl SparseArgs {
+    /// The setting, refusing it without offload (the flags only shape what offload loads).
+    pub fn config(&self, offload: bool) -> Result<Option<SparseConfig>> {
+        match self.sparse_budget {
+            None => Ok(None),
+            Some(_) if !offload => {
+                bail!("--sparse-budget selects which offloaded KV pages to load: add --enable-offload")
+            }
+            Some(budget) => Ok(Some(SparseConfig {
+                budget,
+                page_size: self.sparse_page_size,
+            })),
+        }
+    }
+}
+
+/// `--sparse-budget` / `--sparse-page-size`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SparseConfig {
+    /// Past KV tokens one layer attends per decode step (the new token excluded): the
+    /// recent window (the decode buffer, under one host block), the sink page and the best
+    /// pages by score in the rest.
+    pub budget: usize,
+    /// Tokens per page: the unit of selection and of metadata.
+    pub page_size: usize,
+}
+
+impl SparseConfig {
+    /// Errors unless the budget and page size fit `block_size` (the recent window is the
+    /// decode buffer, up to a block): the page size divides the block, the budget is a
+    /// whole number of pages holding at least the sink page and a full window.
+    pub fn check(&self, block_size: usize) -> Result<()> {
+        let (b, p) = (self.budget, self.page_size);
+        if p == 0 {
+            bail!("--sparse-page-size must be at least 1");
+        }
+        if !block_size.is_multiple_of(p) {
+            bail!("--sparse-page-size {p} must divide --block-size {block_size} (pages are cut from host blocks)");
+        }
+        if b == 0 || !b.is_multiple_of(p) {
+            bail!("--sparse-budget {b} must be a positive multiple of --sparse-page-size {p}");
+        }
+        if b < p + block_size {
+            bail!(
+                "--sparse-budget {b} is below the sink page plus the recent window: at least {} tokens ({p} + --block-size {block_size})",
+                p + block_size
+            );
+        }
+        Ok(())
+    }
+
+    /// Pages `0..candidates` (the full host blocks') a decode step at `pos` may attend,
+    /// and how many of them the compacted slot holds: the budget less the recent window
+    /// (`pos % block_size` tokens in the decode buffer), in whole pages, sink included. A
+    /// budget ≥ `pos` holds every page: the full path's rows, bit for bit.
+    pub fn slot_pages(&self, pos: usize, block_size: usize) -> (usize, usize) {
+        let window = pos % block_size;
+        let candidates = (pos - window) / self.page_size;
+        let room = (self.budget - window) / self.page_size; // >= 1: budget >= page + block
+        (candidates, candidates.min(room))
+    }
+}
+
+/// A KV element the bounds are read from: f32 (the CPU device) or bf16 (CUDA and the
+/// emulator). Min and max of bf16 values are bf16 values, so bounds are kept in the KV's
+/// own element type, exactly.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for half::bf16 {
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+/// Channel-wise min and max of each page of `keys`: `keys[pages · page_size, row]` →
+/// `bounds[pages, 2, row]` (row 0: min, row 1: max). `row` = kv_heads · head_dim, so each
+/// KV head's channels get their own bounds.
+pub fn page_bounds<T: KvElem>(keys: &[T], row: usize, page_size: usize, bounds: &mut [T]) {
+    let pages = keys.len() / (row * page_size);
+    assert_eq!(bounds.len(), pages * 2 * row, "bounds [pages, 2, row]");
+    for (page, b) in keys
+        .chunks_exact(row * page_size)
+        .zip(bounds.chunks_exact_mut(2 * row))
+    {
+        let (lo, hi) = b.split_at_mut(row);
+        lo.copy_from_slice(&page[..row]);
+        hi.copy_from_slice(&page[..row]);
+        for k in page.chunks_exact(row).skip(1) {
+            for c in 0..row {
+                let x = k[c].to_f32();
+                if x < lo[c].to_f32() {
+                    lo[c] = k[c];
+                }
+                if x > hi[c].to_f32() {
+                    hi[c] = k[c];
+                }
+            }
+        }
+    }
+}
+
+/// Quest's bound: `Σ_c max(q_c · min_c, q_c · max_c)` ≥ `q · k` for every key `k` of the
+/// page (each term bounds `q_c · k_c`, whatever the sign of `q_c`). Summed in channel order
+/// with plain f32 multiply and add (no FMA): the CUDA kernel uses `__fmul_rn`/`__fadd_rn`
+/// in the same order, so both choose the same pages. (The offload fork's
+/// `max(q · min, q · max)` is not a bound: with mixed signs `q · k` exceeds both.)
+pub fn quest_bound<T: KvElem>(q: &[f32], min: &[T], max: &[T]) -> f32 {
+    let mut s = 0.0f32;
+    for c in 0..q.len() {
+        let (a, b) = (q[c] * min[c].to_f32(), q[c] * max[c].to_f32());
+        s += if a > b { a } else { b };
+    }
+    s
+}
+
+/// Score of each page `0..pages`: the largest bound over the query heads (a page that one
+/// head needs is kept for all: one selection per layer, so one compacted slot and few
+/// copies). `q[num_heads, head_dim]` (post-RoPE, as attention sees it; the 1/√d scale does
+/// not change the order); `bounds[pages, 2, row]`.
+pub fn page_scores<T: KvElem>(q: &[f32], bounds: &[T], h: AttnHeads, pages: usize) -> Vec<f32> {
+    let (hd, row) = (h.head_dim, h.num_kv_heads * h.head_dim);
+    let group = h.num_heads / h.num_kv_heads;
+    (0..pages)
+        .map(|p| {
+            let b = &bounds[p * 2 * row..(p + 1) * 2 * row];
+            (0..h.num_heads)
+                .map(|head| {
+                    let g = (head / group) * hd;
+                    quest_bound(
+                        &q[head * hd..(head + 1) * hd],
+                        &b[g..g + hd],
+                        &b[row + g..row + g + hd],
+                    )
+                })
+                .fold(f32::NEG_INFINITY, f32::max)
+        })
+        .collect()
+}
+
+/// A page of a layer's host KV: page `p` holds positions `p · page_size ..` of the layer.
+pub type Page = u32;
+
+/// The pages a layer attends this step, ascending: the sink page 0 and the `k` best of
+/// pages `1..candidates` by score (ties: the earlier page), or every candidate when they
+/// fit. `scores[p]` for `p < candidates` (score 0 is unused).
+pub fn choose(scores: &[f32], candidates: usize, k: usize) -> Vec<Page> {
+    if candidates <= 1 + k {
+        return (0..candidates as Page).collect();
+    }
+    let mut order: Vec<Page> = (1..candidates as Page).collect();
+    // total_cmp: a NaN score (poisoned metadata) is ordered, not a panic, and changes the
+    // choice, so the sanitizer sees it.
+    order.sort_by(|&a, &b| {
+        scores[b as usize]
+            .total_cmp(&scores[a as usize])
+            .then(a.cmp(&b))
+    });
+    let mut chosen = vec![0];
+    chosen.extend_from_slice(&order[..k]);
+    chosen.sort_unstable();
+    chosen
+}
+
+/// `n` pages from `src` (host page, or slot page index) to slot page index `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub src: usize,
+    pub dst: usize,
+    pub pages: usize,
+}
+
+/// The slot layout of `pages` (ascending): page `pages[i]` at slot page `i`, as copies of
+/// runs contiguous in host memory.
+pub fn fetch_runs(pages: &[Page]) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for (i, &p) in pages.iter().enumerate() {
+        match runs.last_mut() {
+            Some(r) if r.src + r.pages == p as usize && r.dst + r.pages == i => r.pages += 1,
+            _ => runs.push(Run {
+                src: p as usize,
+                dst: i,
+                pages: 1,
+            }),
+        }
+    }
+    runs
+}
+
+/// How a slot prefetched with `loaded` (page `loaded[j]` at slot page `j`) becomes
+/// `selected` (page `selected[i]` at slot page `i`), both ascending: moves inside the slot
+/// for pages already there (in this order: none overwrites a page still to move), then
+/// fetches from the host for the rest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Compaction {
+    /// Slot page → slot page, in order; source and destination never overlap.
+    pub moves: Vec<Run>,
+    /// Host page → slot page (the misses), runs contiguous in host memory.
+    pub fetches: Vec<Run>,
+    pub hits: usize,
+    pub misses: usize,
+}
+
+pub fn compaction(loaded: &[Page], selected: &[Page]) -> Compaction {
+    // Hits (j: where it is, i: where it goes), increasing in both: selected ∩ loaded keep
+    // their position order in both layouts.
+    let (mut left, mut right, mut miss) = (Vec::new(), Vec::new(), Vec::new());
+    let mut j = 0;
+    for (i, &p) in selected.iter().enumerate() {
+        while j < loaded.len() && loaded[j] < p {
+            j += 1;
+        }
+        if j < loaded.len() && loaded[j] == p {
+            match i.cmp(&j) {
+                std::cmp::Ordering::Less => left.push((j, i)),
+                std::cmp::Ordering::Greater => right.push((j, i)),
+                std::cmp::Ordering::Equal => {}
+            }
+        } else {
+            miss.push((p, i));
+        }
+    }
+    let hits = selected.len() - miss.len();
+    // A hit moving left lands on a slot page whose page (if selected) moves left too and
+    // earlier in the order; right moves mirror it: left ascending, then right descending.
+    right.reverse();
+    let mut moves: Vec<Run> = Vec::new();
+    for (src, dst) in left.into_iter().chain(right) {
+        let r = Run { src, dst, pages: 1 };
+        match moves.last_mut() {
+            // Extend a run of the same direction only while source and destination stay
+            // disjoint (an overlapping device copy is undefined on CUDA).
+            Some(m)
+                if m.src + m.pages == src
+                    && m.dst + m.pages == dst
+                    && m.src.abs_diff(m.dst) > m.pages =>
+            {
+                m.pages += 1
+            }
+            Some(m) if src + 1 == m.src && dst + 1 == m.dst && m.src.abs_diff(m.dst) > m.pages => {
+                m.src -= 1;
+                m.dst -= 1;
+                m.pages += 1;
+            }
+            _ => moves.push(r),
+        }
+    }
+    let mut fetches: Vec<Run> = Vec::new();
+    for (p, i) in miss {
+        match fetches.last_mut() {
+            Some(r) if r.src + r.pages == p as usize && r.dst + r.pages == i => r.pages += 1,
+            _ => fetches.push(Run {
+                src: p as usize,
+                dst: i,
+                pages: 1,
+            }),
+        }
+    }
+    Compaction {
+        moves,
+        fetches,
+        hits,
+        misses: selected.len() - hits,
+    }
+}
+
+/// The pages to prefetch for a layer before its query is known: what it chose last step,
+/// topped up with the most recent candidates not in it up to `count` (the first step has
+/// no history: the sink page and the most recent pages). Ascending.
+pub fn predict(last: &[Page], candidates: usize, count: usize) -> Vec<Page> {
+    let mut pred: Vec<Page> = last
+        .iter()
+        .copied()
+        .filter(|&p| (p as usize) < candidates)
+        .take(count)
+        .collect();
+    if pred.first() != Some(&0) && candidates > 0 && pred.len() < count {
+        pred.insert(0, 0);
+    }
+    let mut p = candidates;
+    while pred.len() < count && p > 0 {
+        p -= 1;
+        if pred.binary_search(&(p as Page)).is_err() {
+            let at = pred.partition_point(|&x| x < p as Page);
+            pred.insert(at, p as Page);
+        }
+    }
+    pred
+}
+
+/// Prefetch hits and misses of sparse decode, in pages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SparseStats {
+    /// Layer-steps that selected (fewer candidates than the budget never miss).
+    pub selections: usize,
+    pub hit_pages: usize,
+    pub miss_pages: usize,
+    /// Copies the misses took (runs contiguous in host memory).
+    pub miss_copies: usize,
+}
+
+impl SparseStats {
+    pub fn hit_rate(&self) -> f64 {
+        let all = self.hit_pages + self.miss_pages;
+        if all == 0 {
+            1.0
+        } else {
+            self.hit_pages as f64 / all as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    /// Applies a compaction to a slot holding `loaded` and returns the slot's pages.
+    fn apply(loaded: &[Page], c: &Compaction, len: usize) -> Vec<Option<Page>> {
+        let mut slot: Vec<Option<Page>> = vec![None; len.max(loaded.len())];
+        for (j, &p) in loaded.iter().enumerate() {
+            slot[j] = Some(p);
+        }
+        for m in &c.moves {
+            assert!(
+                m.src + m.pages <= m.dst || m.dst + m.pages <= m.src,
+                "overlapping move {m:?}"
+            );
+            let src: Vec<_> = slot[m.src..m.src + m.pages].to_vec();
+            slot[m.dst..m.dst + m.pages].copy_from_slice(&src);
+        }
+        for f in &c.fetches {
+            for n in 0..f.pages {
+                slot[f.dst + n] = Some((f.src + n) as Page);
+            }
+        }
+        slot.truncate(len);
+        slot
+    }
+
+    fn random_set(rng: &mut StdRng, universe: usize, n: usize) -> Vec<Page> {
+        let mut v: Vec<Page> = (0..universe as Page).collect();
+        for i in 0..n {
+            let j = rng.random_range(i..universe);
+            v.swap(i, j);
+        }
+        v.truncate(n);
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn compaction_lays_out_the_selection_in_order() {
+        let mut rng = StdRng::seed_from_u64(5);
+        for _ in 0..2000 {
+            let universe = rng.random_range(1..40);
+            let n_sel = rng.random_range(0..=universe);
+            let n_load = rng.random_range(0..=n_sel);
+            let selected = random_set(&mut rng, universe, n_sel);
+            let loaded = random_set(&mut rng, universe, n_load);
+            let c = compaction(&loaded, &selected);
+            let slot = apply(&loaded, &c, selected.len());
+            let want: Vec<_> = selected.iter().map(|&p| Some(p)).collect();
+            assert_eq!(slot, want, "loaded {loaded:?} selected {selected:?}: {c:?}");
+            let both = selected.iter().filter(|p| loaded.contains(p)).count();
+            assert_eq!((c.hits, c.misses), (both, selected.len() - both));
+        }
+    }
+
+    #[test]
+    fn identical_sets_need_no_copies_and_runs_coalesce() {
+        let c = compaction(&[0, 1, 2, 5], &[0, 1, 2, 5]);
+        assert!(c.moves.is_empty() && c.fetches.is_empty());
+        let c = compaction(&[], &[0, 1, 2, 5, 6]);
+        assert_eq!(c.fetches.len(), 2, "{c:?}");
+        assert_eq!(
+            fetch_runs(&[0, 1, 2, 7, 8]),
+            vec![
+                Run {
+                    src: 0,
+                    dst: 0,
+                    pages: 3
+                },
+                Run {
+                    src: 7,
+                    dst: 3,
+                    pages: 2
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn prediction_keeps_history_and_fills_with_recent_pages() {
+        assert_eq!(predict(&[], 10, 4), vec![0, 7, 8, 9]);
+        assert_eq!(predict(&[0, 3, 5], 10, 4), vec![0, 3, 5, 9]);
+        assert_eq!(predict(&[0, 1, 2], 3, 3), vec![0, 1, 2]);
+        assert_eq!(predict(&[], 0, 3), Vec::<Page>::new());
+    }
+
+    #[test]
+    fn config_is_checked() {
+        let ok = SparseConfig {
+            budget: 512,
+            page_size: 16,
+        };
+        ok.check(256).unwrap();
+        // 4096 + 100 stored: 256 candidates; 512 - 100 tokens of budget hold 25 pages.
+        assert_eq!(ok.slot_pages(4196, 256), (256, 25));
+        assert_eq!(ok.slot_pages(4096, 256), (256, 32));
+        assert_eq!(ok.slot_pages(300, 256), (16, 16));
+        for (budget, page_size, bs) in [
+            (0, 16, 256),   // zero budget
+            (500, 16, 256), // not a multiple of the page
+            (256, 16, 256), // below sink + window
+            (512, 0, 256),  // zero page
+            (512, 24, 256), // page does not divide the block
+        ] {
+            let c = SparseConfig { budget, page_size };
+            assert!(c.check(bs).is_err(), "{c:?} with block {bs}");
+        }
+    }
+
+    #[test]
+    fn bounds_are_min_and_max_per_channel() {
+        let keys = [1.0f32, -2.0, 3.0, 4.0, -5.0, 0.5]; // 3 rows of 2, one page of 3
+        let mut b = [0.0f32; 4];
+        page_bounds(&keys, 2, 3, &mut b);
+        assert_eq!(b, [-5.0, -2.0, 3.0, 4.0]);
+    }
+}

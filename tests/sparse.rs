@@ -1,0 +1,419 @@
+//! Sparse decode over offloaded KV (#15): Quest's bound is an upper bound and the selection
+//! keeps every page it must (brute force on random data, f32 and bf16); a budget that holds
+//! the whole context is bit-for-bit full offload (tokens and log-probs) across ring, block
+//! and page sizes; a small budget really selects, and its results do not change under the
+//! sanitizer's delays; bad settings are clear errors.
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use common::{scratch_dir, TinySpec};
+use half::bf16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::device::cpu::ops::AttnHeads;
+use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
+use strata::kv::KvCache;
+use strata::model::{weights, Model, ModelConfig};
+use strata::offload::{CpuOffloadEngine, OffloadConfig, OffloadControl};
+use strata::sparse::{self, KvElem, SparseConfig, SparseStats};
+
+fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
+    let dir = scratch_dir(name);
+    spec.write(&dir, 33);
+    let mut cfg =
+        ModelConfig::from_hf_json(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+            .unwrap();
+    let w = weights::load_safetensors(&dir, &mut cfg, false).unwrap();
+    Arc::new(Model::new(cfg, w))
+}
+
+fn run(
+    model: &Arc<Model>,
+    cfg: OffloadConfig,
+    prompt: &[u32],
+    n: usize,
+) -> (GenerationOutput, Option<SparseStats>) {
+    let opts = GenerateOptions {
+        max_tokens: n,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+    };
+    let mut kv = CpuOffloadEngine::on_cpu(&model.cfg, cfg).unwrap();
+    let cap = kv.capacity();
+    let out = engine::generate_with(model, &mut kv, cap, prompt, &opts, &mut |_| Ok(())).unwrap();
+    (out, kv.sparse_stats())
+}
+
+fn random_prompt(rng: &mut StdRng, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|_| rng.random_range(3..vocab as u32))
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn a_budget_holding_the_context_is_bitwise_full_offload() {
+    let mut rng = StdRng::seed_from_u64(3);
+    for (spec, name) in [
+        (TinySpec::llama(), "sparse_llama"),
+        (TinySpec::qwen3(), "sparse_qwen3"),
+    ] {
+        let model = tiny(spec, name);
+        for (nb, bs, page, len) in [(2, 16, 4, 37), (3, 32, 8, 100), (4, 16, 16, 70)] {
+            let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
+            let n = 60; // crosses block boundaries: flushes and new candidate pages
+            let max_len = len + n + 1;
+            let full_cfg = OffloadConfig {
+                num_kv_buffers: nb,
+                block_size: bs,
+                max_model_len: max_len,
+                ..Default::default()
+            };
+            let budget = max_len.div_ceil(page) * page + bs;
+            let sparse_cfg = OffloadConfig {
+                sparse: Some(SparseConfig {
+                    budget,
+                    page_size: page,
+                }),
+                ..full_cfg.clone()
+            };
+            let (full, _) = run(&model, full_cfg, &prompt, n);
+            let (sp, stats) = run(&model, sparse_cfg, &prompt, n);
+            let ctx = format!("{name}: ring {nb}, block {bs}, page {page}, prompt {len}");
+            assert_eq!(sp.token_ids, full.token_ids, "{ctx}");
+            assert_eq!(bits(&sp.logprobs), bits(&full.logprobs), "{ctx}");
+            let stats = stats.expect("sparse stats");
+            assert_eq!(
+                stats.selections, 0,
+                "{ctx}: everything fits, nothing is scored"
+            );
+            assert!(stats.hit_pages > 0, "{ctx}: {stats:?}");
+        }
+    }
+}
+
+/// A budget far below the context: the engine selects at every layer and step, and the
+/// sanitizer (random copy delays, NaN in released slots and at reset) changes nothing.
+#[test]
+fn small_budget_selects_and_is_unchanged_under_the_sanitizer() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let model = tiny(TinySpec::llama(), "sparse_sanitized");
+    let prompt = random_prompt(&mut rng, 150, model.cfg.vocab_size);
+    let n = 40;
+    let cfg = |sanitize| OffloadConfig {
+        num_kv_buffers: 3,
+        block_size: 16,
+        max_model_len: 200,
+        sanitize,
+        sparse: Some(SparseConfig {
+            budget: 48,
+            page_size: 8,
+        }),
+        ..Default::default()
+    };
+    let (plain, stats) = run(&model, cfg(false), &prompt, n);
+    let stats = stats.unwrap();
+    // n tokens: the first from prefill, then n - 1 decode steps.
+    assert_eq!(
+        stats.selections,
+        (n - 1) * model.cfg.num_layers,
+        "{stats:?}"
+    );
+    assert!(stats.miss_pages > 0 && stats.hit_pages > 0, "{stats:?}");
+    for _ in 0..2 {
+        let (sanitized, s2) = run(&model, cfg(true), &prompt, n);
+        assert_eq!(sanitized.token_ids, plain.token_ids);
+        assert_eq!(bits(&sanitized.logprobs), bits(&plain.logprobs));
+        assert_eq!(s2.unwrap(), stats, "same selections, same hits");
+    }
+}
+
+/// `n` keys of `row` channels, values in ±3 with mixed signs.
+fn random_keys<T: From32>(rng: &mut StdRng, n: usize) -> Vec<T> {
+    (0..n)
+        .map(|_| T::from32(rng.random_range(-3.0f32..3.0)))
+        .collect()
+}
+
+trait From32: KvElem {
+    fn from32(x: f32) -> Self;
+}
+impl From32 for f32 {
+    fn from32(x: f32) -> Self {
+        x
+    }
+}
+impl From32 for bf16 {
+    fn from32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+fn dot64<T: KvElem>(q: &[f32], k: &[T]) -> f64 {
+    q.iter()
+        .zip(k)
+        .map(|(a, b)| *a as f64 * b.to_f32() as f64)
+        .sum()
+}
+
+/// Brute force over random pages: every key's score is at most its page's bound (for
+/// every query head), and no page left out has a key scoring above any chosen page's
+/// bound, so the selection cannot drop a page that must be kept.
+fn bound_and_selection_vs_brute_force<T: From32>() {
+    let mut rng = StdRng::seed_from_u64(9);
+    for case in 0..200 {
+        let heads = AttnHeads {
+            num_heads: [1, 4, 6][case % 3],
+            num_kv_heads: [1, 2, 3][case % 3],
+            head_dim: [8, 16, 5][case % 3],
+        };
+        let (row, hd) = (heads.num_kv_heads * heads.head_dim, heads.head_dim);
+        let group = heads.num_heads / heads.num_kv_heads;
+        let page = rng.random_range(1..9);
+        let pages = rng.random_range(2..30);
+        let keys: Vec<T> = random_keys(&mut rng, pages * page * row);
+        let q: Vec<f32> = (0..heads.num_heads * hd)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        let mut bounds = vec![T::from32(0.0); pages * 2 * row];
+        sparse::page_bounds(&keys, row, page, &mut bounds);
+        let scores = sparse::page_scores(&q, &bounds, heads, pages);
+        // The true best score of each page: max over its keys and the query heads.
+        let true_max: Vec<f64> = (0..pages)
+            .map(|p| {
+                let mut m = f64::NEG_INFINITY;
+                for t in 0..page {
+                    let k = &keys[(p * page + t) * row..][..row];
+                    for h in 0..heads.num_heads {
+                        let g = h / group;
+                        let s = dot64(&q[h * hd..][..hd], &k[g * hd..][..hd]);
+                        m = m.max(s);
+                    }
+                }
+                m
+            })
+            .collect();
+        let tol = 1e-4 * hd as f64;
+        for p in 0..pages {
+            assert!(
+                scores[p] as f64 + tol >= true_max[p],
+                "case {case}: page {p} bound {} below a key's score {}",
+                scores[p],
+                true_max[p]
+            );
+        }
+        let k = rng.random_range(0..pages);
+        let chosen = sparse::choose(&scores, pages, k);
+        assert_eq!(chosen.len(), pages.min(1 + k));
+        assert_eq!(chosen[0], 0, "the sink page is always kept");
+        assert!(chosen.windows(2).all(|w| w[0] < w[1]), "ascending");
+        let picked: Vec<usize> = chosen.iter().skip(1).map(|&p| p as usize).collect();
+        for u in 1..pages {
+            if picked.contains(&u) {
+                continue;
+            }
+            for &s in &picked {
+                assert!(
+                    true_max[u] <= scores[s] as f64 + tol,
+                    "case {case}: page {u} left out though a key scores {} above chosen page {s}'s bound {}",
+                    true_max[u],
+                    scores[s]
+                );
+                // And the top-k order itself, by brute force over the scores.
+                assert!(
+                    scores[u] <= scores[s],
+                    "case {case}: {u} outranks chosen {s}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn quest_bound_and_selection_vs_brute_force_f32() {
+    bound_and_selection_vs_brute_force::<f32>();
+}
+
+#[test]
+fn quest_bound_and_selection_vs_brute_force_bf16() {
+    bound_and_selection_vs_brute_force::<bf16>();
+}
+
+fn strata(args: &[&str]) -> (bool, String) {
+    let model = common::require_default_model();
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .arg("--model")
+        .arg(model)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn bad_sparse_settings_are_clear_errors() {
+    let gen = ["generate", "--prompt", "hi", "--max-tokens", "2"];
+    for (extra, want) in [
+        (vec!["--sparse-budget", "512"], "add --enable-offload"),
+        (
+            vec!["--enable-offload", "--sparse-budget", "500"],
+            "multiple of --sparse-page-size",
+        ),
+        (
+            vec!["--enable-offload", "--sparse-budget", "256"],
+            "below the sink page plus the recent window",
+        ),
+        (
+            vec![
+                "--enable-offload",
+                "--sparse-budget",
+                "512",
+                "--sparse-page-size",
+                "24",
+            ],
+            "must divide --block-size",
+        ),
+        (vec!["--enable-offload", "--sparse-budget", "0"], "0"),
+    ] {
+        let args: Vec<&str> = gen.iter().copied().chain(extra.iter().copied()).collect();
+        let (ok, stderr) = strata(&args);
+        assert!(!ok, "{args:?} was accepted");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+/// The oracle of a small-budget step: every layer resident, and at each decode step the
+/// chosen pages and the window copied into a scratch slot in position order (no
+/// prefetch, no prediction, no misses). The engine must give the same bits.
+struct Oracle {
+    sc: SparseConfig,
+    bs: usize,
+    row: usize,
+    heads: AttnHeads,
+    k: Vec<Vec<f32>>, // [layers][cap * row]
+    v: Vec<Vec<f32>>,
+    scratch: (Vec<f32>, Vec<f32>),
+    pos: usize,
+    decode: bool,
+    new_row: usize,
+}
+
+unsafe impl KvCache<f32> for Oracle {
+    fn reset(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn capacity(&self) -> usize {
+        self.scratch.0.len() / self.row
+    }
+    fn begin_step(&mut self, pos0: usize, tokens: usize) -> anyhow::Result<()> {
+        (self.pos, self.decode) = (pos0, tokens == 1 && pos0 > 0);
+        Ok(())
+    }
+    fn begin_layer(&mut self, l: usize) -> anyhow::Result<strata::kv::LayerSlot<f32>> {
+        let (k, v) = if self.decode {
+            (&mut self.scratch.0, &mut self.scratch.1)
+        } else {
+            (&mut self.k[l], &mut self.v[l])
+        };
+        Ok(strata::kv::LayerSlot {
+            k: strata::device::DevPtr::from_addr(k.as_mut_ptr() as u64),
+            v: strata::device::DevPtr::from_addr(v.as_mut_ptr() as u64),
+            rows: k.len() / self.row,
+        })
+    }
+    fn end_layer(&mut self, l: usize) -> anyhow::Result<()> {
+        if self.decode {
+            let (r, p) = (self.new_row * self.row, self.pos * self.row);
+            self.k[l][p..p + self.row].copy_from_slice(&self.scratch.0[r..r + self.row]);
+            self.v[l][p..p + self.row].copy_from_slice(&self.scratch.1[r..r + self.row]);
+        }
+        Ok(())
+    }
+    fn select_rows(&mut self, l: usize, q: &[f32]) -> anyhow::Result<Option<strata::kv::NewRow>> {
+        if !self.decode {
+            return Ok(None);
+        }
+        let (row, ps) = (self.row, self.sc.page_size);
+        let (cands, count) = self.sc.slot_pages(self.pos, self.bs);
+        let mut bounds = vec![0.0f32; cands * 2 * row];
+        sparse::page_bounds(&self.k[l][..cands * ps * row], row, ps, &mut bounds);
+        let scores = sparse::page_scores(q, &bounds, self.heads, cands);
+        let chosen = sparse::choose(&scores, cands, count - 1);
+        let mut at = 0;
+        let full = cands * ps;
+        let window = (full..self.pos).map(|t| t * row);
+        let pages = chosen
+            .iter()
+            .flat_map(|&p| (0..ps).map(move |i| (p as usize * ps + i) * row));
+        for src in pages.chain(window) {
+            self.scratch.0[at..at + row].copy_from_slice(&self.k[l][src..src + row]);
+            self.scratch.1[at..at + row].copy_from_slice(&self.v[l][src..src + row]);
+            at += row;
+        }
+        self.new_row = at / row;
+        Ok(Some(strata::kv::NewRow(self.new_row)))
+    }
+}
+
+#[test]
+fn small_budget_attends_exactly_the_oracles_rows() {
+    let mut rng = StdRng::seed_from_u64(6);
+    for (nb, bs, page, budget) in [(2, 16, 8, 48), (4, 32, 4, 64)] {
+        let model = tiny(TinySpec::qwen3(), "sparse_oracle");
+        let c = &model.cfg;
+        let prompt = random_prompt(&mut rng, 150, c.vocab_size);
+        let (n, cap) = (40, 200);
+        let sc = SparseConfig {
+            budget,
+            page_size: page,
+        };
+        let cfg = OffloadConfig {
+            num_kv_buffers: nb,
+            block_size: bs,
+            max_model_len: cap,
+            sparse: Some(sc),
+            ..Default::default()
+        };
+        let (got, stats) = run(&model, cfg, &prompt, n);
+        assert!(stats.unwrap().miss_pages > 0, "the miss path runs");
+        let row = c.kv_dim();
+        let mut oracle = Oracle {
+            sc,
+            bs,
+            row,
+            heads: AttnHeads {
+                num_heads: c.num_heads,
+                num_kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+            },
+            k: vec![vec![0.0; cap * row]; c.num_layers],
+            v: vec![vec![0.0; cap * row]; c.num_layers],
+            scratch: (vec![0.0; cap * row], vec![0.0; cap * row]),
+            pos: 0,
+            decode: false,
+            new_row: 0,
+        };
+        let opts = GenerateOptions {
+            max_tokens: n,
+            sampling: SamplingParams::default(),
+            stop_ids: vec![],
+        };
+        let want = engine::generate_with(&model, &mut oracle, cap, &prompt, &opts, &mut |_| Ok(()))
+            .unwrap();
+        assert_eq!(got.token_ids, want.token_ids, "ring {nb} block {bs}");
+        assert_eq!(
+            bits(&got.logprobs),
+            bits(&want.logprobs),
+            "ring {nb} block {bs}"
+        );
+    }
+}

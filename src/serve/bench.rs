@@ -193,6 +193,14 @@ pub struct BenchRun {
 }
 
 impl BenchRun {
+    /// The line above a table: the workload as this (unconstrained) run saw it.
+    fn summary(&self, requests: usize, working_set: usize) -> String {
+        format!(
+            "{requests} requests, {} prompt tokens, {} generated; working set {working_set} blocks",
+            self.stats.prompt_tokens, self.stats.generated_tokens
+        )
+    }
+
     /// Generated tokens per second over the whole run.
     fn throughput(&self) -> f64 {
         self.stats.generated_tokens as f64 / self.secs.max(1e-9)
@@ -534,12 +542,7 @@ fn run_table(
             serde_json::json!({"working_set_blocks": working_set, "runs": rows, "mismatches": differ})
         );
     } else {
-        println!(
-            "{} requests, {} prompt tokens, {} generated; working set {working_set} blocks",
-            prompts.len(),
-            runs[1].2.stats.prompt_tokens,
-            runs[1].2.stats.generated_tokens
-        );
+        println!("{}", runs[1].2.summary(prompts.len(), working_set));
         println!("| configuration | GPU blocks | tok/s | × unconstrained | preemptions | stored / loaded | recomputations | tokens computed |");
         println!("|---|---|---|---|---|---|---|---|");
         for (name, cfg, r) in &runs {
@@ -676,12 +679,7 @@ fn run_tier_table(
                 "disk_over_recompute": ratio, "mismatches": differ})
         );
     } else {
-        println!(
-            "{} requests, {} prompt tokens, {} generated; working set {working_set} blocks",
-            prompts.len(),
-            runs[0].2.stats.prompt_tokens,
-            runs[0].2.stats.generated_tokens
-        );
+        println!("{}", runs[0].2.summary(prompts.len(), working_set));
         println!("| configuration | GPU / host / disk blocks | tok/s | elapsed s | tokens computed | preemptions | recomputations | to host | to disk (demoted) / from disk | write-through blocks | disk write / read GB/s |");
         println!("|---|---|---|---|---|---|---|---|---|---|---|");
         for (name, cfg, r) in &runs {

@@ -94,15 +94,15 @@ impl OffloadDevice for DroppingWait {
     ) -> anyhow::Result<()> {
         self.dev.page_bounds(layer, keys, row, page_size, bounds)
     }
-    fn page_scores(
+    fn head_bounds(
         &mut self,
         layer: usize,
-        q: &[f32],
+        q: strata::kv::Query<f32>,
         bounds: Span,
         heads: AttnHeads,
         pages: usize,
     ) -> anyhow::Result<Vec<f32>> {
-        self.dev.page_scores(layer, q, bounds, heads, pages)
+        self.dev.head_bounds(layer, q, bounds, heads, pages)
     }
 }
 

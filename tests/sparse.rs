@@ -182,7 +182,8 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
             .collect();
         let mut bounds = vec![T::from32(0.0); pages * 2 * row];
         sparse::page_bounds(&keys, row, page, &mut bounds);
-        let scores = sparse::page_scores(&q, &bounds, heads, pages);
+        let per_head = sparse::head_bounds(&q, &bounds, heads, pages);
+        let scores = sparse::page_scores(&per_head, heads, pages);
         // The true best score of each page: max over its keys and the query heads.
         let true_max: Vec<f64> = (0..pages)
             .map(|p| {
@@ -338,7 +339,11 @@ unsafe impl KvCache<f32> for Oracle {
         }
         Ok(())
     }
-    fn select_rows(&mut self, l: usize, q: &[f32]) -> anyhow::Result<Option<strata::kv::NewRow>> {
+    fn select_rows(
+        &mut self,
+        l: usize,
+        q: strata::kv::Query<f32>,
+    ) -> anyhow::Result<Option<strata::kv::NewRow>> {
         if !self.decode {
             return Ok(None);
         }
@@ -346,7 +351,15 @@ unsafe impl KvCache<f32> for Oracle {
         let (cands, count) = self.sc.slot_pages(self.pos, self.bs);
         let mut bounds = vec![0.0f32; cands * 2 * row];
         sparse::page_bounds(&self.k[l][..cands * ps * row], row, ps, &mut bounds);
-        let scores = sparse::page_scores(q, &bounds, self.heads, cands);
+        // SAFETY: the model's query, host memory valid for this call.
+        let q = unsafe { std::slice::from_raw_parts(q.ptr.as_host_ptr(), q.len) };
+        let per_head = sparse::head_bounds(
+            &q[..self.heads.num_heads * self.heads.head_dim],
+            &bounds,
+            self.heads,
+            cands,
+        );
+        let scores = sparse::page_scores(&per_head, self.heads, cands);
         let chosen = sparse::choose(&scores, cands, count - 1);
         let mut at = 0;
         let full = cands * ps;

@@ -37,6 +37,33 @@ impl<T> Copy for LayerSlot<T> {}
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NewRow(pub usize);
 
+/// A layer's query rows where the compute stream left them (`[tokens, num_heads,
+/// head_dim]`, post-RoPE, in the KV element type; host memory on the CPU device): what
+/// sparse decode scores pages with. `len` counts elements.
+#[derive(Debug)]
+pub struct Query<T> {
+    pub ptr: DevPtr<T>,
+    pub len: usize,
+}
+
+impl<T> Clone for Query<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Query<T> {}
+
+impl<'a> From<&'a [f32]> for Query<f32> {
+    /// The CPU model's query, in host memory.
+    fn from(q: &'a [f32]) -> Self {
+        Self {
+            ptr: DevPtr::from_addr(q.as_ptr() as u64),
+            len: q.len(),
+        }
+    }
+}
+
 /// What the layer loop needs from a KV cache during one forward step.
 ///
 /// # Safety
@@ -57,12 +84,12 @@ pub unsafe trait KvCache<T> {
     fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<T>>;
     /// The layer's work is enqueued: record, offload, prefetch ahead.
     fn end_layer(&mut self, layer: usize) -> Result<()>;
-    /// Called by the model between `begin_layer` and attention, once the layer's query
-    /// (`[tokens, num_heads, head_dim]`, post-RoPE, f32 on the host) is known. A sparse
-    /// cache picks the rows to attend from it, makes them ready on the compute stream and
-    /// returns where the new token goes; `None` (every other cache, and prefill): attend
-    /// every position as usual.
-    fn select_rows(&mut self, _layer: usize, _query: &[f32]) -> Result<Option<NewRow>> {
+    /// Called by the model between `begin_layer` and attention, once the layer's query is
+    /// queued on the compute stream (valid until the call returns). A sparse cache picks
+    /// the rows to attend from it, makes them ready on the compute stream and returns where
+    /// the new token goes; `None` (every other cache, and prefill): attend every position
+    /// as usual.
+    fn select_rows(&mut self, _layer: usize, _query: Query<T>) -> Result<Option<NewRow>> {
         Ok(None)
     }
 }

@@ -311,7 +311,7 @@ impl Model {
             // SAFETY: the slot is this (compute) thread's until `end_layer` below, which
             // is called after the layer's work has run.
             let lkv = unsafe { LayerKv::from_slot(slot, kvd) };
-            self.layer(l, &mut a, lkv, seqs, &mut |q| kv.select_rows(l, q))?;
+            self.layer(l, &mut a, lkv, seqs, &mut |q| kv.select_rows(l, q.into()))?;
             kv.end_layer(l)?;
         }
         Ok(a)

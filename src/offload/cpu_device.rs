@@ -20,6 +20,7 @@ use super::device::{Allocations, EventId, MemId, OffloadDevice, Space, Span, Str
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::{CpuDevice, Event, Link, MemSpace, Stream, TraceEvent};
 use crate::device::DevPtr;
+use crate::kv::Query;
 use crate::sparse::KvElem;
 
 pub struct CpuOffloadDevice<T> {
@@ -258,29 +259,36 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
         Ok(())
     }
 
-    fn page_scores(
+    fn head_bounds(
         &mut self,
         layer: usize,
-        q: &[f32],
+        q: Query<T>,
         bounds: Span,
         heads: AttnHeads,
         pages: usize,
     ) -> Result<Vec<f32>> {
         let row = heads.num_kv_heads * heads.head_dim;
-        if bounds.len != pages * 2 * row || q.len() != heads.num_heads * heads.head_dim {
+        if bounds.len != pages * 2 * row || q.len != heads.num_heads * heads.head_dim {
             bail!(
                 "page scores: {pages} pages, {} bound values, query of {}",
                 bounds.len,
-                q.len()
+                q.len
             );
         }
         let start = self.dev.now_us();
-        // SAFETY: inside an allocation of this device (checked by `addr`); the compute
-        // stream (this thread) wrote the bounds and nothing else writes them meanwhile.
-        let b = unsafe { std::slice::from_raw_parts(self.addr(bounds)? as *const T, bounds.len) };
-        let scores = crate::sparse::page_scores(q, b, heads, pages);
+        // SAFETY: the bounds lie inside an allocation of this device (checked by `addr`);
+        // the compute stream (this thread) wrote them and nothing else writes them
+        // meanwhile. The query is the model's, in host memory, valid for this call
+        // (`KvCache::select_rows`).
+        let (b, q) = unsafe {
+            (
+                std::slice::from_raw_parts(self.addr(bounds)? as *const T, bounds.len),
+                std::slice::from_raw_parts(q.ptr.as_host_ptr() as *const T, q.len),
+            )
+        };
+        let out = crate::sparse::head_bounds(q, b, heads, pages);
         self.trace_compute("page-scores", Some(layer), 0, start);
-        Ok(scores)
+        Ok(out)
     }
 }
 

@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
 use crate::device::DevPtr;
+use crate::kv::Query;
 
 /// A stream by what it does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,13 +148,15 @@ pub trait OffloadDevice {
         page_size: usize,
         bounds: Span,
     ) -> Result<()>;
-    /// Sparse decode: each page's score (`crate::sparse::page_scores`) for the query `q`
-    /// (`[num_heads, head_dim]`), after the compute stream's work so far; the host needs
-    /// them to issue the copies, so this blocks (on CUDA: kernel, small D2H, event).
-    fn page_scores(
+    /// Sparse decode: Quest's bound of each of `pages` pages for each query head
+    /// (`crate::sparse::head_bounds`, `[pages, num_heads]`) for one token's query `q`
+    /// (`[num_heads, head_dim]`), after the compute stream's work so far. The host needs
+    /// them to choose the pages and issue their copies, so this blocks (on CUDA: kernel,
+    /// small D2H, stream synchronize).
+    fn head_bounds(
         &mut self,
         layer: usize,
-        q: &[f32],
+        q: Query<Self::Elem>,
         bounds: Span,
         heads: AttnHeads,
         pages: usize,

@@ -10,7 +10,7 @@ use super::ring::{ReleasedAfter, Ring};
 use super::{MemoryPlan, OffloadConfig};
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
-use crate::kv::{KvCache, LayerSlot, NewRow};
+use crate::kv::{KvCache, LayerSlot, NewRow, Query};
 use crate::model::ModelConfig;
 use crate::sparse::{self, Page, SparseConfig, SparseStats};
 
@@ -394,16 +394,16 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     /// Sparse decode at `pos`: chooses `layer`'s pages from its query and turns the slot
     /// it was prefetched with into them, in position order (moves inside the slot on the
     /// compute stream, misses fetched on the miss stream and waited for there).
-    fn select(&mut self, layer: usize, pos: usize, q: &[f32]) -> Result<NewRow> {
+    fn select(&mut self, layer: usize, pos: usize, q: Query<D::Elem>) -> Result<NewRow> {
         let c = StreamRole::Compute;
         let s = self.state.slot_of(layer);
         let sp = self.sparse.as_ref().expect("sparse");
         let (candidates, count) = sp.cfg.slot_pages(pos, self.cfg.block_size);
         let heads = sp.heads;
-        if q.len() != heads.num_heads * heads.head_dim {
+        if q.len != heads.num_heads * heads.head_dim {
             bail!(
                 "sparse decode: a query of {} values, one token's is {}",
-                q.len(),
+                q.len,
                 heads.num_heads * heads.head_dim
             );
         }
@@ -415,7 +415,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                 off: self.bounds_at(sp, layer, 0),
                 len: candidates * 2 * self.row,
             };
-            let scores = self.d.page_scores(layer, q, bounds, heads, candidates)?;
+            let per_head = self.d.head_bounds(layer, q, bounds, heads, candidates)?;
+            let scores = sparse::page_scores(&per_head, heads, candidates);
             sparse::choose(&scores, candidates, count - 1)
         };
         let sp = self.sparse.as_ref().expect("sparse");
@@ -623,7 +624,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         }
     }
 
-    fn select_rows(&mut self, layer: usize, query: &[f32]) -> Result<Option<NewRow>> {
+    fn select_rows(&mut self, layer: usize, query: Query<D::Elem>) -> Result<Option<NewRow>> {
         match (self.step, &self.sparse) {
             (Step::Decode { pos }, Some(_)) => self.select(layer, pos, query).map(Some),
             _ => Ok(None),

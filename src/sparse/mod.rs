@@ -4,7 +4,7 @@
 //! "Sparse decode", for the decisions.
 //!
 //! Everything here is host code and the reference of the CUDA selection kernel
-//! (`kernels/sparse_select.cu`): page bounds (channel-wise min and max of K), Quest's upper
+//! (`kernels/sparse.cu`): page bounds (channel-wise min and max of K), Quest's upper
 //! bound of a page's attention score, the selection, and the plan of copies that turns the
 //! pages a slot was prefetched with into the selected pages in position order.
 
@@ -152,27 +152,42 @@ pub fn quest_bound<T: KvElem>(q: &[f32], min: &[T], max: &[T]) -> f32 {
     s
 }
 
-/// Score of each page `0..pages`: the largest bound over the query heads (a page that one
-/// head needs is kept for all: one selection per layer, so one compacted slot and few
-/// copies). `q[num_heads, head_dim]` (post-RoPE, as attention sees it; the 1/√d scale does
-/// not change the order); `bounds[pages, 2, row]`.
-pub fn page_scores<T: KvElem>(q: &[f32], bounds: &[T], h: AttnHeads, pages: usize) -> Vec<f32> {
+/// Quest's bound of every page for every query head: `q[num_heads, head_dim]` (post-RoPE,
+/// as attention sees it; the 1/√d scale does not change the order), `bounds[pages, 2, row]`
+/// → `[pages, num_heads]`. Each query head reads its KV head's channels. The reference of
+/// the CUDA scoring kernel (`kernels/sparse.cu`), which sums in the same order.
+pub fn head_bounds<Q: KvElem, T: KvElem>(
+    q: &[Q],
+    bounds: &[T],
+    h: AttnHeads,
+    pages: usize,
+) -> Vec<f32> {
     let (hd, row) = (h.head_dim, h.num_kv_heads * h.head_dim);
     let group = h.num_heads / h.num_kv_heads;
-    (0..pages)
-        .map(|p| {
-            let b = &bounds[p * 2 * row..(p + 1) * 2 * row];
-            (0..h.num_heads)
-                .map(|head| {
-                    let g = (head / group) * hd;
-                    quest_bound(
-                        &q[head * hd..(head + 1) * hd],
-                        &b[g..g + hd],
-                        &b[row + g..row + g + hd],
-                    )
-                })
-                .fold(f32::NEG_INFINITY, f32::max)
-        })
+    let q: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
+    let mut out = Vec::with_capacity(pages * h.num_heads);
+    for p in 0..pages {
+        let b = &bounds[p * 2 * row..(p + 1) * 2 * row];
+        for head in 0..h.num_heads {
+            let g = (head / group) * hd;
+            out.push(quest_bound(
+                &q[head * hd..(head + 1) * hd],
+                &b[g..g + hd],
+                &b[row + g..row + g + hd],
+            ));
+        }
+    }
+    out
+}
+
+/// Score of each page from its per-head bounds (`head_bounds`, `[pages, num_heads]`): the
+/// largest over the query heads (a page that one head needs is kept for all: one selection
+/// per layer, so one compacted slot and few copies).
+pub fn page_scores(head_bounds: &[f32], h: AttnHeads, pages: usize) -> Vec<f32> {
+    assert_eq!(head_bounds.len(), pages * h.num_heads, "[pages, num_heads]");
+    head_bounds
+        .chunks_exact(h.num_heads)
+        .map(|b| b.iter().copied().fold(f32::NEG_INFINITY, f32::max))
         .collect()
 }
 

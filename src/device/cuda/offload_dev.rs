@@ -241,10 +241,10 @@ impl OffloadDevice for CudaOffloadDevice {
         bail!("{SPARSE_ON_CUDA}")
     }
 
-    fn page_scores(
+    fn head_bounds(
         &mut self,
         _: usize,
-        _: &[f32],
+        _: crate::kv::Query<bf16>,
         _: Span,
         _: crate::device::cpu::ops::AttnHeads,
         _: usize,

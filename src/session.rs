@@ -67,10 +67,6 @@ impl SessionConfig {
         if self.trace_out.is_some() && self.offload.is_none() {
             bail!("--trace-out traces the offload engine: add --enable-offload");
         }
-        let sparse = self.offload.as_ref().is_some_and(|o| o.sparse.is_some());
-        if sparse && self.device == DeviceKind::Cuda {
-            bail!("{}", crate::device::cuda::offload_dev::SPARSE_ON_CUDA);
-        }
         if self.profile.is_some() && self.device != DeviceKind::Cuda {
             bail!("--profile-steps needs --device cuda");
         }

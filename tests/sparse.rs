@@ -9,6 +9,7 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 
+use common::sparse_oracle::Oracle;
 use common::{scratch_dir, TinySpec};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -292,91 +293,6 @@ fn bad_sparse_settings_are_clear_errors() {
     }
 }
 
-/// The oracle of a small-budget step: every layer resident, and at each decode step the
-/// chosen pages and the window copied into a scratch slot in position order (no
-/// prefetch, no prediction, no misses). The engine must give the same bits.
-struct Oracle {
-    sc: SparseConfig,
-    bs: usize,
-    row: usize,
-    heads: AttnHeads,
-    k: Vec<Vec<f32>>, // [layers][cap * row]
-    v: Vec<Vec<f32>>,
-    scratch: (Vec<f32>, Vec<f32>),
-    pos: usize,
-    decode: bool,
-    new_row: usize,
-}
-
-unsafe impl KvCache<f32> for Oracle {
-    fn reset(&mut self) -> anyhow::Result<()> {
-        Ok(())
-    }
-    fn capacity(&self) -> usize {
-        self.scratch.0.len() / self.row
-    }
-    fn begin_step(&mut self, pos0: usize, tokens: usize) -> anyhow::Result<()> {
-        (self.pos, self.decode) = (pos0, tokens == 1 && pos0 > 0);
-        Ok(())
-    }
-    fn begin_layer(&mut self, l: usize) -> anyhow::Result<strata::kv::LayerSlot<f32>> {
-        let (k, v) = if self.decode {
-            (&mut self.scratch.0, &mut self.scratch.1)
-        } else {
-            (&mut self.k[l], &mut self.v[l])
-        };
-        Ok(strata::kv::LayerSlot {
-            k: strata::device::DevPtr::from_addr(k.as_mut_ptr() as u64),
-            v: strata::device::DevPtr::from_addr(v.as_mut_ptr() as u64),
-            rows: k.len() / self.row,
-        })
-    }
-    fn end_layer(&mut self, l: usize) -> anyhow::Result<()> {
-        if self.decode {
-            let (r, p) = (self.new_row * self.row, self.pos * self.row);
-            self.k[l][p..p + self.row].copy_from_slice(&self.scratch.0[r..r + self.row]);
-            self.v[l][p..p + self.row].copy_from_slice(&self.scratch.1[r..r + self.row]);
-        }
-        Ok(())
-    }
-    fn select_rows(
-        &mut self,
-        l: usize,
-        q: strata::kv::Query<f32>,
-    ) -> anyhow::Result<Option<strata::kv::NewRow>> {
-        if !self.decode {
-            return Ok(None);
-        }
-        let (row, ps) = (self.row, self.sc.page_size);
-        let (cands, count) = self.sc.slot_pages(self.pos, self.bs);
-        let mut bounds = vec![0.0f32; cands * 2 * row];
-        sparse::page_bounds(&self.k[l][..cands * ps * row], row, ps, &mut bounds);
-        // SAFETY: the model's query, host memory valid for this call.
-        let q = unsafe { std::slice::from_raw_parts(q.ptr.as_host_ptr(), q.len) };
-        let per_head = sparse::head_bounds(
-            &q[..self.heads.num_heads * self.heads.head_dim],
-            &bounds,
-            self.heads,
-            cands,
-        );
-        let scores = sparse::page_scores(&per_head, self.heads, cands);
-        let chosen = sparse::choose(&scores, cands, count - 1);
-        let mut at = 0;
-        let full = cands * ps;
-        let window = (full..self.pos).map(|t| t * row);
-        let pages = chosen
-            .iter()
-            .flat_map(|&p| (0..ps).map(move |i| (p as usize * ps + i) * row));
-        for src in pages.chain(window) {
-            self.scratch.0[at..at + row].copy_from_slice(&self.k[l][src..src + row]);
-            self.scratch.1[at..at + row].copy_from_slice(&self.v[l][src..src + row]);
-            at += row;
-        }
-        self.new_row = at / row;
-        Ok(Some(strata::kv::NewRow(self.new_row)))
-    }
-}
-
 #[test]
 fn small_budget_attends_exactly_the_oracles_rows() {
     let mut rng = StdRng::seed_from_u64(6);
@@ -398,23 +314,7 @@ fn small_budget_attends_exactly_the_oracles_rows() {
         };
         let (got, stats) = run(&model, cfg, &prompt, n);
         assert!(stats.unwrap().miss_pages > 0, "the miss path runs");
-        let row = c.kv_dim();
-        let mut oracle = Oracle {
-            sc,
-            bs,
-            row,
-            heads: AttnHeads {
-                num_heads: c.num_heads,
-                num_kv_heads: c.num_kv_heads,
-                head_dim: c.head_dim,
-            },
-            k: vec![vec![0.0; cap * row]; c.num_layers],
-            v: vec![vec![0.0; cap * row]; c.num_layers],
-            scratch: (vec![0.0; cap * row], vec![0.0; cap * row]),
-            pos: 0,
-            decode: false,
-            new_row: 0,
-        };
+        let mut oracle = Oracle::<f32>::new(c, sc, bs, cap);
         let opts = GenerateOptions {
             max_tokens: n,
             sampling: SamplingParams::default(),

@@ -27,7 +27,13 @@ use std::sync::{Arc, OnceLock};
 const SHIM: &str = include_str!("../../emu/shim.h");
 const CORE: &str = include_str!("../../emu/core.cpp");
 const LINKER_SCRIPT: &str = include_str!("../../emu/shared.ld");
-const CXXFLAGS: &[&str] = &["-std=c++17", "-O2", "-fPIC", "-Wno-unknown-pragmas"];
+const CXXFLAGS: &[&str] = &[
+    "-std=c++17",
+    "-O2",
+    "-ffp-contract=off",
+    "-fPIC",
+    "-Wno-unknown-pragmas",
+];
 
 type LaunchFn = unsafe extern "C" fn(
     name: *const c_char,

@@ -91,6 +91,8 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
         }),
         ("cublas linear bf16→f32", check_linear),
         ("gemm_fixed (batch-invariant)", check_gemm_fixed),
+        ("page_bounds (sparse)", check_page_bounds),
+        ("head_bounds (sparse)", check_head_bounds),
     ];
     let mut rows = Vec::new();
     for (i, (name, f)) in checks.into_iter().enumerate() {
@@ -774,4 +776,92 @@ fn check_gemm_fixed(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<
         row.note = note;
     }
     Ok(row)
+}
+
+/// Bit-for-bit equality of `got` and `want` as a check row (sparse decode's kernels must
+/// choose the pages their host references choose).
+fn bitwise_row(name: &str, shape: String, got: &[f32], want: &[f32]) -> CheckRow {
+    let mut row = compare(name, shape, got, want, 0.0, 0.0);
+    let differ = got.len() != want.len()
+        || got
+            .iter()
+            .zip(want)
+            .any(|(g, w)| g.to_bits() != w.to_bits());
+    row.tolerance = "bitwise".into();
+    if differ {
+        row.pass = false;
+        row.note = "not bit-for-bit equal to crate::sparse".into();
+    }
+    row
+}
+
+/// Random bf16 keys from a coarse grid with repeats and both zeros, so the min/max tie
+/// rules (first value kept, -0 vs +0) matter.
+fn coarse_keys(rng: &mut StdRng, n: usize) -> Vec<u16> {
+    (0..n)
+        .map(|_| match rng.random_range(0..8) {
+            0 => 0x8000, // -0.0
+            1 => 0x0000,
+            _ => twins::f32_to_bf16(rng.random_range(-8i32..8) as f32 * 0.375),
+        })
+        .collect()
+}
+
+fn as_bf16(bits: &[u16]) -> Vec<half::bf16> {
+    bits.iter().map(|&b| half::bf16::from_bits(b)).collect()
+}
+
+/// The page metadata kernel against `crate::sparse::page_bounds`, bit for bit.
+fn check_page_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (pages, page_size, row) = z.pick((300, 16, 1024), (13, 5, 96));
+    let keys = coarse_keys(rng, pages * page_size * row); // [pages · page_size, row]
+    let mut m = Mem::new(exec);
+    let k_d = m.upload(&keys)?;
+    let b_d = m.zeros::<u16>(pages * 2 * row)?; // [pages, 2, row]
+    exec.launch(&crate::device::cuda::sparse::page_bounds(
+        k_d, b_d, pages, page_size, row,
+    ))?;
+    let got = m.download::<u16>(b_d, pages * 2 * row)?;
+    let mut want = vec![half::bf16::ZERO; pages * 2 * row];
+    crate::sparse::page_bounds(&as_bf16(&keys), row, page_size, &mut want);
+    let f = |v: &[u16]| {
+        v.iter()
+            .map(|&b| f32::from_bits((b as u32) << 16))
+            .collect::<Vec<_>>()
+    };
+    let want: Vec<u16> = want.iter().map(|b| b.to_bits()).collect();
+    Ok(bitwise_row(
+        "page_bounds (sparse)",
+        format!("{pages} pages × {page_size} rows × {row}"),
+        &f(&got),
+        &f(&want),
+    ))
+}
+
+/// Quest's per-head bounds kernel against `crate::sparse::head_bounds`, bit for bit, with
+/// GQA groups (a wrong head → KV head mapping changes the bounds).
+fn check_head_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (pages, (nh, nkv), hd) = z.pick((2048, (32, 8), 128), (37, (6, 2), 64));
+    let heads = ops::AttnHeads {
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: hd,
+    };
+    let row = nkv * hd;
+    let (q, _) = rand_bf16(rng, nh * hd, 2.0); // [num_heads, head_dim]
+    let bounds = coarse_keys(rng, pages * 2 * row); // [pages, 2, row]
+    let mut m = Mem::new(exec);
+    let (q_d, b_d) = (m.upload(&q)?, m.upload(&bounds)?);
+    let out = m.zeros::<f32>(pages * nh)?; // [pages, num_heads]
+    exec.launch(&crate::device::cuda::sparse::head_bounds(
+        q_d, b_d, out, pages, heads,
+    ))?;
+    let got = m.download::<f32>(out, pages * nh)?;
+    let want = crate::sparse::head_bounds(&as_bf16(&q), &as_bf16(&bounds), heads, pages);
+    Ok(bitwise_row(
+        "head_bounds (sparse)",
+        format!("{pages} pages, {nh}/{nkv} heads × {hd}"),
+        &got,
+        &want,
+    ))
 }

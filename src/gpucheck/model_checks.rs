@@ -23,6 +23,7 @@ use crate::model::random::{random_weights, Shape};
 use crate::model::Model;
 use crate::offload::{OffloadConfig, OffloadKv};
 use crate::session::{EngineFactory, Session, SessionConfig};
+use crate::sparse::SparseConfig;
 use anyhow::Result;
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -204,9 +205,9 @@ fn greedy(max_tokens: usize) -> GenerateOptions {
 
 /// Step 3: greedy tokens on CUDA, resident vs offload (block 16 so prefill leaves a
 /// partial block and decode flushes blocks; 3 slots so prefetch crosses steps) and vs
-/// offload with the sanitizer. Equal token ids and bit-equal log-probabilities required:
-/// the slot holds the context exactly as the resident cache does and the kernels are
-/// the same, so nothing may differ.
+/// offload with the sanitizer; then sparse decode (`sparse_case`). Equal token ids and
+/// bit-equal log-probabilities required: the slot holds the context exactly as the
+/// resident cache does and the kernels are the same, so nothing may differ.
 pub fn offload_check() -> Result<Vec<CheckRow>> {
     let dev = Arc::new(CudaDevice::new(0)?);
     let mut rows = Vec::new();
@@ -218,7 +219,11 @@ pub fn offload_check() -> Result<Vec<CheckRow>> {
             Ok(Box::new(e) as Box<dyn OffloadKv<bf16>>)
         };
         rows.extend(
-            offload_case(exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+            offload_case(exec.clone(), &engine, name, shape)
+                .unwrap_or_else(|e| vec![failed(name, e)]),
+        );
+        rows.extend(
+            sparse_case(exec, &engine, name, shape).unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
     Ok(rows)
@@ -243,6 +248,10 @@ pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
     for (name, shape) in offload_shapes() {
         rows.extend(
             offload_case(exec.clone(), &engine, name, shape)
+                .unwrap_or_else(|e| vec![failed(name, e)]),
+        );
+        rows.extend(
+            sparse_case(exec.clone(), &engine, name, shape)
                 .unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
@@ -292,6 +301,73 @@ pub fn offload_case(
         rows.push(equal_row(&format!("{name}: offload{label}"), base, &out));
     }
     Ok(rows)
+}
+
+/// Sparse decode on `exec`'s model with engines from `engine` (step 3's sparse rows):
+/// a budget holding the whole context is bit-for-bit full offload, and a small budget
+/// (sink page, 3 pages and the window: pages chosen, some missed) gives the same bits
+/// under the sanitizer's delays and poison as without. (On the emulator, tests/
+/// cuda_sparse.rs also checks the small budget against a resident oracle.)
+pub fn sparse_case(
+    exec: Arc<dyn Exec>,
+    engine: &EngineFactory<'_>,
+    name: &str,
+    shape: Shape,
+) -> Result<Vec<CheckRow>> {
+    let cfg = shape.config();
+    let model = Arc::new(Model::new(
+        cfg.clone(),
+        random_weights(&cfg, 3, shape.qk_gain),
+    ));
+    let (prompt_len, new, block_size, page_size) = (100usize, 40usize, 16, 8);
+    let cap = prompt_len + new;
+    let mut rng = StdRng::seed_from_u64(10);
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
+    let opts = greedy(new);
+    let run = |budget: Option<usize>, sanitize: bool| -> Result<_> {
+        let scfg = SessionConfig {
+            offload: Some(OffloadConfig {
+                num_kv_buffers: 3,
+                block_size,
+                max_model_len: cap,
+                sanitize,
+                sparse: budget.map(|budget| SparseConfig { budget, page_size }),
+                ..OffloadConfig::default()
+            }),
+            ..SessionConfig::new(DeviceKind::Cuda, cap)
+        };
+        let mut s = Session::on_exec(model.clone(), scfg, exec.clone(), engine)?;
+        let out = s.generate(&prompt, &opts, &mut |_| Ok(()))?;
+        Ok((out, s.sparse_stats()))
+    };
+    let (full, _) = run(None, false)?;
+    let (whole, _) = run(Some(cap.next_multiple_of(page_size)), false)?;
+    let small = page_size + block_size + 3 * page_size;
+    let (sparse, stats) = run(Some(small), false)?;
+    let (sanitized, _) = run(Some(small), true)?;
+    let mut sanitized_row = equal_row(
+        &format!("{name}: sparse {small} + sanitizer"),
+        &sparse,
+        &sanitized,
+    );
+    // The small budget must really select and miss, or the row proves nothing.
+    match stats {
+        Some(st) if st.selections > 0 && st.miss_pages > 0 => {}
+        other => {
+            sanitized_row.pass = false;
+            sanitized_row.note = format!("the budget did not select and miss: {other:?}");
+        }
+    }
+    Ok(vec![
+        equal_row(
+            &format!("{name}: sparse, budget ≥ context = offload"),
+            &full,
+            &whole,
+        ),
+        sanitized_row,
+    ])
 }
 
 fn equal_row(name: &str, a: &GenerationOutput, b: &GenerationOutput) -> CheckRow {

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod gguf;
+pub mod sparse_oracle;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

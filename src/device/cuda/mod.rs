@@ -15,6 +15,7 @@ pub mod model;
 pub mod nvrtc;
 pub mod offload_dev;
 pub mod ops;
+pub mod sparse;
 pub mod trace;
 pub mod weights;
 

@@ -9,7 +9,7 @@ use super::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use super::weights::CudaWeights;
 use crate::device::cpu::ops::rope_tables;
 use crate::device::DevPtr;
-use crate::kv::{KvCache, LayerSlot};
+use crate::kv::{KvCache, LayerSlot, NewRow, Query};
 use crate::model::{check_ids, config, ModelConfig};
 use anyhow::{bail, Result};
 use half::bf16;
@@ -33,8 +33,13 @@ enum Gemm {
 /// How a step's attention runs.
 enum StepAttn {
     /// One sequence over a contiguous slot (K/V and capacity filled in per layer): the
-    /// prefill kernel for a chunk, the decode kernel for one token.
-    Contiguous(AttnArgs),
+    /// prefill kernel for a chunk, the decode kernel for one token. `selected`: i32 [2] =
+    /// {the new token's slot row, rows attended}, written when the cache selects the rows
+    /// (sparse decode, `KvCache::select_rows`).
+    Contiguous {
+        args: AttnArgs,
+        selected: DevPtr<i32>,
+    },
     /// Every row its own query over the page pool (K/V filled in per layer) through the
     /// flash-decoding kernel: the same kernel and split for a row whatever its batch, its
     /// chunk, or whether it is a decode token or a (re)computed prompt token.
@@ -51,6 +56,16 @@ struct StepPlan {
 }
 
 mod batch;
+
+/// Queues `v` → `dst` on the model's stream, in stream order (a pageable source: the
+/// driver stages it before returning, so `v` may go at once).
+///
+/// # Safety
+/// `dst` must hold `v.len()` i32.
+unsafe fn htod_i32(exec: &dyn Exec, dst: DevPtr<i32>, v: &[i32]) -> Result<()> {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
+    exec.htod(dst.cast(), &bytes)
+}
 
 pub struct CudaModel {
     pub cfg: ModelConfig,
@@ -82,7 +97,7 @@ struct Acts {
     proj: DevPtr<bf16>,  // [rows, hidden]
     gu: DevPtr<bf16>,    // [chunk, gate | up]
     act: DevPtr<bf16>,   // [chunk, inter]
-    meta: DevPtr<i32>,   // [ids: rows | pos: rows | cu_seqlens: 2 | ctx_len: 1 | table: 1]
+    meta: DevPtr<i32>, // [ids: rows | pos: rows | cu_seqlens: 2 | ctx_len: 1 | table: 1 | selected: 2]
     logits: DevPtr<f32>, // [vocab]
 }
 
@@ -166,7 +181,7 @@ impl CudaModel {
         let (x, hn, qkv) = (bf(t * h)?, bf(t * h)?, bf(t * (qd + 2 * kvd))?);
         let (attn, proj) = (bf(t * qd)?, bf(t * h)?);
         let (gu, act) = (bf(chunk * 2 * inter)?, bf(chunk * inter)?);
-        let (meta_b, meta) = alloc::<i32>(&*self.exec, 2 * t + 4)?;
+        let (meta_b, meta) = alloc::<i32>(&*self.exec, 2 * t + 6)?;
         let (logits_b, logits) = alloc::<f32>(&*self.exec, c.vocab_size)?;
         bufs.extend([meta_b, logits_b]);
         self.acts = Some(Acts {
@@ -237,32 +252,32 @@ impl CudaModel {
         let mut meta: Vec<i32> = tokens.iter().map(|&id| id as i32).collect();
         meta.extend((pos0..pos0 + t).map(|p| p as i32));
         meta.extend([0, t as i32, (pos0 + t) as i32, 0]);
-        // SAFETY: `meta` fits the [2 rows + 4] buffer; pageable source, staged at once.
-        unsafe {
-            let bytes = std::slice::from_raw_parts(meta.as_ptr() as *const u8, meta.len() * 4);
-            exec.htod(a.meta.cast(), bytes)?;
-        }
+        // SAFETY: `meta` fits the [2 rows + 6] buffer.
+        unsafe { htod_i32(&**exec, a.meta, &meta)? };
         let (ids, pos) = (a.meta, a.meta.at(t));
         let step = StepPlan {
             rows: t,
             pos,
             cache_rows: pos, // one sequence in a contiguous slot: row = position
             gemm: Gemm::Fast,
-            attn: StepAttn::Contiguous(AttnArgs {
-                q: a.qkv,
-                k: DevPtr::from_addr(0), // the layer's slot
-                v: DevPtr::from_addr(0),
-                out: a.attn,
-                cu_seqlens: a.meta.at(2 * t),
-                ctx_len: a.meta.at(2 * t + 2),
-                table: a.meta.at(2 * t + 3),
-                capacity: 0,
-                tokens: t,
-                ctx: pos0 + t,
-                num_heads: c.num_heads,
-                num_kv_heads: c.num_kv_heads,
-                q_stride: c.q_dim() + 2 * c.kv_dim(),
-            }),
+            attn: StepAttn::Contiguous {
+                selected: a.meta.at(2 * t + 4),
+                args: AttnArgs {
+                    q: a.qkv,
+                    k: DevPtr::from_addr(0), // the layer's slot
+                    v: DevPtr::from_addr(0),
+                    out: a.attn,
+                    cu_seqlens: a.meta.at(2 * t),
+                    ctx_len: a.meta.at(2 * t + 2),
+                    table: a.meta.at(2 * t + 3),
+                    capacity: 0,
+                    tokens: t,
+                    ctx: pos0 + t,
+                    num_heads: c.num_heads,
+                    num_kv_heads: c.num_kv_heads,
+                    q_stride: c.q_dim() + 2 * c.kv_dim(),
+                },
+            },
         };
         self.embed(ids, t)?;
         self.layers(&step, kv)?;
@@ -323,7 +338,7 @@ impl CudaModel {
         for l in 0..self.cfg.num_layers {
             let slot = kv.begin_layer(l)?;
             self.range_l("layer", l);
-            self.layer(l, step, slot)?;
+            self.layer(l, step, slot, &mut |q| kv.select_rows(l, q))?;
             self.pop();
             kv.end_layer(l)?;
         }
@@ -346,8 +361,15 @@ impl CudaModel {
     }
 
     /// One decoder layer on `a.hn` → residual `a.x` → next block's normalised input in
-    /// `a.hn`; K/V of the new tokens stored into `slot` at the step's cache rows.
-    fn layer(&self, l: usize, step: &StepPlan, slot: LayerSlot<bf16>) -> Result<()> {
+    /// `a.hn`; K/V of the new tokens stored into `slot` at the step's cache rows, or where
+    /// `select` (the cache's `select_rows`, given a decode token's query) puts them.
+    fn layer(
+        &self,
+        l: usize,
+        step: &StepPlan,
+        slot: LayerSlot<bf16>,
+        select: &mut dyn FnMut(Query<bf16>) -> Result<Option<NewRow>>,
+    ) -> Result<()> {
         let c = &self.cfg;
         let a = self.acts.as_ref().expect("allocated by enqueue");
         let (exec, lw) = (&*self.exec, &self.w.layers[l]);
@@ -380,20 +402,39 @@ impl CudaModel {
         // 3. RoPE on q and k together (adjacent heads in the fused row).
         let (cos, sin, pos) = (self.cos, self.sin, step.pos);
         exec.launch(&ops::rope(a.qkv, pos, cos, sin, t, nh + nkv, hd, qkv_dim))?;
-        // 4. Store the new K/V at their cache rows, attend.
+        // 4. Sparse decode: the cache chooses the rows to attend from the query (a decode
+        //    token's, the head of its fused row) and says where the new K/V goes.
+        let selected = match &step.attn {
+            StepAttn::Contiguous { selected, .. } if t == 1 => {
+                let q = Query {
+                    ptr: a.qkv,
+                    len: qd,
+                };
+                select(q)?.map(|NewRow(r)| (r, *selected))
+            }
+            _ => None,
+        };
+        if let Some((r, at)) = selected {
+            // SAFETY: `at` is the step's i32 [2].
+            unsafe { htod_i32(exec, at, &[r as i32, r as i32 + 1])? };
+        }
+        // 5. Store the new K/V at their cache rows, attend.
         let (kp, vp) = (a.qkv.at(qd), a.qkv.at(qd + kvd));
-        let slots = step.cache_rows;
+        let slots = selected.map_or(step.cache_rows, |(_, at)| at);
         exec.launch(&ops::kv_store(
             kp, vp, slot.k, slot.v, slots, t, kvd, qkv_dim,
         ))?;
         match &step.attn {
-            StepAttn::Contiguous(args) => {
-                let args = AttnArgs {
+            StepAttn::Contiguous { args, .. } => {
+                let mut args = AttnArgs {
                     k: slot.k,
                     v: slot.v,
                     capacity: slot.rows,
                     ..*args
                 };
+                if let Some((r, at)) = selected {
+                    (args.ctx_len, args.ctx) = (at.at(1), r + 1);
+                }
                 if args.ctx > slot.rows {
                     bail!(
                         "layer {l}: {} tokens in a KV slot of {}",
@@ -420,7 +461,7 @@ impl CudaModel {
                 }
             }
         }
-        // 5. Output projection, residual add, post-attention norm.
+        // 6. Output projection, residual add, post-attention norm.
         linear(a.attn, lw.wo.ptr, a.proj, shape(t, qd, h))?;
         exec.launch(&ops::add_rms_norm(
             a.x,
@@ -432,7 +473,7 @@ impl CudaModel {
             eps,
         ))?;
         self.pop();
-        // 6. MLP in row chunks; the residual add is fused with the next block's norm.
+        // 7. MLP in row chunks; the residual add is fused with the next block's norm.
         self.range("mlp");
         let next_norm = self
             .w

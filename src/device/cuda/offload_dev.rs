@@ -1,13 +1,16 @@
-//! The offload engine's CUDA device: the model's compute stream, an H2D prefetch stream
-//! and a pool of D2H offload streams; CUDA events; pinned host KV and device memory; async
-//! copies on raw addresses (see `ops` for why not cudarc's safe copies) traced with timed
-//! events and NVTX ranges when asked. KV in bf16.
+//! The offload engine's CUDA device: the model's compute stream, an H2D prefetch stream,
+//! sparse decode's H2D miss stream and a pool of D2H offload streams; CUDA events; pinned
+//! host KV and device memory; async copies on raw addresses (see `ops` for why not
+//! cudarc's safe copies) traced with timed events and NVTX ranges when asked; sparse
+//! decode's kernels (`super::sparse`) on the compute stream. KV in bf16.
 
 use super::context::CudaDevice;
-use super::ops::{dptr, dtod, dtoh, htod, poison};
+use super::ops::{dptr, dtod, dtoh, htod, poison, Kernels};
 use super::trace::Tracer;
+use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
 use crate::device::DevPtr;
+use crate::kv::Query;
 use crate::offload::device::{Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole};
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
@@ -32,8 +35,13 @@ pub struct CudaOffloadDevice {
     dev: Arc<CudaDevice>,
     compute: (Arc<CudaStream>, String),
     prefetch: (Arc<CudaStream>, String),
+    miss: (Arc<CudaStream>, String),
     offload: Vec<(Arc<CudaStream>, String)>,
     events: Vec<CudaEvent>,
+    /// Sparse decode's kernels (loaded on first use) and its per-head bounds, f32
+    /// `[pages, num_heads]`, grown as the context grows.
+    kernels: Kernels,
+    scores: Option<(CudaSlice<f32>, usize)>, // (buffer, elements)
     mem: Allocations<Mem>,
     tracer: Tracer,
     layer_start: Option<CudaEvent>,
@@ -59,9 +67,12 @@ impl CudaOffloadDevice {
         Ok(Self {
             compute: named(compute, "compute"),
             prefetch: named(dev.new_stream()?, "h2d-prefetch"),
+            miss: named(dev.new_stream()?, "h2d-miss"),
             offload: (0..offload_streams)
                 .map(|i| Ok(named(dev.new_stream()?, &format!("d2h-offload-{i}"))))
                 .collect::<Result<_>>()?,
+            kernels: Kernels::new(dev.clone()),
+            scores: None,
             dev,
             events: Vec::new(),
             mem: Allocations::default(),
@@ -73,9 +84,8 @@ impl CudaOffloadDevice {
     fn stream(&self, s: StreamRole) -> &(Arc<CudaStream>, String) {
         match s {
             StreamRole::Compute => &self.compute,
-            // Sparse decode's misses (refused on CUDA until its wiring lands: see
-            // `page_scores`) would take the prefetch stream.
-            StreamRole::Prefetch | StreamRole::Miss => &self.prefetch,
+            StreamRole::Prefetch => &self.prefetch,
+            StreamRole::Miss => &self.miss,
             StreamRole::Offload(i) => &self.offload[i % self.offload.len()],
         }
     }
@@ -91,7 +101,7 @@ impl CudaOffloadDevice {
     }
 
     fn all_streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
-        [&self.compute, &self.prefetch]
+        [&self.compute, &self.prefetch, &self.miss]
             .into_iter()
             .chain(&self.offload)
             .map(|(s, _)| s)
@@ -237,26 +247,67 @@ impl OffloadDevice for CudaOffloadDevice {
         self.tracer.take()
     }
 
-    fn page_bounds(&mut self, _: usize, _: Span, _: usize, _: usize, _: Span) -> Result<()> {
-        bail!("{SPARSE_ON_CUDA}")
+    fn page_bounds(
+        &mut self,
+        _layer: usize,
+        keys: Span,
+        row: usize,
+        page_size: usize,
+        bounds: Span,
+    ) -> Result<()> {
+        let pages = bounds.len / (2 * row);
+        if keys.len != pages * page_size * row || bounds.len != pages * 2 * row {
+            bail!(
+                "page bounds: {} keys do not make {} bounds of {page_size}-row pages",
+                keys.len,
+                bounds.len
+            );
+        }
+        let (k, b) = (self.addr(keys)?, self.addr(bounds)?);
+        let on_device = |m| self.mem.space(m) == Space::Device;
+        if !on_device(keys.mem) || !on_device(bounds.mem) {
+            bail!("page bounds: keys and bounds must be device memory");
+        }
+        let l = super::sparse::page_bounds(dev(k).cast(), dev(b).cast(), pages, page_size, row);
+        self.kernels.launch(&self.compute.0, &l)
     }
 
     fn head_bounds(
         &mut self,
-        _: usize,
-        _: crate::kv::Query<bf16>,
-        _: Span,
-        _: crate::device::cpu::ops::AttnHeads,
-        _: usize,
+        _layer: usize,
+        q: Query<bf16>,
+        bounds: Span,
+        heads: AttnHeads,
+        pages: usize,
     ) -> Result<Vec<f32>> {
-        bail!("{SPARSE_ON_CUDA}")
+        let row = heads.num_kv_heads * heads.head_dim;
+        if bounds.len != pages * 2 * row || q.len != heads.num_heads * heads.head_dim {
+            bail!(
+                "page scores: {pages} pages, {} bound values, query of {}",
+                bounds.len,
+                q.len
+            );
+        }
+        let b = self.addr(bounds)?;
+        let n = pages * heads.num_heads;
+        let st = self.compute.0.clone();
+        if self.scores.as_ref().is_none_or(|(_, cap)| *cap < n) {
+            // The old buffer is idle: every call synchronizes before returning.
+            let cap = n.max(1).next_power_of_two();
+            self.scores = Some((self.dev.alloc_zeros::<f32>(&st, cap)?, cap));
+        }
+        let (buf, _) = self.scores.as_ref().expect("allocated above");
+        let out = dptr(buf, &st);
+        let l = super::sparse::head_bounds(q.ptr, dev(b).cast(), out, pages, heads);
+        self.kernels.launch(&st, &l)?;
+        let mut host = vec![0f32; n];
+        // SAFETY: `out` holds at least `n` f32; `host` outlives the copy, which the
+        // synchronize below waits for.
+        unsafe { dtoh(&st, host.as_mut_ptr() as *mut u8, out.cast(), n * 4)? };
+        drv(st.synchronize(), "cuStreamSynchronize")?;
+        Ok(host)
     }
 }
-
-/// Sparse decode's selection kernel exists (`super::sparse`), the CUDA model's wiring
-/// (query to the engine, selected pages back to the host) does not yet.
-pub const SPARSE_ON_CUDA: &str =
-    "--sparse-budget runs on the CPU device only for now (the CUDA model's sparse decode is not wired)";
 
 impl Drop for CudaOffloadDevice {
     /// Queued copies address this device's memory: let them finish first.

@@ -30,7 +30,7 @@ pub fn dptr<T>(s: &CudaSlice<T>, st: &Arc<CudaStream>) -> DevPtr<T> {
 }
 
 /// A pointer argument.
-fn arg<T>(p: DevPtr<T>) -> KArg {
+pub(super) fn arg<T>(p: DevPtr<T>) -> KArg {
     KArg::Ptr(p.addr())
 }
 
@@ -133,6 +133,7 @@ pub const KERNELS: &[(&str, &[&str])] = &[
     ("norm.cu", &["rms_norm", "add_rms_norm", "head_rms_norm"]),
     ("rope.cu", &["rope_neox"]),
     ("sampling.cu", &["argmax", "sample"]),
+    ("sparse.cu", &["page_bounds", "head_bounds"]),
 ];
 
 /// Whether `func` is listed in `KERNELS` under `file`.
@@ -158,10 +159,10 @@ pub fn check_head_dim(head_dim: usize) -> Result<()> {
 pub const HEAD_DIMS: [usize; 3] = [64, 96, 128];
 
 /// Threads per block for the element-wise kernels.
-const EW: u32 = 256;
+pub(super) const EW: u32 = 256;
 
 /// One thread per element, `block` threads per block.
-fn grid1(n: usize, block: u32) -> LaunchConfig {
+pub(super) fn grid1(n: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
         block_dim: (block, 1, 1),
@@ -178,11 +179,11 @@ fn rows(n: usize, block: u32) -> LaunchConfig {
     }
 }
 
-fn i(n: usize) -> KArg {
+pub(super) fn i(n: usize) -> KArg {
     KArg::I32(n as i32)
 }
 
-fn launch(file: &'static str, func: &str, cfg: LaunchConfig, args: Vec<KArg>) -> Launch {
+pub(super) fn launch(file: &'static str, func: &str, cfg: LaunchConfig, args: Vec<KArg>) -> Launch {
     Launch {
         file,
         func: func.to_string(),

@@ -96,11 +96,8 @@ impl CudaModel {
         }
         let exec = &*self.exec;
         let meta_d = self.batch.meta.ensure(exec, meta.len())?;
-        // SAFETY: the buffer holds `meta.len()` i32; pageable source, staged at once.
-        unsafe {
-            let bytes = std::slice::from_raw_parts(meta.as_ptr() as *const u8, meta.len() * 4);
-            exec.htod(meta_d.cast(), bytes)?;
-        }
+        // SAFETY: the buffer holds `meta.len()` i32.
+        unsafe { super::htod_i32(exec, meta_d, &meta)? };
         let at = |i: usize| meta_d.at(i * t);
         let (ids, pos, cache_rows, ctx_lens) = (at(0), at(1), at(2), at(3));
         let (want, tables) = (at(4), meta_d.at(4 * t + r));

@@ -1,0 +1,47 @@
+//! Launches of sparse decode's kernels (`kernels/sparse.cu`); their references are
+//! `crate::sparse::page_bounds` and `crate::sparse::head_bounds`, which they equal bit for
+//! bit (gpu-check step 1, and the emulator in CI).
+
+use super::ops::{arg, grid1, i, launch, Launch, EW};
+use crate::device::cpu::ops::AttnHeads;
+use crate::device::DevPtr;
+use half::bf16;
+
+/// sparse.cu `page_bounds(keys, bounds, pages, page_size, row)`: channel-wise min and
+/// max of K per page, one thread per (page, channel).
+pub fn page_bounds(
+    keys: DevPtr<bf16>,   // bf16 [pages · page_size, row]
+    bounds: DevPtr<bf16>, // bf16 [pages, 2, row]
+    pages: usize,
+    page_size: usize,
+    row: usize,
+) -> Launch {
+    let args = vec![arg(keys), arg(bounds), i(pages), i(page_size), i(row)];
+    launch("sparse.cu", "page_bounds", grid1(pages * row, EW), args)
+}
+
+/// sparse.cu `head_bounds(q, bounds, out, pages, num_heads, num_kv_heads, head_dim)`:
+/// Quest's bound of each page for each query head, one thread per (page, head).
+pub fn head_bounds(
+    q: DevPtr<bf16>,      // bf16 [num_heads, head_dim]
+    bounds: DevPtr<bf16>, // bf16 [pages, 2, num_kv_heads · head_dim]
+    out: DevPtr<f32>,     // f32 [pages, num_heads]
+    pages: usize,
+    h: AttnHeads,
+) -> Launch {
+    let args = vec![
+        arg(q),
+        arg(bounds),
+        arg(out),
+        i(pages),
+        i(h.num_heads),
+        i(h.num_kv_heads),
+        i(h.head_dim),
+    ];
+    launch(
+        "sparse.cu",
+        "head_bounds",
+        grid1(pages * h.num_heads, EW),
+        args,
+    )
+}

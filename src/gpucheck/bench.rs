@@ -19,6 +19,7 @@ use crate::engine::sampler::argmax;
 use crate::kv::KvCache;
 use crate::model::random::Shape;
 use crate::offload::{OffloadConfig, OffloadControl};
+use crate::sparse::SparseConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{sys, CudaEvent, CudaStream};
 use half::bf16;
@@ -165,7 +166,15 @@ pub struct BenchRow {
     pub largest_copy_gbps: f64,
     pub kv_mem_resident: usize,
     pub kv_mem_offload: usize,
+    /// Sparse decode at a budget of 1/8 of the context (`SPARSE_FRACTION`), pages of 16:
+    /// its decode step and its prefetch hit rate.
+    pub step_ms_sparse: f64,
+    pub sparse_hit_rate: f64,
 }
+
+/// Sparse decode's budget in the benchmark: this fraction of the context (issue #15's
+/// 3× goal is stated at 1/8).
+pub const SPARSE_FRACTION: usize = 8;
 
 #[derive(Debug, Clone, Default)]
 pub struct BenchReport {
@@ -200,6 +209,13 @@ impl BenchReport {
                 "≥ 0.85".into(),
                 share >= 0.85,
             ));
+            let sp = r.step_ms_offload / r.step_ms_sparse.max(1e-12);
+            g.push((
+                format!("{k}K sparse 1/{SPARSE_FRACTION} decode speedup vs full loading"),
+                sp,
+                "≥ 3".into(),
+                sp >= 3.0,
+            ));
         }
         if let Some(r) = self.rows.iter().max_by_key(|r| r.context) {
             let pr = r.prefill_s_offload / r.prefill_s_resident.max(1e-12);
@@ -225,10 +241,11 @@ impl std::fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "{:>6} {:>11} {:>11} {:>10} {:>10} {:>10} {:>11} {:>11} {:>11}",
+            "{:>6} {:>11} {:>11} {:>10} {:>10} {:>10} {:>10} {:>11} {:>11} {:>11}",
             "ctx",
             "prefill s",
             "prefill s",
+            "step ms",
             "step ms",
             "step ms",
             "ideal ms",
@@ -238,18 +255,28 @@ impl std::fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "{:>6} {:>11} {:>11} {:>10} {:>10} {:>10} {:>11} {:>11} {:>11}",
-            "", "resident", "offload", "resident", "offload", "(H2D)", "MiB", "resident", "offload"
+            "{:>6} {:>11} {:>11} {:>10} {:>10} {:>10} {:>10} {:>11} {:>11} {:>11}",
+            "",
+            "resident",
+            "offload",
+            "resident",
+            "offload",
+            format!("sparse1/{SPARSE_FRACTION}"),
+            "(H2D)",
+            "MiB",
+            "resident",
+            "offload"
         )?;
         for r in &self.rows {
             writeln!(
                 f,
-                "{:>6} {:>11.3} {:>11.3} {:>10.2} {:>10.2} {:>10.2} {:>11.1} {:>11.2} {:>11.2}",
+                "{:>6} {:>11.3} {:>11.3} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>11.1} {:>11.2} {:>11.2}",
                 format!("{}K", r.context / 1024),
                 r.prefill_s_resident,
                 r.prefill_s_offload,
                 r.step_ms_resident,
                 r.step_ms_offload,
+                r.step_ms_sparse,
                 r.ideal_step_ms,
                 r.kv_bytes_per_step as f64 / MB as f64,
                 gib(r.kv_mem_resident),
@@ -257,6 +284,12 @@ impl std::fmt::Display for BenchReport {
             )?;
         }
         for r in &self.rows {
+            writeln!(
+                f,
+                "{}K sparse 1/{SPARSE_FRACTION}: prefetch hit rate {:.1}%",
+                r.context / 1024,
+                r.sparse_hit_rate * 100.0
+            )?;
             writeln!(
                 f,
                 "{}K, 36 layers (scaled): prefill {:.2} s → {:.2} s with offload, decode step {:.1} → {:.1} ms, KV on the GPU {:.2} GiB → {:.2} GiB (ring does not scale with layers)",
@@ -404,6 +437,24 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
         let events = kv.take_trace()?;
         kv.set_tracing(false)?;
         let (largest_copy_bytes, largest_copy_gbps) = largest_copies(&events);
+        drop(kv);
+        // Sparse decode at 1/8 of the context.
+        let scfg = OffloadConfig {
+            num_kv_buffers: args.num_kv_buffers,
+            block_size: args.block_size,
+            max_model_len: max_len,
+            sparse: Some(SparseConfig {
+                budget: (ctx / SPARSE_FRACTION)
+                    .next_multiple_of(16)
+                    .max(16 + args.block_size),
+                page_size: 16,
+            }),
+            ..OffloadConfig::default()
+        };
+        let mut kv = offload_engine(dev.clone(), compute.clone(), &cfg, scfg)?;
+        let sparse = run_once(&mut model, &mut kv, &prompt, args.decode_steps, 0)?;
+        let sparse_hit_rate = kv.sparse_stats().map_or(1.0, |s| s.hit_rate());
+        drop(kv);
         let kv_bytes_per_step =
             cfg.num_layers * 2 * (ctx / args.block_size) * args.block_size * row_bytes;
         report.rows.push(BenchRow {
@@ -418,6 +469,8 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
             largest_copy_gbps,
             kv_mem_resident: res.kv_mem,
             kv_mem_offload: off.kv_mem,
+            step_ms_sparse: sparse.step_ms,
+            sparse_hit_rate,
         });
     }
     Ok(report)
@@ -499,10 +552,12 @@ mod tests {
                 largest_copy_gbps: 45.0,
                 kv_mem_resident: 1 << 30,
                 kv_mem_offload: 1 << 28,
+                step_ms_sparse: 5.0,
+                sparse_hit_rate: 0.9,
             }],
         };
         let g = r.goals();
-        assert_eq!(g.len(), 3);
+        assert_eq!(g.len(), 4);
         assert!(g.iter().all(|x| x.3), "{g:?}");
         let t = r.to_string();
         assert!(
@@ -512,5 +567,8 @@ mod tests {
         let mut slow = r.clone();
         slow.rows[0].step_ms_offload = 30.0;
         assert!(slow.to_string().contains("MISSED"));
+        let mut slow_sparse = r.clone();
+        slow_sparse.rows[0].step_ms_sparse = 8.0;
+        assert!(slow_sparse.to_string().contains("MISSED"));
     }
 }

@@ -84,7 +84,9 @@ pub struct MemoryPlan {
     pub ring_bytes: usize,
     pub decode_buffer_bytes: usize,
     pub host_kv_bytes: usize,
-    /// Sparse decode's page bounds (min and max of K per page and channel), on the device.
+    /// Sparse decode's metadata on the device: page bounds (min and max of K per layer,
+    /// page and channel) and one layer's per-head scores (f32 `[pages, num_heads]`, the
+    /// CUDA device's download buffer).
     pub page_bounds_bytes: usize,
 }
 
@@ -103,7 +105,7 @@ impl std::fmt::Display for MemoryPlan {
         if self.page_bounds_bytes > 0 {
             write!(
                 f,
-                ", sparse page bounds {:.1} MiB",
+                ", sparse page metadata {:.1} MiB",
                 mib(self.page_bounds_bytes)
             )?;
         }
@@ -156,9 +158,11 @@ impl OffloadConfig {
             None => 0,
             Some(sc) => {
                 sc.check(self.block_size)?;
-                // [num_layers, pages, min | max, row]
+                // [num_layers, pages, min | max, row], and f32 [pages, num_heads]
                 let pages = mul(num_cpu_blocks, self.block_size)? / sc.page_size;
-                mul(mul(model.num_layers, pages)?, mul(2, row_bytes)?)?
+                let bounds = mul(mul(model.num_layers, pages)?, mul(2, row_bytes)?)?;
+                let scores = mul(mul(pages, model.num_heads)?, 4)?;
+                bounds.checked_add(scores).ok_or_else(too_large)?
             }
         };
         // Linux overcommits: a too-large allocation "succeeds" and the OOM killer strikes

@@ -258,6 +258,21 @@ pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
     Ok(rows)
 }
 
+/// Step 3's request: a random model of `shape`, a random 100-token prompt (from `seed`),
+/// 40 greedy tokens (block 16 leaves a partial block after prefill and flushes in decode).
+fn step3_request(shape: Shape, seed: u64) -> (Arc<Model>, Vec<u32>, GenerateOptions) {
+    let cfg = shape.config();
+    let model = Arc::new(Model::new(
+        cfg.clone(),
+        random_weights(&cfg, 3, shape.qk_gain),
+    ));
+    let mut rng = StdRng::seed_from_u64(seed);
+    let prompt: Vec<u32> = (0..100)
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
+    (model, prompt, greedy(40))
+}
+
 /// Resident vs offload vs offload + sanitizer, greedy, on `exec` with offload engines from
 /// `engine` (the GPU, or the emulator/host twins in tests).
 pub fn offload_case(
@@ -266,18 +281,8 @@ pub fn offload_case(
     name: &str,
     shape: Shape,
 ) -> Result<Vec<CheckRow>> {
-    let cfg = shape.config();
-    let model = Arc::new(Model::new(
-        cfg.clone(),
-        random_weights(&cfg, 3, shape.qk_gain),
-    ));
-    let (prompt_len, new) = (100usize, 40usize);
-    let cap = prompt_len + new;
-    let mut rng = StdRng::seed_from_u64(9);
-    let prompt: Vec<u32> = (0..prompt_len)
-        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
-        .collect();
-    let opts = greedy(new);
+    let (model, prompt, opts) = step3_request(shape, 9);
+    let cap = prompt.len() + opts.max_tokens;
     let mut base = None;
     let mut rows = Vec::new();
     for sanitize in [false, true] {
@@ -314,18 +319,9 @@ pub fn sparse_case(
     name: &str,
     shape: Shape,
 ) -> Result<Vec<CheckRow>> {
-    let cfg = shape.config();
-    let model = Arc::new(Model::new(
-        cfg.clone(),
-        random_weights(&cfg, 3, shape.qk_gain),
-    ));
-    let (prompt_len, new, block_size, page_size) = (100usize, 40usize, 16, 8);
-    let cap = prompt_len + new;
-    let mut rng = StdRng::seed_from_u64(10);
-    let prompt: Vec<u32> = (0..prompt_len)
-        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
-        .collect();
-    let opts = greedy(new);
+    let (model, prompt, opts) = step3_request(shape, 10);
+    let cap = prompt.len() + opts.max_tokens;
+    let (block_size, page_size) = (16, 8);
     let run = |budget: Option<usize>, sanitize: bool| -> Result<_> {
         let scfg = SessionConfig {
             offload: Some(OffloadConfig {

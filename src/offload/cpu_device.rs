@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
-use super::device::{Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole};
+use super::device::{
+    check_head_bounds, Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole,
+};
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::{CpuDevice, Event, Link, MemSpace, Stream, TraceEvent};
 use crate::device::DevPtr;
@@ -267,14 +269,7 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
         heads: AttnHeads,
         pages: usize,
     ) -> Result<Vec<f32>> {
-        let row = heads.num_kv_heads * heads.head_dim;
-        if bounds.len != pages * 2 * row || q.len != heads.num_heads * heads.head_dim {
-            bail!(
-                "page scores: {pages} pages, {} bound values, query of {}",
-                bounds.len,
-                q.len
-            );
-        }
+        check_head_bounds(q.len, bounds, heads, pages)?;
         let start = self.dev.now_us();
         // SAFETY: the bounds lie inside an allocation of this device (checked by `addr`);
         // the compute stream (this thread) wrote them and nothing else writes them

@@ -102,6 +102,20 @@ impl<M> Allocations<M> {
     }
 }
 
+/// Errors unless `OffloadDevice::head_bounds`' arguments agree: `bounds` holds `pages`
+/// pages of `[2, kv_dim]` and the query is one token's `[num_heads, head_dim]` (both
+/// devices read exactly that much memory).
+pub fn check_head_bounds(q_len: usize, bounds: Span, heads: AttnHeads, pages: usize) -> Result<()> {
+    let row = heads.num_kv_heads * heads.head_dim;
+    if bounds.len != pages * 2 * row || q_len != heads.num_heads * heads.head_dim {
+        bail!(
+            "page scores: {pages} pages, {} bound values, query of {q_len}",
+            bounds.len
+        );
+    }
+    Ok(())
+}
+
 pub trait OffloadDevice {
     /// The KV element: f32 on the CPU device, bf16 on CUDA.
     type Elem;

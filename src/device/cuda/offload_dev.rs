@@ -11,7 +11,9 @@ use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
 use crate::device::DevPtr;
 use crate::kv::Query;
-use crate::offload::device::{Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole};
+use crate::offload::device::{
+    check_head_bounds, Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole,
+};
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use half::bf16;
@@ -280,14 +282,7 @@ impl OffloadDevice for CudaOffloadDevice {
         heads: AttnHeads,
         pages: usize,
     ) -> Result<Vec<f32>> {
-        let row = heads.num_kv_heads * heads.head_dim;
-        if bounds.len != pages * 2 * row || q.len != heads.num_heads * heads.head_dim {
-            bail!(
-                "page scores: {pages} pages, {} bound values, query of {}",
-                bounds.len,
-                q.len
-            );
-        }
+        check_head_bounds(q.len, bounds, heads, pages)?;
         let b = self.addr(bounds)?;
         let n = pages * heads.num_heads;
         let st = self.compute.0.clone();

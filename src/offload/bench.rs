@@ -52,7 +52,8 @@ pub struct OffloadBenchArgs {
     /// Needle depths scored at the context length, full attention and each budget.
     #[arg(long, value_delimiter = ',', value_parser = flags::fraction)]
     pub needle_depth: Vec<f64>,
-    /// Write the decode steps' Chrome/Perfetto trace here.
+    /// Write the decode steps' Chrome/Perfetto trace here (full loading; each sparse
+    /// budget's beside it as `<stem>.sparse-<budget>.json`).
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
     /// Print one JSON object instead of the table.
@@ -157,6 +158,12 @@ fn decode(
     Ok(t1.elapsed().as_secs_f64() / steps.max(1) as f64)
 }
 
+/// Where `--trace-out PATH`'s trace of sparse budget `budget` goes: beside PATH.
+fn sparse_trace_path(path: &std::path::Path, budget: usize) -> PathBuf {
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    path.with_file_name(format!("{stem}.sparse-{budget}.json"))
+}
+
 /// Time to move `layers` layers of K and V (`bytes_per_layer` in all) over the link, alone.
 fn transfer_only_step(gbps: f64, layers: usize, bytes_per_layer: usize) -> Result<f64> {
     let dev = CpuDevice::new(gbps, false);
@@ -240,7 +247,11 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
         e.set_tracing(true)?;
         let step = decode(model, &mut e, logits, prompt.len(), args.decode_steps)?;
         e.set_tracing(false)?;
-        let (bytes, _) = trace::link_bytes(&e.take_trace()?);
+        let events = e.take_trace()?;
+        if let Some(p) = &args.trace_out {
+            trace::write_chrome_trace(&sparse_trace_path(p, budget), &events)?;
+        }
+        let (bytes, _) = trace::link_bytes(&events);
         let stats = e.sparse_stats().unwrap_or_default();
         sparse.push(SparseRow {
             budget,

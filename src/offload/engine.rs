@@ -237,6 +237,27 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         )
     }
 
+    /// Queues the runs `(src offset, dst offset, elements)` of K and of V from `src` to
+    /// `dst`: one submission each (sparse decode's scattered pages).
+    fn copy_kv_runs(
+        &mut self,
+        s: StreamRole,
+        names: [&'static str; 2],
+        layer: usize,
+        (src, dst): (KvMem, KvMem),
+        runs: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        if self.cfg.sanitize && s != StreamRole::Compute {
+            // Enqueue at random moments too: the CPU device also delays the copy itself.
+            std::thread::sleep(std::time::Duration::from_micros(rand::random_range(0..200)));
+        }
+        self.d.copy_runs(s, names[0], layer, (src.k, dst.k), runs)?;
+        self.d.copy_runs(s, names[1], layer, (src.v, dst.v), runs)
+    }
+
     /// Makes `s` wait for whatever the previous user of `slot` left in flight.
     fn wait_released(&mut self, s: StreamRole, slot: usize, after: ReleasedAfter) -> Result<()> {
         match after {
@@ -281,14 +302,12 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             let runs = sparse::fetch_runs(&sp.loaded[layer]);
             let sp = self.sparse.as_ref().expect("sparse");
             let at = |p: usize| self.page_elems(sp, p);
+            let host = self.host_at(layer, 0);
             let copies: Vec<_> = runs
                 .iter()
-                .map(|r| (at(r.src), at(r.dst), at(r.pages)))
+                .map(|r| (host + at(r.src), at(r.dst), at(r.pages)))
                 .collect();
-            for (src, dst, len) in copies {
-                let src = (self.host, self.host_at(layer, 0) + src);
-                self.copy_kv(p, names, layer, src, (self.ring[s], dst), len)?;
-            }
+            self.copy_kv_runs(p, names, layer, (self.host, self.ring[s]), &copies)?;
         } else {
             let len = pos / self.cfg.block_size * self.cfg.block_size * self.row;
             let src = (self.host, self.host_at(layer, 0));
@@ -443,10 +462,11 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             .iter()
             .map(|r| (at(r.src), at(r.dst), at(r.pages)))
             .collect();
+        let host = self.host_at(layer, 0);
         let fetches: Vec<_> = plan
             .fetches
             .iter()
-            .map(|r| (at(r.src), at(r.dst), at(r.pages)))
+            .map(|r| (host + at(r.src), at(r.dst), at(r.pages)))
             .collect();
         let (moves_done, misses_done) = (sp.moves_done, sp.misses_done);
         let slot = self.ring[s];
@@ -467,17 +487,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             self.d.record(c, moves_done)?;
             self.d.wait(m, moves_done, "slot-moves-done")?;
             self.d.wait(m, self.layer_stored[layer], "layer-stored")?;
-            for &(src, dst, len) in &fetches {
-                let src = (self.host, self.host_at(layer, 0) + src);
-                self.copy_kv(
-                    m,
-                    ["h2d-miss-k", "h2d-miss-v"],
-                    layer,
-                    src,
-                    (slot, dst),
-                    len,
-                )?;
-            }
+            let names = ["h2d-miss-k", "h2d-miss-v"];
+            self.copy_kv_runs(m, names, layer, (self.host, slot), &fetches)?;
             self.d.record(m, misses_done)?;
             self.d.wait(c, misses_done, "misses-fetched")?;
         }

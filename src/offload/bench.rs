@@ -130,8 +130,8 @@ pub struct SparseRow {
     /// Sparse ÷ full-loading H2D bytes per step.
     pub bytes_per_step_ratio: f64,
     pub prefetch_hit_rate: f64,
-    /// Copies the misses took per step (all layers).
-    pub miss_copies_per_step: f64,
+    /// Runs of missed pages per step (all layers), contiguous in host memory.
+    pub miss_runs_per_step: f64,
     pub needle_passed: Option<usize>,
 }
 
@@ -261,7 +261,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
             h2d_bytes_per_step: bytes as f64 / steps,
             bytes_per_step_ratio: bytes as f64 / h2d.max(1) as f64,
             prefetch_hit_rate: stats.hit_rate(),
-            miss_copies_per_step: stats.miss_copies as f64 / steps,
+            miss_runs_per_step: stats.miss_runs as f64 / steps,
             needle_passed: None,
         });
     }
@@ -345,7 +345,7 @@ impl std::fmt::Display for OffloadBenchReport {
                 "MiB/step",
                 "bytes",
                 "hit_rate",
-                "miss_copies",
+                "miss_runs",
                 "needle"
             )?;
             write!(
@@ -373,7 +373,7 @@ impl std::fmt::Display for OffloadBenchReport {
                 r.h2d_bytes_per_step / (1 << 20) as f64,
                 r.bytes_per_step_ratio,
                 r.prefetch_hit_rate * 100.0,
-                r.miss_copies_per_step,
+                r.miss_runs_per_step,
                 needle(r.needle_passed)
             )?;
         }

@@ -496,7 +496,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         sp.stats.selections += usize::from(candidates > count);
         sp.stats.hit_pages += plan.hits;
         sp.stats.miss_pages += plan.misses;
-        sp.stats.miss_copies += fetches.len();
+        sp.stats.miss_runs += fetches.len();
         sp.loaded[layer] = chosen;
         sp.ranked[layer] = ranked;
         sp.selected = true;

@@ -200,12 +200,12 @@ pub fn page_scores(head_bounds: &[f32], h: AttnHeads, pages: usize) -> Vec<f32> 
         let bound = |p: usize| head_bounds[p * n + head];
         let max = (1..pages).map(bound).fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f32;
-        for p in 1..pages {
-            e[p] = ((bound(p) - max) * scale).exp();
-            sum += e[p];
+        for (p, e) in e.iter_mut().enumerate().skip(1) {
+            *e = ((bound(p) - max) * scale).exp();
+            sum += *e;
         }
-        for p in 1..pages {
-            score[p] += e[p] / sum;
+        for (s, e) in score.iter_mut().zip(&e).skip(1) {
+            *s += e / sum;
         }
     }
     score
@@ -415,8 +415,9 @@ pub struct SparseStats {
     pub selections: usize,
     pub hit_pages: usize,
     pub miss_pages: usize,
-    /// Copies the misses took (runs contiguous in host memory).
-    pub miss_copies: usize,
+    /// Runs of missed pages contiguous in host memory (a layer fetches all of its runs
+    /// in one submission for K and one for V).
+    pub miss_runs: usize,
 }
 
 impl SparseStats {
@@ -521,7 +522,10 @@ mod tests {
         assert_eq!(predict(&[2, 1], 3, 3), vec![0, 1, 2]);
         assert_eq!(predict(&[], 0, 3), Vec::<Page>::new());
         assert_eq!(fill_gaps(&[0, 2, 5, 6, 9], 1), vec![0, 1, 2, 5, 6, 9]);
-        assert_eq!(fill_gaps(&[0, 2, 5, 6, 9], 2), vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(
+            fill_gaps(&[0, 2, 5, 6, 9], 2),
+            vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+        );
         assert_eq!(fill_gaps(&[0, 2, 5], 0), vec![0, 2, 5]);
     }
 
@@ -534,7 +538,11 @@ mod tests {
             let scores: Vec<f32> = (0..cands).map(|_| rng.random_range(0..6) as f32).collect();
             let n = rng.random_range(0..cands + 2);
             let mut all: Vec<Page> = (1..cands.max(1) as Page).collect();
-            all.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+            all.sort_by(|&a, &b| {
+                scores[b as usize]
+                    .total_cmp(&scores[a as usize])
+                    .then(a.cmp(&b))
+            });
             all.truncate(n);
             assert_eq!(rank(&scores, cands, n), all, "{scores:?} n {n}");
         }

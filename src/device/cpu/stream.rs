@@ -678,36 +678,6 @@ mod tests {
         assert!(d2d < d2h, "device-to-device copies are not throttled");
     }
 
-    /// A stream that queues copy after copy must not keep the link from another stream's
-    /// copy queued meanwhile (sparse decode's misses behind the next layers' prefetches):
-    /// first come, first served. (A plain mutex, re-taken by the busy stream the moment
-    /// it lets go, made the late copy wait for the whole queue.)
-    #[test]
-    fn the_link_serves_copies_in_arrival_order() {
-        let dev = CpuDevice::new(0.1, false); // 0.1 GB/s: 400 KB takes 4 ms
-        let (busy, late) = (Stream::new(&dev, "busy"), Stream::new(&dev, "late"));
-        let n = 100_000;
-        let (h, d1, d2) = (
-            Buffer::alloc(n, MemSpace::Host).unwrap(),
-            Buffer::alloc(n, MemSpace::Device).unwrap(),
-            Buffer::alloc(n, MemSpace::Device).unwrap(),
-        );
-        let (busy_done, late_done) = (Event::new(), Event::new());
-        for _ in 0..12 {
-            busy.copy("h2d", None, &h, 0, &d1, 0, n);
-        }
-        busy.record(&busy_done);
-        std::thread::sleep(Duration::from_millis(6));
-        late.copy("h2d", None, &h, 0, &d2, 0, n);
-        late.record(&late_done);
-        late_done.synchronize();
-        assert!(
-            !busy_done.query(),
-            "the late copy waited for the busy stream's whole queue"
-        );
-        busy_done.synchronize();
-    }
-
     #[test]
     fn allocation_failure_is_an_error() {
         let err = Buffer::alloc(usize::MAX / 8, MemSpace::Host)

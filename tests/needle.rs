@@ -124,6 +124,7 @@ fn bad_arguments_are_refused_clearly() {
             "invalid value 'haystack'",
         ),
         (vec!["--input-len", "40"], "is too small"),
+        (vec!["--sanitize"], "add --enable-offload"),
     ] {
         let (ok, _, stderr) = needle(&args);
         assert!(!ok, "{args:?} should fail");

@@ -64,6 +64,10 @@ struct Args {
     num_cpu_blocks: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
+    /// Sanitizer (with offload, CPU device): poison released ring slots and delay copies at
+    /// random, so a missing wait changes the answer.
+    #[arg(long)]
+    sanitize: bool,
     #[command(flatten)]
     sparse: strata::sparse::SparseArgs,
     /// Print one JSON object instead of the table.
@@ -161,11 +165,18 @@ fn run(args: Args) -> Result<bool> {
     }
     let offloaded = args.enable_offload || args.compare_offload;
     let sparse = args.sparse.config(offloaded)?;
+    if args.sanitize && !offloaded {
+        bail!("--sanitize checks the offload engine's ordering: add --enable-offload or --compare-offload");
+    }
+    if args.sanitize && args.device != DeviceKind::Cpu {
+        bail!("--sanitize runs on the CPU device only (its streams delay copies at random)");
+    }
     let ocfg = offloaded.then(|| OffloadConfig {
         num_kv_buffers: args.num_kv_buffers,
         block_size: args.block_size,
         max_model_len: max_len,
         num_cpu_blocks: args.num_cpu_blocks,
+        sanitize: args.sanitize,
         sparse,
         ..Default::default()
     });

@@ -52,7 +52,8 @@ pub struct OffloadBenchArgs {
     /// Needle depths scored at the context length, full attention and each budget.
     #[arg(long, value_delimiter = ',', value_parser = flags::fraction)]
     pub needle_depth: Vec<f64>,
-    /// Write the decode steps' Chrome/Perfetto trace here.
+    /// Write the decode steps' Chrome/Perfetto trace here (full loading; each sparse
+    /// budget's beside it as `<stem>.sparse-<budget>.json`).
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
     /// Print one JSON object instead of the table.
@@ -129,8 +130,8 @@ pub struct SparseRow {
     /// Sparse ÷ full-loading H2D bytes per step.
     pub bytes_per_step_ratio: f64,
     pub prefetch_hit_rate: f64,
-    /// Copies the misses took per step (all layers).
-    pub miss_copies_per_step: f64,
+    /// Runs of missed pages per step (all layers), contiguous in host memory.
+    pub miss_runs_per_step: f64,
     pub needle_passed: Option<usize>,
 }
 
@@ -155,6 +156,12 @@ fn decode(
         logits = model.forward(&[argmax(&logits)], pos + i, kv)?;
     }
     Ok(t1.elapsed().as_secs_f64() / steps.max(1) as f64)
+}
+
+/// Where `--trace-out PATH`'s trace of sparse budget `budget` goes: beside PATH.
+fn sparse_trace_path(path: &std::path::Path, budget: usize) -> PathBuf {
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    path.with_file_name(format!("{stem}.sparse-{budget}.json"))
 }
 
 /// Time to move `layers` layers of K and V (`bytes_per_layer` in all) over the link, alone.
@@ -240,7 +247,11 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
         e.set_tracing(true)?;
         let step = decode(model, &mut e, logits, prompt.len(), args.decode_steps)?;
         e.set_tracing(false)?;
-        let (bytes, _) = trace::link_bytes(&e.take_trace()?);
+        let events = e.take_trace()?;
+        if let Some(p) = &args.trace_out {
+            trace::write_chrome_trace(&sparse_trace_path(p, budget), &events)?;
+        }
+        let (bytes, _) = trace::link_bytes(&events);
         let stats = e.sparse_stats().unwrap_or_default();
         sparse.push(SparseRow {
             budget,
@@ -250,7 +261,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
             h2d_bytes_per_step: bytes as f64 / steps,
             bytes_per_step_ratio: bytes as f64 / h2d.max(1) as f64,
             prefetch_hit_rate: stats.hit_rate(),
-            miss_copies_per_step: stats.miss_copies as f64 / steps,
+            miss_runs_per_step: stats.miss_runs as f64 / steps,
             needle_passed: None,
         });
     }
@@ -334,7 +345,7 @@ impl std::fmt::Display for OffloadBenchReport {
                 "MiB/step",
                 "bytes",
                 "hit_rate",
-                "miss_copies",
+                "miss_runs",
                 "needle"
             )?;
             write!(
@@ -362,7 +373,7 @@ impl std::fmt::Display for OffloadBenchReport {
                 r.h2d_bytes_per_step / (1 << 20) as f64,
                 r.bytes_per_step_ratio,
                 r.prefetch_hit_rate * 100.0,
-                r.miss_copies_per_step,
+                r.miss_runs_per_step,
                 needle(r.needle_passed)
             )?;
         }

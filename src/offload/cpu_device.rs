@@ -190,6 +190,42 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
         Ok(())
     }
 
+    fn copy_runs(
+        &mut self,
+        s: StreamRole,
+        name: &'static str,
+        layer: usize,
+        (src, dst): (MemId, MemId),
+        runs: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        let Some(st) = self.stream(s) else {
+            // The compute stream is this thread: nothing to batch.
+            for &(src_off, dst_off, len) in runs {
+                let span = |mem, off| Span { mem, off, len };
+                self.copy(s, name, layer, span(src, src_off), span(dst, dst_off))?;
+            }
+            return Ok(());
+        };
+        let elem = std::mem::size_of::<T>();
+        let mut copies = Vec::with_capacity(runs.len());
+        for &(src_off, dst_off, len) in runs {
+            let span = |mem, off| Span { mem, off, len };
+            let (a, b) = (span(src, src_off), span(dst, dst_off));
+            self.mem.check_copy(name, a, b)?;
+            if len > 0 {
+                copies.push((self.addr(a)? as *const u8, self.addr(b)?, len * elem));
+            }
+        }
+        if copies.is_empty() {
+            return Ok(());
+        }
+        let link = Link::between(self.space(src), self.space(dst));
+        // SAFETY: every span lies inside an allocation this device owns for its whole life
+        // (checked above); ordering against the other streams is by events.
+        unsafe { st.copy_batch_raw(name, Some(layer), copies, link, ()) };
+        Ok(())
+    }
+
     fn poison(&mut self, s: StreamRole, dst: Span) -> Result<()> {
         let to = self.addr(dst)?;
         let bytes = dst.len * std::mem::size_of::<T>();

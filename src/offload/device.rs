@@ -141,6 +141,24 @@ pub trait OffloadDevice {
         src: Span,
         dst: Span,
     ) -> Result<()>;
+    /// Queues copies from allocation `src` to allocation `dst`, each run `(src offset, dst
+    /// offset, elements)`, as one submission where the device can (sparse decode's
+    /// scattered pages: one batched DMA rather than a copy per run, whose fixed cost would
+    /// dominate small pages). Default: one `copy` per run.
+    fn copy_runs(
+        &mut self,
+        s: StreamRole,
+        name: &'static str,
+        layer: usize,
+        (src, dst): (MemId, MemId),
+        runs: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        for &(src_off, dst_off, len) in runs {
+            let span = |mem, off| Span { mem, off, len };
+            self.copy(s, name, layer, span(src, src_off), span(dst, dst_off))?;
+        }
+        Ok(())
+    }
     /// Queues a fill of `dst` with 0xFF bytes: NaN in f32 and in bf16 (the sanitizer).
     fn poison(&mut self, s: StreamRole, dst: Span) -> Result<()>;
     /// Blocks the host until every stream has run everything queued.

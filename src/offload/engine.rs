@@ -67,8 +67,9 @@ struct Sparse {
     max_pages: usize,
     /// Per layer: the pages its slot was prefetched with (`loaded[l][j]` at slot page `j`).
     loaded: Vec<Vec<Page>>,
-    /// Per layer: the pages it attended at its last decode step (the next prediction).
-    chosen: Vec<Vec<Page>>,
+    /// Per layer: the pages it ranked best at its last decode step, best first: its
+    /// choice and the prefetch margin below it (the next prediction).
+    ranked: Vec<Vec<Page>>,
     /// The layer computing now: where its new token goes, and whether its rows were
     /// selected (the model must call `select_rows` before attending).
     new_row: usize,
@@ -117,7 +118,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                     bounds: d.alloc(Space::Device, l * max_pages * 2 * row)?,
                     max_pages,
                     loaded: vec![Vec::new(); l],
-                    chosen: vec![Vec::new(); l],
+                    ranked: vec![Vec::new(); l],
                     new_row: 0,
                     selected: false,
                     moves_done: d.new_event()?,
@@ -236,6 +237,27 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         )
     }
 
+    /// Queues the runs `(src offset, dst offset, elements)` of K and of V from `src` to
+    /// `dst`: one submission each (sparse decode's scattered pages).
+    fn copy_kv_runs(
+        &mut self,
+        s: StreamRole,
+        names: [&'static str; 2],
+        layer: usize,
+        (src, dst): (KvMem, KvMem),
+        runs: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        if self.cfg.sanitize && s != StreamRole::Compute {
+            // Enqueue at random moments too: the CPU device also delays the copy itself.
+            std::thread::sleep(std::time::Duration::from_micros(rand::random_range(0..200)));
+        }
+        self.d.copy_runs(s, names[0], layer, (src.k, dst.k), runs)?;
+        self.d.copy_runs(s, names[1], layer, (src.v, dst.v), runs)
+    }
+
     /// Makes `s` wait for whatever the previous user of `slot` left in flight.
     fn wait_released(&mut self, s: StreamRole, slot: usize, after: ReleasedAfter) -> Result<()> {
         match after {
@@ -251,6 +273,18 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         }
     }
 
+    /// Decode, on the compute stream: the decode buffer's `pos % block_size` tokens (the
+    /// recent window) into slot `s` from row `base`.
+    fn append_window(&mut self, layer: usize, s: usize, pos: usize, base: usize) -> Result<()> {
+        let r = pos % self.cfg.block_size;
+        let (dbuf, slot) = (
+            (self.dbuf, self.dbuf_at(layer)),
+            (self.ring[s], base * self.row),
+        );
+        let names = ["dbuf-to-slot-k", "dbuf-to-slot-v"];
+        self.copy_kv(StreamRole::Compute, names, layer, dbuf, slot, r * self.row)
+    }
+
     /// Decode: queues the H2D of `layer`'s full host blocks (of a step at `pos`) into its
     /// slot, for this step or, when `next_step`, for the next; sparse: the pages predicted.
     fn prefetch_layer(&mut self, layer: usize, pos: usize, next_step: bool) -> Result<()> {
@@ -260,21 +294,20 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         self.d.wait(p, self.layer_stored[layer], "layer-stored")?;
         let names = ["h2d-k", "h2d-v"];
         if let Some(sp) = &mut self.sparse {
-            // The pages this layer chose last step (its query is not known yet): runs
-            // contiguous in host memory, one copy each.
+            // The pages this layer ranked best last step (its query is not known yet), a
+            // margin beyond its choice included: runs contiguous in host memory, one copy
+            // each.
             let (candidates, count) = sp.cfg.slot_pages(pos, self.cfg.block_size);
-            sp.loaded[layer] = sparse::predict(&sp.chosen[layer], candidates, count);
+            sp.loaded[layer] = sparse::predict(&sp.ranked[layer], candidates, count);
             let runs = sparse::fetch_runs(&sp.loaded[layer]);
             let sp = self.sparse.as_ref().expect("sparse");
             let at = |p: usize| self.page_elems(sp, p);
+            let host = self.host_at(layer, 0);
             let copies: Vec<_> = runs
                 .iter()
-                .map(|r| (at(r.src), at(r.dst), at(r.pages)))
+                .map(|r| (host + at(r.src), at(r.dst), at(r.pages)))
                 .collect();
-            for (src, dst, len) in copies {
-                let src = (self.host, self.host_at(layer, 0) + src);
-                self.copy_kv(p, names, layer, src, (self.ring[s], dst), len)?;
-            }
+            self.copy_kv_runs(p, names, layer, (self.host, self.ring[s]), &copies)?;
         } else {
             let len = pos / self.cfg.block_size * self.cfg.block_size * self.row;
             let src = (self.host, self.host_at(layer, 0));
@@ -399,6 +432,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let s = self.state.slot_of(layer);
         let sp = self.sparse.as_ref().expect("sparse");
         let (candidates, count) = sp.cfg.slot_pages(pos, self.cfg.block_size);
+        let base = count * sp.cfg.page_size; // the window's first row
         let heads = sp.heads;
         if q.len != heads.num_heads * heads.head_dim {
             bail!(
@@ -407,8 +441,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                 heads.num_heads * heads.head_dim
             );
         }
-        let chosen = if candidates == count {
-            (0..candidates as Page).collect()
+        let (chosen, ranked) = if candidates == count {
+            ((0..candidates as Page).collect(), Vec::new())
         } else {
             let bounds = Span {
                 mem: sp.bounds,
@@ -417,7 +451,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             };
             let per_head = self.d.head_bounds(layer, q, bounds, heads, candidates)?;
             let scores = sparse::page_scores(&per_head, heads, candidates);
-            sparse::choose(&scores, candidates, count - 1)
+            let ranked = sparse::rank(&scores, candidates, sparse::prefetch_count(count) - 1);
+            (sparse::choose(&ranked, candidates, count - 1), ranked)
         };
         let sp = self.sparse.as_ref().expect("sparse");
         let plan = sparse::compaction(&sp.loaded[layer], &chosen);
@@ -427,10 +462,11 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             .iter()
             .map(|r| (at(r.src), at(r.dst), at(r.pages)))
             .collect();
+        let host = self.host_at(layer, 0);
         let fetches: Vec<_> = plan
             .fetches
             .iter()
-            .map(|r| (at(r.src), at(r.dst), at(r.pages)))
+            .map(|r| (host + at(r.src), at(r.dst), at(r.pages)))
             .collect();
         let (moves_done, misses_done) = (sp.moves_done, sp.misses_done);
         let slot = self.ring[s];
@@ -444,22 +480,15 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                 len,
             )?;
         }
+        // The window after the compacted pages (the moves may have read from there).
+        self.append_window(layer, s, pos, base)?;
         if !fetches.is_empty() {
             let m = StreamRole::Miss;
             self.d.record(c, moves_done)?;
             self.d.wait(m, moves_done, "slot-moves-done")?;
             self.d.wait(m, self.layer_stored[layer], "layer-stored")?;
-            for &(src, dst, len) in &fetches {
-                let src = (self.host, self.host_at(layer, 0) + src);
-                self.copy_kv(
-                    m,
-                    ["h2d-miss-k", "h2d-miss-v"],
-                    layer,
-                    src,
-                    (slot, dst),
-                    len,
-                )?;
-            }
+            let names = ["h2d-miss-k", "h2d-miss-v"];
+            self.copy_kv_runs(m, names, layer, (self.host, slot), &fetches)?;
             self.d.record(m, misses_done)?;
             self.d.wait(c, misses_done, "misses-fetched")?;
         }
@@ -467,10 +496,11 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         sp.stats.selections += usize::from(candidates > count);
         sp.stats.hit_pages += plan.hits;
         sp.stats.miss_pages += plan.misses;
-        sp.stats.miss_copies += fetches.len();
-        sp.loaded[layer] = chosen.clone();
-        sp.chosen[layer] = chosen;
+        sp.stats.miss_runs += fetches.len();
+        sp.loaded[layer] = chosen;
+        sp.ranked[layer] = ranked;
         sp.selected = true;
+        sp.new_row = base + pos % self.cfg.block_size;
         Ok(NewRow(sp.new_row))
     }
 }
@@ -491,7 +521,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         let num_layers = self.num_layers;
         if let Some(sp) = &mut self.sparse {
             sp.loaded.iter_mut().for_each(Vec::clear);
-            sp.chosen.iter_mut().for_each(Vec::clear);
+            sp.ranked.iter_mut().for_each(Vec::clear);
             sp.selected = false;
             sp.stats = SparseStats::default();
         }
@@ -570,26 +600,15 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
                 // The decode buffer of this layer may still be read by an offload stream.
                 self.d.wait(c, self.layer_stored[layer], "layer-stored")?;
                 // Append the partial block so the attention sees one contiguous context
-                // (sparse: after the compacted pages, whose number the query does not
-                // change).
-                let r = pos % self.cfg.block_size;
-                let base = match &self.sparse {
-                    None => pos - r,
-                    Some(sp) => {
-                        let (_, count) = sp.cfg.slot_pages(pos, self.cfg.block_size);
-                        let base = count * sp.cfg.page_size;
-                        let sp = self.sparse.as_mut().expect("sparse");
-                        sp.new_row = base + r;
-                        sp.selected = false;
-                        base
+                // (sparse: after the compacted pages, once `select` has moved the
+                // prefetched pages there: a margin page may sit where the window goes).
+                match &mut self.sparse {
+                    None => {
+                        let r = pos % self.cfg.block_size;
+                        self.append_window(layer, s, pos, pos - r)?;
                     }
-                };
-                let (dbuf, slot) = (
-                    (self.dbuf, self.dbuf_at(layer)),
-                    (self.ring[s], base * self.row),
-                );
-                let names = ["dbuf-to-slot-k", "dbuf-to-slot-v"];
-                self.copy_kv(c, names, layer, dbuf, slot, r * self.row)?;
+                    Some(sp) => sp.selected = false,
+                }
                 s
             }
             Step::Idle => bail!("offload engine: begin_layer outside a step"),

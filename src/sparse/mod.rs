@@ -180,37 +180,68 @@ pub fn head_bounds<Q: KvElem, T: KvElem>(
     out
 }
 
-/// Score of each page from its per-head bounds (`head_bounds`, `[pages, num_heads]`): the
-/// largest over the query heads (a page that one head needs is kept for all: one selection
-/// per layer, so one compacted slot and few copies).
+/// Score of each page from its per-head bounds (`head_bounds`, `[pages, num_heads]`): for
+/// each query head, a softmax over the candidate pages of `bound / √head_dim` (the
+/// attention share the head could give the page at most, as Quest's bound estimates it),
+/// summed over the heads. Each head thus spends the same unit of score: a head with a
+/// sharp peak (a retrieval head on the needle) puts nearly all of it on that page, while a
+/// head whose bounds are all large and flat cannot crowd it out, as the largest raw bound
+/// over the heads did (docs/offload.md, "Sparse decode", measured on the needle grid).
+/// Monotone in every head's bound: a page whose bound under every head exceeds another
+/// page's scores higher. Page 0 (the sink, always kept) scores 0 and is not in the
+/// softmax.
 pub fn page_scores(head_bounds: &[f32], h: AttnHeads, pages: usize) -> Vec<f32> {
-    assert_eq!(head_bounds.len(), pages * h.num_heads, "[pages, num_heads]");
-    head_bounds
-        .chunks_exact(h.num_heads)
-        .map(|b| b.iter().copied().fold(f32::NEG_INFINITY, f32::max))
-        .collect()
+    let n = h.num_heads;
+    assert_eq!(head_bounds.len(), pages * n, "[pages, num_heads]");
+    let scale = 1.0 / (h.head_dim as f32).sqrt();
+    let mut score = vec![0.0f32; pages];
+    let mut e = vec![0.0f32; pages]; // one head's exp((bound − max) · scale)
+    for head in 0..n {
+        let bound = |p: usize| head_bounds[p * n + head];
+        let max = (1..pages).map(bound).fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for (p, e) in e.iter_mut().enumerate().skip(1) {
+            *e = ((bound(p) - max) * scale).exp();
+            sum += *e;
+        }
+        for (s, e) in score.iter_mut().zip(&e).skip(1) {
+            *s += e / sum;
+        }
+    }
+    score
 }
 
 /// A page of a layer's host KV: page `p` holds positions `p · page_size ..` of the layer.
 pub type Page = u32;
 
+/// The `n` best of pages `1..candidates` by score, best first (ties: the earlier page).
+/// A selection, not a sort of every candidate: O(candidates + n log n).
+pub fn rank(scores: &[f32], candidates: usize, n: usize) -> Vec<Page> {
+    // total_cmp: a NaN score (poisoned metadata) is ordered, not a panic, and changes the
+    // choice, so the sanitizer sees it.
+    let better = |a: &Page, b: &Page| {
+        scores[*b as usize]
+            .total_cmp(&scores[*a as usize])
+            .then(a.cmp(b))
+    };
+    let mut order: Vec<Page> = (1..candidates.max(1) as Page).collect();
+    if n < order.len() {
+        order.select_nth_unstable_by(n, better);
+        order.truncate(n);
+    }
+    order.sort_unstable_by(better);
+    order
+}
+
 /// The pages a layer attends this step, ascending: the sink page 0 and the `k` best of
-/// pages `1..candidates` by score (ties: the earlier page), or every candidate when they
-/// fit. `scores[p]` for `p < candidates` (score 0 is unused).
-pub fn choose(scores: &[f32], candidates: usize, k: usize) -> Vec<Page> {
+/// pages `1..candidates` by score (`ranked`: `rank`'s answer, at least `k` long unless
+/// every candidate fits), or every candidate when they fit.
+pub fn choose(ranked: &[Page], candidates: usize, k: usize) -> Vec<Page> {
     if candidates <= 1 + k {
         return (0..candidates as Page).collect();
     }
-    let mut order: Vec<Page> = (1..candidates as Page).collect();
-    // total_cmp: a NaN score (poisoned metadata) is ordered, not a panic, and changes the
-    // choice, so the sanitizer sees it.
-    order.sort_by(|&a, &b| {
-        scores[b as usize]
-            .total_cmp(&scores[a as usize])
-            .then(a.cmp(&b))
-    });
     let mut chosen = vec![0];
-    chosen.extend_from_slice(&order[..k]);
+    chosen.extend_from_slice(&ranked[..k]);
     chosen.sort_unstable();
     chosen
 }
@@ -317,28 +348,64 @@ pub fn compaction(loaded: &[Page], selected: &[Page]) -> Compaction {
     }
 }
 
-/// The pages to prefetch for a layer before its query is known: what it chose last step,
-/// topped up with the most recent candidates not in it up to `count` (the first step has
-/// no history: the sink page and the most recent pages). Ascending.
-pub fn predict(last: &[Page], candidates: usize, count: usize) -> Vec<Page> {
-    let mut pred: Vec<Page> = last
-        .iter()
-        .copied()
-        .filter(|&p| (p as usize) < candidates)
-        .take(count)
-        .collect();
-    if pred.first() != Some(&0) && candidates > 0 && pred.len() < count {
-        pred.insert(0, 0);
+/// Pages prefetched beyond the budget's, as a fraction of them: the pages ranked just
+/// below the last step's choice, which the next query most often promotes (a miss is a
+/// synchronous wait; a margin page only costs link bytes that are hidden behind compute).
+pub const PREFETCH_MARGIN: f64 = 0.25;
+
+/// Gaps of up to this many pages between prefetched pages are loaded too: one copy instead
+/// of two. A copy has a fixed cost (a DMA set-up on PCIe, a thread wake-up on the CPU
+/// device) worth a few pages of bytes.
+pub const MAX_GAP_PAGES: usize = 1;
+
+/// Pages a prefetch for a slot of `count` pages aims at before gap filling: the count and
+/// the margin (the ring slots hold a layer's whole context, so any prefetch fits).
+pub fn prefetch_count(count: usize) -> usize {
+    count + (count as f64 * PREFETCH_MARGIN).ceil() as usize
+}
+
+/// The pages to prefetch for a layer before its query is known, ascending: the sink page,
+/// the pages it ranked best last step (`ranked`, best first: its choice and the margin
+/// below it) up to `count + margin` pages, topped up with the most recent candidates (the
+/// first step has no history: the sink page and the most recent pages); then every gap of
+/// at most `MAX_GAP_PAGES` pages between them, so the copies are fewer and larger.
+pub fn predict(ranked: &[Page], candidates: usize, count: usize) -> Vec<Page> {
+    if candidates == 0 {
+        return Vec::new();
     }
+    let want = prefetch_count(count).min(candidates);
+    let mut pred: Vec<Page> = vec![0];
+    pred.extend(
+        ranked
+            .iter()
+            .copied()
+            .filter(|&p| (p as usize) < candidates && p != 0)
+            .take(want - 1),
+    );
+    pred.sort_unstable();
+    pred.dedup();
     let mut p = candidates;
-    while pred.len() < count && p > 0 {
+    while pred.len() < want && p > 0 {
         p -= 1;
-        if pred.binary_search(&(p as Page)).is_err() {
-            let at = pred.partition_point(|&x| x < p as Page);
+        if let Err(at) = pred.binary_search(&(p as Page)) {
             pred.insert(at, p as Page);
         }
     }
-    pred
+    fill_gaps(&pred, MAX_GAP_PAGES)
+}
+
+/// `pages` (ascending) with every gap of at most `max_gap` pages between two of them filled.
+pub fn fill_gaps(pages: &[Page], max_gap: usize) -> Vec<Page> {
+    let mut out: Vec<Page> = Vec::with_capacity(pages.len());
+    for &p in pages {
+        if let Some(&last) = out.last() {
+            if (p - last - 1) as usize <= max_gap {
+                out.extend(last + 1..p);
+            }
+        }
+        out.push(p);
+    }
+    out
 }
 
 /// Prefetch hits and misses of sparse decode, in pages.
@@ -348,8 +415,9 @@ pub struct SparseStats {
     pub selections: usize,
     pub hit_pages: usize,
     pub miss_pages: usize,
-    /// Copies the misses took (runs contiguous in host memory).
-    pub miss_copies: usize,
+    /// Runs of missed pages contiguous in host memory (a layer fetches all of its runs
+    /// in one submission for K and one for V).
+    pub miss_runs: usize,
 }
 
 impl SparseStats {
@@ -408,7 +476,8 @@ mod tests {
         for _ in 0..2000 {
             let universe = rng.random_range(1..40);
             let n_sel = rng.random_range(0..=universe);
-            let n_load = rng.random_range(0..=n_sel);
+            // A prefetch may hold more pages than the selection (the margin) or fewer.
+            let n_load = rng.random_range(0..=universe);
             let selected = random_set(&mut rng, universe, n_sel);
             let loaded = random_set(&mut rng, universe, n_load);
             let c = compaction(&loaded, &selected);
@@ -444,11 +513,39 @@ mod tests {
     }
 
     #[test]
-    fn prediction_keeps_history_and_fills_with_recent_pages() {
-        assert_eq!(predict(&[], 10, 4), vec![0, 7, 8, 9]);
-        assert_eq!(predict(&[0, 3, 5], 10, 4), vec![0, 3, 5, 9]);
-        assert_eq!(predict(&[0, 1, 2], 3, 3), vec![0, 1, 2]);
+    fn prediction_keeps_the_ranking_adds_a_margin_and_fills_gaps() {
+        // count 4 + a quarter (1): 5 pages before gap filling.
+        assert_eq!(predict(&[], 10, 4), vec![0, 6, 7, 8, 9]); // the sink + the 4 newest
+        assert_eq!(predict(&[], 20, 4), vec![0, 16, 17, 18, 19]);
+        // Best first: the first 4 of the ranking; 12 is not yet a candidate.
+        assert_eq!(predict(&[12, 9, 3, 6, 15], 12, 4), vec![0, 3, 6, 9, 10, 11]);
+        assert_eq!(predict(&[2, 1], 3, 3), vec![0, 1, 2]);
         assert_eq!(predict(&[], 0, 3), Vec::<Page>::new());
+        assert_eq!(fill_gaps(&[0, 2, 5, 6, 9], 1), vec![0, 1, 2, 5, 6, 9]);
+        assert_eq!(
+            fill_gaps(&[0, 2, 5, 6, 9], 2),
+            vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+        );
+        assert_eq!(fill_gaps(&[0, 2, 5], 0), vec![0, 2, 5]);
+    }
+
+    #[test]
+    fn rank_is_a_sort_by_score_cut_at_n() {
+        let mut rng = StdRng::seed_from_u64(8);
+        for _ in 0..500 {
+            let cands = rng.random_range(0..50);
+            // Few distinct values: ties must go to the earlier page.
+            let scores: Vec<f32> = (0..cands).map(|_| rng.random_range(0..6) as f32).collect();
+            let n = rng.random_range(0..cands + 2);
+            let mut all: Vec<Page> = (1..cands.max(1) as Page).collect();
+            all.sort_by(|&a, &b| {
+                scores[b as usize]
+                    .total_cmp(&scores[a as usize])
+                    .then(a.cmp(&b))
+            });
+            all.truncate(n);
+            assert_eq!(rank(&scores, cands, n), all, "{scores:?} n {n}");
+        }
     }
 
     #[test]

@@ -226,9 +226,40 @@ pub struct CpuDevice {
     trace_on: AtomicBool,
     trace: Mutex<Vec<TraceEvent>>,
     /// One lock per link direction: concurrent copies share the link's bandwidth, as on
-    /// PCIe (full duplex: H2D and D2H do not slow each other).
-    link_h2d: Mutex<()>,
-    link_d2h: Mutex<()>,
+    /// PCIe (full duplex: H2D and D2H do not slow each other). First come, first served:
+    /// a stream that queues copy after copy (a prefetch) cannot starve another's (sparse
+    /// decode's misses) by re-taking the link the moment it lets go.
+    link_h2d: FairLock,
+    link_d2h: FairLock,
+}
+
+/// A first-come-first-served lock (a ticket lock): the simulated link's arbitration.
+#[derive(Default)]
+struct FairLock {
+    tickets: Mutex<(u64, u64)>, // (next ticket to hand out, ticket being served)
+    cv: Condvar,
+}
+
+struct FairGuard<'a>(&'a FairLock);
+
+impl FairLock {
+    fn lock(&self) -> FairGuard<'_> {
+        let mut t = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = t.0;
+        t.0 += 1;
+        while t.1 != mine {
+            t = self.cv.wait(t).unwrap_or_else(|e| e.into_inner());
+        }
+        FairGuard(self)
+    }
+}
+
+impl Drop for FairGuard<'_> {
+    fn drop(&mut self) {
+        let mut t = self.0.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        t.1 += 1;
+        self.0.cv.notify_all();
+    }
 }
 
 impl CpuDevice {
@@ -239,8 +270,8 @@ impl CpuDevice {
             sanitize,
             trace_on: AtomicBool::new(false),
             trace: Mutex::new(Vec::new()),
-            link_h2d: Mutex::new(()),
-            link_d2h: Mutex::new(()),
+            link_h2d: FairLock::default(),
+            link_d2h: FairLock::default(),
         })
     }
 
@@ -286,6 +317,13 @@ impl Stream {
         let worker = std::thread::Builder::new()
             .name(format!("stream-{name}"))
             .spawn(move || {
+                // The link throttle sleeps after each copy: with Linux's default 50 µs
+                // timer slack every small copy would cost ~50 µs more than its bytes.
+                #[cfg(target_os = "linux")]
+                // SAFETY: sets this thread's timer slack; no pointers involved.
+                unsafe {
+                    libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong);
+                }
                 for job in rx {
                     job();
                 }
@@ -386,9 +424,30 @@ impl Stream {
         link: Link,
         keep: impl Send + 'static,
     ) {
+        self.copy_batch_raw(name, layer, vec![(src, dst, bytes)], link, keep)
+    }
+
+    /// Enqueues several copies (`(src, dst, bytes)`, all crossing `link` the same way) as
+    /// one op: one turn on the link, throttled for their total bytes, as one batched DMA
+    /// submission (`cudaMemcpyBatchAsync`) moves scattered ranges.
+    ///
+    /// # Safety
+    /// As for `copy_raw`, for every range.
+    pub unsafe fn copy_batch_raw(
+        &self,
+        name: &'static str,
+        layer: Option<usize>,
+        copies: Vec<(*const u8, *mut u8, usize)>,
+        link: Link,
+        keep: impl Send + 'static,
+    ) {
         let dev = Arc::clone(&self.dev);
         // Addresses as integers: the worker dereferences them when the copy runs.
-        let (src, dst) = (src as usize, dst as usize);
+        let copies: Vec<(usize, usize, usize)> = copies
+            .into_iter()
+            .map(|(s, d, n)| (s as usize, d as usize, n))
+            .collect();
+        let bytes = copies.iter().map(|c| c.2).sum();
         self.launch(OpInfo { name, layer, bytes }, move || {
             if dev.sanitize {
                 std::thread::sleep(Duration::from_micros(rand::random_range(0..1500)));
@@ -397,12 +456,14 @@ impl Stream {
             // Hold the link's direction for the whole (throttled) copy.
             let _link = match (throttled, link) {
                 (false, _) | (_, Link::None) => None,
-                (true, Link::H2D) => Some(dev.link_h2d.lock().unwrap_or_else(|e| e.into_inner())),
-                (true, Link::D2H) => Some(dev.link_d2h.lock().unwrap_or_else(|e| e.into_inner())),
+                (true, Link::H2D) => Some(dev.link_h2d.lock()),
+                (true, Link::D2H) => Some(dev.link_d2h.lock()),
             };
             let t0 = Instant::now();
-            // SAFETY: the caller's contract (valid ranges, ordered by events).
-            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+            for (src, dst, n) in copies {
+                // SAFETY: the caller's contract (valid ranges, ordered by events).
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
+            }
             if throttled && link != Link::None {
                 let want = Duration::from_secs_f64(bytes as f64 / (dev.link_gbps * 1e9));
                 if let Some(rest) = want.checked_sub(t0.elapsed()) {

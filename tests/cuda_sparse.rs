@@ -111,3 +111,56 @@ fn small_budget_on_the_cuda_model_attends_exactly_the_oracles_rows() {
         }
     }
 }
+
+/// `needle --device cuda --enable-offload --sparse-budget`'s path on the emulator with
+/// SmolLM2: a 384-token haystack (short: the emulator is slow), a 192-token budget (sink
+/// page, window, best pages: half the context; at 96 tokens this 135M model loses the
+/// needle on the CPU device too), the needle found.
+#[test]
+fn needle_with_a_sparse_budget_on_the_emulated_cuda_model() {
+    use strata::device::DeviceKind;
+    use strata::engine::{GenerateOptions, SamplingParams};
+    use strata::needle::{answer_found, Case, NeedleKind};
+    use strata::{Session, SessionConfig};
+
+    let path = common::require_default_model();
+    let (model, tok) = strata::model::Model::load(&path, false).unwrap();
+    let case = Case {
+        input_len: 384,
+        depth: 0.5,
+        kind: NeedleKind::MagicNumber,
+        seed: 0,
+    };
+    let prompt = case.build(&tok).unwrap();
+    let max_len = 384 + 32;
+    let cfg = SessionConfig {
+        offload: Some(OffloadConfig {
+            num_kv_buffers: 4,
+            block_size: 32,
+            max_model_len: max_len,
+            sparse: Some(SparseConfig {
+                budget: 192,
+                page_size: 16,
+            }),
+            ..Default::default()
+        }),
+        ..SessionConfig::new(DeviceKind::Cuda, max_len)
+    };
+    let engine = emulator_offload_engine;
+    let mut s = Session::on_exec(model.clone(), cfg, emu_exec(), &engine).unwrap();
+    let opts = GenerateOptions {
+        max_tokens: 16,
+        sampling: SamplingParams::default(),
+        stop_ids: model.cfg.eos_token_ids.clone(),
+    };
+    let out = s.generate(&prompt.ids, &opts, &mut |_| Ok(())).unwrap();
+    let st = s.sparse_stats().unwrap();
+    assert!(st.selections > 0, "{st:?}");
+    let text = tok.decode(&out.token_ids, true).unwrap();
+    eprintln!("answer: {text:?} (value {}), {st:?}", prompt.value);
+    assert!(
+        answer_found(&text, &prompt.value),
+        "{text:?} lacks {}",
+        prompt.value
+    );
+}

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 
 use super::device::{
-    check_head_bounds, Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole,
+    check_head_bounds, copy_each, Allocations, EventId, MemId, OffloadDevice, Space, Span,
+    StreamRole,
 };
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::{CpuDevice, Event, Link, MemSpace, Stream, TraceEvent};
@@ -200,11 +201,7 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
     ) -> Result<()> {
         let Some(st) = self.stream(s) else {
             // The compute stream is this thread: nothing to batch.
-            for &(src_off, dst_off, len) in runs {
-                let span = |mem, off| Span { mem, off, len };
-                self.copy(s, name, layer, span(src, src_off), span(dst, dst_off))?;
-            }
-            return Ok(());
+            return copy_each(self, s, name, layer, (src, dst), runs);
         };
         let elem = std::mem::size_of::<T>();
         let mut copies = Vec::with_capacity(runs.len());

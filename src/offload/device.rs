@@ -116,6 +116,23 @@ pub fn check_head_bounds(q_len: usize, bounds: Span, heads: AttnHeads, pages: us
     Ok(())
 }
 
+/// `OffloadDevice::copy_runs` as one `copy` per run (its default, and the fallback of a
+/// device that cannot batch on stream `s`).
+pub fn copy_each<D: OffloadDevice + ?Sized>(
+    d: &mut D,
+    s: StreamRole,
+    name: &'static str,
+    layer: usize,
+    (src, dst): (MemId, MemId),
+    runs: &[(usize, usize, usize)],
+) -> Result<()> {
+    for &(src_off, dst_off, len) in runs {
+        let span = |mem, off| Span { mem, off, len };
+        d.copy(s, name, layer, span(src, src_off), span(dst, dst_off))?;
+    }
+    Ok(())
+}
+
 pub trait OffloadDevice {
     /// The KV element: f32 on the CPU device, bf16 on CUDA.
     type Elem;
@@ -153,11 +170,7 @@ pub trait OffloadDevice {
         (src, dst): (MemId, MemId),
         runs: &[(usize, usize, usize)],
     ) -> Result<()> {
-        for &(src_off, dst_off, len) in runs {
-            let span = |mem, off| Span { mem, off, len };
-            self.copy(s, name, layer, span(src, src_off), span(dst, dst_off))?;
-        }
-        Ok(())
+        copy_each(self, s, name, layer, (src, dst), runs)
     }
     /// Queues a fill of `dst` with 0xFF bytes: NaN in f32 and in bf16 (the sanitizer).
     fn poison(&mut self, s: StreamRole, dst: Span) -> Result<()>;

@@ -202,6 +202,14 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         StreamRole::Offload(layer % self.d.num_offload_streams())
     }
 
+    /// Sanitizer: a copy on a copy stream is enqueued at a random moment too (the CPU device
+    /// also delays the copy itself).
+    fn sanitize_delay(&self, s: StreamRole) {
+        if self.cfg.sanitize && s != StreamRole::Compute {
+            std::thread::sleep(std::time::Duration::from_micros(rand::random_range(0..200)));
+        }
+    }
+
     /// Queues `len` elements of K and of V from `src` at `src_off` to `dst` at `dst_off`.
     #[allow(clippy::too_many_arguments)]
     fn copy_kv(
@@ -216,10 +224,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         if len == 0 {
             return Ok(());
         }
-        if self.cfg.sanitize && s != StreamRole::Compute {
-            // Enqueue at random moments too: the CPU device also delays the copy itself.
-            std::thread::sleep(std::time::Duration::from_micros(rand::random_range(0..200)));
-        }
+        self.sanitize_delay(s);
         let span = |mem, off| Span { mem, off, len };
         self.d.copy(
             s,
@@ -250,10 +255,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         if runs.is_empty() {
             return Ok(());
         }
-        if self.cfg.sanitize && s != StreamRole::Compute {
-            // Enqueue at random moments too: the CPU device also delays the copy itself.
-            std::thread::sleep(std::time::Duration::from_micros(rand::random_range(0..200)));
-        }
+        self.sanitize_delay(s);
         self.d.copy_runs(s, names[0], layer, (src.k, dst.k), runs)?;
         self.d.copy_runs(s, names[1], layer, (src.v, dst.v), runs)
     }

@@ -162,17 +162,33 @@ fn dot64<T: KvElem>(q: &[f32], k: &[T]) -> f64 {
         .sum()
 }
 
-/// The documented page score (`sparse::page_scores`), recomputed independently in f64:
-/// per query head, a softmax over pages `1..` of `bound / √head_dim`, summed over heads.
-fn softmax_sum_f64(per_head: &[f32], heads: AttnHeads, pages: usize) -> Vec<f64> {
+/// The documented page score (`sparse::page_scores`), recomputed independently: each
+/// page's best rank over the query heads by a full sort of each head's bounds (ties: the
+/// earlier page), capped at `depth`, and its share (per query head, a softmax over pages
+/// `1..` of `bound / √head_dim`, summed over the heads) in f64.
+fn page_scores_ref(
+    per_head: &[f32],
+    heads: AttnHeads,
+    pages: usize,
+    depth: usize,
+) -> Vec<(u32, f64)> {
     let n = heads.num_heads;
-    let mut score = vec![0.0f64; pages];
+    let mut score = vec![(depth.min(pages - 1) as u32, 0.0f64); pages];
     for h in 0..n {
         let b = |p: usize| per_head[p * n + h] as f64 / (heads.head_dim as f64).sqrt();
         let max = (1..pages).map(b).fold(f64::NEG_INFINITY, f64::max);
         let z: f64 = (1..pages).map(|p| (b(p) - max).exp()).sum();
         for (p, s) in score.iter_mut().enumerate().skip(1) {
-            *s += (b(p) - max).exp() / z;
+            s.1 += (b(p) - max).exp() / z;
+        }
+        let mut order: Vec<usize> = (1..pages).collect();
+        order.sort_by(|&x, &y| {
+            per_head[y * n + h]
+                .total_cmp(&per_head[x * n + h])
+                .then(x.cmp(&y))
+        });
+        for (r, &p) in order.iter().enumerate() {
+            score[p].0 = score[p].0.min(r as u32);
         }
     }
     score
@@ -203,7 +219,8 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
         let mut bounds = vec![T::from32(0.0); pages * 2 * row];
         sparse::page_bounds(&keys, row, page, &mut bounds);
         let per_head = sparse::head_bounds(&q, &bounds, heads, pages);
-        let scores = sparse::page_scores(&per_head, heads, pages);
+        let k = rng.random_range(0..pages);
+        let scores = sparse::page_scores(&per_head, heads, pages, k);
         // The true best score of each page under each query head: max over its keys.
         let n = heads.num_heads;
         let mut true_max = vec![f64::NEG_INFINITY; pages * n];
@@ -226,16 +243,14 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
                 i % n
             );
         }
-        let want = softmax_sum_f64(&per_head, heads, pages);
+        let want = page_scores_ref(&per_head, heads, pages, k);
         for p in 1..pages {
+            let (got, (rank, share)) = (scores[p], want[p]);
             assert!(
-                (scores[p] as f64 - want[p]).abs() <= 1e-4 * n as f64,
-                "case {case}: page {p} scores {} (f64 reference {})",
-                scores[p],
-                want[p]
+                got.best_rank == rank && (got.share as f64 - share).abs() <= 1e-4 * n as f64,
+                "case {case}: page {p} scores {got:?} (reference: rank {rank}, share {share})"
             );
         }
-        let k = rng.random_range(0..pages);
         let chosen = sparse::choose(&sparse::rank(&scores, pages, k), pages, k);
         assert_eq!(chosen.len(), pages.min(1 + k));
         assert_eq!(chosen[0], 0, "the sink page is always kept");
@@ -247,9 +262,11 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
             }
             for &s in &picked {
                 // The top-k order itself, by brute force over the scores (ties: earlier).
+                let key = |p: usize| (scores[p].best_rank, -scores[p].share, p);
+                let (ku, ks) = (key(u), key(s));
                 assert!(
-                    scores[u] < scores[s] || (scores[u] == scores[s] && s < u),
-                    "case {case}: {u} (score {}) outranks chosen {s} ({})",
+                    ks.0 < ku.0 || (ks.0 == ku.0 && (ks.1 < ku.1 || (ks.1 == ku.1 && s < u))),
+                    "case {case}: {u} ({:?}) outranks chosen {s} ({:?})",
                     scores[u],
                     scores[s]
                 );

@@ -452,8 +452,9 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                 len: candidates * 2 * self.row,
             };
             let per_head = self.d.head_bounds(layer, q, bounds, heads, candidates)?;
-            let scores = sparse::page_scores(&per_head, heads, candidates);
-            let ranked = sparse::rank(&scores, candidates, sparse::prefetch_count(count) - 1);
+            let n = sparse::prefetch_count(count) - 1;
+            let scores = sparse::page_scores(&per_head, heads, candidates, n);
+            let ranked = sparse::rank(&scores, candidates, n);
             (sparse::choose(&ranked, candidates, count - 1), ranked)
         };
         let sp = self.sparse.as_ref().expect("sparse");

@@ -180,22 +180,59 @@ pub fn head_bounds<Q: KvElem, T: KvElem>(
     out
 }
 
-/// Score of each page from its per-head bounds (`head_bounds`, `[pages, num_heads]`): for
-/// each query head, a softmax over the candidate pages of `bound / √head_dim` (the
-/// attention share the head could give the page at most, as Quest's bound estimates it),
-/// summed over the heads. Each head thus spends the same unit of score: a head with a
-/// sharp peak (a retrieval head on the needle) puts nearly all of it on that page, while a
-/// head whose bounds are all large and flat cannot crowd it out, as the largest raw bound
-/// over the heads did (docs/offload.md, "Sparse decode", measured on the needle grid).
+/// A page's score (`page_scores`); `better_first` orders the best page first.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PageScore {
+    /// The best rank any query head gives the page by its bound (0: some head's best
+    /// page). Ranks from `page_scores`' `depth` on are not computed: they all read `depth`.
+    pub best_rank: u32,
+    /// Σ over the heads of the page's softmax share of `bound / √head_dim` (the attention a
+    /// head could give it at most, as the bound estimates it): orders pages of one best
+    /// rank, the budget's last places.
+    pub share: f32,
+}
+
+impl PageScore {
+    /// Better best rank first, then the larger share (`total_cmp`: a NaN from poisoned
+    /// metadata is ordered, not a panic, and changes the choice, so the sanitizer sees it).
+    pub fn better_first(&self, other: &Self) -> std::cmp::Ordering {
+        self.best_rank
+            .cmp(&other.best_rank)
+            .then(other.share.total_cmp(&self.share))
+    }
+}
+
+/// Score of each page from its per-head bounds (`head_bounds`, `[pages, num_heads]`):
+/// first its best rank over the query heads, so the best pages of *every* head come before
+/// any head's second-best (a union of the heads' top pages, round by round), then, within
+/// a round, its summed softmax share. A head with one sharp peak (a retrieval head on the
+/// needle page) thus always gets its page, however large and flat the other heads' bounds
+/// are; the largest raw bound over the heads, and the summed share alone, let such heads
+/// crowd it out (docs/offload.md, "Sparse decode", measured on the needle grid).
 /// Monotone in every head's bound: a page whose bound under every head exceeds another
-/// page's scores higher. Page 0 (the sink, always kept) scores 0 and is not in the
-/// softmax.
-pub fn page_scores(head_bounds: &[f32], h: AttnHeads, pages: usize) -> Vec<f32> {
+/// page's ranks better under every head, so scores better. Ranks are exact up to `depth`
+/// (pass the number of pages `rank` will be asked for: each head's top `depth` already
+/// holds that many pages, so deeper ranks never decide). Page 0 (the sink, always kept) is
+/// not a candidate: it is not ranked and has no share.
+pub fn page_scores(
+    head_bounds: &[f32],
+    h: AttnHeads,
+    pages: usize,
+    depth: usize,
+) -> Vec<PageScore> {
     let n = h.num_heads;
     assert_eq!(head_bounds.len(), pages * n, "[pages, num_heads]");
+    let depth = depth.min(pages.saturating_sub(1));
+    let mut score = vec![
+        PageScore {
+            best_rank: depth as u32,
+            share: 0.0
+        };
+        pages
+    ];
     let scale = 1.0 / (h.head_dim as f32).sqrt();
-    let mut score = vec![0.0f32; pages];
     let mut e = vec![0.0f32; pages]; // one head's exp((bound − max) · scale)
+    let mut order: Vec<Page> = Vec::with_capacity(pages);
     for head in 0..n {
         let bound = |p: usize| head_bounds[p * n + head];
         let max = (1..pages).map(bound).fold(f32::NEG_INFINITY, f32::max);
@@ -205,7 +242,18 @@ pub fn page_scores(head_bounds: &[f32], h: AttnHeads, pages: usize) -> Vec<f32> 
             sum += *e;
         }
         for (s, e) in score.iter_mut().zip(&e).skip(1) {
-            *s += e / sum;
+            s.share += e / sum;
+        }
+        order.clear();
+        order.extend(1..pages as Page);
+        best_n(&mut order, depth, |a, b| {
+            bound(*b as usize)
+                .total_cmp(&bound(*a as usize))
+                .then(a.cmp(b))
+        });
+        for (r, &p) in order.iter().enumerate() {
+            let best = &mut score[p as usize].best_rank;
+            *best = (*best).min(r as u32);
         }
     }
     score
@@ -214,22 +262,24 @@ pub fn page_scores(head_bounds: &[f32], h: AttnHeads, pages: usize) -> Vec<f32> 
 /// A page of a layer's host KV: page `p` holds positions `p · page_size ..` of the layer.
 pub type Page = u32;
 
-/// The `n` best of pages `1..candidates` by score, best first (ties: the earlier page).
-/// A selection, not a sort of every candidate: O(candidates + n log n).
-pub fn rank(scores: &[f32], candidates: usize, n: usize) -> Vec<Page> {
-    // total_cmp: a NaN score (poisoned metadata) is ordered, not a panic, and changes the
-    // choice, so the sanitizer sees it.
-    let better = |a: &Page, b: &Page| {
-        scores[*b as usize]
-            .total_cmp(&scores[*a as usize])
-            .then(a.cmp(b))
-    };
-    let mut order: Vec<Page> = (1..candidates.max(1) as Page).collect();
+/// Keeps the `n` first of `order` by `better`, sorted: a selection, not a sort of every
+/// element, O(len + n log n).
+fn best_n(order: &mut Vec<Page>, n: usize, better: impl Fn(&Page, &Page) -> std::cmp::Ordering) {
     if n < order.len() {
-        order.select_nth_unstable_by(n, better);
+        order.select_nth_unstable_by(n, &better);
         order.truncate(n);
     }
     order.sort_unstable_by(better);
+}
+
+/// The `n` best of pages `1..candidates` by score, best first (ties: the earlier page).
+pub fn rank(scores: &[PageScore], candidates: usize, n: usize) -> Vec<Page> {
+    let mut order: Vec<Page> = (1..candidates.max(1) as Page).collect();
+    best_n(&mut order, n, |a, b| {
+        scores[*a as usize]
+            .better_first(&scores[*b as usize])
+            .then(a.cmp(b))
+    });
     order
 }
 
@@ -535,14 +585,19 @@ mod tests {
         for _ in 0..500 {
             let cands = rng.random_range(0..50);
             // Few distinct values: ties must go to the earlier page.
-            let scores: Vec<f32> = (0..cands).map(|_| rng.random_range(0..6) as f32).collect();
+            let scores: Vec<PageScore> = (0..cands)
+                .map(|_| PageScore {
+                    best_rank: rng.random_range(0..3),
+                    share: rng.random_range(0..3) as f32,
+                })
+                .collect();
             let n = rng.random_range(0..cands + 2);
             let mut all: Vec<Page> = (1..cands.max(1) as Page).collect();
-            all.sort_by(|&a, &b| {
-                scores[b as usize]
-                    .total_cmp(&scores[a as usize])
-                    .then(a.cmp(&b))
-            });
+            let key = |p: Page| {
+                let s = scores[p as usize];
+                (s.best_rank, -(s.share as i64), p)
+            };
+            all.sort_by_key(|&p| key(p));
             all.truncate(n);
             assert_eq!(rank(&scores, cands, n), all, "{scores:?} n {n}");
         }

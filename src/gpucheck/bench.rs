@@ -19,7 +19,7 @@ use crate::engine::sampler::argmax;
 use crate::kv::KvCache;
 use crate::model::random::Shape;
 use crate::offload::{OffloadConfig, OffloadControl};
-use crate::sparse::SparseConfig;
+use crate::sparse::{SparseConfig, DEFAULT_PAGE_SIZE};
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{sys, CudaEvent, CudaStream};
 use half::bf16;
@@ -445,9 +445,9 @@ pub fn offload_bench(args: &BenchArgs, peak_h2d_gbps: f64) -> Result<BenchReport
             max_model_len: max_len,
             sparse: Some(SparseConfig {
                 budget: (ctx / SPARSE_FRACTION)
-                    .next_multiple_of(16)
-                    .max(16 + args.block_size),
-                page_size: 16,
+                    .next_multiple_of(DEFAULT_PAGE_SIZE)
+                    .max(DEFAULT_PAGE_SIZE + args.block_size),
+                page_size: DEFAULT_PAGE_SIZE,
             }),
             ..OffloadConfig::default()
         };

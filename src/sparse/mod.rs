@@ -12,8 +12,12 @@ use anyhow::{bail, Result};
 
 use crate::device::cpu::ops::AttnHeads;
 
-/// Default tokens per page: 16 (Quest's default page size).
-pub const DEFAULT_PAGE_SIZE: usize = 16;
+/// Default tokens per page: 8 (ShadowKV's chunk; Quest's default is 16). Smaller pages
+/// make the bound tighter (a page's min and max cover fewer keys) and waste less of the
+/// budget around the token that matters; the price is twice the page metadata of 16 (an
+/// eighth of the K and V bytes, on the device) and twice the scoring work. Measured on the
+/// needle grid at 1/8 (docs/benchmarks.md): page 16 missed one case that page 8 found.
+pub const DEFAULT_PAGE_SIZE: usize = 8;
 
 /// `--sparse-budget` and `--sparse-page-size`, shared by `strata generate`, `needle` and
 /// (budget as a list) `strata bench offload`.

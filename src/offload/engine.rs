@@ -453,8 +453,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             };
             let per_head = self.d.head_bounds(layer, q, bounds, heads, candidates)?;
             let n = sparse::prefetch_count(count) - 1;
-            let scores = sparse::page_scores(&per_head, heads, candidates, n);
-            let ranked = sparse::rank(&scores, candidates, n);
+            let ranked = sparse::rank_pages(&per_head, heads, candidates, n);
             (sparse::choose(&ranked, candidates, count - 1), ranked)
         };
         let sp = self.sparse.as_ref().expect("sparse");

@@ -276,6 +276,12 @@ fn best_n(order: &mut Vec<Page>, n: usize, better: impl Fn(&Page, &Page) -> std:
     order.sort_unstable_by(better);
 }
 
+/// The `n` best of pages `1..candidates` by their score from `head_bounds`
+/// (`page_scores` ranked as deep as `rank` reads, so the two cannot disagree on `n`).
+pub fn rank_pages(head_bounds: &[f32], h: AttnHeads, candidates: usize, n: usize) -> Vec<Page> {
+    rank(&page_scores(head_bounds, h, candidates, n), candidates, n)
+}
+
 /// The `n` best of pages `1..candidates` by score, best first (ties: the earlier page).
 pub fn rank(scores: &[PageScore], candidates: usize, n: usize) -> Vec<Page> {
     let mut order: Vec<Page> = (1..candidates.max(1) as Page).collect();

@@ -96,8 +96,8 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Oracle<T> {
         let q = unsafe { std::slice::from_raw_parts(q.ptr.as_host_ptr(), q.len) };
         let q = &q[..self.heads.num_heads * self.heads.head_dim];
         let per_head = sparse::head_bounds(q, &bounds, self.heads, cands);
-        let scores = sparse::page_scores(&per_head, self.heads, cands, count - 1);
-        let chosen = sparse::choose(&sparse::rank(&scores, cands, count - 1), cands, count - 1);
+        let ranked = sparse::rank_pages(&per_head, self.heads, cands, count - 1);
+        let chosen = sparse::choose(&ranked, cands, count - 1);
         let mut at = 0;
         let window = (cands * ps..self.pos).map(|t| t * row);
         let pages = chosen

@@ -1,16 +1,37 @@
-// Sparse decode (docs/offload.md, "Sparse decode"): the page metadata and Quest's bound of
-// each page's attention score. The host (crate::sparse) holds the reference of both, and
+// Sparse decode (docs/offload.md, "Sparse decode"): the page metadata and the halves bound
+// of each page's attention score. The host (crate::sparse) holds the reference of both, and
 // combines the per-head bounds into page scores and chooses the pages.
 #include "common.cuh"
 
-// Channel-wise min and max of K over each page of `page_size` rows: one thread per
-// (page, channel), reading the page's rows in order. Min and max of bf16 values are bf16
-// values, so the bounds stay bf16 and exact. A value replaces the running min (max) only
-// when strictly below (above) it, the first row's value starting it, exactly as
-// crate::sparse::page_bounds does (so ±0 and NaN resolve the same way on both).
+#define MASK_TOKENS 16  // tokens per mask row: the bits of a bf16 element
+
+// Rows of metadata per page: min, max, then the halves mask (crate::sparse::meta_rows).
+__device__ __forceinline__ int meta_rows(int page_size) {
+    return 2 + (page_size + MASK_TOKENS - 1) / MASK_TOKENS;
+}
+
+// The split between a channel's lower and upper half (crate::sparse::mid).
+__device__ __forceinline__ float half_split(float lo, float hi) {
+    const float m = __fadd_rn(lo, __fmul_rn(__fsub_rn(hi, lo), 0.5f));
+    return m > hi ? hi : m;
+}
+
+// One channel's term of a box bound (crate::sparse::box_term).
+__device__ __forceinline__ float box_term(float q, float lo, float hi) {
+    const float a = __fmul_rn(q, lo), b = __fmul_rn(q, hi);
+    return a > b ? a : b;
+}
+
+// Page metadata: channel-wise min and max of K over each page of `page_size` rows, then
+// the halves mask (bit t % 16 of mask row t / 16 set when row t's key is at or above the
+// channel's split). One thread per (page, channel), reading the page's rows in order. Min
+// and max of bf16 values are bf16 values, so the bounds stay bf16 and exact. A value
+// replaces the running min (max) only when strictly below (above) it, the first row's
+// value starting it, exactly as crate::sparse::page_bounds does (so ±0 and NaN resolve
+// the same way on both).
 extern "C" __global__ void page_bounds(
     const bf16* __restrict__ keys,  // [pages * page_size, row]
-    bf16* __restrict__ bounds,      // [pages, 2, row]: min row, then max row
+    bf16* __restrict__ bounds,      // [pages, meta_rows(page_size), row]: min, max, mask
     int pages, int page_size, int row) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)pages * row) return;
@@ -24,34 +45,52 @@ extern "C" __global__ void page_bounds(
         if (f < flo) { lo = x; flo = f; }
         if (f > fhi) { hi = x; fhi = f; }
     }
-    bounds[p * 2 * row + c] = lo;
-    bounds[p * 2 * row + row + c] = hi;
+    bf16* b = bounds + p * meta_rows(page_size) * row + c;
+    b[0] = lo;
+    b[row] = hi;
+    const float m = half_split(flo, fhi);
+    for (int r = 0; r * MASK_TOKENS < page_size; ++r) {
+        unsigned short bits = 0;
+        for (int t = r * MASK_TOKENS; t < page_size && t < (r + 1) * MASK_TOKENS; ++t) {
+            if (bf16_to_f32(k[(long long)t * row]) >= m) bits |= 1u << (t % MASK_TOKENS);
+        }
+        b[(long long)(2 + r) * row] = bits;  // bf16 is its bits
+    }
 }
 
-// Quest's bound of every page for every query head: out[p, h] = Σ_c max(q_c · min_c,
-// q_c · max_c) over head h's channels of its KV head (GQA: query head h reads KV head
-// h / (num_heads / num_kv_heads)). One thread per (page, head), channels summed in order
-// with rounded multiplies and adds (no FMA contraction), the reference's arithmetic, so
-// both choose the same pages.
+// The halves bound of every page for every query head: out[p, h] = the largest over the
+// page's keys of Σ_c max(q_c · lo_c, q_c · hi_c), [lo_c, hi_c] the half of the page's
+// [min_c, max_c] the key's mask bit names, over head h's channels of its KV head (GQA:
+// query head h reads KV head h / (num_heads / num_kv_heads)). One thread per (page,
+// head), each key's channels summed in order with rounded multiplies and adds (no FMA
+// contraction), keys compared with > from the first: the reference's arithmetic, so both
+// choose the same pages.
 extern "C" __global__ void head_bounds(
     const bf16* __restrict__ q,       // [num_heads, head_dim] (one token, post-RoPE)
-    const bf16* __restrict__ bounds,  // [pages, 2, num_kv_heads * head_dim]
+    const bf16* __restrict__ bounds,  // [pages, meta_rows(page_size), num_kv_heads * head_dim]
     float* __restrict__ out,          // [pages, num_heads]
-    int pages, int num_heads, int num_kv_heads, int head_dim) {
+    int pages, int page_size, int num_heads, int num_kv_heads, int head_dim) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)pages * num_heads) return;
     const int p = (int)(i / num_heads), h = (int)(i % num_heads);
     const int row = num_kv_heads * head_dim;
     const int g = h / (num_heads / num_kv_heads);
-    const bf16* lo = bounds + (long long)p * 2 * row + g * head_dim;
+    const bf16* lo = bounds + (long long)p * meta_rows(page_size) * row + g * head_dim;
     const bf16* hi = lo + row;
+    const bf16* mask = hi + row;
     const bf16* qh = q + (long long)h * head_dim;
-    float s = 0.0f;
-    for (int c = 0; c < head_dim; ++c) {
-        const float qc = bf16_to_f32(qh[c]);
-        const float a = __fmul_rn(qc, bf16_to_f32(lo[c]));
-        const float b = __fmul_rn(qc, bf16_to_f32(hi[c]));
-        s = __fadd_rn(s, a > b ? a : b);
+    float best = 0.0f;
+    for (int t = 0; t < page_size; ++t) {
+        const bf16* mrow = mask + (long long)(t / MASK_TOKENS) * row;
+        float s = 0.0f;
+        for (int c = 0; c < head_dim; ++c) {
+            const float qc = bf16_to_f32(qh[c]);
+            const float l = bf16_to_f32(lo[c]), u = bf16_to_f32(hi[c]);
+            const float m = half_split(l, u);
+            const bool upper = (mrow[c] >> (t % MASK_TOKENS)) & 1u;
+            s = __fadd_rn(s, upper ? box_term(qc, m, u) : box_term(qc, l, m));
+        }
+        if (t == 0 || s > best) best = s;
     }
-    out[i] = s;
+    out[i] = best;
 }

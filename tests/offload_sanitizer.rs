@@ -101,8 +101,10 @@ impl OffloadDevice for DroppingWait {
         bounds: Span,
         heads: AttnHeads,
         pages: usize,
+        page_size: usize,
     ) -> anyhow::Result<Vec<f32>> {
-        self.dev.head_bounds(layer, q, bounds, heads, pages)
+        self.dev
+            .head_bounds(layer, q, bounds, heads, pages, page_size)
     }
 }
 

@@ -811,37 +811,37 @@ fn as_bf16(bits: &[u16]) -> Vec<half::bf16> {
     bits.iter().map(|&b| half::bf16::from_bits(b)).collect()
 }
 
-/// The page metadata kernel against `crate::sparse::page_bounds`, bit for bit.
+/// The page metadata kernel against `crate::sparse::page_bounds`, bit for bit (min, max
+/// and the halves mask; the emulator's page needs two mask rows).
 fn check_page_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
-    let (pages, page_size, row) = z.pick((300, 16, 1024), (13, 5, 96));
+    let (pages, page_size, row) = z.pick((300, 16, 1024), (13, 21, 96));
     let keys = coarse_keys(rng, pages * page_size * row); // [pages · page_size, row]
+    let n = pages * crate::sparse::meta_rows(page_size) * row; // [pages, meta_rows, row]
     let mut m = Mem::new(exec);
     let k_d = m.upload(&keys)?;
-    let b_d = m.zeros::<u16>(pages * 2 * row)?; // [pages, 2, row]
+    let b_d = m.zeros::<u16>(n)?;
     exec.launch(&crate::device::cuda::sparse::page_bounds(
         k_d, b_d, pages, page_size, row,
     ))?;
-    let got = m.download::<u16>(b_d, pages * 2 * row)?;
-    let mut want = vec![half::bf16::ZERO; pages * 2 * row];
+    let got = m.download::<u16>(b_d, n)?;
+    let mut want = vec![half::bf16::ZERO; n];
     crate::sparse::page_bounds(&as_bf16(&keys), row, page_size, &mut want);
-    let f = |v: &[u16]| {
-        v.iter()
-            .map(|&b| f32::from_bits((b as u32) << 16))
-            .collect::<Vec<_>>()
-    };
-    let want: Vec<u16> = want.iter().map(|b| b.to_bits()).collect();
+    // Compared as their bit patterns (a mask entry read as a bf16 may be a NaN).
+    let got: Vec<f32> = got.iter().map(|&b| b as f32).collect();
+    let want: Vec<f32> = want.iter().map(|b| b.to_bits() as f32).collect();
     Ok(bitwise_row(
         "page_bounds (sparse)",
         format!("{pages} pages × {page_size} rows × {row}"),
-        &f(&got),
-        &f(&want),
+        &got,
+        &want,
     ))
 }
 
-/// Quest's per-head bounds kernel against `crate::sparse::head_bounds`, bit for bit, with
-/// GQA groups (a wrong head → KV head mapping changes the bounds).
+/// The halves-bound kernel against `crate::sparse::head_bounds`, bit for bit, over
+/// metadata the reference made from random keys, with GQA groups (a wrong head → KV head
+/// mapping changes the bounds) and pages of more than one mask row.
 fn check_head_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
-    let (pages, (nh, nkv), hd) = z.pick((2048, (32, 8), 128), (37, (6, 2), 64));
+    let (pages, page_size, (nh, nkv), hd) = z.pick((2048, 32, (32, 8), 128), (37, 20, (6, 2), 64));
     let heads = ops::AttnHeads {
         num_heads: nh,
         num_kv_heads: nkv,
@@ -849,18 +849,21 @@ fn check_head_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result
     };
     let row = nkv * hd;
     let (q, _) = rand_bf16(rng, nh * hd, 2.0); // [num_heads, head_dim]
-    let bounds = coarse_keys(rng, pages * 2 * row); // [pages, 2, row]
+    let keys = as_bf16(&coarse_keys(rng, pages * page_size * row));
+    let mut meta = vec![half::bf16::ZERO; pages * crate::sparse::meta_rows(page_size) * row];
+    crate::sparse::page_bounds(&keys, row, page_size, &mut meta); // [pages, meta_rows, row]
+    let meta_bits: Vec<u16> = meta.iter().map(|b| b.to_bits()).collect();
     let mut m = Mem::new(exec);
-    let (q_d, b_d) = (m.upload(&q)?, m.upload(&bounds)?);
+    let (q_d, b_d) = (m.upload(&q)?, m.upload(&meta_bits)?);
     let out = m.zeros::<f32>(pages * nh)?; // [pages, num_heads]
     exec.launch(&crate::device::cuda::sparse::head_bounds(
-        q_d, b_d, out, pages, heads,
+        q_d, b_d, out, pages, page_size, heads,
     ))?;
     let got = m.download::<f32>(out, pages * nh)?;
-    let want = crate::sparse::head_bounds(&as_bf16(&q), &as_bf16(&bounds), heads, pages);
+    let want = crate::sparse::head_bounds(&as_bf16(&q), &meta, heads, pages, page_size);
     Ok(bitwise_row(
         "head_bounds (sparse)",
-        format!("{pages} pages, {nh}/{nkv} heads × {hd}"),
+        format!("{pages} pages × {page_size} rows, {nh}/{nkv} heads × {hd}"),
         &got,
         &want,
     ))

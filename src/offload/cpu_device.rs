@@ -268,7 +268,8 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
         page_size: usize,
         bounds: Span,
     ) -> Result<()> {
-        if keys.len != bounds.len / 2 * page_size || !keys.len.is_multiple_of(row * page_size) {
+        let rows = crate::sparse::meta_rows(page_size);
+        if keys.len != bounds.len / rows * page_size || !keys.len.is_multiple_of(row * page_size) {
             bail!(
                 "page bounds: {} keys do not make {} bounds of {page_size}-row pages",
                 keys.len,
@@ -301,8 +302,9 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
         bounds: Span,
         heads: AttnHeads,
         pages: usize,
+        page_size: usize,
     ) -> Result<Vec<f32>> {
-        check_head_bounds(q.len, bounds, heads, pages)?;
+        check_head_bounds(q.len, bounds, heads, pages, page_size)?;
         let start = self.dev.now_us();
         // SAFETY: the bounds lie inside an allocation of this device (checked by `addr`);
         // the compute stream (this thread) wrote them and nothing else writes them
@@ -314,7 +316,7 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
                 std::slice::from_raw_parts(q.ptr.as_host_ptr() as *const T, q.len),
             )
         };
-        let out = crate::sparse::head_bounds(q, b, heads, pages);
+        let out = crate::sparse::head_bounds(q, b, heads, pages, page_size);
         self.trace_compute("page-scores", Some(layer), 0, start);
         Ok(out)
     }

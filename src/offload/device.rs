@@ -103,11 +103,18 @@ impl<M> Allocations<M> {
 }
 
 /// Errors unless `OffloadDevice::head_bounds`' arguments agree: `bounds` holds `pages`
-/// pages of `[2, kv_dim]` and the query is one token's `[num_heads, head_dim]` (both
-/// devices read exactly that much memory).
-pub fn check_head_bounds(q_len: usize, bounds: Span, heads: AttnHeads, pages: usize) -> Result<()> {
+/// pages of `[meta_rows(page_size), kv_dim]` and the query is one token's `[num_heads,
+/// head_dim]` (both devices read exactly that much memory).
+pub fn check_head_bounds(
+    q_len: usize,
+    bounds: Span,
+    heads: AttnHeads,
+    pages: usize,
+    page_size: usize,
+) -> Result<()> {
     let row = heads.num_kv_heads * heads.head_dim;
-    if bounds.len != pages * 2 * row || q_len != heads.num_heads * heads.head_dim {
+    let rows = crate::sparse::meta_rows(page_size);
+    if bounds.len != pages * rows * row || q_len != heads.num_heads * heads.head_dim {
         bail!(
             "page scores: {pages} pages, {} bound values, query of {q_len}",
             bounds.len
@@ -182,9 +189,10 @@ pub trait OffloadDevice {
     fn set_tracing(&mut self, on: bool) -> Result<()>;
     /// The ops traced so far (waits for them).
     fn take_trace(&mut self) -> Result<Vec<TraceEvent>>;
-    /// Sparse decode, queued on the compute stream: the channel-wise min and max of K over
-    /// each `page_size`-row page of `keys` (`[pages · page_size, row]`) into `bounds`
-    /// (`[pages, 2, row]`). Reference: `crate::sparse::page_bounds`.
+    /// Sparse decode, queued on the compute stream: the metadata of each `page_size`-row
+    /// page of `keys` (`[pages · page_size, row]`: channel-wise min and max of K, halves
+    /// mask) into `bounds` (`[pages, meta_rows(page_size), row]`). Reference:
+    /// `crate::sparse::page_bounds`.
     fn page_bounds(
         &mut self,
         layer: usize,
@@ -193,7 +201,7 @@ pub trait OffloadDevice {
         page_size: usize,
         bounds: Span,
     ) -> Result<()>;
-    /// Sparse decode: Quest's bound of each of `pages` pages for each query head
+    /// Sparse decode: the halves bound of each of `pages` pages for each query head
     /// (`crate::sparse::head_bounds`, `[pages, num_heads]`) for one token's query `q`
     /// (`[num_heads, head_dim]`), after the compute stream's work so far. The host needs
     /// them to choose the pages and issue their copies, so this blocks (on CUDA: kernel,
@@ -205,5 +213,6 @@ pub trait OffloadDevice {
         bounds: Span,
         heads: AttnHeads,
         pages: usize,
+        page_size: usize,
     ) -> Result<Vec<f32>>;
 }

@@ -63,7 +63,7 @@ pub struct OffloadEngine<D: OffloadDevice> {
 struct Sparse {
     cfg: SparseConfig,
     heads: AttnHeads,
-    bounds: MemId, // [num_layers, max_pages, 2, row]: min and max of K per page (device)
+    bounds: MemId, // [num_layers, max_pages, meta_rows, row]: min, max, halves mask (device)
     max_pages: usize,
     /// Per layer: the pages its slot was prefetched with (`loaded[l][j]` at slot page `j`).
     loaded: Vec<Vec<Page>>,
@@ -115,7 +115,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                         num_kv_heads: model.num_kv_heads,
                         head_dim: model.head_dim,
                     },
-                    bounds: d.alloc(Space::Device, l * max_pages * 2 * row)?,
+                    bounds: d.alloc(Space::Device, l * max_pages * sc.meta_rows() * row)?,
                     max_pages,
                     loaded: vec![Vec::new(); l],
                     ranked: vec![Vec::new(); l],
@@ -160,7 +160,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
 
     /// Sparse: layer `layer`'s bounds from page `page` on.
     fn bounds_at(&self, sp: &Sparse, layer: usize, page: usize) -> usize {
-        (layer * sp.max_pages + page) * 2 * self.row
+        (layer * sp.max_pages + page) * sp.cfg.meta_rows() * self.row
     }
 
     /// Sparse: elements of K (or V) in `pages` pages.
@@ -192,7 +192,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let bounds = Span {
             mem: sp.bounds,
             off: self.bounds_at(sp, layer, page),
-            len: pages * 2 * self.row,
+            len: pages * sp.cfg.meta_rows() * self.row,
         };
         let (row, ps) = (self.row, sp.cfg.page_size);
         self.d.page_bounds(layer, keys, row, ps, bounds)
@@ -449,9 +449,11 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             let bounds = Span {
                 mem: sp.bounds,
                 off: self.bounds_at(sp, layer, 0),
-                len: candidates * 2 * self.row,
+                len: candidates * sp.cfg.meta_rows() * self.row,
             };
-            let per_head = self.d.head_bounds(layer, q, bounds, heads, candidates)?;
+            let per_head =
+                self.d
+                    .head_bounds(layer, q, bounds, heads, candidates, sp.cfg.page_size)?;
             let n = sparse::prefetch_count(count) - 1;
             let ranked = sparse::rank_pages(&per_head, heads, candidates, n);
             (sparse::choose(&ranked, candidates, count - 1), ranked)

@@ -158,9 +158,10 @@ impl OffloadConfig {
             None => 0,
             Some(sc) => {
                 sc.check(self.block_size)?;
-                // [num_layers, pages, min | max, row], and f32 [pages, num_heads]
+                // [num_layers, pages, min | max | mask rows, row], and f32 [pages, num_heads]
                 let pages = mul(num_cpu_blocks, self.block_size)? / sc.page_size;
-                let bounds = mul(mul(model.num_layers, pages)?, mul(2, row_bytes)?)?;
+                let per_page = mul(sc.meta_rows(), row_bytes)?;
+                let bounds = mul(mul(model.num_layers, pages)?, per_page)?;
                 let scores = mul(mul(pages, model.num_heads)?, 4)?;
                 bounds.checked_add(scores).ok_or_else(too_large)?
             }

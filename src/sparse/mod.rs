@@ -24,7 +24,7 @@ pub const DEFAULT_PAGE_SIZE: usize = 8;
 #[derive(Debug, Clone, clap::Args)]
 pub struct SparseArgs {
     /// Sparse decode (with --enable-offload): KV tokens each layer attends and loads per
-    /// decode step: the sink page, the best pages by Quest's bound, the recent window (the
+    /// decode step: the sink page, the best pages by their bound, the recent window (the
     /// partial last block). A multiple of --sparse-page-size, at least page + --block-size.
     #[arg(long, value_parser = crate::flags::tokens())]
     pub sparse_budget: Option<usize>,
@@ -84,6 +84,11 @@ impl SparseConfig {
         Ok(())
     }
 
+    /// Rows of metadata per page (`meta_rows`).
+    pub fn meta_rows(&self) -> usize {
+        meta_rows(self.page_size)
+    }
+
     /// Pages `0..candidates` (the full host blocks') a decode step at `pos` may attend,
     /// and how many of them the compacted slot holds: the budget less the recent window
     /// (`pos % block_size` tokens in the decode buffer), in whole pages, sink included. A
@@ -96,16 +101,25 @@ impl SparseConfig {
     }
 }
 
-/// A KV element the bounds are read from: f32 (the CPU device) or bf16 (CUDA and the
+/// A KV element the page metadata is made of: f32 (the CPU device) or bf16 (CUDA and the
 /// emulator). Min and max of bf16 values are bf16 values, so bounds are kept in the KV's
-/// own element type, exactly.
+/// own element type, exactly; a mask row's element carries 16 bits as its bit pattern.
 pub trait KvElem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
+    /// The element whose low 16 bits are `m` (a mask row's entry).
+    fn from_mask(m: u16) -> Self;
+    fn mask(self) -> u16;
 }
 
 impl KvElem for f32 {
     fn to_f32(self) -> f32 {
         self
+    }
+    fn from_mask(m: u16) -> Self {
+        f32::from_bits(m as u32)
+    }
+    fn mask(self) -> u16 {
+        self.to_bits() as u16
     }
 }
 
@@ -113,19 +127,55 @@ impl KvElem for half::bf16 {
     fn to_f32(self) -> f32 {
         half::bf16::to_f32(self)
     }
+    fn from_mask(m: u16) -> Self {
+        half::bf16::from_bits(m)
+    }
+    fn mask(self) -> u16 {
+        self.to_bits()
+    }
 }
 
-/// Channel-wise min and max of each page of `keys`: `keys[pages · page_size, row]` →
-/// `bounds[pages, 2, row]` (row 0: min, row 1: max). `row` = kv_heads · head_dim, so each
-/// KV head's channels get their own bounds.
-pub fn page_bounds<T: KvElem>(keys: &[T], row: usize, page_size: usize, bounds: &mut [T]) {
+/// Tokens one mask row covers (the bits of a bf16 element).
+pub const MASK_TOKENS: usize = 16;
+
+/// Rows of metadata per page, each `row` (= kv_dim) elements: the channel-wise min of K,
+/// the max, then the **halves mask**, `⌈page_size / 16⌉` rows: bit `t % 16` of row
+/// `2 + t / 16` is set when token `t`'s key lies in the upper half of the page's range in
+/// that channel (`k ≥ mid(min, max)`). The mask pins each key to one half of its page's box
+/// per channel (one bit per key and channel), so the bound is per key, not per page.
+pub fn meta_rows(page_size: usize) -> usize {
+    2 + page_size.div_ceil(MASK_TOKENS)
+}
+
+/// The split between a channel's lower and upper half, in f32: `lo + (hi − lo) / 2`,
+/// never above `hi` (rounding, or an infinite range).
+pub fn mid(lo: f32, hi: f32) -> f32 {
+    let m = lo + (hi - lo) * 0.5;
+    if m > hi {
+        hi
+    } else {
+        m
+    }
+}
+
+/// Page metadata of each page of `keys`: `keys[pages · page_size, row]` →
+/// `meta[pages, meta_rows(page_size), row]` (min row, max row, halves mask rows; see
+/// `meta_rows`). `row` = kv_heads · head_dim, so each KV head's channels get their own.
+pub fn page_bounds<T: KvElem>(keys: &[T], row: usize, page_size: usize, meta: &mut [T]) {
+    let rows = meta_rows(page_size);
     let pages = keys.len() / (row * page_size);
-    assert_eq!(bounds.len(), pages * 2 * row, "bounds [pages, 2, row]");
+    assert_eq!(
+        meta.len(),
+        pages * rows * row,
+        "meta [pages, meta_rows, row]"
+    );
+    let mut bits = vec![0u16; rows - 2]; // one channel's mask rows
     for (page, b) in keys
         .chunks_exact(row * page_size)
-        .zip(bounds.chunks_exact_mut(2 * row))
+        .zip(meta.chunks_exact_mut(rows * row))
     {
-        let (lo, hi) = b.split_at_mut(row);
+        let (bounds, masks) = b.split_at_mut(2 * row);
+        let (lo, hi) = bounds.split_at_mut(row);
         lo.copy_from_slice(&page[..row]);
         hi.copy_from_slice(&page[..row]);
         for k in page.chunks_exact(row).skip(1) {
@@ -139,46 +189,93 @@ pub fn page_bounds<T: KvElem>(keys: &[T], row: usize, page_size: usize, bounds: 
                 }
             }
         }
+        for c in 0..row {
+            let m = mid(lo[c].to_f32(), hi[c].to_f32());
+            bits.fill(0);
+            for (t, k) in page.chunks_exact(row).enumerate() {
+                if k[c].to_f32() >= m {
+                    bits[t / MASK_TOKENS] |= 1 << (t % MASK_TOKENS);
+                }
+            }
+            for (r, &b) in bits.iter().enumerate() {
+                masks[r * row + c] = T::from_mask(b);
+            }
+        }
+    }
+}
+
+/// One channel's term of a box bound: `max(q_c · lo_c, q_c · hi_c)` ≥ `q_c · k_c` for
+/// every `k_c` in `[lo_c, hi_c]`, whatever the sign of `q_c` (rounded products are
+/// monotone, so this holds in f32 too). A NaN resolves to the second product.
+fn box_term(q: f32, lo: f32, hi: f32) -> f32 {
+    let (a, b) = (q * lo, q * hi);
+    if a > b {
+        a
+    } else {
+        b
     }
 }
 
 /// Quest's bound: `Σ_c max(q_c · min_c, q_c · max_c)` ≥ `q · k` for every key `k` of the
-/// page (each term bounds `q_c · k_c`, whatever the sign of `q_c`). Summed in channel order
-/// with plain f32 multiply and add (no FMA): the CUDA kernel uses `__fmul_rn`/`__fadd_rn`
-/// in the same order, so both choose the same pages. (The offload fork's
-/// `max(q · min, q · max)` is not a bound: with mixed signs `q · k` exceeds both.)
+/// page, summed in channel order with plain f32 multiply and add (no FMA). The halves
+/// bound (`head_bounds`) never exceeds it. (The offload fork's `max(q · min, q · max)` is
+/// not a bound: with mixed signs `q · k` exceeds both.)
 pub fn quest_bound<T: KvElem>(q: &[f32], min: &[T], max: &[T]) -> f32 {
     let mut s = 0.0f32;
     for c in 0..q.len() {
-        let (a, b) = (q[c] * min[c].to_f32(), q[c] * max[c].to_f32());
-        s += if a > b { a } else { b };
+        s += box_term(q[c], min[c].to_f32(), max[c].to_f32());
     }
     s
 }
 
-/// Quest's bound of every page for every query head: `q[num_heads, head_dim]` (post-RoPE,
-/// as attention sees it; the 1/√d scale does not change the order), `bounds[pages, 2, row]`
-/// → `[pages, num_heads]`. Each query head reads its KV head's channels. The reference of
-/// the CUDA scoring kernel (`kernels/sparse.cu`), which sums in the same order.
+/// The **halves bound** of every page for every query head: `q[num_heads, head_dim]`
+/// (post-RoPE, as attention sees it; the 1/√d scale does not change the order),
+/// `meta[pages, meta_rows(page_size), row]` (`page_bounds`) → `[pages, num_heads]`. Each
+/// key of the page lies, per channel, in the half of the page's `[min, max]` its mask bit
+/// names, so Quest's bound over that smaller box bounds `q · k`; the page's bound is the
+/// largest over its keys. An upper bound of every key's score, never above Quest's (each
+/// term is at most Quest's term, summed in the same order), and much tighter: Quest pairs
+/// each channel's best extreme, which no single key need reach. Each query head reads its
+/// KV head's channels; channels are summed in order with plain f32 multiply and add, the
+/// keys' sums compared with `>` from the first: the CUDA kernel (`kernels/sparse.cu`)
+/// does the same, so both choose the same pages.
 pub fn head_bounds<Q: KvElem, T: KvElem>(
     q: &[Q],
-    bounds: &[T],
+    meta: &[T],
     h: AttnHeads,
     pages: usize,
+    page_size: usize,
 ) -> Vec<f32> {
     let (hd, row) = (h.head_dim, h.num_kv_heads * h.head_dim);
+    let rows = meta_rows(page_size);
     let group = h.num_heads / h.num_kv_heads;
     let q: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
     let mut out = Vec::with_capacity(pages * h.num_heads);
+    let mut sums = vec![0.0f32; page_size]; // one page's keys' bounds, for one head
     for p in 0..pages {
-        let b = &bounds[p * 2 * row..(p + 1) * 2 * row];
+        let b = &meta[p * rows * row..(p + 1) * rows * row];
         for head in 0..h.num_heads {
             let g = (head / group) * hd;
-            out.push(quest_bound(
-                &q[head * hd..(head + 1) * hd],
-                &b[g..g + hd],
-                &b[row + g..row + g + hd],
-            ));
+            let qh = &q[head * hd..(head + 1) * hd];
+            sums.fill(0.0);
+            for c in 0..hd {
+                let (lo, hi) = (b[g + c].to_f32(), b[row + g + c].to_f32());
+                let m = mid(lo, hi);
+                let (lower, upper) = (box_term(qh[c], lo, m), box_term(qh[c], m, hi));
+                for (r, sums) in sums.chunks_mut(MASK_TOKENS).enumerate() {
+                    let bits = b[(2 + r) * row + g + c].mask();
+                    for (t, s) in sums.iter_mut().enumerate() {
+                        *s += if bits >> t & 1 == 1 { upper } else { lower };
+                    }
+                }
+            }
+            let mut best = sums[0];
+            for &s in &sums[1..] {
+                if s > best {
+                    best = s;
+                }
+            }
+            out.push(best);
         }
     }
     out
@@ -637,10 +734,15 @@ mod tests {
     }
 
     #[test]
-    fn bounds_are_min_and_max_per_channel() {
+    fn metadata_is_min_max_and_the_upper_half_mask_per_channel() {
         let keys = [1.0f32, -2.0, 3.0, 4.0, -5.0, 0.5]; // 3 rows of 2, one page of 3
-        let mut b = [0.0f32; 4];
+        let mut b = [0.0f32; 6];
         page_bounds(&keys, 2, 3, &mut b);
-        assert_eq!(b, [-5.0, -2.0, 3.0, 4.0]);
+        assert_eq!(b[..4], [-5.0, -2.0, 3.0, 4.0]);
+        // mids -1 and 1: channel 0 keys 1, 3, -5 → upper, upper, lower (bits 0b011);
+        // channel 1 keys -2, 4, 0.5 → lower, upper, lower (0b010).
+        assert_eq!([b[4].mask(), b[5].mask()], [0b011, 0b010]);
+        assert_eq!(meta_rows(16), 3);
+        assert_eq!(meta_rows(17), 4);
     }
 }

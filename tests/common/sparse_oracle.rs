@@ -90,12 +90,12 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Oracle<T> {
         }
         let (row, ps) = (self.row, self.sc.page_size);
         let (cands, count) = self.sc.slot_pages(self.pos, self.bs);
-        let mut bounds = vec![T::default(); cands * 2 * row];
-        sparse::page_bounds(&self.k[l][..cands * ps * row], row, ps, &mut bounds);
+        let mut meta = vec![T::default(); cands * self.sc.meta_rows() * row];
+        sparse::page_bounds(&self.k[l][..cands * ps * row], row, ps, &mut meta);
         // SAFETY: the model's query, host memory valid for this call.
         let q = unsafe { std::slice::from_raw_parts(q.ptr.as_host_ptr(), q.len) };
         let q = &q[..self.heads.num_heads * self.heads.head_dim];
-        let per_head = sparse::head_bounds(q, &bounds, self.heads, cands);
+        let per_head = sparse::head_bounds(q, &meta, self.heads, cands, ps);
         let ranked = sparse::rank_pages(&per_head, self.heads, cands, count - 1);
         let chosen = sparse::choose(&ranked, cands, count - 1);
         let mut at = 0;

@@ -257,8 +257,9 @@ impl OffloadDevice for CudaOffloadDevice {
         page_size: usize,
         bounds: Span,
     ) -> Result<()> {
-        let pages = bounds.len / (2 * row);
-        if keys.len != pages * page_size * row || bounds.len != pages * 2 * row {
+        let rows = crate::sparse::meta_rows(page_size);
+        let pages = bounds.len / (rows * row);
+        if keys.len != pages * page_size * row || bounds.len != pages * rows * row {
             bail!(
                 "page bounds: {} keys do not make {} bounds of {page_size}-row pages",
                 keys.len,
@@ -281,8 +282,9 @@ impl OffloadDevice for CudaOffloadDevice {
         bounds: Span,
         heads: AttnHeads,
         pages: usize,
+        page_size: usize,
     ) -> Result<Vec<f32>> {
-        check_head_bounds(q.len, bounds, heads, pages)?;
+        check_head_bounds(q.len, bounds, heads, pages, page_size)?;
         let b = self.addr(bounds)?;
         let n = pages * heads.num_heads;
         let st = self.compute.0.clone();
@@ -293,7 +295,7 @@ impl OffloadDevice for CudaOffloadDevice {
         }
         let (buf, _) = self.scores.as_ref().expect("allocated above");
         let out = dptr(buf, &st);
-        let l = super::sparse::head_bounds(q.ptr, dev(b).cast(), out, pages, heads);
+        let l = super::sparse::head_bounds(q.ptr, dev(b).cast(), out, pages, page_size, heads);
         self.kernels.launch(&st, &l)?;
         let mut host = vec![0f32; n];
         // SAFETY: `out` holds at least `n` f32; `host` outlives the copy, which the

@@ -8,10 +8,10 @@ use crate::device::DevPtr;
 use half::bf16;
 
 /// sparse.cu `page_bounds(keys, bounds, pages, page_size, row)`: channel-wise min and
-/// max of K per page, one thread per (page, channel).
+/// max of K per page and the halves mask, one thread per (page, channel).
 pub fn page_bounds(
     keys: DevPtr<bf16>,   // bf16 [pages · page_size, row]
-    bounds: DevPtr<bf16>, // bf16 [pages, 2, row]
+    bounds: DevPtr<bf16>, // bf16 [pages, meta_rows(page_size), row]
     pages: usize,
     page_size: usize,
     row: usize,
@@ -20,13 +20,15 @@ pub fn page_bounds(
     launch("sparse.cu", "page_bounds", grid1(pages * row, EW), args)
 }
 
-/// sparse.cu `head_bounds(q, bounds, out, pages, num_heads, num_kv_heads, head_dim)`:
-/// Quest's bound of each page for each query head, one thread per (page, head).
+/// sparse.cu `head_bounds(q, bounds, out, pages, page_size, num_heads, num_kv_heads,
+/// head_dim)`: the halves bound of each page for each query head, one thread per (page,
+/// head).
 pub fn head_bounds(
     q: DevPtr<bf16>,      // bf16 [num_heads, head_dim]
-    bounds: DevPtr<bf16>, // bf16 [pages, 2, num_kv_heads · head_dim]
+    bounds: DevPtr<bf16>, // bf16 [pages, meta_rows(page_size), num_kv_heads · head_dim]
     out: DevPtr<f32>,     // f32 [pages, num_heads]
     pages: usize,
+    page_size: usize,
     h: AttnHeads,
 ) -> Launch {
     let args = vec![
@@ -34,6 +36,7 @@ pub fn head_bounds(
         arg(bounds),
         arg(out),
         i(pages),
+        i(page_size),
         i(h.num_heads),
         i(h.num_kv_heads),
         i(h.head_dim),

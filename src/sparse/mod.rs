@@ -12,12 +12,12 @@ use anyhow::{bail, Result};
 
 use crate::device::cpu::ops::AttnHeads;
 
-/// Default tokens per page: 8 (ShadowKV's chunk; Quest's default is 16). Smaller pages
-/// make the bound tighter (a page's min and max cover fewer keys) and waste less of the
-/// budget around the token that matters; the price is twice the page metadata of 16 (an
-/// eighth of the K and V bytes, on the device) and twice the scoring work. Measured on the
-/// needle grid at 1/8 (docs/benchmarks.md): page 16 missed one case that page 8 found.
-pub const DEFAULT_PAGE_SIZE: usize = 8;
+/// Default tokens per page: 16 (Quest's default). With the halves mask a page's bound is
+/// per key, so larger pages lose little recall (both 8,160-token needles Quest's bound
+/// lost at page 8 are found at 16) and cost less: metadata of 3 rows per 16 tokens (3/32
+/// of the KV bytes in bf16, 3/16 at page 8), half the pages to score and to copy, in
+/// longer runs. Measured in docs/benchmarks.md.
+pub const DEFAULT_PAGE_SIZE: usize = 16;
 
 /// `--sparse-budget` and `--sparse-page-size`, shared by `strata generate`, `needle` and
 /// (budget as a list) `strata bench offload`.
@@ -246,39 +246,81 @@ pub fn head_bounds<Q: KvElem, T: KvElem>(
     pages: usize,
     page_size: usize,
 ) -> Vec<f32> {
-    let (hd, row) = (h.head_dim, h.num_kv_heads * h.head_dim);
+    use rayon::prelude::*;
+    let row = h.num_kv_heads * h.head_dim;
     let rows = meta_rows(page_size);
-    let group = h.num_heads / h.num_kv_heads;
     let q: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
-    let mut out = Vec::with_capacity(pages * h.num_heads);
-    let mut sums = vec![0.0f32; page_size]; // one page's keys' bounds, for one head
-    for p in 0..pages {
-        let b = &meta[p * rows * row..(p + 1) * rows * row];
-        for head in 0..h.num_heads {
-            let g = (head / group) * hd;
-            let qh = &q[head * hd..(head + 1) * hd];
-            sums.fill(0.0);
+    let mut out = vec![0.0f32; pages * h.num_heads];
+    let group = h.num_heads / h.num_kv_heads;
+    out.par_chunks_mut(h.num_heads)
+        .zip(meta[..pages * rows * row].par_chunks(rows * row))
+        .for_each_init(
+            || Scratch {
+                lower: vec![0.0; group * h.head_dim],
+                upper: vec![0.0; group * h.head_dim],
+                sums: vec![[0.0; MASK_TOKENS]; group],
+            },
+            |scratch, (out, page)| page_head_bounds(&q, page, h, page_size, scratch, out),
+        );
+    out
+}
+
+/// `page_head_bounds`' scratch, for one KV head's query heads (its group).
+struct Scratch {
+    lower: Vec<f32>,               // [group, head_dim]: each channel's lower half's term
+    upper: Vec<f32>,               // [group, head_dim]: and its upper half's
+    sums: Vec<[f32; MASK_TOKENS]>, // [group, 16]: the keys of one mask row, side by side
+}
+
+/// One page's halves bound for every query head (`head_bounds`): `page[meta_rows, row]`
+/// → `out[num_heads]`. Each key's sum runs in channel order; the 16 keys of a mask row
+/// are summed side by side (fixed-size loops that vectorize; lanes past the page's last
+/// key are ignored), for the query heads of one KV head together (they share its mask).
+fn page_head_bounds<T: KvElem>(
+    q: &[f32],
+    page: &[T],
+    h: AttnHeads,
+    page_size: usize,
+    Scratch { lower, upper, sums }: &mut Scratch,
+    out: &mut [f32],
+) {
+    let (hd, row) = (h.head_dim, h.num_kv_heads * h.head_dim);
+    let group = h.num_heads / h.num_kv_heads;
+    for (kv, out) in out.chunks_mut(group).enumerate() {
+        let g = kv * hd;
+        let (min, max) = (&page[g..][..hd], &page[row + g..][..hd]);
+        for (j, (lower, upper)) in lower.chunks_mut(hd).zip(upper.chunks_mut(hd)).enumerate() {
+            let qh = &q[(kv * group + j) * hd..][..hd];
             for c in 0..hd {
-                let (lo, hi) = (b[g + c].to_f32(), b[row + g + c].to_f32());
+                let (lo, hi) = (min[c].to_f32(), max[c].to_f32());
                 let m = mid(lo, hi);
-                let (lower, upper) = (box_term(qh[c], lo, m), box_term(qh[c], m, hi));
-                for (r, sums) in sums.chunks_mut(MASK_TOKENS).enumerate() {
-                    let bits = b[(2 + r) * row + g + c].mask();
-                    for (t, s) in sums.iter_mut().enumerate() {
-                        *s += if bits >> t & 1 == 1 { upper } else { lower };
+                (lower[c], upper[c]) = (box_term(qh[c], lo, m), box_term(qh[c], m, hi));
+            }
+        }
+        out.fill(f32::NAN);
+        for r in 0..page_size.div_ceil(MASK_TOKENS) {
+            let masks = &page[(2 + r) * row + g..][..hd];
+            sums.fill([0.0; MASK_TOKENS]);
+            for (c, m) in masks.iter().enumerate() {
+                let bits = m.mask() as u32;
+                let is_upper: [u32; MASK_TOKENS] = std::array::from_fn(|t| bits & (1 << t));
+                for (j, sums) in sums.iter_mut().enumerate() {
+                    let (lo, up) = (lower[j * hd + c], upper[j * hd + c]);
+                    for (s, &u) in sums.iter_mut().zip(&is_upper) {
+                        *s += if u != 0 { up } else { lo };
                     }
                 }
             }
-            let mut best = sums[0];
-            for &s in &sums[1..] {
-                if s > best {
-                    best = s;
+            let keys = (page_size - r * MASK_TOKENS).min(MASK_TOKENS);
+            for (best, sums) in out.iter_mut().zip(sums.iter()) {
+                for (t, &s) in sums[..keys].iter().enumerate() {
+                    if (r == 0 && t == 0) || s > *best {
+                        *best = s;
+                    }
                 }
             }
-            out.push(best);
         }
     }
-    out
 }
 
 /// A page's score (`page_scores`); `better_first` orders the best page first.

@@ -258,7 +258,6 @@ pub fn head_bounds<Q: KvElem, T: KvElem>(
             || Scratch {
                 lower: vec![0.0; group * h.head_dim],
                 upper: vec![0.0; group * h.head_dim],
-                sums: vec![[0.0; MASK_TOKENS]; group],
             },
             |scratch, (out, page)| page_head_bounds(&q, page, h, page_size, scratch, out),
         );
@@ -267,21 +266,22 @@ pub fn head_bounds<Q: KvElem, T: KvElem>(
 
 /// `page_head_bounds`' scratch, for one KV head's query heads (its group).
 struct Scratch {
-    lower: Vec<f32>,               // [group, head_dim]: each channel's lower half's term
-    upper: Vec<f32>,               // [group, head_dim]: and its upper half's
-    sums: Vec<[f32; MASK_TOKENS]>, // [group, 16]: the keys of one mask row, side by side
+    lower: Vec<f32>, // [group, head_dim]: each channel's lower half's term
+    upper: Vec<f32>, // [group, head_dim]: and its upper half's
 }
 
 /// One page's halves bound for every query head (`head_bounds`): `page[meta_rows, row]`
 /// → `out[num_heads]`. Each key's sum runs in channel order; the 16 keys of a mask row
-/// are summed side by side (fixed-size loops that vectorize; lanes past the page's last
-/// key are ignored), for the query heads of one KV head together (they share its mask).
+/// are summed side by side, one query head at a time (a fixed-size loop that vectorizes,
+/// its 16 sums kept in registers; lanes past the page's last key are ignored). Measured
+/// on SmolLM2's shapes (9 heads, 256 pages of 16): ~11 ms per 30 layers on one core, ~3×
+/// less than sums kept in memory for a KV head's query heads together.
 fn page_head_bounds<T: KvElem>(
     q: &[f32],
     page: &[T],
     h: AttnHeads,
     page_size: usize,
-    Scratch { lower, upper, sums }: &mut Scratch,
+    Scratch { lower, upper }: &mut Scratch,
     out: &mut [f32],
 ) {
     let (hd, row) = (h.head_dim, h.num_kv_heads * h.head_dim);
@@ -300,19 +300,19 @@ fn page_head_bounds<T: KvElem>(
         out.fill(f32::NAN);
         for r in 0..page_size.div_ceil(MASK_TOKENS) {
             let masks = &page[(2 + r) * row + g..][..hd];
-            sums.fill([0.0; MASK_TOKENS]);
-            for (c, m) in masks.iter().enumerate() {
-                let bits = m.mask() as u32;
-                let is_upper: [u32; MASK_TOKENS] = std::array::from_fn(|t| bits & (1 << t));
-                for (j, sums) in sums.iter_mut().enumerate() {
-                    let (lo, up) = (lower[j * hd + c], upper[j * hd + c]);
+            let keys = (page_size - r * MASK_TOKENS).min(MASK_TOKENS);
+            for (j, best) in out.iter_mut().enumerate() {
+                let (lower, upper) = (&lower[j * hd..][..hd], &upper[j * hd..][..hd]);
+                // Local, so the 16 running sums stay in registers across the channels.
+                let mut sums = [0.0f32; MASK_TOKENS];
+                for c in 0..hd {
+                    let bits = masks[c].mask() as u32;
+                    let is_upper: [u32; MASK_TOKENS] = std::array::from_fn(|t| bits & (1 << t));
+                    let (lo, up) = (lower[c], upper[c]);
                     for (s, &u) in sums.iter_mut().zip(&is_upper) {
                         *s += if u != 0 { up } else { lo };
                     }
                 }
-            }
-            let keys = (page_size - r * MASK_TOKENS).min(MASK_TOKENS);
-            for (best, sums) in out.iter_mut().zip(sums.iter()) {
                 for (t, &s) in sums[..keys].iter().enumerate() {
                     if (r == 0 && t == 0) || s > *best {
                         *best = s;

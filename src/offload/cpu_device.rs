@@ -17,8 +17,8 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 
 use super::device::{
-    check_head_bounds, copy_each, Allocations, EventId, MemId, OffloadDevice, Space, Span,
-    StreamRole,
+    check_head_bounds, check_page_bounds, copy_each, Allocations, EventId, MemId, OffloadDevice,
+    Space, Span, StreamRole,
 };
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::{CpuDevice, Event, Link, MemSpace, Stream, TraceEvent};
@@ -268,14 +268,7 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
         page_size: usize,
         bounds: Span,
     ) -> Result<()> {
-        let rows = crate::sparse::meta_rows(page_size);
-        if keys.len != bounds.len / rows * page_size || !keys.len.is_multiple_of(row * page_size) {
-            bail!(
-                "page bounds: {} keys do not make {} bounds of {page_size}-row pages",
-                keys.len,
-                bounds.len
-            );
-        }
+        check_page_bounds(keys, row, page_size, bounds)?;
         if keys.mem == bounds.mem {
             bail!("page bounds: keys and bounds share an allocation");
         }

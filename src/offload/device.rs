@@ -123,6 +123,22 @@ pub fn check_head_bounds(
     Ok(())
 }
 
+/// Errors unless `OffloadDevice::page_bounds`' spans agree: `keys` is whole
+/// `page_size`-row pages of `row` elements and `bounds` holds their metadata
+/// (`[pages, meta_rows(page_size), row]`). Returns the page count.
+pub fn check_page_bounds(keys: Span, row: usize, page_size: usize, bounds: Span) -> Result<usize> {
+    let rows = crate::sparse::meta_rows(page_size);
+    let pages = bounds.len / (rows * row);
+    if keys.len != pages * page_size * row || bounds.len != pages * rows * row {
+        bail!(
+            "page bounds: {} keys do not make {} bounds of {page_size}-row pages",
+            keys.len,
+            bounds.len
+        );
+    }
+    Ok(pages)
+}
+
 /// `OffloadDevice::copy_runs` as one `copy` per run (its default, and the fallback of a
 /// device that cannot batch on stream `s`).
 pub fn copy_each<D: OffloadDevice + ?Sized>(

@@ -160,7 +160,12 @@ impl<D: OffloadDevice> OffloadEngine<D> {
 
     /// Sparse: layer `layer`'s bounds from page `page` on.
     fn bounds_at(&self, sp: &Sparse, layer: usize, page: usize) -> usize {
-        (layer * sp.max_pages + page) * sp.cfg.meta_rows() * self.row
+        self.meta_elems(sp, layer * sp.max_pages + page)
+    }
+
+    /// Sparse: elements of page metadata in `pages` pages.
+    fn meta_elems(&self, sp: &Sparse, pages: usize) -> usize {
+        pages * sp.cfg.meta_rows() * self.row
     }
 
     /// Sparse: elements of K (or V) in `pages` pages.
@@ -192,7 +197,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let bounds = Span {
             mem: sp.bounds,
             off: self.bounds_at(sp, layer, page),
-            len: pages * sp.cfg.meta_rows() * self.row,
+            len: self.meta_elems(sp, pages),
         };
         let (row, ps) = (self.row, sp.cfg.page_size);
         self.d.page_bounds(layer, keys, row, ps, bounds)
@@ -449,7 +454,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             let bounds = Span {
                 mem: sp.bounds,
                 off: self.bounds_at(sp, layer, 0),
-                len: candidates * sp.cfg.meta_rows() * self.row,
+                len: self.meta_elems(sp, candidates),
             };
             let per_head =
                 self.d

@@ -216,26 +216,16 @@ fn box_term(q: f32, lo: f32, hi: f32) -> f32 {
     }
 }
 
-/// Quest's bound: `Σ_c max(q_c · min_c, q_c · max_c)` ≥ `q · k` for every key `k` of the
-/// page, summed in channel order with plain f32 multiply and add (no FMA). The halves
-/// bound (`head_bounds`) never exceeds it. (The offload fork's `max(q · min, q · max)` is
-/// not a bound: with mixed signs `q · k` exceeds both.)
-pub fn quest_bound<T: KvElem>(q: &[f32], min: &[T], max: &[T]) -> f32 {
-    let mut s = 0.0f32;
-    for c in 0..q.len() {
-        s += box_term(q[c], min[c].to_f32(), max[c].to_f32());
-    }
-    s
-}
-
 /// The **halves bound** of every page for every query head: `q[num_heads, head_dim]`
 /// (post-RoPE, as attention sees it; the 1/√d scale does not change the order),
 /// `meta[pages, meta_rows(page_size), row]` (`page_bounds`) → `[pages, num_heads]`. Each
 /// key of the page lies, per channel, in the half of the page's `[min, max]` its mask bit
 /// names, so Quest's bound over that smaller box bounds `q · k`; the page's bound is the
-/// largest over its keys. An upper bound of every key's score, never above Quest's (each
-/// term is at most Quest's term, summed in the same order), and much tighter: Quest pairs
-/// each channel's best extreme, which no single key need reach. Each query head reads its
+/// largest over its keys. An upper bound of every key's score, never above Quest's bound
+/// `Σ_c max(q_c · min_c, q_c · max_c)` (each term is at most Quest's term, summed in the
+/// same order), and much tighter: Quest pairs each channel's best extreme, which no single
+/// key need reach. (The offload fork's `max(q · min, q · max)` is not a bound at all: with
+/// mixed signs `q · k` exceeds both.) Each query head reads its
 /// KV head's channels; channels are summed in order with plain f32 multiply and add, the
 /// keys' sums compared with `>` from the first: the CUDA kernel (`kernels/sparse.cu`)
 /// does the same, so both choose the same pages.

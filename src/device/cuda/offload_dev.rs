@@ -12,7 +12,8 @@ use crate::device::cpu::stream::TraceEvent;
 use crate::device::DevPtr;
 use crate::kv::Query;
 use crate::offload::device::{
-    check_head_bounds, Allocations, EventId, MemId, OffloadDevice, Space, Span, StreamRole,
+    check_head_bounds, check_page_bounds, Allocations, EventId, MemId, OffloadDevice, Space, Span,
+    StreamRole,
 };
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
@@ -257,15 +258,7 @@ impl OffloadDevice for CudaOffloadDevice {
         page_size: usize,
         bounds: Span,
     ) -> Result<()> {
-        let rows = crate::sparse::meta_rows(page_size);
-        let pages = bounds.len / (rows * row);
-        if keys.len != pages * page_size * row || bounds.len != pages * rows * row {
-            bail!(
-                "page bounds: {} keys do not make {} bounds of {page_size}-row pages",
-                keys.len,
-                bounds.len
-            );
-        }
+        let pages = check_page_bounds(keys, row, page_size, bounds)?;
         let (k, b) = (self.addr(keys)?, self.addr(bounds)?);
         let on_device = |m| self.mem.space(m) == Space::Device;
         if !on_device(keys.mem) || !on_device(bounds.mem) {

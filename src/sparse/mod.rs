@@ -12,7 +12,7 @@ use anyhow::{bail, Result};
 
 use crate::device::cpu::ops::AttnHeads;
 
-mod row_sums;
+mod row_fold;
 
 /// Default tokens per page: 16 (Quest's default). With the halves mask a page's bound is
 /// per key, so larger pages lose little recall (both 8,160-token needles Quest's bound
@@ -255,27 +255,26 @@ pub fn head_bounds<Q: KvElem, T: KvElem>(
                 lower: vec![0.0; group * h.head_dim],
                 upper: vec![0.0; group * h.head_dim],
                 masks: Vec::with_capacity(h.head_dim),
-                sums: vec![[0.0; MASK_TOKENS]; group],
             },
             |scratch, (out, page)| kernel(&q, page, h, page_size, scratch, out),
         );
     out
 }
 
-/// `page_head_bounds` with the best row-sums kernel this CPU has (detected at run time),
+/// `page_head_bounds` with the best row-fold kernel this CPU has (detected at run time),
 /// its body compiled for that CPU too.
 type PageKernel<T> = fn(&[f32], &[T], AttnHeads, usize, &mut Scratch, &mut [f32]);
 
 fn page_kernel<T: KvElem>() -> PageKernel<T> {
     #[cfg(target_arch = "x86_64")]
-    if row_sums::Avx512::detect().is_some() {
+    if row_fold::Avx512::detect().is_some() {
         return |q, page, h, page_size, scratch, out| {
             // SAFETY: AVX-512F was detected.
             unsafe { page_head_bounds_avx512(q, page, h, page_size, scratch, out) }
         };
     }
     |q, page, h, page_size, scratch, out| {
-        page_head_bounds(row_sums::Portable, q, page, h, page_size, scratch, out)
+        page_head_bounds(row_fold::Portable, q, page, h, page_size, scratch, out)
     }
 }
 
@@ -289,7 +288,7 @@ unsafe fn page_head_bounds_avx512<T: KvElem>(
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    let kernel = row_sums::Avx512::detect().expect("detected by page_kernel");
+    let kernel = row_fold::Avx512::detect().expect("detected by page_kernel");
     page_head_bounds(kernel, q, page, h, page_size, scratch, out)
 }
 
@@ -301,18 +300,17 @@ struct Scratch {
     lower: Vec<f32>, // [group, head_dim]: each channel's lower half's term
     upper: Vec<f32>, // [group, head_dim]: and its upper half's
     masks: Vec<u16>, // [head_dim]: one mask row's bits
-    sums: Vec<[f32; MASK_TOKENS]>, // [group]: the row's 16 keys' bounds
 }
 
 /// One page's halves bound for every query head (`head_bounds`): `page[meta_rows, row]`
 /// → `out[num_heads]`. Per KV head: each channel's min, split and max, its two halves'
-/// terms for each query head, then per mask row its 16 keys' sums (`row_sums`, the keys
-/// side by side), the largest kept (lanes past the page's last key are ignored). Measured
-/// on SmolLM2's shapes (9 heads, 256 pages of 16, 30 layers, one thread, best of 8 runs):
-/// 9.6 ms with the AVX2 build alone, 6.0 ms with the body compiled for AVX-512 (3 heads'
-/// sums in registers, the terms 16 channels at a time, the keys' maximum branch-free).
+/// terms for each query head, then per mask row its keys' sums and their maximum
+/// (`row_fold`, the 16 keys side by side). Measured on SmolLM2's shapes (9 heads, 256
+/// pages of 16, 30 layers, one thread, best of 8 runs): 9.6 ms with the AVX2 build alone,
+/// 5.5 ms with the body compiled for AVX-512 (3 heads' sums in registers, the terms 16
+/// channels at a time, the keys' maximum a tree over the lanes).
 #[inline(always)]
-fn page_head_bounds<T: KvElem, K: row_sums::RowSums>(
+fn page_head_bounds<T: KvElem, K: row_fold::RowFold>(
     kernel: K,
     q: &[f32],
     page: &[T],
@@ -325,7 +323,6 @@ fn page_head_bounds<T: KvElem, K: row_sums::RowSums>(
         lower,
         upper,
         masks,
-        sums,
     }: &mut Scratch,
     out: &mut [f32],
 ) {
@@ -358,16 +355,8 @@ fn page_head_bounds<T: KvElem, K: row_sums::RowSums>(
         for r in 0..page_size.div_ceil(MASK_TOKENS) {
             masks.clear();
             masks.extend(page[(2 + r) * row + g..][..hd].iter().map(|m| m.mask()));
-            kernel.row_sums(masks, lower, upper, sums);
             let keys = (page_size - r * MASK_TOKENS).min(MASK_TOKENS);
-            for (best, sums) in out.iter_mut().zip(sums.iter()) {
-                // From the page's first key, the later ones compared with `>` (branch-free).
-                let (first, rest) = match r {
-                    0 => (sums[0], &sums[1..keys]),
-                    _ => (*best, &sums[..keys]),
-                };
-                *best = rest.iter().fold(first, |b, &s| if s > b { s } else { b });
-            }
+            kernel.fold_row(masks, lower, upper, keys, r == 0, out);
         }
     }
 }

@@ -103,6 +103,9 @@ pub struct OffloadBenchReport {
     pub prefill_s_offload: f64,
     pub prefill_ratio: f64,
     pub decode_step_ms_compute_only: f64,
+    /// The compute-only step measured again after every row: the machine's drift during
+    /// the run (the link was sized from the first measurement).
+    pub decode_step_ms_compute_only_at_end: f64,
     pub decode_step_ms_transfer_only: f64,
     pub decode_step_ms_offload: f64,
     pub decode_ratio: f64,
@@ -195,8 +198,14 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
     let warm = &prompt[..prompt.len().min(64)];
     let (_, logits) = prefill(model, &mut plain, warm)?;
     decode(model, &mut plain, logits, warm.len(), 2)?;
-    let (prefill_plain, logits) = prefill(model, &mut plain, &prompt)?;
-    let step_compute = decode(model, &mut plain, logits, prompt.len(), args.decode_steps)?;
+    let (prefill_plain, plain_logits) = prefill(model, &mut plain, &prompt)?;
+    let step_compute = decode(
+        model,
+        &mut plain,
+        plain_logits.clone(),
+        prompt.len(),
+        args.decode_steps,
+    )?;
 
     // 2. The link: one layer's decode transfer ≈ one layer's decode compute.
     let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
@@ -265,7 +274,17 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
             needle_passed: None,
         });
     }
+    // 5. Compute alone again (the same steps over the same cache): the link was sized from
+    // step 1, minutes earlier; a machine that got faster or slower since shows here.
+    let step_compute_end = decode(
+        model,
+        &mut plain,
+        plain_logits,
+        prompt.len(),
+        args.decode_steps,
+    )?;
     Ok(OffloadBenchReport {
+        decode_step_ms_compute_only_at_end: step_compute_end * 1e3,
         decode_speedup: sparse.first().map(|r| r.decode_speedup),
         bytes_per_step_ratio: sparse.first().map(|r| r.bytes_per_step_ratio),
         sparse,
@@ -331,6 +350,14 @@ impl std::fmt::Display for OffloadBenchReport {
             self.h2d_bytes_per_step / (1 << 20) as f64,
             self.min_bytes_per_step / (1 << 20) as f64,
             self.h2d_bytes_per_step / self.min_bytes_per_step
+        )?;
+        write!(
+            f,
+            "\nmachine drift: compute only {:.2} ms at the start, {:.2} ms at the end (transfer/compute {:.2} -> {:.2})",
+            self.decode_step_ms_compute_only,
+            self.decode_step_ms_compute_only_at_end,
+            self.decode_step_ms_transfer_only / self.decode_step_ms_compute_only,
+            self.decode_step_ms_transfer_only / self.decode_step_ms_compute_only_at_end
         )?;
         let needle =
             |n: Option<usize>| n.map_or("-".into(), |n| format!("{n}/{}", self.needle_cases));

@@ -356,7 +356,14 @@ fn page_head_bounds<T: KvElem, K: row_fold::RowFold>(
             masks.clear();
             masks.extend(page[(2 + r) * row + g..][..hd].iter().map(|m| m.mask()));
             let keys = (page_size - r * MASK_TOKENS).min(MASK_TOKENS);
-            kernel.fold_row(masks, lower, upper, keys, r == 0, out);
+            let row = row_fold::Row {
+                masks,
+                lower,
+                upper,
+                keys,
+                first: r == 0,
+            };
+            kernel.fold_row(&row, out);
         }
     }
 }

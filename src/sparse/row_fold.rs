@@ -16,21 +16,41 @@
 /// Keys one mask row covers (`sparse::MASK_TOKENS`).
 pub const KEYS: usize = super::MASK_TOKENS;
 
-/// A kernel of the row fold. `masks[head_dim]`: bit `t` of channel `c` set when key `t`
-/// lies in the channel's upper half; `lower`, `upper` `[group, head_dim]`: each query
-/// head's terms of the two halves; `best[group]`: each head's bound so far. The row's
-/// first `keys` sums are folded into `best`, which the first of them replaces when
-/// `first` (the page's first row).
+/// One mask row of a page, with one KV head's query heads' terms (`RowFold`).
+#[derive(Clone, Copy, Debug)]
+pub struct Row<'a> {
+    /// `[head_dim]`: bit `t` of channel `c` set when key `t` lies in the channel's upper
+    /// half.
+    pub masks: &'a [u16],
+    /// `[group, head_dim]`: each query head's term of the channel's lower half.
+    pub lower: &'a [f32],
+    /// `[group, head_dim]`: and of its upper half.
+    pub upper: &'a [f32],
+    /// Keys in the row, 1 to 16: lanes past them are not keys.
+    pub keys: usize,
+    /// The page's first row: its first key's sum replaces the bound so far.
+    pub first: bool,
+}
+
+impl Row<'_> {
+    /// Panics unless the terms are `[best.len(), head_dim]` and `keys` fits a row.
+    fn check(&self, best: &[f32]) {
+        let hd = self.masks.len();
+        assert!(
+            self.lower.len() == best.len() * hd && self.upper.len() == self.lower.len(),
+            "fold_row: terms [group, head_dim]"
+        );
+        assert!(
+            (1..=KEYS).contains(&self.keys),
+            "fold_row: 1 to {KEYS} keys"
+        );
+    }
+}
+
+/// A kernel of the row fold: the row's key sums folded into `best[group]`, each query
+/// head's page bound so far.
 pub trait RowFold: Copy {
-    fn fold_row(
-        self,
-        masks: &[u16],
-        lower: &[f32],
-        upper: &[f32],
-        keys: usize,
-        first: bool,
-        best: &mut [f32],
-    );
+    fn fold_row(self, row: &Row, best: &mut [f32]);
 }
 
 /// The portable loop (`row_sums` and `fold_keys`).
@@ -39,19 +59,13 @@ pub struct Portable;
 
 impl RowFold for Portable {
     #[inline(always)]
-    fn fold_row(
-        self,
-        masks: &[u16],
-        lower: &[f32],
-        upper: &[f32],
-        keys: usize,
-        first: bool,
-        best: &mut [f32],
-    ) {
-        check_lengths(masks, lower, upper, keys, best);
-        let hd = masks.len();
-        for ((lower, upper), best) in lower.chunks_exact(hd).zip(upper.chunks_exact(hd)).zip(best) {
-            *best = fold_keys(&row_sums(masks, lower, upper)[..keys], first, *best);
+    fn fold_row(self, row: &Row, best: &mut [f32]) {
+        row.check(best);
+        let hd = row.masks.len();
+        let terms = row.lower.chunks_exact(hd).zip(row.upper.chunks_exact(hd));
+        for ((lower, upper), best) in terms.zip(best) {
+            let sums = row_sums(row.masks, lower, upper);
+            *best = fold_keys(&sums[..row.keys], row.first, *best);
         }
     }
 }
@@ -62,28 +76,11 @@ pub use crate::device::cpu::dot::Avx512;
 #[cfg(target_arch = "x86_64")]
 impl RowFold for Avx512 {
     #[inline(always)]
-    fn fold_row(
-        self,
-        masks: &[u16],
-        lower: &[f32],
-        upper: &[f32],
-        keys: usize,
-        first: bool,
-        best: &mut [f32],
-    ) {
-        check_lengths(masks, lower, upper, keys, best);
+    fn fold_row(self, row: &Row, best: &mut [f32]) {
+        row.check(best);
         // SAFETY: an `Avx512` exists only once AVX-512F was detected; lengths checked.
-        unsafe { fold_row_avx512(masks, lower, upper, keys, first, best) }
+        unsafe { fold_row_avx512(row, best) }
     }
-}
-
-fn check_lengths(masks: &[u16], lower: &[f32], upper: &[f32], keys: usize, best: &[f32]) {
-    let hd = masks.len();
-    assert!(
-        lower.len() == best.len() * hd && upper.len() == lower.len(),
-        "fold_row: terms [group, head_dim]"
-    );
-    assert!((1..=KEYS).contains(&keys), "fold_row: 1 to {KEYS} keys");
 }
 
 /// One query head's 16 key sums (the definition): the 16 sums kept in registers across
@@ -114,26 +111,23 @@ fn fold_keys(sums: &[f32], first: bool, best: f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn fold_row_avx512(
-    masks: &[u16],
-    lower: &[f32],
-    upper: &[f32],
-    keys: usize,
-    first: bool,
-    best: &mut [f32],
-) {
-    let hd = masks.len();
+fn fold_row_avx512(row: &Row, best: &mut [f32]) {
+    let hd = row.masks.len();
     let mut head = 0;
     while head < best.len() {
         let n = (best.len() - head).min(4);
-        let (lo, up) = (&lower[head * hd..][..n * hd], &upper[head * hd..][..n * hd]);
+        let heads = Row {
+            lower: &row.lower[head * hd..][..n * hd],
+            upper: &row.upper[head * hd..][..n * hd],
+            ..*row
+        };
         let best = &mut best[head..head + n];
         // Monomorphized per group width: the sums stay in registers.
         match n {
-            4 => heads_avx512::<4>(masks, lo, up, keys, first, best),
-            3 => heads_avx512::<3>(masks, lo, up, keys, first, best),
-            2 => heads_avx512::<2>(masks, lo, up, keys, first, best),
-            _ => heads_avx512::<1>(masks, lo, up, keys, first, best),
+            4 => heads_avx512::<4>(&heads, best),
+            3 => heads_avx512::<3>(&heads, best),
+            2 => heads_avx512::<2>(&heads, best),
+            _ => heads_avx512::<1>(&heads, best),
         }
         head += n;
     }
@@ -142,18 +136,18 @@ fn fold_row_avx512(
 /// `N` query heads' row fold (`RowFold`), one 16-lane register of sums each.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn heads_avx512<const N: usize>(
-    masks: &[u16],
-    lower: &[f32],
-    upper: &[f32],
-    keys: usize,
-    first: bool,
-    best: &mut [f32],
-) {
+fn heads_avx512<const N: usize>(row: &Row, best: &mut [f32]) {
     use std::arch::x86_64::{
         __m512, _mm512_add_ps, _mm512_cmp_ps_mask, _mm512_mask_blend_ps, _mm512_mask_reduce_max_ps,
         _mm512_set1_ps, _mm512_setzero_ps, _CMP_EQ_OQ, _CMP_UNORD_Q,
     };
+    let Row {
+        masks,
+        lower,
+        upper,
+        keys,
+        first,
+    } = *row;
     let hd = masks.len();
     let lower: [&[f32]; N] = std::array::from_fn(|j| &lower[j * hd..][..hd]);
     let upper: [&[f32]; N] = std::array::from_fn(|j| &upper[j * hd..][..hd]);
@@ -223,8 +217,15 @@ mod tests {
             let start: Vec<f32> = (0..group)
                 .map(|j| [f32::NAN, 0.0, -0.0, 1.5, -100.0][(case + j) % 5])
                 .collect();
+            let row = Row {
+                masks: &masks,
+                lower: &lower,
+                upper: &upper,
+                keys,
+                first,
+            };
             let mut want = start.clone();
-            Portable.fold_row(&masks, &lower, &upper, keys, first, &mut want);
+            Portable.fold_row(&row, &mut want);
             // The portable loop is the definition: key by key, channel order.
             for (j, &w) in want.iter().enumerate() {
                 let mut b = start[j];
@@ -243,7 +244,7 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             if let Some(kernel) = Avx512::detect() {
                 let mut got = start.clone();
-                kernel.fold_row(&masks, &lower, &upper, keys, first, &mut got);
+                kernel.fold_row(&row, &mut got);
                 let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|x| x.to_bits()).collect() };
                 assert_eq!(
                     bits(&got),

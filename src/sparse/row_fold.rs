@@ -13,8 +13,7 @@
 //! NaN or a zero (then equal sums are equal bits); otherwise it runs the fold itself. A
 //! test checks the kernels agree bitwise, NaNs and zeros included.
 
-/// Keys one mask row covers (`sparse::MASK_TOKENS`).
-pub const KEYS: usize = super::MASK_TOKENS;
+use super::MASK_TOKENS as KEYS; // keys one mask row covers
 
 /// One mask row of a page, with one KV head's query heads' terms (`RowFold`).
 #[derive(Clone, Copy, Debug)]

@@ -94,6 +94,9 @@ impl OffloadDevice for DroppingWait {
     ) -> anyhow::Result<()> {
         self.dev.page_bounds(layer, keys, row, page_size, bounds)
     }
+    fn copy_query(&mut self, q: strata::kv::Query<f32>, dst: Span) -> anyhow::Result<()> {
+        self.dev.copy_query(q, dst)
+    }
     fn head_bounds(
         &mut self,
         layer: usize,

@@ -426,3 +426,61 @@ fn small_budget_attends_exactly_the_oracles_rows() {
         );
     }
 }
+
+/// The first decode step's prefetch comes from the prompt's last token's query: the
+/// prefill ranks each layer's pages with it once their bounds exist. Driven by hand so that
+/// the first decode query *is* that query: then the prediction holds every chosen page and
+/// nothing is fetched synchronously. (Without the prefill's ranking the first step
+/// prefetches the sink and the most recent pages, and the best pages of random keys miss.)
+#[test]
+fn the_prompts_last_query_predicts_the_first_decode_step() {
+    let mut rng = StdRng::seed_from_u64(8);
+    let model = tiny(TinySpec::llama(), "sparse_first_step");
+    let c = &model.cfg;
+    let (prompt, row) = (150, c.kv_dim());
+    let cfg = OffloadConfig {
+        num_kv_buffers: 3,
+        block_size: 16,
+        max_model_len: 200,
+        sparse: Some(SparseConfig {
+            budget: 48,
+            page_size: 8,
+        }),
+        ..Default::default()
+    };
+    let mut e = CpuOffloadEngine::on_cpu(c, cfg).unwrap();
+    let q: Vec<f32> = (0..c.num_heads * c.head_dim)
+        .map(|_| rng.random_range(-3.0f32..3.0))
+        .collect();
+    // Writes `rows` random K and V rows into the layer's slot from row `at`.
+    let mut fill = |slot: strata::kv::LayerSlot<f32>, at: usize, rows: usize| {
+        for p in [slot.k, slot.v] {
+            let kv: Vec<f32> = random_keys(&mut rng, rows * row);
+            // SAFETY: the CPU device's slot is host memory of `slot.rows` rows, handed to
+            // this thread (the compute stream) until `end_layer`.
+            unsafe {
+                assert!(at + rows <= slot.rows);
+                let dst = p.as_host_ptr().add(at * row);
+                std::ptr::copy_nonoverlapping(kv.as_ptr(), dst, kv.len());
+            }
+        }
+    };
+    e.begin_step(0, prompt).unwrap();
+    for l in 0..c.num_layers {
+        let slot = e.begin_layer(l).unwrap();
+        assert_eq!(e.select_rows(l, q[..].into()).unwrap(), None, "prefill");
+        fill(slot, 0, prompt);
+        e.end_layer(l).unwrap();
+    }
+    e.begin_step(prompt, 1).unwrap();
+    for l in 0..c.num_layers {
+        let slot = e.begin_layer(l).unwrap();
+        let new_row = e.select_rows(l, q[..].into()).unwrap().expect("selects");
+        fill(slot, new_row.0, 1);
+        e.end_layer(l).unwrap();
+    }
+    let stats = e.sparse_stats().unwrap();
+    assert_eq!(stats.selections, c.num_layers, "{stats:?}");
+    assert!(stats.hit_pages > 0, "{stats:?}");
+    assert_eq!(stats.miss_pages, 0, "{stats:?}");
+}

@@ -37,9 +37,9 @@ impl<T> Copy for LayerSlot<T> {}
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NewRow(pub usize);
 
-/// A layer's query rows where the compute stream left them (`[tokens, num_heads,
-/// head_dim]`, post-RoPE, in the KV element type; host memory on the CPU device): what
-/// sparse decode scores pages with. `len` counts elements.
+/// One token's query at a layer where the compute stream left it (`[num_heads, head_dim]`,
+/// post-RoPE, in the KV element type; host memory on the CPU device): what sparse decode
+/// scores pages with. `len` counts elements.
 #[derive(Debug)]
 pub struct Query<T> {
     pub ptr: DevPtr<T>,
@@ -84,11 +84,13 @@ pub unsafe trait KvCache<T> {
     fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<T>>;
     /// The layer's work is enqueued: record, offload, prefetch ahead.
     fn end_layer(&mut self, layer: usize) -> Result<()>;
-    /// Called by the model between `begin_layer` and attention, once the layer's query is
-    /// queued on the compute stream (valid until the call returns). A sparse cache picks
-    /// the rows to attend from it, makes them ready on the compute stream and returns where
-    /// the new token goes; `None` (every other cache, and prefill): attend every position
-    /// as usual.
+    /// Called by the model between `begin_layer` and attention with the query of the
+    /// step's last token (`[num_heads, head_dim]`), once it is queued on the compute
+    /// stream (valid until the call returns). In decode, a sparse cache picks the rows to
+    /// attend from it, makes them ready on the compute stream and returns where the new
+    /// token goes; `None` (every other cache, and prefill: a sparse cache may keep the
+    /// prompt's last query to predict the first decode step): attend every position as
+    /// usual.
     fn select_rows(&mut self, _layer: usize, _query: Query<T>) -> Result<Option<NewRow>> {
         Ok(None)
     }

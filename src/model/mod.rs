@@ -393,7 +393,8 @@ impl Model {
         }
         // 4. Store the new K/V and attend over everything up to them (or, in sparse
         //    decode, over the rows the cache chose from the query).
-        match select(&a.q)? {
+        let last_query = &a.q[(t - 1) * qd..t * qd];
+        match select(last_query)? {
             None => self.store_and_attend(a, kv, seqs),
             Some(new_row) => {
                 if seqs.len() != 1 || t != 1 {

@@ -288,6 +288,28 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
         Ok(())
     }
 
+    fn copy_query(&mut self, q: Query<T>, dst: Span) -> Result<()> {
+        if q.len != dst.len {
+            bail!(
+                "sparse decode: a query of {} values copied into {}",
+                q.len,
+                dst.len
+            );
+        }
+        let to = self.addr(dst)?;
+        // SAFETY: `dst` lies inside an allocation of this device (checked by `addr`), which
+        // only the compute stream (this thread) touches; the query is the model's, in host
+        // memory, `q.len` elements valid for this call (`KvCache::select_rows`).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                q.ptr.as_host_ptr() as *const u8,
+                to,
+                q.len * std::mem::size_of::<T>(),
+            )
+        };
+        Ok(())
+    }
+
     fn head_bounds(
         &mut self,
         layer: usize,

@@ -217,6 +217,10 @@ pub trait OffloadDevice {
         page_size: usize,
         bounds: Span,
     ) -> Result<()>;
+    /// Sparse decode, queued on the compute stream: a copy of the model's query `q` (valid
+    /// for this call only: the next layer overwrites it) into device memory `dst`, so that
+    /// it can be scored once the layer's keys are stored (prefill's last token).
+    fn copy_query(&mut self, q: Query<Self::Elem>, dst: Span) -> Result<()>;
     /// Sparse decode: the halves bound of each of `pages` pages for each query head
     /// (`crate::sparse::head_bounds`, `[pages, num_heads]`) for one token's query `q`
     /// (`[num_heads, head_dim]`), after the compute stream's work so far. The host needs

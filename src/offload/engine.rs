@@ -67,9 +67,16 @@ struct Sparse {
     max_pages: usize,
     /// Per layer: the pages its slot was prefetched with (`loaded[l][j]` at slot page `j`).
     loaded: Vec<Vec<Page>>,
-    /// Per layer: the pages it ranked best at its last decode step, best first: its
-    /// choice and the prefetch margin below it (the next prediction).
+    /// Per layer: the pages it ranked best at its last decode step (after a prefill: for
+    /// the prompt's last token), best first: its choice and the prefetch margin below it
+    /// (the next prediction).
     ranked: Vec<Vec<Page>>,
+    /// `[num_heads · head_dim]` (device): the prompt's last token's query at the layer
+    /// prefilling now, kept from `select_rows` until its keys' bounds exist (`end_layer`).
+    last_query: MemId,
+    /// Whether `last_query` holds this prefill layer's query (the model called
+    /// `select_rows`).
+    query_kept: bool,
     /// The layer computing now: where its new token goes, and whether its rows were
     /// selected (the model must call `select_rows` before attending).
     new_row: usize,
@@ -119,6 +126,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                     max_pages,
                     loaded: vec![Vec::new(); l],
                     ranked: vec![Vec::new(); l],
+                    last_query: d.alloc(Space::Device, model.num_heads * model.head_dim)?,
+                    query_kept: false,
                     new_row: 0,
                     selected: false,
                     moves_done: d.new_event()?,
@@ -431,6 +440,63 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         Ok(())
     }
 
+    /// Sparse: `layer`'s `candidates` pages ranked by their halves bound for query `q`, best
+    /// first, as many as the choice of `count` pages and the prefetch margin below it take
+    /// (`prefetch_count`); none when every candidate is attended anyway.
+    fn rank(
+        &mut self,
+        layer: usize,
+        q: Query<D::Elem>,
+        candidates: usize,
+        count: usize,
+    ) -> Result<Vec<Page>> {
+        let sp = self.sparse.as_ref().expect("sparse");
+        let heads = sp.heads;
+        if q.len != heads.num_heads * heads.head_dim {
+            bail!(
+                "sparse decode: a query of {} values, one token's is {}",
+                q.len,
+                heads.num_heads * heads.head_dim
+            );
+        }
+        if candidates == count {
+            return Ok(Vec::new());
+        }
+        let bounds = Span {
+            mem: sp.bounds,
+            off: self.bounds_at(sp, layer, 0),
+            len: self.meta_elems(sp, candidates),
+        };
+        let page_size = sp.cfg.page_size;
+        let per_head = self
+            .d
+            .head_bounds(layer, q, bounds, heads, candidates, page_size)?;
+        let n = sparse::prefetch_count(count) - 1;
+        Ok(sparse::rank_pages(&per_head, heads, candidates, n))
+    }
+
+    /// Sparse, at the end of a prefill layer whose keys' bounds are queued: ranks its pages
+    /// for the prompt's last token's query (kept by `select_rows`), so that the first
+    /// decode step prefetches the pages that query prefers (consecutive tokens' queries
+    /// choose much the same pages), not just the most recent ones.
+    fn rank_for_first_step(&mut self, layer: usize, tokens: usize) -> Result<()> {
+        let Some(sp) = &mut self.sparse else {
+            return Ok(());
+        };
+        if !std::mem::take(&mut sp.query_kept) {
+            sp.ranked[layer].clear();
+            return Ok(());
+        }
+        let (candidates, count) = sp.cfg.slot_pages(tokens, self.cfg.block_size);
+        let q = Query {
+            ptr: self.d.ptr(sp.last_query),
+            len: sp.heads.num_heads * sp.heads.head_dim,
+        };
+        let ranked = self.rank(layer, q, candidates, count)?;
+        self.sparse.as_mut().expect("sparse").ranked[layer] = ranked;
+        Ok(())
+    }
+
     /// Sparse decode at `pos`: chooses `layer`'s pages from its query and turns the slot
     /// it was prefetched with into them, in position order (moves inside the slot on the
     /// compute stream, misses fetched on the miss stream and waited for there).
@@ -440,28 +506,11 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let sp = self.sparse.as_ref().expect("sparse");
         let (candidates, count) = sp.cfg.slot_pages(pos, self.cfg.block_size);
         let base = count * sp.cfg.page_size; // the window's first row
-        let heads = sp.heads;
-        if q.len != heads.num_heads * heads.head_dim {
-            bail!(
-                "sparse decode: a query of {} values, one token's is {}",
-                q.len,
-                heads.num_heads * heads.head_dim
-            );
-        }
-        let (chosen, ranked) = if candidates == count {
-            ((0..candidates as Page).collect(), Vec::new())
+        let ranked = self.rank(layer, q, candidates, count)?;
+        let chosen = if candidates == count {
+            (0..candidates as Page).collect()
         } else {
-            let bounds = Span {
-                mem: sp.bounds,
-                off: self.bounds_at(sp, layer, 0),
-                len: self.meta_elems(sp, candidates),
-            };
-            let per_head =
-                self.d
-                    .head_bounds(layer, q, bounds, heads, candidates, sp.cfg.page_size)?;
-            let n = sparse::prefetch_count(count) - 1;
-            let ranked = sparse::rank_pages(&per_head, heads, candidates, n);
-            (sparse::choose(&ranked, candidates, count - 1), ranked)
+            sparse::choose(&ranked, candidates, count - 1)
         };
         let sp = self.sparse.as_ref().expect("sparse");
         let plan = sparse::compaction(&sp.loaded[layer], &chosen);
@@ -531,6 +580,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         if let Some(sp) = &mut self.sparse {
             sp.loaded.iter_mut().for_each(Vec::clear);
             sp.ranked.iter_mut().for_each(Vec::clear);
+            sp.query_kept = false;
             sp.selected = false;
             sp.stats = SparseStats::default();
         }
@@ -639,6 +689,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
                 // Sparse: the bounds of the full blocks' pages, before the slot is released.
                 let full = tokens / self.cfg.block_size * self.cfg.block_size;
                 self.queue_bounds(layer, (self.ring[s].k, 0), 0, full)?;
+                self.rank_for_first_step(layer, tokens)?;
                 self.d
                     .record(StreamRole::Compute, self.slots[s].compute_done)?;
                 self.offload_prefill(layer, s, tokens)?;
@@ -653,8 +704,19 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
     }
 
     fn select_rows(&mut self, layer: usize, query: Query<D::Elem>) -> Result<Option<NewRow>> {
-        match (self.step, &self.sparse) {
+        match (self.step, &mut self.sparse) {
             (Step::Decode { pos }, Some(_)) => self.select(layer, pos, query).map(Some),
+            // The prompt's last token's query, scored once this layer's keys are stored.
+            (Step::Prefill { .. }, Some(sp)) => {
+                let dst = Span {
+                    mem: sp.last_query,
+                    off: 0,
+                    len: sp.heads.num_heads * sp.heads.head_dim,
+                };
+                self.d.copy_query(query, dst)?;
+                self.sparse.as_mut().expect("sparse").query_kept = true;
+                Ok(None)
+            }
             _ => Ok(None),
         }
     }

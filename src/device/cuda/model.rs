@@ -403,14 +403,20 @@ impl CudaModel {
         let (cos, sin, pos) = (self.cos, self.sin, step.pos);
         exec.launch(&ops::rope(a.qkv, pos, cos, sin, t, nh + nkv, hd, qkv_dim))?;
         // 4. Sparse decode: the cache chooses the rows to attend from the query (a decode
-        //    token's, the head of its fused row) and says where the new K/V goes.
+        //    token's, the head of its fused row) and says where the new K/V goes; in a
+        //    prefill it sees the last token's query (the first decode step's prediction).
         let selected = match &step.attn {
-            StepAttn::Contiguous { selected, .. } if t == 1 => {
+            StepAttn::Contiguous { selected, .. } => {
                 let q = Query {
-                    ptr: a.qkv,
+                    ptr: a.qkv.at((t - 1) * qkv_dim),
                     len: qd,
                 };
-                select(q)?.map(|NewRow(r)| (r, *selected))
+                match select(q)? {
+                    Some(_) if t != 1 => {
+                        bail!("sparse decode: the cache chose rows for a step of {t} tokens")
+                    }
+                    chosen => chosen.map(|NewRow(r)| (r, *selected)),
+                }
             }
             _ => None,
         };

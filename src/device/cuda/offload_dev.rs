@@ -268,6 +268,23 @@ impl OffloadDevice for CudaOffloadDevice {
         self.kernels.launch(&self.compute.0, &l)
     }
 
+    fn copy_query(&mut self, q: Query<bf16>, dst: Span) -> Result<()> {
+        if q.len != dst.len {
+            bail!(
+                "sparse decode: a query of {} values copied into {}",
+                q.len,
+                dst.len
+            );
+        }
+        let to = self.addr(dst)?;
+        if self.mem.space(dst.mem) != Space::Device {
+            bail!("sparse decode: a query is copied into device memory");
+        }
+        // SAFETY: `dst` lies inside an allocation this device owns (checked by `addr`); the
+        // query is the model's device buffer, `q.len` elements, read in compute-stream order.
+        unsafe { dtod(&self.compute.0, dev(to), q.ptr.cast(), q.len * ELEM) }
+    }
+
     fn head_bounds(
         &mut self,
         _layer: usize,

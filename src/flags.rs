@@ -37,6 +37,11 @@ pub fn tokens() -> RangedU64ValueParser<usize> {
     ranged(1, MAX_TOKENS)
 }
 
+/// Timed rounds of a benchmark (`strata bench offload --rounds`).
+pub fn rounds() -> RangedU64ValueParser<usize> {
+    ranged(1, 1000)
+}
+
 pub fn kv_buffers() -> RangedU64ValueParser<usize> {
     ranged(2, MAX_KV_BUFFERS)
 }

@@ -5,6 +5,12 @@
 //! runs beside full loading under the same link (decode speed, bytes per step, prefetch
 //! hit rate), and with `--needle-depth`, needle retrieval at the context length is scored
 //! for full attention and each budget.
+//!
+//! Decode is timed in `--rounds` rounds over the same prefilled caches: each round times
+//! compute alone, sizes the link from it, then full loading and each budget back to back,
+//! so a round's ratios compare rows measured seconds apart under the same machine speed
+//! (a shared machine drifts by 10-40% over the minutes the prefills take); the report
+//! gives each ratio's median over the rounds and its range.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,9 +36,14 @@ pub struct OffloadBenchArgs {
     /// Prompt (context) length in tokens.
     #[arg(long, default_value_t = 2048, value_parser = flags::tokens())]
     pub context: usize,
-    /// Decode steps timed after the prefill.
+    /// Decode steps timed per round and row, after the prefill.
     #[arg(long, default_value_t = 32, value_parser = flags::tokens_or_zero())]
     pub decode_steps: usize,
+    /// Timed rounds: each times compute alone, sizes the link from it (unless
+    /// --sim-link-gbps), then full loading and each sparse budget, back to back; ratios are
+    /// per round, reported as the median and the range.
+    #[arg(long, default_value_t = 3, value_parser = flags::rounds())]
+    pub rounds: usize,
     #[arg(long, default_value_t = 4, value_parser = flags::kv_buffers())]
     pub num_kv_buffers: usize,
     #[arg(long, default_value_t = 256, value_parser = flags::block_size())]
@@ -76,9 +87,9 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
     }
     let (model, tok) = Model::load(&path, !args.json)?;
     let max = model.cfg.max_position_embeddings;
-    if args.context == 0 || args.context + args.decode_steps >= max {
+    if args.context == 0 || args.context + args.rounds * args.decode_steps >= max {
         anyhow::bail!(
-            "--context must be between 1 and the model's context ({max}) minus --decode-steps"
+            "--context must be between 1 and the model's context ({max}) minus --rounds × --decode-steps"
         );
     }
     let mut report = run_bench(&model, &args)?;
@@ -98,14 +109,19 @@ pub struct OffloadBenchReport {
     pub context: usize,
     pub num_kv_buffers: usize,
     pub block_size: usize,
+    /// The link of the prefills (sized from the first compute-only measurement); each
+    /// round's is in `link_gbps_per_round`.
     pub link_gbps: f64,
+    pub rounds: usize,
+    pub link_gbps_per_round: Vec<f64>,
     pub prefill_s_plain: f64,
     pub prefill_s_offload: f64,
     pub prefill_ratio: f64,
+    /// Medians over the rounds (steps of compute alone, transfer alone, full loading, and
+    /// full loading ÷ the larger of the other two, per round).
     pub decode_step_ms_compute_only: f64,
-    /// The compute-only step measured again after every row: the machine's drift during
-    /// the run (the link was sized from the first measurement).
-    pub decode_step_ms_compute_only_at_end: f64,
+    /// Each round's compute-only step: the machine's drift during the run.
+    pub decode_step_ms_compute_only_per_round: Vec<f64>,
     pub decode_step_ms_transfer_only: f64,
     pub decode_step_ms_offload: f64,
     pub decode_ratio: f64,
@@ -114,7 +130,8 @@ pub struct OffloadBenchReport {
     pub min_bytes_per_step: f64,
     /// Sparse decode, one row per budget, beside the full loading above.
     pub sparse: Vec<SparseRow>,
-    /// The first budget's sparse ÷ full decode tokens/s and bytes moved per step.
+    /// The first budget's sparse ÷ full decode tokens/s (median over the rounds) and bytes
+    /// moved per step.
     pub decode_speedup: Option<f64>,
     pub bytes_per_step_ratio: Option<f64>,
     /// Needle passes with full attention (offloaded, full loading), out of `needle_cases`.
@@ -126,9 +143,13 @@ pub struct OffloadBenchReport {
 pub struct SparseRow {
     pub budget: usize,
     pub page_size: usize,
+    /// Median over the rounds.
     pub decode_step_ms: f64,
-    /// Sparse ÷ full-loading decode tokens/s.
+    /// Sparse ÷ full-loading decode tokens/s: the median of the rounds' ratios (each round
+    /// times both back to back), and their range.
     pub decode_speedup: f64,
+    pub decode_speedup_min: f64,
+    pub decode_speedup_max: f64,
     pub h2d_bytes_per_step: f64,
     /// Sparse ÷ full-loading H2D bytes per step.
     pub bytes_per_step_ratio: f64,
@@ -185,38 +206,75 @@ fn transfer_only_step(gbps: f64, layers: usize, bytes_per_layer: usize) -> Resul
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// The median of `v` (the mean of the middle two when even); `v` is not empty.
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// A cache being decoded round after round: its last logits and position.
+struct Decoding<K> {
+    kv: K,
+    logits: Vec<f32>,
+    pos: usize,
+}
+
+impl<K: KvCache<f32>> Decoding<K> {
+    /// `steps` greedy decode steps on from where the last round stopped: mean seconds per
+    /// step.
+    fn round(&mut self, model: &Model, steps: usize) -> Result<f64> {
+        let t1 = Instant::now();
+        for _ in 0..steps {
+            self.logits = model.forward(&[argmax(&self.logits)], self.pos, &mut self.kv)?;
+            self.pos += 1;
+        }
+        Ok(t1.elapsed().as_secs_f64() / steps.max(1) as f64)
+    }
+}
+
+/// The link that makes one layer's decode transfer take `transfer_over_compute` times one
+/// layer's decode compute, from a compute-only step of `step_compute` seconds.
+fn sized_link(args: &OffloadBenchArgs, model: &Model, step_compute: f64) -> f64 {
+    let c = &model.cfg;
+    let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
+    args.sim_link_gbps.unwrap_or(
+        bytes_per_layer as f64
+            / (args.transfer_over_compute * step_compute / c.num_layers as f64)
+            / 1e9,
+    )
+}
+
 pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadBenchReport> {
     let c = &model.cfg;
     let mut rng = StdRng::seed_from_u64(1);
     let prompt: Vec<u32> = (0..args.context)
         .map(|_| rng.random_range(100..c.vocab_size as u32))
         .collect();
-    let total = args.context + args.decode_steps + 1;
+    let (rounds, steps) = (args.rounds.max(1), args.decode_steps);
+    // Compute alone runs one more round than the others (it sizes the prefills' link).
+    let total = args.context + (rounds + 1) * steps + 1;
+    let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
 
-    // 1. Compute alone: everything resident.
+    // 1. Compute alone: everything resident; a first timing sizes the prefills' link.
     let mut plain = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, total);
     let warm = &prompt[..prompt.len().min(64)];
     let (_, logits) = prefill(model, &mut plain, warm)?;
     decode(model, &mut plain, logits, warm.len(), 2)?;
-    let (prefill_plain, plain_logits) = prefill(model, &mut plain, &prompt)?;
-    let step_compute = decode(
-        model,
-        &mut plain,
-        plain_logits.clone(),
-        prompt.len(),
-        args.decode_steps,
-    )?;
+    let (prefill_plain, logits) = prefill(model, &mut plain, &prompt)?;
+    let mut plain = Decoding {
+        kv: plain,
+        logits,
+        pos: prompt.len(),
+    };
+    let gbps = sized_link(args, model, plain.round(model, steps)?);
 
-    // 2. The link: one layer's decode transfer ≈ one layer's decode compute.
-    let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
-    let gbps = args.sim_link_gbps.unwrap_or(
-        bytes_per_layer as f64
-            / (args.transfer_over_compute * step_compute / c.num_layers as f64)
-            / 1e9,
-    );
-    let step_transfer = transfer_only_step(gbps, c.num_layers, bytes_per_layer)?;
-
-    // 3. Offload under that link, decode traced.
+    // 2. Full loading and each sparse budget, offloaded under that link, prefilled once.
     let cfg = OffloadConfig {
         num_kv_buffers: args.num_kv_buffers,
         block_size: args.block_size,
@@ -226,85 +284,116 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
     };
     let mut engine = CpuOffloadEngine::on_cpu(c, cfg.clone())?;
     let (prefill_offload, logits) = prefill(model, &mut engine, &prompt)?;
-    engine.take_trace()?;
-    engine.set_tracing(true)?;
-    let step_offload = decode(model, &mut engine, logits, prompt.len(), args.decode_steps)?;
-    engine.set_tracing(false)?;
-    let events = engine.take_trace()?;
-    if let Some(p) = &args.trace_out {
-        trace::write_chrome_trace(p, &events)?;
-    }
-    let (h2d, _) = trace::link_bytes(&events);
-    let steps = args.decode_steps.max(1) as f64;
-
-    // 4. Sparse decode at each budget, same link, same prompt.
+    let mut full = Decoding {
+        kv: engine,
+        logits,
+        pos: prompt.len(),
+    };
     let mut sparse = Vec::new();
     for &budget in &args.sparse_budget {
         let sc = SparseConfig {
             budget,
             page_size: args.sparse_page_size,
         };
-        let mut e = CpuOffloadEngine::on_cpu(
-            c,
-            OffloadConfig {
-                sparse: Some(sc),
-                ..cfg.clone()
-            },
-        )?;
+        let sparse_cfg = OffloadConfig {
+            sparse: Some(sc),
+            ..cfg.clone()
+        };
+        let mut e = CpuOffloadEngine::on_cpu(c, sparse_cfg)?;
         let (_, logits) = prefill(model, &mut e, &prompt)?;
-        e.take_trace()?;
-        e.set_tracing(true)?;
-        let step = decode(model, &mut e, logits, prompt.len(), args.decode_steps)?;
-        e.set_tracing(false)?;
-        let events = e.take_trace()?;
+        sparse.push((
+            sc,
+            Decoding {
+                kv: e,
+                logits,
+                pos: prompt.len(),
+            },
+        ));
+    }
+
+    // 3. The rounds: compute alone, the link sized from it, transfer alone, full loading,
+    // each budget; decode traced.
+    full.kv.take_trace()?;
+    full.kv.set_tracing(true)?;
+    for (_, d) in &mut sparse {
+        d.kv.take_trace()?;
+        d.kv.set_tracing(true)?;
+    }
+    let (mut computes, mut links, mut transfers, mut fulls) = (vec![], vec![], vec![], vec![]);
+    let mut sparse_steps = vec![Vec::new(); sparse.len()];
+    for _ in 0..rounds {
+        let step_compute = plain.round(model, steps)?;
+        let gbps = sized_link(args, model, step_compute);
+        let step_transfer = transfer_only_step(gbps, c.num_layers, bytes_per_layer)?;
+        full.kv.set_link_gbps(gbps);
+        let step_full = full.round(model, steps)?;
+        for ((_, d), times) in sparse.iter_mut().zip(&mut sparse_steps) {
+            d.kv.set_link_gbps(gbps);
+            times.push(d.round(model, steps)?);
+        }
+        computes.push(step_compute);
+        links.push(gbps);
+        transfers.push(step_transfer);
+        fulls.push(step_full);
+    }
+    full.kv.set_tracing(false)?;
+    let events = full.kv.take_trace()?;
+    if let Some(p) = &args.trace_out {
+        trace::write_chrome_trace(p, &events)?;
+    }
+    let (h2d, _) = trace::link_bytes(&events);
+    let timed = (rounds * steps).max(1) as f64;
+    let mut rows = Vec::new();
+    for ((sc, mut d), times) in sparse.into_iter().zip(sparse_steps) {
+        d.kv.set_tracing(false)?;
+        let events = d.kv.take_trace()?;
         if let Some(p) = &args.trace_out {
-            trace::write_chrome_trace(&sparse_trace_path(p, budget), &events)?;
+            trace::write_chrome_trace(&sparse_trace_path(p, sc.budget), &events)?;
         }
         let (bytes, _) = trace::link_bytes(&events);
-        let stats = e.sparse_stats().unwrap_or_default();
-        sparse.push(SparseRow {
-            budget,
+        let stats = d.kv.sparse_stats().unwrap_or_default();
+        let speedups: Vec<f64> = fulls.iter().zip(&times).map(|(f, s)| f / s).collect();
+        rows.push(SparseRow {
+            budget: sc.budget,
             page_size: sc.page_size,
-            decode_step_ms: step * 1e3,
-            decode_speedup: step_offload / step,
-            h2d_bytes_per_step: bytes as f64 / steps,
+            decode_step_ms: median(&times) * 1e3,
+            decode_speedup: median(&speedups),
+            decode_speedup_min: speedups.iter().copied().fold(f64::INFINITY, f64::min),
+            decode_speedup_max: speedups.iter().copied().fold(0.0, f64::max),
+            h2d_bytes_per_step: bytes as f64 / timed,
             bytes_per_step_ratio: bytes as f64 / h2d.max(1) as f64,
             prefetch_hit_rate: stats.hit_rate(),
-            miss_runs_per_step: stats.miss_runs as f64 / steps,
+            miss_runs_per_step: stats.miss_runs as f64 / timed,
             needle_passed: None,
         });
     }
-    // 5. Compute alone again (the same steps over the same cache): the link was sized from
-    // step 1, minutes earlier; a machine that got faster or slower since shows here.
-    let step_compute_end = decode(
-        model,
-        &mut plain,
-        plain_logits,
-        prompt.len(),
-        args.decode_steps,
-    )?;
+    let ratios: Vec<f64> = (0..rounds)
+        .map(|r| fulls[r] / computes[r].max(transfers[r]))
+        .collect();
     Ok(OffloadBenchReport {
-        decode_step_ms_compute_only_at_end: step_compute_end * 1e3,
-        decode_speedup: sparse.first().map(|r| r.decode_speedup),
-        bytes_per_step_ratio: sparse.first().map(|r| r.bytes_per_step_ratio),
-        sparse,
+        decode_speedup: rows.first().map(|r| r.decode_speedup),
+        bytes_per_step_ratio: rows.first().map(|r| r.bytes_per_step_ratio),
+        sparse: rows,
         needle_full: None,
         needle_cases: 0,
         context: args.context,
         num_kv_buffers: args.num_kv_buffers,
         block_size: args.block_size,
         link_gbps: gbps,
+        rounds,
+        link_gbps_per_round: links,
         prefill_s_plain: prefill_plain,
         prefill_s_offload: prefill_offload,
         prefill_ratio: prefill_offload / prefill_plain,
-        decode_step_ms_compute_only: step_compute * 1e3,
-        decode_step_ms_transfer_only: step_transfer * 1e3,
-        decode_step_ms_offload: step_offload * 1e3,
-        decode_ratio: step_offload / step_compute.max(step_transfer),
+        decode_step_ms_compute_only: median(&computes) * 1e3,
+        decode_step_ms_compute_only_per_round: computes.iter().map(|s| s * 1e3).collect(),
+        decode_step_ms_transfer_only: median(&transfers) * 1e3,
+        decode_step_ms_offload: median(&fulls) * 1e3,
+        decode_ratio: median(&ratios),
         overlap_fraction: trace::overlap_fraction(&events),
-        h2d_bytes_per_step: h2d as f64 / steps,
+        h2d_bytes_per_step: h2d as f64 / timed,
         // Each step must bring in every layer's host-resident KV (full blocks) once.
-        min_bytes_per_step: (0..args.decode_steps)
+        min_bytes_per_step: (0..rounds * steps)
             .map(|i| {
                 ((args.context + i) / args.block_size
                     * args.block_size
@@ -314,7 +403,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
                     * c.num_layers) as f64
             })
             .sum::<f64>()
-            / steps,
+            / timed,
     })
 }
 
@@ -323,8 +412,8 @@ impl std::fmt::Display for OffloadBenchReport {
         let mark = |ok: bool| if ok { "met" } else { "MISSED" };
         writeln!(
             f,
-            "offload bench: context {} tokens, {} ring slots, block size {}, simulated link {:.2} GB/s",
-            self.context, self.num_kv_buffers, self.block_size, self.link_gbps
+            "offload bench: context {} tokens, {} ring slots, block size {}, simulated link {:.2} GB/s (prefill), {} rounds (medians below)",
+            self.context, self.num_kv_buffers, self.block_size, self.link_gbps, self.rounds
         )?;
         writeln!(
             f,
@@ -351,24 +440,28 @@ impl std::fmt::Display for OffloadBenchReport {
             self.min_bytes_per_step / (1 << 20) as f64,
             self.h2d_bytes_per_step / self.min_bytes_per_step
         )?;
+        let list = |v: &[f64], digits: usize| {
+            let v: Vec<String> = v.iter().map(|x| format!("{x:.digits$}")).collect();
+            v.join(", ")
+        };
         write!(
             f,
-            "\nmachine drift: compute only {:.2} ms at the start, {:.2} ms at the end (transfer/compute {:.2} -> {:.2})",
-            self.decode_step_ms_compute_only,
-            self.decode_step_ms_compute_only_at_end,
-            self.decode_step_ms_transfer_only / self.decode_step_ms_compute_only,
-            self.decode_step_ms_transfer_only / self.decode_step_ms_compute_only_at_end
+            "\nmachine drift: compute only {} ms in rounds 1..{} (link re-sized each round: {} GB/s)",
+            list(&self.decode_step_ms_compute_only_per_round, 2),
+            self.rounds,
+            list(&self.link_gbps_per_round, 2),
         )?;
         let needle =
             |n: Option<usize>| n.map_or("-".into(), |n| format!("{n}/{}", self.needle_cases));
         if !self.sparse.is_empty() || self.needle_full.is_some() {
             write!(
                 f,
-                "\n{:>8} {:>5} {:>10} {:>8} {:>11} {:>7} {:>8} {:>12} {:>7}",
+                "\n{:>8} {:>5} {:>10} {:>8} {:>13} {:>11} {:>7} {:>8} {:>12} {:>7}",
                 "budget",
                 "page",
                 "step_ms",
                 "speedup",
+                "range",
                 "MiB/step",
                 "bytes",
                 "hit_rate",
@@ -377,11 +470,12 @@ impl std::fmt::Display for OffloadBenchReport {
             )?;
             write!(
                 f,
-                "\n{:>8} {:>5} {:>10.2} {:>8} {:>11.2} {:>7} {:>8} {:>12} {:>7}",
+                "\n{:>8} {:>5} {:>10.2} {:>8} {:>13} {:>11.2} {:>7} {:>8} {:>12} {:>7}",
                 "full",
                 "-",
                 self.decode_step_ms_offload,
                 "1.00x",
+                "-",
                 self.h2d_bytes_per_step / (1 << 20) as f64,
                 "1.000",
                 "-",
@@ -392,11 +486,12 @@ impl std::fmt::Display for OffloadBenchReport {
         for r in &self.sparse {
             write!(
                 f,
-                "\n{:>8} {:>5} {:>10.2} {:>7.2}x {:>11.2} {:>7.3} {:>7.1}% {:>12.1} {:>7}",
+                "\n{:>8} {:>5} {:>10.2} {:>7.2}x {:>13} {:>11.2} {:>7.3} {:>7.1}% {:>12.1} {:>7}",
                 r.budget,
                 r.page_size,
                 r.decode_step_ms,
                 r.decode_speedup,
+                format!("{:.2}-{:.2}x", r.decode_speedup_min, r.decode_speedup_max),
                 r.h2d_bytes_per_step / (1 << 20) as f64,
                 r.bytes_per_step_ratio,
                 r.prefetch_hit_rate * 100.0,
@@ -467,4 +562,17 @@ fn needle_scores(
     }
     report.needle_cases = prompts.len();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn median_is_the_middle_or_the_mean_of_the_middle_two() {
+        assert_eq!(median(&[3.0]), 3.0);
+        assert_eq!(median(&[5.0, 1.0, 3.0]), 3.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[2.0, 9.0, 1.0, 8.0, 7.0]), 7.0);
+    }
 }

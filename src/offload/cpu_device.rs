@@ -55,6 +55,12 @@ impl<T> CpuOffloadDevice<T> {
         }
     }
 
+    /// The simulated link's speed from now on, once the copies queued so far are done.
+    pub fn set_link_gbps(&mut self, gbps: f64) {
+        self.sync_streams();
+        self.dev.set_link_gbps(gbps);
+    }
+
     fn sync_streams(&self) {
         self.prefetch.synchronize();
         self.miss.synchronize();

@@ -158,6 +158,13 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         Ok(e)
     }
 
+    /// The device, for settings of its own that no stream's order depends on (the CPU
+    /// device's simulated link speed); crate-private so nothing queues work behind the
+    /// engine's back.
+    pub(crate) fn device_mut(&mut self) -> &mut D {
+        &mut self.d
+    }
+
     /// Layer `layer`'s host blocks from `block` on.
     fn host_at(&self, layer: usize, block: usize) -> usize {
         (layer * self.plan.num_cpu_blocks + block) * self.cfg.block_size * self.row

@@ -42,6 +42,12 @@ impl CpuOffloadEngine {
         let d = CpuOffloadDevice::new(cfg.link_gbps, cfg.sanitize, engine::OFFLOAD_STREAMS);
         OffloadEngine::new(d, model, cfg)
     }
+
+    /// The CPU device's simulated link speed from now on (GB/s, 0 = unthrottled), once
+    /// the copies queued so far are done (`strata bench offload` re-sizes it each round).
+    pub fn set_link_gbps(&mut self, gbps: f64) {
+        self.device_mut().set_link_gbps(gbps);
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@
 //! every copy by a random amount (and lets the offload engine poison released slots).
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -219,8 +219,8 @@ pub struct TraceEvent {
 /// Shared settings and the trace of one CPU device.
 pub struct CpuDevice {
     epoch: Instant,
-    /// Simulated host↔device link speed in GB/s; 0 = unthrottled.
-    pub link_gbps: f64,
+    /// Simulated host↔device link speed in GB/s (f64 bits); 0 = unthrottled.
+    link_gbps: AtomicU64,
     /// Random copy delays; the offload engine also poisons released slots.
     pub sanitize: bool,
     trace_on: AtomicBool,
@@ -302,13 +302,24 @@ impl CpuDevice {
     pub fn new(link_gbps: f64, sanitize: bool) -> Arc<Self> {
         Arc::new(Self {
             epoch: Instant::now(),
-            link_gbps,
+            link_gbps: AtomicU64::new(link_gbps.to_bits()),
             sanitize,
             trace_on: AtomicBool::new(false),
             trace: Mutex::new(Vec::new()),
             link_h2d: SharedLink::default(),
             link_d2h: SharedLink::default(),
         })
+    }
+
+    /// Simulated host↔device link speed in GB/s; 0 = unthrottled.
+    pub fn link_gbps(&self) -> f64 {
+        f64::from_bits(self.link_gbps.load(Ordering::Relaxed))
+    }
+
+    /// Copies started from now on cross a link of `gbps` (`strata bench offload` sizes it
+    /// from compute measured just before each round).
+    pub fn set_link_gbps(&self, gbps: f64) {
+        self.link_gbps.store(gbps.to_bits(), Ordering::Relaxed);
     }
 
     pub fn set_tracing(&self, on: bool) {
@@ -489,12 +500,13 @@ impl Stream {
             if dev.sanitize {
                 std::thread::sleep(Duration::from_micros(rand::random_range(0..1500)));
             }
-            let link = match (dev.link_gbps > 0.0, link) {
+            let gbps = dev.link_gbps();
+            let link = match (gbps > 0.0, link) {
                 (false, _) | (_, Link::None) => None,
                 (true, Link::H2D) => Some(&dev.link_h2d),
                 (true, Link::D2H) => Some(&dev.link_d2h),
             };
-            let bytes_per_s = dev.link_gbps * 1e9;
+            let bytes_per_s = gbps * 1e9;
             let on_link = link.map(|l| l.start(bytes, bytes_per_s));
             for (src, dst, n) in copies {
                 // SAFETY: the caller's contract (valid ranges, ordered by events).

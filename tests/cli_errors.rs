@@ -784,6 +784,10 @@ fn usage_errors_are_one_line_with_exit_2() {
             ],
             "is not in 1..=16777216",
         ),
+        (
+            vec!["bench", "offload", "--model", m, "--rounds", "0"],
+            "0 is not in 1..=1000",
+        ),
     ] {
         assert_error(strata, &args, expect, 2);
     }

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 
 use super::device::{
-    check_head_bounds, check_page_bounds, copy_each, Allocations, EventId, MemId, OffloadDevice,
-    Space, Span, StreamRole,
+    check_copy_query, check_head_bounds, check_page_bounds, copy_each, Allocations, EventId, MemId,
+    OffloadDevice, Space, Span, StreamRole,
 };
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::{CpuDevice, Event, Link, MemSpace, Stream, TraceEvent};
@@ -295,13 +295,7 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
     }
 
     fn copy_query(&mut self, q: Query<T>, dst: Span) -> Result<()> {
-        if q.len != dst.len {
-            bail!(
-                "sparse decode: a query of {} values copied into {}",
-                q.len,
-                dst.len
-            );
-        }
+        check_copy_query(q.len, dst)?;
         let to = self.addr(dst)?;
         // SAFETY: `dst` lies inside an allocation of this device (checked by `addr`), which
         // only the compute stream (this thread) touches; the query is the model's, in host

@@ -123,6 +123,17 @@ pub fn check_head_bounds(
     Ok(())
 }
 
+/// Errors unless `OffloadDevice::copy_query`'s query fills `dst` exactly.
+pub fn check_copy_query(q_len: usize, dst: Span) -> Result<()> {
+    if q_len != dst.len {
+        bail!(
+            "sparse decode: a query of {q_len} values copied into {}",
+            dst.len
+        );
+    }
+    Ok(())
+}
+
 /// Errors unless `OffloadDevice::page_bounds`' spans agree: `keys` is whole
 /// `page_size`-row pages of `row` elements and `bounds` holds their metadata
 /// (`[pages, meta_rows(page_size), row]`). Returns the page count.

@@ -12,8 +12,8 @@ use crate::device::cpu::stream::TraceEvent;
 use crate::device::DevPtr;
 use crate::kv::Query;
 use crate::offload::device::{
-    check_head_bounds, check_page_bounds, Allocations, EventId, MemId, OffloadDevice, Space, Span,
-    StreamRole,
+    check_copy_query, check_head_bounds, check_page_bounds, Allocations, EventId, MemId,
+    OffloadDevice, Space, Span, StreamRole,
 };
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
@@ -269,13 +269,7 @@ impl OffloadDevice for CudaOffloadDevice {
     }
 
     fn copy_query(&mut self, q: Query<bf16>, dst: Span) -> Result<()> {
-        if q.len != dst.len {
-            bail!(
-                "sparse decode: a query of {} values copied into {}",
-                q.len,
-                dst.len
-            );
-        }
+        check_copy_query(q.len, dst)?;
         let to = self.addr(dst)?;
         if self.mem.space(dst.mem) != Space::Device {
             bail!("sparse decode: a query is copied into device memory");

@@ -855,3 +855,23 @@ fn bench_serve_sizes_that_cannot_fit_are_refused() {
         assert_error(strata, &args, expect, 1);
     }
 }
+
+/// `bench offload` decodes compute alone for `--rounds + 1` rounds of `--decode-steps`
+/// after the prompt: past the model's context (512) it is refused before any prefill.
+#[test]
+fn bench_offload_rounds_past_the_context_are_refused() {
+    let strata = env!("CARGO_BIN_EXE_strata");
+    let m = tiny_dir("offload_rounds");
+    let m = m.to_str().unwrap();
+    let args = [
+        "bench",
+        "offload",
+        "--model",
+        m,
+        "--context",
+        "500",
+        "--decode-steps",
+        "3",
+    ];
+    assert_error(strata, &args, "minus (--rounds + 1) × --decode-steps", 1);
+}

@@ -87,9 +87,10 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
     }
     let (model, tok) = Model::load(&path, !args.json)?;
     let max = model.cfg.max_position_embeddings;
-    if args.context == 0 || args.context + args.rounds * args.decode_steps >= max {
+    // Compute alone decodes one round more than the rows (its first sizes the prefills' link).
+    if args.context == 0 || args.context + (args.rounds + 1) * args.decode_steps >= max {
         anyhow::bail!(
-            "--context must be between 1 and the model's context ({max}) minus --rounds × --decode-steps"
+            "--context must be between 1 and the model's context ({max}) minus (--rounds + 1) × --decode-steps"
         );
     }
     let mut report = run_bench(&model, &args)?;

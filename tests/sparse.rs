@@ -484,3 +484,57 @@ fn the_prompts_last_query_predicts_the_first_decode_step() {
     assert!(stats.hit_pages > 0, "{stats:?}");
     assert_eq!(stats.miss_pages, 0, "{stats:?}");
 }
+
+/// `bench offload --json` in rounds: each budget's speedup is the median of the rounds'
+/// full ÷ sparse step ratios, between its reported minimum and maximum, with one step time,
+/// link and compute-only time per round.
+#[test]
+fn bench_offload_reports_the_median_of_its_rounds() {
+    let dir = scratch_dir("sparse_bench_rounds");
+    TinySpec::llama().write(&dir, 9);
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["bench", "offload", "--model"])
+        .arg(&dir)
+        .args([
+            "--context",
+            "128",
+            "--block-size",
+            "16",
+            "--decode-steps",
+            "3",
+        ])
+        .args(["--rounds", "3", "--sparse-budget", "48,32"])
+        .args(["--transfer-over-compute", "2", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let floats = |v: &serde_json::Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let fulls = floats(&r["decode_step_ms_offload_per_round"]);
+    assert_eq!(fulls.len(), 3);
+    assert_eq!(floats(&r["link_gbps_per_round"]).len(), 3);
+    assert_eq!(floats(&r["decode_step_ms_compute_only_per_round"]).len(), 3);
+    for row in r["sparse"].as_array().unwrap() {
+        let steps = floats(&row["decode_step_ms_per_round"]);
+        let mut ratios: Vec<f64> = fulls.iter().zip(&steps).map(|(f, s)| f / s).collect();
+        ratios.sort_by(f64::total_cmp);
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs();
+        let get = |k: &str| row[k].as_f64().unwrap();
+        assert!(close(get("decode_speedup"), ratios[1]), "{row}");
+        assert!(close(get("decode_speedup_min"), ratios[0]), "{row}");
+        assert!(close(get("decode_speedup_max"), ratios[2]), "{row}");
+        let mut sorted = steps.clone();
+        sorted.sort_by(f64::total_cmp);
+        assert!(close(get("decode_step_ms"), sorted[1]), "{row}");
+        assert!((0.0..=1.0).contains(&get("prefetch_hit_rate")), "{row}");
+        assert!(get("bytes_per_step_ratio") > 0.0 && get("bytes_per_step_ratio") < 1.0);
+    }
+    assert_eq!(r["decode_speedup"], r["sparse"][0]["decode_speedup"]);
+}

@@ -610,9 +610,10 @@ pub fn prefetch_count(count: usize) -> usize {
 
 /// The pages to prefetch for a layer before its query is known, ascending: the sink page,
 /// the pages it ranked best last step (`ranked`, best first: its choice and the margin
-/// below it) up to `count + margin` pages, topped up with the most recent candidates (the
-/// first step has no history: the sink page and the most recent pages); then every gap of
-/// at most `MAX_GAP_PAGES` pages between them, so the copies are fewer and larger.
+/// below it; for the first decode step, the prompt's last token's ranking) up to `count +
+/// margin` pages, topped up with the most recent candidates (with no ranking at all: the
+/// sink page and the most recent pages); then every gap of at most `MAX_GAP_PAGES` pages
+/// between them, so the copies are fewer and larger.
 pub fn predict(ranked: &[Page], candidates: usize, count: usize) -> Vec<Page> {
     if candidates == 0 {
         return Vec::new();

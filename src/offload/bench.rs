@@ -170,21 +170,6 @@ fn prefill(model: &Model, kv: &mut dyn KvCache<f32>, prompt: &[u32]) -> Result<(
     Ok((t0.elapsed().as_secs_f64(), logits))
 }
 
-/// `steps` greedy decode steps after a prefill of `pos` tokens: mean seconds per step.
-fn decode(
-    model: &Model,
-    kv: &mut dyn KvCache<f32>,
-    mut logits: Vec<f32>,
-    pos: usize,
-    steps: usize,
-) -> Result<f64> {
-    let t1 = Instant::now();
-    for i in 0..steps {
-        logits = model.forward(&[argmax(&logits)], pos + i, kv)?;
-    }
-    Ok(t1.elapsed().as_secs_f64() / steps.max(1) as f64)
-}
-
 /// Where `--trace-out PATH`'s trace of sparse budget `budget` goes: beside PATH.
 fn sparse_trace_path(path: &std::path::Path, budget: usize) -> PathBuf {
     let stem = path.file_stem().unwrap_or_default().to_string_lossy();
@@ -241,15 +226,17 @@ impl<K: KvCache<f32>> Decoding<K> {
     }
 }
 
-/// The link that makes one layer's decode transfer take `transfer_over_compute` times one
-/// layer's decode compute, from a compute-only step of `step_compute` seconds.
-fn sized_link(args: &OffloadBenchArgs, model: &Model, step_compute: f64) -> f64 {
-    let c = &model.cfg;
-    let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
+/// The link that makes one layer's decode transfer (`bytes_per_layer`) take
+/// `--transfer-over-compute` times one layer's decode compute, from a compute-only step of
+/// `step_compute` seconds (or `--sim-link-gbps`).
+fn sized_link(
+    args: &OffloadBenchArgs,
+    layers: usize,
+    bytes_per_layer: usize,
+    step_compute: f64,
+) -> f64 {
     args.sim_link_gbps.unwrap_or(
-        bytes_per_layer as f64
-            / (args.transfer_over_compute * step_compute / c.num_layers as f64)
-            / 1e9,
+        bytes_per_layer as f64 / (args.transfer_over_compute * step_compute / layers as f64) / 1e9,
     )
 }
 
@@ -268,14 +255,21 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
     let mut plain = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, total);
     let warm = &prompt[..prompt.len().min(64)];
     let (_, logits) = prefill(model, &mut plain, warm)?;
-    decode(model, &mut plain, logits, warm.len(), 2)?;
+    let mut warming = Decoding {
+        kv: plain,
+        logits,
+        pos: warm.len(),
+    };
+    warming.round(model, 2)?;
+    let mut plain = warming.kv;
     let (prefill_plain, logits) = prefill(model, &mut plain, &prompt)?;
     let mut plain = Decoding {
         kv: plain,
         logits,
         pos: prompt.len(),
     };
-    let gbps = sized_link(args, model, plain.round(model, steps)?);
+    let layers = c.num_layers;
+    let gbps = sized_link(args, layers, bytes_per_layer, plain.round(model, steps)?);
 
     // 2. Full loading and each sparse budget, offloaded under that link, prefilled once.
     let cfg = OffloadConfig {
@@ -326,7 +320,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
     let mut sparse_steps = vec![Vec::new(); sparse.len()];
     for _ in 0..rounds {
         let step_compute = plain.round(model, steps)?;
-        let gbps = sized_link(args, model, step_compute);
+        let gbps = sized_link(args, layers, bytes_per_layer, step_compute);
         let step_transfer = transfer_only_step(gbps, c.num_layers, bytes_per_layer)?;
         full.kv.set_link_gbps(gbps);
         let step_full = full.round(model, steps)?;

@@ -295,8 +295,8 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
     }
 
     fn copy_query(&mut self, q: Query<T>, dst: Span) -> Result<()> {
-        check_copy_query(q.len, dst)?;
         let to = self.addr(dst)?;
+        check_copy_query(q.len, dst, self.mem.space(dst.mem))?;
         // SAFETY: `dst` lies inside an allocation of this device (checked by `addr`), which
         // only the compute stream (this thread) touches; the query is the model's, in host
         // memory, `q.len` elements valid for this call (`KvCache::select_rows`).

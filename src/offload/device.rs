@@ -123,8 +123,12 @@ pub fn check_head_bounds(
     Ok(())
 }
 
-/// Errors unless `OffloadDevice::copy_query`'s query fills `dst` exactly.
-pub fn check_copy_query(q_len: usize, dst: Span) -> Result<()> {
+/// Errors unless `OffloadDevice::copy_query`'s query fills `dst` exactly and `dst` is
+/// device memory (`space`: where it is).
+pub fn check_copy_query(q_len: usize, dst: Span, space: Space) -> Result<()> {
+    if space != Space::Device {
+        bail!("sparse decode: a query is copied into device memory");
+    }
     if q_len != dst.len {
         bail!(
             "sparse decode: a query of {q_len} values copied into {}",

@@ -490,8 +490,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let Some(sp) = &mut self.sparse else {
             return Ok(());
         };
+        // (No query, no ranking: `reset`, before every prefill, left `ranked` empty.)
         if !std::mem::take(&mut sp.query_kept) {
-            sp.ranked[layer].clear();
             return Ok(());
         }
         let (candidates, count) = sp.cfg.slot_pages(tokens, self.cfg.block_size);

@@ -269,11 +269,8 @@ impl OffloadDevice for CudaOffloadDevice {
     }
 
     fn copy_query(&mut self, q: Query<bf16>, dst: Span) -> Result<()> {
-        check_copy_query(q.len, dst)?;
         let to = self.addr(dst)?;
-        if self.mem.space(dst.mem) != Space::Device {
-            bail!("sparse decode: a query is copied into device memory");
-        }
+        check_copy_query(q.len, dst, self.mem.space(dst.mem))?;
         // SAFETY: `dst` lies inside an allocation this device owns (checked by `addr`); the
         // query is the model's device buffer, `q.len` elements, read in compute-stream order.
         unsafe { dtod(&self.compute.0, dev(to), q.ptr.cast(), q.len * ELEM) }

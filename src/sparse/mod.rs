@@ -420,7 +420,7 @@ pub fn page_scores(
     ];
     let scale = 1.0 / (h.head_dim as f32).sqrt();
     let mut e = vec![0.0f32; pages]; // one head's exp((bound − max) · scale)
-    let mut order: Vec<Page> = Vec::with_capacity(pages);
+    let mut order: Vec<u64> = Vec::with_capacity(pages); // sort keys, page in the low bits
     for head in 0..n {
         let bound = |p: usize| head_bounds[p * n + head];
         let max = (1..pages).map(bound).fold(f32::NEG_INFINITY, f32::max);
@@ -432,32 +432,38 @@ pub fn page_scores(
         for (s, e) in score.iter_mut().zip(&e).skip(1) {
             s.share += e / sum;
         }
+        // Larger bound first (`total_cmp`), then the earlier page: one integer per page.
         order.clear();
-        order.extend(1..pages as Page);
-        best_n(&mut order, depth, |a, b| {
-            bound(*b as usize)
-                .total_cmp(&bound(*a as usize))
-                .then(a.cmp(b))
-        });
-        for (r, &p) in order.iter().enumerate() {
-            let best = &mut score[p as usize].best_rank;
+        order.extend((1..pages).map(|p| descending(bound(p)) << 32 | p as u64));
+        best_n(&mut order, depth);
+        for (r, &key) in order.iter().enumerate() {
+            let best = &mut score[key as u32 as usize].best_rank;
             *best = (*best).min(r as u32);
         }
     }
     score
 }
 
+/// `x`'s place in descending `f32::total_cmp` order, as an integer (0: the largest): sort
+/// keys compare as integers, not through a comparator reading bounds indirectly.
+fn descending(x: f32) -> u64 {
+    let b = x.to_bits();
+    // total_cmp's ascending order: negatives' bits flipped, positives' sign bit set.
+    let ascending = if b >> 31 == 1 { !b } else { b | 1 << 31 };
+    u64::from(!ascending)
+}
+
 /// A page of a layer's host KV: page `p` holds positions `p · page_size ..` of the layer.
 pub type Page = u32;
 
-/// Keeps the `n` first of `order` by `better`, sorted: a selection, not a sort of every
-/// element, O(len + n log n).
-fn best_n(order: &mut Vec<Page>, n: usize, better: impl Fn(&Page, &Page) -> std::cmp::Ordering) {
-    if n < order.len() {
-        order.select_nth_unstable_by(n, &better);
-        order.truncate(n);
+/// Keeps the `n` smallest of `keys`, sorted: a selection, not a sort of every element,
+/// O(len + n log n).
+fn best_n<K: Ord>(keys: &mut Vec<K>, n: usize) {
+    if n < keys.len() {
+        keys.select_nth_unstable(n);
+        keys.truncate(n);
     }
-    order.sort_unstable_by(better);
+    keys.sort_unstable();
 }
 
 /// The `n` best of pages `1..candidates` by their score from `head_bounds`
@@ -468,13 +474,14 @@ pub fn rank_pages(head_bounds: &[f32], h: AttnHeads, candidates: usize, n: usize
 
 /// The `n` best of pages `1..candidates` by score, best first (ties: the earlier page).
 pub fn rank(scores: &[PageScore], candidates: usize, n: usize) -> Vec<Page> {
-    let mut order: Vec<Page> = (1..candidates.max(1) as Page).collect();
-    best_n(&mut order, n, |a, b| {
-        scores[*a as usize]
-            .better_first(&scores[*b as usize])
-            .then(a.cmp(b))
-    });
-    order
+    // `better_first`, then the earlier page, as one integer per page.
+    let key = |p: usize| {
+        let s = scores[p];
+        u128::from(s.best_rank) << 96 | u128::from(descending(s.share)) << 32 | p as u128
+    };
+    let mut order: Vec<u128> = (1..candidates.max(1)).map(key).collect();
+    best_n(&mut order, n);
+    order.into_iter().map(|k| k as Page).collect()
 }
 
 /// The pages a layer attends this step, ascending: the sink page 0 and the `k` best of
@@ -779,22 +786,56 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(8);
         for _ in 0..500 {
             let cands = rng.random_range(0..50);
-            // Few distinct values: ties must go to the earlier page.
+            // Few distinct values: ties must go to the earlier page; NaNs and zeros of
+            // either sign are ordered as `total_cmp` orders them.
+            let special = [f32::NAN, -f32::NAN, 0.0, -0.0, f32::INFINITY, -1.5, 1e-40];
             let scores: Vec<PageScore> = (0..cands)
                 .map(|_| PageScore {
                     best_rank: rng.random_range(0..3),
-                    share: rng.random_range(0..3) as f32,
+                    share: match rng.random_range(0..4) {
+                        0 => special[rng.random_range(0..special.len())],
+                        _ => rng.random_range(0..3) as f32,
+                    },
                 })
                 .collect();
             let n = rng.random_range(0..cands + 2);
             let mut all: Vec<Page> = (1..cands.max(1) as Page).collect();
-            let key = |p: Page| {
-                let s = scores[p as usize];
-                (s.best_rank, -(s.share as i64), p)
-            };
-            all.sort_by_key(|&p| key(p));
+            // The definition: `better_first`, then the earlier page.
+            all.sort_by(|&a, &b| {
+                scores[a as usize]
+                    .better_first(&scores[b as usize])
+                    .then(a.cmp(&b))
+            });
             all.truncate(n);
             assert_eq!(rank(&scores, cands, n), all, "{scores:?} n {n}");
+        }
+    }
+
+    /// The integer key orders floats as `total_cmp` does, reversed, over every class of
+    /// bit pattern (random bits hit NaNs of both signs, subnormals and zeros).
+    #[test]
+    fn descending_keys_reverse_total_cmp() {
+        let mut rng = StdRng::seed_from_u64(9);
+        let special = [
+            f32::NAN,
+            -f32::NAN,
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let mut pick = |rng: &mut StdRng| match rng.random_range(0..3) {
+            0 => special[rng.random_range(0..special.len())],
+            1 => rng.random_range(-2.0f32..2.0),
+            _ => f32::from_bits(rng.random()),
+        };
+        for _ in 0..20_000 {
+            let (a, b) = (pick(&mut rng), pick(&mut rng));
+            assert_eq!(
+                descending(a).cmp(&descending(b)),
+                b.total_cmp(&a),
+                "{a} {b}"
+            );
         }
     }
 

@@ -824,7 +824,7 @@ mod tests {
             f32::INFINITY,
             f32::NEG_INFINITY,
         ];
-        let mut pick = |rng: &mut StdRng| match rng.random_range(0..3) {
+        let pick = |rng: &mut StdRng| match rng.random_range(0..3) {
             0 => special[rng.random_range(0..special.len())],
             1 => rng.random_range(-2.0f32..2.0),
             _ => f32::from_bits(rng.random()),

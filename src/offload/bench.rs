@@ -321,7 +321,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
     for _ in 0..rounds {
         let step_compute = plain.round(model, steps)?;
         let gbps = sized_link(args, layers, bytes_per_layer, step_compute);
-        let step_transfer = transfer_only_step(gbps, c.num_layers, bytes_per_layer)?;
+        let step_transfer = transfer_only_step(gbps, layers, bytes_per_layer)?;
         full.kv.set_link_gbps(gbps);
         let step_full = full.round(model, steps)?;
         for ((_, d), times) in sparse.iter_mut().zip(&mut sparse_steps) {

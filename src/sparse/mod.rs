@@ -406,6 +406,8 @@ pub struct PageScore {
 impl PageScore {
     /// Better best rank first, then the larger share (`total_cmp`: a NaN from poisoned
     /// metadata is ordered, not a panic, and changes the choice, so the sanitizer sees it).
+    /// The definition: `rank` sorts an integer key that orders pages the same way (tested
+    /// against this comparator).
     pub fn better_first(&self, other: &Self) -> std::cmp::Ordering {
         self.best_rank
             .cmp(&other.best_rank)

@@ -212,6 +212,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             num_cpu_blocks: args.num_cpu_blocks,
             link_gbps: args.sim_link_gbps,
             sanitize,
+            check_order: strata::device::order::on_by_default(),
             sparse,
         }),
         trace_out: args.trace_out.clone(),

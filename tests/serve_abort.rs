@@ -28,6 +28,7 @@ fn config(gpu: usize, cpu: usize) -> EngineConfig {
         },
         link_gbps: 0.0,
         sanitize: true,
+        check_order: strata::device::order::on_by_default(),
         disk: None,
     }
 }

@@ -318,6 +318,7 @@ fn config(gpu: usize, cpu: usize, disk: Option<(&Path, usize)>) -> EngineConfig 
         },
         link_gbps: 0.0,
         sanitize: false,
+        check_order: strata::device::order::on_by_default(),
         disk: disk.map(|(dir, _)| DiskTierConfig {
             dir: dir.to_path_buf(),
             io_threads: 3,

@@ -36,6 +36,7 @@ fn config(gpu: usize, cpu: usize, sanitize: bool) -> EngineConfig {
         sched: sched(gpu, cpu),
         link_gbps: 0.0,
         sanitize,
+        check_order: strata::device::order::on_by_default(),
         disk: None,
     }
 }

@@ -194,6 +194,7 @@ fn serving_batched_and_chunked_equals_generate_bitwise() {
         },
         link_gbps: 0.0,
         sanitize: false,
+        check_order: strata::device::order::on_by_default(),
         disk: None,
     };
     let got = Engine::new(model.clone(), cfg)

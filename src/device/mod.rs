@@ -5,6 +5,8 @@
 pub mod bf16;
 pub mod cpu;
 pub mod cuda;
+pub mod handles;
+pub mod order;
 pub mod ptr;
 
 pub use ptr::DevPtr;

@@ -294,6 +294,7 @@ pub fn serve_case(
         sched: sched(gpu, cpu),
         link_gbps: 0.0,
         sanitize,
+        check_order: crate::device::order::on_by_default(),
         disk: None,
     };
     let mut free = make(&model, &cfg(ws, 0, false))?;

@@ -5,102 +5,12 @@
 
 use anyhow::{bail, Result};
 
+pub use crate::device::handles::{Allocations, EventId, MemId, Space, Span, StreamRole};
+
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
 use crate::device::DevPtr;
 use crate::kv::Query;
-
-/// A stream by what it does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamRole {
-    /// The model's stream: layer compute and the decode-buffer copies.
-    Compute,
-    /// Host → device prefetch of the next layers' KV.
-    Prefetch,
-    /// Device → host offload, a pool: consecutive layers' offloads run side by side.
-    Offload(usize),
-    /// Sparse decode: host → device fetch of the pages a layer selected but was not
-    /// prefetched with (its own stream, so it does not queue behind the next layers'
-    /// prefetches; it shares the link with them).
-    Miss,
-}
-
-/// An event created by the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EventId(pub usize);
-
-/// An allocation made by the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemId(pub usize);
-
-/// Host memory (pinned on CUDA) or device memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Space {
-    Host,
-    Device,
-}
-
-/// `len` elements of allocation `mem`, from element `off`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Span {
-    pub mem: MemId,
-    pub off: usize,
-    pub len: usize,
-}
-
-/// Allocations by id with their sizes, so every copy is checked against its buffers.
-pub struct Allocations<M> {
-    mems: Vec<(M, Space, usize)>, // (memory, space, elements)
-}
-
-impl<M> Default for Allocations<M> {
-    fn default() -> Self {
-        Self { mems: Vec::new() }
-    }
-}
-
-impl<M> Allocations<M> {
-    pub fn add(&mut self, mem: M, space: Space, elems: usize) -> MemId {
-        self.mems.push((mem, space, elems));
-        MemId(self.mems.len() - 1)
-    }
-
-    pub fn get(&self, id: MemId) -> &M {
-        &self.mems[id.0].0
-    }
-
-    pub fn space(&self, id: MemId) -> Space {
-        self.mems[id.0].1
-    }
-
-    /// Errors unless `s` lies inside its allocation.
-    pub fn check(&self, s: Span) -> Result<()> {
-        let Some(&(_, _, elems)) = self.mems.get(s.mem.0) else {
-            bail!(
-                "offload copy names allocation {} of {}",
-                s.mem.0,
-                self.mems.len()
-            );
-        };
-        match s.off.checked_add(s.len) {
-            Some(end) if end <= elems => Ok(()),
-            _ => bail!(
-                "offload copy of {} elements at {} overruns an allocation of {elems}",
-                s.len,
-                s.off
-            ),
-        }
-    }
-
-    /// Errors unless `src` and `dst` are equally long and lie inside their allocations.
-    pub fn check_copy(&self, name: &str, src: Span, dst: Span) -> Result<()> {
-        if src.len != dst.len {
-            bail!("offload copy {name}: {} elements into {}", src.len, dst.len);
-        }
-        self.check(src)?;
-        self.check(dst)
-    }
-}
 
 /// Errors unless `OffloadDevice::head_bounds`' arguments agree: `bounds` holds `pages`
 /// pages of `[meta_rows(page_size), kv_dim]` and the query is one token's `[num_heads,

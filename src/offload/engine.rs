@@ -5,11 +5,13 @@
 
 use anyhow::{bail, Result};
 
+use super::checked::Checked;
 use super::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
 use super::ring::{ReleasedAfter, Ring};
 use super::{MemoryPlan, OffloadConfig};
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
+use crate::device::order::Access;
 use crate::kv::{KvCache, LayerSlot, NewRow, Query};
 use crate::model::ModelConfig;
 use crate::sparse::{self, Page, SparseConfig, SparseStats};
@@ -41,7 +43,7 @@ enum Step {
 pub struct OffloadEngine<D: OffloadDevice> {
     cfg: OffloadConfig,
     plan: MemoryPlan,
-    d: D,
+    d: Checked<D>,
     num_layers: usize,
     row: usize, // kv_dim: elements per token per layer, in K (and in V)
     depth: usize,
@@ -87,7 +89,8 @@ struct Sparse {
 }
 
 impl<D: OffloadDevice> OffloadEngine<D> {
-    pub fn new(mut d: D, model: &ModelConfig, cfg: OffloadConfig) -> Result<Self> {
+    pub fn new(d: D, model: &ModelConfig, cfg: OffloadConfig) -> Result<Self> {
+        let mut d = Checked::new(d, cfg.check_order || cfg.sanitize);
         let plan = cfg.plan_for(model, std::mem::size_of::<D::Elem>())?;
         let row = model.kv_dim();
         let (l, bs, n) = (model.num_layers, cfg.block_size, cfg.num_kv_buffers);
@@ -162,7 +165,24 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     /// device's simulated link speed); crate-private so nothing queues work behind the
     /// engine's back.
     pub(crate) fn device_mut(&mut self) -> &mut D {
-        &mut self.d
+        self.d.inner_mut()
+    }
+
+    /// Whether every cross-stream access is proven ordered (`crate::device::order`).
+    pub fn order_checked(&self) -> bool {
+        self.d.is_checked()
+    }
+
+    /// Declares the model's compute over `layer`'s slot `s`, queued since `begin_layer`:
+    /// it reads and writes the slot's first `rows` rows, K and V (the checker's view of
+    /// what the kernels, or the CPU model, touch between `begin_layer` and `end_layer`).
+    fn declare_compute(&mut self, layer: usize, s: usize, rows: usize) -> Result<()> {
+        let len = rows * self.row;
+        let slot = self.ring[s];
+        let span = |mem| (Access::Write, Span { mem, off: 0, len });
+        let acc = [span(slot.k), span(slot.v)];
+        self.d
+            .declare(StreamRole::Compute, "layer-compute", layer, &acc)
     }
 
     /// Layer `layer`'s host blocks from `block` on.
@@ -407,6 +427,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             }
             None => pos,
         };
+        self.declare_compute(layer, s, new_row + 1)?;
         self.copy_kv(
             c,
             names,
@@ -549,9 +570,10 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         self.append_window(layer, s, pos, base)?;
         if !fetches.is_empty() {
             let m = StreamRole::Miss;
+            // After the moves, and so after `ready`, which the prefetch recorded once this
+            // layer's host blocks were stored: the misses read stored blocks.
             self.d.record(c, moves_done)?;
             self.d.wait(m, moves_done, "slot-moves-done")?;
-            self.d.wait(m, self.layer_stored[layer], "layer-stored")?;
             let names = ["h2d-miss-k", "h2d-miss-v"];
             self.copy_kv_runs(m, names, layer, (self.host, slot), &fetches)?;
             self.d.record(m, misses_done)?;
@@ -662,9 +684,9 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
             }
             Step::Decode { pos } => {
                 let s = self.state.begin_decode_compute(layer)?;
+                // Also orders this layer's decode-buffer writes after its last flush: the
+                // prefetch waited for `layer_stored` before recording `ready`.
                 self.d.wait(c, self.slots[s].ready, "slot-ready")?;
-                // The decode buffer of this layer may still be read by an offload stream.
-                self.d.wait(c, self.layer_stored[layer], "layer-stored")?;
                 // Append the partial block so the attention sees one contiguous context
                 // (sparse: after the compacted pages, once `select` has moved the
                 // prefetched pages there: a margin page may sit where the window goes).
@@ -692,6 +714,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         self.d.layer_end(layer)?;
         match self.step {
             Step::Prefill { tokens } => {
+                self.declare_compute(layer, s, tokens)?;
                 self.state.end_compute(layer)?;
                 // Sparse: the bounds of the full blocks' pages, before the slot is released.
                 let full = tokens / self.cfg.block_size * self.cfg.block_size;

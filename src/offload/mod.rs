@@ -17,6 +17,7 @@
 //! `layer_stored` (its host blocks and decode buffer are up to date).
 
 pub mod bench;
+pub mod checked;
 pub mod cpu_device;
 pub mod device;
 pub mod engine;
@@ -62,8 +63,11 @@ pub struct OffloadConfig {
     pub num_cpu_blocks: Option<usize>,
     /// Simulated host↔device link, GB/s (0 = unthrottled).
     pub link_gbps: f64,
-    /// Poison released slots with NaN and delay copies at random.
+    /// Poison released slots with NaN and delay copies at random (also turns the
+    /// stream-ordering checker on).
     pub sanitize: bool,
+    /// Prove every cross-stream access ordered (`crate::device::order`).
+    pub check_order: bool,
     /// Sparse decode: attend (and load) only the best pages up to a budget.
     pub sparse: Option<SparseConfig>,
 }
@@ -77,6 +81,7 @@ impl Default for OffloadConfig {
             num_cpu_blocks: None,
             link_gbps: 0.0,
             sanitize: false,
+            check_order: crate::device::order::on_by_default(),
             sparse: None,
         }
     }

@@ -233,6 +233,7 @@ pub fn run_once(
         sched,
         link_gbps,
         sanitize: false,
+        check_order: crate::device::order::on_by_default(),
         disk,
     };
     let mut engine = match device {

@@ -9,10 +9,12 @@
 //!        ─▶ DeviceTransfers ─▶ OffloadDevice::copy on Offload(0) (store) / Prefetch (load)
 //! ```
 //!
-//! Ordering: a store reads pages of a preempted sequence, which earlier steps' compute
-//! wrote: its copy stream waits for an event recorded on the compute stream first. A load
-//! writes pages no scheduled sequence uses, and the scheduler makes them resident only
-//! once the job's event has completed, after which the compute stream reads them.
+//! Ordering (proven by the stream-ordering checker, `crate::device::order`): a store reads
+//! pages of a preempted sequence, which earlier steps' compute wrote, and a load writes
+//! pages that a step still in flight may have used before they were freed: either job's
+//! copy stream waits for an event recorded on the compute stream first. The scheduler
+//! makes loaded pages resident, and frees a store's pages, only once the job's event has
+//! completed (the host saw it), so compute queued afterwards is ordered after the copies.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -28,8 +30,10 @@ use crate::device::cuda::exec::{CudaExec, Exec};
 use crate::device::cuda::model::CudaModel;
 use crate::device::cuda::offload_dev::CudaOffloadDevice;
 use crate::device::cuda::weights::CudaWeights;
+use crate::device::order::Access;
 use crate::kv::{KvCache, LayerSlot};
-use crate::model::{Model, PagePool};
+use crate::model::{BatchSeq, Model, PagePool};
+use crate::offload::checked::Checked;
 use crate::offload::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
 
 /// K and V memory of one layer in one tier: `[blocks, block_size, kv_dim]` each.
@@ -41,7 +45,7 @@ struct Pair {
 
 /// Both tiers' KV pages on `D`, with the transfer jobs in flight.
 pub struct DevicePages<D: OffloadDevice<Elem = bf16>> {
-    d: D,
+    d: Checked<D>,
     block_size: usize,
     page: usize,     // elements of one block of one layer, K or V: block_size · kv_dim
     gpu: Vec<Pair>,  // [num_layers], device
@@ -53,14 +57,15 @@ pub struct DevicePages<D: OffloadDevice<Elem = bf16>> {
 }
 
 impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
+    /// `check_order`: under the stream-ordering checker (`crate::device::order`).
     pub fn new(
-        mut d: D,
+        d: D,
         num_layers: usize,
         kv_dim: usize,
-        block_size: usize,
-        num_gpu_blocks: usize,
-        num_cpu_blocks: usize,
+        (block_size, num_gpu_blocks, num_cpu_blocks): (usize, usize, usize),
+        check_order: bool,
     ) -> Result<Self> {
+        let mut d = Checked::new(d, check_order);
         let page = block_size * kv_dim;
         let mut tier = |space, blocks: usize| -> Result<Vec<Pair>> {
             (0..num_layers)
@@ -104,6 +109,34 @@ impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
         })
     }
 
+    /// Declares one forward over `seqs` on the compute stream: each reads the pages of its
+    /// blocks before the one holding `pos0` and writes that block and the later ones, in
+    /// every layer, K and V (what the batched forward's kernels touch).
+    fn declare_forward(&mut self, seqs: &[BatchSeq]) -> Result<()> {
+        if !self.d.is_checked() {
+            return Ok(());
+        }
+        for seq in seqs {
+            let first_written = seq.pos0 / self.block_size;
+            for (i, &page) in seq.pages.iter().enumerate() {
+                let access = if i < first_written {
+                    Access::Read
+                } else {
+                    Access::Write
+                };
+                for layer in 0..self.gpu.len() {
+                    let acc = [false, true]
+                        .map(|v| self.span(Loc::Gpu(page), layer, v).map(|sp| (access, sp)));
+                    let [k, v] = acc;
+                    let acc = [k?, v?];
+                    self.d
+                        .declare(StreamRole::Compute, "forward", layer, &acc)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn submit(&mut self, job: &TransferJob) -> Result<()> {
         // Validate every copy before queuing any, so a bad job moves nothing.
         let mut copies = Vec::new();
@@ -122,10 +155,12 @@ impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
             JobKind::Store => (StreamRole::Offload(0), "kv_store"),
             JobKind::Load => (StreamRole::Prefetch, "kv_load"),
         };
-        if job.kind == JobKind::Store {
-            self.d.record(StreamRole::Compute, self.compute_done)?;
-            self.d.wait(stream, self.compute_done, "pages-computed")?;
-        }
+        // A store reads pages that earlier steps wrote; a load writes pages that a step
+        // still running may be using (freed by a sequence that finished or was preempted
+        // for recomputation, and a step that samples nothing never makes the host wait
+        // for it): both wait for the compute queued so far.
+        self.d.record(StreamRole::Compute, self.compute_done)?;
+        self.d.wait(stream, self.compute_done, "pages-computed")?;
         for (layer, src, dst) in copies {
             self.d.copy(stream, name, layer, src, dst)?;
         }
@@ -211,7 +246,9 @@ pub struct DeviceRunner<D: OffloadDevice<Elem = bf16>> {
 impl<D: OffloadDevice<Elem = bf16> + Send> BatchRunner for DeviceRunner<D> {
     fn forward(&mut self, calls: &[ScheduledSeq]) -> Result<Vec<Option<Vec<f32>>>> {
         let mut pages = lock(&self.pages);
-        self.model.forward_batch(&batch_seqs(calls), &mut *pages)
+        let seqs = batch_seqs(calls);
+        pages.declare_forward(&seqs)?;
+        self.model.forward_batch(&seqs, &mut *pages)
     }
 }
 
@@ -273,14 +310,9 @@ pub fn cuda_engine<D: OffloadDevice<Elem = bf16> + Send + 'static>(
         .min(s.num_gpu_blocks * s.block_size);
     let w = CudaWeights::from_model(&*exec, model)?;
     let gpu = CudaModel::new(exec, c.clone(), w, max_pos)?;
-    let pages = DevicePages::new(
-        d,
-        c.num_layers,
-        c.kv_dim(),
-        s.block_size,
-        s.num_gpu_blocks,
-        s.max_cpu_offload_blocks,
-    )?;
+    let sizes = (s.block_size, s.num_gpu_blocks, s.max_cpu_offload_blocks);
+    let check = cfg.check_order || cfg.sanitize;
+    let pages = DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, check)?;
     let (runner, backend) = device_parts(gpu, pages);
     Engine::on_device(c.clone(), cfg, runner, backend)
 }

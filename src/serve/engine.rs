@@ -24,8 +24,11 @@ pub struct EngineConfig {
     pub sched: SchedulerConfig,
     /// Simulated host↔device link speed in GB/s for transfers; 0 = unthrottled.
     pub link_gbps: f64,
-    /// Random delays on every copy (to expose ordering bugs).
+    /// Random delays on every copy (to expose ordering bugs); also turns the
+    /// stream-ordering checker on.
     pub sanitize: bool,
+    /// Prove every cross-stream access of the KV pages ordered (`crate::device::order`).
+    pub check_order: bool,
     /// The disk tier's directory; its capacity is `sched.max_disk_offload_blocks`.
     pub disk: Option<DiskTierConfig>,
 }

@@ -138,6 +138,7 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
             sched,
             link_gbps: 0.0,
             sanitize: false,
+            check_order: crate::device::order::on_by_default(),
             disk,
         },
         max_model_len,

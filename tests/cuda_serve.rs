@@ -7,13 +7,28 @@
 //! CPU engine's.
 
 use strata::gpucheck::kernels::format_table;
-use strata::gpucheck::serve_checks::serve_check_emulated;
+use strata::gpucheck::serve_checks::{disk_case, serve_check_emulated};
+use strata::model::random::Shape;
 
 #[test]
 fn serving_path_on_the_emulator_is_batch_invariant_and_bitwise_under_preemption() {
     let rows = serve_check_emulated().unwrap();
     eprint!("{}", format_table(&rows));
     assert_eq!(rows.len(), 4);
+    let failed: Vec<_> = rows.iter().filter(|r| !r.pass).collect();
+    assert!(failed.is_empty(), "failed: {failed:#?}");
+}
+
+/// The disk tier under the CUDA model (its pages on the CPU device in bf16, as on a GPU):
+/// spills and loads bitwise, a restart reuses the persisted prefix, a corrupted slot is
+/// never used.
+#[test]
+fn the_disk_tier_runs_under_the_cuda_model_bitwise_across_restarts_and_corruption() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda_serve_disk");
+    let emu = strata::gpucheck::emu::emulator_serve_engine;
+    let rows = disk_case(&emu, "tiny", Shape::tiny(), &dir).unwrap();
+    eprint!("{}", format_table(&rows));
+    assert_eq!(rows.len(), 3);
     let failed: Vec<_> = rows.iter().filter(|r| !r.pass).collect();
     assert!(failed.is_empty(), "failed: {failed:#?}");
 }

@@ -41,6 +41,9 @@ impl OffloadDevice for DroppingWait {
     fn ptr(&self, mem: MemId) -> DevPtr<f32> {
         self.dev.ptr(mem)
     }
+    fn host_ptr(&self, mem: MemId) -> anyhow::Result<*mut u8> {
+        self.dev.host_ptr(mem)
+    }
     fn new_event(&mut self) -> anyhow::Result<EventId> {
         self.dev.new_event()
     }

@@ -429,7 +429,7 @@ fn random_disk_faults_never_change_a_token_and_are_counted() {
         // Half the runs with a host tier that can demote to disk (faults may hit them).
         let host = if seed % 2 == 0 { 1 } else { ws / 10 };
         let cfg = config(ws / 3, host, Some((&dir, 400)));
-        let mut e = Engine::with_disk_io(model.clone(), cfg, |io| {
+        let mut e = Engine::with_disk_io(model.clone(), cfg, move |io| {
             Box::new(ChaosIo::new(io, seed, 0.3, inj))
         })
         .unwrap();

@@ -16,11 +16,12 @@ use std::sync::Arc;
 use common::{scratch_dir, TinySpec};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
-use strata::gpucheck::serve_checks::serve_case;
+use strata::gpucheck::serve_checks::{disk_case, serve_case};
 use strata::kv::{ContiguousKv, KvCache};
 use strata::model::random::Shape;
 use strata::model::{weights, Model, ModelConfig};
 use strata::offload::{CpuOffloadEngine, OffloadConfig, OffloadControl};
+use strata::serve::{Engine, EngineConfig};
 use strata::sparse::SparseConfig;
 
 /// Five layers, so that rings of two to four slots are reused within one prefill.
@@ -138,6 +139,31 @@ fn sparse_decode_moves_and_misses_are_proven_ordered() {
         let (again, _) = run_all(&model, sanitized, &prompts, n);
         assert_eq!(again[0].token_ids, outs[0].token_ids, "ring {nb}");
     }
+}
+
+/// The CPU model over pages on the CPU device: what `strata serve` runs without a GPU.
+fn cpu_engine(m: &Arc<Model>, c: &EngineConfig) -> anyhow::Result<Engine> {
+    Engine::new(Arc::clone(m), c.clone())
+}
+
+fn all_pass(rows: &[strata::gpucheck::kernels::CheckRow]) {
+    let failed: Vec<_> = rows.iter().filter(|r| !r.pass).collect();
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+#[test]
+fn cpu_serving_stores_loads_and_recomputation_are_proven_ordered() {
+    let rows =
+        serve_case(&cpu_engine, "tiny", Shape::tiny(), true).unwrap_or_else(|e| panic!("{e:#}"));
+    all_pass(&rows);
+}
+
+#[test]
+fn the_disk_tier_staging_is_proven_ordered() {
+    let dir = scratch_dir("stream_order_disk");
+    let rows =
+        disk_case(&cpu_engine, "tiny", Shape::tiny(), &dir).unwrap_or_else(|e| panic!("{e:#}"));
+    all_pass(&rows);
 }
 
 #[test]

@@ -17,6 +17,9 @@ pub enum StreamRole {
     /// prefetched with (its own stream, so it does not queue behind the next layers'
     /// prefetches; it shares the link with them).
     Miss,
+    /// The disk tier's staging copies, both ways (pages ↔ host staging memory), so they
+    /// queue behind neither the host tier's stores nor its loads.
+    Staging,
 }
 
 impl std::fmt::Display for StreamRole {
@@ -26,6 +29,7 @@ impl std::fmt::Display for StreamRole {
             StreamRole::Compute => f.write_str("compute"),
             StreamRole::Prefetch => f.write_str("h2d-prefetch"),
             StreamRole::Miss => f.write_str("h2d-miss"),
+            StreamRole::Staging => f.write_str("disk-staging"),
             StreamRole::Offload(i) => write!(f, "d2h-offload-{i}"),
         }
     }

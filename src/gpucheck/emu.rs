@@ -431,11 +431,11 @@ pub fn emulator_offload_engine(
 /// in bf16 (host memory the emulated kernels read; copy streams on worker threads, random
 /// copy delays under the sanitizer, the link throttled as configured).
 pub fn emulator_serve_engine(
-    model: &crate::model::Model,
+    model: &Arc<crate::model::Model>,
     cfg: &crate::serve::EngineConfig,
 ) -> Result<crate::serve::Engine> {
     use crate::offload::CpuOffloadDevice;
     let exec: Arc<dyn Exec> = Arc::new(EmuExec::new()?);
     let d = CpuOffloadDevice::<half::bf16>::new(cfg.link_gbps, cfg.sanitize, 1);
-    crate::serve::device_pages::cuda_engine(model, cfg, exec, d)
+    crate::serve::setup::cuda_model_engine(model, cfg, exec, d)
 }

@@ -8,6 +8,9 @@
 //! - `serve_case`: the serving engine with GPU blocks at a third of the working set, with
 //!   host offload and with recomputation: tokens and log-probs bitwise equal to the
 //!   unconstrained run; greedy tokens equal to the CPU engine's.
+//! - `disk_case`: the same with a two-block host tier over a disk tier: spills and loads
+//!   bitwise; a new engine on the directory reuses the persisted prefix blocks, bitwise;
+//!   after every slot's payload is corrupted, none is used and the tokens still match.
 
 use std::sync::Arc;
 
@@ -273,7 +276,7 @@ fn requests(vocab: usize) -> (Vec<Vec<u32>>, Vec<RequestParams>) {
 }
 
 /// Makes a serving engine on the device under test.
-pub type ServeEngineFactory<'a> = dyn Fn(&Model, &EngineConfig) -> Result<Engine> + 'a;
+pub type ServeEngineFactory<'a> = dyn Fn(&Arc<Model>, &EngineConfig) -> Result<Engine> + 'a;
 
 /// The serving engine under preemption (see the module docs); `sanitize`: random delays
 /// on the offload run's copies (the CPU device only).
@@ -341,6 +344,92 @@ pub fn serve_case(
     Ok(rows)
 }
 
+/// The disk tier under the engine `make` builds, in `dir` (emptied first): see the module
+/// docs.
+pub fn disk_case(
+    make: &ServeEngineFactory<'_>,
+    name: &str,
+    shape: Shape,
+    dir: &std::path::Path,
+) -> Result<Vec<CheckRow>> {
+    let model = random_model(shape);
+    let (prompts, params) = requests(model.cfg.vocab_size);
+    let ws: usize = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(BLOCK))
+        .sum();
+    let _ = std::fs::remove_dir_all(dir);
+    let cfg = |gpu, cpu, disk: bool| EngineConfig {
+        sched: SchedulerConfig {
+            max_disk_offload_blocks: if disk { 400 } else { 0 },
+            ..sched(gpu, cpu)
+        },
+        link_gbps: 0.0,
+        sanitize: false,
+        check_order: crate::device::order::on_by_default(),
+        disk: disk.then(|| crate::serve::disk::DiskTierConfig {
+            dir: dir.to_path_buf(),
+            io_threads: 2,
+        }),
+    };
+    let want = make(&model, &cfg(ws, 0, false))?.generate_with_logprobs(&prompts, &params)?;
+    let mut rows = Vec::new();
+    let mut run = |what: &str, check: &dyn Fn(&crate::serve::EngineStats) -> bool| -> Result<()> {
+        // Each engine is dropped before the next opens the directory (one at a time).
+        let (got, st) = {
+            let mut e = make(&model, &cfg(ws / 3, 2, true))?;
+            let got = e.generate_with_logprobs(&prompts, &params)?;
+            (got, e.stats())
+        };
+        let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        let pass = differ == 0 && check(&st);
+        rows.push(CheckRow {
+            name: format!("{name}: disk tier, {what}"),
+            shape: format!("8 requests, GPU blocks {}, 2 host slots", ws / 3),
+            max_abs_err: 0.0,
+            tolerance: "bitwise".into(),
+            pass,
+            note: format!(
+                "{} blocks to disk, {} from disk, {} prefix blocks restored ({} used), {} checksum failures, {differ} requests differ",
+                st.sched.blocks_stored_disk,
+                st.sched.blocks_loaded_disk,
+                st.restored_prefix_blocks,
+                st.sched.prefix_blocks_from_disk,
+                st.disk.checksum_failures
+            ),
+        });
+        Ok(())
+    };
+    run("spill and load back", &|st| {
+        st.sched.blocks_stored_disk > 0
+            && st.sched.blocks_loaded_disk > 0
+            && st.disk.checksum_failures + st.disk.io_errors == 0
+            && st.sched.prefix_blocks_persisted > 0
+    })?;
+    run("restart reuses the prefix blocks", &|st| {
+        st.restored_prefix_blocks > 0 && st.sched.prefix_blocks_from_disk > 0
+    })?;
+    corrupt_every_payload(dir)?;
+    run("every slot corrupted: none used", &|st| {
+        st.disk.checksum_failures > 0 && st.sched.prefix_blocks_from_disk == 0
+    })?;
+    Ok(rows)
+}
+
+/// Flips one payload byte of every slot of the disk tier in `dir`.
+fn corrupt_every_payload(dir: &std::path::Path) -> Result<()> {
+    use crate::serve::disk::store::{ALIGN, SLOTS_FILE};
+    let path = dir.join(SLOTS_FILE);
+    let mut bytes = std::fs::read(&path)?;
+    let slot = bytes.len() / 400;
+    for s in 0..400 {
+        bytes[s * slot + ALIGN + 100] ^= 0xff;
+    }
+    std::fs::write(&path, &bytes)?;
+    Ok(())
+}
+
 /// Step 6 on the GPU: a tiny Qwen3 and a Qwen3-4B-shaped 3-layer model (vocab 4,096).
 pub fn serve_check() -> Result<Vec<CheckRow>> {
     let mut four_b = Shape::qwen3_4b();
@@ -351,8 +440,11 @@ pub fn serve_check() -> Result<Vec<CheckRow>> {
         let dev = Arc::new(CudaDevice::new(0)?);
         let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), dev.new_stream()?)?);
         rows.push(batch_invariance_case(exec, name, shape)?);
-        let gpu = |m: &Model, c: &EngineConfig| crate::serve::device_pages::gpu_engine(m, c);
+        let gpu = |m: &Arc<Model>, c: &EngineConfig| crate::serve::setup::gpu_engine(m, c);
         rows.extend(serve_case(&gpu, name, shape, false)?);
+        let dir = std::env::temp_dir().join(format!("strata-gpucheck-disk-{}", std::process::id()));
+        rows.extend(disk_case(&gpu, name, shape, &dir)?);
+        let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(rows)
 }

@@ -103,6 +103,10 @@ impl<D: OffloadDevice> OffloadDevice for Checked<D> {
         self.d.ptr(mem)
     }
 
+    fn host_ptr(&self, mem: MemId) -> Result<*mut u8> {
+        self.d.host_ptr(mem)
+    }
+
     fn new_event(&mut self) -> Result<EventId> {
         self.d.new_event()
     }

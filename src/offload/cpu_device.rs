@@ -29,7 +29,8 @@ use crate::sparse::KvElem;
 pub struct CpuOffloadDevice<T> {
     dev: Arc<CpuDevice>,
     prefetch: Stream,
-    miss: Stream, // sparse decode's misses
+    miss: Stream,    // sparse decode's misses
+    staging: Stream, // the disk tier's staging copies
     offload: Vec<Stream>,
     events: Vec<Event>,
     mem: Allocations<Vec<u128>>, // u128: 16-byte aligned, as kernels' vector loads expect
@@ -44,6 +45,7 @@ impl<T> CpuOffloadDevice<T> {
         Self {
             prefetch: Stream::new(&dev, "h2d-prefetch"),
             miss: Stream::new(&dev, "h2d-miss"),
+            staging: Stream::new(&dev, "disk-staging"),
             offload: (0..offload_streams)
                 .map(|i| Stream::new(&dev, &format!("d2h-offload-{i}")))
                 .collect(),
@@ -64,6 +66,7 @@ impl<T> CpuOffloadDevice<T> {
     fn sync_streams(&self) {
         self.prefetch.synchronize();
         self.miss.synchronize();
+        self.staging.synchronize();
         for o in &self.offload {
             o.synchronize();
         }
@@ -75,6 +78,7 @@ impl<T> CpuOffloadDevice<T> {
             StreamRole::Compute => None,
             StreamRole::Prefetch => Some(&self.prefetch),
             StreamRole::Miss => Some(&self.miss),
+            StreamRole::Staging => Some(&self.staging),
             StreamRole::Offload(i) => Some(&self.offload[i % self.offload.len()]),
         }
     }
@@ -134,6 +138,13 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
 
     fn ptr(&self, mem: MemId) -> DevPtr<T> {
         DevPtr::from_addr(self.mem.get(mem).as_ptr() as u64)
+    }
+
+    fn host_ptr(&self, mem: MemId) -> Result<*mut u8> {
+        if self.mem.space(mem) != Space::Host {
+            bail!("allocation {} is device memory, not host memory", mem.0);
+        }
+        Ok(self.mem.get(mem).as_ptr() as *mut u8)
     }
 
     fn new_event(&mut self) -> Result<EventId> {

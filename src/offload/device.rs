@@ -90,6 +90,9 @@ pub trait OffloadDevice {
     fn alloc(&mut self, space: Space, elems: usize) -> Result<MemId>;
     /// Where device allocation `mem` is, for the model's kernels.
     fn ptr(&self, mem: MemId) -> DevPtr<Self::Elem>;
+    /// The host address of host allocation `mem` (pinned on CUDA), for what the host reads
+    /// and writes itself (the disk tier's IO); an error for device memory.
+    fn host_ptr(&self, mem: MemId) -> Result<*mut u8>;
     fn new_event(&mut self) -> Result<EventId>;
     /// Later work on `s` waits for `e`'s newest record (`what`: for traces and fault tests).
     fn wait(&mut self, s: StreamRole, e: EventId, what: &'static str) -> Result<()>;

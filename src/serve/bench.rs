@@ -10,7 +10,7 @@ use clap::Args;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::disk::{DiskArgs, DiskTierConfig};
-use super::engine::{Engine, EngineConfig, EngineStats, RequestParams};
+use super::engine::{EngineConfig, EngineStats, RequestParams};
 use super::scheduler::SchedulerConfig;
 use crate::device::DeviceKind;
 use crate::flags;
@@ -236,10 +236,7 @@ pub fn run_once(
         check_order: crate::device::order::on_by_default(),
         disk,
     };
-    let mut engine = match device {
-        DeviceKind::Cpu => Engine::new(Arc::clone(model), cfg)?,
-        DeviceKind::Cuda => super::device_pages::gpu_engine(model, &cfg)?,
-    };
+    let mut engine = super::setup::engine_for(device, model, &cfg)?;
     if let Some(plan) = engine.disk_plan() {
         eprintln!("{plan}");
     }

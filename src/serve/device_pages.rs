@@ -1,38 +1,33 @@
-//! The serving path on an `OffloadDevice` with the CUDA model: the GPU (`CudaOffloadDevice`
-//! beside a `CudaExec` on the same compute stream), or, in tests, the CPU device in bf16
-//! beside the kernel emulator. Both tiers' KV pages are the device's allocations; a transfer
-//! job is a copy per layer, K and V, on a copy stream followed by an event, polled without
-//! blocking; the forward is `CudaModel::forward_batch` over the device pages.
+//! The serving path's KV memory, on any `OffloadDevice`: both tiers' pages are the device's
+//! allocations, every copy between them is a copy on one of its streams ordered by events,
+//! and everything runs under the stream-ordering checker (`crate::device::order`). One page
+//! pool for every device: the CPU device in f32 beside the CPU model (`strata serve`
+//! without a GPU), the GPU in bf16 beside the CUDA model, the CPU device in bf16 beside the
+//! kernel emulator (tests). The disk tier (`super::disk::backend`) stages through host
+//! memory of the same device.
 //!
 //! ```text
-//! Engine ─▶ DeviceRunner ─▶ CudaModel::forward_batch ─▶ PagePool<bf16> = DevicePages (device tier)
-//!        ─▶ DeviceTransfers ─▶ OffloadDevice::copy on Offload(0) (store) / Prefetch (load)
+//! Engine ─▶ DeviceRunner ─▶ forward_batch (CPU or CUDA model) ─▶ DevicePages (device tier)
+//!        ─▶ DeviceTransfers ─▶ copies on Offload(0) (store) / Prefetch (load)
+//!        ─▶ DiskBackend     ─▶ copies on Staging (pages ↔ host staging) + IO threads
 //! ```
 //!
-//! Ordering (proven by the stream-ordering checker, `crate::device::order`): a store reads
-//! pages of a preempted sequence, which earlier steps' compute wrote, and a load writes
-//! pages that a step still in flight may have used before they were freed: either job's
-//! copy stream waits for an event recorded on the compute stream first. The scheduler
-//! makes loaded pages resident, and frees a store's pages, only once the job's event has
+//! Ordering (proven by the checker, and by `scripts/mutate-order.py`): a store reads pages
+//! of a preempted sequence, which earlier steps' compute wrote, and a load writes pages
+//! that a step still in flight may have used before they were freed: either job's copy
+//! stream waits for an event recorded on the compute stream first. The scheduler makes
+//! loaded pages resident, and frees a store's pages, only once the job's event has
 //! completed (the host saw it), so compute queued afterwards is ordered after the copies.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{bail, Result};
-use half::bf16;
 
-use super::engine::{Engine, EngineConfig};
 use super::residency::Tier;
-use super::runner::{batch_seqs, BatchRunner};
-use super::scheduler::ScheduledSeq;
 use super::transfer::{Completion, JobId, JobKind, Loc, TransferBackend, TransferJob};
-use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::cuda::model::CudaModel;
-use crate::device::cuda::offload_dev::CudaOffloadDevice;
-use crate::device::cuda::weights::CudaWeights;
 use crate::device::order::Access;
 use crate::kv::{KvCache, LayerSlot};
-use crate::model::{BatchSeq, Model, PagePool};
+use crate::model::{BatchSeq, PagePool};
 use crate::offload::checked::Checked;
 use crate::offload::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
 
@@ -43,20 +38,33 @@ struct Pair {
     v: MemId,
 }
 
-/// Both tiers' KV pages on `D`, with the transfer jobs in flight.
-pub struct DevicePages<D: OffloadDevice<Elem = bf16>> {
+/// Where a whole block (every layer, K and V) is, for a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// A page of the device tier.
+    Gpu(u32),
+    /// A slot of the host tier.
+    Host(u32),
+    /// Block `index` of a host staging allocation laid out `[blocks][layers][K | V][block_size,
+    /// kv_dim]` (the disk tier's slot payload, element for element).
+    Staging { mem: MemId, index: usize },
+}
+
+/// Both tiers' KV pages on `D`, with the host tier's transfer jobs in flight.
+pub struct DevicePages<D: OffloadDevice> {
     d: Checked<D>,
     block_size: usize,
     page: usize,     // elements of one block of one layer, K or V: block_size · kv_dim
     gpu: Vec<Pair>,  // [num_layers], device
     host: Vec<Pair>, // [num_layers], host (pinned on CUDA)
     num_gpu_blocks: usize,
-    pending: Vec<(JobId, EventId)>, // submit order
+    num_cpu_blocks: usize,
+    pending: Vec<(JobId, EventId)>, // host-tier jobs, in submit order
     free_events: Vec<EventId>,
-    compute_done: EventId, // recorded on the compute stream before each store
+    compute_done: EventId, // recorded on the compute stream before each job's copies
 }
 
-impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
+impl<D: OffloadDevice> DevicePages<D> {
     /// `check_order`: under the stream-ordering checker (`crate::device::order`).
     pub fn new(
         d: D,
@@ -87,21 +95,49 @@ impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
             gpu,
             host,
             num_gpu_blocks,
+            num_cpu_blocks,
             pending: Vec::new(),
             free_events: Vec::new(),
             compute_done,
         })
     }
 
-    /// Where one block of `layer` is, K or V.
-    fn span(&self, loc: Loc, layer: usize, v: bool) -> Result<Span> {
-        let (pair, idx) = match loc {
-            Loc::Gpu(p) => (self.gpu[layer], p as usize),
-            Loc::Host(Tier::Cpu, s) => (self.host[layer], s as usize),
-            Loc::Host(Tier::Ssd, _) | Loc::Disk { .. } => {
-                bail!("{loc:?}: the disk tier is not available on this device's serving path")
+    pub fn num_layers(&self) -> usize {
+        self.gpu.len()
+    }
+
+    /// Elements of one block across every layer, K and V: `[layers][K | V][block_size,
+    /// kv_dim]`.
+    pub fn block_elems(&self) -> usize {
+        2 * self.gpu.len() * self.page
+    }
+
+    /// Bytes of one block across every layer, K and V.
+    pub fn block_bytes(&self) -> usize {
+        self.block_elems() * std::mem::size_of::<D::Elem>()
+    }
+
+    pub fn num_cpu_blocks(&self) -> usize {
+        self.num_cpu_blocks
+    }
+
+    /// Layer `layer`'s K (`v` false) or V of a block at `place`, checked against the tier.
+    fn span(&self, place: Place, layer: usize, v: bool) -> Result<Span> {
+        let (pair, idx, blocks) = match place {
+            Place::Gpu(p) => (self.gpu[layer], p as usize, self.num_gpu_blocks),
+            Place::Host(s) => (self.host[layer], s as usize, self.num_cpu_blocks),
+            Place::Staging { mem, index } => {
+                let off = index * self.block_elems() + (2 * layer + usize::from(v)) * self.page;
+                return Ok(Span {
+                    mem,
+                    off,
+                    len: self.page,
+                });
             }
         };
+        if idx >= blocks {
+            bail!("{place:?} is outside its tier of {blocks} blocks");
+        }
         Ok(Span {
             mem: if v { pair.v } else { pair.k },
             off: idx * self.page,
@@ -109,10 +145,96 @@ impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
         })
     }
 
+    /// The device tier or host tier block a job's end names.
+    fn place(loc: Loc) -> Result<Place> {
+        Ok(match loc {
+            Loc::Gpu(p) => Place::Gpu(p),
+            Loc::Host(Tier::Cpu, s) => Place::Host(s),
+            Loc::Host(Tier::Ssd, _) | Loc::Disk { .. } => {
+                bail!("{loc:?} is the disk tier's (serve::disk::backend), not the host tier's")
+            }
+        })
+    }
+
+    /// The copies of whole blocks `(src, dst)`, every layer, K and V, checked before any is
+    /// queued (so a bad job moves nothing).
+    fn block_copies(&self, blocks: &[(Place, Place)]) -> Result<Vec<(usize, Span, Span)>> {
+        let mut copies = Vec::with_capacity(blocks.len() * 2 * self.gpu.len());
+        for &(src, dst) in blocks {
+            for layer in 0..self.gpu.len() {
+                for v in [false, true] {
+                    copies.push((layer, self.span(src, layer, v)?, self.span(dst, layer, v)?));
+                }
+            }
+        }
+        Ok(copies)
+    }
+
+    /// Queues copies of whole blocks on `stream` after the compute queued so far (their
+    /// pages were written by earlier steps, or may still be used by a step in flight), and
+    /// returns the event recorded after them.
+    pub fn copy_blocks(
+        &mut self,
+        stream: StreamRole,
+        name: &'static str,
+        blocks: &[(Place, Place)],
+    ) -> Result<EventId> {
+        let copies = self.block_copies(blocks)?;
+        self.d.record(StreamRole::Compute, self.compute_done)?;
+        self.d.wait(stream, self.compute_done, "pages-computed")?;
+        for (layer, src, dst) in copies {
+            self.d.copy(stream, name, layer, src, dst)?;
+        }
+        let ev = match self.free_events.pop() {
+            Some(e) => e,
+            None => self.d.new_event()?,
+        };
+        self.d.record(stream, ev)?;
+        Ok(ev)
+    }
+
+    /// Whether the copies before `ev` have run (never blocks); once they have, the host
+    /// knows it and `ev` goes back to the pool.
+    pub fn finished(&mut self, ev: EventId) -> Result<bool> {
+        let done = self.d.query(ev)?;
+        if done {
+            self.free_events.push(ev);
+        }
+        Ok(done)
+    }
+
+    /// Blocks until every stream has run everything queued.
+    pub fn sync_all(&mut self) -> Result<()> {
+        self.d.sync_all()
+    }
+
+    /// `elems` elements of host memory on the device (pinned on CUDA), and their address.
+    pub fn alloc_host(&mut self, elems: usize) -> Result<(MemId, *mut u8)> {
+        let mem = self.d.alloc(Space::Host, elems)?;
+        Ok((mem, self.d.host_ptr(mem)?))
+    }
+
+    /// Declares that the host itself reads or writes staging block `index` of `mem` now
+    /// (the disk tier's IO threads, between dispatch and completion).
+    pub fn host_access(
+        &mut self,
+        name: &'static str,
+        access: Access,
+        (mem, index): (MemId, usize),
+    ) -> Result<()> {
+        let n = self.block_elems();
+        let span = Span {
+            mem,
+            off: index * n,
+            len: n,
+        };
+        self.d.host_access(name, access, span)
+    }
+
     /// Declares one forward over `seqs` on the compute stream: each reads the pages of its
     /// blocks before the one holding `pos0` and writes that block and the later ones, in
     /// every layer, K and V (what the batched forward's kernels touch).
-    fn declare_forward(&mut self, seqs: &[BatchSeq]) -> Result<()> {
+    pub fn declare_forward(&mut self, seqs: &[BatchSeq]) -> Result<()> {
         if !self.d.is_checked() {
             return Ok(());
         }
@@ -125,10 +247,9 @@ impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
                     Access::Write
                 };
                 for layer in 0..self.gpu.len() {
-                    let acc = [false, true]
-                        .map(|v| self.span(Loc::Gpu(page), layer, v).map(|sp| (access, sp)));
-                    let [k, v] = acc;
-                    let acc = [k?, v?];
+                    let k = self.span(Place::Gpu(page), layer, false)?;
+                    let v = self.span(Place::Gpu(page), layer, true)?;
+                    let acc = [(access, k), (access, v)];
                     self.d
                         .declare(StreamRole::Compute, "forward", layer, &acc)?;
                 }
@@ -138,37 +259,16 @@ impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
     }
 
     fn submit(&mut self, job: &TransferJob) -> Result<()> {
-        // Validate every copy before queuing any, so a bad job moves nothing.
-        let mut copies = Vec::new();
-        for c in &job.copies {
-            for layer in 0..self.gpu.len() {
-                for v in [false, true] {
-                    copies.push((
-                        layer,
-                        self.span(c.src, layer, v)?,
-                        self.span(c.dst, layer, v)?,
-                    ));
-                }
-            }
-        }
+        let blocks = job
+            .copies
+            .iter()
+            .map(|c| Ok((Self::place(c.src)?, Self::place(c.dst)?)))
+            .collect::<Result<Vec<_>>>()?;
         let (stream, name) = match job.kind {
             JobKind::Store => (StreamRole::Offload(0), "kv_store"),
             JobKind::Load => (StreamRole::Prefetch, "kv_load"),
         };
-        // A store reads pages that earlier steps wrote; a load writes pages that a step
-        // still running may be using (freed by a sequence that finished or was preempted
-        // for recomputation, and a step that samples nothing never makes the host wait
-        // for it): both wait for the compute queued so far.
-        self.d.record(StreamRole::Compute, self.compute_done)?;
-        self.d.wait(stream, self.compute_done, "pages-computed")?;
-        for (layer, src, dst) in copies {
-            self.d.copy(stream, name, layer, src, dst)?;
-        }
-        let ev = match self.free_events.pop() {
-            Some(e) => e,
-            None => self.d.new_event()?,
-        };
-        self.d.record(stream, ev)?;
+        let ev = self.copy_blocks(stream, name, &blocks)?;
         self.pending.push((job.id, ev));
         Ok(())
     }
@@ -178,9 +278,8 @@ impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
         let mut i = 0;
         while i < self.pending.len() {
             let (job, ev) = self.pending[i];
-            if self.d.query(ev)? {
+            if self.finished(ev)? {
                 self.pending.remove(i);
-                self.free_events.push(ev);
                 done.push(Completion { job, ok: true });
             } else {
                 i += 1;
@@ -192,9 +291,9 @@ impl<D: OffloadDevice<Elem = bf16>> DevicePages<D> {
 
 // SAFETY: the forward writes and reads only rows of pages in its block tables, which belong
 // to device-resident blocks of the scheduled sequences: loads into them completed (their
-// events observed) before the blocks turned resident, and stores read only blocks of
-// preempted sequences, after an event recorded on the compute stream.
-unsafe impl<D: OffloadDevice<Elem = bf16>> KvCache<bf16> for DevicePages<D> {
+// events observed) before the blocks turned resident, and every copy reading or writing
+// device pages waits for an event recorded on the compute stream (the checker proves it).
+unsafe impl<D: OffloadDevice> KvCache<D::Elem> for DevicePages<D> {
     fn reset(&mut self) -> Result<()> {
         Ok(())
     }
@@ -207,7 +306,7 @@ unsafe impl<D: OffloadDevice<Elem = bf16>> KvCache<bf16> for DevicePages<D> {
         Ok(())
     }
 
-    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<bf16>> {
+    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<D::Elem>> {
         let p = self.gpu[layer];
         Ok(LayerSlot {
             k: self.d.ptr(p.k),
@@ -221,7 +320,7 @@ unsafe impl<D: OffloadDevice<Elem = bf16>> KvCache<bf16> for DevicePages<D> {
     }
 }
 
-impl<D: OffloadDevice<Elem = bf16>> PagePool<bf16> for DevicePages<D> {
+impl<D: OffloadDevice> PagePool<D::Elem> for DevicePages<D> {
     fn block_size(&self) -> usize {
         self.block_size
     }
@@ -231,33 +330,19 @@ impl<D: OffloadDevice<Elem = bf16>> PagePool<bf16> for DevicePages<D> {
     }
 }
 
-type Shared<D> = Arc<Mutex<DevicePages<D>>>;
+/// The pages shared by the runner and the transfer backends (all on the engine thread).
+pub type SharedPages<D> = Arc<Mutex<DevicePages<D>>>;
 
-fn lock<D: OffloadDevice<Elem = bf16>>(p: &Shared<D>) -> MutexGuard<'_, DevicePages<D>> {
+pub fn lock<D: OffloadDevice>(p: &SharedPages<D>) -> MutexGuard<'_, DevicePages<D>> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The CUDA model's batched forward over the device tier's pages.
-pub struct DeviceRunner<D: OffloadDevice<Elem = bf16>> {
-    model: CudaModel,
-    pages: Shared<D>,
+/// The host tier's transfer jobs, as copies on the device's copy streams.
+pub struct DeviceTransfers<D: OffloadDevice> {
+    pub pages: SharedPages<D>,
 }
 
-impl<D: OffloadDevice<Elem = bf16> + Send> BatchRunner for DeviceRunner<D> {
-    fn forward(&mut self, calls: &[ScheduledSeq]) -> Result<Vec<Option<Vec<f32>>>> {
-        let mut pages = lock(&self.pages);
-        let seqs = batch_seqs(calls);
-        pages.declare_forward(&seqs)?;
-        self.model.forward_batch(&seqs, &mut *pages)
-    }
-}
-
-/// Transfer jobs as copies on the device's copy streams.
-pub struct DeviceTransfers<D: OffloadDevice<Elem = bf16>> {
-    pages: Shared<D>,
-}
-
-impl<D: OffloadDevice<Elem = bf16> + Send> TransferBackend for DeviceTransfers<D> {
+impl<D: OffloadDevice + Send> TransferBackend for DeviceTransfers<D> {
     fn submit(&mut self, job: TransferJob) -> Result<()> {
         lock(&self.pages).submit(&job) // refuses disk locations before queuing anything
     }
@@ -271,62 +356,11 @@ impl<D: OffloadDevice<Elem = bf16> + Send> TransferBackend for DeviceTransfers<D
         if p.pending.is_empty() {
             return Ok(Vec::new());
         }
-        p.d.sync_all()?;
+        p.sync_all()?;
         p.poll()
     }
 
     fn in_flight(&self) -> usize {
         lock(&self.pages).pending.len()
     }
-}
-
-/// The runner and the transfer backend of one device, sharing its pages.
-pub fn device_parts<D: OffloadDevice<Elem = bf16> + Send + 'static>(
-    model: CudaModel,
-    pages: DevicePages<D>,
-) -> (Box<dyn BatchRunner>, Box<dyn TransferBackend>) {
-    let pages = Arc::new(Mutex::new(pages));
-    let runner = DeviceRunner {
-        model,
-        pages: Arc::clone(&pages),
-    };
-    (Box::new(runner), Box::new(DeviceTransfers { pages }))
-}
-
-/// A serving engine with the CUDA model on `exec` and the KV pages on `d` (which must
-/// share `exec`'s compute stream): the GPU (`gpu_engine`), or the kernel emulator in tests
-/// (`crate::gpucheck::emu::emulator_serve_engine`).
-pub fn cuda_engine<D: OffloadDevice<Elem = bf16> + Send + 'static>(
-    model: &Model,
-    cfg: &EngineConfig,
-    exec: Arc<dyn Exec>,
-    d: D,
-) -> Result<Engine> {
-    let (c, s) = (&model.cfg, &cfg.sched);
-    s.validate()?;
-    // No sequence outgrows the device tier, which bounds the RoPE tables and scratch.
-    let max_pos = c
-        .max_position_embeddings
-        .min(s.num_gpu_blocks * s.block_size);
-    let w = CudaWeights::from_model(&*exec, model)?;
-    let gpu = CudaModel::new(exec, c.clone(), w, max_pos)?;
-    let sizes = (s.block_size, s.num_gpu_blocks, s.max_cpu_offload_blocks);
-    let check = cfg.check_order || cfg.sanitize;
-    let pages = DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, check)?;
-    let (runner, backend) = device_parts(gpu, pages);
-    Engine::on_device(c.clone(), cfg, runner, backend)
-}
-
-/// The serving engine on GPU 0: the model's compute stream shared by the KV pages'
-/// device, whose copy streams carry the transfer jobs.
-pub fn gpu_engine(model: &Model, cfg: &EngineConfig) -> Result<Engine> {
-    if cfg.link_gbps > 0.0 || cfg.sanitize {
-        bail!("--sim-link-gbps and --sanitize apply to the CPU device only");
-    }
-    crate::device::check_available(crate::device::DeviceKind::Cuda)?;
-    let dev = Arc::new(crate::device::cuda::context::CudaDevice::new(0)?);
-    let compute = dev.new_stream()?;
-    let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
-    let d = CudaOffloadDevice::new(dev, compute, 1)?;
-    cuda_engine(model, cfg, exec, d)
 }

@@ -9,13 +9,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use super::disk::backend::{DiskBackend, TieredBackend};
-use super::disk::store::{DiskStats, SlotIo, StoreLayout};
+use super::disk::store::{DiskStats, SlotIo};
 use super::disk::{DiskTier, DiskTierConfig};
-use super::runner::{BatchRunner, CpuTransferBackend, ModelRunner, PagedKvCache};
+use super::runner::BatchRunner;
 use super::scheduler::{SchedStats, Scheduler, SchedulerConfig, SeqId, Sequence};
+use super::setup::{self, Hooks};
 use super::transfer::TransferBackend;
-use crate::device::cpu::stream::CpuDevice;
 use crate::engine::{Sampler, SamplingParams};
 use crate::model::{Model, ModelConfig};
 
@@ -73,19 +72,23 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine whose host tier is served by the CPU transfer backend.
+    /// The CPU model over pages on the CPU device (`super::setup` builds every engine).
     pub fn new(model: Arc<Model>, cfg: EngineConfig) -> Result<Self> {
-        Self::with_backend(model, cfg, |b| b)
+        setup::cpu_engine(&model, &cfg, Hooks::default())
     }
 
-    /// As `new`, with the transfer backend wrapped by `wrap` (tests inject late or failed
-    /// jobs).
+    /// As `new`, with the transfer backend wrapped by `wrap` (tests inject late and
+    /// failed completions).
     pub fn with_backend(
         model: Arc<Model>,
         cfg: EngineConfig,
         wrap: impl FnOnce(Box<dyn TransferBackend>) -> Box<dyn TransferBackend>,
     ) -> Result<Self> {
-        Self::build(model, cfg, wrap, |io| io)
+        let hooks = Hooks {
+            wrap_backend: Some(Box::new(wrap)),
+            wrap_io: None,
+        };
+        setup::cpu_engine(&model, &cfg, hooks)
     }
 
     /// As `new`, with the disk store's IO wrapped by `wrap_io` (tests inject disk faults).
@@ -94,78 +97,21 @@ impl Engine {
         cfg: EngineConfig,
         wrap_io: impl FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo>,
     ) -> Result<Self> {
-        Self::build(model, cfg, |b| b, wrap_io)
-    }
-
-    fn build(
-        model: Arc<Model>,
-        cfg: EngineConfig,
-        wrap: impl FnOnce(Box<dyn TransferBackend>) -> Box<dyn TransferBackend>,
-        wrap_io: impl FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo>,
-    ) -> Result<Self> {
-        let mut sched = Scheduler::new(cfg.sched.clone())?;
-        let s = &cfg.sched;
-        let cache = Arc::new(PagedKvCache::new(
-            &model,
-            s.block_size,
-            s.num_gpu_blocks,
-            s.max_cpu_offload_blocks,
-        )?);
-        let dev = CpuDevice::new(cfg.link_gbps, cfg.sanitize);
-        let host: Box<dyn TransferBackend> =
-            Box::new(CpuTransferBackend::new(&dev, Arc::clone(&cache)));
-        let mut stats = EngineStats::default();
-        let (backend, disk) = match (&cfg.disk, s.max_disk_offload_blocks) {
-            (None, 0) => (host, None),
-            (None, _) => bail!("--max-disk-offload-blocks needs --disk-offload-dir"),
-            (Some(_), 0) => bail!("--disk-offload-dir needs --max-disk-offload-blocks > 0"),
-            (Some(dc), n) => {
-                let layout = StoreLayout {
-                    payload_bytes: cache.block_bytes(),
-                    num_slots: n,
-                };
-                let fp = super::disk::fingerprint(&model, s.block_size);
-                let mut tier = DiskTier::open(dc, layout, fp, wrap_io)?;
-                let entries = tier.restore_entries();
-                tier.restore.adopted = sched.bm.adopt_persisted(&entries);
-                stats.restored_prefix_blocks = tier.restore.adopted;
-                let disk = DiskBackend::new(
-                    &dev,
-                    Arc::clone(&cache),
-                    Arc::clone(&tier.store),
-                    dc.io_threads,
-                )?;
-                let tiered: Box<dyn TransferBackend> = Box::new(TieredBackend { host, disk });
-                (tiered, Some(tier))
-            }
+        let hooks = Hooks {
+            wrap_backend: None,
+            wrap_io: Some(Box::new(wrap_io)),
         };
-        let runner = Box::new(ModelRunner::new(Arc::clone(&model), cache));
-        let mut e = Self::with_parts(model.cfg.clone(), sched, runner, wrap(backend));
-        e.stats = stats;
-        e.disk = disk;
-        Ok(e)
+        setup::cpu_engine(&model, &cfg, hooks)
     }
 
-    /// An engine over a device's own runner and transfer backend (no disk tier): the
-    /// CUDA model's, `super::device_pages`.
-    pub fn on_device(
-        model: ModelConfig,
-        cfg: &EngineConfig,
-        runner: Box<dyn BatchRunner>,
-        backend: Box<dyn TransferBackend>,
-    ) -> Result<Self> {
-        if cfg.disk.is_some() || cfg.sched.max_disk_offload_blocks > 0 {
-            bail!("the disk tier runs on the CPU device only in this build");
-        }
-        let sched = Scheduler::new(cfg.sched.clone())?;
-        Ok(Self::with_parts(model, sched, runner, backend))
-    }
-
-    fn with_parts(
+    /// The parts `super::setup` built: the scheduler, the forward over the pages and the
+    /// transfer backend, the disk tier if any.
+    pub(super) fn assemble(
         model: ModelConfig,
         sched: Scheduler,
-        runner: Box<dyn BatchRunner>,
-        backend: Box<dyn TransferBackend>,
+        (runner, backend): (Box<dyn BatchRunner>, Box<dyn TransferBackend>),
+        disk: Option<DiskTier>,
+        stats: EngineStats,
     ) -> Self {
         Self {
             model,
@@ -175,9 +121,9 @@ impl Engine {
             samplers: HashMap::new(),
             logprobs: HashMap::new(),
             streams: HashMap::new(),
-            stats: EngineStats::default(),
+            stats,
             idle_rounds: 0,
-            disk: None,
+            disk,
         }
     }
 

@@ -3,12 +3,12 @@
 //!
 //! Scheduler side (metadata only): `residency` (block state machine), `block_manager`
 //! (logical blocks, pages, host slots, prefix cache), `scheduler` (policy, job creation).
-//! Worker side (KV memory): `runner` (the `BatchRunner` seam; the CPU device's paged KV,
-//! forward calls and transfer backend), `device_pages` (the same on an `OffloadDevice` with
-//! the CUDA model: the GPU, or the kernel emulator in tests).
+//! Worker side (KV memory): `device_pages` (both tiers' pages on an `OffloadDevice`, the one
+//! page pool of every device, and the host tier's transfers), `runner` (the model's
+//! batched forward over them), `setup` (which model and device pair, and the tiers on it).
 //! Between them: `transfer` (jobs and the backend trait). `disk`: the third tier (slot
-//! file, IO threads, integrity checks, the restart-surviving prefix index). `engine` drives both; `bench`
-//! is `strata bench serve`.
+//! file, IO threads, staging through the device's host memory, integrity checks, the
+//! restart-surviving prefix index). `engine` drives both; `bench` is `strata bench serve`.
 
 pub mod bench;
 pub mod block_manager;
@@ -18,6 +18,7 @@ pub mod engine;
 pub mod residency;
 pub mod runner;
 pub mod scheduler;
+pub mod setup;
 pub mod transfer;
 
 pub use engine::{Engine, EngineConfig, EngineHandle, EngineStats, RequestParams};

@@ -25,7 +25,7 @@ use tokio::net::TcpListener;
 use crate::device::DeviceKind;
 use crate::model::weights::WeightDtype;
 use crate::model::Model;
-use crate::serve::{Engine, EngineConfig, SchedulerConfig};
+use crate::serve::{EngineConfig, SchedulerConfig};
 use metrics::Metrics;
 use routes::{AppState, Loaded, ServerConfig};
 
@@ -156,10 +156,6 @@ fn available_memory_bytes() -> Option<u64> {
 fn check_args(args: &ServeArgs) -> Result<()> {
     if args.device == DeviceKind::Cuda {
         crate::device::check_available(DeviceKind::Cuda)?;
-        ensure!(
-            args.disk.config()?.is_none(),
-            "the disk tier runs on the CPU device only in this build; drop --disk-offload-dir or use --device cpu"
-        );
     }
     ensure!(
         (1..=4096).contains(&args.block_size),
@@ -312,10 +308,7 @@ fn load(
     let eos = model.cfg.eos_token_ids.clone();
     let defaults = model.cfg.generation.clone();
     let sched = cfg.sched.clone();
-    let engine = match args.device {
-        DeviceKind::Cpu => Engine::new(model, cfg)?,
-        DeviceKind::Cuda => crate::serve::device_pages::gpu_engine(&model, &cfg)?,
-    };
+    let engine = crate::serve::setup::engine_for(args.device, &model, &cfg)?;
     if let Some(line) = engine.disk_plan() {
         eprintln!("strata serve: {line}");
     }

@@ -107,6 +107,8 @@ impl SparseConfig {
 /// emulator). Min and max of bf16 values are bf16 values, so bounds are kept in the KV's
 /// own element type, exactly; a mask row's element carries 16 bits as its bit pattern.
 pub trait KvElem: Copy + Send + Sync + 'static {
+    /// Its name where a format records it (the disk tier's fingerprint).
+    const NAME: &'static str;
     fn to_f32(self) -> f32;
     /// The element whose low 16 bits are `m` (a mask row's entry).
     fn from_mask(m: u16) -> Self;
@@ -114,6 +116,7 @@ pub trait KvElem: Copy + Send + Sync + 'static {
 }
 
 impl KvElem for f32 {
+    const NAME: &'static str = "f32";
     fn to_f32(self) -> f32 {
         self
     }
@@ -126,6 +129,7 @@ impl KvElem for f32 {
 }
 
 impl KvElem for half::bf16 {
+    const NAME: &'static str = "bf16";
     fn to_f32(self) -> f32 {
         half::bf16::to_f32(self)
     }

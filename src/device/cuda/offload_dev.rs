@@ -39,6 +39,7 @@ pub struct CudaOffloadDevice {
     compute: (Arc<CudaStream>, String),
     prefetch: (Arc<CudaStream>, String),
     miss: (Arc<CudaStream>, String),
+    staging: (Arc<CudaStream>, String),
     offload: Vec<(Arc<CudaStream>, String)>,
     events: Vec<CudaEvent>,
     /// Sparse decode's kernels (loaded on first use) and its per-head bounds, f32
@@ -71,6 +72,7 @@ impl CudaOffloadDevice {
             compute: named(compute, "compute"),
             prefetch: named(dev.new_stream()?, "h2d-prefetch"),
             miss: named(dev.new_stream()?, "h2d-miss"),
+            staging: named(dev.new_stream()?, "disk-staging"),
             offload: (0..offload_streams)
                 .map(|i| Ok(named(dev.new_stream()?, &format!("d2h-offload-{i}"))))
                 .collect::<Result<_>>()?,
@@ -89,6 +91,7 @@ impl CudaOffloadDevice {
             StreamRole::Compute => &self.compute,
             StreamRole::Prefetch => &self.prefetch,
             StreamRole::Miss => &self.miss,
+            StreamRole::Staging => &self.staging,
             StreamRole::Offload(i) => &self.offload[i % self.offload.len()],
         }
     }
@@ -104,7 +107,7 @@ impl CudaOffloadDevice {
     }
 
     fn all_streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
-        [&self.compute, &self.prefetch, &self.miss]
+        [&self.compute, &self.prefetch, &self.miss, &self.staging]
             .into_iter()
             .chain(&self.offload)
             .map(|(s, _)| s)
@@ -147,6 +150,13 @@ impl OffloadDevice for CudaOffloadDevice {
         match self.mem.get(mem) {
             Mem::Device(_, p) => p.cast(),
             Mem::Pinned(_, p) => DevPtr::from_addr(*p as u64), // mapped pinned memory
+        }
+    }
+
+    fn host_ptr(&self, mem: MemId) -> Result<*mut u8> {
+        match self.mem.get(mem) {
+            Mem::Pinned(_, p) => Ok(*p),
+            Mem::Device(..) => bail!("allocation {} is device memory, not host memory", mem.0),
         }
     }
 

@@ -78,11 +78,16 @@ pub struct DiskTierConfig {
 }
 
 /// A fingerprint of everything that decides a KV block's bits: the model's configuration
-/// and weights, the KV dtype and layout, and the block size. A persisted block is reused
-/// only under an equal fingerprint, so another model, dtype or block size never matches.
-pub fn fingerprint(model: &Model, block_size: usize) -> u64 {
+/// and weights, the KV element (`elem`: "f32" on the CPU device, "bf16" on CUDA) and its
+/// byte order (payloads are the elements' native bytes), the layout, and the block size.
+/// A persisted block is reused only under an equal fingerprint, so another model, element
+/// or block size never matches.
+pub fn fingerprint(model: &Model, block_size: usize, elem: &str) -> u64 {
     let mut h = DefaultHasher::new();
-    ("strata-kv-v1", "f32", block_size).hash(&mut h);
+    ("strata-kv-v1", elem, block_size).hash(&mut h);
+    if cfg!(target_endian = "big") {
+        "big-endian".hash(&mut h);
+    }
     format!("{:?}", model.cfg).hash(&mut h);
     let w = &model.weights;
     let mut crc = crc32fast::Hasher::new();
@@ -112,6 +117,8 @@ pub struct RestoreReport {
 pub struct DiskTier {
     pub store: Arc<DiskStore>,
     pub io_threads: usize,
+    /// Staging blocks in the device's host memory that disk copies stream through.
+    pub staging_blocks: usize,
     dir: PathBuf,
     pub restore: RestoreReport,
     index_tx: Option<Sender<Vec<(u64, DiskSlotId)>>>,
@@ -143,6 +150,7 @@ impl DiskTier {
         Ok(Self {
             store,
             io_threads: cfg.io_threads,
+            staging_blocks: 0,
             dir: cfg.dir.clone(),
             restore: RestoreReport::default(),
             index_tx: Some(tx),
@@ -190,7 +198,7 @@ impl DiskTier {
         };
         let r = &self.restore;
         let mut line = format!(
-            "disk tier: {} slots × {:.1} KiB = {:.2} GiB in {} ({}, {}, {} IO threads); \
+            "disk tier: {} slots × {:.1} KiB = {:.2} GiB in {} ({}, {}, {} IO threads, {} staging blocks); \
              prefix blocks restored: {}",
             l.num_slots,
             l.slot_bytes() as f64 / 1024.0,
@@ -199,6 +207,7 @@ impl DiskTier {
             store::fs_name(s.path().parent().unwrap_or(Path::new("."))),
             mode,
             self.io_threads,
+            self.staging_blocks,
             r.adopted,
         );
         if r.rejected_entries > 0 {

@@ -1,0 +1,161 @@
+//! Building a serving engine: the one place that pairs a device with its model and KV
+//! element, and puts the tiers on it. Every engine is the same assembly — pages on an
+//! `OffloadDevice` (`DevicePages`), the host tier's jobs as copies on its streams, the disk
+//! tier staging through its host memory, a model's batched forward over the pages — with
+//! one of three pairs:
+//!
+//! | `--device` | model | KV pages | element |
+//! | --- | --- | --- | --- |
+//! | `cpu` | the CPU model | `CpuOffloadDevice<f32>` | f32 |
+//! | `cuda` | the CUDA model | `CudaOffloadDevice` on GPU 0 | bf16 |
+//! | (tests) | the CUDA model on the kernel emulator | `CpuOffloadDevice<bf16>` | bf16 |
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Result};
+
+use super::device_pages::{DevicePages, DeviceTransfers};
+use super::disk::backend::{DiskBackend, TieredBackend};
+use super::disk::store::{SlotIo, StoreLayout};
+use super::disk::DiskTier;
+use super::engine::{Engine, EngineConfig, EngineStats};
+use super::runner::{BatchForward, DeviceRunner};
+use super::scheduler::Scheduler;
+use super::transfer::TransferBackend;
+use crate::device::cuda::exec::{CudaExec, Exec};
+use crate::device::cuda::model::CudaModel;
+use crate::device::cuda::offload_dev::CudaOffloadDevice;
+use crate::device::cuda::weights::CudaWeights;
+use crate::device::DeviceKind;
+use crate::model::Model;
+use crate::offload::device::OffloadDevice;
+use crate::offload::CpuOffloadDevice;
+use crate::sparse::KvElem;
+
+type WrapBackend<'a> = Box<dyn FnOnce(Box<dyn TransferBackend>) -> Box<dyn TransferBackend> + 'a>;
+type WrapIo<'a> = Box<dyn FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo> + 'a>;
+
+/// Test seams: wrap the transfer backend (late and failed completions) or the disk
+/// store's IO (disk faults). Production engines use `Hooks::default()`.
+#[derive(Default)]
+pub struct Hooks<'a> {
+    pub wrap_backend: Option<WrapBackend<'a>>,
+    pub wrap_io: Option<WrapIo<'a>>,
+}
+
+/// The serving engine for `device`: the CPU model on the CPU device, or the CUDA model on
+/// GPU 0 (`strata serve`, `strata bench serve`).
+pub fn engine_for(device: DeviceKind, model: &Arc<Model>, cfg: &EngineConfig) -> Result<Engine> {
+    match device {
+        DeviceKind::Cpu => cpu_engine(model, cfg, Hooks::default()),
+        DeviceKind::Cuda => gpu_engine(model, cfg),
+    }
+}
+
+/// The CPU model over pages on the CPU device (f32), its copy streams on worker threads
+/// (link throttle and sanitizer delays as configured).
+pub fn cpu_engine(model: &Arc<Model>, cfg: &EngineConfig, hooks: Hooks<'_>) -> Result<Engine> {
+    let d = CpuOffloadDevice::<f32>::new(cfg.link_gbps, cfg.sanitize, 1);
+    on_device(model, cfg, Arc::clone(model), d, hooks)
+}
+
+/// The CUDA model on GPU 0, its pages on the GPU's offload device sharing the model's
+/// compute stream.
+pub fn gpu_engine(model: &Model, cfg: &EngineConfig) -> Result<Engine> {
+    if cfg.link_gbps > 0.0 || cfg.sanitize {
+        bail!("--sim-link-gbps and --sanitize apply to the CPU device only");
+    }
+    crate::device::check_available(DeviceKind::Cuda)?;
+    let dev = Arc::new(crate::device::cuda::context::CudaDevice::new(0)?);
+    let compute = dev.new_stream()?;
+    let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
+    let d = CudaOffloadDevice::new(dev, compute, 1)?;
+    cuda_model_engine(model, cfg, exec, d)
+}
+
+/// The CUDA model on `exec`, its pages on `d` (which must share `exec`'s compute stream):
+/// the GPU, or the kernel emulator in tests (`crate::gpucheck::emu::emulator_serve_engine`).
+pub fn cuda_model_engine<D>(
+    model: &Model,
+    cfg: &EngineConfig,
+    exec: Arc<dyn Exec>,
+    d: D,
+) -> Result<Engine>
+where
+    D: OffloadDevice<Elem = half::bf16> + Send + 'static,
+{
+    let (c, s) = (&model.cfg, &cfg.sched);
+    s.validate()?;
+    // No sequence outgrows the device tier, which bounds the RoPE tables and scratch.
+    let max_pos = c
+        .max_position_embeddings
+        .min(s.num_gpu_blocks * s.block_size);
+    let w = CudaWeights::from_model(&*exec, model)?;
+    let gpu = CudaModel::new(exec, c.clone(), w, max_pos)?;
+    on_device(model, cfg, gpu, d, Hooks::default())
+}
+
+/// The engine assembly: `model`'s configuration (and weights, for the disk tier's
+/// fingerprint), `forward` over pages on `d`.
+pub fn on_device<M, D>(
+    model: &Model,
+    cfg: &EngineConfig,
+    forward: M,
+    d: D,
+    hooks: Hooks<'_>,
+) -> Result<Engine>
+where
+    M: BatchForward + 'static,
+    M::Elem: KvElem,
+    D: OffloadDevice<Elem = M::Elem> + Send + 'static,
+{
+    let mut sched = Scheduler::new(cfg.sched.clone())?;
+    let (c, s) = (&model.cfg, &cfg.sched);
+    let sizes = (s.block_size, s.num_gpu_blocks, s.max_cpu_offload_blocks);
+    let check = cfg.check_order || cfg.sanitize;
+    let pages = DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, check)?;
+    let block_bytes = pages.block_bytes();
+    let pages = Arc::new(Mutex::new(pages));
+    let host: Box<dyn TransferBackend> = Box::new(DeviceTransfers {
+        pages: Arc::clone(&pages),
+    });
+    let mut stats = EngineStats::default();
+    let (backend, disk) = match (&cfg.disk, s.max_disk_offload_blocks) {
+        (None, 0) => (host, None),
+        (None, _) => bail!("--max-disk-offload-blocks needs --disk-offload-dir"),
+        (Some(_), 0) => bail!("--disk-offload-dir needs --max-disk-offload-blocks > 0"),
+        (Some(dc), n) => {
+            let layout = StoreLayout {
+                payload_bytes: block_bytes,
+                num_slots: n,
+            };
+            let fp = super::disk::fingerprint(model, s.block_size, M::Elem::NAME);
+            let wrap_io = hooks.wrap_io.unwrap_or_else(|| Box::new(|io| io));
+            let mut tier = DiskTier::open(dc, layout, fp, wrap_io)?;
+            let entries = tier.restore_entries();
+            tier.restore.adopted = sched.bm.adopt_persisted(&entries);
+            stats.restored_prefix_blocks = tier.restore.adopted;
+            let store = Arc::clone(&tier.store);
+            let disk = DiskBackend::new(Arc::clone(&pages), store, dc.io_threads)?;
+            tier.staging_blocks = disk.staging_blocks();
+            let disk: Box<dyn TransferBackend> = Box::new(disk);
+            let tiered: Box<dyn TransferBackend> = Box::new(TieredBackend { host, disk });
+            (tiered, Some(tier))
+        }
+    };
+    let backend = match hooks.wrap_backend {
+        Some(wrap) => wrap(backend),
+        None => backend,
+    };
+    let runner = Box::new(DeviceRunner {
+        model: forward,
+        pages,
+    });
+    Ok(Engine::assemble(
+        c.clone(),
+        sched,
+        (runner, backend),
+        disk,
+        stats,
+    ))
+}

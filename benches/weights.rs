@@ -558,7 +558,7 @@ fn cuda_host(dir: &Path) -> Value {
     let w = weights::load_safetensors(dir, &mut cfg, false).unwrap();
     let model = Model::new(cfg, w);
     let mut converted = 0usize;
-    strata::device::cuda::weights::convert_each(&model, |bits| {
+    strata::model::cuda::weights::convert_each(&model, |bits| {
         converted += 2 * bits.len();
         // What an upload reads: touch every element so nothing is optimised away.
         Ok(bits.iter().fold(0u16, |a, &b| a ^ b))

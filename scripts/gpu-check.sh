@@ -5,7 +5,10 @@
 #   2. logits CUDA vs CPU                      3. offload (and sparse decode) equality on CUDA
 #   4. pinned bandwidth sweep 64 KB..256 MB    5. offload benchmark at 8K/32K (Qwen3-4B-shaped;
 #      full loading vs sparse decode at 1/8)
-#   6. the serving path on CUDA: batch invariance, preemption bitwise, tokens vs the CPU engine
+#   6. the serving path on CUDA: batch invariance, preemption bitwise, tokens vs the CPU engine,
+#      the disk tier (spill/load, restart reuse, corrupted slots never used)
+# Steps 3 and 6 run under the stream-ordering checker (STRATA_CHECK_ORDER=1): every
+# cross-stream access of KV memory must have a happens-before path (docs/offload.md).
 # Each step is a `strata-gpucheck` subcommand under a time limit (worst case 560 s in
 # all, 590 s with the kill grace; about 2 minutes expected on an H200). A correctness failure (FAIL) makes the exit
 # status non-zero; a missed performance goal of step 5 shows as MISS, and fails only
@@ -81,8 +84,8 @@ want() { [[ ",$steps," == *",$1,"* ]]; }
 
 want 1 && table_step 1 "kernels vs CPU twins" 75 kernels
 want 2 && table_step 2 "logits CUDA vs CPU" 85 logits
-want 3 && table_step 3 "offload + sparse equality on CUDA" 80 offload
-want 6 && table_step 6 "serving path on CUDA" 100 serve
+want 3 && STRATA_CHECK_ORDER=1 table_step 3 "offload + sparse equality on CUDA" 80 offload
+want 6 && STRATA_CHECK_ORDER=1 table_step 6 "serving path on CUDA" 100 serve
 if want 4; then
     run 40 bandwidth
     if [[ $rc -eq 0 ]]; then

@@ -8,13 +8,13 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use strata::device::cuda::generate::ProfileSteps;
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
 use strata::model::weights::WeightDtype;
 use strata::model::{Model, Tokenizer};
 use strata::offload::OffloadConfig;
+use strata::session::ProfileSteps;
 use strata::{errors, flags, Session, SessionConfig};
 
 #[derive(Parser)]
@@ -191,10 +191,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     };
     engine::check_prompt(&prompt, max_model_len)?;
     // Size the KV for this request (prompt + output, within the context) unless told.
-    let request_len = prompt
-        .len()
-        .saturating_add(args.max_tokens)
-        .min(max_model_len);
+    let request_len = engine::request_len(prompt.len(), args.max_tokens, max_model_len);
     let max_len = args.max_model_len.unwrap_or(request_len);
     let sanitize = args.sanitize || std::env::var("STRATA_SANITIZE").is_ok_and(|v| v == "1");
     let sparse = args.sparse.config(args.enable_offload)?;

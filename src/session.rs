@@ -16,13 +16,12 @@ use anyhow::{bail, Result};
 use half::bf16;
 
 use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::cuda::generate::{run_cuda, ProfileSteps};
-use crate::device::cuda::kv::ResidentKv;
-use crate::device::cuda::model::CudaModel;
-use crate::device::cuda::weights::CudaWeights;
-use crate::device::DeviceKind;
+use crate::device::{DeviceKind, Feature};
 use crate::engine::{self, GenerateOptions, GenerationOutput};
+use crate::kv::cuda::ResidentKv;
 use crate::kv::{ContiguousKv, KvCache};
+use crate::model::cuda::weights::CudaWeights;
+use crate::model::cuda::CudaModel;
 use crate::model::{Model, ModelConfig};
 use crate::offload::{CpuOffloadEngine, MemoryPlan, OffloadConfig, OffloadControl, OffloadKv};
 
@@ -50,14 +49,6 @@ impl SessionConfig {
         }
     }
 
-    /// Bytes of one KV element: f32 on the CPU device, bf16 on CUDA.
-    pub fn kv_elem_bytes(&self) -> usize {
-        match self.device {
-            DeviceKind::Cpu => 4,
-            DeviceKind::Cuda => 2,
-        }
-    }
-
     /// Checks the settings against the model; the offload memory plan, if offloading.
     /// Allocates nothing, so front ends print it before `Session::new`.
     pub fn plan(&self, model: &ModelConfig) -> Result<Option<MemoryPlan>> {
@@ -67,12 +58,12 @@ impl SessionConfig {
         if self.trace_out.is_some() && self.offload.is_none() {
             bail!("--trace-out traces the offload engine: add --enable-offload");
         }
-        if self.profile.is_some() && self.device != DeviceKind::Cuda {
-            bail!("--profile-steps needs --device cuda");
+        if self.profile.is_some() {
+            self.device.require(Feature::ProfilerRange)?;
         }
         self.offload
             .as_ref()
-            .map(|o| o.plan_for(model, self.kv_elem_bytes()))
+            .map(|o| o.plan_for(model, self.device.kv_elem_bytes()))
             .transpose()
     }
 
@@ -173,7 +164,7 @@ impl Session {
         let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), compute.clone())?);
         let engine = |m: &ModelConfig, o: OffloadConfig| -> Result<Box<dyn OffloadKv<bf16>>> {
             let (d, st) = (dev.clone(), compute.clone());
-            Ok(Box::new(crate::device::cuda::offload_dev::offload_engine(
+            Ok(Box::new(crate::offload::cuda_device::offload_engine(
                 d, st, m, o,
             )?))
         };
@@ -272,6 +263,8 @@ impl Session {
         opts: &GenerateOptions,
         on_token: &mut dyn FnMut(u32) -> Result<()>,
     ) -> Result<GenerationOutput> {
+        // `SessionConfig::capacity`, the one rule: the offload engine, the resident caches
+        // and the CUDA model's positions are all sized by it.
         let (cap, c) = (self.capacity, &self.model.cfg);
         engine::check_prompt(prompt, cap)?;
         match &mut self.backend {
@@ -291,5 +284,85 @@ impl Session {
                 run_cuda(gpu, kv, cap, prompt, opts, profile, on_token)
             }
         }
+    }
+}
+
+/// Decode steps `start..end` (0 = the first decode step) run between cuProfilerStart and
+/// cuProfilerStop, so `nsys --capture-range=cudaProfilerApi` records only those.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProfileSteps {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl std::str::FromStr for ProfileSteps {
+    type Err = String;
+    /// `A:B`, `A < B`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, b) = s
+            .split_once(':')
+            .ok_or_else(|| format!("expected A:B (decode steps), got '{s}'"))?;
+        let p = |x: &str| {
+            x.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("'{x}' is not a step number"))
+        };
+        let (start, end) = (p(a)?, p(b)?);
+        if start >= end {
+            return Err(format!("A must be less than B in A:B, got '{s}'"));
+        }
+        Ok(Self { start, end })
+    }
+}
+
+/// One request on the CUDA model over `kv` (already checked against `capacity`): the
+/// shared prefill/decode loop, with decode steps bracketed for the profiler.
+fn run_cuda(
+    model: &mut CudaModel,
+    kv: &mut dyn KvCache<bf16>,
+    capacity: usize,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    profile: Option<ProfileSteps>,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationOutput> {
+    kv.reset()?;
+    let mut profiling = false;
+    let mut forward = |tokens: &[u32], pos0: usize, step: Option<usize>| -> Result<Vec<f32>> {
+        if let (Some(p), Some(step)) = (profile, step) {
+            if p.start == step {
+                crate::device::cuda::context::profiler_start()?;
+                profiling = true;
+            }
+        }
+        let logits = model.forward(tokens, pos0, kv)?;
+        if let (Some(p), Some(step), true) = (profile, step, profiling) {
+            if p.end == step + 1 {
+                crate::device::cuda::context::profiler_stop()?;
+                profiling = false;
+            }
+        }
+        Ok(logits)
+    };
+    let out = crate::engine::run_loop(capacity, prompt, opts, &mut forward, on_token)?;
+    if profiling {
+        crate::device::cuda::context::profiler_stop()?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProfileSteps;
+
+    #[test]
+    fn profile_steps_parse() {
+        assert_eq!(
+            "2:5".parse::<ProfileSteps>(),
+            Ok(ProfileSteps { start: 2, end: 5 })
+        );
+        assert!("5:2".parse::<ProfileSteps>().is_err());
+        assert!("3".parse::<ProfileSteps>().is_err());
+        assert!("a:4".parse::<ProfileSteps>().is_err());
     }
 }

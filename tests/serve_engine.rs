@@ -12,6 +12,8 @@ use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::model::Model;
 use strata::serve::transfer::ChaosBackend;
 use strata::serve::{Engine, EngineConfig, RequestParams, SchedulerConfig};
+use strata::server::engine_thread::{self, Event};
+use strata::server::metrics::Metrics;
 
 fn tiny_model(name: &str) -> Arc<Model> {
     let dir = scratch_dir(name);
@@ -212,19 +214,31 @@ fn submitted_requests_stream_their_tokens() {
     }
     assert_eq!(rx0.try_iter().collect::<Vec<_>>(), want[0]);
     assert_eq!(rx1.try_iter().collect::<Vec<_>>(), want[1]);
-    // On the engine's own thread.
-    let h = Engine::new(model, config(60, 100, false)).unwrap().spawn();
+    // On the server's engine thread (the one admission loop), requests joining at once.
+    let e = Engine::new(model, config(60, 100, false)).unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let (client, thread) = engine_thread::spawn(e, Arc::clone(&metrics), vec![]);
     let rxs: Vec<_> = (0..3)
-        .map(|i| h.submit(prompts[i].clone(), params[i].clone()).unwrap())
+        .map(|i| {
+            client
+                .submit(prompts[i].clone(), params[i].clone())
+                .unwrap()
+        })
         .collect();
-    for (rx, w) in rxs.into_iter().zip(&want) {
-        assert_eq!(&rx.iter().collect::<Vec<_>>(), w);
+    for (mut rx, w) in rxs.into_iter().zip(&want) {
+        let mut got = Vec::new();
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                Event::Token(t) => got.push(t),
+                Event::Done(_) => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(&got, w);
     }
-    let stats = h.shutdown().unwrap();
-    assert_eq!(
-        stats.generated_tokens,
-        want.iter().map(Vec::len).sum::<usize>()
-    );
+    client.shutdown();
+    thread.join().unwrap().unwrap();
+    assert!(!client.is_alive());
 }
 
 #[test]

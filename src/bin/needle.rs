@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use strata::{errors, flags};
 
-use strata::device::{self, DeviceKind};
+use strata::device::{self, DeviceKind, Feature};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::Model;
 use strata::needle::{answer_found, Case, NeedleKind};
@@ -168,8 +168,8 @@ fn run(args: Args) -> Result<bool> {
     if args.sanitize && !offloaded {
         bail!("--sanitize checks the offload engine's ordering: add --enable-offload or --compare-offload");
     }
-    if args.sanitize && args.device != DeviceKind::Cpu {
-        bail!("--sanitize runs on the CPU device only (its streams delay copies at random)");
+    if args.sanitize {
+        args.device.require(Feature::Sanitizer)?;
     }
     let ocfg = offloaded.then(|| OffloadConfig {
         num_kv_buffers: args.num_kv_buffers,

@@ -66,6 +66,12 @@ pub fn check_prompt(prompt: &[u32], max_model_len: usize) -> Result<()> {
     Ok(())
 }
 
+/// Tokens a request of `prompt_len` tokens and up to `max_tokens` new ones can reach
+/// within `max_model_len`: what a cache sized for this request alone must hold.
+pub fn request_len(prompt_len: usize, max_tokens: usize, max_model_len: usize) -> usize {
+    prompt_len.saturating_add(max_tokens).min(max_model_len)
+}
+
 /// Runs one request to completion on a fresh contiguous KV cache, calling `on_token`
 /// with each new token as it is produced.
 pub fn generate(
@@ -77,10 +83,7 @@ pub fn generate(
 ) -> Result<GenerationOutput> {
     let cfg = &model.cfg;
     check_prompt(prompt, max_model_len)?;
-    let capacity = prompt
-        .len()
-        .saturating_add(opts.max_tokens)
-        .min(max_model_len);
+    let capacity = request_len(prompt.len(), opts.max_tokens, max_model_len);
     let mut kv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity);
     generate_with(model, &mut kv, capacity, prompt, opts, on_token)
 }

@@ -10,14 +10,14 @@
 use crate::device::cpu::stream::TraceEvent;
 use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::cuda::kv::ResidentKv;
-use crate::device::cuda::model::CudaModel;
-use crate::device::cuda::offload_dev::offload_engine;
 use crate::device::cuda::ops::{dtoh, htod, mem_used};
-use crate::device::cuda::weights::CudaWeights;
 use crate::engine::sampler::argmax;
+use crate::kv::cuda::ResidentKv;
 use crate::kv::KvCache;
+use crate::model::cuda::weights::CudaWeights;
+use crate::model::cuda::CudaModel;
 use crate::model::random::Shape;
+use crate::offload::cuda_device::offload_engine;
 use crate::offload::{OffloadConfig, OffloadControl};
 use crate::sparse::{SparseConfig, DEFAULT_PAGE_SIZE};
 use anyhow::{anyhow, bail, Result};

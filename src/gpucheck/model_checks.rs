@@ -12,15 +12,15 @@
 
 use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::cuda::kv::ResidentKv;
-use crate::device::cuda::model::CudaModel;
-use crate::device::cuda::offload_dev::offload_engine;
-use crate::device::cuda::weights::CudaWeights;
 use crate::device::DeviceKind;
 use crate::engine::{GenerateOptions, GenerationOutput, SamplingParams};
+use crate::kv::cuda::ResidentKv;
 use crate::kv::ContiguousKv;
+use crate::model::cuda::weights::CudaWeights;
+use crate::model::cuda::CudaModel;
 use crate::model::random::{random_weights, Shape};
 use crate::model::Model;
+use crate::offload::cuda_device::offload_engine;
 use crate::offload::{OffloadConfig, OffloadKv};
 use crate::session::{EngineFactory, Session, SessionConfig};
 use crate::sparse::SparseConfig;

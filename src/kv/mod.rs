@@ -7,10 +7,13 @@
 //! begin_step(pos0, tokens) → [ begin_layer(l) → layer l's work → end_layer(l) ]* (l = 0..L)
 //! ```
 
+pub mod cuda;
+
 use std::marker::PhantomData;
 
 use anyhow::{bail, Result};
 
+pub use crate::device::cpu::rows::KvRows;
 use crate::device::DevPtr;
 
 /// Where one layer's K and V live while it computes: `[rows, kv_dim]` each, in the
@@ -147,51 +150,9 @@ impl<'a> LayerKv<'a> {
 
     /// The same memory, to read.
     pub fn read(&self) -> KvRows<'_> {
-        KvRows {
-            k: self.k,
-            v: self.v,
-            len: self.len,
-            _borrow: PhantomData,
-        }
-    }
-}
-
-/// A layer's K and V as the attention reads them, row by row (see `LayerKv`).
-#[derive(Clone, Copy)]
-pub struct KvRows<'a> {
-    k: *const f32,
-    v: *const f32,
-    len: usize,
-    _borrow: PhantomData<&'a [f32]>,
-}
-
-// SAFETY: a shared view; the rows it reaches are not written while it lives (the
-// `KvCache` contract, or a borrow of the caller's buffers).
-unsafe impl Send for KvRows<'_> {}
-unsafe impl Sync for KvRows<'_> {}
-
-impl<'a> KvRows<'a> {
-    pub fn from_slices(k: &'a [f32], v: &'a [f32]) -> Self {
-        assert_eq!(k.len(), v.len(), "K and V hold the same rows");
-        Self {
-            k: k.as_ptr(),
-            v: v.as_ptr(),
-            len: k.len(),
-            _borrow: PhantomData,
-        }
-    }
-
-    /// K and V at `at..at + n` (offsets in f32s).
-    #[inline(always)]
-    pub fn rows(&self, at: usize, n: usize) -> (&'a [f32], &'a [f32]) {
-        assert!(at + n <= self.len, "KV read {at}+{n} past {}", self.len);
-        // SAFETY: in bounds (above); nothing writes the range while the view lives.
-        unsafe {
-            (
-                std::slice::from_raw_parts(self.k.add(at), n),
-                std::slice::from_raw_parts(self.v.add(at), n),
-            )
-        }
+        // SAFETY: `len` f32s at each pointer (the slot, or the caller's buffers), borrowed
+        // from `self` for the view's life, so nothing stores through it meanwhile.
+        unsafe { KvRows::from_raw(self.k, self.v, self.len) }
     }
 }
 

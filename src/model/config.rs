@@ -197,6 +197,22 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
+    /// Bytes of K and V for `tokens` tokens of one layer, in elements of `elem_bytes`
+    /// (`DeviceKind::kv_elem_bytes`); `None` if the product overflows. With `kv_bytes`, the
+    /// one KV sizing rule: offload plans, serving blocks, memory checks and plan lines.
+    pub fn kv_layer_bytes(&self, tokens: usize, elem_bytes: usize) -> Option<usize> {
+        [2, tokens, self.kv_dim(), elem_bytes]
+            .into_iter()
+            .try_fold(1usize, usize::checked_mul)
+    }
+
+    /// Bytes of K and V for `tokens` tokens in every layer (one serving block of `tokens`
+    /// tokens, a disk slot's payload).
+    pub fn kv_bytes(&self, tokens: usize, elem_bytes: usize) -> Option<usize> {
+        self.kv_layer_bytes(tokens, elem_bytes)?
+            .checked_mul(self.num_layers)
+    }
+
     /// Rejects configurations the forward pass cannot run, with the reason. Every size is
     /// bounded (see `limits`) before anything is allocated from it, and every product the
     /// loader and the forward pass form from these sizes fits in memory arithmetic.

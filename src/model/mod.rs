@@ -1,6 +1,7 @@
 //! Decoder-only transformer (Llama, Qwen2, Qwen3) with an explicit layer loop over the KV seam.
 
 pub mod config;
+pub mod cuda;
 pub mod files;
 mod gguf_header;
 pub mod random;

@@ -1,6 +1,6 @@
 //! What the offload engine needs from a device: streams by role, events, memory in two
 //! spaces, ranged copies checked against their allocations, poison, and trace marks. The
-//! CPU device (`super::cpu_device`) and the CUDA device (`crate::device::cuda::offload_dev`)
+//! CPU device (`super::cpu_device`) and the CUDA device (`super::cuda_device`)
 //! implement it; the engine (`super::engine`) is written once against it.
 
 use anyhow::{bail, Result};

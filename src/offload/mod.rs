@@ -19,6 +19,7 @@
 pub mod bench;
 pub mod checked;
 pub mod cpu_device;
+pub mod cuda_device;
 pub mod device;
 pub mod engine;
 pub mod ring;
@@ -160,11 +161,14 @@ impl OffloadConfig {
         let mul = |a: usize, b: usize| a.checked_mul(b).ok_or_else(too_large);
         let slot_tokens = mul(blocks_needed, self.block_size)?;
         let row_bytes = mul(model.kv_dim(), elem_bytes)?;
-        let kv = 2; // K and V
-        let block_bytes = mul(mul(kv, self.block_size)?, row_bytes)?;
-        let decode_buffer_bytes = mul(model.num_layers, block_bytes)?;
+        let decode_buffer_bytes = model
+            .kv_bytes(self.block_size, elem_bytes)
+            .ok_or_else(too_large)?;
         let host_kv_bytes = mul(decode_buffer_bytes, num_cpu_blocks)?;
-        let ring_bytes = mul(mul(kv * self.num_kv_buffers, slot_tokens)?, row_bytes)?;
+        let slot_bytes = model
+            .kv_layer_bytes(slot_tokens, elem_bytes)
+            .ok_or_else(too_large)?;
+        let ring_bytes = mul(self.num_kv_buffers, slot_bytes)?;
         let page_bounds_bytes = match &self.sparse {
             None => 0,
             Some(sc) => {

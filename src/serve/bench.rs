@@ -171,19 +171,6 @@ fn ensure_fits(bytes: Option<usize>, what: &str, lower: &str) -> Result<()> {
     Ok(())
 }
 
-/// Bytes of the paged KV pools (device pages and host tier) for `model`, checked.
-fn kv_pool_bytes(model: &Model, sched: &SchedulerConfig) -> Option<usize> {
-    let c = &model.cfg;
-    // K and V, f32, every layer: bytes of one block.
-    let block_bytes = [2, 4, c.num_layers, c.kv_dim(), sched.block_size]
-        .into_iter()
-        .try_fold(1usize, usize::checked_mul)?;
-    let blocks = sched
-        .num_gpu_blocks
-        .checked_add(sched.max_cpu_offload_blocks)?;
-    block_bytes.checked_mul(blocks)
-}
-
 pub struct BenchRun {
     pub outputs: Vec<Vec<u32>>,
     pub stats: EngineStats,
@@ -269,9 +256,11 @@ pub fn run_once(
 }
 
 /// The memory plan, printed at start: what each tier holds.
-fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize) {
-    let c = &model.cfg;
-    let block = 2 * c.num_layers * sched.block_size * c.num_kv_heads * c.head_dim * 4;
+fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize, device: DeviceKind) {
+    let block = model
+        .cfg
+        .kv_bytes(sched.block_size, device.kv_elem_bytes())
+        .unwrap_or(0); // checked by ensure_fits first
     let mib = |n: usize| (n * block) as f64 / (1u64 << 20) as f64;
     eprintln!(
         "plan: KV block {} tokens = {:.1} KiB | GPU {} blocks ({:.1} MiB) | host {} blocks ({:.1} MiB) | disk {} blocks ({:.1} MiB) | working set {} blocks",
@@ -329,7 +318,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     };
     sched.validate()?;
     ensure_fits(
-        kv_pool_bytes(&model, &sched),
+        super::setup::host_kv_bytes(&model.cfg, &sched, a.device),
         "the KV pools",
         "--num-gpu-blocks, --max-cpu-offload-blocks or --block-size",
     )?;
@@ -338,7 +327,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         !a.tier_table || disk.is_some(),
         "--tier-table needs --disk-offload-dir and --max-disk-offload-blocks"
     );
-    print_plan(&model, &sched, working_set);
+    print_plan(&model, &sched, working_set, a.device);
     if a.table {
         return run_table(&a, &model, sched, working_set, &prompts, &params);
     }
@@ -367,7 +356,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             ..sched.clone()
         };
         ensure_fits(
-            kv_pool_bytes(&model, &free),
+            super::setup::host_kv_bytes(&model.cfg, &free, a.device),
             "the unconstrained run's KV pool",
             "--num-seqs or the lengths",
         )?;
@@ -615,7 +604,7 @@ fn run_tier_table(
         ..tight.clone()
     };
     ensure_fits(
-        kv_pool_bytes(model, &free),
+        super::setup::host_kv_bytes(&model.cfg, &free, a.device),
         "the unconstrained run's KV pool",
         "--num-seqs or the lengths",
     )?;

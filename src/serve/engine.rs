@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -350,74 +349,6 @@ impl Engine {
                 ))
             })
             .collect()
-    }
-
-    /// Moves the engine onto its own thread, which admits submitted requests between steps.
-    pub fn spawn(self) -> EngineHandle {
-        let (tx, rx) = channel::<Submission>();
-        let thread = std::thread::spawn(move || serve_loop(self, rx));
-        EngineHandle {
-            tx: Some(tx),
-            thread: Some(thread),
-        }
-    }
-}
-
-type Submission = (Vec<u32>, RequestParams, Sender<Result<Receiver<u32>>>);
-
-fn serve_loop(mut engine: Engine, rx: Receiver<Submission>) -> Result<EngineStats> {
-    let mut open = true;
-    loop {
-        // Admit new requests between steps; block only when idle.
-        loop {
-            let msg = if engine.has_unfinished() || !open {
-                rx.try_recv().ok()
-            } else {
-                rx.recv().ok()
-            };
-            let Some((prompt, params, reply)) = msg else {
-                if !engine.has_unfinished() {
-                    open = false;
-                }
-                break;
-            };
-            let _ = reply.send(engine.submit(prompt, &params).map(|(_, r)| r));
-        }
-        if !engine.has_unfinished() && !open {
-            engine.drain_transfers()?;
-            return Ok(engine.stats());
-        }
-        if engine.has_unfinished() {
-            engine.step()?;
-        }
-    }
-}
-
-/// A running engine thread: submit requests, read their tokens as they are produced.
-pub struct EngineHandle {
-    tx: Option<Sender<Submission>>,
-    thread: Option<JoinHandle<Result<EngineStats>>>,
-}
-
-impl EngineHandle {
-    /// Submits one request; tokens arrive on the receiver, which closes when it finishes.
-    pub fn submit(&self, prompt: Vec<u32>, params: RequestParams) -> Result<Receiver<u32>> {
-        let (rtx, rrx) = channel();
-        self.tx
-            .as_ref()
-            .context("engine closed")?
-            .send((prompt, params, rtx))
-            .ok()
-            .context("the engine thread has stopped")?;
-        rrx.recv().context("the engine thread has stopped")?
-    }
-
-    /// Stops accepting requests, lets the running ones finish, and returns the stats.
-    pub fn shutdown(mut self) -> Result<EngineStats> {
-        drop(self.tx.take());
-        let t = self.thread.take().context("already shut down")?;
-        t.join()
-            .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?
     }
 }
 

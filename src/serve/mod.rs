@@ -21,5 +21,5 @@ pub mod scheduler;
 pub mod setup;
 pub mod transfer;
 
-pub use engine::{Engine, EngineConfig, EngineHandle, EngineStats, RequestParams};
+pub use engine::{Engine, EngineConfig, EngineStats, RequestParams};
 pub use scheduler::SchedulerConfig;

@@ -9,7 +9,7 @@ use half::bf16;
 
 use super::device_pages::{lock, SharedPages};
 use super::scheduler::ScheduledSeq;
-use crate::device::cuda::model::CudaModel;
+use crate::model::cuda::CudaModel;
 use crate::model::{BatchSeq, Model, PagePool, WantLogits};
 use crate::offload::device::OffloadDevice;
 

@@ -20,14 +20,14 @@ use super::disk::store::{SlotIo, StoreLayout};
 use super::disk::DiskTier;
 use super::engine::{Engine, EngineConfig, EngineStats};
 use super::runner::{BatchForward, DeviceRunner};
-use super::scheduler::Scheduler;
+use super::scheduler::{Scheduler, SchedulerConfig};
 use super::transfer::TransferBackend;
 use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::cuda::model::CudaModel;
-use crate::device::cuda::offload_dev::CudaOffloadDevice;
-use crate::device::cuda::weights::CudaWeights;
-use crate::device::DeviceKind;
-use crate::model::Model;
+use crate::device::{DeviceKind, Feature};
+use crate::model::cuda::weights::CudaWeights;
+use crate::model::cuda::CudaModel;
+use crate::model::{Model, ModelConfig};
+use crate::offload::cuda_device::CudaOffloadDevice;
 use crate::offload::device::OffloadDevice;
 use crate::offload::CpuOffloadDevice;
 use crate::sparse::KvElem;
@@ -41,6 +41,24 @@ type WrapIo<'a> = Box<dyn FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo> + 'a>;
 pub struct Hooks<'a> {
     pub wrap_backend: Option<WrapBackend<'a>>,
     pub wrap_io: Option<WrapIo<'a>>,
+}
+
+/// Bytes of host memory the KV pages of `sched` take on `device`: both tiers on the CPU
+/// device (its "device" memory is host memory), the host tier alone on CUDA (pinned);
+/// `None` if it overflows.
+pub fn host_kv_bytes(
+    model: &ModelConfig,
+    sched: &SchedulerConfig,
+    device: DeviceKind,
+) -> Option<usize> {
+    let block = model.kv_bytes(sched.block_size, device.kv_elem_bytes())?;
+    let blocks = match device {
+        DeviceKind::Cpu => sched
+            .num_gpu_blocks
+            .checked_add(sched.max_cpu_offload_blocks)?,
+        DeviceKind::Cuda => sched.max_cpu_offload_blocks,
+    };
+    block.checked_mul(blocks)
 }
 
 /// The serving engine for `device`: the CPU model on the CPU device, or the CUDA model on
@@ -62,8 +80,11 @@ pub fn cpu_engine(model: &Arc<Model>, cfg: &EngineConfig, hooks: Hooks<'_>) -> R
 /// The CUDA model on GPU 0, its pages on the GPU's offload device sharing the model's
 /// compute stream.
 pub fn gpu_engine(model: &Model, cfg: &EngineConfig) -> Result<Engine> {
-    if cfg.link_gbps > 0.0 || cfg.sanitize {
-        bail!("--sim-link-gbps and --sanitize apply to the CPU device only");
+    if cfg.link_gbps > 0.0 {
+        DeviceKind::Cuda.require(Feature::SimulatedLink)?;
+    }
+    if cfg.sanitize {
+        DeviceKind::Cuda.require(Feature::Sanitizer)?;
     }
     crate::device::check_available(DeviceKind::Cuda)?;
     let dev = Arc::new(crate::device::cuda::context::CudaDevice::new(0)?);

@@ -100,24 +100,6 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
         num_gpu_blocks * bs
     );
     let cpu_blocks = args.max_cpu_offload_blocks.unwrap_or(num_gpu_blocks);
-    let c = &model.cfg;
-    // Host memory the KV takes: on the CPU device both tiers in f32; on CUDA the host tier
-    // in bf16 (pinned), the device tier in GPU memory (whose allocation fails clearly).
-    let (elem, host_blocks) = match args.device {
-        DeviceKind::Cpu => (4, num_gpu_blocks as u128 + cpu_blocks as u128),
-        DeviceKind::Cuda => (2, cpu_blocks as u128),
-    };
-    let block_bytes = 2 * c.num_layers * bs * c.num_kv_heads * c.head_dim * elem;
-    let kv_bytes = host_blocks * block_bytes as u128;
-    if let Some(avail) = available_memory_bytes() {
-        ensure!(
-            kv_bytes <= avail as u128,
-            "the KV cache needs {:.1} GiB of host memory ({num_gpu_blocks} GPU + {cpu_blocks} host blocks of {bs} tokens on --device {}) but only {:.1} GiB is available; lower --num-gpu-blocks, --max-cpu-offload-blocks or --max-model-len",
-            kv_bytes as f64 / (1u64 << 30) as f64,
-            args.device,
-            avail as f64 / (1u64 << 30) as f64
-        );
-    }
     let disk = args.disk.config()?;
     let sched = SchedulerConfig {
         block_size: bs,
@@ -133,6 +115,18 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
         prefill_chunk: PREFILL_CHUNK_TOKENS.div_ceil(bs).max(1) * bs,
     };
     sched.validate()?;
+    // Host memory the KV takes (on CUDA the device tier is GPU memory, whose allocation
+    // fails clearly).
+    let kv = crate::serve::setup::host_kv_bytes(&model.cfg, &sched, args.device);
+    if let Some(avail) = available_memory_bytes() {
+        ensure!(
+            kv.is_some_and(|b| b as u64 <= avail),
+            "the KV cache needs {} of host memory ({num_gpu_blocks} GPU + {cpu_blocks} host blocks of {bs} tokens on --device {}) but only {:.1} GiB is available; lower --num-gpu-blocks, --max-cpu-offload-blocks or --max-model-len",
+            kv.map_or("more than the address space".to_string(), |b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)),
+            args.device,
+            avail as f64 / (1u64 << 30) as f64
+        );
+    }
     Ok((
         EngineConfig {
             sched,

@@ -5,5 +5,6 @@ pub mod dot;
 pub mod fused;
 pub mod ops;
 pub mod quant;
+pub mod rows;
 pub mod stream;
 pub mod twins;

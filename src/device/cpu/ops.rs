@@ -8,7 +8,7 @@ use rayon::prelude::*;
 pub use super::dot::dot_fixed;
 use super::dot::{dot_block, DotKernel};
 use super::fused::{StoredDot, StoredRows};
-use crate::kv::KvRows;
+use super::rows::KvRows;
 
 /// Weight rows per parallel task of `linear` (a multiple of every kernel's `NR`): the tile
 /// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only

@@ -8,16 +8,11 @@
 
 pub mod context;
 pub mod exec;
-pub mod generate;
-pub mod kv;
 pub mod libs;
-pub mod model;
 pub mod nvrtc;
-pub mod offload_dev;
 pub mod ops;
 pub mod sparse;
 pub mod trace;
-pub mod weights;
 
 use anyhow::{bail, Result};
 use libs::Lib;

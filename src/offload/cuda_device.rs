@@ -2,13 +2,13 @@
 //! sparse decode's H2D miss stream and a pool of D2H offload streams; CUDA events; pinned
 //! host KV and device memory; async copies on raw addresses (see `ops` for why not
 //! cudarc's safe copies) traced with timed events and NVTX ranges when asked; sparse
-//! decode's kernels (`super::sparse`) on the compute stream. KV in bf16.
+//! decode's kernels (`crate::device::cuda::sparse`) on the compute stream. KV in bf16.
 
-use super::context::CudaDevice;
-use super::ops::{dptr, dtod, dtoh, htod, poison, Kernels};
-use super::trace::Tracer;
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::TraceEvent;
+use crate::device::cuda::context::CudaDevice;
+use crate::device::cuda::ops::{dptr, dtod, dtoh, htod, poison, Kernels};
+use crate::device::cuda::trace::Tracer;
 use crate::device::DevPtr;
 use crate::kv::Query;
 use crate::offload::device::{
@@ -274,7 +274,13 @@ impl OffloadDevice for CudaOffloadDevice {
         if !on_device(keys.mem) || !on_device(bounds.mem) {
             bail!("page bounds: keys and bounds must be device memory");
         }
-        let l = super::sparse::page_bounds(dev(k).cast(), dev(b).cast(), pages, page_size, row);
+        let l = crate::device::cuda::sparse::page_bounds(
+            dev(k).cast(),
+            dev(b).cast(),
+            pages,
+            page_size,
+            row,
+        );
         self.kernels.launch(&self.compute.0, &l)
     }
 
@@ -306,7 +312,14 @@ impl OffloadDevice for CudaOffloadDevice {
         }
         let (buf, _) = self.scores.as_ref().expect("allocated above");
         let out = dptr(buf, &st);
-        let l = super::sparse::head_bounds(q.ptr, dev(b).cast(), out, pages, page_size, heads);
+        let l = crate::device::cuda::sparse::head_bounds(
+            q.ptr,
+            dev(b).cast(),
+            out,
+            pages,
+            page_size,
+            heads,
+        );
         self.kernels.launch(&st, &l)?;
         let mut host = vec![0f32; n];
         // SAFETY: `out` holds at least `n` f32; `host` outlives the copy, which the
@@ -335,7 +348,7 @@ pub fn offload_engine(
     cfg: crate::offload::OffloadConfig,
 ) -> Result<CudaOffloadEngine> {
     if cfg.link_gbps > 0.0 {
-        bail!("--sim-link-gbps throttles the CPU device only; the CUDA device uses the real link");
+        crate::device::DeviceKind::Cuda.require(crate::device::Feature::SimulatedLink)?;
     }
     let d = CudaOffloadDevice::new(dev, compute, crate::offload::engine::OFFLOAD_STREAMS)?;
     crate::offload::OffloadEngine::new(d, model, cfg)

@@ -3,11 +3,13 @@
 //! threads), with the KV behind the `KvCache` seam (`crate::kv`). Activations bf16; cuBLAS and the
 //! kernels accumulate in f32; logits f32.
 
-use super::exec::alloc;
-use super::exec::{Buf, Exec};
-use super::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, PagedAttn};
-use super::weights::CudaWeights;
+pub mod weights;
+
+use self::weights::CudaWeights;
 use crate::device::cpu::ops::rope_tables;
+use crate::device::cuda::exec::alloc;
+use crate::device::cuda::exec::{Buf, Exec};
+use crate::device::cuda::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::DevPtr;
 use crate::kv::{KvCache, LayerSlot, NewRow, Query};
 use crate::model::{check_ids, config, ModelConfig};
@@ -111,7 +113,7 @@ impl CudaModel {
         max_pos: usize,
     ) -> Result<Self> {
         // The attention kernels are instantiated for these head dims only.
-        super::ops::check_head_dim(cfg.head_dim)?;
+        ops::check_head_dim(cfg.head_dim)?;
         if w.layers.len() != cfg.num_layers {
             bail!(
                 "weights have {} layers, config {}",

@@ -1,7 +1,7 @@
 //! Every layer's KV resident on the CUDA device (or the emulator's memory): the
 //! `KvCache` seam with nothing to wait for, since it shares the model's stream.
 
-use super::exec::{Buf, Exec};
+use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
 use crate::kv::{KvCache, LayerSlot};
 use anyhow::{bail, Result};

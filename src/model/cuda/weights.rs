@@ -7,8 +7,8 @@
 //! (row by row, see `Weight::to_bf16_bits`), uploaded, and its host copy dropped before
 //! the next; the host never holds more than one tensor's bf16 beyond the stored weights.
 
-use super::exec::{Buf, Exec};
 use crate::device::bf16::f32_to_bf16;
+use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
 use crate::model::{Model, ModelConfig};
 use anyhow::Result;
@@ -118,7 +118,7 @@ impl CudaWeights {
     /// Uploads a loaded model's weights, converted to bf16 tensor by tensor.
     pub fn from_model(exec: &dyn Exec, model: &Model) -> Result<Self> {
         // Before uploading gigabytes (`CudaModel::new` checks it again for any weights).
-        super::ops::check_head_dim(model.cfg.head_dim)?;
+        crate::device::cuda::ops::check_head_dim(model.cfg.head_dim)?;
         let mut bytes = 0;
         let m = convert_each(model, |bits| {
             bytes += 2 * bits.len();

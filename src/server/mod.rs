@@ -230,10 +230,10 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
         None => None,
     };
     println!("strata serve: listening on http://{addr} (model `{served_model_name}`)");
-    if let Some(p) = &kv_events {
-        println!("strata serve: KV events on {} (topic {:?})", p.bound, p.topic);
-    }
     std::io::stdout().flush()?;
+    if let Some(p) = &kv_events {
+        eprintln!("strata serve: KV events on {} (topic {:?})", p.bound, p.topic);
+    }
 
     let metrics = Arc::new(Metrics::new(&served_model_name));
     let state = Arc::new(AppState::new(

@@ -14,12 +14,14 @@ mod common;
 use std::process::Command;
 
 #[test]
-fn the_kv_router_sends_follow_ups_to_the_worker_caching_their_prefix_and_survives_a_dead_worker()
-{
+fn the_kv_router_sends_follow_ups_to_the_worker_caching_their_prefix_and_survives_a_dead_worker() {
     let model = common::require_default_model();
     let python = std::env::var("STRATA_DYNAMO_PYTHON").unwrap_or_else(|_| "python3".into());
     let probe = Command::new(&python)
-        .args(["-c", "import dynamo.frontend, dynamo.common.backend, aiohttp"])
+        .args([
+            "-c",
+            "import dynamo.frontend, dynamo.common.backend, aiohttp",
+        ])
         .status()
         .map(|s| s.success())
         .unwrap_or(false);

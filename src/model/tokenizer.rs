@@ -387,7 +387,10 @@ impl Tokenizer {
         let fields = [
             ("bos_token", self.bos_token.clone()),
             ("eos_token", self.eos_token.clone()),
-            ("chat_template", self.chat_template.as_ref().map(|t| t.text.clone())),
+            (
+                "chat_template",
+                self.chat_template.as_ref().map(|t| t.text.clone()),
+            ),
         ];
         for (key, value) in fields {
             if let Some(v) = value {

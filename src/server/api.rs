@@ -380,13 +380,7 @@ impl TokenIds<'_> {
 
 impl ResponseMeta {
     /// The non-streamed response.
-    pub fn full(
-        &self,
-        text: &str,
-        finish: Finish,
-        usage: Usage,
-        ids: Option<TokenIds>,
-    ) -> Value {
+    pub fn full(&self, text: &str, finish: Finish, usage: Usage, ids: Option<TokenIds>) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => json!({
                 "index": 0,
@@ -568,7 +562,10 @@ mod tests {
         let p = |v: Value| Prompt::parse(&v, 100);
         assert_eq!(p(json!("hi")).unwrap(), Prompt::Text("hi".into()));
         assert_eq!(p(json!(["hi"])).unwrap(), Prompt::Text("hi".into()));
-        assert_eq!(p(json!([1, 2, 99])).unwrap(), Prompt::Tokens(vec![1, 2, 99]));
+        assert_eq!(
+            p(json!([1, 2, 99])).unwrap(),
+            Prompt::Tokens(vec![1, 2, 99])
+        );
         assert_eq!(p(json!([[5, 6]])).unwrap(), Prompt::Tokens(vec![5, 6]));
         for (bad, says) in [
             (json!([1, 100]), "0..100"),

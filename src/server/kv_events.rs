@@ -65,7 +65,11 @@ impl fmt::Display for ZmqEndpoint {
 impl ZmqEndpoint {
     /// What the socket binds: ZMQ's `*` is the unspecified address.
     fn bind_address(&self) -> String {
-        let host = if self.host == "*" { "0.0.0.0" } else { &self.host };
+        let host = if self.host == "*" {
+            "0.0.0.0"
+        } else {
+            &self.host
+        };
         format!("tcp://{host}:{}", self.port)
     }
 }

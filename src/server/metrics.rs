@@ -107,7 +107,10 @@ impl Metrics {
         };
         let v = m.registry.sub_registry_with_labels(
             [
-                (Cow::Borrowed("model_name"), Cow::Owned(model_name.to_string())),
+                (
+                    Cow::Borrowed("model_name"),
+                    Cow::Owned(model_name.to_string()),
+                ),
                 (Cow::Borrowed("engine"), Cow::Borrowed("0")),
             ]
             .into_iter(),

@@ -232,7 +232,10 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
     println!("strata serve: listening on http://{addr} (model `{served_model_name}`)");
     std::io::stdout().flush()?;
     if let Some(p) = &kv_events {
-        eprintln!("strata serve: KV events on {} (topic {:?})", p.bound, p.topic);
+        eprintln!(
+            "strata serve: KV events on {} (topic {:?})",
+            p.bound, p.topic
+        );
     }
 
     let metrics = Arc::new(Metrics::new(&served_model_name));
@@ -343,8 +346,7 @@ fn load(
     if let Some(line) = engine.disk_plan() {
         eprintln!("strata serve: {line}");
     }
-    let (client, thread) =
-        engine_thread::spawn(engine, Arc::clone(&state.metrics), eos, kv_events);
+    let (client, thread) = engine_thread::spawn(engine, Arc::clone(&state.metrics), eos, kv_events);
     *engine_thread.lock().expect("not poisoned") = Some(thread);
     let loaded = Loaded {
         tokenizer: Arc::new(tokenizer),

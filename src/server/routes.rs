@@ -514,7 +514,13 @@ fn stream_response(
     let chat = meta.endpoint == Endpoint::Chat;
     if chat {
         let ids = run.new_ids(true);
-        queue.push_back(sse_json(&meta.chunk("", true, None, gen.include_usage, ids)));
+        queue.push_back(sse_json(&meta.chunk(
+            "",
+            true,
+            None,
+            gen.include_usage,
+            ids,
+        )));
     }
     let init = S {
         run,

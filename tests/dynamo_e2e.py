@@ -357,7 +357,7 @@ def main():
             check(kind in ("ok", "error"), f"stream {k} did not end cleanly after the kill: {detail}")
         # The survivor serves; requests routed to the dead worker before Dynamo dropped it
         # must fail cleanly (an OpenAI-style error object), never hang.
-        served, failed = 0, 0
+        served, failed, failures = 0, 0, []
         deadline = time.time() + 60
         while served < 4 and time.time() < deadline:
             before = c.metrics(0)[0]
@@ -369,8 +369,9 @@ def main():
                 check(isinstance(body, dict) and ("error" in body or "message" in body),
                       f"a failed request after the kill got no error object: {status} {body}")
                 failed += 1
+                failures.append(status)
                 time.sleep(0.5)
-        result["after_kill"] = {"served": served, "failed_first": failed}
+        result["after_kill"] = {"served": served, "failed_first": failures}
         check(served == 4, f"the surviving worker served {served} of 4 requests after the kill")
         check(failed <= 3, f"{failed} requests failed after the kill before the survivor took over")
         # The killed worker's strata followed it (prctl PDEATHSIG), not left serving.

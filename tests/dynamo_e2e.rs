@@ -6,7 +6,7 @@
 //! mid-stream ends every stream cleanly and the other goes on serving.
 //!
 //! Needs Dynamo (`ai-dynamo`, `ai-dynamo-runtime` 1.6.1 and their dependencies; .ci/run
-//! installs them, pinned) in `python3`, or in `$STRATA_DYNAMO_PYTHON`. Without it the test
+//! installs them, pinned) in `python3`, or in `$STRATA_TEST_PYTHON`. Without it the test
 //! fails under CI=true and is skipped, loudly, elsewhere.
 
 mod common;
@@ -16,26 +16,12 @@ use std::process::Command;
 #[test]
 fn the_kv_router_sends_follow_ups_to_the_worker_caching_their_prefix_and_survives_a_dead_worker() {
     let model = common::require_default_model();
-    let python = std::env::var("STRATA_DYNAMO_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python)
-        .args([
-            "-c",
-            "import dynamo.frontend, dynamo.common.backend, aiohttp",
-        ])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !probe {
-        let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-        assert!(
-            !ci,
-            "Dynamo is not installed in {python} (CI=true): see .ci/run for the pinned install"
-        );
-        eprintln!(
-            "\n**** SKIPPED: Dynamo is not installed in {python}; see docs/distributed.md ****\n"
-        );
+    let Some(python) = common::python_with(
+        "dynamo.frontend, dynamo.common.backend, aiohttp",
+        "install Dynamo as .ci/run does (docs/distributed.md)",
+    ) else {
         return;
-    }
+    };
     let root = env!("CARGO_MANIFEST_DIR");
     let out = Command::new(&python)
         .arg(format!("{root}/tests/dynamo_e2e.py"))

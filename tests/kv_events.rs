@@ -18,21 +18,9 @@ use live_server::Server;
 #[test]
 fn a_vllm_format_subscriber_sees_stored_blocks_in_order_evictions_and_the_final_clear() {
     let model = common::require_default_model();
-    let python = std::env::var("STRATA_DYNAMO_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python)
-        .args(["-c", "import zmq, msgpack"])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !probe {
-        let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-        assert!(
-            !ci,
-            "pyzmq or msgpack is missing in {python} (CI=true): pip install pyzmq msgpack"
-        );
-        eprintln!("\n**** SKIPPED: pyzmq or msgpack is missing; pip install pyzmq msgpack ****\n");
+    let Some(python) = common::python_with("zmq, msgpack", "pip install pyzmq msgpack") else {
         return;
-    }
+    };
     // 40 pages of 16 tokens: a handful of 128-token prompts fills them.
     let gpu_blocks = "40";
     let mut server = Server::start(

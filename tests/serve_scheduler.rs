@@ -426,6 +426,13 @@ struct EventMirror {
 }
 
 impl EventMirror {
+    fn tier(&mut self, medium: Medium) -> &mut HashSet<u64> {
+        match medium {
+            Medium::Gpu => &mut self.gpu,
+            Medium::Disk => &mut self.disk,
+        }
+    }
+
     /// Applies the events since the last step (each `Stored` block's hash must be its
     /// parent's and tokens' chained hash; nothing stored twice or removed unseen), then
     /// checks the view against what a lookup finds, for every hash a prompt can make.
@@ -448,28 +455,18 @@ impl EventMirror {
                         );
                         prev = Some(*h);
                     }
-                    let set = if medium == Medium::Gpu {
-                        &mut self.gpu
-                    } else {
-                        &mut self.disk
-                    };
                     for h in hashes {
                         assert!(
-                            set.insert(h),
+                            self.tier(medium).insert(h),
                             "case {case}: {medium:?} block {h} stored twice"
                         );
                         self.stored += 1;
                     }
                 }
                 CacheEvent::Removed { medium, hashes } => {
-                    let set = if medium == Medium::Gpu {
-                        &mut self.gpu
-                    } else {
-                        &mut self.disk
-                    };
                     for h in hashes {
                         assert!(
-                            set.remove(&h),
+                            self.tier(medium).remove(&h),
                             "case {case}: {medium:?} block {h} removed unseen"
                         );
                         self.removed += 1;

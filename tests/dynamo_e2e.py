@@ -9,7 +9,8 @@ strata's own KV-cache events), one round-robin. For each router, distinct long p
 get three requests each (the first ones at once, the follow-ups one by one), and each
 follow-up is attributed by the strata instances' own counters: the one whose
 `vllm:prompt_tokens` grew by the prompt served it, and its `vllm:prefix_cache_hits` say
-whether it had the prefix cached. Then, with streams in flight, one worker is killed
+whether it had the prefix cached. A client that disconnects mid-stream must be cancelled
+in strata. Then, with streams in flight, one worker is killed
 (SIGKILL): every stream must end cleanly (finished, or an error event), the other
 worker must go on serving, and the killed worker's strata must exit by itself.
 
@@ -245,6 +246,40 @@ def summarize(rows):
     return hits, len(rows)
 
 
+def cancel_phase(c):
+    """A client that goes away mid-stream: Dynamo cancels the request, the worker closes
+    its stream to strata, and strata cancels it (its own counter says so). Returns the
+    seconds that took."""
+    def cancelled():
+        total = 0.0
+        for port in c.strata_ports:
+            _, text = http_json(f"http://127.0.0.1:{port}/metrics", timeout=10)
+            for line in text.splitlines():
+                if line.startswith("strata:num_requests_cancelled_total "):
+                    total += float(line.split()[1])
+        return total
+
+    before = cancelled()
+    conn = http.client.HTTPConnection("127.0.0.1", c.frontends["kv"], timeout=60)
+    body = {"model": c.model, "prompt": prefix_text("abandoned letters", 77),
+            "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    check(r.status == 200, f"cancel: HTTP {r.status}")
+    for raw in r:
+        if raw.startswith(b"data:"):
+            break
+    t = time.time()
+    conn.sock.close()  # the client goes away
+    conn.close()
+    while time.time() - t < 20:
+        if cancelled() > before:
+            return round(time.time() - t, 2)
+        time.sleep(0.2)
+    check(False, "a disconnected client's request was not cancelled in strata within 20 s")
+    return None
+
+
 def kill_phase(c):
     """Streams in flight; worker 1's process is killed. Returns each stream's outcome."""
     port = c.frontends["kv"]
@@ -350,6 +385,8 @@ def main():
             check(body["usage"]["prompt_tokens"] == ref["prompt_tokens"],
                   f"Dynamo tokenized {body['usage']['prompt_tokens']} tokens, strata {ref['prompt_tokens']}")
         result["greedy_text_equal"] = not any("greedy" in f for f in FAILURES)
+
+        result["cancelled_in_strata_after_s"] = cancel_phase(c)
 
         outcomes = kill_phase(c)
         result["kill_outcomes"] = outcomes

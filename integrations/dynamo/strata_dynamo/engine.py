@@ -207,6 +207,8 @@ class StrataEngine(LLMEngine):
                     return
             raise EngineShutdown("strata closed the stream before the request finished")
         except aiohttp.ClientError as e:
+            if context.is_stopped() or context.is_killed():
+                return  # aborted: `abort` closed the stream
             raise EngineShutdown(f"strata stream failed: {e}") from e
         finally:
             self.streams.pop(context.id(), None)

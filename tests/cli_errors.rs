@@ -643,6 +643,28 @@ fn chat_templates_run_on_a_budget_from_every_source() {
 }
 
 #[test]
+fn a_kv_events_endpoint_in_use_is_one_line_before_the_server_listens() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", taken.local_addr().unwrap());
+    let m = tiny_dir("kv_events_taken");
+    let args = [
+        "serve",
+        "--model",
+        m.to_str().unwrap(),
+        "--port",
+        "0",
+        "--kv-events-endpoint",
+        &endpoint,
+    ];
+    assert_error(
+        env!("CARGO_BIN_EXE_strata"),
+        &args,
+        &format!("cannot bind --kv-events-endpoint {endpoint}"),
+        1,
+    );
+}
+
+#[test]
 fn an_unwritable_trace_out_fails_before_any_text() {
     generate_err(
         &tiny_dir("err_trace"),
@@ -787,6 +809,20 @@ fn usage_errors_are_one_line_with_exit_2() {
         (
             vec!["bench", "offload", "--model", m, "--rounds", "0"],
             "0 is not in 1..=1000",
+        ),
+        (
+            vec![
+                "serve",
+                "--model",
+                m,
+                "--kv-events-endpoint",
+                "udp://127.0.0.1:1",
+            ],
+            "expected tcp://HOST:PORT (HOST may be `*`), got \"udp://127.0.0.1:1\"",
+        ),
+        (
+            vec!["serve", "--model", m, "--kv-events-topic", "t"],
+            "--kv-events-endpoint",
         ),
     ] {
         assert_error(strata, &args, expect, 2);

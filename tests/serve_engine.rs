@@ -216,8 +216,8 @@ fn submitted_requests_stream_their_tokens() {
     assert_eq!(rx1.try_iter().collect::<Vec<_>>(), want[1]);
     // On the server's engine thread (the one admission loop), requests joining at once.
     let e = Engine::new(model, config(60, 100, false)).unwrap();
-    let metrics = Arc::new(Metrics::new());
-    let (client, thread) = engine_thread::spawn(e, Arc::clone(&metrics), vec![]);
+    let metrics = Arc::new(Metrics::new("tiny"));
+    let (client, thread) = engine_thread::spawn(e, Arc::clone(&metrics), vec![], None);
     let rxs: Vec<_> = (0..3)
         .map(|i| {
             client

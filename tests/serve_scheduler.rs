@@ -6,7 +6,8 @@
 use std::collections::HashSet;
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use strata::serve::block_manager::{BlockError, BlockManager};
+use strata::serve::block_manager::{block_hash, BlockError, BlockManager};
+use strata::serve::cache_events::{CacheEvent, Medium};
 use strata::serve::residency::{Move, Residency, Tier};
 use strata::serve::scheduler::{Scheduler, SchedulerConfig, SeqId};
 use strata::serve::transfer::{JobKind, Loc, SimBackend, TransferBackend, TransferJob};
@@ -411,6 +412,93 @@ struct Moved {
     demoted: usize,
     demotion_failures: usize,
     persisted: usize,
+    events_stored: usize,
+    events_removed: usize,
+}
+
+/// A router's view of the prefix cache, rebuilt from nothing but the cache events.
+#[derive(Default)]
+struct EventMirror {
+    gpu: HashSet<u64>,
+    disk: HashSet<u64>,
+    stored: usize,
+    removed: usize,
+}
+
+impl EventMirror {
+    fn tier(&mut self, medium: Medium) -> &mut HashSet<u64> {
+        match medium {
+            Medium::Gpu => &mut self.gpu,
+            Medium::Disk => &mut self.disk,
+        }
+    }
+
+    /// Applies the events since the last step (each `Stored` block's hash must be its
+    /// parent's and tokens' chained hash; nothing stored twice or removed unseen), then
+    /// checks the view against what a lookup finds, for every hash a prompt can make.
+    fn sync(&mut self, s: &mut Scheduler, universe: &[u64], bs: usize, case: u64) {
+        for e in s.bm.take_cache_events() {
+            match e {
+                CacheEvent::Stored {
+                    medium,
+                    parent,
+                    hashes,
+                    tokens,
+                } => {
+                    assert_eq!(tokens.len(), hashes.len() * bs, "case {case}");
+                    let mut prev = parent;
+                    for (h, t) in hashes.iter().zip(tokens.chunks(bs)) {
+                        assert_eq!(
+                            block_hash(prev, t),
+                            *h,
+                            "case {case}: a hash is not its tokens'"
+                        );
+                        prev = Some(*h);
+                    }
+                    for h in hashes {
+                        assert!(
+                            self.tier(medium).insert(h),
+                            "case {case}: {medium:?} block {h} stored twice"
+                        );
+                        self.stored += 1;
+                    }
+                }
+                CacheEvent::Removed { medium, hashes } => {
+                    for h in hashes {
+                        assert!(
+                            self.tier(medium).remove(&h),
+                            "case {case}: {medium:?} block {h} removed unseen"
+                        );
+                        self.removed += 1;
+                    }
+                }
+                CacheEvent::Cleared => panic!("case {case}: the scheduler never clears"),
+            }
+        }
+        for &h in universe {
+            let (gpu, disk) = (s.bm.lookup(h).is_some(), s.bm.is_persisted(h));
+            assert_eq!(self.gpu.contains(&h), gpu, "case {case}: GPU view of {h}");
+            assert_eq!(
+                self.disk.contains(&h),
+                disk,
+                "case {case}: disk view of {h}"
+            );
+        }
+    }
+}
+
+/// Every full block's chained hash of every prompt: all a prefix-cache entry can be.
+fn prompt_hashes(prompts: &[Vec<u32>], bs: usize) -> Vec<u64> {
+    let mut all = Vec::new();
+    for p in prompts {
+        let mut prev = None;
+        for block in p.chunks_exact(bs) {
+            let h = block_hash(prev, block);
+            all.push(h);
+            prev = Some(h);
+        }
+    }
+    all
 }
 
 /// The randomized property test, for either tier set: random arrivals, lengths, shared
@@ -418,8 +506,9 @@ struct Moved {
 /// simulated backend finishes jobs late, in random order, and fails some, demotions
 /// included). After every step `Scheduler::check` verifies reference counts, one owner per
 /// page / host slot / disk slot, every scheduled block resident, and the host LRU naming
-/// exactly the host-resident requests; at the end every request has exactly its expected
-/// tokens and every page and slot is free.
+/// exactly the host-resident requests, and the cache events rebuild exactly the blocks a
+/// lookup finds on each tier (`EventMirror`); at the end every request has exactly its
+/// expected tokens and every page and slot is free.
 fn property_run(tiers: Tiers, cases: u64) -> Moved {
     let mut moved = Moved::default();
     for case in 0..cases {
@@ -443,6 +532,8 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
             prefill_chunk: chunk,
         };
         let mut s = Scheduler::new(c).unwrap();
+        s.bm.record_cache_events();
+        let mut mirror = EventMirror::default();
         let mut b = SimBackend::new(
             case,
             rng.random_range(0.05..1.0),
@@ -462,6 +553,8 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
                 (rng.random_range(0..40), p, out)
             })
             .collect();
+        let prompts: Vec<Vec<u32>> = pending.iter().map(|(_, p, _)| p.clone()).collect();
+        let universe = prompt_hashes(&prompts, bs);
         let mut ids = Vec::new();
         let mut t = 0;
         while (s.has_unfinished() || !pending.is_empty()) && t < 50_000 {
@@ -473,6 +566,7 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
                 !due
             });
             step(&mut s, &mut b);
+            mirror.sync(&mut s, &universe, bs, case);
             t += 1;
         }
         assert!(
@@ -485,6 +579,9 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
             }
         }
         s.check().unwrap();
+        mirror.sync(&mut s, &universe, bs, case);
+        moved.events_stored += mirror.stored;
+        moved.events_removed += mirror.removed;
         for (id, out) in ids {
             let want: Vec<u32> = (0..out).map(|i| fake_token(id, i)).collect();
             assert_eq!(
@@ -524,6 +621,7 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
 fn property_two_tiers_random_arrivals_lengths_capacities_and_completion_orders() {
     let m = property_run(Tiers::Host, 60);
     assert!(m.stored > 0, "{m:?}");
+    assert!(m.events_stored > 0 && m.events_removed > 0, "{m:?}");
     assert_eq!(
         m.to_disk + m.from_disk + m.demoted + m.persisted,
         0,
@@ -534,6 +632,7 @@ fn property_two_tiers_random_arrivals_lengths_capacities_and_completion_orders()
 #[test]
 fn property_three_tiers_with_demotions_and_faults_in_random_orders() {
     let m = property_run(Tiers::HostAndDisk, 120);
+    assert!(m.events_stored > 0 && m.events_removed > 0, "{m:?}");
     assert!(
         m.to_disk > 0 && m.from_disk > 0 && m.persisted > 0,
         "the disk tier was not exercised: {m:?}"

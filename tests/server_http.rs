@@ -231,7 +231,8 @@ fn a_client_that_disconnects_mid_stream_frees_every_page_and_slot() {
     let t = Instant::now();
     loop {
         let m = server.metrics();
-        if m["strata:kv_blocks_stored_total"] > 0.0 && m["strata:generation_tokens_total"] > 0.0 {
+        let generated = m[&server.vllm("vllm:generation_tokens_total")];
+        if m["strata:kv_blocks_stored_total"] > 0.0 && generated > 0.0 {
             break;
         }
         assert!(
@@ -245,7 +246,11 @@ fn a_client_that_disconnects_mid_stream_frees_every_page_and_slot() {
     let t = Instant::now();
     let m = loop {
         let m = server.metrics();
-        if m["strata:num_requests_running"] == 0.0 && m["strata:num_requests_waiting"] == 0.0 {
+        let (running, waiting) = (
+            m[&server.vllm("vllm:num_requests_running")],
+            m[&server.vllm("vllm:num_requests_waiting")],
+        );
+        if running == 0.0 && waiting == 0.0 {
             break m;
         }
         assert!(

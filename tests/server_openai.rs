@@ -14,25 +14,12 @@ use std::process::Command;
 #[test]
 fn the_openai_python_client_gets_the_cli_greedy_text_exact_usage_and_openai_errors() {
     let model = common::require_default_model();
-    let probe = Command::new("python3")
-        .args(["-c", "import openai"])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !probe {
-        let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-        assert!(
-            !ci,
-            "the `openai` Python module is missing (CI=true): pip install openai"
-        );
-        eprintln!(
-            "\n**** SKIPPED: the `openai` Python module is missing; pip install openai ****\n"
-        );
+    let Some(python) = common::python_with("openai", "pip install openai") else {
         return;
-    }
+    };
     let server = live_server::Server::start(&model, &[]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = Command::new("python3")
+    let out = Command::new(&python)
         .arg(script)
         .args(["--base-url", &format!("http://{}/v1", server.addr)])
         .args(["--model", &server.model_name])

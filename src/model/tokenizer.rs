@@ -19,7 +19,10 @@ use tokenizers::{
         byte_level::ByteLevel, digits::Digits, sequence::Sequence, split::Split,
         split::SplitPattern, PreTokenizerWrapper,
     },
-    processors::byte_level::ByteLevel as ByteLevelProcessor,
+    processors::{
+        byte_level::ByteLevel as ByteLevelProcessor, sequence::Sequence as PostSequence,
+        template::TemplateProcessing, PostProcessorWrapper,
+    },
     AddedToken, SplitDelimiterBehavior,
 };
 
@@ -346,6 +349,56 @@ impl Tokenizer {
         };
         render_template(&template.source, &template.text, ctx)
     }
+
+    /// This tokenizer as Hugging Face files say it, for frameworks that tokenize in front
+    /// of strata (`server::model_card`): `tokenizer.json`, which encodes with special tokens
+    /// exactly as `encode(text, true)` does (a GGUF `add_bos_token` becomes a template
+    /// post-processor), and the `tokenizer_config.json` fields a frontend reads.
+    pub fn to_hf_json(&self) -> Result<(serde_json::Value, serde_json::Value)> {
+        let mut inner = self.inner.clone();
+        if let Some(bos) = self.add_bos {
+            let name = self
+                .inner
+                .id_to_token(bos)
+                .with_context(|| format!("BOS id {bos} is not in the vocabulary"))?;
+            let template = TemplateProcessing::builder()
+                .try_single(format!("{name} $A"))
+                .and_then(|b| b.try_pair(format!("{name} $A $B")))
+                .map_err(|e| anyhow::anyhow!("BOS template: {e}"))?
+                .special_tokens(vec![(name, bos)])
+                .build()
+                .map_err(|e| anyhow::anyhow!("BOS template: {e}"))?;
+            let processors: Vec<PostProcessorWrapper> = inner
+                .get_post_processor()
+                .cloned()
+                .into_iter()
+                .chain([template.into()])
+                .collect();
+            inner.with_post_processor(Some(PostSequence::new(processors)));
+        }
+        let text = inner
+            .to_string(false)
+            .map_err(|e| anyhow::anyhow!("serializing the tokenizer: {e}"))?;
+        let tokenizer_json = serde_json::from_str(&text)?;
+        let mut config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": self.add_bos.is_some(),
+        });
+        let fields = [
+            ("bos_token", self.bos_token.clone()),
+            ("eos_token", self.eos_token.clone()),
+            (
+                "chat_template",
+                self.chat_template.as_ref().map(|t| t.text.clone()),
+            ),
+        ];
+        for (key, value) in fields {
+            if let Some(v) = value {
+                config[key] = v.into();
+            }
+        }
+        Ok((tokenizer_json, config))
+    }
 }
 
 /// Renders a chat template, the one way every template is rendered: Hugging Face's
@@ -469,5 +522,50 @@ impl StreamDecoder {
 impl Default for StreamDecoder {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A four-letter byte-level vocabulary with a BOS that GGUF says to add.
+    fn bos_gguf() -> HashMap<String, Value> {
+        let s = |x: &str| Value::String(x.into());
+        let tokens = ["<s>", "</s>", "a", "b", "ab", "\u{120}"];
+        HashMap::from([
+            ("tokenizer.ggml.model".into(), s("gpt2")),
+            ("tokenizer.ggml.pre".into(), s("smollm")),
+            (
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(tokens.iter().map(|t| s(t)).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type".into(),
+                Value::Array([3, 3, 1, 1, 1, 1].map(Value::I32).to_vec()),
+            ),
+            ("tokenizer.ggml.merges".into(), Value::Array(vec![s("a b")])),
+            ("tokenizer.ggml.bos_token_id".into(), Value::U32(0)),
+            ("tokenizer.ggml.eos_token_id".into(), Value::U32(1)),
+            ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+        ])
+    }
+
+    #[test]
+    fn the_exported_tokenizer_json_adds_bos_as_gguf_says() {
+        let tok = Tokenizer::from_gguf(&bos_gguf()).unwrap();
+        let (json, config) = tok.to_hf_json().unwrap();
+        let exported: tokenizers::Tokenizer = json.to_string().parse().unwrap();
+        for text in ["ab", "ab ab", "b a"] {
+            let ours = tok.encode(text, true).unwrap();
+            assert_eq!(ours[0], 0, "{text}: {ours:?}");
+            let theirs = exported.encode(text, true).unwrap().get_ids().to_vec();
+            assert_eq!(theirs, ours, "{text}");
+            let plain = exported.encode(text, false).unwrap().get_ids().to_vec();
+            assert_eq!(plain, tok.encode(text, false).unwrap(), "{text}");
+        }
+        assert_eq!(config["bos_token"], "<s>");
+        assert_eq!(config["eos_token"], "</s>");
+        assert_eq!(config["add_bos_token"], true);
     }
 }

@@ -9,6 +9,7 @@ use std::hash::{Hash, Hasher};
 
 use thiserror::Error;
 
+use super::cache_events::{BlockContent, CacheEvent, CacheEventLog, Medium};
 use super::residency::{IllegalTransition, Move, Residency, Tier};
 
 /// A block's identity, stable while any sequence refers to it.
@@ -51,6 +52,8 @@ pub struct Block {
     /// Content hash (chained with the previous block's) once the block is full, computed,
     /// and registered in the prefix cache.
     pub hash: Option<u64>,
+    /// Its parent hash and tokens, kept (with `hash`) only while cache events are recorded.
+    pub content: Option<BlockContent>,
 }
 
 /// Chained content hash of one full block: equal hashes mean equal token prefixes.
@@ -74,6 +77,8 @@ pub struct BlockManager {
     /// reclaimed (and the cache entry dropped) when free pages run out.
     evictable: VecDeque<LogicalId>,
     disk: DiskSlots,
+    /// Blocks entering and leaving the prefix cache, per tier (off unless enabled).
+    events: CacheEventLog,
 }
 
 /// The disk tier's slots: free, spilled (owned by a block), being written through for the
@@ -115,6 +120,35 @@ impl BlockManager {
                 free: (0..num_disk_slots as DiskSlotId).rev().collect(),
                 ..Default::default()
             },
+            events: CacheEventLog::default(),
+        }
+    }
+
+    /// Starts recording prefix-cache events (`take_cache_events`).
+    pub fn record_cache_events(&mut self) {
+        self.events.enable();
+    }
+
+    /// The prefix-cache events since the last call.
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.events.take()
+    }
+
+    /// Whether `id` is the block a prefix-cache lookup of its hash finds on the GPU.
+    fn cached_on_gpu(&self, id: LogicalId) -> bool {
+        self.blocks.get(&id).is_some_and(|b| {
+            b.state == Residency::Gpu && b.hash.is_some_and(|h| self.by_hash.get(&h) == Some(&id))
+        })
+    }
+
+    /// Records that `id` became hittable on the GPU (if it did).
+    fn announce_on_gpu(&mut self, id: LogicalId) {
+        if !self.cached_on_gpu(id) {
+            return;
+        }
+        let b = &self.blocks[&id];
+        if let (Some(h), Some(c)) = (b.hash, &b.content) {
+            self.events.stored(Medium::Gpu, h, c);
         }
     }
 
@@ -181,6 +215,7 @@ impl BlockManager {
         let s = self.disk.persisted.remove(&h).expect("lru names persisted");
         self.disk.persisted_hash.remove(&s);
         self.disk.changed = true;
+        self.events.removed(Medium::Disk, h);
         Some(s)
     }
 
@@ -230,6 +265,7 @@ impl BlockManager {
         if let Some(h) = b.hash {
             if self.by_hash.get(&h) == Some(&id) {
                 self.by_hash.remove(&h);
+                self.events.removed(Medium::Gpu, h);
             }
         }
         b.page
@@ -257,6 +293,7 @@ impl BlockManager {
                     slot: None,
                     disk: None,
                     hash: None,
+                    content: None,
                 },
             );
             ids.push(id);
@@ -280,14 +317,29 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Registers a full, computed block under its content hash (first writer wins).
-    pub fn register(&mut self, id: LogicalId, hash: u64) -> Result<(), BlockError> {
+    /// Registers a full, computed block under its content hash (first writer wins);
+    /// `parent` is the previous block's hash and `tokens` the block's own, for the events.
+    pub fn register(
+        &mut self,
+        id: LogicalId,
+        hash: u64,
+        parent: Option<u64>,
+        tokens: &[u32],
+    ) -> Result<(), BlockError> {
+        let recording = self.events.is_on();
         let b = self.block_mut(id)?;
         if b.hash.is_some() {
             return Ok(());
         }
         b.hash = Some(hash);
+        if recording {
+            b.content = Some(BlockContent {
+                parent,
+                tokens: tokens.into(),
+            });
+        }
         self.by_hash.entry(hash).or_insert(id);
+        self.announce_on_gpu(id);
         Ok(())
     }
 
@@ -369,6 +421,10 @@ impl BlockManager {
         }
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
+            if self.cached_on_gpu(id) {
+                let h = self.blocks[&id].hash.expect("cached blocks have a hash");
+                self.events.removed(Medium::Gpu, h);
+            }
             let slot = match tier {
                 Tier::Cpu => self.free_slots.pop(),
                 Tier::Ssd => self.take_disk_slot(),
@@ -394,7 +450,9 @@ impl BlockManager {
         } else {
             Move::StoreFailed
         })?;
-        self.settle(id)
+        self.settle(id)?;
+        self.announce_on_gpu(id); // back on the GPU after a failed store
+        Ok(())
     }
 
     /// Starts demoting host-resident blocks to the disk tier: each gets a disk slot and
@@ -470,7 +528,9 @@ impl BlockManager {
         if let (false, Some(d)) = (ok, b.disk) {
             self.forget_persisted(d);
         }
-        self.settle(id)
+        self.settle(id)?;
+        self.announce_on_gpu(id);
+        Ok(())
     }
 
     // ---- the persisted prefix blocks of the disk tier ----
@@ -508,6 +568,9 @@ impl BlockManager {
             self.disk.persisted_hash.insert(slot, hash);
             self.disk.lru.push_back(hash);
             self.disk.changed = true;
+            if let Some(c) = self.blocks.get(&id).and_then(|b| b.content.as_ref()) {
+                self.events.stored(Medium::Disk, hash, c);
+            }
         } else {
             self.disk.free.push(slot);
         }
@@ -536,7 +599,13 @@ impl BlockManager {
     /// A prefix-cache hit on disk: a new block with one reference, in the `Ssd` state over
     /// the persisted copy's slot (which it borrows: loading it back leaves the copy
     /// persisted). `None` if no copy, or if a block with this hash exists already.
-    pub fn acquire_persisted(&mut self, hash: u64) -> Option<LogicalId> {
+    /// `parent` and `tokens` are as for `register`.
+    pub fn acquire_persisted(
+        &mut self,
+        hash: u64,
+        parent: Option<u64>,
+        tokens: &[u32],
+    ) -> Option<LogicalId> {
         if self.by_hash.contains_key(&hash) {
             return None;
         }
@@ -556,6 +625,10 @@ impl BlockManager {
                 slot: None,
                 disk: Some(slot),
                 hash: Some(hash),
+                content: self.events.is_on().then(|| BlockContent {
+                    parent,
+                    tokens: tokens.into(),
+                }),
             },
         );
         self.by_hash.insert(hash, id);
@@ -568,6 +641,7 @@ impl BlockManager {
             self.disk.persisted.remove(&h);
             self.disk.lru.retain(|&x| x != h);
             self.disk.changed = true;
+            self.events.removed(Medium::Disk, h);
             if !self.blocks.values().any(|b| b.disk == Some(slot)) {
                 self.disk.free.push(slot);
             }

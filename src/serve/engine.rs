@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
+use super::cache_events::CacheEvent;
 use super::disk::store::{DiskStats, SlotIo};
 use super::disk::{DiskTier, DiskTierConfig};
 use super::runner::BatchRunner;
@@ -154,6 +155,16 @@ impl Engine {
 
     pub fn scheduler(&self) -> &Scheduler {
         &self.sched
+    }
+
+    /// Starts recording what enters and leaves the prefix cache (`take_cache_events`).
+    pub fn record_cache_events(&mut self) {
+        self.sched.bm.record_cache_events();
+    }
+
+    /// The prefix-cache events since the last call (none unless recording).
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.sched.bm.take_cache_events()
     }
 
     /// Queues a request; it joins the running batch between steps.

@@ -138,6 +138,9 @@ pub struct SchedStats {
     pub recomputations: usize,
     pub failed_jobs: usize,
     pub prefix_hit_blocks: usize,
+    /// Tokens of the requests that looked up the prefix cache (vLLM's prefix-cache
+    /// "queries"; a recomputed request looks up again).
+    pub prefix_queried_tokens: usize,
     /// Of `blocks_stored` / `blocks_loaded`, those to / from the disk tier.
     /// (`blocks_stored_disk` counts every block written to disk for a request: spilled
     /// from the GPU, or demoted from the host tier.)
@@ -548,13 +551,18 @@ impl Scheduler {
             prev = Some(h);
         }
         found.truncate(found.len() * bs / chunk * chunk / bs);
+        self.stats.prefix_queried_tokens += seq.tokens.len();
         let mut hits = Vec::with_capacity(found.len());
-        let mut hashes = Vec::with_capacity(found.len());
-        for (h, on_gpu) in found {
+        let mut hashes: Vec<u64> = Vec::with_capacity(found.len());
+        for (b, (h, on_gpu)) in found.into_iter().enumerate() {
             if let Some(id) = on_gpu {
                 self.bm.acquire(id)?;
                 hits.push(id);
-            } else if let Some(id) = self.bm.acquire_persisted(h) {
+            } else if let Some(id) = self.bm.acquire_persisted(
+                h,
+                hashes.last().copied(),
+                &seq.tokens[b * bs..(b + 1) * bs],
+            ) {
                 hits.push(id);
             } else {
                 break; // a block with this hash exists but is mid-copy: compute the rest
@@ -579,6 +587,7 @@ impl Scheduler {
         seq.num_computed = 0;
         seq.hashes.clear();
         self.stats.prefix_hit_blocks -= ids.len();
+        self.stats.prefix_queried_tokens -= seq.tokens.len();
         for id in ids {
             self.bm.release(id)?;
         }
@@ -924,11 +933,10 @@ impl Scheduler {
         let full = seq.num_computed.min(seq.canonical_end(chunk)) / bs;
         while seq.hashes.len() < full {
             let b = seq.hashes.len();
-            let h = block_hash(
-                seq.hashes.last().copied(),
-                &seq.tokens[b * bs..(b + 1) * bs],
-            );
-            self.bm.register(seq.block_ids[b], h)?;
+            let parent = seq.hashes.last().copied();
+            let tokens = &seq.tokens[b * bs..(b + 1) * bs];
+            let h = block_hash(parent, tokens);
+            self.bm.register(seq.block_ids[b], h, parent, tokens)?;
             seq.hashes.push(h);
             self.to_persist.push(seq.block_ids[b]);
         }

@@ -35,6 +35,9 @@ pub struct GenerationFields {
     /// benchmarks with fixed output lengths).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Add the prompt's and the output's token ids to the response (vLLM's extension, for
+    /// frameworks that speak token ids: `prompt_token_ids`, `token_ids`).
+    pub return_token_ids: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -82,29 +85,70 @@ pub struct ContentPart {
 
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
-    pub prompt: PromptIn,
+    /// Checked by `Prompt::parse` (its shapes are easier to tell apart by hand).
+    pub prompt: Value,
     #[serde(flatten)]
     pub fields: GenerationFields,
 }
 
-/// A prompt string (a one-element list of strings is accepted too).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum PromptIn {
+/// A completion prompt, as OpenAI's API takes it: a string (or a list of one string), or
+/// token ids (or a list of one list of them). Token ids are used as given: no BOS added.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
     Text(String),
-    List(Vec<String>),
+    Tokens(Vec<u32>),
 }
 
-impl PromptIn {
-    pub fn into_text(self) -> Result<String, ApiError> {
-        match self {
-            PromptIn::Text(s) => Ok(s),
-            PromptIn::List(mut v) if v.len() == 1 => Ok(v.remove(0)),
-            PromptIn::List(v) => Err(ApiError::bad_field(
+impl Prompt {
+    /// Reads the `prompt` field; token ids must lie in `0..vocab_size`.
+    pub fn parse(v: &Value, vocab_size: usize) -> Result<Self, ApiError> {
+        let shape = || {
+            ApiError::bad_field(
                 "prompt",
-                format!("only one prompt per request is supported, got {}", v.len()),
-            )),
+                "`prompt` must be a string, a list of one string, or a list of token ids",
+            )
+        };
+        let one = |n: usize| {
+            ApiError::bad_field(
+                "prompt",
+                format!("only one prompt per request is supported, got {n}"),
+            )
+        };
+        let items = match v {
+            Value::String(s) => return Ok(Prompt::Text(s.clone())),
+            Value::Array(items) => items,
+            _ => return Err(shape()),
+        };
+        match items.as_slice() {
+            [] => Err(ApiError::bad_field("prompt", "the prompt is empty")),
+            [Value::String(s)] => Ok(Prompt::Text(s.clone())),
+            [Value::Array(ids)] => Self::token_ids(ids, vocab_size),
+            [first, ..] if first.is_number() => Self::token_ids(items, vocab_size),
+            [Value::String(_) | Value::Array(_), ..] => Err(one(items.len())),
+            _ => Err(shape()),
         }
+    }
+
+    fn token_ids(ids: &[Value], vocab_size: usize) -> Result<Self, ApiError> {
+        if ids.is_empty() {
+            return Err(ApiError::bad_field("prompt", "the prompt is empty"));
+        }
+        ids.iter()
+            .map(|v| {
+                v.as_u64()
+                    .filter(|&id| id < vocab_size as u64)
+                    .map(|id| id as u32)
+                    .ok_or_else(|| {
+                        ApiError::bad_field(
+                            "prompt",
+                            format!(
+                                "token ids must be integers in 0..{vocab_size} (the vocabulary), got {v}"
+                            ),
+                        )
+                    })
+            })
+            .collect::<Result<Vec<u32>, _>>()
+            .map(Prompt::Tokens)
     }
 }
 
@@ -157,6 +201,7 @@ pub struct Generation {
     pub stream: bool,
     pub include_usage: bool,
     pub ignore_eos: bool,
+    pub return_token_ids: bool,
 }
 
 impl GenerationFields {
@@ -251,6 +296,7 @@ impl GenerationFields {
             stream: self.stream,
             include_usage,
             ignore_eos: self.ignore_eos,
+            return_token_ids: self.return_token_ids.unwrap_or(false),
         })
     }
 }
@@ -309,9 +355,32 @@ pub struct ResponseMeta {
     pub model: String,
 }
 
+/// Token ids for a response (`return_token_ids`): the prompt's, and the output's (all of
+/// them, or a chunk's new ones), placed where vLLM places them.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenIds<'a> {
+    /// `None` in every streamed chunk but the first.
+    pub prompt: Option<&'a [u32]>,
+    pub output: &'a [u32],
+}
+
+impl TokenIds<'_> {
+    /// Completions carry both in the choice; chat carries the prompt's at the top level.
+    fn place(&self, endpoint: Endpoint, response: &mut Value) {
+        let choice = &mut response["choices"][0];
+        choice["token_ids"] = json!(self.output);
+        if let Some(p) = self.prompt {
+            match endpoint {
+                Endpoint::Completion => choice["prompt_token_ids"] = json!(p),
+                Endpoint::Chat => response["prompt_token_ids"] = json!(p),
+            }
+        }
+    }
+}
+
 impl ResponseMeta {
     /// The non-streamed response.
-    pub fn full(&self, text: &str, finish: Finish, usage: Usage) -> Value {
+    pub fn full(&self, text: &str, finish: Finish, usage: Usage, ids: Option<TokenIds>) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => json!({
                 "index": 0,
@@ -326,7 +395,7 @@ impl ResponseMeta {
                 "finish_reason": finish.as_str(),
             }),
         };
-        json!({
+        let mut v = json!({
             "id": self.id,
             "object": match self.endpoint {
                 Endpoint::Chat => "chat.completion",
@@ -336,7 +405,11 @@ impl ResponseMeta {
             "model": self.model,
             "choices": [choice],
             "usage": usage.json(),
-        })
+        });
+        if let Some(ids) = ids {
+            ids.place(self.endpoint, &mut v);
+        }
+        v
     }
 
     /// One streamed chunk: the role goes only in the first chat delta (`first`), the
@@ -348,6 +421,7 @@ impl ResponseMeta {
         first: bool,
         finish: Option<Finish>,
         with_usage: bool,
+        ids: Option<TokenIds>,
     ) -> Value {
         let reason = finish.map(Finish::as_str);
         let choice = match self.endpoint {
@@ -366,6 +440,9 @@ impl ResponseMeta {
         let mut v = self.chunk_frame(vec![choice]);
         if with_usage {
             v["usage"] = Value::Null;
+        }
+        if let Some(ids) = ids {
+            ids.place(self.endpoint, &mut v);
         }
         v
     }
@@ -441,14 +518,70 @@ mod tests {
             created: 1,
             model: "m".into(),
         };
-        let first = meta.chunk("", true, None, false);
+        let first = meta.chunk("", true, None, false, None);
         assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
         assert!(first["choices"][0]["finish_reason"].is_null());
-        let mid = meta.chunk("hi", false, None, false);
+        let mid = meta.chunk("hi", false, None, false, None);
         assert!(mid["choices"][0]["delta"].get("role").is_none());
-        let last = meta.chunk("", false, Some(Finish::Length), true);
+        let last = meta.chunk("", false, Some(Finish::Length), true, None);
         assert_eq!(last["choices"][0]["finish_reason"], "length");
         assert_eq!(last["choices"][0]["delta"], json!({}));
         assert!(last["usage"].is_null() && last.get("usage").is_some());
+        assert!(mid["choices"][0].get("token_ids").is_none());
+    }
+
+    #[test]
+    fn token_ids_go_where_vllm_puts_them() {
+        let ids = |prompt| TokenIds {
+            prompt,
+            output: &[7, 8],
+        };
+        let usage = Usage {
+            prompt_tokens: 2,
+            completion_tokens: 2,
+        };
+        let mut meta = ResponseMeta {
+            endpoint: Endpoint::Completion,
+            id: "cmpl-1".into(),
+            created: 1,
+            model: "m".into(),
+        };
+        let v = meta.full("x", Finish::Stop, usage, Some(ids(Some(&[1, 2]))));
+        assert_eq!(v["choices"][0]["token_ids"], json!([7, 8]));
+        assert_eq!(v["choices"][0]["prompt_token_ids"], json!([1, 2]));
+        let later = meta.chunk("x", false, None, false, Some(ids(None)));
+        assert!(later["choices"][0].get("prompt_token_ids").is_none());
+        meta.endpoint = Endpoint::Chat;
+        let v = meta.chunk("", true, None, false, Some(ids(Some(&[1, 2]))));
+        assert_eq!(v["prompt_token_ids"], json!([1, 2]));
+        assert_eq!(v["choices"][0]["token_ids"], json!([7, 8]));
+    }
+
+    #[test]
+    fn prompts_are_text_or_token_ids_and_bad_ids_are_named() {
+        let p = |v: Value| Prompt::parse(&v, 100);
+        assert_eq!(p(json!("hi")).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(p(json!(["hi"])).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(
+            p(json!([1, 2, 99])).unwrap(),
+            Prompt::Tokens(vec![1, 2, 99])
+        );
+        assert_eq!(p(json!([[5, 6]])).unwrap(), Prompt::Tokens(vec![5, 6]));
+        for (bad, says) in [
+            (json!([1, 100]), "0..100"),
+            (json!([1, -1]), "0..100"),
+            (json!([1, 2.5]), "0..100"),
+            (json!([1, "a"]), "0..100"),
+            (json!([]), "empty"),
+            (json!([[]]), "empty"),
+            (json!(["a", "b"]), "only one prompt"),
+            (json!([[1], [2]]), "only one prompt"),
+            (json!(7), "must be a string"),
+            (json!([{"a": 1}]), "must be a string"),
+        ] {
+            let e = p(bad.clone()).unwrap_err();
+            assert_eq!(e.param, Some("prompt"), "{bad}");
+            assert!(e.message.contains(says), "{bad}: {}", e.message);
+        }
     }
 }

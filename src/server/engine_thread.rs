@@ -4,6 +4,7 @@
 //! `Event`s back. Before every step the thread checks each request's event channel: a
 //! closed one means the client went away (the handler's stream or future was dropped), and
 //! the request is aborted, so its GPU pages and host slots are free after that step.
+//! After every step the prefix cache's events go to the KV-event publisher, if any.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +17,9 @@ use anyhow::Result;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::api::Finish;
+use super::kv_events::KvEventPublisher;
 use super::metrics::Metrics;
+use crate::serve::cache_events::CacheEvent;
 use crate::serve::scheduler::{SeqId, SeqStatus};
 use crate::serve::{Engine, EngineStats, RequestParams};
 
@@ -88,11 +91,13 @@ impl EngineClient {
 #[derive(Debug, Clone, Copy)]
 pub struct EngineStopped;
 
-/// Starts the engine thread. `eos` are the ids whose generation means `finish_reason: stop`.
+/// Starts the engine thread. `eos` are the ids whose generation means `finish_reason: stop`;
+/// `kv_events` publishes the prefix cache's events (and `AllBlocksCleared` when it stops).
 pub fn spawn(
     engine: Engine,
     metrics: Arc<Metrics>,
     eos: Vec<u32>,
+    kv_events: Option<KvEventPublisher>,
 ) -> (EngineClient, JoinHandle<Result<()>>) {
     let (tx, rx) = channel();
     let alive = Arc::new(AtomicBool::new(true));
@@ -100,7 +105,7 @@ pub fn spawn(
     let thread = std::thread::Builder::new()
         .name("strata-engine".into())
         .spawn(move || {
-            let r = EngineLoop::new(engine, metrics, eos).run(rx);
+            let r = EngineLoop::new(engine, metrics, eos, kv_events).run(rx);
             flag.store(false, Ordering::Release);
             if let Err(e) = &r {
                 eprintln!("error: the engine stopped: {e:#}");
@@ -128,20 +133,41 @@ struct EngineLoop {
     eos: Vec<u32>,
     active: HashMap<SeqId, Active>,
     last_stats: EngineStats,
+    kv_events: Option<KvEventPublisher>,
 }
 
 impl EngineLoop {
-    fn new(engine: Engine, metrics: Arc<Metrics>, eos: Vec<u32>) -> Self {
+    fn new(
+        mut engine: Engine,
+        metrics: Arc<Metrics>,
+        eos: Vec<u32>,
+        kv_events: Option<KvEventPublisher>,
+    ) -> Self {
+        if kv_events.is_some() {
+            engine.record_cache_events();
+        }
         Self {
             engine,
             metrics,
             eos,
             active: HashMap::new(),
             last_stats: EngineStats::default(),
+            kv_events,
         }
     }
 
+    /// Serves commands until shutdown (or an engine error); then the GPU cache is gone, so
+    /// subscribers hear `AllBlocksCleared`.
     fn run(mut self, rx: Receiver<Command>) -> Result<()> {
+        let r = self.serve(rx);
+        if let Some(p) = &mut self.kv_events {
+            p.publish(vec![CacheEvent::Cleared]);
+            p.close();
+        }
+        r
+    }
+
+    fn serve(&mut self, rx: Receiver<Command>) -> Result<()> {
         self.observe();
         let mut open = true;
         loop {
@@ -245,8 +271,11 @@ impl EngineLoop {
     }
 
     fn cancel_all(&mut self) -> Result<()> {
+        let now = Instant::now();
         for (id, a) in std::mem::take(&mut self.active) {
             self.engine.abort(id)?;
+            self.metrics
+                .finished(Finish::Abort, (now - a.arrived).as_secs_f64());
             let _ = a.events.send(Event::Done(Finish::Abort));
         }
         Ok(())
@@ -261,10 +290,9 @@ impl EngineLoop {
             };
             let out = seq.output();
             for &t in &out[a.sent..] {
-                match a.last_token {
-                    None => self.metrics.ttft.observe((now - a.arrived).as_secs_f64()),
-                    Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64()),
-                }
+                let since = a.last_token.unwrap_or(a.arrived);
+                self.metrics
+                    .token(a.last_token.is_none(), (now - since).as_secs_f64());
                 a.last_token = Some(now);
                 let _ = a.events.send(Event::Token(t));
             }
@@ -288,6 +316,8 @@ impl EngineLoop {
             } else {
                 Finish::Length
             };
+            self.metrics
+                .finished(reason, (now - a.arrived).as_secs_f64());
             let _ = a.events.send(Event::Done(reason));
         }
         Ok(())
@@ -297,5 +327,9 @@ impl EngineLoop {
         let stats = self.engine.stats();
         self.metrics
             .observe_engine(self.engine.scheduler(), &stats, &mut self.last_stats);
+        if let Some(p) = &self.kv_events {
+            p.publish(self.engine.take_cache_events());
+            self.metrics.kv_events_dropped(p.dropped());
+        }
     }
 }

@@ -3,12 +3,16 @@
 //! axum + tokio answer HTTP; the engine runs on its own thread and is not async
 //! (`engine_thread`), fed and drained through channels. `api` holds the request and
 //! response shapes, `text` incremental detokenization and stop strings, `routes` the
-//! endpoints, `metrics` the Prometheus registry, `error` OpenAI-style errors.
+//! endpoints, `metrics` the Prometheus registry, `error` OpenAI-style errors, `kv_events`
+//! the prefix cache's events on a ZMQ socket for KV-aware routers (docs/distributed.md),
+//! `model_card` the tokenizer files a framework's frontend loads.
 
 pub mod api;
 pub mod engine_thread;
 pub mod error;
+pub mod kv_events;
 pub mod metrics;
+pub mod model_card;
 pub mod routes;
 pub mod text;
 
@@ -26,8 +30,9 @@ use crate::device::DeviceKind;
 use crate::model::weights::WeightDtype;
 use crate::model::Model;
 use crate::serve::{EngineConfig, SchedulerConfig};
+use kv_events::{KvEventPublisher, ZmqEndpoint};
 use metrics::Metrics;
-use routes::{AppState, Loaded, ServerConfig};
+use routes::{AppState, EngineInfo, KvEventsInfo, Loaded, ServerConfig};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -78,6 +83,13 @@ pub struct ServeArgs {
     pub dtype: WeightDtype,
     #[command(flatten)]
     pub disk: crate::serve::disk::DiskArgs,
+    /// Publish the prefix cache's KV-cache events (vLLM's format) on a ZMQ PUB socket bound
+    /// here: tcp://HOST:PORT, HOST `*` for every interface, PORT 0 for any free port.
+    #[arg(long, value_name = "tcp://HOST:PORT", value_parser = clap::value_parser!(ZmqEndpoint))]
+    pub kv_events_endpoint: Option<ZmqEndpoint>,
+    /// The topic frame of every KV-event message.
+    #[arg(long, default_value = "", requires = "kv_events_endpoint")]
+    pub kv_events_topic: String,
 }
 
 /// Prompt tokens per forward call: 64, or the block size when blocks are larger.
@@ -203,16 +215,35 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
+    let kv_events = match &args.kv_events_endpoint {
+        Some(e) => Some(KvEventPublisher::start(
+            e,
+            &args.kv_events_topic,
+            args.block_size,
+        )?),
+        None => None,
+    };
     println!("strata serve: listening on http://{addr} (model `{served_model_name}`)");
     std::io::stdout().flush()?;
+    if let Some(p) = &kv_events {
+        eprintln!(
+            "strata serve: KV events on {} (topic {:?})",
+            p.bound, p.topic
+        );
+    }
 
+    let metrics = Arc::new(Metrics::new(&served_model_name));
     let state = Arc::new(AppState::new(
         ServerConfig {
             served_model_name,
             api_key: args.api_key.clone(),
             max_pending_requests: args.max_pending_requests,
+            kv_events: kv_events.as_ref().map(|p| KvEventsInfo {
+                endpoint: p.bound.clone(),
+                topic: p.topic.clone(),
+            }),
         },
-        Arc::new(Metrics::new()),
+        metrics,
     ));
 
     // Load in the background: /health answers 503 until the engine runs.
@@ -220,7 +251,7 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
     {
         let (state, args, slot) = (Arc::clone(&state), args.clone(), Arc::clone(&engine_thread));
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = load(&state, &args, &model_path, &slot) {
+            if let Err(e) = load(&state, &args, &model_path, &slot, kv_events) {
                 let _ = load_failed_tx.send(e);
             }
         });
@@ -296,23 +327,34 @@ fn load(
     args: &ServeArgs,
     model_path: &std::path::Path,
     engine_thread: &Mutex<Option<JoinHandle<Result<()>>>>,
+    kv_events: Option<KvEventPublisher>,
 ) -> Result<()> {
     let (model, tokenizer) = Model::load_as(model_path, false, args.dtype)?;
     let (cfg, max_model_len) = engine_config(args, &model)?;
     let eos = model.cfg.eos_token_ids.clone();
     let defaults = model.cfg.generation.clone();
     let sched = cfg.sched.clone();
+    let model_card = model_card::ModelCard::new(&model.cfg, &tokenizer, max_model_len)?;
+    let vocab_size = model.cfg.vocab_size;
     let engine = crate::serve::setup::engine_for(args.device, &model, &cfg)?;
     if let Some(line) = engine.disk_plan() {
         eprintln!("strata serve: {line}");
     }
-    let (client, thread) = engine_thread::spawn(engine, Arc::clone(&state.metrics), eos);
+    let (client, thread) = engine_thread::spawn(engine, Arc::clone(&state.metrics), eos, kv_events);
     *engine_thread.lock().expect("not poisoned") = Some(thread);
     let loaded = Loaded {
         tokenizer: Arc::new(tokenizer),
         defaults,
         engine: client,
         max_model_len,
+        vocab_size,
+        info: EngineInfo {
+            block_size: sched.block_size,
+            num_gpu_blocks: sched.num_gpu_blocks,
+            max_num_seqs: sched.max_num_seqs,
+            max_num_batched_tokens: sched.max_num_batched_tokens,
+        },
+        model_card,
     };
     if state.loaded.set(loaded).is_err() {
         bail!("the model was loaded twice");

@@ -22,12 +22,13 @@ use serde_json::json;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::api::{
-    ChatRequest, CompletionRequest, Endpoint, Finish, Generation, GenerationFields, ResponseMeta,
-    Usage,
+    ChatRequest, CompletionRequest, Endpoint, Finish, Generation, GenerationFields, Prompt,
+    ResponseMeta, TokenIds, Usage,
 };
 use super::engine_thread::{EngineClient, Event};
 use super::error::ApiError;
 use super::metrics::Metrics;
+use super::model_card::ModelCard;
 use super::text::TextStream;
 use crate::model::config::GenerationDefaults;
 use crate::model::Tokenizer;
@@ -42,6 +43,22 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Requests admitted at once (running + waiting); more get 429.
     pub max_pending_requests: usize,
+    /// Where the prefix cache's events are published (`--kv-events-endpoint`).
+    pub kv_events: Option<KvEventsInfo>,
+}
+
+pub struct KvEventsInfo {
+    /// The bound endpoint, `tcp://HOST:PORT`.
+    pub endpoint: String,
+    pub topic: String,
+}
+
+/// The engine's geometry, which a router registering this server needs.
+pub struct EngineInfo {
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
 }
 
 /// What exists once the model is loaded.
@@ -51,6 +68,10 @@ pub struct Loaded {
     pub engine: EngineClient,
     /// Prompt + output limit in tokens.
     pub max_model_len: usize,
+    /// Token ids of prompts must lie below it.
+    pub vocab_size: usize,
+    pub info: EngineInfo,
+    pub model_card: ModelCard,
 }
 
 pub struct AppState {
@@ -106,6 +127,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/strata/model_card", get(model_card))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             require_api_key,
@@ -164,8 +186,16 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// One model, with (beyond OpenAI's fields, as vLLM adds `max_model_len`) what a router
+/// registering this server needs: the KV geometry and where its KV events are published.
 async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
     let loaded = state.ready()?;
+    let info = &loaded.info;
+    let kv_events = state
+        .cfg
+        .kv_events
+        .as_ref()
+        .map(|k| json!({"endpoint": k.endpoint, "topic": k.topic}));
     Ok(Json(json!({
         "object": "list",
         "data": [{
@@ -174,8 +204,23 @@ async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::V
             "created": unix_now(),
             "owned_by": "strata",
             "max_model_len": loaded.max_model_len,
+            "kv_cache_block_size": info.block_size,
+            "num_gpu_blocks": info.num_gpu_blocks,
+            "max_num_seqs": info.max_num_seqs,
+            "max_num_batched_tokens": info.max_num_batched_tokens,
+            "kv_events": kv_events,
         }],
     })))
+}
+
+/// The tokenizer and config files a framework's frontend loads (`model_card`).
+async fn model_card(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let loaded = state.ready()?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/json")],
+        loaded.model_card.body(),
+    )
+        .into_response())
 }
 
 fn unix_now() -> u64 {
@@ -220,15 +265,19 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
-    let text = req.prompt.into_text()?;
     let loaded = state.ready()?;
-    let tokenizer = Arc::clone(&loaded.tokenizer);
-    let prompt = run_blocking(move || {
-        tokenizer
-            .encode(&text, true)
-            .map_err(|e| ApiError::bad_field("prompt", format!("{e:#}")))
-    })
-    .await?;
+    let prompt = match Prompt::parse(&req.prompt, loaded.vocab_size)? {
+        Prompt::Tokens(ids) => ids,
+        Prompt::Text(text) => {
+            let tokenizer = Arc::clone(&loaded.tokenizer);
+            run_blocking(move || {
+                tokenizer
+                    .encode(&text, true)
+                    .map_err(|e| ApiError::bad_field("prompt", format!("{e:#}")))
+            })
+            .await?
+        }
+    };
     generate(state, Endpoint::Completion, &req.fields, prompt).await
 }
 
@@ -266,6 +315,7 @@ async fn generate(
         sampling: gen.sampling.clone(),
         ignore_eos: gen.ignore_eos,
     };
+    let prompt_ids = gen.return_token_ids.then(|| prompt.clone());
     let prompt_tokens = prompt.len();
     let events = loaded
         .engine
@@ -282,14 +332,17 @@ async fn generate(
         events,
         text,
         prompt_tokens,
-        completion_tokens: 0,
+        output_ids: Vec::new(),
+        sent_ids: 0,
+        prompt_ids,
         _admitted: admitted,
     };
     if gen.stream {
         Ok(stream_response(run, meta, gen).into_response())
     } else {
-        let (text, finish, usage) = run.collect().await?;
-        Ok(Json(meta.full(&text, finish, usage)).into_response())
+        let (text, finish, usage, run) = run.collect().await?;
+        let body = meta.full(&text, finish, usage, run.all_ids());
+        Ok(Json(body).into_response())
     }
 }
 
@@ -334,7 +387,12 @@ struct Run {
     events: UnboundedReceiver<Event>,
     text: TextStream,
     prompt_tokens: usize,
-    completion_tokens: usize,
+    /// Every token the engine generated for the response (its `completion_tokens`).
+    output_ids: Vec<u32>,
+    /// Of `output_ids`, those already sent in a chunk.
+    sent_ids: usize,
+    /// `Some` when the client asked for token ids (`return_token_ids`).
+    prompt_ids: Option<Vec<u32>>,
     _admitted: Admitted,
 }
 
@@ -348,8 +406,34 @@ impl Run {
     fn usage(&self) -> Usage {
         Usage {
             prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.completion_tokens,
+            completion_tokens: self.output_ids.len(),
         }
+    }
+
+    /// The response's token ids, if asked for: the prompt's and every output token.
+    fn all_ids(&self) -> Option<TokenIds<'_>> {
+        let prompt = self.prompt_ids.as_deref()?;
+        Some(TokenIds {
+            prompt: Some(prompt),
+            output: &self.output_ids,
+        })
+    }
+
+    /// The output ids not sent yet (for the next chunk), if asked for; the prompt's ride
+    /// with the first chunk.
+    fn new_ids(&mut self, first: bool) -> Option<TokenIds<'_>> {
+        let prompt = self.prompt_ids.as_deref()?;
+        let from = std::mem::replace(&mut self.sent_ids, self.output_ids.len());
+        Some(TokenIds {
+            prompt: first.then_some(prompt),
+            output: &self.output_ids[from..],
+        })
+    }
+
+    /// Whether a chunk is due even without new text: token ids were asked for and some
+    /// are unsent (a client speaking token ids wants each one as it comes).
+    fn ids_pending(&self) -> bool {
+        self.prompt_ids.is_some() && self.sent_ids < self.output_ids.len()
     }
 
     /// Waits for the next piece of text or the end. After a stop string the event channel
@@ -357,7 +441,7 @@ impl Run {
     async fn next(&mut self) -> Result<Step, ApiError> {
         match self.events.recv().await {
             Some(Event::Token(id)) => {
-                self.completion_tokens += 1;
+                self.output_ids.push(id);
                 let r = self
                     .text
                     .push(id)
@@ -378,14 +462,15 @@ impl Run {
         }
     }
 
-    async fn collect(mut self) -> Result<(String, Finish, Usage), ApiError> {
+    async fn collect(mut self) -> Result<(String, Finish, Usage, Run), ApiError> {
         let mut out = String::new();
         loop {
             match self.next().await? {
                 Step::Text(t) => out.push_str(&t),
                 Step::End(t, finish) => {
                     out.push_str(&t);
-                    return Ok((out, finish, self.usage()));
+                    let usage = self.usage();
+                    return Ok((out, finish, usage, self));
                 }
             }
         }
@@ -397,10 +482,12 @@ fn sse_json(v: &serde_json::Value) -> SseEvent {
 }
 
 /// The SSE response: a role chunk (chat), text chunks, a chunk with the finish reason, the
-/// usage chunk if asked, then `[DONE]`. Dropping the stream (client gone) drops the event
+/// usage chunk if asked, then `[DONE]`. With `return_token_ids` every chunk carries the
+/// token ids since the one before (a chunk goes out for each new id even without text),
+/// the first one the prompt's too. Dropping the stream (client gone) drops the event
 /// receiver, which cancels the request.
 fn stream_response(
-    run: Run,
+    mut run: Run,
     meta: ResponseMeta,
     gen: Generation,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
@@ -409,17 +496,38 @@ fn stream_response(
         meta: ResponseMeta,
         include_usage: bool,
         queue: VecDeque<SseEvent>,
+        /// The prompt's token ids are still to be sent (with the next chunk).
+        prompt_ids_due: bool,
         ended: bool,
     }
+    impl S {
+        fn push_chunk(&mut self, text: &str, finish: Option<Finish>) {
+            let first = std::mem::replace(&mut self.prompt_ids_due, false);
+            let ids = self.run.new_ids(first);
+            let chunk = self
+                .meta
+                .chunk(text, false, finish, self.include_usage, ids);
+            self.queue.push_back(sse_json(&chunk));
+        }
+    }
     let mut queue = VecDeque::new();
-    if meta.endpoint == Endpoint::Chat {
-        queue.push_back(sse_json(&meta.chunk("", true, None, gen.include_usage)));
+    let chat = meta.endpoint == Endpoint::Chat;
+    if chat {
+        let ids = run.new_ids(true);
+        queue.push_back(sse_json(&meta.chunk(
+            "",
+            true,
+            None,
+            gen.include_usage,
+            ids,
+        )));
     }
     let init = S {
         run,
         meta,
         include_usage: gen.include_usage,
         queue,
+        prompt_ids_due: !chat,
         ended: false,
     };
     let events = stream::unfold(init, |mut s| async move {
@@ -430,18 +538,17 @@ fn stream_response(
             if s.ended {
                 return None;
             }
-            let (m, u) = (&s.meta, s.include_usage);
             match s.run.next().await {
-                Ok(Step::Text(t)) if t.is_empty() => {}
-                Ok(Step::Text(t)) => s.queue.push_back(sse_json(&m.chunk(&t, false, None, u))),
+                Ok(Step::Text(t)) if t.is_empty() && !s.run.ids_pending() => {}
+                Ok(Step::Text(t)) => s.push_chunk(&t, None),
                 Ok(Step::End(t, finish)) => {
-                    if !t.is_empty() {
-                        s.queue.push_back(sse_json(&m.chunk(&t, false, None, u)));
+                    if !t.is_empty() || s.run.ids_pending() {
+                        s.push_chunk(&t, None);
                     }
-                    s.queue
-                        .push_back(sse_json(&m.chunk("", false, Some(finish), u)));
-                    if u {
-                        s.queue.push_back(sse_json(&m.usage_chunk(s.run.usage())));
+                    s.push_chunk("", Some(finish));
+                    if s.include_usage {
+                        let usage = s.meta.usage_chunk(s.run.usage());
+                        s.queue.push_back(sse_json(&usage));
                     }
                     s.queue.push_back(SseEvent::default().data("[DONE]"));
                     s.ended = true;
@@ -470,6 +577,7 @@ mod tests {
             stream: false,
             include_usage: false,
             ignore_eos: false,
+            return_token_ids: false,
         }
     }
 

@@ -297,6 +297,25 @@ pub fn require_default_model() -> PathBuf {
     p
 }
 
+/// The Python interpreter the Python-driven tests use (`$STRATA_TEST_PYTHON`, else
+/// `python3`), if it imports `modules`. Otherwise `None` after a loud skip message, or a
+/// panic under `CI=true`, where `.ci/run` must have installed them (`install` says how).
+pub fn python_with(modules: &str, install: &str) -> Option<String> {
+    let python = std::env::var("STRATA_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let found = std::process::Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if found {
+        return Some(python);
+    }
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    assert!(!ci, "{python} cannot import {modules} (CI=true): {install}");
+    eprintln!("\n**** SKIPPED: {python} cannot import {modules}; {install} ****\n");
+    None
+}
+
 /// `n` serving requests for a tiny model (ids 3..300): prompts of 5..70 tokens that share
 /// their first `shared` tokens, 5..40 new tokens each, run past end-of-sequence.
 pub fn serve_requests(

@@ -136,6 +136,12 @@ impl Server {
             .collect()
     }
 
+    /// The full sample name of a vLLM-named metric of this server (`metrics()`'s key):
+    /// `name{model_name="…",engine="0"}`.
+    pub fn vllm(&self, name: &str) -> String {
+        format!("{name}{{model_name=\"{}\",engine=\"0\"}}", self.model_name)
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

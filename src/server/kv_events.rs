@@ -1,0 +1,305 @@
+//! `--kv-events-endpoint`: the prefix cache's events (`serve::cache_events`) on a ZMQ PUB
+//! socket, in vLLM's wire format, so KV-aware routers built for vLLM (Dynamo's KV router,
+//! llm-d) can send each request to the instance holding its prefix (docs/distributed.md).
+//!
+//! Wire format (vLLM `vllm/distributed/kv_events.py`): each message is three frames,
+//! `[topic, sequence number (u64, big-endian), payload]`; the payload is a msgpack array
+//! `[ts, events, data_parallel_rank]`, each event a map tagged by `type`: `BlockStored`
+//! `{block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name}`,
+//! `BlockRemoved {block_hashes, medium}`, `AllBlocksCleared {}`.
+//!
+//! The engine thread never waits for the socket: it hands each step's events to a bounded
+//! channel (`try_send`); when the publisher thread falls behind, the batch is dropped and
+//! counted (`strata:kv_events_dropped_total`). ZMQ PUB drops for slow subscribers too.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{anyhow, Context, Result};
+use serde::Serialize;
+use tokio::sync::mpsc::{self, error::TrySendError};
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+use crate::serve::cache_events::CacheEvent;
+
+/// Batches (one per engine step at most) waiting for the publisher thread.
+const QUEUE_BATCHES: usize = 1024;
+/// How long the last batches get to reach subscribers when the server stops.
+const LINGER: Duration = Duration::from_millis(200);
+
+/// `tcp://HOST:PORT` to bind, `*` for every interface, port 0 for any free port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ZmqEndpoint {
+    host: String,
+    port: u16,
+}
+
+impl FromStr for ZmqEndpoint {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("expected tcp://HOST:PORT (HOST may be `*`), got {s:?}");
+        let rest = s.strip_prefix("tcp://").ok_or_else(bad)?;
+        let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+        let port = port.parse().map_err(|_| bad())?;
+        if host.is_empty() || host.contains(['/', ' ']) {
+            return Err(bad());
+        }
+        Ok(Self {
+            host: host.to_string(),
+            port,
+        })
+    }
+}
+
+impl fmt::Display for ZmqEndpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tcp://{}:{}", self.host, self.port)
+    }
+}
+
+impl ZmqEndpoint {
+    /// What the socket binds: ZMQ's `*` is the unspecified address.
+    fn bind_address(&self) -> String {
+        let host = if self.host == "*" {
+            "0.0.0.0"
+        } else {
+            &self.host
+        };
+        format!("tcp://{host}:{}", self.port)
+    }
+}
+
+/// One event as msgpack maps it: an internally tagged enum is a map whose `type` names the
+/// variant, as msgspec's `tag=True` structs are.
+#[derive(Serialize)]
+#[serde(tag = "type")]
+enum WireEvent<'a> {
+    BlockStored {
+        block_hashes: &'a [u64],
+        parent_block_hash: Option<u64>,
+        token_ids: &'a [u32],
+        block_size: usize,
+        lora_id: Option<u64>,
+        medium: &'static str,
+        lora_name: Option<&'a str>,
+    },
+    BlockRemoved {
+        block_hashes: &'a [u64],
+        medium: &'static str,
+    },
+    AllBlocksCleared {},
+}
+
+/// The payload of one message: `[ts, [event, ...], data_parallel_rank]` (rank 0: one engine).
+pub fn encode_batch(ts: f64, events: &[CacheEvent], block_size: usize) -> Vec<u8> {
+    let wire: Vec<WireEvent> = events
+        .iter()
+        .map(|e| match e {
+            CacheEvent::Stored {
+                medium,
+                parent,
+                hashes,
+                tokens,
+            } => WireEvent::BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: *parent,
+                token_ids: tokens,
+                block_size,
+                lora_id: None,
+                medium: medium.as_str(),
+                lora_name: None,
+            },
+            CacheEvent::Removed { medium, hashes } => WireEvent::BlockRemoved {
+                block_hashes: hashes,
+                medium: medium.as_str(),
+            },
+            CacheEvent::Cleared => WireEvent::AllBlocksCleared {},
+        })
+        .collect();
+    rmp_serde::to_vec_named(&(ts, wire, 0u32)).expect("plain data always encodes")
+}
+
+/// The engine thread's handle to the publisher thread.
+pub struct KvEventPublisher {
+    tx: Option<mpsc::Sender<Vec<CacheEvent>>>,
+    thread: Option<JoinHandle<()>>,
+    dropped: Arc<AtomicU64>,
+    /// The endpoint bound (port 0 resolved), for subscribers: `tcp://HOST:PORT`.
+    pub bound: String,
+    pub topic: String,
+}
+
+impl KvEventPublisher {
+    /// Binds the PUB socket on its own thread and returns once it is bound (or failed).
+    pub fn start(endpoint: &ZmqEndpoint, topic: &str, block_size: usize) -> Result<Self> {
+        let (tx, rx) = mpsc::channel(QUEUE_BATCHES);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let address = endpoint.bind_address();
+        let topic_bytes = topic.as_bytes().to_vec();
+        let thread = std::thread::Builder::new()
+            .name("kv-events".into())
+            .spawn(move || publish_loop(address, topic_bytes, block_size, rx, ready_tx))
+            .context("starting the KV events thread")?;
+        let bound = ready_rx
+            .recv()
+            .map_err(|_| anyhow!("the KV events thread stopped while binding"))?
+            .with_context(|| format!("cannot bind --kv-events-endpoint {endpoint}"))?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            dropped: Arc::new(AtomicU64::new(0)),
+            bound,
+            topic: topic.to_string(),
+        })
+    }
+
+    /// Queues one step's events; never blocks. A full queue drops them (counted).
+    pub fn publish(&self, events: Vec<CacheEvent>) {
+        let Some(tx) = &self.tx else { return };
+        if events.is_empty() {
+            return;
+        }
+        let n = events.len() as u64;
+        match tx.try_send(events) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_) | TrySendError::Closed(_)) => {
+                self.dropped.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Events dropped because the publisher thread fell behind (or had stopped).
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Sends what is queued, lets it reach subscribers, and stops the thread.
+    pub fn close(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for KvEventPublisher {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn unix_seconds() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The publisher thread: a current-thread runtime driving the (async) ZMQ socket.
+fn publish_loop(
+    address: String,
+    topic: Vec<u8>,
+    block_size: usize,
+    mut rx: mpsc::Receiver<Vec<CacheEvent>>,
+    ready: std::sync::mpsc::Sender<Result<String>>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = ready.send(Err(anyhow!("starting its runtime: {e}")));
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let mut socket = zeromq::PubSocket::new();
+        match socket.bind(&address).await {
+            Ok(bound) => {
+                let _ = ready.send(Ok(bound.to_string()));
+            }
+            Err(e) => {
+                let _ = ready.send(Err(anyhow!("{e}")));
+                return;
+            }
+        }
+        let mut seq: u64 = 0;
+        let mut warned = false;
+        while let Some(events) = rx.recv().await {
+            let mut msg = ZmqMessage::from(topic.clone());
+            msg.push_back(seq.to_be_bytes().to_vec().into());
+            msg.push_back(encode_batch(unix_seconds(), &events, block_size).into());
+            seq += 1;
+            if let Err(e) = socket.send(msg).await {
+                if !std::mem::replace(&mut warned, true) {
+                    eprintln!("strata serve: warning: publishing KV events: {e}");
+                }
+            }
+        }
+        // The socket queues each message for its subscribers' writers: let them run.
+        tokio::time::sleep(LINGER).await;
+        let _ = socket.close().await;
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::cache_events::Medium;
+
+    #[test]
+    fn endpoints_are_tcp_host_port_and_anything_else_is_refused() {
+        let e: ZmqEndpoint = "tcp://127.0.0.1:5557".parse().unwrap();
+        assert_eq!(e.to_string(), "tcp://127.0.0.1:5557");
+        assert_eq!(
+            "tcp://*:0".parse::<ZmqEndpoint>().unwrap().bind_address(),
+            "tcp://0.0.0.0:0"
+        );
+        for bad in [
+            "127.0.0.1:5557",
+            "ipc:///tmp/x",
+            "tcp://:5557",
+            "tcp://host",
+            "tcp://host:99999",
+            "tcp://host:port",
+        ] {
+            let err = bad.parse::<ZmqEndpoint>().unwrap_err();
+            assert!(err.contains("tcp://HOST:PORT"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_batch_encodes_as_vllm_tagged_maps_inside_an_array() {
+        let events = [
+            CacheEvent::Stored {
+                medium: Medium::Gpu,
+                parent: Some(7),
+                hashes: vec![u64::MAX, 9],
+                tokens: vec![1, 2, 3, 4],
+            },
+            CacheEvent::Removed {
+                medium: Medium::Disk,
+                hashes: vec![9],
+            },
+            CacheEvent::Cleared,
+        ];
+        let bytes = encode_batch(1.5, &events, 2);
+        // Read back as plain msgpack (the structure a subscriber sees), not our own types.
+        let v: serde_json::Value = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!([1.5, [
+                {"type": "BlockStored", "block_hashes": [u64::MAX, 9], "parent_block_hash": 7,
+                 "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": null, "medium": "GPU",
+                 "lora_name": null},
+                {"type": "BlockRemoved", "block_hashes": [9], "medium": "DISK"},
+                {"type": "AllBlocksCleared"},
+            ], 0])
+        );
+    }
+}

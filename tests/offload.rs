@@ -7,22 +7,16 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{scratch_dir, TinySpec};
+use common::TinySpec;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::engine::{self, GenerateOptions, SamplingParams};
 use strata::kv::ContiguousKv;
 use strata::kv::KvCache;
-use strata::model::{weights, Model, ModelConfig};
+use strata::model::Model;
 use strata::offload::{CpuOffloadEngine, OffloadConfig};
 
 fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
-    let dir = scratch_dir(name);
-    spec.write(&dir, 21);
-    let mut cfg =
-        ModelConfig::from_hf_json(&std::fs::read_to_string(dir.join("config.json")).unwrap())
-            .unwrap();
-    let w = weights::load_safetensors(&dir, &mut cfg, false).unwrap();
-    Arc::new(Model::new(cfg, w))
+    common::load_tiny(spec, name, 21)
 }
 
 fn greedy(n: usize) -> GenerateOptions {

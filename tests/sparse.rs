@@ -16,18 +16,12 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::device::cpu::ops::AttnHeads;
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::kv::KvCache;
-use strata::model::{weights, Model, ModelConfig};
+use strata::model::Model;
 use strata::offload::{CpuOffloadEngine, OffloadConfig, OffloadControl};
 use strata::sparse::{self, KvElem, SparseConfig, SparseStats};
 
 fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
-    let dir = scratch_dir(name);
-    spec.write(&dir, 33);
-    let mut cfg =
-        ModelConfig::from_hf_json(&std::fs::read_to_string(dir.join("config.json")).unwrap())
-            .unwrap();
-    let w = weights::load_safetensors(&dir, &mut cfg, false).unwrap();
-    Arc::new(Model::new(cfg, w))
+    common::load_tiny(spec, name, 33)
 }
 
 fn run(

@@ -19,23 +19,18 @@ use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::gpucheck::serve_checks::{disk_case, serve_case};
 use strata::kv::{ContiguousKv, KvCache};
 use strata::model::random::Shape;
-use strata::model::{weights, Model, ModelConfig};
+use strata::model::Model;
 use strata::offload::{CpuOffloadEngine, OffloadConfig, OffloadControl};
 use strata::serve::{Engine, EngineConfig};
 use strata::sparse::SparseConfig;
 
 /// Five layers, so that rings of two to four slots are reused within one prefill.
 fn model() -> Arc<Model> {
-    let dir = scratch_dir("stream_order_model");
     let spec = TinySpec {
         layers: 5,
         ..TinySpec::llama()
     };
-    spec.write(&dir, 7);
-    let json = std::fs::read_to_string(dir.join("config.json")).unwrap();
-    let mut cfg = ModelConfig::from_hf_json(&json).unwrap();
-    let w = weights::load_safetensors(&dir, &mut cfg, false).unwrap();
-    Arc::new(Model::new(cfg, w))
+    common::load_tiny(spec, "stream_order_model", 7)
 }
 
 fn greedy(n: usize) -> GenerateOptions {

@@ -275,6 +275,18 @@ fn requests(vocab: usize) -> (Vec<Vec<u32>>, Vec<RequestParams>) {
     (prompts, params)
 }
 
+/// A random model of `shape`, the eight requests, and their working set in blocks.
+fn workload(shape: Shape) -> (Arc<Model>, Vec<Vec<u32>>, Vec<RequestParams>, usize) {
+    let model = random_model(shape);
+    let (prompts, params) = requests(model.cfg.vocab_size);
+    let ws = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(BLOCK))
+        .sum();
+    (model, prompts, params, ws)
+}
+
 /// Makes a serving engine on the device under test.
 pub type ServeEngineFactory<'a> = dyn Fn(&Arc<Model>, &EngineConfig) -> Result<Engine> + 'a;
 
@@ -286,13 +298,7 @@ pub fn serve_case(
     shape: Shape,
     sanitize: bool,
 ) -> Result<Vec<CheckRow>> {
-    let model = random_model(shape);
-    let (prompts, params) = requests(model.cfg.vocab_size);
-    let ws: usize = prompts
-        .iter()
-        .zip(&params)
-        .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(BLOCK))
-        .sum();
+    let (model, prompts, params, ws) = workload(shape);
     let cfg = |gpu, cpu, sanitize| EngineConfig {
         sched: sched(gpu, cpu),
         link_gbps: 0.0,
@@ -352,13 +358,7 @@ pub fn disk_case(
     shape: Shape,
     dir: &std::path::Path,
 ) -> Result<Vec<CheckRow>> {
-    let model = random_model(shape);
-    let (prompts, params) = requests(model.cfg.vocab_size);
-    let ws: usize = prompts
-        .iter()
-        .zip(&params)
-        .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(BLOCK))
-        .sum();
+    let (model, prompts, params, ws) = workload(shape);
     let _ = std::fs::remove_dir_all(dir);
     let cfg = |gpu, cpu, disk: bool| EngineConfig {
         sched: SchedulerConfig {

@@ -238,6 +238,17 @@ impl TinySpec {
 }
 
 /// A byte-level BPE tokenizer whose vocab is the 256 byte symbols plus specials.
+/// `spec` with weights from `seed`, written under `name` and loaded as the runtime would.
+pub fn load_tiny(spec: TinySpec, name: &str, seed: u64) -> std::sync::Arc<strata::model::Model> {
+    use strata::model::{weights, Model, ModelConfig};
+    let dir = scratch_dir(name);
+    spec.write(&dir, seed);
+    let json = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let mut cfg = ModelConfig::from_hf_json(&json).unwrap();
+    let w = weights::load_safetensors(&dir, &mut cfg, false).unwrap();
+    std::sync::Arc::new(Model::new(cfg, w))
+}
+
 pub fn write_tokenizer(dir: &Path, vocab_size: usize) {
     use tokenizers::models::bpe::BPE;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;

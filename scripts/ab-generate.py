@@ -59,12 +59,21 @@ def main():
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     first = variants[0][0]
     med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in results.items()}
-    print("| variant | prefill tok/s (median) | ratio | decode tok/s (median) | ratio |")
+    # Each round's ratio to the first variant: the machine's drift cancels within a round.
+    def ratios(name, key):
+        return [x / y for x, y in zip(results[name][key], results[first][key])]
+
+    def rng(v):
+        return f"{min(v):.3f}–{max(v):.3f}"
+
+    print("| variant | prefill tok/s (median) | ratio (median of rounds; range) "
+          "| decode tok/s (median) | ratio (median of rounds; range) |")
     print("| --- | --- | --- | --- | --- |")
     for name, _, _ in variants:
         p, d = med[name]["prefill"], med[name]["decode"]
-        print(f"| {name} | {p:.1f} | {p / med[first]['prefill']:.3f} | {d:.2f} | "
-              f"{d / med[first]['decode']:.3f} |")
+        rp, rd = ratios(name, "prefill"), ratios(name, "decode")
+        print(f"| {name} | {p:.1f} | {statistics.median(rp):.3f} ({rng(rp)}) | {d:.2f} | "
+              f"{statistics.median(rd):.3f} ({rng(rd)}) |")
     return 0
 
 

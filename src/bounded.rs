@@ -23,13 +23,21 @@ pub struct Limits {
     pub memory_bytes: usize,
     /// Longest the caller waits; the work is abandoned (its thread left running) after it.
     pub time: Duration,
+    /// Stack of the work's thread (an overflow aborts the process: size it for the work).
+    pub stack_bytes: usize,
 }
+
+/// The stack a spawned Rust thread gets by default.
+pub const DEFAULT_STACK_BYTES: usize = 2 << 20;
 
 /// Why bounded work did not finish.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exceeded {
     Memory,
     Time,
+    /// No thread with the asked-for stack could be started (the machine is out of memory
+    /// or of threads).
+    NoThread,
 }
 
 impl std::fmt::Display for Exceeded {
@@ -37,6 +45,7 @@ impl std::fmt::Display for Exceeded {
         match self {
             Exceeded::Memory => f.write_str("memory budget exceeded"),
             Exceeded::Time => f.write_str("time budget exceeded"),
+            Exceeded::NoThread => f.write_str("no thread could be started for it"),
         }
     }
 }
@@ -47,6 +56,31 @@ thread_local! {
     static LIVE: Cell<usize> = const { Cell::new(0) };
     /// The flag `run` watches, raised when the budget is passed.
     static FLAG: Cell<*const AtomicBool> = const { Cell::new(std::ptr::null()) };
+    /// Set on bounded threads: their panics go back to the caller, who reports them.
+    static QUIET_PANICS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Keeps the panic hook from printing (message, location, backtrace) for panics of bounded
+/// work: they are returned to the caller, and a hostile input must not fill the log.
+fn quiet_bounded_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET_PANICS.try_with(Cell::get).unwrap_or(false) {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// The message of a caught panic (its payload, when it is a string).
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic".into())
 }
 
 /// Work abandoned so far (parked over its memory budget, or left running past its time).
@@ -120,17 +154,21 @@ fn refund(bytes: usize) {
     let _ = LIVE.try_with(|c| c.set(c.get().saturating_sub(bytes)));
 }
 
-/// Runs `work` on a thread of its own under `limits`. A panic in `work` is resumed here.
+/// Runs `work` on a thread of its own under `limits`. A panic in `work` is resumed here
+/// (without the panic hook printing it: the caller reports it).
 pub fn run<T: Send + 'static>(
     limits: Limits,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, Exceeded> {
+    quiet_bounded_panics();
     let flag = Arc::new(AtomicBool::new(false));
     let leaked = Arc::into_raw(Arc::clone(&flag)) as usize;
     let (tx, rx) = mpsc::channel();
     let handle = std::thread::Builder::new()
         .name("bounded".into())
+        .stack_size(limits.stack_bytes)
         .spawn(move || {
+            QUIET_PANICS.with(|q| q.set(true));
             FLAG.with(|f| f.set(leaked as *const AtomicBool));
             LIVE.with(|c| c.set(0));
             LIMIT.with(|c| c.set(limits.memory_bytes));
@@ -140,8 +178,12 @@ pub fn run<T: Send + 'static>(
             // SAFETY: the count leaked above, given back now that nothing reads it.
             drop(unsafe { Arc::from_raw(leaked as *const AtomicBool) });
             let _ = tx.send(out);
-        })
-        .expect("spawning a thread");
+        });
+    let Ok(handle) = handle else {
+        // SAFETY: the thread never started, so the count leaked for it is still ours.
+        drop(unsafe { Arc::from_raw(leaked as *const AtomicBool) });
+        return Err(Exceeded::NoThread);
+    };
     let start = Instant::now();
     loop {
         match rx.recv_timeout(Duration::from_millis(5)) {
@@ -174,6 +216,7 @@ mod tests {
     const SMALL: Limits = Limits {
         memory_bytes: 64 << 20,
         time: Duration::from_secs(20),
+        stack_bytes: DEFAULT_STACK_BYTES,
     };
 
     #[test]

@@ -124,6 +124,9 @@ struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = strata::model::template::worker::enter() {
+        return code;
+    }
     strata::engine::return_large_buffers_to_the_system();
     let cli = match errors::parse_args::<Cli>("strata") {
         Ok(cli) => cli,

@@ -602,10 +602,23 @@ fn chat_templates_run_on_a_budget_from_every_source() {
     // Values held, never printed: 100 MB each (minijinja's largest repeat), the third
     // passes the budget (built by fast repeats, so the time budget is not reached first).
     let hoard = "{% set a = 'ab' * 50000000 %}{% set b = 'cd' * 50000000 %}{% set c = 'ef' * 50000000 %}{{ a|length + b|length + c|length }}";
+    // A chain minijinja's compiler would recurse through past any thread's stack.
+    let chain = format!("{{{{ 'x'{} }}}}", "|lower".repeat(30_000));
+    // A value nested 2.4 million deep within the fuel and memory budgets: printing and
+    // dropping it overflows even a 256 MiB stack, so only a worker process contains it.
+    let nested = format!(
+        "{{% set ns = namespace(x=[1]) %}}{{% for i in range(80) %}}{{% for j in range(100) %}}{{% set ns.x = ns.x{} %}}{{% endfor %}}{{% endfor %}}{{{{ ns.x }}}}",
+        "|batch(1)".repeat(300)
+    );
+    // A count that overflows a capacity inside minijinja (a panic there).
+    let overflow = "{{ [1, 2]|slice(4611686018427387904)|list }}";
     for (i, (template, expect)) in [
         (hang, "ran out of its budget of 5000000 instructions"),
         (flood, "the rendered text passes 64 MiB"),
         (hoard, "used more than 256 MiB of memory"),
+        (chain.as_str(), "has a tag of more than 2000 tokens"),
+        (nested.as_str(), "crashed its renderer"),
+        (overflow, "rendering failed ("),
     ]
     .into_iter()
     .enumerate()

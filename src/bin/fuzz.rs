@@ -56,6 +56,9 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = strata::model::template::worker::enter() {
+        return code;
+    }
     let args = match errors::parse_args::<Args>("fuzz") {
         Ok(a) => a,
         Err(code) => return code,

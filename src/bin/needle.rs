@@ -101,6 +101,9 @@ struct CaseReport {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = strata::model::template::worker::enter() {
+        return code;
+    }
     let args = match errors::parse_args::<Args>("needle") {
         Ok(args) => args,
         Err(code) => return code,

@@ -35,6 +35,7 @@ use crate::model::{tokenizer, Model, Tokenizer};
 pub const CASE_LIMITS: Limits = Limits {
     memory_bytes: 1 << 30,
     time: Duration::from_secs(10),
+    stack_bytes: 8 << 20,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,13 +177,7 @@ pub fn run_case_bounded(target: Target, case: &Case) -> Outcome {
         Ok(Ok(Ok(()))) => Outcome::Ok,
         Ok(Ok(Err(e))) => Outcome::Refused(format!("{e:#}")),
         Ok(Err(exceeded)) => Outcome::Exceeded(exceeded),
-        Err(panic) => Outcome::Panicked(
-            panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panic".into()),
-        ),
+        Err(panic) => Outcome::Panicked(bounded::panic_message(&*panic)),
     }
 }
 

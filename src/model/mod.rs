@@ -5,6 +5,7 @@ pub mod cuda;
 pub mod files;
 mod gguf_header;
 pub mod random;
+pub mod template;
 pub mod tokenizer;
 pub mod weights;
 

@@ -26,21 +26,6 @@ use tokenizers::{
     AddedToken, SplitDelimiterBehavior,
 };
 
-/// Budget of one chat-template rendering: a model file is untrusted input (and the server
-/// renders templates for network clients). Far above what any real template needs for a
-/// long conversation.
-pub mod template_limits {
-    /// minijinja instructions (a ChatML turn takes ~30).
-    pub const FUEL: u64 = 5_000_000;
-    /// Bytes of rendered text.
-    pub const MAX_OUTPUT_BYTES: usize = 64 << 20;
-    /// Bytes the rendering may hold at once (values it builds but never prints included).
-    pub const MAX_MEMORY_BYTES: usize = 256 << 20;
-    /// Wall-clock backstop behind the fuel: one instruction can iterate a lazy sequence
-    /// (`''.join(['a'] * 99999999)`) for seconds. Real templates take milliseconds.
-    pub const MAX_SECONDS: u64 = 5;
-}
-
 /// A chat template and where it came from (named in its errors).
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
@@ -401,87 +386,7 @@ impl Tokenizer {
     }
 }
 
-/// Renders a chat template, the one way every template is rendered: Hugging Face's
-/// extensions (`raise_exception`, Python string methods) and a budget (instructions,
-/// output bytes, memory, time: `template_limits`). Errors are one cause naming `source`.
-pub fn render_template(source: &str, template: &str, ctx: minijinja::Value) -> Result<String> {
-    use template_limits::*;
-    let (source_owned, template) = (source.to_string(), template.to_string());
-    let limits = crate::bounded::Limits {
-        memory_bytes: MAX_MEMORY_BYTES,
-        time: std::time::Duration::from_secs(MAX_SECONDS),
-    };
-    let rendered = crate::bounded::run(limits, move || render_unbounded(&template, ctx));
-    match rendered {
-        Ok(r) => r.map_err(|e| anyhow::anyhow!("chat template from {source_owned}: {e}")),
-        Err(crate::bounded::Exceeded::Memory) => bail!(
-            "chat template from {source}: used more than {} MiB of memory",
-            MAX_MEMORY_BYTES >> 20
-        ),
-        Err(crate::bounded::Exceeded::Time) => {
-            bail!("chat template from {source}: took longer than {MAX_SECONDS} s")
-        }
-    }
-}
-
-/// The rendering itself, bounded by fuel and output size only (see `render_template`).
-fn render_unbounded(template: &str, ctx: minijinja::Value) -> Result<String> {
-    use template_limits::*;
-    let mut env = minijinja::Environment::new();
-    minijinja_contrib::add_to_environment(&mut env);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.set_fuel(Some(FUEL));
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    env.add_template("chat", template)
-        .map_err(|e| anyhow::anyhow!("invalid template: {e}"))?;
-    let mut out = CappedWriter {
-        buf: Vec::new(),
-        cap: MAX_OUTPUT_BYTES,
-        overflowed: false,
-    };
-    let result = env
-        .get_template("chat")
-        .and_then(|t| t.render_captured_to(ctx, &mut out).map(|_| ()));
-    if out.overflowed {
-        bail!("the rendered text passes {} MiB", MAX_OUTPUT_BYTES >> 20);
-    }
-    match result {
-        Ok(()) => String::from_utf8(out.buf).context("the rendered text is not UTF-8"),
-        Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
-            bail!("ran out of its budget of {FUEL} instructions")
-        }
-        Err(e) => bail!("rendering: {e}"),
-    }
-}
-
-/// Collects rendered text up to `cap` bytes; a write past it fails, which stops rendering.
-struct CappedWriter {
-    buf: Vec<u8>,
-    cap: usize,
-    overflowed: bool,
-}
-
-impl std::io::Write for CappedWriter {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        if self.buf.len() + data.len() > self.cap {
-            self.overflowed = true;
-            return Err(std::io::Error::other("template output too large"));
-        }
-        self.buf.extend_from_slice(data);
-        Ok(data.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+pub use super::template::render_template;
 
 /// One turn of a conversation, as chat templates read it (`message.role`, `message.content`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

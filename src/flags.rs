@@ -64,6 +64,18 @@ pub fn seqs() -> RangedU64ValueParser<usize> {
     ranged(1, MAX_SEQS)
 }
 
+/// Most connections a server keeps open at once (`--max-connections`).
+pub const MAX_CONNECTIONS: usize = 1 << 20;
+
+pub fn connections() -> RangedU64ValueParser<usize> {
+    ranged(1, MAX_CONNECTIONS)
+}
+
+/// A timeout in whole seconds, 1 s to a day (`--header-read-timeout`, `--body-read-timeout`).
+pub fn seconds() -> RangedU64ValueParser<u64> {
+    RangedU64ValueParser::new().range(1..=86_400)
+}
+
 pub fn repeats() -> RangedU64ValueParser<usize> {
     ranged(1, MAX_REPEATS)
 }

@@ -247,6 +247,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         Ok(())
     };
     let out = session.generate(&prompt, &opts, &mut on_token)?;
+    // Tokens computed from a model file truncated mid-run are not the model's.
+    strata::model::mapped::check_unchanged()?;
     print_result(&model, &tok, &out, json)
 }
 

@@ -6,8 +6,12 @@
 mod common;
 mod live_server;
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
 use common::{scratch_dir, TinySpec};
-use live_server::Server;
+use live_server::{HttpResponse, Server};
 use serde_json::json;
 
 /// The tiny model's context is 512 tokens.
@@ -54,4 +58,175 @@ fn a_template_nesting_values_past_any_stack_is_a_400_and_the_server_keeps_servin
         assert!(msg.contains("crashed its renderer"), "{msg}");
         assert_serving(&server);
     }
+}
+
+/// Reads until the server closes (or `limit` passes: then whatever arrived).
+fn read_until_closed(s: &mut TcpStream, limit: Duration) -> (Vec<u8>, bool) {
+    s.set_read_timeout(Some(limit)).unwrap();
+    let mut buf = Vec::new();
+    let closed = s.read_to_end(&mut buf).is_ok();
+    (buf, closed)
+}
+
+#[test]
+fn idle_and_half_open_connections_are_closed_and_the_cap_answers_503() {
+    let args = [
+        TINY_ARGS,
+        &["--max-connections", "8", "--header-read-timeout", "1"],
+    ]
+    .concat();
+    let server = Server::start(&tiny_with_template("conn_cap", "{{ 'x' }}"), &args);
+    // The health check of `start` is done and closed: all 8 slots are free. Fill them with
+    // connections that send nothing, or half a request head.
+    let mut idle: Vec<TcpStream> = (0..8).map(|_| server.connect()).collect();
+    idle[0]
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // One more is told why, at once, with an OpenAI-style error.
+    let mut extra = server.connect();
+    let (buf, closed) = read_until_closed(&mut extra, Duration::from_secs(5));
+    assert!(closed, "the connection over the cap was left open");
+    let r = HttpResponse::parse(&buf);
+    assert!(r.expect_error(503).contains("--max-connections"));
+    // The idle ones are closed by the header-read timeout...
+    let start = Instant::now();
+    for s in &mut idle {
+        let (_, closed) = read_until_closed(s, Duration::from_secs(5));
+        assert!(
+            closed,
+            "an idle connection outlived the header-read timeout"
+        );
+    }
+    assert!(start.elapsed() < Duration::from_secs(3));
+    // ...and a kept-alive connection idle between requests too.
+    let mut kept = server.connect();
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let (buf, closed) = read_until_closed(&mut kept, Duration::from_secs(5));
+    assert!(closed, "a kept-alive connection outlived the idle timeout");
+    assert_eq!(HttpResponse::parse(&buf).status, 200);
+    assert_serving(&server);
+}
+
+#[test]
+fn bodies_that_never_end_are_refused_and_half_closed_clients_answered() {
+    let args = [TINY_ARGS, &["--body-read-timeout", "1"]].concat();
+    let server = Server::start(&tiny_with_template("bodies", "{{ 'x' }}"), &args);
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n";
+    // A declared length past the limit: 413 before any byte of the body (2^64 - 1 itself
+    // is refused by the HTTP parser, hyper, with a 4xx of its own).
+    for (length, status) in [("10000000000", Some(413)), ("18446744073709551615", None)] {
+        let mut s = server.connect();
+        s.write_all(format!("{head}Content-Length: {length}\r\n\r\n").as_bytes())
+            .unwrap();
+        let (buf, closed) = read_until_closed(&mut s, Duration::from_secs(5));
+        assert!(closed, "Content-Length {length} was waited on");
+        let r = HttpResponse::parse(&buf);
+        match status {
+            Some(code) => drop(r.expect_error(code)),
+            None => assert!((400..500).contains(&r.status), "{r:?}"),
+        }
+    }
+    // A chunk announcing 2^64 - 1 bytes, then silence: 408 when the body timeout is up.
+    let mut s = server.connect();
+    s.write_all(
+        format!("{head}Transfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n{{\"model\"")
+            .as_bytes(),
+    )
+    .unwrap();
+    let start = Instant::now();
+    let (buf, closed) = read_until_closed(&mut s, Duration::from_secs(10));
+    assert!(closed && start.elapsed() < Duration::from_secs(5));
+    HttpResponse::parse(&buf).expect_error(408);
+    // A chunked body that keeps coming: 413 once it passes 1 MiB.
+    let mut s = server.connect();
+    s.write_all(format!("{head}Transfer-Encoding: chunked\r\n\r\n").as_bytes())
+        .unwrap();
+    let chunk = format!("{:x}\r\n{}\r\n", 64 << 10, "a".repeat(64 << 10));
+    for _ in 0..20 {
+        if s.write_all(chunk.as_bytes()).is_err() {
+            break;
+        }
+    }
+    let (buf, _) = read_until_closed(&mut s, Duration::from_secs(5));
+    HttpResponse::parse(&buf).expect_error(413);
+    // A client that half-closes after a complete request still gets its answer.
+    let body = json!({"model": server.model_name, "prompt": "hello", "max_tokens": 2}).to_string();
+    let mut s = server.connect();
+    s.write_all(&live_server::request_bytes(
+        "POST",
+        "/v1/completions",
+        &[],
+        body.as_bytes(),
+    ))
+    .unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let (buf, _) = read_until_closed(&mut s, Duration::from_secs(30));
+    let r = HttpResponse::parse(&buf);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_serving(&server);
+}
+
+#[test]
+fn huge_prompts_are_tokenized_inside_admission_control() {
+    let args = [TINY_ARGS, &["--max-pending-requests", "2"]].concat();
+    let server = Server::start(&tiny_with_template("floods", "{{ 'x' }}"), &args);
+    // 16 prompts of ~1 MiB at once: at most 2 are admitted to tokenization; the rest are
+    // told 429 before any of their text is tokenized (before, every one was tokenized, then
+    // refused 400 as too long, and none ever got 429).
+    let prompt = "hello world ".repeat((1 << 20) / 12 - 100);
+    let body = json!({"model": server.model_name, "prompt": prompt, "max_tokens": 1}).to_string();
+    let statuses: Vec<u16> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..16)
+            .map(|_| {
+                scope.spawn(|| {
+                    server
+                        .request("POST", "/v1/completions", &[], body.as_bytes())
+                        .status
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let overloaded = statuses.iter().filter(|&&s| s == 429).count();
+    assert!(
+        statuses.iter().all(|&s| s == 429 || s == 400),
+        "{statuses:?}"
+    );
+    assert!(
+        overloaded >= 8,
+        "only {overloaded} of 16 were refused 429: {statuses:?}"
+    );
+    assert_serving(&server);
+}
+
+#[test]
+fn a_model_file_truncated_while_mapped_is_a_503_not_a_sigbus() {
+    // A copy of the default model (its pages mapped by the server), cut to a tenth while
+    // the server runs: the next forward reads pages the file no longer has.
+    let dir = scratch_dir("truncated_model");
+    let model = dir.join("model.gguf");
+    std::fs::copy(common::require_default_model(), &model).unwrap();
+    let mut server = Server::start(&model, &[]);
+    assert_serving(&server);
+    let len = std::fs::metadata(&model).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&model)
+        .unwrap()
+        .set_len(len / 10)
+        .unwrap();
+    let r = server.post_json(
+        "/v1/completions",
+        &json!({"model": server.model_name, "prompt": "hello", "max_tokens": 4}),
+    );
+    assert!(r.expect_error(503).contains("truncated"), "{r:?}");
+    let health = server.get("/health");
+    assert_eq!(health.status, 503);
+    // Alive: it still answers, and exits cleanly on a signal.
+    assert_eq!(server.get("/v1/models").status, 503);
+    unsafe { libc::kill(server.pid() as i32, libc::SIGTERM) };
+    let status = server.wait_exit(Duration::from_secs(30));
+    assert!(status.success(), "{status:?}");
 }

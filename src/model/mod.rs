@@ -4,6 +4,7 @@ pub mod config;
 pub mod cuda;
 pub mod files;
 mod gguf_header;
+pub mod mapped;
 pub mod random;
 pub mod template;
 pub mod tokenizer;

@@ -3,6 +3,7 @@
 //! file allows), or widened once to f32 in the reference mode (`WeightDtype::F32`).
 //! Q/K/V and gate/up are fused as row segments of one `Weight`, without copying.
 
+use super::mapped::ModelMap;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -39,7 +40,7 @@ pub struct MatShape {
 /// Stored bytes: a range of a memory-mapped file, or owned.
 enum Bytes {
     Mapped {
-        map: Arc<memmap2::Mmap>,
+        map: Arc<ModelMap>,
         range: Range<usize>,
     },
     Owned(Vec<u8>),
@@ -693,7 +694,7 @@ fn progress_bar(show: bool, len: u64) -> ProgressBar {
 
 struct SafetensorsSource {
     /// One memory map per shard file.
-    files: Vec<(PathBuf, Arc<memmap2::Mmap>)>,
+    files: Vec<(PathBuf, Arc<ModelMap>)>,
     /// Tensor name → index into `files`.
     index: HashMap<String, usize>,
 }
@@ -739,10 +740,9 @@ impl SafetensorsSource {
                 );
             }
             let file = files::open_regular(&path)?;
-            // SAFETY: the map is read-only; a file changed under us mid-load is the user's
-            // problem, as with every memory-mapped weight loader.
-            let mmap = unsafe { memmap2::Mmap::map(&file) }
-                .with_context(|| format!("mapping {}", path.display()))?;
+            // Truncation underneath is survivable (`mapped`).
+            let mmap =
+                ModelMap::map(&file).with_context(|| format!("mapping {}", path.display()))?;
             let st = safetensors::SafeTensors::deserialize(&mmap).map_err(|e| {
                 anyhow::anyhow!("{}: invalid safetensors file: {e}", path.display())
             })?;
@@ -810,7 +810,7 @@ pub struct GgufFile {
     pub content: gguf_file::Content,
     file: std::fs::File,
     /// The whole file, mapped: tensors in a format with a kernel are used in place.
-    map: Arc<memmap2::Mmap>,
+    map: Arc<ModelMap>,
     path: PathBuf,
 }
 
@@ -842,10 +842,8 @@ impl GgufFile {
         let len = file.metadata()?.len();
         check_tensor_layout(&content, len)
             .with_context(|| format!("{}: invalid GGUF file", path.display()))?;
-        // SAFETY: read-only; a file changed under us mid-run is the user's problem, as with
-        // every memory-mapped weight loader (llama.cpp maps GGUF files the same way).
-        let map = unsafe { memmap2::Mmap::map(&file) }
-            .with_context(|| format!("mapping {}", path.display()))?;
+        // Truncation underneath is survivable (`mapped`).
+        let map = ModelMap::map(&file).with_context(|| format!("mapping {}", path.display()))?;
         Ok(Self {
             content,
             file,

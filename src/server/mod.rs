@@ -11,6 +11,7 @@ pub mod api;
 pub mod engine_thread;
 pub mod error;
 pub mod kv_events;
+pub mod listen;
 pub mod metrics;
 pub mod model_card;
 pub mod routes;
@@ -75,6 +76,16 @@ pub struct ServeArgs {
     /// Requests admitted at once, running and waiting; more are answered 429.
     #[arg(long, default_value_t = 256)]
     pub max_pending_requests: usize,
+    /// Connections open at once; one more is answered 503 and closed.
+    #[arg(long, default_value_t = 512, value_parser = crate::flags::connections())]
+    pub max_connections: usize,
+    /// Seconds a connection has to send a complete request head, new or kept alive
+    /// between requests; then it is closed.
+    #[arg(long, default_value_t = 10, value_parser = crate::flags::seconds())]
+    pub header_read_timeout: u64,
+    /// Seconds a request has to send its whole body (at most 1 MiB); then it is answered 408.
+    #[arg(long, default_value_t = 30, value_parser = crate::flags::seconds())]
+    pub body_read_timeout: u64,
     /// On Ctrl-C/SIGTERM, seconds to let requests in flight finish before cancelling them.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -180,6 +191,34 @@ fn check_args(args: &ServeArgs) -> Result<()> {
     if let Some(k) = &args.api_key {
         ensure!(!k.is_empty(), "--api-key must not be empty");
     }
+    ensure_descriptors(args.max_connections)?;
+    Ok(())
+}
+
+/// File descriptors the server needs beyond its connections (model, sockets, workers).
+const SPARE_DESCRIPTORS: u64 = 128;
+
+/// Makes room for `max_connections` open sockets: raises the soft descriptor limit toward
+/// the hard one if needed, and refuses a cap the hard limit cannot hold (accepting would
+/// otherwise fail with EMFILE while the server says it listens).
+fn ensure_descriptors(max_connections: usize) -> Result<()> {
+    let need = max_connections as u64 + SPARE_DESCRIPTORS;
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit, owned by this frame.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur >= need {
+        return Ok(());
+    }
+    ensure!(
+        lim.rlim_max >= need,
+        "--max-connections {max_connections} needs {need} file descriptors, but this process may open at most {} (ulimit -Hn); lower --max-connections",
+        lim.rlim_max
+    );
+    lim.rlim_cur = need;
+    // SAFETY: as above; raising the soft limit up to the hard one is always permitted.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
     Ok(())
 }
 
@@ -238,6 +277,7 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
             served_model_name,
             api_key: args.api_key.clone(),
             max_pending_requests: args.max_pending_requests,
+            body_read_timeout: Duration::from_secs(args.body_read_timeout),
             kv_events: kv_events.as_ref().map(|p| KvEventsInfo {
                 endpoint: p.bound.clone(),
                 topic: p.topic.clone(),
@@ -285,10 +325,18 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
             });
         }
     };
-    axum::serve(listener, routes::router(Arc::clone(&state)))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .context("serving HTTP")?;
+    let limits = listen::ConnLimits {
+        max_connections: args.max_connections,
+        header_read_timeout: Duration::from_secs(args.header_read_timeout),
+    };
+    listen::serve(
+        listener,
+        routes::router(Arc::clone(&state)),
+        limits,
+        shutdown,
+    )
+    .await
+    .context("serving HTTP")?;
     if let Some(e) = load_error.lock().expect("not poisoned").take() {
         return Err(e);
     }

@@ -43,6 +43,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Requests admitted at once (running + waiting); more get 429.
     pub max_pending_requests: usize,
+    /// How long a request's body may take to arrive (`--body-read-timeout`).
+    pub body_read_timeout: std::time::Duration,
     /// Where the prefix cache's events are published (`--kv-events-endpoint`).
     pub kv_events: Option<KvEventsInfo>,
 }
@@ -79,6 +81,9 @@ pub struct AppState {
     pub loaded: OnceLock<Loaded>,
     pub metrics: Arc<Metrics>,
     pending: AtomicUsize,
+    /// Template renderings and tokenizations running at once (each is CPU and memory in
+    /// proportion to a prompt of up to `MAX_BODY_BYTES`); admitted requests queue here.
+    tokenizers: tokio::sync::Semaphore,
 }
 
 impl AppState {
@@ -88,7 +93,43 @@ impl AppState {
             loaded: OnceLock::new(),
             metrics,
             pending: AtomicUsize::new(0),
+            tokenizers: tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            ),
         }
+    }
+
+    /// The cheap checks of a request, before it is admitted: the server is ready, the
+    /// model is the one served, the sampling fields are valid.
+    fn check(&self, fields: &GenerationFields) -> Result<(&Loaded, Generation), ApiError> {
+        let loaded = self.ready()?;
+        if fields.model != self.cfg.served_model_name {
+            return Err(ApiError {
+                param: Some("model"),
+                ..ApiError::not_found(format!(
+                    "the model `{}` does not exist; this server serves `{}`",
+                    fields.model, self.cfg.served_model_name
+                ))
+            });
+        }
+        let gen = fields.validate(&loaded.defaults, rand::random())?;
+        Ok((loaded, gen))
+    }
+
+    /// Runs template rendering and tokenization of an admitted request off the async
+    /// workers, at most one per core at a time.
+    async fn tokenize<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let _permit = self
+            .tokenizers
+            .acquire()
+            .await
+            .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
     }
 
     fn ready(&self) -> Result<&Loaded, ApiError> {
@@ -96,6 +137,9 @@ impl AppState {
             None => Err(ApiError::unavailable("the model is still loading")),
             Some(l) if !l.engine.is_alive() => Err(ApiError::unavailable(
                 "the engine has stopped; see the server log",
+            )),
+            Some(_) if crate::model::mapped::changed() => Err(ApiError::unavailable(
+                "the model file was truncated or replaced while the server had it mapped; restart the server",
             )),
             Some(l) => Ok(l),
         }
@@ -139,6 +183,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            read_body,
+        ))
         .with_state(state)
 }
 
@@ -154,6 +202,61 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
         }
     }
     next.run(req).await
+}
+
+/// Reads a request's whole body before any handler runs, within `MAX_BODY_BYTES` and the
+/// body timeout: a declared length past the limit is a 413 at once, a chunked body is
+/// counted as it arrives (413 once past the limit), and one that stalls — a chunk
+/// announcing 2^64 − 1 bytes, then silence — is a 408 when the time is up. Either way the
+/// connection is closed after the answer.
+async fn read_body(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    // A declared length is known before the body: refuse it at once, unread.
+    let declared = axum::body::HttpBody::size_hint(&body).lower();
+    let too_large = ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        message: format!("the request body is larger than {MAX_BODY_BYTES} bytes"),
+        param: None,
+    };
+    let read = axum::body::to_bytes(body, MAX_BODY_BYTES);
+    let outcome = if declared > MAX_BODY_BYTES as u64 {
+        Ok(Err(None))
+    } else {
+        tokio::time::timeout(state.cfg.body_read_timeout, read)
+            .await
+            .map(|r| r.map_err(Some))
+    };
+    let refused = match outcome {
+        Ok(Err(None)) => too_large,
+        Ok(Ok(bytes)) => return next.run(Request::from_parts(parts, bytes.into())).await,
+        Ok(Err(Some(e))) if is_length_limit(&e) => too_large,
+        Ok(Err(Some(e))) => ApiError::bad_request(format!("could not read the request body: {e}")),
+        Err(_) => ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "the request body did not arrive within {} s",
+                state.cfg.body_read_timeout.as_secs()
+            ),
+            param: None,
+        },
+    };
+    let mut response = refused.into_response();
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
+}
+
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 async fn not_found() -> ApiError {
@@ -246,18 +349,20 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let req: ChatRequest = parse_body(body)?;
     let conversation = req.conversation()?;
-    let loaded = state.ready()?;
+    let (loaded, gen) = state.check(&req.fields)?;
+    let admitted = state.admit()?;
     let tokenizer = Arc::clone(&loaded.tokenizer);
-    let prompt = run_blocking(move || -> Result<Vec<u32>, ApiError> {
-        let text = tokenizer
-            .render_chat(&conversation)
-            .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))?;
-        tokenizer
-            .encode(&text, false)
-            .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))
-    })
-    .await?;
-    generate(state, Endpoint::Chat, &req.fields, prompt).await
+    let prompt = state
+        .tokenize(move || -> Result<Vec<u32>, ApiError> {
+            let text = tokenizer
+                .render_chat(&conversation)
+                .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))?;
+            tokenizer
+                .encode(&text, false)
+                .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))
+        })
+        .await?;
+    generate(state, admitted, Endpoint::Chat, gen, prompt).await
 }
 
 async fn completions(
@@ -265,51 +370,35 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
-    let loaded = state.ready()?;
-    let prompt = match Prompt::parse(&req.prompt, loaded.vocab_size)? {
+    let (loaded, gen) = state.check(&req.fields)?;
+    let parsed = Prompt::parse(&req.prompt, loaded.vocab_size)?;
+    let admitted = state.admit()?;
+    let prompt = match parsed {
         Prompt::Tokens(ids) => ids,
         Prompt::Text(text) => {
             let tokenizer = Arc::clone(&loaded.tokenizer);
-            run_blocking(move || {
-                tokenizer
-                    .encode(&text, true)
-                    .map_err(|e| ApiError::bad_field("prompt", format!("{e:#}")))
-            })
-            .await?
+            state
+                .tokenize(move || {
+                    tokenizer
+                        .encode(&text, true)
+                        .map_err(|e| ApiError::bad_field("prompt", format!("{e:#}")))
+                })
+                .await?
         }
     };
-    generate(state, Endpoint::Completion, &req.fields, prompt).await
+    generate(state, admitted, Endpoint::Completion, gen, prompt).await
 }
 
-/// Tokenizing and template rendering are CPU work: keep them off the async workers.
-async fn run_blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
-}
-
-/// Checks the request against the model and the context, submits it, and answers.
+/// Checks the prompt against the context, submits the admitted request, and answers.
 async fn generate(
     state: Arc<AppState>,
+    admitted: Admitted,
     endpoint: Endpoint,
-    fields: &GenerationFields,
+    gen: Generation,
     prompt: Vec<u32>,
 ) -> Result<Response, ApiError> {
     let loaded = state.ready()?;
-    if fields.model != state.cfg.served_model_name {
-        return Err(ApiError {
-            param: Some("model"),
-            ..ApiError::not_found(format!(
-                "the model `{}` does not exist; this server serves `{}`",
-                fields.model, state.cfg.served_model_name
-            ))
-        });
-    }
-    let gen = fields.validate(&loaded.defaults, rand::random())?;
     let max_tokens = context_budget(&gen, prompt.len(), loaded.max_model_len)?;
-    let admitted = state.admit()?;
     let params = RequestParams {
         max_tokens,
         sampling: gen.sampling.clone(),
@@ -341,6 +430,12 @@ async fn generate(
         Ok(stream_response(run, meta, gen).into_response())
     } else {
         let (text, finish, usage, run) = run.collect().await?;
+        // The weights read zeros from the point a mapped model file shrank (`mapped`).
+        if crate::model::mapped::changed() {
+            return Err(state.ready().err().unwrap_or_else(|| {
+                ApiError::unavailable("the model file changed while it was mapped")
+            }));
+        }
         let body = meta.full(&text, finish, usage, run.all_ids());
         Ok(Json(body).into_response())
     }

@@ -31,7 +31,7 @@ struct Args {
     /// Wall-clock budget for the whole run, split evenly between the targets.
     #[arg(long)]
     minutes: Option<f64>,
-    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template [default: all]
+    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template, http [default: all]
     #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
     /// Base seed; each target's seed is derived from it (printed with the results).
@@ -85,7 +85,7 @@ fn targets(args: &Args) -> Result<Vec<Target>> {
         .iter()
         .map(|n| {
             Target::from_name(n).with_context(|| {
-                format!("unknown target {n:?} (gguf, safetensors, tokenizer, template)")
+                format!("unknown target {n:?} (gguf, safetensors, tokenizer, template, http)")
             })
         })
         .collect()

@@ -7,7 +7,9 @@
 //! - `safetensors`: a Hugging Face directory (config.json, model.safetensors) the same way;
 //! - `tokenizer`: tokenizer.json, tokenizer_config.json, generation_config.json and
 //!   chat_template.jinja beside a fixed valid model;
-//! - `template`: a chat template rendered through `render_template`.
+//! - `template`: a chat template rendered through `render_template`;
+//! - `http`: raw HTTP/1.1 requests against a live server in this process (`http`), the
+//!   contract (an answer, OpenAI error objects, no 500, still healthy) checked after each.
 //!
 //! Case `i` of a run is a pure function of (target, seed, i): a base input (tiny models
 //! built here, `corpus`) changed by a stack of mutations (`mutate`) drawn from a generator
@@ -18,6 +20,7 @@
 
 pub mod corpus;
 pub mod gguf_writer;
+pub mod http;
 pub mod mutate;
 
 use std::path::{Path, PathBuf};
@@ -44,14 +47,16 @@ pub enum Target {
     Safetensors,
     Tokenizer,
     Template,
+    Http,
 }
 
 impl Target {
-    pub const ALL: [Target; 4] = [
+    pub const ALL: [Target; 5] = [
         Target::Gguf,
         Target::Safetensors,
         Target::Tokenizer,
         Target::Template,
+        Target::Http,
     ];
 
     pub fn name(self) -> &'static str {
@@ -60,6 +65,7 @@ impl Target {
             Target::Safetensors => "safetensors",
             Target::Tokenizer => "tokenizer",
             Target::Template => "template",
+            Target::Http => "http",
         }
     }
 
@@ -139,6 +145,7 @@ pub fn base_corpus(target: Target) -> Vec<Case> {
         Target::Safetensors => corpus::safetensors_cases(),
         Target::Tokenizer => corpus::tokenizer_cases(),
         Target::Template => corpus::template_cases(),
+        Target::Http => http::http_cases(),
     }
 }
 
@@ -184,6 +191,7 @@ pub fn run_case_bounded(target: Target, case: &Case) -> Outcome {
 /// Runs one case: load what the files describe and use it the way the CLI does.
 pub fn run_case(target: Target, case: &Case) -> Result<()> {
     match target {
+        Target::Http => http::run_http(case),
         Target::Template => {
             let text = String::from_utf8_lossy(case.get("template").unwrap_or_default());
             tokenizer::render_template("fuzz case", &text, corpus::template_context())?;

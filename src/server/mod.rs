@@ -247,6 +247,43 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
     let listener = TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    serve_on(listener, args, model_path, engine_thread, true).await
+}
+
+/// Starts a server in this process, on a thread of its own, for in-process clients (the
+/// fuzzer's HTTP target): returns the bound address at once (requests get 503 until the
+/// model is loaded); it serves until the process ends, printing nothing on stdout.
+pub fn spawn_in_process(args: ServeArgs, model_path: PathBuf) -> Result<std::net::SocketAddr> {
+    check_args(&args)?;
+    let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    std::thread::Builder::new()
+        .name("strata-serve".into())
+        .spawn(move || -> Result<()> {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            runtime.block_on(async move {
+                let listener = TcpListener::from_std(listener)?;
+                let engine_thread = Arc::new(Mutex::new(None));
+                serve_on(listener, args, model_path, engine_thread, false).await
+            })
+        })?;
+    Ok(addr)
+}
+
+/// Serves on a bound `listener`; `announce` prints the listening line (what clients of the
+/// CLI wait for).
+async fn serve_on(
+    listener: TcpListener,
+    args: ServeArgs,
+    model_path: PathBuf,
+    engine_thread: EngineThread,
+    announce: bool,
+) -> Result<()> {
     let addr = listener.local_addr()?;
     let served_model_name = args.served_model_name.clone().unwrap_or_else(|| {
         model_path
@@ -262,8 +299,10 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
         )?),
         None => None,
     };
-    println!("strata serve: listening on http://{addr} (model `{served_model_name}`)");
-    std::io::stdout().flush()?;
+    if announce {
+        println!("strata serve: listening on http://{addr} (model `{served_model_name}`)");
+        std::io::stdout().flush()?;
+    }
     if let Some(p) = &kv_events {
         eprintln!(
             "strata serve: KV events on {} (topic {:?})",

@@ -1,0 +1,383 @@
+//! The `http` target: structure-aware HTTP/1.1 requests against a live server in this
+//! process (`server::spawn_in_process`, on the fuzzer's tiny model, its chat template from
+//! the model's own files), over real sockets so connection-level behaviour is exercised
+//! too: half-closed clients, pipelined requests, broken framing.
+//!
+//! A case is the raw bytes of what the client sends (`request`), and `half_close` when
+//! the client shuts its side after sending. The contract checked after each case — any
+//! breach is a panic, which the fuzzer records as a finding:
+//! - the server answers a complete request head with a status line (or closes without a
+//!   word only when the head never completed);
+//! - a 4xx/5xx the server itself writes is an OpenAI error object (the HTTP parser's own
+//!   refusals of unparseable heads, 400/414/431/505 with an empty body, aside);
+//! - no 500 (an engine step failing on some input) and no answer slower than the limits;
+//! - `/health` still answers 200 after the case.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use rand::{rngs::StdRng, Rng};
+use serde_json::{json, Value as J};
+
+use super::{mutate, Case};
+
+/// The served model name the base requests use.
+const MODEL: &str = "fuzz";
+/// Longest a case may take to be answered: beyond the server's own timeouts (1 s).
+const ANSWER_WITHIN: Duration = Duration::from_secs(8);
+
+/// The in-process server, started on first use.
+fn server() -> SocketAddr {
+    static ADDR: OnceLock<SocketAddr> = OnceLock::new();
+    *ADDR.get_or_init(|| start_server().expect("starting the in-process server"))
+}
+
+fn start_server() -> Result<SocketAddr> {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        serve: crate::server::ServeArgs,
+    }
+    let dir = std::env::temp_dir().join(format!("strata-fuzz-http-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    for (name, bytes) in &super::corpus::safetensors_cases()[0].files {
+        std::fs::write(dir.join(name), bytes)?;
+    }
+    let args = Wrap::try_parse_from([
+        "serve",
+        "--port",
+        "0",
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--max-pending-requests",
+        "64",
+        "--header-read-timeout",
+        "1",
+        "--body-read-timeout",
+        "1",
+    ])?
+    .serve;
+    let addr = crate::server::spawn_in_process(args, dir)?;
+    let start = Instant::now();
+    while exchange(addr, GET_HEALTH, false)?.status != 200 {
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(60),
+            "the in-process server never became ready"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(addr)
+}
+
+const GET_HEALTH: &[u8] = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+
+/// A request with a JSON body, its framing correct.
+fn post(path: &str, body: &J) -> Vec<u8> {
+    let body = body.to_string();
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Valid requests of every endpoint: the mutations start from each.
+pub fn http_cases() -> Vec<Case> {
+    let chat = |extra: J| {
+        let mut b = json!({"model": MODEL, "max_tokens": 3,
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello 🦀"}]});
+        merge(&mut b, extra);
+        post("/v1/chat/completions", &b)
+    };
+    let completion = |extra: J| {
+        let mut b = json!({"model": MODEL, "max_tokens": 3, "prompt": "Once upon"});
+        merge(&mut b, extra);
+        post("/v1/completions", &b)
+    };
+    let requests = vec![
+        chat(json!({})),
+        chat(json!({"stream": true, "temperature": 0.7, "top_p": 0.9, "seed": 3})),
+        chat(json!({"stop": ["\n", "."], "return_token_ids": true})),
+        completion(json!({})),
+        completion(json!({"prompt": [1, 2, 3], "stream": true})),
+        completion(json!({"ignore_eos": true, "top_k": 5, "n": 1})),
+        GET_HEALTH.to_vec(),
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_vec(),
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_vec(),
+        b"GET /v1/strata/model_card HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_vec(),
+    ];
+    requests
+        .into_iter()
+        .map(|r| Case {
+            files: vec![("request".into(), r)],
+        })
+        .collect()
+}
+
+fn merge(into: &mut J, extra: J) {
+    if let (Some(a), J::Object(b)) = (into.as_object_mut(), extra) {
+        a.extend(b);
+    }
+}
+
+/// The parts of a request the structure-aware mutations work on.
+struct Parts {
+    method: String,
+    path: String,
+    version: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    chunked: bool,
+}
+
+impl Parts {
+    fn parse(raw: &[u8]) -> Option<Self> {
+        let end = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+        let head = std::str::from_utf8(&raw[..end]).ok()?;
+        let mut lines = head.split("\r\n");
+        let mut first = lines.next()?.splitn(3, ' ');
+        let (method, path, version) = (first.next()?, first.next()?, first.next()?);
+        let headers = lines
+            .filter_map(|l| l.split_once(": "))
+            .filter(|(k, _)| !k.eq_ignore_ascii_case("content-length"))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Some(Self {
+            method: method.into(),
+            path: path.into(),
+            version: version.into(),
+            headers,
+            body: raw[end + 4..].to_vec(),
+            chunked: false,
+        })
+    }
+
+    /// The bytes again, with a correct `Content-Length` (or chunked framing).
+    fn to_bytes(&self, rng: &mut StdRng) -> Vec<u8> {
+        let mut out = format!("{} {} {}\r\n", self.method, self.path, self.version);
+        for (k, v) in &self.headers {
+            out += &format!("{k}: {v}\r\n");
+        }
+        if self.chunked {
+            out += "Transfer-Encoding: chunked\r\n\r\n";
+            let mut out = out.into_bytes();
+            let mut rest = &self.body[..];
+            while !rest.is_empty() {
+                let n = rng.random_range(1..=rest.len().min(64));
+                out.extend_from_slice(format!("{n:x}\r\n").as_bytes());
+                out.extend_from_slice(&rest[..n]);
+                out.extend_from_slice(b"\r\n");
+                rest = &rest[n..];
+            }
+            out.extend_from_slice(b"0\r\n\r\n");
+            return out;
+        }
+        if !self.body.is_empty() || self.method == "POST" {
+            out += &format!("Content-Length: {}\r\n", self.body.len());
+        }
+        out += "\r\n";
+        let mut out = out.into_bytes();
+        out.extend_from_slice(&self.body);
+        out
+    }
+}
+
+const METHODS: [&str; 6] = ["GET", "POST", "PUT", "DELETE", "OPTIONS", "BREW"];
+const PATHS: [&str; 9] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/v1/../health",
+    "/v1/completions?x=%00",
+    "//v1/models",
+    "*",
+];
+const HEADERS: [(&str, &str); 8] = [
+    ("Authorization", "Bearer x"),
+    ("Content-Type", "text/plain"),
+    ("Expect", "100-continue"),
+    ("Connection", "keep-alive"),
+    ("Content-Encoding", "gzip"),
+    ("Transfer-Encoding", "identity"),
+    ("Content-Length", "18446744073709551615"),
+    ("Content-Length", "-1"),
+];
+
+pub fn mutate_http(case: &mut Case, rng: &mut StdRng) {
+    let raw = case.get("request").unwrap_or_default().to_vec();
+    let out = match Parts::parse(&raw) {
+        Some(mut p) if rng.random_range(0..10) < 9 => {
+            match rng.random_range(0..10) {
+                0..=4 => {
+                    // The JSON body, structure-aware (most reach the handlers).
+                    if let Ok(mut v) = serde_json::from_slice::<J>(&p.body) {
+                        mutate::mutate_json(&mut v, rng);
+                        p.body = v.to_string().into_bytes();
+                    } else {
+                        mutate::mutate_bytes(&mut p.body, rng);
+                    }
+                }
+                5 => p.method = METHODS[rng.random_range(0..METHODS.len())].into(),
+                6 => p.path = PATHS[rng.random_range(0..PATHS.len())].into(),
+                7 => {
+                    let (k, v) = HEADERS[rng.random_range(0..HEADERS.len())];
+                    p.headers.push((k.into(), v.into()));
+                }
+                8 => p.chunked = true,
+                _ => {
+                    // A big body: a long string where the prompt or content was.
+                    let big = "word ".repeat(rng.random_range(1..40_000));
+                    if let Ok(mut v) = serde_json::from_slice::<J>(&p.body) {
+                        if let Some(o) = v.as_object_mut() {
+                            o.insert("prompt".into(), J::from(big));
+                        }
+                        p.body = v.to_string().into_bytes();
+                    }
+                }
+            }
+            p.to_bytes(rng)
+        }
+        _ => {
+            // Raw framing: anything from a flipped byte to a cut head.
+            let mut raw = raw;
+            mutate::mutate_bytes(&mut raw, rng);
+            raw
+        }
+    };
+    case.set("request", out);
+    if rng.random_range(0..8) == 0 {
+        case.set("half_close", Vec::new());
+    }
+}
+
+/// What came back on one connection.
+struct Answer {
+    status: u16,
+    body: Vec<u8>,
+    /// Bytes received at all.
+    received: usize,
+}
+
+/// Sends `request` on a fresh connection and reads the answer (to the end of its body, or
+/// until the server closes).
+fn exchange(addr: SocketAddr, request: &[u8], half_close: bool) -> Result<Answer> {
+    let mut s = TcpStream::connect(addr).context("connecting")?;
+    s.set_read_timeout(Some(ANSWER_WITHIN))?;
+    // The server may answer and close before reading all of a refused body.
+    let _ = s.write_all(request);
+    if half_close {
+        let _ = s.shutdown(std::net::Shutdown::Write);
+    }
+    let start = Instant::now();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16 << 10];
+    loop {
+        if let Some(done) = complete(&buf) {
+            buf.truncate(done);
+            break;
+        }
+        match s.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionReset) => break,
+            Err(e) => {
+                anyhow::bail!("no answer within {:?}: {e}", start.elapsed())
+            }
+        }
+    }
+    let status = std::str::from_utf8(&buf[..buf.len().min(12)])
+        .ok()
+        .and_then(|l| {
+            l.strip_prefix("HTTP/1.1 ")
+                .or_else(|| l.strip_prefix("HTTP/1.0 "))
+        })
+        .and_then(|l| l.get(..3))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(Vec::new(), |e| buf[e + 4..].to_vec());
+    Ok(Answer {
+        status,
+        body,
+        received: buf.len(),
+    })
+}
+
+/// The length of a complete response in `buf` (by Content-Length, or a chunked body's
+/// last chunk), if it is complete.
+fn complete(buf: &[u8]) -> Option<usize> {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    if let Some(len) = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        return (buf.len() >= end + len).then_some(end + len);
+    }
+    if head.contains("transfer-encoding: chunked") {
+        return buf[end..]
+            .windows(5)
+            .position(|w| w == b"0\r\n\r\n")
+            .map(|p| end + p + 5);
+    }
+    None
+}
+
+/// Runs one case and checks the contract (a breach panics: a finding).
+pub fn run_http(case: &Case) -> Result<()> {
+    let addr = server();
+    let request = case.get("request").unwrap_or_default();
+    let head_complete = request.windows(4).any(|w| w == b"\r\n\r\n");
+    // A client that stops mid-head says so by closing its side: the header-read timeout
+    // (tested on its own in tests/server_hostile.rs) would otherwise cost a second a case.
+    let half_close = case.get("half_close").is_some() || !head_complete;
+    let answer = exchange(addr, request, half_close);
+    let answer = match answer {
+        Ok(a) => a,
+        Err(e) => panic!("the server did not answer: {e}"),
+    };
+    if answer.received == 0 {
+        assert!(!head_complete, "a complete request head got no answer");
+    } else {
+        let status = answer.status;
+        assert!((100..600).contains(&status), "no status line in the answer");
+        assert!(
+            status != 500,
+            "500: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        if status >= 400 {
+            let parser_refusal = answer.body.is_empty() && matches!(status, 400 | 414 | 431 | 505);
+            if !parser_refusal {
+                let v: J = serde_json::from_slice(&answer.body).unwrap_or_else(|_| {
+                    panic!(
+                        "{status} without a JSON error: {:?}",
+                        String::from_utf8_lossy(&answer.body)
+                    )
+                });
+                assert!(
+                    v["error"]["message"].is_string()
+                        && v["error"]["code"].as_u64() == Some(status as u64),
+                    "{status} is not an OpenAI error object: {v}"
+                );
+            }
+        }
+    }
+    let health = exchange(addr, GET_HEALTH, false).expect("health after a case");
+    assert_eq!(health.status, 200, "the server stopped answering /health");
+    Ok(())
+}

@@ -47,6 +47,9 @@ enum BenchCommand {
     Serve(strata::serve::bench::ServeArgs),
     /// The disk tier's store: sequential write/read GB/s against dd with O_DIRECT.
     Disk(strata::serve::disk::bench::DiskBenchArgs),
+    /// Sparse decode vs full attention on RULER's retrieval tasks (accuracy per task,
+    /// context and budget).
+    SparseEval(strata::sparse::eval::SparseEvalArgs),
 }
 
 #[derive(Args)]
@@ -142,6 +145,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Disk(args)) => {
             strata::serve::disk::bench::run_disk_bench(args)
         }
+        Command::Bench(BenchCommand::SparseEval(args)) => strata::sparse::eval::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,6 +12,8 @@ use anyhow::{bail, Result};
 
 use crate::device::cpu::ops::AttnHeads;
 
+pub mod eval;
+pub mod replay;
 mod row_fold;
 
 /// Default tokens per page: 16 (Quest's default). With the halves mask a page's bound is

@@ -1,0 +1,423 @@
+//! `strata bench sparse-eval`: sparse decode against full attention on RULER's retrieval
+//! tasks (`crate::ruler`), per task, context and budget. Full attention's answer is the
+//! reference: sparse decode is scored only on the cases full attention gets right (all
+//! expected values found), since a miss there is the model's, not the selection's.
+//!
+//! Each case is prefilled once into a `Replay` cache and decoded greedily with full
+//! attention, then (only if full attention is right) at each budget, rewound to the
+//! prompt between them: the engine's own selection (`replay`), one prefill instead of one
+//! per budget. Prefill is full attention in every mode, so sharing it changes nothing.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+
+use super::replay::Replay;
+use super::SparseConfig;
+use crate::engine::{Sampler, SamplingParams};
+use crate::flags;
+use crate::model::{Model, Tokenizer};
+use crate::ruler::{self, RulerCase, SeedSet, Task};
+
+/// A budget: `1/N` of the context (rounded down to whole pages) or a token count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BudgetSpec {
+    Fraction(usize),
+    Tokens(usize),
+}
+
+impl BudgetSpec {
+    /// Tokens at `context`, in whole pages of `page_size`.
+    pub fn tokens(self, context: usize, page_size: usize) -> usize {
+        let t = match self {
+            BudgetSpec::Fraction(n) => context / n,
+            BudgetSpec::Tokens(t) => t,
+        };
+        t / page_size * page_size
+    }
+}
+
+impl fmt::Display for BudgetSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BudgetSpec::Fraction(n) => write!(f, "1/{n}"),
+            BudgetSpec::Tokens(t) => write!(f, "{t}"),
+        }
+    }
+}
+
+/// `--budget`'s parser: `1/N` (N in 1..=1024) or tokens (1..=`flags::MAX_TOKENS`).
+pub fn budget_spec(s: &str) -> Result<BudgetSpec, String> {
+    let s = s.trim();
+    let num = |x: &str, hi: usize| -> Result<usize, String> {
+        match x.trim().parse::<usize>() {
+            Ok(n) if (1..=hi).contains(&n) => Ok(n),
+            _ => Err(format!(
+                "expected 1/N (N in 1..=1024) or tokens in 1..={}, got {s:?}",
+                flags::MAX_TOKENS
+            )),
+        }
+    };
+    match s.split_once('/') {
+        Some(("1", n)) => Ok(BudgetSpec::Fraction(num(n, 1024)?)),
+        Some(_) => Err(format!("expected 1/N, got {s:?}")),
+        None => Ok(BudgetSpec::Tokens(num(s, flags::MAX_TOKENS)?)),
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct SparseEvalArgs {
+    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// RULER tasks (comma-separated) [default: all eight niah tasks]
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub task: Vec<Task>,
+    /// Context sizes in tokens: prompt plus the task's answer tokens, chat template included.
+    #[arg(long, value_delimiter = ',', default_value = "2048,4096,8192", value_parser = flags::tokens())]
+    pub context: Vec<usize>,
+    /// Cases per task and context.
+    #[arg(long, default_value_t = 2, value_parser = flags::repeats())]
+    pub cases: usize,
+    /// Index of the first case (cases are numbered within their task and context).
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1_000_000))]
+    pub first_case: usize,
+    /// Sparse budgets (comma-separated): 1/N of the context, or tokens.
+    #[arg(long, value_delimiter = ',', default_value = "1/8,1/16", value_parser = budget_spec)]
+    pub budget: Vec<BudgetSpec>,
+    #[arg(long, default_value_t = super::DEFAULT_PAGE_SIZE, value_parser = flags::block_size())]
+    pub sparse_page_size: usize,
+    /// Host block size: the recent window is the partial last block. 64 so that 1/16 of a
+    /// 2K context (128 tokens) holds the sink page and a whole window.
+    #[arg(long, default_value_t = 64, value_parser = flags::block_size())]
+    pub block_size: usize,
+    /// Seeds: the tuning set, or the held-out set (run once, with the final method).
+    #[arg(long, value_enum, default_value_t = SeedSet::Tune)]
+    pub seed_set: SeedSet,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One decode of a case: its answer and score.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Decoded {
+    /// Tokens per layer and step (`None`: full attention).
+    pub budget: Option<usize>,
+    pub answer: String,
+    pub score: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CaseReport {
+    pub task: &'static str,
+    pub context: usize,
+    pub index: usize,
+    pub seed: u64,
+    pub prompt_tokens: usize,
+    pub answers: Vec<String>,
+    /// Depths (percent) of the asked needles.
+    pub depths: Vec<u32>,
+    pub full: Decoded,
+    /// One per budget, in `--budget` order; empty when full attention is wrong.
+    pub sparse: Vec<Decoded>,
+}
+
+/// One table row: a task (or "all"), a context and a budget.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Cell {
+    pub task: String,
+    pub context: usize,
+    pub budget_spec: BudgetSpec,
+    pub budget: usize,
+    pub cases: usize,
+    /// Mean score of full attention over every case, percent.
+    pub full_accuracy: f64,
+    /// Cases full attention gets right (score 1), the ones sparse is scored on.
+    pub full_correct: usize,
+    /// Of those, the ones sparse gets right too.
+    pub sparse_correct: usize,
+    /// Mean sparse score over the full-correct cases, percent (full attention's is 100).
+    pub sparse_accuracy: Option<f64>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EvalReport {
+    pub seed_set: SeedSet,
+    pub block_size: usize,
+    pub page_size: usize,
+    pub cells: Vec<Cell>,
+    pub cases: Vec<CaseReport>,
+}
+
+/// The command: check the flags, load the model, run every case, print the table (or JSON).
+pub fn run(args: SparseEvalArgs) -> Result<()> {
+    let tasks = if args.task.is_empty() {
+        Task::ALL.to_vec()
+    } else {
+        args.task.clone()
+    };
+    // Every (context, budget) checked before the model loads: one line, nothing run.
+    for &c in &args.context {
+        for &b in &args.budget {
+            let sc = SparseConfig {
+                budget: b.tokens(c, args.sparse_page_size),
+                page_size: args.sparse_page_size,
+            };
+            if let Err(e) = sc.check(args.block_size) {
+                bail!("--budget {b} at --context {c}: {e:#}");
+            }
+        }
+    }
+    let path = crate::model::resolve(args.model.clone())?;
+    let (model, tok) = Model::load(&path, false)?;
+    let longest = *args.context.iter().max().expect("clap gives a default");
+    if longest > model.cfg.max_position_embeddings {
+        bail!(
+            "--context {longest} exceeds the model's context of {} tokens",
+            model.cfg.max_position_embeddings
+        );
+    }
+    let report = evaluate(&model, &tok, &args, &tasks)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
+
+/// Runs every case (progress on stderr) and tabulates.
+pub fn evaluate(
+    model: &Model,
+    tok: &Tokenizer,
+    args: &SparseEvalArgs,
+    tasks: &[Task],
+) -> Result<EvalReport> {
+    let c = &model.cfg;
+    let page = args.sparse_page_size;
+    let longest = *args.context.iter().max().expect("clap gives a default");
+    let sc = |budget| SparseConfig {
+        budget,
+        page_size: page,
+    };
+    let mut kv = Replay::<f32>::new(c, sc(page + args.block_size), args.block_size, longest);
+    let total = tasks.len() * args.context.len() * args.cases;
+    let mut cases = Vec::new();
+    for &context in &args.context {
+        for &task in tasks {
+            for index in args.first_case..args.first_case + args.cases {
+                let case = RulerCase {
+                    task,
+                    context,
+                    index,
+                    set: args.seed_set,
+                };
+                let t0 = Instant::now();
+                let p = case.build(tok)?;
+                let built = t0.elapsed().as_secs_f64();
+                let budgets: Vec<usize> = args
+                    .budget
+                    .iter()
+                    .map(|b| b.tokens(context, page))
+                    .collect();
+                // Prefill once (full attention whatever the budget), then decode each way.
+                let logits = model.forward(&p.ids, 0, &mut kv)?;
+                let first = Sampler::new(SamplingParams::default()).sample(&logits);
+                let prefilled = t0.elapsed().as_secs_f64();
+                let mut decode = |budget: Option<usize>| -> Result<Decoded> {
+                    kv.rewind(p.ids.len())?;
+                    kv.set_sparse(budget.map(sc))?;
+                    let ids = greedy(
+                        model,
+                        &mut kv,
+                        first,
+                        p.ids.len(),
+                        p.max_new_tokens,
+                        context,
+                    )?;
+                    let answer = tok.decode(&ids, true)?;
+                    let score = ruler::score(&answer, &p.answers);
+                    Ok(Decoded {
+                        budget,
+                        answer,
+                        score,
+                    })
+                };
+                let full = decode(None)?;
+                let sparse = if full.score == 1.0 {
+                    budgets
+                        .iter()
+                        .map(|&b| decode(Some(b)))
+                        .collect::<Result<_>>()?
+                } else {
+                    Vec::new()
+                };
+                let scores: Vec<String> =
+                    sparse.iter().map(|d| format!("{:.2}", d.score)).collect();
+                eprintln!(
+                    "[{}/{total}] {} {context} #{index}: full {:.2}{}{} (build {built:.1} s, prefill {:.1} s, decode {:.1} s)",
+                    cases.len() + 1,
+                    task.name(),
+                    full.score,
+                    if scores.is_empty() { "" } else { ", sparse " },
+                    scores.join(" "),
+                    prefilled - built,
+                    t0.elapsed().as_secs_f64() - prefilled
+                );
+                cases.push(CaseReport {
+                    task: task.name(),
+                    context,
+                    index,
+                    seed: case.seed(),
+                    prompt_tokens: p.ids.len(),
+                    answers: p.answers.clone(),
+                    depths: p
+                        .needles
+                        .iter()
+                        .filter(|n| n.asked)
+                        .map(|n| n.depth)
+                        .collect(),
+                    full,
+                    sparse,
+                });
+            }
+        }
+    }
+    let mut cells = Vec::new();
+    for &context in &args.context {
+        for (bi, &spec) in args.budget.iter().enumerate() {
+            let names: Vec<&str> = tasks.iter().map(|t| t.name()).chain(["all"]).collect();
+            for name in names {
+                let of: Vec<&CaseReport> = cases
+                    .iter()
+                    .filter(|r| r.context == context && (name == "all" || r.task == name))
+                    .collect();
+                cells.push(cell(
+                    name,
+                    context,
+                    spec,
+                    spec.tokens(context, page),
+                    bi,
+                    &of,
+                ));
+            }
+        }
+    }
+    Ok(EvalReport {
+        seed_set: args.seed_set,
+        block_size: args.block_size,
+        page_size: page,
+        cells,
+        cases,
+    })
+}
+
+fn cell(
+    task: &str,
+    context: usize,
+    spec: BudgetSpec,
+    budget: usize,
+    bi: usize,
+    of: &[&CaseReport],
+) -> Cell {
+    let right: Vec<&&CaseReport> = of.iter().filter(|r| r.full.score == 1.0).collect();
+    let sparse: Vec<f64> = right.iter().map(|r| r.sparse[bi].score).collect();
+    Cell {
+        task: task.to_string(),
+        context,
+        budget_spec: spec,
+        budget,
+        cases: of.len(),
+        full_accuracy: 100.0 * of.iter().map(|r| r.full.score).sum::<f64>()
+            / of.len().max(1) as f64,
+        full_correct: right.len(),
+        sparse_correct: sparse.iter().filter(|&&s| s == 1.0).count(),
+        sparse_accuracy: (!sparse.is_empty())
+            .then(|| 100.0 * sparse.iter().sum::<f64>() / sparse.len() as f64),
+    }
+}
+
+/// Greedy decode from the prefill's first token at `pos`: up to `max_new` tokens (the
+/// first included), stopping at an end-of-sequence token or the context's end.
+fn greedy(
+    model: &Model,
+    kv: &mut Replay<f32>,
+    first: u32,
+    mut pos: usize,
+    max_new: usize,
+    context: usize,
+) -> Result<Vec<u32>> {
+    let stop = &model.cfg.eos_token_ids;
+    let mut sampler = Sampler::new(SamplingParams::default());
+    let mut ids = vec![first];
+    while ids.len() < max_new && pos < context && !stop.contains(ids.last().expect("non-empty")) {
+        let logits = model.forward(&ids[ids.len() - 1..], pos, kv)?;
+        ids.push(sampler.sample(&logits));
+        pos += 1;
+    }
+    Ok(ids)
+}
+
+impl fmt::Display for EvalReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "RULER retrieval, {:?} seeds, block {}, page {}: sparse scored on the cases full attention gets right",
+            self.seed_set, self.block_size, self.page_size
+        )?;
+        writeln!(
+            f,
+            "{:<16} {:>7} {:>11} {:>5} {:>8} {:>7} {:>9} {:>10} {:>6}",
+            "task",
+            "context",
+            "budget",
+            "cases",
+            "full_acc",
+            "full_ok",
+            "sparse_ok",
+            "sparse_acc",
+            "drop"
+        )?;
+        for c in &self.cells {
+            let acc = c.sparse_accuracy.map_or("-".into(), |a| format!("{a:.1}"));
+            let drop = c
+                .sparse_accuracy
+                .map_or("-".into(), |a| format!("{:.1}", 100.0 - a));
+            writeln!(
+                f,
+                "{:<16} {:>7} {:>11} {:>5} {:>8.1} {:>7} {:>9} {:>10} {:>6}",
+                c.task,
+                c.context,
+                format!("{} ({})", c.budget, c.budget_spec),
+                c.cases,
+                c.full_accuracy,
+                c.full_correct,
+                c.sparse_correct,
+                acc,
+                drop
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_as_fractions_or_tokens() {
+        assert_eq!(budget_spec("1/8"), Ok(BudgetSpec::Fraction(8)));
+        assert_eq!(budget_spec(" 512 "), Ok(BudgetSpec::Tokens(512)));
+        for bad in ["1/0", "2/8", "0", "1/", "/8", "x", "", "-5", "1/2000"] {
+            assert!(budget_spec(bad).is_err(), "{bad} accepted");
+        }
+        assert_eq!(BudgetSpec::Fraction(8).tokens(4096, 16), 512);
+        assert_eq!(BudgetSpec::Fraction(16).tokens(2000, 16), 112);
+        assert_eq!(BudgetSpec::Tokens(500).tokens(4096, 16), 496);
+    }
+}

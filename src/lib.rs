@@ -18,6 +18,7 @@ pub mod kv;
 pub mod model;
 pub mod needle;
 pub mod offload;
+pub mod safe_file;
 pub mod serve;
 pub mod server;
 pub mod session;

@@ -46,8 +46,45 @@ pub fn error_line(e: &anyhow::Error) -> String {
     format!("error: {}", one_line(&format!("{e:#}")))
 }
 
-/// Prints the failure's one line on stderr and returns exit status 1.
+/// A usage error found after parsing: a flag's value that only its combination with other
+/// flags makes wrong (`--disk-offload-dir` without a capacity, a prefill chunk that is not a
+/// multiple of the block size). Reported like the parser's own: exit 2.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// An error that is a usage error (exit 2).
+pub fn usage(message: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::Error::new(Usage(message.to_string()))
+}
+
+/// Whether `e` (or any error in its chain) is a usage error.
+pub fn is_usage(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<Usage>())
+}
+
+/// Prints the failure's one line on stderr and returns its exit status: 2 for a usage
+/// error, 1 for everything else.
 pub fn report(e: &anyhow::Error) -> ExitCode {
+    report_for(e, None)
+}
+
+/// As `report`; a usage error's line ends with ``(see `<command> --help`)``.
+pub fn report_for(e: &anyhow::Error, command: Option<&str>) -> ExitCode {
+    if is_usage(e) {
+        match command {
+            Some(cmd) => eprintln!("{} (see `{cmd} --help`)", error_line(e)),
+            None => eprintln!("{}", error_line(e)),
+        }
+        return ExitCode::from(EXIT_USAGE);
+    }
     eprintln!("{}", error_line(e));
     ExitCode::from(EXIT_FAILURE)
 }
@@ -179,6 +216,14 @@ mod tests {
             "tokenizer.json: malformed (Helper)"
         );
         assert_eq!(contain_panic("x", || Ok(5)).unwrap(), 5);
+    }
+
+    #[test]
+    fn usage_errors_are_found_in_the_chain() {
+        let e = usage("--a needs --b").context("checking the flags");
+        assert!(is_usage(&e));
+        assert!(!is_usage(&anyhow::anyhow!("bad model")));
+        assert_eq!(error_line(&e), "error: checking the flags: --a needs --b");
     }
 
     #[test]

@@ -22,6 +22,18 @@ pub const MAX_SEQS: usize = 1 << 16;
 pub const MAX_REPEATS: usize = 10_000;
 /// Fastest simulated link, GB/s (faster than any memory bus).
 pub const MAX_LINK_GBPS: f64 = 1e6;
+/// Slowest simulated link other than 0 (unthrottled), GB/s: 1 MB/s. Slower links turn a
+/// copy into sleeps of days (and, far below, into durations that do not exist).
+pub const MIN_LINK_GBPS: f64 = 1e-3;
+/// Most IO threads of the disk tier (`--disk-io-threads`, `bench disk --threads`).
+pub const MAX_IO_THREADS: usize = 64;
+/// Largest `strata bench disk --size-mib` (16 TiB) and `--payload-bytes` (1 GiB).
+pub const MAX_BENCH_DISK_MIB: usize = 16 << 20;
+pub const MAX_PAYLOAD_BYTES: usize = 1 << 30;
+/// Most requests `strata serve` admits at once (`--max-pending-requests`).
+pub const MAX_PENDING: usize = 1 << 20;
+/// Longest `strata serve --shutdown-timeout`, seconds (a day).
+pub const MAX_SHUTDOWN_SECS: u64 = 86_400;
 
 fn ranged(lo: usize, hi: usize) -> RangedU64ValueParser<usize> {
     RangedU64ValueParser::new().range(lo as u64..=hi as u64)
@@ -80,16 +92,68 @@ pub fn repeats() -> RangedU64ValueParser<usize> {
     ranged(1, MAX_REPEATS)
 }
 
-/// A simulated link speed in GB/s: finite, 0 (= unthrottled) up to `MAX_LINK_GBPS`.
+/// A simulated link speed in GB/s: 0 (= unthrottled), or `MIN_LINK_GBPS` up to
+/// `MAX_LINK_GBPS`.
 pub fn link_gbps(s: &str) -> Result<f64, String> {
     let x: f64 = s
         .trim()
         .parse()
         .map_err(|_| format!("expected a number of GB/s, got {s:?}"))?;
-    if !(x.is_finite() && (0.0..=MAX_LINK_GBPS).contains(&x)) {
-        return Err(format!("{s} is not in 0..={MAX_LINK_GBPS} GB/s"));
+    if !link_gbps_in_range(x) {
+        return Err(format!(
+            "{s} is not 0 (unthrottled) or in {MIN_LINK_GBPS}..={MAX_LINK_GBPS} GB/s"
+        ));
     }
     Ok(x)
+}
+
+/// `strata serve --host`: an IP address, or a host name (letters, digits, `-` and `.`,
+/// labels of 1 to 63 characters, 253 at most); resolving it is the listener's job.
+pub fn host(s: &str) -> Result<String, String> {
+    if s.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(s.to_string());
+    }
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    let name = s.strip_suffix('.').unwrap_or(s);
+    if s.len() <= 253 && !name.is_empty() && name.split('.').all(label_ok) {
+        return Ok(s.to_string());
+    }
+    Err(format!("{s:?} is not an IP address or a host name"))
+}
+
+/// Whether `x` GB/s is a simulated link speed `link_gbps` accepts.
+pub fn link_gbps_in_range(x: f64) -> bool {
+    x == 0.0 || (MIN_LINK_GBPS..=MAX_LINK_GBPS).contains(&x)
+}
+
+/// IO threads (`--disk-io-threads`).
+pub fn io_threads() -> RangedU64ValueParser<usize> {
+    ranged(1, MAX_IO_THREADS)
+}
+
+/// `strata bench disk --size-mib`.
+pub fn bench_disk_mib() -> RangedU64ValueParser<usize> {
+    ranged(1, MAX_BENCH_DISK_MIB)
+}
+
+/// `strata bench disk --payload-bytes`.
+pub fn payload_bytes() -> RangedU64ValueParser<usize> {
+    ranged(1, MAX_PAYLOAD_BYTES)
+}
+
+/// `strata serve --max-pending-requests`.
+pub fn pending() -> RangedU64ValueParser<usize> {
+    ranged(1, MAX_PENDING)
+}
+
+/// `strata serve --shutdown-timeout`, seconds.
+pub fn shutdown_secs() -> RangedU64ValueParser<u64> {
+    RangedU64ValueParser::new().range(0..=MAX_SHUTDOWN_SECS)
 }
 
 /// A ratio in (0, 1000] (`--transfer-over-compute`).
@@ -124,8 +188,30 @@ mod tests {
     fn link_speeds_must_be_finite_and_not_negative() {
         assert_eq!(link_gbps("12.5"), Ok(12.5));
         assert_eq!(link_gbps("0"), Ok(0.0));
-        for bad in ["NaN", "nan", "inf", "-1", "1e300", "fast", ""] {
+        assert_eq!(link_gbps("0.001"), Ok(0.001));
+        assert_eq!(link_gbps("1e6"), Ok(1e6));
+        // Tiny positive speeds: sleeps of years, or durations past `Duration`'s range.
+        for bad in [
+            "NaN", "nan", "inf", "-1", "1e300", "fast", "", "1e-300", "0.0009", "5e-324",
+        ] {
             assert!(link_gbps(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn hosts_are_addresses_or_names() {
+        for ok in [
+            "127.0.0.1",
+            "::1",
+            "0.0.0.0",
+            "localhost",
+            "my-host.example.com",
+            "a.",
+        ] {
+            assert!(host(ok).is_ok(), "{ok} refused");
+        }
+        for bad in ["", "a b", "-a", "a..b", "x\n", "http://h", &"a".repeat(64)] {
+            assert!(host(bad).is_err(), "{bad} accepted");
         }
     }
 

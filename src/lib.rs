@@ -19,6 +19,7 @@ pub mod model;
 pub mod needle;
 pub mod offload;
 pub mod ruler;
+pub mod safe_file;
 pub mod serve;
 pub mod server;
 pub mod session;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand};
 
 use strata::device::{self, DeviceKind};
@@ -135,6 +135,14 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
+    // The subcommand a usage error found after parsing points at (`--help`).
+    let command = match &cli.command {
+        Command::Generate(_) => "strata generate",
+        Command::Serve(_) => "strata serve",
+        Command::Bench(BenchCommand::Offload(_)) => "strata bench offload",
+        Command::Bench(BenchCommand::Serve(_)) => "strata bench serve",
+        Command::Bench(BenchCommand::Disk(_)) => "strata bench disk",
+    };
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => {
@@ -150,9 +158,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         // One line naming the cause chain, e.g. "error: model.safetensors: invalid safetensors file: ...".
-        Err(e) => errors::report(&e),
+        Err(e) => errors::report_for(&e, Some(command)),
     }
 }
+
+/// Largest `--prompt-file` (a prompt of `flags::MAX_TOKENS` tokens is far smaller).
+const MAX_PROMPT_FILE_BYTES: u64 = 256 << 20;
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
     // Everything is checked before anything is printed: a failing run prints only its
@@ -163,8 +174,12 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     }
     let prompt_text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("reading prompt file {}", f.display()))?,
+        (None, Some(f)) => strata::safe_file::read_regular_text(
+            f,
+            MAX_PROMPT_FILE_BYTES,
+            "--prompt-file",
+            strata::safe_file::Links::Follow,
+        )?,
         (None, None) => bail!("give --prompt or --prompt-file"),
     };
     if prompt_text.is_empty() {
@@ -198,7 +213,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     };
     engine::check_prompt(&prompt, max_model_len)?;
     // Size the KV for this request (prompt + output, within the context) unless told.
-    let request_len = engine::request_len(prompt.len(), args.max_tokens, max_model_len);
+    // `--max-tokens 0` is checked and planned like a run of one token, then generates none.
+    let request_len = engine::request_len(prompt.len(), args.max_tokens.max(1), max_model_len);
     let max_len = args.max_model_len.unwrap_or(request_len);
     let sanitize = args.sanitize || std::env::var("STRATA_SANITIZE").is_ok_and(|v| v == "1");
     let sparse = args.sparse.config(args.enable_offload)?;
@@ -250,7 +266,14 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
         Ok(())
     };
-    let out = session.generate(&prompt, &opts, &mut on_token)?;
+    let out = if opts.max_tokens == 0 {
+        engine::GenerationOutput {
+            prompt_tokens: prompt.len(),
+            ..Default::default()
+        }
+    } else {
+        session.generate(&prompt, &opts, &mut on_token)?
+    };
     // Tokens computed from a model file truncated mid-run are not the model's.
     strata::model::mapped::check_unchanged()?;
     print_result(&model, &tok, &out, json)

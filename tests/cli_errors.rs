@@ -763,7 +763,7 @@ fn usage_errors_are_one_line_with_exit_2() {
                 "--sim-link-gbps",
                 "NaN",
             ],
-            "NaN is not in 0..=1000000 GB/s",
+            "NaN is not 0 (unthrottled) or in 0.001..=1000000 GB/s",
         ),
         (
             vec![
@@ -802,11 +802,11 @@ fn usage_errors_are_one_line_with_exit_2() {
         ),
         (
             vec!["bench", "serve", "--model", m, "--link-gbps=-1"],
-            "is not in 0..=1000000 GB/s",
+            "is not 0 (unthrottled) or in 0.001..=1000000 GB/s",
         ),
         (
             vec!["bench", "offload", "--model", m, "--sim-link-gbps", "inf"],
-            "is not in 0..=1000000 GB/s (see `strata bench offload --help`)",
+            "is not 0 (unthrottled) or in 0.001..=1000000 GB/s (see `strata bench offload --help`)",
         ),
         (
             vec![

@@ -176,7 +176,7 @@ fn store_round_trips_and_rejects_every_injected_fault() {
         std::fs::metadata(dir.join("strata-kv.slots"))
             .unwrap()
             .len(),
-        LAYOUT.file_bytes()
+        LAYOUT.file_bytes().unwrap()
     );
 
     // A clean round trip.
@@ -645,14 +645,14 @@ fn bad_disk_options_are_one_line_errors() {
     let (_, model) = tiny_model("disk_cli_model");
     let blocked = scratch_dir("disk_cli").join("a-file");
     std::fs::write(&blocked, b"not a directory").unwrap();
-    let cases: [(&[&str], &str); 4] = [
-        (
-            &["--max-disk-offload-blocks", "8"],
-            "needs --disk-offload-dir",
-        ),
+    // Usage errors (flags that need each other, a value out of range) exit 2; a directory
+    // that cannot be one exits 1. Either way: one line.
+    let cases: [(&[&str], &str, i32); 4] = [
+        (&["--max-disk-offload-blocks", "8"], "--disk-offload-dir", 2),
         (
             &["--disk-offload-dir", "/tmp/x"],
-            "needs --max-disk-offload-blocks",
+            "--max-disk-offload-blocks",
+            2,
         ),
         (
             &[
@@ -664,6 +664,7 @@ fn bad_disk_options_are_one_line_errors() {
                 "0",
             ],
             "--disk-io-threads",
+            2,
         ),
         (
             &[
@@ -672,10 +673,11 @@ fn bad_disk_options_are_one_line_errors() {
                 "--max-disk-offload-blocks",
                 "8",
             ],
-            "cannot create --disk-offload-dir",
+            ": not a directory",
+            1,
         ),
     ];
-    for (args, want) in cases {
+    for (args, want, code) in cases {
         let out = Command::new(env!("CARGO_BIN_EXE_strata"))
             .args(["bench", "serve", "--model"])
             .arg(&model)
@@ -684,10 +686,10 @@ fn bad_disk_options_are_one_line_errors() {
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
-        let last = err.trim_end().lines().last().unwrap_or("");
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        let lines: Vec<&str> = err.lines().collect();
         assert!(
-            last.starts_with("error:") && last.contains(want),
+            lines.len() == 1 && lines[0].starts_with("error:") && lines[0].contains(want),
             "{args:?}: {err}"
         );
         assert!(!err.contains("panicked"), "{args:?}: {err}");

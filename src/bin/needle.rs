@@ -111,7 +111,7 @@ fn main() -> ExitCode {
     match run(args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
-        Err(e) => errors::report(&e),
+        Err(e) => errors::report_for(&e, Some("needle")),
     }
 }
 
@@ -144,6 +144,14 @@ fn answer(
 }
 
 fn run(args: Args) -> Result<bool> {
+    // Validate first, then inform: the flags, the model and every case's prompt are
+    // checked before the plan (or anything else) is printed.
+    let offloaded = args.enable_offload || args.compare_offload;
+    if args.sanitize && !offloaded {
+        return Err(errors::usage(
+            "--sanitize checks the offload engine's ordering: add --enable-offload or --compare-offload",
+        ));
+    }
     device::check_available(args.device)?;
     let (model, tok) = Model::load(&strata::model::resolve(args.model.clone())?, !args.json)?;
     let longest = *args
@@ -163,14 +171,15 @@ fn run(args: Args) -> Result<bool> {
             model.cfg.max_position_embeddings
         );
     }
-    if longest + NEW_TOKENS > max_len {
-        bail!("--input-len {longest} leaves no room for the {NEW_TOKENS}-token answer within --max-model-len {max_len}");
+    if longest.saturating_add(NEW_TOKENS) > max_len {
+        // Only flags decide this when --max-model-len is given (a usage error).
+        let e = anyhow::anyhow!("--input-len {longest} leaves no room for the {NEW_TOKENS}-token answer within --max-model-len {max_len}");
+        return Err(match args.max_model_len {
+            Some(_) => errors::usage(e),
+            None => e,
+        });
     }
-    let offloaded = args.enable_offload || args.compare_offload;
     let sparse = args.sparse.config(offloaded)?;
-    if args.sanitize && !offloaded {
-        bail!("--sanitize checks the offload engine's ordering: add --enable-offload or --compare-offload");
-    }
     if args.sanitize {
         args.device.require(Feature::Sanitizer)?;
     }
@@ -188,6 +197,17 @@ fn run(args: Args) -> Result<bool> {
         ..SessionConfig::new(args.device, max_len)
     };
     let plan = session_cfg.plan(&model.cfg)?;
+    // Every input length builds its prompt (one that is too short fails here, not after
+    // the plan and the first rows).
+    for &input_len in &args.input_len {
+        Case {
+            input_len,
+            depth: args.depth.first().copied().unwrap_or(0.5),
+            kind: args.needle_kind,
+            seed: args.seed,
+        }
+        .build(&tok)?;
+    }
     if let (Some(plan), false) = (plan, args.json) {
         eprintln!("{plan}");
     }

@@ -40,7 +40,11 @@ pub fn logprob(logits: &[f32], id: u32) -> f32 {
 
 impl GenerationOutput {
     pub fn prefill_tokens_per_s(&self) -> f64 {
-        self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
+        if self.prefill_secs == 0.0 {
+            0.0 // nothing was prefilled (`--max-tokens 0`)
+        } else {
+            self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
+        }
     }
     pub fn decode_tokens_per_s(&self) -> f64 {
         if self.decode_steps == 0 {

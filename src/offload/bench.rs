@@ -235,9 +235,18 @@ fn sized_link(
     bytes_per_layer: usize,
     step_compute: f64,
 ) -> f64 {
-    args.sim_link_gbps.unwrap_or(
-        bytes_per_layer as f64 / (args.transfer_over_compute * step_compute / layers as f64) / 1e9,
-    )
+    // A measured link is kept within the range the flag allows (a step timed at 0 s
+    // would ask for an infinitely fast one).
+    args.sim_link_gbps.unwrap_or_else(|| {
+        let gbps = bytes_per_layer as f64
+            / (args.transfer_over_compute * step_compute / layers as f64)
+            / 1e9;
+        if gbps.is_nan() {
+            flags::MAX_LINK_GBPS
+        } else {
+            gbps.clamp(flags::MIN_LINK_GBPS, flags::MAX_LINK_GBPS)
+        }
+    })
 }
 
 pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadBenchReport> {

@@ -145,8 +145,13 @@ impl OffloadConfig {
                 self.block_size
             );
         }
-        if !(self.link_gbps >= 0.0 && self.link_gbps.is_finite()) {
-            bail!("--sim-link-gbps must be a finite number >= 0");
+        if !crate::flags::link_gbps_in_range(self.link_gbps) {
+            bail!(
+                "--sim-link-gbps must be 0 (unthrottled) or in {}..={} GB/s, got {}",
+                crate::flags::MIN_LINK_GBPS,
+                crate::flags::MAX_LINK_GBPS,
+                self.link_gbps
+            );
         }
         let blocks_needed = self.max_model_len.div_ceil(self.block_size);
         let num_cpu_blocks = self.num_cpu_blocks.unwrap_or(blocks_needed);

@@ -8,23 +8,10 @@ use anyhow::{Context, Result};
 use crate::device::cpu::stream::TraceEvent;
 
 /// Checks before a run that its trace can be written to `path` (creating or truncating a
-/// regular file there), so an unwritable `--trace-out` fails before any output is produced.
+/// regular file there, never through a symbolic link: `safe_file::create_private`), so an
+/// unwritable `--trace-out` fails before any output is produced.
 pub fn check_trace_out(path: &Path) -> Result<()> {
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    {
-        // A FIFO without a reader would block the open; non-blocking, it fails instead.
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.custom_flags(libc::O_NONBLOCK);
-    }
-    let file = opts
-        .open(path)
-        .with_context(|| format!("cannot write --trace-out {}", path.display()))?;
-    if !file.metadata()?.is_file() {
-        anyhow::bail!("--trace-out {}: not a regular file", path.display());
-    }
-    Ok(())
+    crate::safe_file::create_private(path, "--trace-out").map(drop)
 }
 
 /// Writes `events` as Chrome trace JSON: one track per stream, one slice per op with
@@ -47,7 +34,8 @@ pub fn write_chrome_trace(path: &Path, events: &[TraceEvent]) -> Result<()> {
         }));
     }
     let doc = serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"});
-    std::fs::write(path, serde_json::to_vec(&doc)?)
+    let mut f = crate::safe_file::create_private(path, "--trace-out")?;
+    std::io::Write::write_all(&mut f, &serde_json::to_vec(&doc)?)
         .with_context(|| format!("writing trace {}", path.display()))
 }
 

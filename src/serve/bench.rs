@@ -13,6 +13,7 @@ use super::disk::{DiskArgs, DiskTierConfig};
 use super::engine::{EngineConfig, EngineStats, RequestParams};
 use super::scheduler::SchedulerConfig;
 use crate::device::DeviceKind;
+use crate::errors::usage;
 use crate::flags;
 use crate::model::weights::WeightDtype;
 use crate::model::Model;
@@ -261,7 +262,7 @@ fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize, device
         .cfg
         .kv_bytes(sched.block_size, device.kv_elem_bytes())
         .unwrap_or(0); // checked by ensure_fits first
-    let mib = |n: usize| (n * block) as f64 / (1u64 << 20) as f64;
+    let mib = |n: usize| n as f64 * block as f64 / (1u64 << 20) as f64;
     eprintln!(
         "plan: KV block {} tokens = {:.1} KiB | GPU {} blocks ({:.1} MiB) | host {} blocks ({:.1} MiB) | disk {} blocks ({:.1} MiB) | working set {} blocks",
         sched.block_size,
@@ -276,7 +277,42 @@ fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize, device
     );
 }
 
+/// The checks of `bench serve` that need no model: the flags against each other (usage
+/// errors, exit 2) and the device.
+fn check_flags(a: &ServeArgs) -> Result<Option<DiskTierConfig>> {
+    let disk = a.disk.config()?;
+    if a.tier_table && disk.is_none() {
+        return Err(usage(
+            "--tier-table needs --disk-offload-dir and --max-disk-offload-blocks",
+        ));
+    }
+    if a.shared_prefix > a.input_len.lo {
+        return Err(usage(format!(
+            "--shared-prefix ({}) must not exceed the shortest input ({})",
+            a.shared_prefix, a.input_len.lo
+        )));
+    }
+    SchedulerConfig {
+        block_size: a.block_size,
+        num_gpu_blocks: a.num_gpu_blocks.unwrap_or(1),
+        max_cpu_offload_blocks: a.max_cpu_offload_blocks,
+        max_disk_offload_blocks: a.disk.max_disk_offload_blocks,
+        max_num_seqs: a.max_num_seqs,
+        max_num_batched_tokens: a.max_num_batched_tokens,
+        prefill_chunk: a.prefill_chunk,
+    }
+    .validate()
+    .map_err(usage)?;
+    crate::device::check_available(a.device)?;
+    if a.link_gbps > 0.0 {
+        a.device.require(crate::device::Feature::SimulatedLink)?;
+    }
+    Ok(disk)
+}
+
 pub fn run_serve(a: ServeArgs) -> Result<()> {
+    // Validate first, then inform: nothing is printed before every check has passed.
+    let disk = check_flags(&a)?;
     let (model, _tok) = Model::load_as(&crate::model::resolve(a.model.clone())?, false, a.dtype)?;
     // Checked before the requests are built: their total size follows from these flags.
     let longest = a.input_len.hi.saturating_add(a.output_len.hi);
@@ -322,11 +358,14 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         "the KV pools",
         "--num-gpu-blocks, --max-cpu-offload-blocks or --block-size",
     )?;
-    let disk = a.disk.config()?;
-    ensure!(
-        !a.tier_table || disk.is_some(),
-        "--tier-table needs --disk-offload-dir and --max-disk-offload-blocks"
-    );
+    if let Some(d) = &disk {
+        // The slot file's size against the directory's free space, before the plan.
+        let block = model
+            .cfg
+            .kv_bytes(a.block_size, a.device.kv_elem_bytes())
+            .context("a KV block's size overflows")?;
+        d.check(a.disk.max_disk_offload_blocks, block)?;
+    }
     print_plan(&model, &sched, working_set, a.device);
     if a.table {
         return run_table(&a, &model, sched, working_set, &prompts, &params);

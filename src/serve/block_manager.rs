@@ -81,13 +81,83 @@ pub struct BlockManager {
     events: CacheEventLog,
 }
 
+/// The free disk slots, kept lazily: memory grows with the slots in use, not with the
+/// tier's capacity (a flag; the slot file may be terabytes). Slots at or past `fresh` were
+/// never handed out and are free unless `taken` (adopted from the index out of order);
+/// `returned` holds freed slots below `fresh`, reused first (last in, first out).
+#[derive(Default)]
+struct FreeSlots {
+    num: usize,
+    fresh: usize,
+    returned: Vec<DiskSlotId>,
+    taken: std::collections::HashSet<DiskSlotId>,
+}
+
+impl FreeSlots {
+    fn new(num: usize) -> Self {
+        // Slot ids are 32-bit: the flag's bound (`flags::MAX_BLOCKS`) keeps far below.
+        assert!(num <= DiskSlotId::MAX as usize, "{num} disk slots");
+        Self {
+            num,
+            ..Self::default()
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.returned.len() + (self.num - self.fresh) - self.taken.len()
+    }
+
+    fn pop(&mut self) -> Option<DiskSlotId> {
+        if let Some(s) = self.returned.pop() {
+            return Some(s);
+        }
+        while self.fresh < self.num {
+            let s = self.fresh as DiskSlotId;
+            self.fresh += 1;
+            if !self.taken.remove(&s) {
+                return Some(s);
+            }
+        }
+        None
+    }
+
+    fn push(&mut self, s: DiskSlotId) {
+        self.returned.push(s);
+    }
+
+    /// Takes the free slot `s` out of the set; false if it is not free (or out of range).
+    fn take(&mut self, s: DiskSlotId) -> bool {
+        let i = s as usize;
+        if i >= self.num {
+            return false;
+        }
+        if i >= self.fresh {
+            return self.taken.insert(s);
+        }
+        match self.returned.iter().position(|&r| r == s) {
+            Some(pos) => {
+                self.returned.swap_remove(pos);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = DiskSlotId> + '_ {
+        let fresh = (self.fresh..self.num)
+            .map(|s| s as DiskSlotId)
+            .filter(|s| !self.taken.contains(s));
+        self.returned.iter().copied().chain(fresh)
+    }
+}
+
 /// The disk tier's slots: free, spilled (owned by a block), being written through for the
 /// prefix cache (pinned block), or persisted (a prefix block's durable copy, named in the
 /// on-disk index and reusable after a restart).
 #[derive(Default)]
 struct DiskSlots {
     num: usize,
-    free: Vec<DiskSlotId>,
+    free: FreeSlots,
     /// hash → slot of persisted prefix blocks, and the reverse.
     persisted: HashMap<u64, DiskSlotId>,
     persisted_hash: HashMap<DiskSlotId, u64>,
@@ -117,7 +187,7 @@ impl BlockManager {
             evictable: VecDeque::new(),
             disk: DiskSlots {
                 num: num_disk_slots,
-                free: (0..num_disk_slots as DiskSlotId).rev().collect(),
+                free: FreeSlots::new(num_disk_slots),
                 ..Default::default()
             },
             events: CacheEventLog::default(),
@@ -653,13 +723,9 @@ impl BlockManager {
     pub fn adopt_persisted(&mut self, entries: &[(u64, DiskSlotId)]) -> usize {
         let mut n = 0;
         for &(hash, slot) in entries {
-            let Some(pos) = self.disk.free.iter().position(|&s| s == slot) else {
-                continue; // out of range or named twice
-            };
-            if self.disk.persisted.contains_key(&hash) {
-                continue;
+            if self.disk.persisted.contains_key(&hash) || !self.disk.free.take(slot) {
+                continue; // out of range, named twice, or a hash seen already
             }
-            self.disk.free.swap_remove(pos);
             self.disk.persisted.insert(hash, slot);
             self.disk.persisted_hash.insert(slot, hash);
             self.disk.lru.push_back(hash);
@@ -805,7 +871,7 @@ impl BlockManager {
                 return Err(format!("write-through slot {s} also owned by {other}"));
             }
         }
-        for &s in &d.free {
+        for s in d.free.iter() {
             match owner.get(s as usize) {
                 Some(None) => {}
                 Some(Some(o)) => return Err(format!("free disk slot {s} is owned by {o}")),

@@ -12,7 +12,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use super::device_pages::{DevicePages, DeviceTransfers};
 use super::disk::backend::{DiskBackend, TieredBackend};
@@ -130,8 +130,17 @@ where
     M::Elem: KvElem,
     D: OffloadDevice<Elem = M::Elem> + Send + 'static,
 {
-    let mut sched = Scheduler::new(cfg.sched.clone())?;
     let (c, s) = (&model.cfg, &cfg.sched);
+    if let (Some(dc), n) = (&cfg.disk, s.max_disk_offload_blocks) {
+        // The slot file's size and the directory's room before any memory is allocated.
+        let block = c
+            .kv_bytes(s.block_size, std::mem::size_of::<M::Elem>())
+            .context("a KV block's size overflows")?;
+        if n > 0 {
+            dc.check(n, block)?;
+        }
+    }
+    let mut sched = Scheduler::new(cfg.sched.clone())?;
     let sizes = (s.block_size, s.num_gpu_blocks, s.max_cpu_offload_blocks);
     let check = cfg.check_order || cfg.sanitize;
     let pages = DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, check)?;

@@ -28,6 +28,8 @@ use clap::Args;
 use tokio::net::TcpListener;
 
 use crate::device::DeviceKind;
+use crate::errors::usage;
+use crate::flags;
 use crate::model::weights::WeightDtype;
 use crate::model::Model;
 use crate::serve::{EngineConfig, SchedulerConfig};
@@ -40,8 +42,8 @@ pub struct ServeArgs {
     /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address to listen on: an IP address or a host name.
+    #[arg(long, default_value = "127.0.0.1", value_parser = flags::host)]
     pub host: String,
     /// Port to listen on (0: any free port; the address is printed either way).
     #[arg(long, default_value_t = 8000)]
@@ -50,31 +52,31 @@ pub struct ServeArgs {
     #[arg(long)]
     pub served_model_name: Option<String>,
     /// Require `Authorization: Bearer KEY` on /v1/* requests.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub api_key: Option<String>,
     /// Device the engine runs on.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// Most requests in the running batch.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = flags::seqs())]
     pub max_num_seqs: usize,
     /// Token budget of one engine step.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = flags::tokens())]
     pub max_num_batched_tokens: usize,
     /// GPU KV pages [default: two full contexts, 2 × --max-model-len / --block-size]
-    #[arg(long)]
+    #[arg(long, value_parser = flags::blocks())]
     pub num_gpu_blocks: Option<usize>,
     /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = flags::block_size())]
     pub block_size: usize,
     /// Host-tier blocks for preemption offload; 0 = recompute instead [default: --num-gpu-blocks]
-    #[arg(long)]
+    #[arg(long, value_parser = flags::blocks_or_zero())]
     pub max_cpu_offload_blocks: Option<usize>,
     /// Context limit in tokens, prompt + output [default: the model's maximum]
-    #[arg(long)]
+    #[arg(long, value_parser = flags::tokens())]
     pub max_model_len: Option<usize>,
     /// Requests admitted at once, running and waiting; more are answered 429.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = flags::pending())]
     pub max_pending_requests: usize,
     /// Connections open at once; one more is answered 503 and closed.
     #[arg(long, default_value_t = 512, value_parser = crate::flags::connections())]
@@ -87,7 +89,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30, value_parser = crate::flags::seconds())]
     pub body_read_timeout: u64,
     /// On Ctrl-C/SIGTERM, seconds to let requests in flight finish before cancelling them.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = flags::shutdown_secs())]
     pub shutdown_timeout: u64,
     /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
@@ -120,7 +122,7 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
     ensure!(
         num_gpu_blocks >= per_context,
         "--num-gpu-blocks {num_gpu_blocks} holds {} tokens, less than --max-model-len {max_model_len}",
-        num_gpu_blocks * bs
+        num_gpu_blocks.saturating_mul(bs)
     );
     let cpu_blocks = args.max_cpu_offload_blocks.unwrap_or(num_gpu_blocks);
     let disk = args.disk.config()?;
@@ -135,7 +137,7 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
         },
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
-        prefill_chunk: PREFILL_CHUNK_TOKENS.div_ceil(bs).max(1) * bs,
+        prefill_chunk: prefill_chunk(bs),
     };
     sched.validate()?;
     // Host memory the KV takes (on CUDA the device tier is GPU memory, whose allocation
@@ -170,26 +172,36 @@ fn available_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// Every check that needs no model, before anything is bound or printed: the ranges are
+/// the parser's (`flags`); here the flags are checked against each other (usage errors,
+/// exit 2), then the device and the disk tier's directory (exit 1).
 fn check_args(args: &ServeArgs) -> Result<()> {
+    let bs = args.block_size;
+    let sched = SchedulerConfig {
+        block_size: bs,
+        num_gpu_blocks: args.num_gpu_blocks.unwrap_or(1),
+        max_cpu_offload_blocks: args.max_cpu_offload_blocks.unwrap_or(0),
+        max_disk_offload_blocks: args.disk.max_disk_offload_blocks,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        prefill_chunk: prefill_chunk(bs),
+    };
+    sched.validate().map_err(usage)?;
+    if let (Some(len), Some(blocks)) = (args.max_model_len, args.num_gpu_blocks) {
+        if blocks.saturating_mul(bs) < len {
+            return Err(usage(format!(
+                "--num-gpu-blocks {blocks} holds {} tokens, less than --max-model-len {len}",
+                blocks.saturating_mul(bs)
+            )));
+        }
+    }
+    if let Some(disk) = args.disk.config()? {
+        // The slot's payload (a KV block) depends on the model: the smallest slot bounds
+        // the file from below for now; the exact size is checked again once it is known.
+        disk.check_without_model(args.disk.max_disk_offload_blocks)?;
+    }
     if args.device == DeviceKind::Cuda {
         crate::device::check_available(DeviceKind::Cuda)?;
-    }
-    ensure!(
-        (1..=4096).contains(&args.block_size),
-        "--block-size must be between 1 and 4096, got {}",
-        args.block_size
-    );
-    ensure!(
-        (1..=4096).contains(&args.max_num_seqs),
-        "--max-num-seqs must be between 1 and 4096, got {}",
-        args.max_num_seqs
-    );
-    ensure!(
-        args.max_pending_requests >= 1,
-        "--max-pending-requests must be at least 1"
-    );
-    if let Some(k) = &args.api_key {
-        ensure!(!k.is_empty(), "--api-key must not be empty");
     }
     ensure_descriptors(args.max_connections)?;
     Ok(())
@@ -222,9 +234,18 @@ fn ensure_descriptors(max_connections: usize) -> Result<()> {
     Ok(())
 }
 
+/// Prompt tokens per forward call for `block_size`: `PREFILL_CHUNK_TOKENS` rounded up to
+/// whole blocks.
+fn prefill_chunk(block_size: usize) -> usize {
+    PREFILL_CHUNK_TOKENS.div_ceil(block_size).max(1) * block_size
+}
+
 /// Runs the server until Ctrl-C or SIGTERM; `model_path` is `--model` resolved.
 pub fn run(args: ServeArgs, model_path: PathBuf) -> Result<()> {
     check_args(&args)?;
+    // The model's path (its type: a file or a directory, never a FIFO or device) before the
+    // port is bound; the model itself loads in the background (/health says when).
+    crate::model::ModelSource::detect(&model_path)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -8,7 +8,7 @@
 //! bound of a page's attention score, the selection, and the plan of copies that turns the
 //! pages a slot was prefetched with into the selected pages in position order.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use crate::device::cpu::ops::AttnHeads;
 
@@ -42,9 +42,9 @@ impl SparseArgs {
     pub fn config(&self, offload: bool) -> Result<Option<SparseConfig>> {
         match self.sparse_budget {
             None => Ok(None),
-            Some(_) if !offload => {
-                bail!("--sparse-budget selects which offloaded KV pages to load: add --enable-offload")
-            }
+            Some(_) if !offload => Err(crate::errors::usage(
+                "--sparse-budget selects which offloaded KV pages to load: add --enable-offload",
+            )),
             Some(budget) => Ok(Some(SparseConfig {
                 budget,
                 page_size: self.sparse_page_size,
@@ -71,19 +71,23 @@ impl SparseConfig {
     pub fn check(&self, block_size: usize) -> Result<()> {
         let (b, p) = (self.budget, self.page_size);
         if p == 0 {
-            bail!("--sparse-page-size must be at least 1");
+            return Err(crate::errors::usage(
+                "--sparse-page-size must be at least 1",
+            ));
         }
         if !block_size.is_multiple_of(p) {
-            bail!("--sparse-page-size {p} must divide --block-size {block_size} (pages are cut from host blocks)");
+            return Err(crate::errors::usage(format!("--sparse-page-size {p} must divide --block-size {block_size} (pages are cut from host blocks)")));
         }
         if b == 0 || !b.is_multiple_of(p) {
-            bail!("--sparse-budget {b} must be a positive multiple of --sparse-page-size {p}");
+            return Err(crate::errors::usage(format!(
+                "--sparse-budget {b} must be a positive multiple of --sparse-page-size {p}"
+            )));
         }
         if b < p + block_size {
-            bail!(
+            return Err(crate::errors::usage(format!(
                 "--sparse-budget {b} is below the sink page plus the recent window: at least {} tokens ({p} + --block-size {block_size})",
                 p + block_size
-            );
+            )));
         }
         Ok(())
     }

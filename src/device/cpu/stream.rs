@@ -286,10 +286,14 @@ impl SharedLink {
             if left <= 0.0 {
                 break;
             }
-            let wait = left * s.active.len() as f64 / bytes_per_s;
+            // At most a second at a time (the loop recomputes the rest): a wait computed
+            // from an extreme speed can neither overflow `Duration` nor sleep for years
+            // without looking again.
+            let wait = (left * s.active.len() as f64 / bytes_per_s).clamp(0.0, 1.0);
+            let wait = Duration::try_from_secs_f64(wait).unwrap_or(Duration::from_secs(1));
             s = self
                 .cv
-                .wait_timeout(s, Duration::from_secs_f64(wait))
+                .wait_timeout(s, wait)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }

@@ -19,13 +19,13 @@ pub struct DiskBenchArgs {
     #[arg(long)]
     pub dir: PathBuf,
     /// Bytes to write and read, in MiB.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = crate::flags::bench_disk_mib())]
     pub size_mib: usize,
     /// Payload bytes per slot [default: one SmolLM2-135M KV block of 16 tokens in f32]
-    #[arg(long, default_value_t = 737_280)]
+    #[arg(long, default_value_t = 737_280, value_parser = crate::flags::payload_bytes())]
     pub payload_bytes: usize,
     /// IO threads.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = crate::flags::io_threads())]
     pub threads: usize,
     /// Print one JSON object.
     #[arg(long)]
@@ -97,8 +97,16 @@ pub fn run_disk_bench(a: DiskBenchArgs) -> Result<()> {
         payload_bytes: a.payload_bytes,
         num_slots: 1,
     };
-    let num_slots = (a.size_mib << 20) / probe.slot_bytes();
-    ensure!(num_slots > 0, "--size-mib is smaller than one slot");
+    // Both bounded by their flags: 16 TiB in bytes is far inside 64 bits.
+    let num_slots = a.size_mib.saturating_mul(1 << 20) / probe.slot_bytes();
+    if num_slots == 0 {
+        return Err(crate::errors::usage(format!(
+            "--size-mib {} is smaller than one slot ({} bytes for --payload-bytes {})",
+            a.size_mib,
+            probe.slot_bytes(),
+            a.payload_bytes
+        )));
+    }
     let layout = StoreLayout {
         payload_bytes: a.payload_bytes,
         num_slots,
@@ -109,7 +117,10 @@ pub fn run_disk_bench(a: DiskBenchArgs) -> Result<()> {
     let result = measure(&dir, layout, a.threads);
     let _ = std::fs::remove_dir_all(&dir);
     let m = result?;
-    let gb = layout.file_bytes() as f64 / 1e9;
+    let bytes = layout
+        .file_bytes()
+        .context("the test file's size overflows")?;
+    let gb = bytes as f64 / 1e9;
     let r = |x: f64, y: f64| x / y;
     let (sw, sr, dw, dr) = (
         gb / m.store_write,
@@ -121,7 +132,7 @@ pub fn run_disk_bench(a: DiskBenchArgs) -> Result<()> {
         println!(
             "{}",
             serde_json::json!({
-                "bytes": layout.file_bytes(), "slot_bytes": layout.slot_bytes(),
+                "bytes": bytes, "slot_bytes": layout.slot_bytes(),
                 "threads": a.threads, "io_mode": m.mode, "file_system": m.fs,
                 "store_write_gbps": sw, "store_read_gbps": sr,
                 "dd_write_gbps": dw, "dd_read_gbps": dr,

@@ -8,10 +8,11 @@ use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::store::{SlotStamp, StoreLayout};
+use crate::safe_file::{self, Links};
 use crate::serve::block_manager::DiskSlotId;
 
 pub const INDEX_FILE: &str = "strata-kv.index";
@@ -45,6 +46,12 @@ struct IndexFile {
     entries: Vec<IndexEntry>,
 }
 
+/// Largest index a layout of `num_slots` slots can have: an entry per slot (four numbers
+/// of at most 20 digits and their keys, ~100 bytes) and the fields around them.
+pub fn max_index_bytes(num_slots: usize) -> u64 {
+    (num_slots as u64).saturating_mul(160).saturating_add(4096)
+}
+
 /// Writes the index for `entries` (replacing the old one atomically).
 pub fn write(
     dir: &Path,
@@ -60,7 +67,9 @@ pub fn write(
         entries: entries.to_vec(),
     })?;
     let tmp = dir.join(format!("{INDEX_FILE}.tmp"));
-    let mut f = File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    // Not through a link planted at the temporary name (the rename then replaces a link at
+    // the index's own name, never its target).
+    let mut f = safe_file::create_private(&tmp, "the disk tier's index")?;
     f.write_all(&body)?;
     writeln!(f, "\n{:08x}", crc32fast::hash(&body))?;
     f.sync_all()?;
@@ -74,11 +83,16 @@ pub fn write(
 /// that must not be trusted: corrupt, another version, model/configuration or layout.
 pub fn read(dir: &Path, fingerprint: u64, layout: StoreLayout) -> Result<Option<Vec<IndexEntry>>> {
     let path = dir.join(INDEX_FILE);
-    let bytes = match std::fs::read(&path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => bail!("cannot read {}: {e}", path.display()),
-    };
+    if std::fs::symlink_metadata(&path).is_err() {
+        return Ok(None);
+    }
+    // A regular file (no link, FIFO or device) no larger than an index of this layout.
+    let bytes = safe_file::read_regular(
+        &path,
+        max_index_bytes(layout.num_slots),
+        "the disk tier's index",
+        Links::Refuse,
+    )?;
     let text = std::str::from_utf8(&bytes).context("not text")?;
     let (body, crc) = text
         .trim_end_matches('\n')

@@ -31,6 +31,8 @@ use clap::Args;
 use self::index::IndexEntry;
 use self::store::{DiskStore, IoMode, SlotIo, StoreLayout};
 use super::block_manager::DiskSlotId;
+use crate::errors::usage;
+use crate::flags;
 use crate::model::Model;
 
 /// The disk tier's command-line options (shared by `bench serve` and `serve`).
@@ -38,28 +40,32 @@ use crate::model::Model;
 pub struct DiskArgs {
     /// Directory for the disk KV tier (one preallocated slot file and the prefix index);
     /// a restart on the same directory reuses the persisted prefix blocks.
-    #[arg(long)]
+    #[arg(long, requires = "max_disk_offload_blocks")]
     pub disk_offload_dir: Option<PathBuf>,
-    /// Disk-tier capacity in KV blocks (needs --disk-offload-dir).
-    #[arg(long, default_value_t = 0)]
+    /// Disk-tier capacity in KV blocks (needs --disk-offload-dir; the slot file must fit
+    /// in the directory's free space).
+    #[arg(long, default_value_t = 0, value_parser = flags::blocks_or_zero(), requires = "disk_offload_dir")]
     pub max_disk_offload_blocks: usize,
     /// IO threads for the disk tier.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = flags::io_threads())]
     pub disk_io_threads: usize,
 }
 
 impl DiskArgs {
-    /// The engine's disk configuration, or `None` when the tier is off; errors on a
-    /// half-given pair of options.
+    /// The engine's disk configuration, or `None` when the tier is off; a half-given pair
+    /// of options is a usage error.
     pub fn config(&self) -> Result<Option<DiskTierConfig>> {
         match (&self.disk_offload_dir, self.max_disk_offload_blocks) {
             (None, 0) => Ok(None),
-            (None, _) => anyhow::bail!("--max-disk-offload-blocks needs --disk-offload-dir"),
-            (Some(_), 0) => anyhow::bail!("--disk-offload-dir needs --max-disk-offload-blocks > 0"),
+            (None, _) => Err(usage("--max-disk-offload-blocks needs --disk-offload-dir")),
+            (Some(_), 0) => Err(usage(
+                "--disk-offload-dir needs --max-disk-offload-blocks > 0",
+            )),
             (Some(dir), _) => {
                 ensure!(
-                    (1..=64).contains(&self.disk_io_threads),
-                    "--disk-io-threads must be in 1..=64"
+                    (1..=flags::MAX_IO_THREADS).contains(&self.disk_io_threads),
+                    "--disk-io-threads must be in 1..={}",
+                    flags::MAX_IO_THREADS
                 );
                 Ok(Some(DiskTierConfig {
                     dir: dir.clone(),
@@ -75,6 +81,26 @@ impl DiskArgs {
 pub struct DiskTierConfig {
     pub dir: PathBuf,
     pub io_threads: usize,
+}
+
+impl DiskTierConfig {
+    /// Checks a tier of `num_slots` slots of `payload_bytes` each can exist in the
+    /// directory (its files' types, the file's size, the free space) before anything is
+    /// allocated or created for it (`StoreLayout::check`).
+    pub fn check(&self, num_slots: usize, payload_bytes: usize) -> Result<()> {
+        StoreLayout {
+            payload_bytes,
+            num_slots,
+        }
+        .check(&self.dir)
+        .map(drop)
+    }
+
+    /// `check` before the model is known: slots of the smallest size (one header page and
+    /// one payload page), a lower bound of the file.
+    pub fn check_without_model(&self, num_slots: usize) -> Result<()> {
+        self.check(num_slots, 1)
+    }
 }
 
 /// A fingerprint of everything that decides a KV block's bits: the model's configuration
@@ -202,7 +228,7 @@ impl DiskTier {
              prefix blocks restored: {}",
             l.num_slots,
             l.slot_bytes() as f64 / 1024.0,
-            l.file_bytes() as f64 / (1u64 << 30) as f64,
+            l.file_bytes().unwrap_or(u64::MAX) as f64 / (1u64 << 30) as f64,
             s.path().display(),
             store::fs_name(s.path().parent().unwrap_or(Path::new("."))),
             mode,

@@ -13,6 +13,7 @@
 //! one whose payload checksum differs is torn or flipped; neither is ever used.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -26,6 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use thiserror::Error;
 
+use crate::safe_file;
 use crate::serve::block_manager::DiskSlotId;
 
 /// IO alignment for `O_DIRECT`: buffers, offsets and lengths are multiples of it.
@@ -136,12 +138,52 @@ pub struct StoreLayout {
 }
 
 impl StoreLayout {
+    /// A slot's bytes: the header page and the payload rounded up to whole pages
+    /// (saturating: a payload that large never passes `file_bytes` and the space check).
     pub fn slot_bytes(&self) -> usize {
-        ALIGN + self.payload_bytes.div_ceil(ALIGN) * ALIGN
+        self.payload_bytes
+            .div_ceil(ALIGN)
+            .saturating_mul(ALIGN)
+            .saturating_add(ALIGN)
     }
 
-    pub fn file_bytes(&self) -> u64 {
-        self.slot_bytes() as u64 * self.num_slots as u64
+    /// The slot file's size; `None` if it does not fit in 64 bits.
+    pub fn file_bytes(&self) -> Option<u64> {
+        (self.slot_bytes() as u64).checked_mul(self.num_slots as u64)
+    }
+
+    /// Checks, before anything is created or allocated, that a slot file of this layout
+    /// can exist in `dir`: slots addressable by a `DiskSlotId`, a size that fits in 64
+    /// bits, and room on the file system. Returns the file's size.
+    pub fn check(&self, dir: &Path) -> Result<u64> {
+        anyhow::ensure!(
+            self.num_slots > 0 && self.payload_bytes > 0,
+            "disk store needs slots"
+        );
+        anyhow::ensure!(
+            self.num_slots <= DiskSlotId::MAX as usize,
+            "{} disk slots is more than a slot id addresses ({})",
+            self.num_slots,
+            DiskSlotId::MAX
+        );
+        let want = self.file_bytes().with_context(|| {
+            format!(
+                "the disk tier's slot file ({} slots of {} bytes) is larger than 2^64 bytes",
+                self.num_slots,
+                self.slot_bytes()
+            )
+        })?;
+        if let Ok(m) = std::fs::metadata(dir) {
+            anyhow::ensure!(
+                m.is_dir(),
+                "--disk-offload-dir {}: not a directory",
+                dir.display()
+            );
+        }
+        let path = dir.join(SLOTS_FILE);
+        safe_file::check_private(&path, "the disk tier's slot file")?;
+        check_space(dir, &path, want)?;
+        Ok(want)
     }
 
     fn offset(&self, slot: DiskSlotId) -> u64 {
@@ -263,8 +305,9 @@ pub struct DiskStore {
     layout: StoreLayout,
     fingerprint: u64,
     mode: IoMode,
-    /// Per slot, what it must hold; `None` while a write is in flight or after one failed.
-    expected: Mutex<Vec<Option<SlotStamp>>>,
+    /// What each slot in use must hold; absent while a write is in flight, after one
+    /// failed, and for slots never written (a map: memory follows use, not capacity).
+    expected: Mutex<HashMap<DiskSlotId, SlotStamp>>,
     next_generation: AtomicU64,
     pub counters: DiskCounters,
     /// Holds the exclusive `flock` on the slot file for the store's life.
@@ -280,20 +323,13 @@ impl DiskStore {
         fingerprint: u64,
         wrap: impl FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo>,
     ) -> Result<Self> {
-        anyhow::ensure!(
-            layout.num_slots > 0 && layout.payload_bytes > 0,
-            "disk store needs slots"
-        );
+        let path = dir.join(SLOTS_FILE);
+        let want = layout.check(dir)?;
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create --disk-offload-dir {}", dir.display()))?;
-        let path = dir.join(SLOTS_FILE);
-        let lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
+        // Never through a link, never another kind of file, never a file another name
+        // shares (checked again on the handle): the slot file is truncated and overwritten.
+        let lock = safe_file::open_private(&path, "the disk tier's slot file")?;
         // SAFETY: flock on an open descriptor.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             bail!(
@@ -302,7 +338,6 @@ impl DiskStore {
             );
         }
         let fs = fs_name(dir);
-        let want = layout.file_bytes();
         if lock.metadata()?.len() != want {
             lock.set_len(0)?; // another layout: nothing in it can be trusted
         }
@@ -318,14 +353,14 @@ impl DiskStore {
                     path.display()
                 ),
                 Some(libc::ENOSPC) => bail!(
-                    "not enough space for the disk tier: {} needs {:.2} GiB on {fs}",
+                    "not enough space for the disk tier: {} needs {} on {fs}",
                     path.display(),
-                    want as f64 / (1u64 << 30) as f64
+                    safe_file::human_bytes(want)
                 ),
                 _ => bail!("cannot preallocate {} on {fs}: {e}", path.display()),
             }
         }
-        let (file, mode) = match open_direct(&path) {
+        let (file, mode) = match open_direct(&path, &lock) {
             Ok(f) => (f, IoMode::Direct),
             Err(e) => (
                 lock.try_clone()?,
@@ -343,7 +378,7 @@ impl DiskStore {
             layout,
             fingerprint,
             mode,
-            expected: Mutex::new(vec![None; layout.num_slots]),
+            expected: Mutex::new(HashMap::new()),
             next_generation: AtomicU64::new(start),
             counters: DiskCounters::default(),
             _lock: lock,
@@ -382,12 +417,15 @@ impl DiskStore {
 
     fn set_expected(&self, slot: DiskSlotId, stamp: Option<SlotStamp>) {
         let mut e = self.expected.lock().unwrap_or_else(|e| e.into_inner());
-        e[slot as usize] = stamp;
+        match stamp {
+            Some(st) => e.insert(slot, st),
+            None => e.remove(&slot),
+        };
     }
 
     pub fn expected(&self, slot: DiskSlotId) -> Option<SlotStamp> {
         let e = self.expected.lock().unwrap_or_else(|e| e.into_inner());
-        e.get(slot as usize).copied().flatten()
+        e.get(&slot).copied()
     }
 
     fn check_slot(&self, slot: DiskSlotId) -> Result<(), SlotError> {
@@ -588,16 +626,57 @@ impl DiskStore {
     }
 }
 
-fn open_direct(path: &Path) -> io::Result<File> {
+/// The slot file reopened with `O_DIRECT` (not through a link, and only if it is still the
+/// file `locked` holds).
+fn open_direct(path: &Path, locked: &File) -> io::Result<File> {
     let f = OpenOptions::new()
         .read(true)
         .write(true)
-        .custom_flags(libc::O_DIRECT)
+        .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)?;
+    if !safe_file::same_file(&f.metadata()?, &locked.metadata()?) {
+        return Err(io::Error::other(
+            "the slot file was replaced while being opened",
+        ));
+    }
     // Some file systems accept the flag at open and refuse the IO: probe one read.
     let mut buf = AlignedBuf::zeroed(ALIGN).map_err(io::Error::other)?;
     f.read_at(buf.as_mut_slice(), 0)?;
     Ok(f)
+}
+
+/// Refuses a slot file of `want` bytes that the file system holding `dir` has no room
+/// for (counting the space an existing slot file already takes), before anything is
+/// allocated or created for it.
+pub fn check_space(dir: &Path, path: &Path, want: u64) -> Result<()> {
+    // The directory may not exist yet: its nearest existing ancestor is on the same
+    // file system (unless a mount is created in between, which fallocate then catches).
+    let existing = dir
+        .ancestors()
+        .find(|d| d.exists())
+        .unwrap_or(Path::new("."));
+    let Some(free) = safe_file::free_bytes(existing) else {
+        return Ok(()); // unknown: fallocate reports ENOSPC clearly
+    };
+    // An existing slot file of ours gives its blocks back when it is reused.
+    let reusable = std::fs::symlink_metadata(path)
+        .ok()
+        .filter(|m| m.is_file())
+        .map_or(0, |m| {
+            use std::os::unix::fs::MetadataExt;
+            m.blocks().saturating_mul(512)
+        });
+    let room = free.saturating_add(reusable);
+    if want > room {
+        bail!(
+            "not enough space for the disk tier: {} needs {} ({want} bytes) but {} has {} free; lower --max-disk-offload-blocks",
+            path.display(),
+            safe_file::human_bytes(want),
+            fs_name(existing),
+            safe_file::human_bytes(room)
+        );
+    }
+    Ok(())
 }
 
 /// The file system's name, for error messages and the plan.

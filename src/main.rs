@@ -142,6 +142,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Offload(_)) => "strata bench offload",
         Command::Bench(BenchCommand::Serve(_)) => "strata bench serve",
         Command::Bench(BenchCommand::Disk(_)) => "strata bench disk",
+        Command::Bench(BenchCommand::SparseEval(_)) => "strata bench sparse-eval",
     };
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),

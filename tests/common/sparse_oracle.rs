@@ -6,4 +6,5 @@
 //! bits. (The same cache drives `bench sparse-eval`, so the evaluation measures what the
 //! engine would choose.)
 
+#[allow(unused_imports)] // used by the sparse suites, not by every test that shares common/
 pub use strata::sparse::replay::Replay as Oracle;

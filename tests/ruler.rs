@@ -33,10 +33,11 @@ fn needles_sit_at_their_depths_and_prompts_fill_the_context() {
             let c = case(task, context, 0, SeedSet::Tune);
             let p = c.build(&tok).unwrap();
             let s = task.spec();
-            // Prompt + answer tokens fit the context, within one haystack unit of it.
+            // Prompt + answer tokens fit the context, within a few haystack units of it (an
+            // essay paragraph is up to ~100 tokens: multikey 3 at 1K ends 82 short).
             let used = p.ids.len() + p.max_new_tokens;
             assert!(used <= context, "{task:?} {context}: {used}");
-            assert!(used + 64 >= context, "{task:?} {context}: only {used}");
+            assert!(used + 160 >= context, "{task:?} {context}: only {used}");
             assert_eq!(p.needles.len(), s.keys * s.values, "{task:?}");
             assert_eq!(p.answers.len(), s.queries * s.values, "{task:?}");
             let needle_tokens: usize = p.needles.iter().map(|n| n.tokens).sum();

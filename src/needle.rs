@@ -66,20 +66,22 @@ fn random_key(rng: &mut StdRng) -> String {
     )
 }
 
+/// 16 bytes as a UUID's text (`8-4-4-4-12` lowercase hex).
+pub fn uuid_text(b: [u8; 16]) -> String {
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
 fn random_value(rng: &mut StdRng, kind: NeedleKind) -> String {
     match kind {
-        NeedleKind::Uuid => {
-            let b: [u8; 16] = rng.random();
-            let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-            format!(
-                "{}-{}-{}-{}-{}",
-                &h[0..8],
-                &h[8..12],
-                &h[12..16],
-                &h[16..20],
-                &h[20..32]
-            )
-        }
+        NeedleKind::Uuid => uuid_text(rng.random()),
         _ => rng.random_range(1_000_000..10_000_000u32).to_string(),
     }
 }

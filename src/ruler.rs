@@ -84,15 +84,7 @@ impl Kind {
                 let mut b: [u8; 16] = rng.random();
                 b[6] = (b[6] & 0x0f) | 0x40;
                 b[8] = (b[8] & 0x3f) | 0x80;
-                let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-                format!(
-                    "{}-{}-{}-{}-{}",
-                    &h[0..8],
-                    &h[8..12],
-                    &h[12..16],
-                    &h[16..20],
-                    &h[20..32]
-                )
+                crate::needle::uuid_text(b)
             }
         }
     }

@@ -451,6 +451,28 @@ fn serve_validates_every_flag_before_it_binds_or_prints() {
         "model not found: /nonexistent/model.gguf",
         1,
     );
+    // Limits that depend on the model, from its config alone, still before the port is
+    // bound: its context (512 tokens) and the host memory its KV takes (12 KiB a block).
+    for (extra, expect) in [
+        (
+            vec!["--max-model-len", "513"],
+            "--max-model-len must be between 1 and the model's context (512), got 513",
+        ),
+        (
+            vec![
+                "--num-gpu-blocks",
+                "16777216",
+                "--max-cpu-offload-blocks",
+                "16777216",
+            ],
+            "of host memory",
+        ),
+    ] {
+        let mut args = os(&["serve", "--port", "0", "--model"]);
+        args.push(m.clone().into());
+        args.extend(os(&extra));
+        assert_error(STRATA, &args, expect, 1);
+    }
 }
 
 #[test]

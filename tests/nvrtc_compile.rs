@@ -76,6 +76,71 @@ fn cubin_cache_round_trips() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The cache directory is strata's own, but what is in it is not trusted: an entry that is
+/// a FIFO, a link or a device is compiled around (no hang, no read of /dev/zero), and a
+/// link planted at the temporary name does not redirect the write to another file.
+#[test]
+fn cubin_cache_never_reads_or_writes_through_what_is_planted_in_it() {
+    if nvrtc_or_skip().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("strata-kcache-hostile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let good = nvrtc::compile_kernel_cached("activation.cu", "sm_90", Some(&dir)).unwrap();
+    let entry = std::fs::read_dir(&dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let victim = dir.with_extension("victim");
+    std::fs::write(&victim, b"not yours").unwrap();
+    let tmp = entry.with_extension(format!("tmp{}", std::process::id()));
+    let fifo = std::ffi::CString::new(entry.as_os_str().as_encoded_bytes()).unwrap();
+    let plants: [(&str, Box<dyn Fn()>); 3] = [
+        (
+            "a FIFO",
+            Box::new(|| {
+                // SAFETY: a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+            }),
+        ),
+        (
+            "a link to /dev/zero",
+            Box::new(|| std::os::unix::fs::symlink("/dev/zero", &entry).unwrap()),
+        ),
+        (
+            "a link at the temporary name",
+            Box::new(|| std::os::unix::fs::symlink(&victim, &tmp).unwrap()),
+        ),
+    ];
+    for (what, plant) in plants {
+        let _ = std::fs::remove_file(&entry);
+        plant();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dir.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(nvrtc::compile_kernel_cached(
+                "activation.cu",
+                "sm_90",
+                Some(&d),
+            ));
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("{what}: the cache hung"));
+        assert_eq!(got.unwrap(), good, "{what}: not the kernel's CUBIN");
+        assert_eq!(
+            std::fs::read(&victim).unwrap(),
+            b"not yours",
+            "{what}: wrote through it"
+        );
+        let _ = std::fs::remove_file(&tmp);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_file(&victim).unwrap();
+}
+
 #[test]
 fn bad_arch_and_unknown_source_are_one_line_errors() {
     let e = nvrtc::compile_kernel_cached("activation.cu", "90", None).unwrap_err();

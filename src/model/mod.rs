@@ -147,6 +147,18 @@ impl ModelSource {
     }
 }
 
+/// The configuration in an open GGUF file's metadata.
+fn gguf_config(gguf: &weights::GgufFile, path: &Path) -> Result<ModelConfig> {
+    ModelConfig::from_gguf(&gguf.content.metadata).with_context(|| format!("{}", path.display()))
+}
+
+/// The configuration in a Hugging Face directory's config.json.
+fn hf_config(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let text = files::read_text(&path)?;
+    ModelConfig::from_hf_json(&text).with_context(|| format!("{}", path.display()))
+}
+
 impl Model {
     pub fn new(cfg: ModelConfig, weights: ModelWeights) -> Self {
         let inv_freq = config::rope_inv_freq(&cfg);
@@ -171,8 +183,7 @@ impl Model {
         match ModelSource::detect(path)? {
             ModelSource::Gguf(p) => {
                 let mut gguf = weights::GgufFile::open(&p)?;
-                let mut cfg = ModelConfig::from_gguf(&gguf.content.metadata)
-                    .with_context(|| format!("{}", p.display()))?;
+                let mut cfg = gguf_config(&gguf, &p)?;
                 let tok = Tokenizer::from_gguf(&gguf.content.metadata)
                     .with_context(|| format!("{}", p.display()))?;
                 let w = weights::load_gguf(&mut gguf, &mut cfg, progress, dtype)
@@ -183,10 +194,7 @@ impl Model {
                 Ok((Arc::new(Self::new(cfg, w)), tok))
             }
             ModelSource::HfDir(dir) => {
-                let cfg_path = dir.join("config.json");
-                let text = files::read_text(&cfg_path)?;
-                let mut cfg = ModelConfig::from_hf_json(&text)
-                    .with_context(|| format!("{}", cfg_path.display()))?;
+                let mut cfg = hf_config(&dir)?;
                 let tok = Tokenizer::from_hf_dir(&dir, &cfg.eos_token_ids, cfg.vocab_size)?;
                 cfg.eos_token_ids = tok.eos_token_ids.clone();
                 let gen_path = dir.join("generation_config.json");
@@ -204,6 +212,16 @@ impl Model {
                 }
                 Ok((Arc::new(Self::new(cfg, w)), tok))
             }
+        }
+    }
+
+    /// The configuration of the model at `path` without its weights or tokenizer (a GGUF
+    /// file's header, a directory's config.json): what `serve` checks its flags against
+    /// before it binds the port.
+    pub fn peek_config(path: &Path) -> Result<ModelConfig> {
+        match ModelSource::detect(path)? {
+            ModelSource::Gguf(p) => gguf_config(&weights::GgufFile::open(&p)?, &p),
+            ModelSource::HfDir(dir) => hf_config(&dir),
         }
     }
 

@@ -31,7 +31,7 @@ use crate::device::DeviceKind;
 use crate::errors::usage;
 use crate::flags;
 use crate::model::weights::WeightDtype;
-use crate::model::Model;
+use crate::model::{Model, ModelConfig};
 use crate::serve::{EngineConfig, SchedulerConfig};
 use kv_events::{KvEventPublisher, ZmqEndpoint};
 use metrics::Metrics;
@@ -108,9 +108,10 @@ pub struct ServeArgs {
 /// Prompt tokens per forward call: 64, or the block size when blocks are larger.
 const PREFILL_CHUNK_TOKENS: usize = 64;
 
-/// The engine's geometry, from the flags and the model.
-fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize)> {
-    let trained = model.cfg.max_position_embeddings;
+/// The engine's geometry, from the flags and the model's configuration, checked against
+/// the model's context, the host's memory and the disk tier's room.
+fn engine_config(args: &ServeArgs, model: &ModelConfig) -> Result<(EngineConfig, usize)> {
+    let trained = model.max_position_embeddings;
     let max_model_len = args.max_model_len.unwrap_or(trained);
     ensure!(
         (1..=trained).contains(&max_model_len),
@@ -142,7 +143,7 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
     sched.validate()?;
     // Host memory the KV takes (on CUDA the device tier is GPU memory, whose allocation
     // fails clearly).
-    let kv = crate::serve::setup::host_kv_bytes(&model.cfg, &sched, args.device);
+    let kv = crate::serve::setup::host_kv_bytes(model, &sched, args.device);
     if let Some(avail) = available_memory_bytes() {
         ensure!(
             kv.is_some_and(|b| b as u64 <= avail),
@@ -151,6 +152,12 @@ fn engine_config(args: &ServeArgs, model: &Model) -> Result<(EngineConfig, usize
             args.device,
             avail as f64 / (1u64 << 30) as f64
         );
+    }
+    if let Some(dc) = &disk {
+        let block = model
+            .kv_bytes(bs, args.device.kv_elem_bytes())
+            .context("a KV block's size overflows")?;
+        dc.check(sched.max_disk_offload_blocks, block)?;
     }
     Ok((
         EngineConfig {
@@ -172,9 +179,16 @@ fn available_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Every check that needs no model, before anything is bound or printed: the ranges are
-/// the parser's (`flags`); here the flags are checked against each other (usage errors,
-/// exit 2), then the device and the disk tier's directory (exit 1).
+/// Every check of the flags, before anything is bound or printed: `check_args`, then the
+/// flags against the model's configuration (its header or config.json, not its weights).
+fn check_before_bind(args: &ServeArgs, model_path: &std::path::Path) -> Result<()> {
+    check_args(args)?;
+    engine_config(args, &Model::peek_config(model_path)?).map(drop)
+}
+
+/// Every check that needs no model: the ranges are the parser's (`flags`); here the flags
+/// are checked against each other (usage errors, exit 2), then the device and the
+/// descriptor limit (exit 1).
 fn check_args(args: &ServeArgs) -> Result<()> {
     let bs = args.block_size;
     let sched = SchedulerConfig {
@@ -195,11 +209,7 @@ fn check_args(args: &ServeArgs) -> Result<()> {
             )));
         }
     }
-    if let Some(disk) = args.disk.config()? {
-        // The slot's payload (a KV block) depends on the model: the smallest slot bounds
-        // the file from below for now; the exact size is checked again once it is known.
-        disk.check_without_model(args.disk.max_disk_offload_blocks)?;
-    }
+    args.disk.config()?;
     if args.device == DeviceKind::Cuda {
         crate::device::check_available(DeviceKind::Cuda)?;
     }
@@ -242,10 +252,8 @@ fn prefill_chunk(block_size: usize) -> usize {
 
 /// Runs the server until Ctrl-C or SIGTERM; `model_path` is `--model` resolved.
 pub fn run(args: ServeArgs, model_path: PathBuf) -> Result<()> {
-    check_args(&args)?;
-    // The model's path (its type: a file or a directory, never a FIFO or device) before the
-    // port is bound; the model itself loads in the background (/health says when).
-    crate::model::ModelSource::detect(&model_path)?;
+    // The weights load in the background once the port is bound (/health says when).
+    check_before_bind(&args, &model_path)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -275,7 +283,7 @@ async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread
 /// fuzzer's HTTP target): returns the bound address at once (requests get 503 until the
 /// model is loaded); it serves until the process ends, printing nothing on stdout.
 pub fn spawn_in_process(args: ServeArgs, model_path: PathBuf) -> Result<std::net::SocketAddr> {
-    check_args(&args)?;
+    check_before_bind(&args, &model_path)?;
     let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     listener.set_nonblocking(true)?;
@@ -438,7 +446,7 @@ fn load(
     kv_events: Option<KvEventPublisher>,
 ) -> Result<()> {
     let (model, tokenizer) = Model::load_as(model_path, false, args.dtype)?;
-    let (cfg, max_model_len) = engine_config(args, &model)?;
+    let (cfg, max_model_len) = engine_config(args, &model.cfg)?;
     let eos = model.cfg.eos_token_ids.clone();
     let defaults = model.cfg.generation.clone();
     let sched = cfg.sched.clone();

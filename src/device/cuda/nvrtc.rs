@@ -4,6 +4,7 @@
 //! compile test, so a kernel that compiles in CI compiles on the GPU machine.
 
 use super::libs::{self, Lib};
+use crate::safe_file::Links;
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::sys;
 use std::ffi::{c_char, CStr, CString};
@@ -25,6 +26,9 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
+/// A cached CUBIN larger than this is not one of ours (ours are well under 1 MiB).
+const MAX_CUBIN_BYTES: u64 = 64 << 20;
+
 /// CUBIN of `kernels/<source_name>` for `arch` (`sm_80`, `sm_90`, ...), from the on-disk
 /// cache when present (`STRATA_KERNEL_CACHE`: a directory, or `off`).
 pub fn compile_kernel(source_name: &str, arch: &str) -> Result<Vec<u8>> {
@@ -41,7 +45,12 @@ pub fn compile_kernel_cached(
     let version = nvrtc_version()?;
     let opts = options(arch, true)?;
     let file = cache.map(|dir| dir.join(cache_name(source_name, src, arch, version, &opts)));
-    if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
+    // Strata's own directory: a link, a FIFO or an oversized entry there is not a CUBIN
+    // (it is compiled again, and the entry replaced).
+    let cached = file.as_ref().and_then(|f| {
+        crate::safe_file::read_regular(f, MAX_CUBIN_BYTES, "kernel cache entry", Links::Refuse).ok()
+    });
+    if let Some(bytes) = cached {
         return Ok(bytes);
     }
     let cubin = compile(source_name, src, &opts, true)?;
@@ -235,12 +244,17 @@ impl Fnv {
     }
 }
 
-/// Write then rename, so a concurrent reader never sees half a CUBIN.
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Write then rename, so a concurrent reader never sees half a CUBIN; the temporary file is
+/// created as strata creates every file it writes (never through a link: a name planted in
+/// the cache cannot redirect the write to another file).
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(tmp, path)
+    let mut f = crate::safe_file::create_private(&tmp, "kernel cache entry")?;
+    std::io::Write::write_all(&mut f, bytes)?;
+    drop(f);
+    std::fs::rename(tmp, path)?;
+    Ok(())
 }

@@ -95,12 +95,6 @@ impl DiskTierConfig {
         .check(&self.dir)
         .map(drop)
     }
-
-    /// `check` before the model is known: slots of the smallest size (one header page and
-    /// one payload page), a lower bound of the file.
-    pub fn check_without_model(&self, num_slots: usize) -> Result<()> {
-        self.check(num_slots, 1)
-    }
 }
 
 /// A fingerprint of everything that decides a KV block's bits: the model's configuration

@@ -47,6 +47,9 @@ enum BenchCommand {
     Serve(strata::serve::bench::ServeArgs),
     /// The disk tier's store: sequential write/read GB/s against dd with O_DIRECT.
     Disk(strata::serve::disk::bench::DiskBenchArgs),
+    /// Plain decode and prefill speed at given contexts, with the bytes a decode token reads
+    /// and the fraction of the machine's measured read bandwidth that achieves.
+    Decode(strata::engine::bench::DecodeBenchArgs),
     /// Sparse decode vs full attention on RULER's retrieval tasks (accuracy per task,
     /// context and budget).
     SparseEval(strata::sparse::eval::SparseEvalArgs),
@@ -143,6 +146,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Serve(_)) => "strata bench serve",
         Command::Bench(BenchCommand::Disk(_)) => "strata bench disk",
         Command::Bench(BenchCommand::SparseEval(_)) => "strata bench sparse-eval",
+        Command::Bench(BenchCommand::Decode(_)) => "strata bench decode",
     };
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
@@ -155,6 +159,7 @@ fn main() -> ExitCode {
             strata::serve::disk::bench::run_disk_bench(args)
         }
         Command::Bench(BenchCommand::SparseEval(args)) => strata::sparse::eval::run(args),
+        Command::Bench(BenchCommand::Decode(args)) => strata::engine::bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,5 +1,6 @@
 //! Generation for one request: prefill the prompt, then decode token by token.
 
+pub mod bench;
 pub mod sampler;
 
 use std::sync::Arc;

@@ -430,6 +430,18 @@ impl ModelWeights {
             + self.vectors().map(|v| 4 * v.len()).sum::<usize>()
     }
 
+    /// Bytes of weights one decode token reads: every matrix and vector, except that an
+    /// embedding table apart from the head contributes only the row it gathers.
+    pub fn decode_read_bytes(&self) -> usize {
+        match &self.lm_head {
+            None => self.bytes(),
+            Some(_) => {
+                let embed = self.embed.bytes();
+                self.bytes() - embed + embed / self.embed.shape().out_features.max(1)
+            }
+        }
+    }
+
     /// Bytes of weights in memory now (see `Weight::resident_bytes`).
     pub fn resident_bytes(&self) -> usize {
         self.matrices().map(Weight::resident_bytes).sum::<usize>()

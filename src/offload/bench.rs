@@ -195,7 +195,7 @@ fn transfer_only_step(gbps: f64, layers: usize, bytes_per_layer: usize) -> Resul
 }
 
 /// The median of `v` (the mean of the middle two when even); `v` is not empty.
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     let n = s.len();

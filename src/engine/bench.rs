@@ -1,0 +1,247 @@
+//! `strata bench decode`: plain decode (and the prefill before it) at given context
+//! lengths, with what a decode token reads from memory — the weights it multiplies with
+//! and the KV it attends over — against the machine's read bandwidth measured in the same
+//! run. A small model on a CPU is bound by memory bandwidth, so the achieved fraction of
+//! it is how close decode is to its ceiling (docs/benchmarks.md, "CPU decode").
+//!
+//! Each context is prefilled once (random token ids, seeded), then decoded in `--rounds`
+//! rounds of `--decode-steps` greedy steps, each round from the end of the prefill again
+//! (the same positions every round), so rounds differ only by the machine's drift; the
+//! report gives the median and the range.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rayon::prelude::*;
+
+use crate::engine::sampler::argmax;
+use crate::flags;
+use crate::kv::ContiguousKv;
+use crate::model::weights::WeightDtype;
+use crate::model::{Model, ModelConfig};
+use crate::offload::bench::median;
+
+/// `strata bench decode`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DecodeBenchArgs {
+    /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Context lengths (tokens, comma-separated): each is prefilled, then decoded from.
+    #[arg(long, value_delimiter = ',', default_value = "1024,4096", value_parser = flags::tokens())]
+    pub context: Vec<usize>,
+    /// Greedy decode steps timed per round.
+    #[arg(long, default_value_t = 32, value_parser = flags::tokens())]
+    pub decode_steps: usize,
+    /// Timed rounds per context, each from the end of the prefill again.
+    #[arg(long, default_value_t = 5, value_parser = flags::rounds())]
+    pub rounds: usize,
+    /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
+    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
+    pub dtype: WeightDtype,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DecodeBenchReport {
+    pub model: String,
+    pub dtype: String,
+    pub threads: usize,
+    /// The machine's read bandwidth, measured here (see `read_gbps`).
+    pub read_gbps: f64,
+    pub rows: Vec<DecodeRow>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DecodeRow {
+    pub context: usize,
+    pub prefill_tokens_per_s: f64,
+    /// Median over the rounds, and each round's.
+    pub decode_tokens_per_s: f64,
+    pub decode_tokens_per_s_per_round: Vec<f64>,
+    /// What one decode token reads: weights (`ModelWeights::decode_read_bytes`) and the
+    /// K and V of every layer at the row's context (the mean over the timed positions).
+    pub weight_bytes_per_token: u64,
+    pub kv_bytes_per_token: u64,
+    /// (weights + KV) × decode tokens/s.
+    pub achieved_gbps: f64,
+    /// `achieved_gbps` ÷ `read_gbps`.
+    pub bandwidth_fraction: f64,
+}
+
+/// Bytes the bandwidth probe reads: far more than any last-level cache.
+const PROBE_BYTES: usize = 512 << 20;
+/// Passes of the probe; the best counts (the others met a busier machine).
+const PROBE_PASSES: usize = 5;
+
+/// The command: check the flags against the model's configuration, load it, measure, print
+/// the table (or JSON).
+pub fn run(args: DecodeBenchArgs) -> Result<()> {
+    let path = crate::model::resolve(args.model.clone())?;
+    check_contexts(&args, &Model::peek_config(&path)?)?;
+    let (model, _) = Model::load_as(&path, !args.json, args.dtype)?;
+    let read_gbps = read_gbps(PROBE_BYTES, PROBE_PASSES)?;
+    let mut rows = Vec::new();
+    for &context in &args.context {
+        rows.push(bench_context(&model, &args, context, read_gbps)?);
+    }
+    let report = DecodeBenchReport {
+        model: path.display().to_string(),
+        dtype: format!("{:?}", args.dtype).to_lowercase(),
+        threads: rayon::current_num_threads(),
+        read_gbps,
+        rows,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{report}");
+    }
+    Ok(())
+}
+
+/// Every context plus the decoded steps fits the model's context.
+fn check_contexts(args: &DecodeBenchArgs, cfg: &ModelConfig) -> Result<()> {
+    let max = cfg.max_position_embeddings;
+    for &c in &args.context {
+        if c.saturating_add(args.decode_steps) > max {
+            bail!(
+                "--context {c} + --decode-steps {} is more than the model's context ({max})",
+                args.decode_steps
+            );
+        }
+    }
+    Ok(())
+}
+
+fn bench_context(
+    model: &Model,
+    args: &DecodeBenchArgs,
+    context: usize,
+    read_gbps: f64,
+) -> Result<DecodeRow> {
+    let c = &model.cfg;
+    let mut rng = StdRng::seed_from_u64(context as u64);
+    let low = 100.min(c.vocab_size as u32 - 1);
+    let prompt: Vec<u32> = (0..context)
+        .map(|_| rng.random_range(low..c.vocab_size as u32))
+        .collect();
+    let steps = args.decode_steps;
+    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, context + steps);
+    let t0 = Instant::now();
+    let first = model.forward(&prompt, 0, &mut kv)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut per_round = Vec::with_capacity(args.rounds);
+    for _ in 0..args.rounds {
+        let mut logits = first.clone();
+        let t = Instant::now();
+        for pos in context..context + steps {
+            logits = model.forward(&[argmax(&logits)], pos, &mut kv)?;
+        }
+        per_round.push(steps as f64 / t.elapsed().as_secs_f64().max(1e-9));
+    }
+    let decode = median(&per_round);
+    let weight_bytes = model.weights.decode_read_bytes() as u64;
+    // Step at position p attends over p + 1 rows of K and V in every layer (f32).
+    let mean_rows = context as f64 + (steps as f64 + 1.0) / 2.0;
+    let kv_bytes = (mean_rows * (2 * c.num_layers * c.kv_dim() * 4) as f64) as u64;
+    let achieved = (weight_bytes + kv_bytes) as f64 * decode / 1e9;
+    Ok(DecodeRow {
+        context,
+        prefill_tokens_per_s: context as f64 / prefill_s.max(1e-9),
+        decode_tokens_per_s: decode,
+        decode_tokens_per_s_per_round: per_round,
+        weight_bytes_per_token: weight_bytes,
+        kv_bytes_per_token: kv_bytes,
+        achieved_gbps: achieved,
+        bandwidth_fraction: achieved / read_gbps,
+    })
+}
+
+/// The read bandwidth of this machine with the compute threads (rayon's pool), GB/s: the
+/// best of `passes` passes summing a buffer of `bytes`, one contiguous chunk per thread
+/// (as decode streams a weight matrix's rows).
+pub fn read_gbps(bytes: usize, passes: usize) -> Result<f64> {
+    let n = bytes / 8;
+    let mut buf: Vec<u64> = Vec::new();
+    buf.try_reserve_exact(n)
+        .map_err(|_| anyhow::anyhow!("cannot allocate the bandwidth probe's {bytes} bytes"))?;
+    // Written once, so every page is resident before the timed passes.
+    buf.extend((0..n as u64).map(|i| i.wrapping_mul(0x9e37_79b9)));
+    let chunk = n.div_ceil(rayon::current_num_threads()).max(1);
+    let mut best = 0.0f64;
+    for _ in 0..passes {
+        let t = Instant::now();
+        let sum = buf
+            .par_chunks(chunk)
+            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+            .reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(sum);
+        best = best.max(bytes as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9);
+    }
+    Ok(best)
+}
+
+impl std::fmt::Display for DecodeBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "bench decode: {} ({}), {} threads, measured read bandwidth {:.1} GB/s",
+            self.model, self.dtype, self.threads, self.read_gbps
+        )?;
+        writeln!(
+            f,
+            "{:>8} {:>12} {:>11} {:>17} {:>10} {:>8} {:>10} {:>9}",
+            "context",
+            "prefill t/s",
+            "decode t/s",
+            "(range)",
+            "weights MB",
+            "KV MB",
+            "read GB/s",
+            "of peak"
+        )?;
+        for r in &self.rows {
+            let lo = r
+                .decode_tokens_per_s_per_round
+                .iter()
+                .copied()
+                .fold(f64::INFINITY, f64::min);
+            let hi = r
+                .decode_tokens_per_s_per_round
+                .iter()
+                .copied()
+                .fold(0.0, f64::max);
+            writeln!(
+                f,
+                "{:>8} {:>12.1} {:>11.1} {:>17} {:>10.1} {:>8.1} {:>10.2} {:>8.0}%",
+                r.context,
+                r.prefill_tokens_per_s,
+                r.decode_tokens_per_s,
+                format!("{lo:.1}-{hi:.1}"),
+                r.weight_bytes_per_token as f64 / 1e6,
+                r.kv_bytes_per_token as f64 / 1e6,
+                r.achieved_gbps,
+                100.0 * r.bandwidth_fraction
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probe_reads_at_a_plausible_speed() {
+        // 64 MiB: beyond caches of this kind of machine, fast enough for a unit test. A
+        // probe that read nothing (optimised away) would report absurd speeds.
+        let g = read_gbps(64 << 20, 2).unwrap();
+        assert!((0.1..2_000.0).contains(&g), "{g} GB/s");
+    }
+}

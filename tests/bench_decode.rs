@@ -1,0 +1,91 @@
+//! `strata bench decode` on a tiny model: the bytes a decode token reads are the model's
+//! tensors (counted here from the tensors written, not from the loader) plus its K and V at
+//! the context; the achieved bandwidth and its fraction follow from them; a context past
+//! the model's is one line before anything loads.
+
+mod common;
+
+use std::process::Command;
+
+use common::{scratch_dir, TinySpec};
+
+const STRATA: &str = env!("CARGO_BIN_EXE_strata");
+
+#[test]
+fn decode_bench_counts_the_bytes_a_token_reads() {
+    let dir = scratch_dir("bench_decode_model");
+    let spec = TinySpec::llama();
+    let tensors = spec.write(&dir, 3);
+    // Tied embeddings: the table is read whole, as the head. Every tensor is f32.
+    let weight_bytes: usize = tensors.values().map(|t| t.elem_count() * 4).sum();
+    let out = Command::new(STRATA)
+        .args(["bench", "decode", "--json", "--context", "40,100"])
+        .args(["--decode-steps", "5", "--rounds", "2", "--model"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let read = v["read_gbps"].as_f64().unwrap();
+    assert!(read > 0.0);
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (row, context) in rows.iter().zip([40.0, 100.0]) {
+        assert_eq!(
+            row["weight_bytes_per_token"].as_u64(),
+            Some(weight_bytes as u64)
+        );
+        // Positions context..context+5 attend over context+1 ..= context+5 rows: a mean of
+        // context + 3, of K and V in every layer, kv_dim f32s each.
+        let kv = (context + 3.0) * (2 * spec.layers * spec.kv_heads * spec.head_dim * 4) as f64;
+        assert_eq!(row["kv_bytes_per_token"].as_u64(), Some(kv as u64));
+        let tps = row["decode_tokens_per_s"].as_f64().unwrap();
+        assert!(tps > 0.0);
+        assert_eq!(
+            row["decode_tokens_per_s_per_round"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
+        let achieved = (weight_bytes as f64 + kv) * tps / 1e9;
+        let got = row["achieved_gbps"].as_f64().unwrap();
+        assert!(
+            (got - achieved).abs() <= 1e-9 * achieved.max(1.0),
+            "{got} vs {achieved}"
+        );
+        let frac = row["bandwidth_fraction"].as_f64().unwrap();
+        assert!((frac - got / read).abs() <= 1e-9, "{frac}");
+    }
+}
+
+#[test]
+fn a_context_past_the_models_is_one_line_before_loading() {
+    let dir = scratch_dir("bench_decode_long");
+    TinySpec::llama().write(&dir, 3);
+    let out = Command::new(STRATA)
+        .args([
+            "bench",
+            "decode",
+            "--context",
+            "510",
+            "--decode-steps",
+            "3",
+            "--model",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("--context 510 + --decode-steps 3 is more than the model's context (512)"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty());
+}

@@ -97,7 +97,8 @@ fn cubin_cache_never_reads_or_writes_through_what_is_planted_in_it() {
     std::fs::write(&victim, b"not yours").unwrap();
     let tmp = entry.with_extension(format!("tmp{}", std::process::id()));
     let fifo = std::ffi::CString::new(entry.as_os_str().as_encoded_bytes()).unwrap();
-    let plants: [(&str, Box<dyn Fn()>); 3] = [
+    type Plant<'a> = Box<dyn Fn() + 'a>;
+    let plants: [(&str, Plant); 3] = [
         (
             "a FIFO",
             Box::new(|| {

@@ -63,6 +63,11 @@ fn main() {
         d["stored_tps"].as_f64().unwrap(),
         d["stored_tps"].as_f64().unwrap() / d["f32_tps"].as_f64().unwrap()
     );
+    println!(
+        "q8 mode in the same steps: {:.1} tok/s = {:.2}× stored",
+        d["q8_tps"].as_f64().unwrap(),
+        d["q8_tps"].as_f64().unwrap() / d["stored_tps"].as_f64().unwrap()
+    );
     if qwen_shape().layers == 0 {
         return; // the CUDA host-side run skipped
     }
@@ -236,9 +241,10 @@ fn matvec_ms(model: &Model) -> Value {
     res
 }
 
-/// The decode ratio with the machine's load shared fairly: the Q4_1 GGUF stored and
-/// widened to f32 in one process, both prefilled to the first context, then decode steps
-/// alternating between them (the same tokens); tokens/s from each one's median step.
+/// The decode ratio with the machine's load shared fairly: the Q4_1 GGUF stored, widened
+/// to f32 and in the q8 mode (8-bit activations, integer dots) in one process, all
+/// prefilled to the first context, then decode steps alternating between them (the same
+/// tokens: the stored mode's greedy choice); tokens/s from each one's median step.
 fn decode_interleaved() -> Value {
     let ctx: usize = env_or("STRATA_BENCH_CTX", "1024")
         .split(',')
@@ -252,6 +258,9 @@ fn decode_interleaved() -> Value {
             .unwrap()
             .0,
         Model::load(&gguf_path(), false).unwrap().0,
+        Model::load_as(&gguf_path(), false, WeightDtype::Q8)
+            .unwrap()
+            .0,
     ];
     let c = &models[0].cfg;
     let toks: Vec<u32> = (0..ctx).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
@@ -266,11 +275,11 @@ fn decode_interleaved() -> Value {
             (kv, logits)
         })
         .collect();
-    let mut step_s = [Vec::new(), Vec::new()];
+    let mut step_s = [Vec::new(), Vec::new(), Vec::new()];
     for s in 0..steps {
+        let next = argmax(&state[1].1);
         for (i, m) in models.iter().enumerate() {
             let (kv, logits) = &mut state[i];
-            let next = argmax(logits);
             let t = Instant::now();
             *logits = m.forward(&[next], ctx + s, kv).unwrap();
             step_s[i].push(t.elapsed().as_secs_f64());
@@ -286,6 +295,7 @@ fn decode_interleaved() -> Value {
         "steps": steps,
         "f32_tps": 1.0 / median(&mut step_s[0]),
         "stored_tps": 1.0 / median(&mut step_s[1]),
+        "q8_tps": 1.0 / median(&mut step_s[2]),
     })
 }
 

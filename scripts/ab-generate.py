@@ -3,11 +3,14 @@
 
 Runs each variant in turn, round after round (A B C A B C ...), so a shared machine's
 drift lands on every variant alike, and prints each variant's median over the rounds and
-its ratio to the first. A variant is `NAME=BINARY[:ENV=VALUE,...]`, e.g.
+its ratio to the first. A variant is `NAME=BINARY[:ENV=VALUE,...][+FLAG,...]`, e.g.
 
   scripts/ab-generate.py --rounds 7 --prompt-tokens 1024 --max-tokens 64 -- \\
       base=/tmp/strata-base new=target/release/strata \\
-      checked=target/release/strata:STRATA_CHECK_ORDER=1
+      checked=target/release/strata:STRATA_CHECK_ORDER=1 \\
+      q8=target/release/strata+--dtype,q8
+
+(`+FLAG,...`: flags for that variant's `generate` only, after the shared ones.)
 
 Extra arguments after the variants go to every `generate` (default: offload with 4
 buffers). Used for docs/benchmarks.md ("Stream-ordering checker").
@@ -23,9 +26,10 @@ import sys
 
 def variant(spec):
     name, _, rest = spec.partition("=")
+    rest, _, own = rest.partition("+")
     binary, _, env = rest.partition(":")
     extra = dict(kv.split("=", 1) for kv in env.split(",") if kv)
-    return name, binary, extra
+    return name, binary, extra, [f for f in own.split(",") if f]
 
 
 def main():
@@ -45,10 +49,10 @@ def main():
     base = ["generate", "--prompt", prompt, "--max-tokens", str(args.max_tokens), "--json"]
     if args.model:
         base += ["--model", args.model]
-    results = {name: {"prefill": [], "decode": []} for name, _, _ in variants}
+    results = {name: {"prefill": [], "decode": []} for name, *_ in variants}
     for r in range(args.rounds):
-        for name, binary, env in variants:
-            out = subprocess.run([binary, *base, *flags], env={**os.environ, **env},
+        for name, binary, env, own in variants:
+            out = subprocess.run([binary, *base, *flags, *own], env={**os.environ, **env},
                                  capture_output=True, text=True)
             if out.returncode != 0:
                 print(f"{name}: {out.stderr.strip()}", file=sys.stderr)
@@ -69,7 +73,7 @@ def main():
     print("| variant | prefill tok/s (median) | ratio (median of rounds; range) "
           "| decode tok/s (median) | ratio (median of rounds; range) |")
     print("| --- | --- | --- | --- | --- |")
-    for name, _, _ in variants:
+    for name, *_ in variants:
         p, d = med[name]["prefill"], med[name]["decode"]
         rp, rd = ratios(name, "prefill"), ratios(name, "decode")
         print(f"| {name} | {p:.1f} | {statistics.median(rp):.3f} ({rng(rp)}) | {d:.2f} | "

@@ -7,6 +7,7 @@
 //! `serve` (continuous batching over a paged KV cache with host offload), `server`
 //! (`strata serve`, the OpenAI-compatible HTTP server over it).
 
+pub mod agreement;
 pub mod bounded;
 pub mod device;
 pub mod engine;

@@ -53,6 +53,9 @@ enum BenchCommand {
     /// Sparse decode vs full attention on RULER's retrieval tasks (accuracy per task,
     /// context and budget).
     SparseEval(strata::sparse::eval::SparseEvalArgs),
+    /// One weight mode against another on the same model (e.g. q8 against stored):
+    /// teacher-forced top-1 agreement and KL, and greedy agreement on chat prompts.
+    Agreement(strata::agreement::AgreementArgs),
 }
 
 #[derive(Args)]
@@ -97,7 +100,9 @@ struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
-    /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
+    /// How the CPU holds the weights: as stored in the file, widened to f32 (reference), or
+    /// as stored with activations quantised to 8 bits for integer dots (q8: faster, not
+    /// bitwise equal to stored).
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
     dtype: WeightDtype,
     /// Layerwise KV offload: the KV cache lives in host memory, layers stream through a device ring.
@@ -147,6 +152,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Disk(_)) => "strata bench disk",
         Command::Bench(BenchCommand::SparseEval(_)) => "strata bench sparse-eval",
         Command::Bench(BenchCommand::Decode(_)) => "strata bench decode",
+        Command::Bench(BenchCommand::Agreement(_)) => "strata bench agreement",
     };
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
@@ -160,6 +166,7 @@ fn main() -> ExitCode {
         }
         Command::Bench(BenchCommand::SparseEval(args)) => strata::sparse::eval::run(args),
         Command::Bench(BenchCommand::Decode(args)) => strata::engine::bench::run(args),
+        Command::Bench(BenchCommand::Agreement(args)) => strata::agreement::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

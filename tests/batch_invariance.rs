@@ -274,6 +274,28 @@ fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_q4_1_ggu
     check_model(&model, "batch_invariance_q4_1");
 }
 
+/// The same in the q8 mode (8-bit activations, integer dots; not bitwise the stored
+/// mode, but batch-invariant): Q4_0, Q4_1 and Q8_0 matrices, each row quantised alone.
+#[test]
+fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_q8_mode() {
+    use candle_core::quantized::GgmlDType;
+    use strata::model::weights::WeightDtype;
+    let spec = TinySpec::llama();
+    let dir = scratch_dir("batch_invariance_q8");
+    let w = spec.write(&dir, 13);
+    let path = dir.join("model.gguf");
+    let dtype_of = |n: &str| match () {
+        _ if n.ends_with("norm.weight") => GgmlDType::F32,
+        _ if n.contains("k_proj") || n.contains("down") => GgmlDType::Q8_0,
+        _ if n.contains("q_proj") || n.contains("up") => GgmlDType::Q4_0,
+        _ => GgmlDType::Q4_1,
+    };
+    common::gguf::write_gguf_as(&spec, &w, &path, "llama-bpe", &dtype_of);
+    let model = Model::load_as(&path, false, WeightDtype::Q8).unwrap().0;
+    assert!(model.weights.describe().contains("Q4_0"));
+    check_model(&model, "batch_invariance_q8");
+}
+
 #[test]
 fn a_batch_with_a_bad_page_table_is_an_error_not_a_panic() {
     let dir = scratch_dir("batch_invariance_errors");

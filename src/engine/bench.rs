@@ -38,7 +38,7 @@ pub struct DecodeBenchArgs {
     /// Timed rounds per context, each from the end of the prefill again.
     #[arg(long, default_value_t = 5, value_parser = flags::rounds())]
     pub rounds: usize,
-    /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
+    /// How the CPU holds and multiplies the weights (as for `generate`): stored, f32 or q8.
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
     pub dtype: WeightDtype,
     /// Print one JSON object instead of the table.

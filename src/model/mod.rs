@@ -15,7 +15,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
-use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
+use crate::device::cpu::ops::{
+    self, ActivationMode, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows,
+};
 use crate::kv::{KvCache, LayerKv, NewRow};
 pub use config::{Arch, ModelConfig};
 pub use tokenizer::Tokenizer;
@@ -186,8 +188,11 @@ impl Model {
                 let mut cfg = gguf_config(&gguf, &p)?;
                 let tok = Tokenizer::from_gguf(&gguf.content.metadata)
                     .with_context(|| format!("{}", p.display()))?;
-                let w = weights::load_gguf(&mut gguf, &mut cfg, progress, dtype)
+                let mut w = weights::load_gguf(&mut gguf, &mut cfg, progress, dtype)
                     .with_context(|| format!("{}", p.display()))?;
+                if dtype == WeightDtype::Q8 {
+                    w.set_activations(ActivationMode::Q8);
+                }
                 if cfg.eos_token_ids.is_empty() {
                     cfg.eos_token_ids = tok.eos_token_ids.clone();
                 }
@@ -207,8 +212,10 @@ impl Model {
                 }
                 let mut w = weights::load_safetensors(&dir, &mut cfg, progress)
                     .with_context(|| format!("{}", dir.display()))?;
-                if dtype == WeightDtype::F32 {
-                    w.widen();
+                match dtype {
+                    WeightDtype::F32 => w.widen(),
+                    WeightDtype::Q8 => w.set_activations(ActivationMode::Q8),
+                    WeightDtype::Stored => {}
                 }
                 Ok((Arc::new(Self::new(cfg, w)), tok))
             }

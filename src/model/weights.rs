@@ -16,7 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::config::{Arch, ModelConfig};
 use super::{files, gguf_header};
 use crate::device::cpu::fused::StoredRows;
-use crate::device::cpu::ops::WeightRows;
+use crate::device::cpu::ops::{ActivationMode, WeightRows};
 use crate::device::cpu::quant::{self, Format};
 use crate::errors;
 
@@ -28,6 +28,10 @@ pub enum WeightDtype {
     Stored,
     /// Widened once to f32 at load: the reference mode.
     F32,
+    /// As stored, and (CPU) every matmul on Q4_0/Q4_1/Q8_0 rows quantises its input
+    /// activations to 8 bits per block of 32 and runs integer dot products: faster, still
+    /// batch-invariant, but NOT bitwise equal to `stored` (agreement is measured, docs/cpu.md).
+    Q8,
 }
 
 /// A weight matrix's row-major shape: `out_features` rows of `in_features` values.
@@ -141,6 +145,8 @@ impl Segment {
 pub struct Weight {
     cols: usize,
     segments: Vec<Segment>,
+    /// How `linear` treats the inputs this weight multiplies.
+    acts: ActivationMode,
 }
 
 impl Weight {
@@ -153,6 +159,7 @@ impl Weight {
                 rows: shape.out_features,
                 data,
             }],
+            acts: ActivationMode::F32,
         }
     }
 
@@ -181,6 +188,7 @@ impl Weight {
                 format,
                 bytes,
             }],
+            acts: ActivationMode::F32,
         })
     }
 
@@ -198,9 +206,15 @@ impl Weight {
             parts.iter().all(|p| p.cols == cols),
             "concat: widths differ"
         );
+        let acts = parts[0].acts;
+        assert!(
+            parts.iter().all(|p| p.acts == acts),
+            "concat: activation modes differ"
+        );
         Self {
             cols,
             segments: parts.into_iter().flat_map(|p| p.segments).collect(),
+            acts,
         }
     }
 
@@ -229,6 +243,12 @@ impl Weight {
     /// The whole matrix in f32, held so (the reference mode).
     pub fn widened(&self) -> Self {
         Self::f32(self.to_f32(), self.shape())
+    }
+
+    /// The same rows, with `linear` treating its inputs as `acts`.
+    pub fn with_activations(mut self, acts: ActivationMode) -> Self {
+        self.acts = acts;
+        self
     }
 
     /// The matrix rounded to bf16, row by row (no f32 copy of the whole tensor): bf16
@@ -317,6 +337,7 @@ impl Weight {
         Self {
             cols,
             segments: vec![segment],
+            acts: self.acts,
         }
     }
 }
@@ -374,6 +395,10 @@ impl WeightRows for Weight {
             first -= s.rows();
         }
         None
+    }
+
+    fn activations(&self) -> ActivationMode {
+        self.acts
     }
 }
 
@@ -452,6 +477,13 @@ impl ModelWeights {
     pub fn widen(&mut self) {
         for w in self.matrices_mut() {
             *w = w.widened();
+        }
+    }
+
+    /// Every matrix's inputs treated as `acts` by `linear` (the `q8` mode).
+    pub fn set_activations(&mut self, acts: ActivationMode) {
+        for w in self.matrices_mut() {
+            w.acts = acts;
         }
     }
 
@@ -998,7 +1030,7 @@ impl TensorSource for GgufSource<'_> {
             let t = qt
                 .dequantize(&candle_core::Device::Cpu)
                 .map_err(errors::candle)?;
-            if convert && self.dtype == WeightDtype::Stored {
+            if convert && self.dtype != WeightDtype::F32 {
                 if !mat.in_features.is_multiple_of(format.block_elems()) {
                     bail!(
                         "rows of {} values cannot be converted to {format}",

@@ -8,6 +8,7 @@ use rayon::prelude::*;
 pub use super::dot::dot_fixed;
 use super::dot::{dot_block, DotKernel};
 use super::fused::{StoredDot, StoredRows};
+use super::q8;
 use super::rows::KvRows;
 
 /// Weight rows per parallel task of `linear` (a multiple of every kernel's `NR`): the tile
@@ -31,6 +32,22 @@ pub trait WeightRows: Sync {
     fn stored_rows(&self, _rows: Range<usize>) -> Option<StoredRows<'_>> {
         None
     }
+    /// How `linear` treats the input rows multiplied by this weight.
+    fn activations(&self) -> ActivationMode {
+        ActivationMode::F32
+    }
+}
+
+/// How `linear` treats its input rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ActivationMode {
+    /// As they are, in f32: bitwise the f32 reference's result, whatever the weight format.
+    #[default]
+    F32,
+    /// Quantised to 8 bits per block of 32, then integer dots (`q8.rs`) with the weight
+    /// rows stored as Q4_0, Q4_1 or Q8_0 (other rows take the f32 path). Batch-invariant,
+    /// not bitwise the f32 result.
+    Q8,
 }
 
 /// A row-major f32 matrix `[n, k]` borrowed as a weight.
@@ -86,6 +103,22 @@ pub fn linear_weight<W: WeightRows>(
     if m == 0 || n == 0 {
         return;
     }
+    if w.activations() == ActivationMode::Q8 && k.is_multiple_of(q8::QK) {
+        linear_q8(x, w, out, m);
+    } else {
+        linear_f32(x, w, out, m);
+    }
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(n) {
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b;
+            }
+        }
+    }
+}
+
+/// `linear_weight`'s f32 path: every tile through the fixed-order f32 dots.
+fn linear_f32<W: WeightRows>(x: &[f32], w: &W, out: &mut [f32], m: usize) {
     // Register blocks (input rows × weight rows) that fill each ISA's registers.
     #[cfg(target_arch = "x86_64")]
     if let Some(kern) = super::dot::Avx512::detect() {
@@ -95,13 +128,132 @@ pub fn linear_weight<W: WeightRows>(
     }
     #[cfg(not(target_arch = "x86_64"))]
     linear_tiles::<_, _, 2, 3, 3>(BUILD_KERNEL, x, w, out, m);
-    if let Some(b) = bias {
-        for row in out.chunks_exact_mut(n) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b;
-            }
+}
+
+/// Input rows at or above which their quantisation is split across threads.
+const Q8_PAR_ROWS: usize = 16;
+
+/// `linear_weight`'s `ActivationMode::Q8` path: `x[m, k]` quantised once (each row alone, so
+/// its blocks never depend on the batch), then each tile of weight rows through the best
+/// integer kernel this CPU has (`q8.rs`; all give the portable kernel's bits). A tile that
+/// is not one run of Q4_0/Q4_1/Q8_0 rows takes the f32 path: which path a row takes depends
+/// on the weight alone, never on `m`.
+fn linear_q8<W: WeightRows>(x: &[f32], w: &W, out: &mut [f32], m: usize) {
+    let (_, k) = w.out_in();
+    let nb = k / q8::QK;
+    let mut xq = vec![q8::Q8Block::ZERO; m * nb]; // [m, nb]
+    if m >= Q8_PAR_ROWS {
+        xq.par_chunks_mut(nb)
+            .zip(x.par_chunks(k))
+            .for_each(|(q, x)| q8::quantize_row(x, q));
+    } else {
+        for (q, x) in xq.chunks_mut(nb).zip(x.chunks(k)) {
+            q8::quantize_row(x, q);
         }
     }
+    let xq = Q8Input { blocks: &xq, x, nb };
+    #[cfg(target_arch = "x86_64")]
+    {
+        if let Some(kern) = q8::Vnni::detect() {
+            return q8_tiles::<_, _, 8, 4>(kern, &xq, w, out, m);
+        }
+        if let Some(kern) = q8::Avx2::detect() {
+            return q8_tiles::<_, _, 4, 3>(kern, &xq, w, out, m);
+        }
+    }
+    q8_tiles::<_, _, 4, 3>(q8::Portable, &xq, w, out, m);
+}
+
+/// The input of `linear_q8`: the rows quantised, and as they are (for tiles on the f32 path).
+struct Q8Input<'a> {
+    blocks: &'a [q8::Q8Block], // [m, nb]
+    x: &'a [f32],              // [m, k]
+    nb: usize,
+}
+
+/// Parallel over weight-row tiles (the f32 path's tiles); in each, blocks of 4 input rows ×
+/// `FC4` or 1 weight rows, then of 2 or 1 input rows × `FC` or 1.
+fn q8_tiles<Q: q8::Q8Dot, W: WeightRows, const FC: usize, const FC4: usize>(
+    kern: Q,
+    xq: &Q8Input<'_>,
+    w: &W,
+    out: &mut [f32],
+    m: usize,
+) {
+    let (n, _) = w.out_in();
+    let dst = SyncPtr(out.as_mut_ptr());
+    (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
+        let (j0, j_end) = (tile * W_TILE, (tile * W_TILE + W_TILE).min(n));
+        match w.stored_rows(j0..j_end) {
+            Some(rows) if q8::supports(rows.format) => {
+                q8_tile::<Q, FC, FC4>(kern, xq, rows, j0..j_end, (m, n), dst)
+            }
+            _ => f32_tile(xq.x, w, j0..j_end, m, dst),
+        }
+    });
+}
+
+/// One tile of the f32 path with the best f32 kernel (the q8 mode's fallback).
+fn f32_tile<W: WeightRows>(x: &[f32], w: &W, tile: Range<usize>, m: usize, dst: SyncPtr) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kern) = super::dot::Avx512::detect() {
+        return dequantized_tile::<_, _, 4, 6>(kern, x, w, tile, m, dst);
+    }
+    dequantized_tile::<_, _, 2, 3>(BUILD_KERNEL, x, w, tile, m, dst);
+}
+
+/// One tile on the integer path: weight rows `tile` of `n`, stored in `rows`, dotted with
+/// every quantised input row, into `out[m, n]`.
+fn q8_tile<Q: q8::Q8Dot, const FC: usize, const FC4: usize>(
+    kern: Q,
+    xq: &Q8Input<'_>,
+    rows: StoredRows<'_>,
+    tile: Range<usize>,
+    (m, n): (usize, usize),
+    out: SyncPtr,
+) {
+    let mut i = 0;
+    while i < m {
+        let r = [4, 2, 1].into_iter().find(|&r| i + r <= m).unwrap_or(1);
+        let mut j = tile.start;
+        while j < tile.end {
+            // Blocks of 4 input rows take `FC4` weight rows (their accumulators fill the
+            // registers sooner).
+            let wide = if r == 4 { FC4 } else { FC };
+            let c = if j + wide <= tile.end { wide } else { 1 };
+            match (r, c) {
+                (4, 1) => q8_block::<Q, 4, 1>(kern, xq, rows, i, j, tile.start, n, out),
+                (4, _) => q8_block::<Q, 4, FC4>(kern, xq, rows, i, j, tile.start, n, out),
+                (2, 1) => q8_block::<Q, 2, 1>(kern, xq, rows, i, j, tile.start, n, out),
+                (2, _) => q8_block::<Q, 2, FC>(kern, xq, rows, i, j, tile.start, n, out),
+                (_, 1) => q8_block::<Q, 1, 1>(kern, xq, rows, i, j, tile.start, n, out),
+                (_, _) => q8_block::<Q, 1, FC>(kern, xq, rows, i, j, tile.start, n, out),
+            }
+            j += c;
+        }
+        i += r;
+    }
+}
+
+/// `out[i.., j..]` for an `R × C` block of quantised inputs × stored weight rows (`j0`: the
+/// tile's first row, `rows`' row 0).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn q8_block<Q: q8::Q8Dot, const R: usize, const C: usize>(
+    kern: Q,
+    xq: &Q8Input<'_>,
+    rows: StoredRows<'_>,
+    i: usize,
+    j: usize,
+    j0: usize,
+    n: usize,
+    out: SyncPtr,
+) {
+    let nb = xq.nb;
+    let xs: [&[q8::Q8Block]; R] =
+        std::array::from_fn(|r| &xq.blocks[(i + r) * nb..(i + r + 1) * nb]);
+    let ws: [&[u8]; C] = std::array::from_fn(|c| rows.row(j - j0 + c));
+    write_block(&kern.q8_block(rows.format, &xs, &ws), i, j, n, out);
 }
 
 #[cfg(all(
@@ -132,7 +284,7 @@ pub(super) fn linear_tiles<
     out: &mut [f32],
     m: usize,
 ) {
-    let (n, k) = w.out_in();
+    let (n, _) = w.out_in();
     let dst = SyncPtr(out.as_mut_ptr());
     (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
         let j0 = tile * W_TILE;
@@ -142,29 +294,44 @@ pub(super) fn linear_tiles<
                 return fused_tile::<K, FC>(kern, x, rows, j0..j_end, (m, n), dst);
             }
         }
-        // One scratch per thread, kept across calls: a fresh buffer per task would cost an
-        // allocation (and, past malloc's mmap threshold, page faults) per tile.
-        TILE_SCRATCH.with_borrow_mut(|scratch| {
-            let wt = w.rows_f32(j0..j_end, scratch); // [j_end - j0, k]
-            let at = |i, j| Block { i, j, j0, k, n };
-            let mut i = 0;
-            while i < m {
-                let full_rows = i + MR <= m;
-                let mut j = j0;
-                while j < j_end {
-                    let full_cols = j + NR <= j_end;
-                    match (full_rows, full_cols) {
-                        (true, true) => linear_block::<K, MR, NR>(kern, x, wt, at(i, j), dst),
-                        (true, false) => linear_block::<K, MR, 1>(kern, x, wt, at(i, j), dst),
-                        (false, true) => linear_block::<K, 1, NR>(kern, x, wt, at(i, j), dst),
-                        (false, false) => linear_block::<K, 1, 1>(kern, x, wt, at(i, j), dst),
-                    }
-                    j += if full_cols { NR } else { 1 };
-                }
-                i += if full_rows { MR } else { 1 };
-            }
-        })
+        dequantized_tile::<K, W, MR, NR>(kern, x, w, j0..j_end, m, dst);
     });
+}
+
+/// One tile dequantized to f32 (`MR × NR` blocks, then the edges): weight rows `tile`
+/// dotted with every input row of `x[m, k]`, into `out[m, n]`.
+fn dequantized_tile<K: DotKernel, W: WeightRows, const MR: usize, const NR: usize>(
+    kern: K,
+    x: &[f32],
+    w: &W,
+    tile: Range<usize>,
+    m: usize,
+    dst: SyncPtr,
+) {
+    let (n, k) = w.out_in();
+    let (j0, j_end) = (tile.start, tile.end);
+    // One scratch per thread, kept across calls: a fresh buffer per task would cost an
+    // allocation (and, past malloc's mmap threshold, page faults) per tile.
+    TILE_SCRATCH.with_borrow_mut(|scratch| {
+        let wt = w.rows_f32(j0..j_end, scratch); // [j_end - j0, k]
+        let at = |i, j| Block { i, j, j0, k, n };
+        let mut i = 0;
+        while i < m {
+            let full_rows = i + MR <= m;
+            let mut j = j0;
+            while j < j_end {
+                let full_cols = j + NR <= j_end;
+                match (full_rows, full_cols) {
+                    (true, true) => linear_block::<K, MR, NR>(kern, x, wt, at(i, j), dst),
+                    (true, false) => linear_block::<K, MR, 1>(kern, x, wt, at(i, j), dst),
+                    (false, true) => linear_block::<K, 1, NR>(kern, x, wt, at(i, j), dst),
+                    (false, false) => linear_block::<K, 1, 1>(kern, x, wt, at(i, j), dst),
+                }
+                j += if full_cols { NR } else { 1 };
+            }
+            i += if full_rows { MR } else { 1 };
+        }
+    })
 }
 
 /// One tile on the fused path: weight rows `tile` of `n`, stored in `rows`, dotted with

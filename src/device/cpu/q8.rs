@@ -1,0 +1,643 @@
+//! Integer dot products of 8-bit activations with Q4_0, Q4_1 and Q8_0 weight rows: the
+//! `--dtype q8` mode's `linear` (llama.cpp's scheme: Q8_1-style activations, per-block
+//! integer dots, one float multiply-add per block).
+//!
+//! **Activations.** An input row is cut into blocks of 32; each block `x` becomes
+//! `d = max|x| / 127`, `q = round_ties_even(x · 127 / max|x|)` in `[-127, 127]` and
+//! `ds = d · Σq` (Q4_1's min term needs the block's sum). Exact IEEE operations in one
+//! written order, so every kernel sees the same bytes. Unlike llama.cpp, `d` stays f32 and
+//! `Σq` is exact before its one rounding.
+//!
+//! **The one reduction order** of a dot `x · w` over `nb` blocks, for weight values `v`
+//! (Q4_0: nibble − 8; Q4_1: nibble; Q8_0: the byte), weight scale `dw` and Q4_1 min `mw`:
+//!
+//! ```text
+//! acc[0..8] = 0, mins = 0
+//! for b in 0..nb:
+//!     p[l]   = Σ_{i = 4l..4l+4} v[i]·q[i]           (8 exact i32 lane sums)
+//!     acc[l] = fma(dw·d, p[l] as f32, acc[l])       (l = 0..8)
+//!     mins   = fma(mw, ds, mins)                    (Q4_1 only)
+//! result = (((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))) + mins
+//! ```
+//!
+//! The integer part is exact whatever instructions compute it (no product or partial sum
+//! can overflow: see the kernels), and the float part is a fixed sequence per output, so
+//! the portable, AVX2 and AVX-512 VNNI kernels agree bitwise (tests check it) and a row's
+//! result never depends on the batch size or on the rows it is batched with. It is *not*
+//! the f32 path's result: the activations lost bits. Tolerance against the f32 reference
+//! is tested here; model-level agreement is measured (docs/cpu.md).
+
+use half::f16;
+
+use super::quant::Format;
+
+/// Values per activation block (and per weight block of every format this file reads).
+pub const QK: usize = 32;
+
+/// One block of 32 activations quantised to 8 bits: `x[i] ≈ d · qs[i]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct Q8Block {
+    pub qs: [i8; QK],
+    /// The scale, `max|x| / 127` (0 for an all-zero block).
+    pub d: f32,
+    /// `d · Σ qs`, rounded once (Q4_1's min term).
+    pub ds: f32,
+}
+
+impl Q8Block {
+    pub const ZERO: Self = Self {
+        qs: [0; QK],
+        d: 0.0,
+        ds: 0.0,
+    };
+}
+
+/// Whether `linear` can take the integer path on rows of `format`.
+pub fn supports(format: Format) -> bool {
+    matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
+}
+
+/// Quantises `x[k]` (k a multiple of 32) into `out[k / 32]`.
+pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+    assert_eq!(
+        x.len(),
+        out.len() * QK,
+        "quantize_row: x is not out.len() blocks"
+    );
+    for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        // max is exact and order-free; the compiler may vectorise it.
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in o.qs.iter_mut().zip(xb) {
+            // |v · id| ≤ 127 up to rounding; the clamp only guards that last ulp.
+            let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+            *q = r;
+            sum += r as i32;
+        }
+        o.d = d;
+        o.ds = d * sum as f32;
+    }
+}
+
+/// The canonical end of every dot: the lane tree, then the min term.
+#[inline(always)]
+fn finish(acc: &[f32; 8], mins: f32) -> f32 {
+    (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))) + mins
+}
+
+#[inline(always)]
+fn half_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// `R × C` integer dots `xs[r] · ws[c]`: quantised activation rows (`nb` blocks each)
+/// against stored weight rows of one supported format (`nb` blocks each).
+pub trait Q8Dot: Copy + Send + Sync {
+    fn q8_block<const R: usize, const C: usize>(
+        self,
+        format: Format,
+        xs: &[&[Q8Block]; R],
+        ws: &[&[u8]; C],
+    ) -> [[f32; C]; R];
+}
+
+fn check<const R: usize, const C: usize>(
+    format: Format,
+    xs: &[&[Q8Block]; R],
+    ws: &[&[u8]; C],
+) -> usize {
+    assert!(supports(format), "q8 dot: no integer kernel for {format}");
+    let nb = if R > 0 { xs[0].len() } else { 0 };
+    assert!(
+        xs.iter().all(|x| x.len() == nb) && ws.iter().all(|w| w.len() == nb * format.block_bytes()),
+        "q8 dot: rows of different lengths"
+    );
+    nb
+}
+
+/// The reference: the order above, lane by lane, on any target.
+#[derive(Clone, Copy, Debug)]
+pub struct Portable;
+
+impl Q8Dot for Portable {
+    fn q8_block<const R: usize, const C: usize>(
+        self,
+        format: Format,
+        xs: &[&[Q8Block]; R],
+        ws: &[&[u8]; C],
+    ) -> [[f32; C]; R] {
+        let nb = check(format, xs, ws);
+        let bb = format.block_bytes();
+        std::array::from_fn(|r| {
+            std::array::from_fn(|c| {
+                let (mut acc, mut mins) = ([0.0f32; 8], 0.0f32);
+                for b in 0..nb {
+                    let wb = &ws[c][b * bb..(b + 1) * bb];
+                    let x = &xs[r][b];
+                    let mut v = [0i32; QK]; // the block's weight values
+                    let (dw, mw) = match format {
+                        Format::Q4_0 | Format::Q4_1 => {
+                            let (off, at) = if format == Format::Q4_0 {
+                                (8, 2)
+                            } else {
+                                (0, 4)
+                            };
+                            for j in 0..16 {
+                                v[j] = (wb[at + j] & 0x0F) as i32 - off;
+                                v[j + 16] = (wb[at + j] >> 4) as i32 - off;
+                            }
+                            let mw = if format == Format::Q4_1 {
+                                half_at(wb, 2)
+                            } else {
+                                0.0
+                            };
+                            (half_at(wb, 0), mw)
+                        }
+                        _ => {
+                            for j in 0..QK {
+                                v[j] = wb[2 + j] as i8 as i32;
+                            }
+                            (half_at(wb, 0), 0.0)
+                        }
+                    };
+                    let s = dw * x.d;
+                    for (l, a) in acc.iter_mut().enumerate() {
+                        let p: i32 = (4 * l..4 * l + 4).map(|i| v[i] * x.qs[i] as i32).sum();
+                        *a = s.mul_add(p as f32, *a);
+                    }
+                    if format == Format::Q4_1 {
+                        mins = mw.mul_add(x.ds, mins);
+                    }
+                }
+                finish(&acc, mins)
+            })
+        })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use x86::{Avx2, Vnni};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{check, finish, Format, Q8Block, Q8Dot};
+    use std::arch::x86_64::*;
+
+    /// AVX2 (+ FMA, F16C), detected at run time: `maddubs` then `madd` for the lane sums.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Avx2 {
+        _detected: (),
+    }
+
+    impl Avx2 {
+        pub fn detect() -> Option<Self> {
+            (is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c"))
+            .then_some(Self { _detected: () })
+        }
+    }
+
+    /// AVX-512 VNNI on 256-bit registers (AVX-512VL), detected at run time: `vpdpbusd`
+    /// computes the four-product lane sums in one instruction, and 32 registers hold
+    /// wider blocks.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Vnni {
+        _detected: (),
+    }
+
+    impl Vnni {
+        pub fn detect() -> Option<Self> {
+            (Avx2::detect().is_some()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni"))
+            .then_some(Self { _detected: () })
+        }
+    }
+
+    /// The 8 lane sums `Σ_{i = 4l..4l+4} u[i]·x[i]` of unsigned bytes `u` and signed `x`.
+    /// Exact when every pair sum fits i16 (AVX2's `maddubs` saturates): `u ≤ 128`,
+    /// `|x| ≤ 127` gives at most 2·128·127 = 32512.
+    trait MulSum {
+        unsafe fn us(u: __m256i, x: __m256i) -> __m256i;
+    }
+
+    struct Maddubs;
+    impl MulSum for Maddubs {
+        #[inline(always)]
+        unsafe fn us(u: __m256i, x: __m256i) -> __m256i {
+            // SAFETY: inlined only into the AVX2 kernel (its caller's contract).
+            unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)) }
+        }
+    }
+
+    struct Dpbusd;
+    impl MulSum for Dpbusd {
+        #[inline(always)]
+        unsafe fn us(u: __m256i, x: __m256i) -> __m256i {
+            // SAFETY: inlined only into the VNNI kernel (its caller's contract).
+            unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x) }
+        }
+    }
+
+    /// A weight block's 32 values as bytes in value order: nibbles `j` (low) and `j + 16`
+    /// (high) of `qs[j]`.
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        // SAFETY: the caller's pointer has 16 bytes; AVX2 is its contract.
+        unsafe {
+            let lo = _mm_loadu_si128(p.cast());
+            let hi = _mm_srli_epi16::<4>(lo);
+            _mm256_and_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(0x0F))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn half_at(p: *const u8) -> f32 {
+        // SAFETY: the caller's pointer has 2 bytes.
+        let b = unsafe { p.cast::<[u8; 2]>().read_unaligned() };
+        half::f16::from_le_bytes(b).to_f32()
+    }
+
+    /// A weight format as a type, so that each kernel is compiled for one format (the
+    /// `match` on `FORMAT` folds away and the block loop keeps its accumulators in
+    /// registers).
+    trait Fmt {
+        const FORMAT: Format;
+    }
+    struct Q40;
+    impl Fmt for Q40 {
+        const FORMAT: Format = Format::Q4_0;
+    }
+    struct Q41;
+    impl Fmt for Q41 {
+        const FORMAT: Format = Format::Q4_1;
+    }
+    struct Q80;
+    impl Fmt for Q80 {
+        const FORMAT: Format = Format::Q8_0;
+    }
+
+    /// `block_with` for `format` (one of the three `supports` accepts).
+    ///
+    /// # Safety
+    /// As `block_with`.
+    #[inline(always)]
+    unsafe fn by_format<M: MulSum, const R: usize, const C: usize>(
+        format: Format,
+        xs: &[&[Q8Block]; R],
+        ws: &[&[u8]; C],
+    ) -> [[f32; C]; R] {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match format {
+                Format::Q4_0 => block_with::<M, Q40, R, C>(xs, ws),
+                Format::Q4_1 => block_with::<M, Q41, R, C>(xs, ws),
+                _ => block_with::<M, Q80, R, C>(xs, ws),
+            }
+        }
+    }
+
+    /// `R × C` dots in the canonical order with lane sums from `M`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are present (and whatever `M` needs); lengths are checked here.
+    #[inline(always)]
+    unsafe fn block_with<M: MulSum, F: Fmt, const R: usize, const C: usize>(
+        xs: &[&[Q8Block]; R],
+        ws: &[&[u8]; C],
+    ) -> [[f32; C]; R] {
+        let format = F::FORMAT;
+        let nb = check(format, xs, ws);
+        let bb = format.block_bytes();
+        // SAFETY: the features are the caller's contract; every pointer is block `b < nb`
+        // of a row checked to hold `nb` blocks.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); C]; R];
+            let mut mins = [[0.0f32; C]; R];
+            for b in 0..nb {
+                // No closures: they would not inherit the caller's target features.
+                let mut xv = [_mm256_setzero_si256(); R];
+                let mut xd = [0.0f32; R];
+                for r in 0..R {
+                    let x = xs[r].as_ptr().add(b);
+                    xv[r] = _mm256_loadu_si256((*x).qs.as_ptr().cast());
+                    xd[r] = (*x).d;
+                }
+                for c in 0..C {
+                    let p = ws[c].as_ptr().add(b * bb);
+                    let dw = half_at(p);
+                    match format {
+                        Format::Q4_1 => {
+                            // Nibbles 0..15 are unsigned already.
+                            let w = nibbles(p.add(4));
+                            let mw = half_at(p.add(2));
+                            for r in 0..R {
+                                let s = _mm256_cvtepi32_ps(M::us(w, xv[r]));
+                                let d = _mm256_set1_ps(dw * xd[r]);
+                                acc[r][c] = _mm256_fmadd_ps(d, s, acc[r][c]);
+                                mins[r][c] = mw.mul_add((*xs[r].as_ptr().add(b)).ds, mins[r][c]);
+                            }
+                        }
+                        _ => {
+                            // Signed weights (Q4_0: nibble − 8 in [-8, 7]; Q8_0: the byte):
+                            // |w| · (x signed as w), |w| ≤ 128.
+                            let w = if format == Format::Q4_0 {
+                                _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8))
+                            } else {
+                                _mm256_loadu_si256(p.add(2).cast())
+                            };
+                            let aw = _mm256_abs_epi8(w);
+                            for r in 0..R {
+                                let sx = _mm256_sign_epi8(xv[r], w);
+                                let s = _mm256_cvtepi32_ps(M::us(aw, sx));
+                                let d = _mm256_set1_ps(dw * xd[r]);
+                                acc[r][c] = _mm256_fmadd_ps(d, s, acc[r][c]);
+                            }
+                        }
+                    }
+                }
+            }
+            let mut out = [[0.0f32; C]; R];
+            for r in 0..R {
+                for c in 0..C {
+                    let a = std::mem::transmute::<__m256, [f32; 8]>(acc[r][c]);
+                    out[r][c] = finish(&a, mins[r][c]);
+                }
+            }
+            out
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_block<const R: usize, const C: usize>(
+        format: Format,
+        xs: &[&[Q8Block]; R],
+        ws: &[&[u8]; C],
+    ) -> [[f32; C]; R] {
+        // SAFETY: this function runs only with AVX2, FMA and F16C (its caller's contract).
+        unsafe { by_format::<Maddubs, R, C>(format, xs, ws) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn vnni_block<const R: usize, const C: usize>(
+        format: Format,
+        xs: &[&[Q8Block]; R],
+        ws: &[&[u8]; C],
+    ) -> [[f32; C]; R] {
+        // SAFETY: this function runs only with those features (its caller's contract).
+        unsafe { by_format::<Dpbusd, R, C>(format, xs, ws) }
+    }
+
+    impl Q8Dot for Avx2 {
+        #[inline(always)]
+        fn q8_block<const R: usize, const C: usize>(
+            self,
+            format: Format,
+            xs: &[&[Q8Block]; R],
+            ws: &[&[u8]; C],
+        ) -> [[f32; C]; R] {
+            // SAFETY: an `Avx2` exists only once AVX2, FMA and F16C were detected.
+            unsafe { avx2_block(format, xs, ws) }
+        }
+    }
+
+    impl Q8Dot for Vnni {
+        #[inline(always)]
+        fn q8_block<const R: usize, const C: usize>(
+            self,
+            format: Format,
+            xs: &[&[Q8Block]; R],
+            ws: &[&[u8]; C],
+        ) -> [[f32; C]; R] {
+            // SAFETY: a `Vnni` exists only once its features were detected.
+            unsafe { vnni_block(format, xs, ws) }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    const FORMATS: [Format; 3] = [Format::Q4_0, Format::Q4_1, Format::Q8_0];
+
+    /// `n` rows of `k` values in `format`, by candle's quantizer.
+    fn stored(values: &[f32], format: Format, n: usize, k: usize) -> Vec<u8> {
+        let t = Tensor::from_vec(values.to_vec(), (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, format.ggml()).unwrap();
+        q.data().unwrap().into_owned()
+    }
+
+    fn quantized(x: &[f32]) -> Vec<Q8Block> {
+        let mut q = vec![Q8Block::ZERO; x.len() / QK];
+        quantize_row(x, &mut q);
+        q
+    }
+
+    /// Blocks whose bytes are the extremes the kernels must not overflow or saturate on:
+    /// every nibble 15 (or 0), every Q8_0 byte −128 (or 127), next to activations ±127.
+    fn extreme_rows(format: Format, c: usize, nb: usize, rng: &mut StdRng) -> Vec<u8> {
+        let bb = format.block_bytes();
+        let mut out = vec![0u8; c * nb * bb];
+        for (i, blk) in out.chunks_exact_mut(bb).enumerate() {
+            let d = f16::from_f32(rng.random_range(0.5..2.0)).to_le_bytes();
+            blk[..2].copy_from_slice(&d);
+            let (at, fill) = match format {
+                Format::Q4_0 => (2, if i.is_multiple_of(2) { 0xFF } else { 0x00 }),
+                Format::Q4_1 => {
+                    blk[2..4].copy_from_slice(&f16::from_f32(-1.5).to_le_bytes());
+                    (4, if i.is_multiple_of(2) { 0xFF } else { 0x00 })
+                }
+                _ => (2, if i.is_multiple_of(2) { 0x80 } else { 0x7F }),
+            };
+            blk[at..].fill(fill);
+        }
+        out
+    }
+
+    fn bits<const C: usize>(v: &[[f32; C]]) -> Vec<u32> {
+        v.iter().flatten().map(|x| x.to_bits()).collect()
+    }
+
+    /// Every kernel on this machine against the portable one, on `R × C` blocks.
+    fn check_kernels<const R: usize, const C: usize>(
+        format: Format,
+        xs: &[Vec<Q8Block>],
+        ws: &[u8],
+        what: &str,
+    ) {
+        let nb = xs[0].len();
+        let rb = nb * format.block_bytes();
+        let xr: [&[Q8Block]; R] = std::array::from_fn(|r| xs[r].as_slice());
+        let wr: [&[u8]; C] = std::array::from_fn(|c| &ws[c * rb..(c + 1) * rb]);
+        let want = Portable.q8_block(format, &xr, &wr);
+        assert!(want.iter().flatten().all(|v| v.is_finite()), "{what}");
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(k) = Avx2::detect() {
+                let got = k.q8_block(format, &xr, &wr);
+                assert_eq!(bits(&got), bits(&want), "AVX2 {R}×{C}: {format} {what}");
+            }
+            if let Some(k) = Vnni::detect() {
+                let got = k.q8_block(format, &xr, &wr);
+                assert_eq!(bits(&got), bits(&want), "VNNI {R}×{C}: {format} {what}");
+            }
+        }
+    }
+
+    fn check_all_shapes(format: Format, xs: &[Vec<Q8Block>], ws: &[u8], what: &str) {
+        check_kernels::<1, 1>(format, xs, ws, what);
+        check_kernels::<1, 4>(format, xs, ws, what);
+        check_kernels::<2, 3>(format, xs, ws, what);
+        check_kernels::<4, 4>(format, xs, ws, what);
+    }
+
+    /// Random rows, all-zero rows, and the extreme bytes: every kernel gives the portable
+    /// kernel's bits. (A kernel this CPU lacks is not checked here.)
+    #[test]
+    fn every_integer_kernel_gives_the_portable_bits() {
+        let mut rng = StdRng::seed_from_u64(41);
+        for format in FORMATS {
+            for nb in [1, 3, 18] {
+                let k = nb * QK;
+                let w: Vec<f32> = (0..4 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let ws = stored(&w, format, 4, k);
+                let xs: Vec<Vec<Q8Block>> = (0..4)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..k).map(|_| rng.random_range(-3.0..3.0)).collect();
+                        quantized(&x)
+                    })
+                    .collect();
+                check_all_shapes(format, &xs, &ws, &format!("random, nb {nb}"));
+
+                let zero = vec![quantized(&vec![0.0; k]); 4];
+                check_all_shapes(format, &zero, &ws, &format!("zero x, nb {nb}"));
+                let zw = stored(&vec![0.0; 4 * k], format, 4, k);
+                check_all_shapes(format, &xs, &zw, &format!("zero w, nb {nb}"));
+
+                // ±127 everywhere (alternating signs per block) against the extreme bytes.
+                let ext: Vec<Vec<Q8Block>> = (0..4)
+                    .map(|r| {
+                        let x: Vec<f32> = (0..k)
+                            .map(|i| {
+                                if (i / QK + r).is_multiple_of(2) {
+                                    1e3
+                                } else {
+                                    -1e3
+                                }
+                            })
+                            .collect();
+                        quantized(&x)
+                    })
+                    .collect();
+                assert!(ext[0][0].qs.iter().all(|&q| q == 127));
+                let ew = extreme_rows(format, 4, nb, &mut rng);
+                check_all_shapes(format, &ext, &ew, &format!("extremes, nb {nb}"));
+            }
+        }
+    }
+
+    /// The portable kernel's integer part on the extremes equals a plain i64 sum (nothing
+    /// saturates or wraps): Q8_0 bytes −128 against activations 127, 32 per block.
+    #[test]
+    fn the_extreme_blocks_sum_exactly() {
+        let nb = 2;
+        let mut ws = vec![0u8; nb * 34];
+        for blk in ws.chunks_exact_mut(34) {
+            blk[..2].copy_from_slice(&f16::from_f32(1.0).to_le_bytes());
+            blk[2..].fill(0x80);
+        }
+        let x = quantized(&vec![5.0; nb * QK]);
+        assert!(x.iter().all(|b| b.qs == [127; QK]));
+        let [[got]] = Portable.q8_block(Format::Q8_0, &[&x], &[&ws]);
+        let want = -128.0 * 127.0 * (nb * QK) as f64 * x[0].d as f64;
+        assert!(
+            (got as f64 - want).abs() < 1e-3 * want.abs(),
+            "{got} vs {want}"
+        );
+    }
+
+    /// Quantisation: exact zeros, the maximum maps to ±127, finite huge and tiny scales,
+    /// and the round trip within half a step.
+    #[test]
+    fn activations_quantise_within_half_a_step() {
+        let mut rng = StdRng::seed_from_u64(43);
+        let mut x: Vec<f32> = (0..4 * QK).map(|_| rng.random_range(-2.0..2.0)).collect();
+        x[..QK].fill(0.0); // an all-zero block
+        x[QK] = f32::MAX / 2.0; // a huge block: its scale is finite
+        for v in &mut x[2 * QK..3 * QK] {
+            *v *= 1e-30; // a tiny one
+        }
+        let q = quantized(&x);
+        assert_eq!(q[0], Q8Block::ZERO);
+        for (b, blk) in q.iter().enumerate() {
+            assert!(blk.d.is_finite() && blk.ds.is_finite(), "block {b}");
+            let xb = &x[b * QK..(b + 1) * QK];
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if amax > 0.0 {
+                assert!(blk.qs.iter().any(|&v| v.abs() == 127), "block {b}");
+            }
+            for (v, &qv) in xb.iter().zip(&blk.qs) {
+                let err = (*v as f64 - qv as f64 * blk.d as f64).abs();
+                assert!(err <= 0.5001 * blk.d as f64, "block {b}: {v} vs {qv}");
+            }
+            let sum: i32 = blk.qs.iter().map(|&v| v as i32).sum();
+            assert_eq!(blk.ds, blk.d * sum as f32, "block {b}");
+        }
+    }
+
+    /// Against the f32 reference (the dequantised weights dotted with the unquantised
+    /// activations, in f64): the error is what 8-bit activations cost, bounded by
+    /// `Σ_blocks (d_x / 2) · Σ|w|` (half a step per value), and in practice far below it.
+    /// Stated tolerance: within that bound, and a relative error under 2% of `Σ|x·w|`.
+    #[test]
+    fn integer_dots_are_within_the_activation_rounding_of_the_f32_dot() {
+        let mut rng = StdRng::seed_from_u64(47);
+        for format in FORMATS {
+            let (n, k) = (16, 576);
+            let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let ws = stored(&w, format, n, k);
+            let rb = format.row_bytes(k).unwrap();
+            let mut deq = vec![0.0f32; k];
+            let x: Vec<f32> = (0..k).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let xq = quantized(&x);
+            for c in 0..n {
+                let row = &ws[c * rb..(c + 1) * rb];
+                super::super::quant::dequantize_generic(format, row, &mut deq);
+                let exact: f64 = x.iter().zip(&deq).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mag: f64 = x
+                    .iter()
+                    .zip(&deq)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                let bound: f64 = xq
+                    .iter()
+                    .enumerate()
+                    .map(|(b, blk)| {
+                        let wsum: f64 = deq[b * QK..(b + 1) * QK]
+                            .iter()
+                            .map(|v| v.abs() as f64)
+                            .sum();
+                        0.5 * blk.d as f64 * wsum
+                    })
+                    .sum();
+                let [[got]] = Portable.q8_block(format, &[&xq], &[row]);
+                let err = (got as f64 - exact).abs();
+                assert!(
+                    err <= bound * 1.001 + 1e-5,
+                    "{format} row {c}: {err} > {bound}"
+                );
+                assert!(err <= 0.02 * mag, "{format} row {c}: {err} vs |x·w| {mag}");
+            }
+        }
+    }
+}

@@ -91,7 +91,9 @@ pub struct ServeArgs {
     /// On Ctrl-C/SIGTERM, seconds to let requests in flight finish before cancelling them.
     #[arg(long, default_value_t = 30, value_parser = flags::shutdown_secs())]
     pub shutdown_timeout: u64,
-    /// How the CPU holds the weights: as stored in the file, or widened to f32 (reference).
+    /// How the CPU holds the weights: as stored in the file, widened to f32 (reference), or
+    /// as stored with activations quantised to 8 bits for integer dots (q8: faster, not
+    /// bitwise equal to stored).
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
     pub dtype: WeightDtype,
     #[command(flatten)]
@@ -328,6 +330,7 @@ async fn serve_on(
         )?),
         None => None,
     };
+    let first_signal = termination(); // before anyone is told where we listen
     if announce {
         println!("strata serve: listening on http://{addr} (model `{served_model_name}`)");
         std::io::stdout().flush()?;
@@ -371,7 +374,7 @@ async fn serve_on(
         let grace = Duration::from_secs(args.shutdown_timeout);
         async move {
             tokio::select! {
-                _ = termination() => {}
+                _ = first_signal => {}
                 Ok(e) = load_failed_rx => {
                     *load_error.lock().expect("not poisoned") = Some(e);
                     return;
@@ -415,25 +418,33 @@ async fn serve_on(
     Ok(())
 }
 
-/// Ctrl-C or SIGTERM.
-async fn termination() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Ctrl-C or SIGTERM. The handlers are installed when this is called, not when the future
+/// is first polled: a signal between the listening line and that first poll would end the
+/// process by the default action, not by a graceful stop.
+fn termination() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (int, term) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        );
+        async move {
+            let wait = |s: std::io::Result<tokio::signal::unix::Signal>| async move {
+                match s {
+                    Ok(mut s) => drop(s.recv().await),
+                    Err(_) => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                _ = wait(int) => {}
+                _ = wait(term) => {}
             }
-            Err(_) => std::future::pending::<()>().await,
         }
-    };
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
+    async {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 

@@ -180,9 +180,20 @@ fn measure(dir: &Path, layout: StoreLayout, threads: usize) -> Result<Measured> 
         IoMode::Buffered { reason } => format!("buffered: {reason}"),
     };
     let fs = super::store::fs_name(dir);
+    // Everything is checked (flags, space, the file): say what the next seconds do.
+    eprintln!(
+        "strata bench disk: {} slots of {} B ({:.2} GB) on {fs} ({mode}): store write, store \
+         read, then dd write and read",
+        layout.num_slots,
+        layout.slot_bytes(),
+        layout.file_bytes().unwrap_or(u64::MAX) as f64 / 1e9
+    );
     let store_write = pass(&store, threads, true)?;
     let store_read = pass(&store, threads, false)?;
+    let slots_file = store.path().to_path_buf();
     drop(store);
+    // dd's file takes the same room: the store's goes first (only one was checked for).
+    std::fs::remove_file(&slots_file)?;
     let f = dir.join("dd.bin");
     let bs = format!("bs={}", layout.slot_bytes());
     let count = format!("count={}", layout.num_slots);

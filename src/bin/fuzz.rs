@@ -31,7 +31,7 @@ struct Args {
     /// Wall-clock budget for the whole run, split evenly between the targets.
     #[arg(long)]
     minutes: Option<f64>,
-    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template, http [default: all]
+    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template, http, flags [default: all]
     #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
     /// Base seed; each target's seed is derived from it (printed with the results).
@@ -85,7 +85,8 @@ fn targets(args: &Args) -> Result<Vec<Target>> {
         .iter()
         .map(|n| {
             Target::from_name(n).with_context(|| {
-                format!("unknown target {n:?} (gguf, safetensors, tokenizer, template, http)")
+                let names: Vec<&str> = Target::ALL.iter().map(|t| t.name()).collect();
+                format!("unknown target {n:?} ({})", names.join(", "))
             })
         })
         .collect()
@@ -99,7 +100,8 @@ fn target_seed(seed: u64, t: Target) -> u64 {
 /// Worker: runs cases `start..start+cases` of one target (or until the deadline).
 /// Protocol, one line each: `c I` before case I, `p I MSG` for a panic, `x I KIND` for a
 /// budget exceeded (then exits 3), `r I` after a case that was refused but left an
-/// abandoned thread behind (then exits 4, to be restarted), `done N` at the end.
+/// abandoned thread behind (then exits 4, to be restarted), `done N A` at the end (N cases
+/// run, A of them accepted: the rest were refused with an error).
 fn worker(args: &Args) -> Result<bool> {
     let [target] = targets(args)?[..] else {
         bail!("a worker runs exactly one --target");
@@ -112,7 +114,7 @@ fn worker(args: &Args) -> Result<bool> {
         .map(|ms| Instant::now() + Duration::from_millis(ms));
     let end = args.start.saturating_add(args.cases.unwrap_or(u64::MAX));
     let mut out = std::io::stdout().lock();
-    let mut done = 0u64;
+    let (mut done, mut accepted) = (0u64, 0u64);
     for i in args.start..end {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             break;
@@ -121,7 +123,8 @@ fn worker(args: &Args) -> Result<bool> {
         out.flush()?;
         let case = fuzz::make_case(target, &base, seed, i);
         match fuzz::run_case_bounded(target, &case) {
-            Outcome::Ok | Outcome::Refused(_) => {}
+            Outcome::Ok => accepted += 1,
+            Outcome::Refused(_) => {}
             Outcome::Panicked(msg) => {
                 writeln!(out, "p {i} {}", errors::one_line(&msg))?;
             }
@@ -140,7 +143,7 @@ fn worker(args: &Args) -> Result<bool> {
             std::process::exit(4);
         }
     }
-    writeln!(out, "done {done}")?;
+    writeln!(out, "done {done} {accepted}")?;
     Ok(true)
 }
 
@@ -157,6 +160,8 @@ fn replay(args: &Args, file: &std::path::Path) -> Result<bool> {
 #[derive(Default)]
 struct Tally {
     executions: u64,
+    /// Cases accepted (not refused), as the workers that finished counted them.
+    accepted: u64,
     findings: Vec<(u64, String)>,
 }
 
@@ -176,7 +181,7 @@ fn supervise(args: &Args) -> Result<bool> {
         .minutes
         .map(|m| Duration::from_secs_f64(m * 60.0 / targets.len() as f64));
     let mut all_ok = true;
-    println!("target       seed                 executions  findings  time");
+    println!("target       seed                 executions  accepted  findings  time");
     for &t in &targets {
         let started = Instant::now();
         let mut tally = Tally::default();
@@ -226,7 +231,10 @@ fn supervise(args: &Args) -> Result<bool> {
                         record(args, t, i, rest.unwrap_or("budget exceeded"), &mut tally)?
                     }
                     (Some("r"), Some(i)) => restart_after = Some(i),
-                    (Some("done"), _) => finished = true,
+                    (Some("done"), _) => {
+                        finished = true;
+                        tally.accepted += rest.and_then(|a| a.parse::<u64>().ok()).unwrap_or(0);
+                    }
                     _ => {}
                 }
             }
@@ -252,10 +260,11 @@ fn supervise(args: &Args) -> Result<bool> {
             next = i + 1;
         }
         println!(
-            "{:<12} {:<20} {:>10}  {:>8}  {:.0} s",
+            "{:<12} {:<20} {:>10}  {:>8}  {:>8}  {:.0} s",
             t.name(),
             target_seed(args.seed, t),
             tally.executions,
+            tally.accepted,
             tally.findings.len(),
             started.elapsed().as_secs_f64()
         );

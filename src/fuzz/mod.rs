@@ -9,7 +9,10 @@
 //!   chat_template.jinja beside a fixed valid model;
 //! - `template`: a chat template rendered through `render_template`;
 //! - `http`: raw HTTP/1.1 requests against a live server in this process (`http`), the
-//!   contract (an answer, OpenAI error objects, no 500, still healthy) checked after each.
+//!   contract (an answer, OpenAI error objects, no 500, still healthy) checked after each;
+//! - `flags`: the `strata` and `needle` binaries run with flags at the edges of their
+//!   ranges (`flags`), the CLI contract (exit 0/1/2, one error line, no signal, no hang,
+//!   bounded memory) checked after each.
 //!
 //! Case `i` of a run is a pure function of (target, seed, i): a base input (tiny models
 //! built here, `corpus`) changed by a stack of mutations (`mutate`) drawn from a generator
@@ -19,6 +22,7 @@
 //! of a bad input, and `Ok` of a good one.
 
 pub mod corpus;
+pub mod flags;
 pub mod gguf_writer;
 pub mod http;
 pub mod mutate;
@@ -48,15 +52,17 @@ pub enum Target {
     Tokenizer,
     Template,
     Http,
+    Flags,
 }
 
 impl Target {
-    pub const ALL: [Target; 5] = [
+    pub const ALL: [Target; 6] = [
         Target::Gguf,
         Target::Safetensors,
         Target::Tokenizer,
         Target::Template,
         Target::Http,
+        Target::Flags,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +72,7 @@ impl Target {
             Target::Tokenizer => "tokenizer",
             Target::Template => "template",
             Target::Http => "http",
+            Target::Flags => "flags",
         }
     }
 
@@ -146,6 +153,7 @@ pub fn base_corpus(target: Target) -> Vec<Case> {
         Target::Tokenizer => corpus::tokenizer_cases(),
         Target::Template => corpus::template_cases(),
         Target::Http => http::http_cases(),
+        Target::Flags => flags::flags_cases(),
     }
 }
 
@@ -192,6 +200,7 @@ pub fn run_case_bounded(target: Target, case: &Case) -> Outcome {
 pub fn run_case(target: Target, case: &Case) -> Result<()> {
     match target {
         Target::Http => http::run_http(case),
+        Target::Flags => flags::run_flags(case),
         Target::Template => {
             let text = String::from_utf8_lossy(case.get("template").unwrap_or_default());
             tokenizer::render_template("fuzz case", &text, corpus::template_context())?;
@@ -312,7 +321,9 @@ mod tests {
     #[test]
     fn every_base_input_is_accepted() {
         // The corpus must be valid, or mutations start from an input refused at once.
-        for target in Target::ALL {
+        // (`flags` runs the binaries, which a unit test run may not have built:
+        // tests/fuzz_corpus.rs checks its base command lines.)
+        for target in Target::ALL.into_iter().filter(|&t| t != Target::Flags) {
             for (i, case) in base_corpus(target).iter().enumerate() {
                 let out = run_case_bounded(target, case);
                 assert_eq!(out, Outcome::Ok, "{} base case {i}", target.name());

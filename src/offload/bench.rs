@@ -93,6 +93,26 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
             "--context must be between 1 and the model's context ({max}) minus (--rounds + 1) × --decode-steps"
         );
     }
+    // Checked: say what the next minutes do (the table comes at the end).
+    eprintln!(
+        "strata bench offload: context {}, {} rounds × {} decode steps, {} ring slots, block \
+         {}{}{}",
+        args.context,
+        args.rounds,
+        args.decode_steps,
+        args.num_kv_buffers,
+        args.block_size,
+        if args.sparse_budget.is_empty() {
+            String::new()
+        } else {
+            format!(", sparse budgets {:?}", args.sparse_budget)
+        },
+        if args.needle_depth.is_empty() {
+            String::new()
+        } else {
+            format!(", needles at {:?}", args.needle_depth)
+        },
+    );
     let mut report = run_bench(&model, &args)?;
     if !args.needle_depth.is_empty() {
         needle_scores(&model, &tok, &args, &mut report)?;

@@ -261,10 +261,12 @@ pub fn run(args: ServeArgs, model_path: PathBuf) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let engine_thread = Arc::new(Mutex::new(None));
+    let engine_thread = EngineThread::default();
     let r = runtime.block_on(serve(args, model_path, Arc::clone(&engine_thread)));
-    drop(runtime);
-    let thread: Option<JoinHandle<Result<()>>> = engine_thread.lock().expect("not poisoned").take();
+    // Not `drop`, which waits for every blocking task: a model still loading is abandoned
+    // (it will start no engine: the slot says we are stopping), not waited for.
+    runtime.shutdown_background();
+    let thread = engine_thread.lock().expect("not poisoned").thread.take();
     if let Some(t) = thread {
         t.join()
             .map_err(|_| anyhow::anyhow!("the engine thread panicked"))??;
@@ -272,7 +274,17 @@ pub fn run(args: ServeArgs, model_path: PathBuf) -> Result<()> {
     r
 }
 
-type EngineThread = Arc<Mutex<Option<JoinHandle<Result<()>>>>>;
+/// The engine thread, once the model has loaded; `stopping` once the server is shutting
+/// down, after which a load that finishes starts no engine. One lock, so a load either
+/// starts its engine (and publishes it in `AppState::loaded`) before the shutdown looks
+/// for it, or sees `stopping`.
+#[derive(Default)]
+struct EngineSlot {
+    thread: Option<JoinHandle<Result<()>>>,
+    stopping: bool,
+}
+
+type EngineThread = Arc<Mutex<EngineSlot>>;
 
 async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread) -> Result<()> {
     let listener = TcpListener::bind((args.host.as_str(), args.port))
@@ -299,8 +311,7 @@ pub fn spawn_in_process(args: ServeArgs, model_path: PathBuf) -> Result<std::net
                 .build()?;
             runtime.block_on(async move {
                 let listener = TcpListener::from_std(listener)?;
-                let engine_thread = Arc::new(Mutex::new(None));
-                serve_on(listener, args, model_path, engine_thread, false).await
+                serve_on(listener, args, model_path, EngineThread::default(), false).await
             })
         })?;
     Ok(addr)
@@ -400,14 +411,17 @@ async fn serve_on(
         max_connections: args.max_connections,
         header_read_timeout: Duration::from_secs(args.header_read_timeout),
     };
-    listen::serve(
+    let served = listen::serve(
         listener,
         routes::router(Arc::clone(&state)),
         limits,
         shutdown,
     )
-    .await
-    .context("serving HTTP")?;
+    .await;
+    // From here a load still running starts no engine; one that has started it is
+    // published in `loaded` (the same lock) and is shut down here.
+    engine_thread.lock().expect("not poisoned").stopping = true;
+    served.context("serving HTTP")?;
     if let Some(e) = load_error.lock().expect("not poisoned").take() {
         return Err(e);
     }
@@ -453,7 +467,7 @@ fn load(
     state: &AppState,
     args: &ServeArgs,
     model_path: &std::path::Path,
-    engine_thread: &Mutex<Option<JoinHandle<Result<()>>>>,
+    engine_thread: &Mutex<EngineSlot>,
     kv_events: Option<KvEventPublisher>,
 ) -> Result<()> {
     let (model, tokenizer) = Model::load_as(model_path, false, args.dtype)?;
@@ -467,8 +481,12 @@ fn load(
     if let Some(line) = engine.disk_plan() {
         eprintln!("strata serve: {line}");
     }
+    let mut slot = engine_thread.lock().expect("not poisoned");
+    if slot.stopping {
+        return Ok(()); // stopped while loading: nothing to start
+    }
     let (client, thread) = engine_thread::spawn(engine, Arc::clone(&state.metrics), eos, kv_events);
-    *engine_thread.lock().expect("not poisoned") = Some(thread);
+    slot.thread = Some(thread);
     let loaded = Loaded {
         tokenizer: Arc::new(tokenizer),
         defaults,
@@ -486,6 +504,7 @@ fn load(
     if state.loaded.set(loaded).is_err() {
         bail!("the model was loaded twice");
     }
+    drop(slot);
     eprintln!(
         "strata serve: ready (max-model-len {max_model_len}, {} GPU blocks + {} host blocks of {} tokens, max-num-seqs {})",
         sched.num_gpu_blocks, sched.max_cpu_offload_blocks, sched.block_size, sched.max_num_seqs

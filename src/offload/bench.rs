@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::{trace, CpuOffloadEngine, OffloadConfig, OffloadControl};
@@ -93,6 +93,8 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
             "--context must be between 1 and the model's context ({max}) minus (--rounds + 1) × --decode-steps"
         );
     }
+    // The needle prompts are built (and so checked) before the rounds, not after them.
+    let needles = needle_prompts(&tok, &args)?;
     // Checked: say what the next minutes do (the table comes at the end).
     eprintln!(
         "strata bench offload: context {}, {} rounds × {} decode steps, {} ring slots, block \
@@ -114,8 +116,8 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
         },
     );
     let mut report = run_bench(&model, &args)?;
-    if !args.needle_depth.is_empty() {
-        needle_scores(&model, &tok, &args, &mut report)?;
+    if !needles.is_empty() {
+        needle_scores(&model, &tok, &args, needles, &mut report)?;
     }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -533,17 +535,13 @@ impl std::fmt::Display for OffloadBenchReport {
 
 /// Needle retrieval at the context length with full loading and each budget, offloaded,
 /// one engine per setting; a case passes when the greedy answer contains the value.
-fn needle_scores(
-    model: &Arc<Model>,
+/// The needle prompts of `--needle-depth`, one per depth, at `--context` tokens.
+fn needle_prompts(
     tok: &crate::model::Tokenizer,
     args: &OffloadBenchArgs,
-    report: &mut OffloadBenchReport,
-) -> Result<()> {
-    use crate::needle::{answer_found, Case, NeedleKind};
-    const NEW_TOKENS: usize = 32;
-    let c = &model.cfg;
-    let prompts = args
-        .needle_depth
+) -> Result<Vec<crate::needle::NeedlePrompt>> {
+    use crate::needle::{Case, NeedleKind};
+    args.needle_depth
         .iter()
         .enumerate()
         .map(|(i, &depth)| {
@@ -554,8 +552,21 @@ fn needle_scores(
                 seed: i as u64,
             }
             .build(tok)
+            .with_context(|| format!("--needle-depth at --context {}", args.context))
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect()
+}
+
+fn needle_scores(
+    model: &Arc<Model>,
+    tok: &crate::model::Tokenizer,
+    args: &OffloadBenchArgs,
+    prompts: Vec<crate::needle::NeedlePrompt>,
+    report: &mut OffloadBenchReport,
+) -> Result<()> {
+    use crate::needle::answer_found;
+    const NEW_TOKENS: usize = 32;
+    let c = &model.cfg;
     let opts = crate::engine::GenerateOptions {
         max_tokens: NEW_TOKENS,
         sampling: crate::engine::SamplingParams::default(),

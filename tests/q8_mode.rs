@@ -126,15 +126,7 @@ fn a_q8_linear_row_is_the_same_alone_and_in_any_batch() {
 #[test]
 fn q8_logits_do_not_depend_on_how_the_prompt_is_batched() {
     let dir = scratch_dir("q8_batching");
-    let s = TinySpec {
-        hidden: 256,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 64,
-        inter: 512,
-        tie: false,
-        ..TinySpec::llama()
-    };
+    let s = TinySpec::llama_wide();
     let w = s.write(&dir, 5);
     let path = dir.join("model.gguf");
     let dtype_of = |n: &str| {

@@ -15,20 +15,6 @@ use strata::kv::ContiguousKv;
 use strata::model::weights::WeightDtype;
 use strata::model::Model;
 
-/// A Llama (Q/K rows permuted in the file) whose every matrix is a whole number of 256-value
-/// K-quant super-blocks wide.
-fn spec() -> TinySpec {
-    TinySpec {
-        hidden: 256,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 64,
-        inter: 512,
-        tie: false,
-        ..TinySpec::llama()
-    }
-}
-
 /// Logits of a 9-token prefill and 6 greedy decode steps, and the tokens chosen.
 fn run(model: &Arc<Model>) -> (Vec<u32>, Vec<Vec<f32>>) {
     let c = &model.cfg;
@@ -61,7 +47,7 @@ fn scratch_dir_path(name: &str) -> std::path::PathBuf {
 
 fn load_both(name: &str, dtype_of: &dyn Fn(&str) -> GgmlDType) -> (Arc<Model>, Arc<Model>) {
     let dir = scratch_dir(name);
-    let s = spec();
+    let s = TinySpec::llama_wide();
     let w = s.write(&dir, 21);
     let path = dir.join("model.gguf");
     let matrix_dtype = |n: &str| {

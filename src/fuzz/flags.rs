@@ -69,144 +69,32 @@ const NOT_FUZZED: &[&str] = &[
 
 /// The base command lines: each an accepted, cheap run on the tiny model.
 pub fn flags_cases() -> Vec<Case> {
-    let m = "{model}";
-    let lines: &[&[&str]] = &[
-        &[
-            "strata",
-            "generate",
-            "--model",
-            m,
-            "--prompt",
-            "Hello",
-            "--max-tokens",
-            "2",
-        ],
-        &[
-            "strata",
-            "generate",
-            "--model",
-            m,
-            "--prompt",
-            "Hello",
-            "--max-tokens",
-            "2",
-            "--enable-offload",
-            "--num-kv-buffers",
-            "2",
-            "--block-size",
-            "16",
-        ],
-        &[
-            "strata",
-            "generate",
-            "--model",
-            m,
-            "--prompt",
-            "Hello",
-            "--max-tokens",
-            "2",
-            "--enable-offload",
-            "--block-size",
-            "16",
-            "--max-model-len",
-            "64",
-            "--sparse-budget",
-            "32",
-        ],
-        &[
-            "strata",
-            "serve",
-            "--model",
-            m,
-            "--port",
-            "0",
-            "--max-model-len",
-            "64",
-        ],
-        &[
-            "strata",
-            "bench",
-            "offload",
-            "--model",
-            m,
-            "--context",
-            "32",
-            "--decode-steps",
-            "2",
-            "--rounds",
-            "1",
-            "--block-size",
-            "16",
-        ],
-        &[
-            "strata",
-            "bench",
-            "serve",
-            "--model",
-            m,
-            "--num-seqs",
-            "2",
-            "--input-len",
-            "8:8",
-            "--output-len",
-            "2:2",
-            "--block-size",
-            "16",
-        ],
-        &[
-            "strata",
-            "bench",
-            "disk",
-            "--dir",
-            "{dir}/disk",
-            "--size-mib",
-            "1",
-        ],
-        &[
-            "strata",
-            "bench",
-            "decode",
-            "--model",
-            m,
-            "--context",
-            "16",
-            "--decode-steps",
-            "2",
-            "--rounds",
-            "1",
-        ],
-        &[
-            "strata",
-            "bench",
-            "agreement",
-            "--model",
-            m,
-            "--positions",
-            "8",
-            "--greedy-tokens",
-            "2",
-        ],
-        &[
-            "needle",
-            "--model",
-            m,
-            "--input-len",
-            "600",
-            "--depth",
-            "0.5",
-        ],
-    ];
-    lines
-        .iter()
-        .map(|argv| {
-            let mut c = Case::default();
-            c.set(
-                "argv",
-                join(&argv.iter().map(|s| s.to_string()).collect::<Vec<_>>()),
-            );
-            c
-        })
-        .collect()
+    let line = |words: &str| words.split(' ').map(str::to_string).collect::<Vec<_>>();
+    let generate = "strata generate --model {model} --prompt Hello --max-tokens 2";
+    let offload = format!("{generate} --enable-offload --block-size 16");
+    [
+        generate.to_string(),
+        format!("{offload} --num-kv-buffers 2"),
+        format!("{offload} --max-model-len 64 --sparse-budget 32"),
+        "strata serve --model {model} --port 0 --max-model-len 64".into(),
+        "strata bench offload --model {model} --context 32 --decode-steps 2 --rounds 1 \
+         --block-size 16"
+            .into(),
+        "strata bench serve --model {model} --num-seqs 2 --input-len 8:8 --output-len 2:2 \
+         --block-size 16"
+            .into(),
+        "strata bench disk --dir {dir}/disk --size-mib 1".into(),
+        "strata bench decode --model {model} --context 16 --decode-steps 2 --rounds 1".into(),
+        "strata bench agreement --model {model} --positions 8 --greedy-tokens 2".into(),
+        "needle --model {model} --input-len 600 --depth 0.5".into(),
+    ]
+    .iter()
+    .map(|words| {
+        let mut c = Case::default();
+        c.set("argv", join(&line(words)));
+        c
+    })
+    .collect()
 }
 
 fn join(argv: &[String]) -> Vec<u8> {

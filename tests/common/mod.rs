@@ -56,6 +56,19 @@ impl TinySpec {
             dtype: DType::F32,
         }
     }
+    /// A Llama whose every matrix is a whole number of 256-value K-quant super-blocks
+    /// wide (and so of every 32-value block format too), its head dim a real model's.
+    pub fn llama_wide() -> Self {
+        Self {
+            hidden: 256,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            inter: 512,
+            tie: false,
+            ..Self::llama()
+        }
+    }
     pub fn qwen3() -> Self {
         // head_dim * heads != hidden on purpose, as in real Qwen3 configs.
         Self {

@@ -22,7 +22,7 @@ use strata::fuzz::{self, Outcome, Target};
 #[derive(Parser)]
 #[command(
     name = "fuzz",
-    about = "Structure-aware fuzzing of strata's model, tokenizer and template loaders"
+    about = "Structure-aware fuzzing of strata's model, tokenizer and template loaders, its HTTP server and its disk tier's files"
 )]
 struct Args {
     /// Cases per target (stops early if --minutes runs out).
@@ -31,7 +31,7 @@ struct Args {
     /// Wall-clock budget for the whole run, split evenly between the targets.
     #[arg(long)]
     minutes: Option<f64>,
-    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template, http [default: all]
+    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template, http, disk [default: all]
     #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
     /// Base seed; each target's seed is derived from it (printed with the results).
@@ -85,7 +85,7 @@ fn targets(args: &Args) -> Result<Vec<Target>> {
         .iter()
         .map(|n| {
             Target::from_name(n).with_context(|| {
-                format!("unknown target {n:?} (gguf, safetensors, tokenizer, template, http)")
+                format!("unknown target {n:?} (gguf, safetensors, tokenizer, template, http, disk)")
             })
         })
         .collect()

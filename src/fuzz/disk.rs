@@ -365,7 +365,8 @@ fn mutate_index(case: &mut Case, rng: &mut StdRng) {
     case.set(INDEX_FILE, out);
 }
 
-/// Entries named twice, moved to another (or no) slot, or given another's key.
+/// Entries named twice, moved to another (or no) slot, or given another's key. (Earlier
+/// rounds may have made anything of them: only objects are edited.)
 fn mutate_entries(v: &mut J, rng: &mut StdRng) {
     let Some(J::Array(entries)) = v.get_mut("entries") else {
         return;
@@ -375,19 +376,33 @@ fn mutate_entries(v: &mut J, rng: &mut StdRng) {
     }
     let i = rng.random_range(0..entries.len());
     let j = rng.random_range(0..entries.len());
-    match rng.random_range(0..4) {
-        0 => {
-            let e = entries[i].clone();
-            entries.push(e);
+    let field = |e: &J, k: &str| e.get(k).cloned().unwrap_or(J::Null);
+    let (slot_j, key_j) = (field(&entries[j], "slot"), field(&entries[j], "key"));
+    let choice = rng.random_range(0..4);
+    if choice == 0 {
+        let e = entries[i].clone();
+        entries.push(e);
+        return;
+    }
+    let slot_i = field(&entries[i], "slot");
+    let Some(e) = entries[i].as_object_mut() else {
+        return;
+    };
+    match choice {
+        1 => {
+            let to = rng.random_range(0..=LAYOUT.num_slots as u64);
+            e.insert("slot".into(), J::from(to));
         }
-        1 => entries[i]["slot"] = J::from(rng.random_range(0..=LAYOUT.num_slots as u64)),
         2 => {
-            let (a, b) = (entries[i]["slot"].clone(), entries[j]["slot"].clone());
-            entries[i]["slot"] = b;
-            entries[j]["slot"] = a;
+            e.insert("slot".into(), slot_j);
+            if let Some(o) = entries[j].as_object_mut() {
+                o.insert("slot".into(), slot_i);
+            }
         }
         // The hash names another block than the key: a read with it must not be served.
-        _ => entries[i]["hash"] = entries[j]["key"].clone(),
+        _ => {
+            e.insert("hash".into(), key_j);
+        }
     }
 }
 
@@ -478,7 +493,7 @@ fn reseal(file: &mut [u8], slot: usize, rng: &mut StdRng) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fuzz::{run_case_bounded, Outcome, Target};
+    use crate::fuzz::{base_corpus, make_case, run_case_bounded, Outcome, Target};
 
     #[test]
     fn every_planted_kind_at_every_name_ends_in_an_error_or_a_clean_restore() {
@@ -505,6 +520,42 @@ mod tests {
                     (_, other) => panic!("{name} as {kind:?}: {other:?}"),
                 }
             }
+        }
+    }
+
+    #[test]
+    fn mutations_reach_every_check_of_the_restore_and_the_reads() {
+        // The checksum line is recomputed, so changes reach the parser and the checks
+        // behind it; re-sealed and copied slots reach the stamp checks; flips reach the
+        // payload check; planted kinds reach the file-type checks.
+        let base = base_corpus(Target::Disk);
+        let wanted = [
+            "checksum mismatch (torn or corrupted)",
+            "does not parse",
+            "written for another slot layout",
+            "index entries failed their check",
+            "holds another block",
+            "payload checksum mismatch",
+            "strata-kv.slots: a symbolic link",
+            "strata-kv.index: not a regular file (a FIFO)",
+            "is more than the limit",
+        ];
+        let mut seen = vec![0; wanted.len()];
+        let mut ok = 0;
+        for i in 0..400 {
+            match run_case_bounded(Target::Disk, &make_case(Target::Disk, &base, 3, i)) {
+                Outcome::Ok => ok += 1,
+                Outcome::Refused(why) => {
+                    for (n, w) in seen.iter_mut().zip(wanted) {
+                        *n += why.contains(w) as usize;
+                    }
+                }
+                other => panic!("case {i}: {other:?}"),
+            }
+        }
+        assert!(ok > 0, "no case restored cleanly");
+        for (n, w) in seen.iter().zip(wanted) {
+            assert!(*n > 0, "no case reached {w:?}: {seen:?}");
         }
     }
 }

@@ -83,7 +83,9 @@ fn base_tier(salt: u64, slots: &[DiskSlotId]) -> Result<Case> {
     let mut entries = Vec::new();
     for &slot in slots {
         let key = keys.random();
-        store.payload_mut(&mut buf).copy_from_slice(&payload_for(key));
+        store
+            .payload_mut(&mut buf)
+            .copy_from_slice(&payload_for(key));
         store.write_slot(slot, key, &mut buf)?;
         // Generations come from the wall clock: fixed ones (rewritten below) keep a case a
         // pure function of (seed, index) in every process.
@@ -126,7 +128,9 @@ fn header_mut(file: &mut [u8], slot: usize) -> Option<&mut [u8]> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     /// A regular file with the case's bytes, grown or cut to `len` when given.
-    Bytes { len: Option<u64> },
+    Bytes {
+        len: Option<u64>,
+    },
     Fifo,
     Dir,
     LinkToZero,
@@ -329,7 +333,15 @@ fn plant_kind(case: &mut Case, name: &str, rng: &mut StdRng) {
         4 => Kind::HardLinkToSentinel,
         // Grown or cut without writing: past any bound (sparse), or just off the layout.
         _ => {
-            let lens = [0, 1, ALIGN as u64, file_bytes - 1, file_bytes + 1, 1 << 32, 1 << 40];
+            let lens = [
+                0,
+                1,
+                ALIGN as u64,
+                file_bytes - 1,
+                file_bytes + 1,
+                1 << 32,
+                1 << 40,
+            ];
             Kind::Bytes {
                 len: Some(lens[rng.random_range(0..lens.len())]),
             }
@@ -472,14 +484,18 @@ fn reseal(file: &mut [u8], slot: usize, rng: &mut StdRng) {
     };
     match rng.random_range(0..4) {
         // Another block's key under this slot's own generation: foreign.
-        0 => h.key = other_key.filter(|&k| k != h.key).unwrap_or_else(|| rng.random()),
+        0 => {
+            h.key = other_key
+                .filter(|&k| k != h.key)
+                .unwrap_or_else(|| rng.random())
+        }
         1 => h.generation = rng.random(), // stale (or from the future)
         2 => h.fingerprint = rng.random(), // another model
         _ => {
             // The stamp stays, the length lies (the payload CRC is left as it was).
             let len = LAYOUT.payload_bytes as u64;
-            h.payload_len = [0, 1, len - 1, len + 1, ALIGN as u64 * 3, u64::MAX]
-                [rng.random_range(0..6)];
+            h.payload_len =
+                [0, 1, len - 1, len + 1, ALIGN as u64 * 3, u64::MAX][rng.random_range(0..6)];
             h.encode(header);
             return;
         }

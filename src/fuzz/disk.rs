@@ -28,7 +28,7 @@
 //! to other slots, raw bytes with the checksum left wrong; the slot file's headers and
 //! payloads flipped, header fields rewritten raw or re-sealed (header checksum and payload
 //! CRC recomputed, so a well-formed but stale or foreign slot is presented), one slot copied
-//! over another, the file cut or extended; and the kinds above at either name.
+//! over another, the file cut or extended; and the kinds above at any of the three names.
 //!
 //! A re-seal always gives the slot a stamp no index entry can name (a fresh random key,
 //! generation or fingerprint; another slot's key but its own generation): a checksum is no
@@ -510,6 +510,13 @@ fn reseal(file: &mut [u8], slot: usize, rng: &mut StdRng) {
 mod tests {
     use super::*;
     use crate::fuzz::{base_corpus, make_case, run_case_bounded, Outcome, Target};
+
+    #[test]
+    fn the_base_tiers_are_the_same_bytes_every_time_they_are_built() {
+        // Generations start from the wall clock: without fixed ones a supervisor would
+        // rebuild another input than the one its worker ran.
+        assert_eq!(disk_cases(), disk_cases());
+    }
 
     #[test]
     fn every_planted_kind_at_every_name_ends_in_an_error_or_a_clean_restore() {

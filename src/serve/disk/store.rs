@@ -729,8 +729,10 @@ impl SlotHeader {
         out[44..48].copy_from_slice(&hc.to_le_bytes());
     }
 
-    /// The header in `b[..HEADER_LEN]`, if its magic and checksum are right.
+    /// The header in `b[..HEADER_LEN]`, if `b` is that long and its magic and checksum
+    /// are right.
     pub fn decode(b: &[u8]) -> Option<Self> {
+        let b = b.get(..HEADER_LEN)?;
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         if u64_at(0) != MAGIC || crc32fast::hash(&b[0..44]) != u32_at(44) {

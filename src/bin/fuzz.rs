@@ -22,7 +22,7 @@ use strata::fuzz::{self, Outcome, Target};
 #[derive(Parser)]
 #[command(
     name = "fuzz",
-    about = "Structure-aware fuzzing of strata's model, tokenizer and template loaders"
+    about = "Structure-aware fuzzing of strata's model, tokenizer and template loaders, its HTTP server and its disk tier's files"
 )]
 struct Args {
     /// Cases per target (stops early if --minutes runs out).
@@ -31,7 +31,7 @@ struct Args {
     /// Wall-clock budget for the whole run, split evenly between the targets.
     #[arg(long)]
     minutes: Option<f64>,
-    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template, http, flags [default: all]
+    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template, http, disk, flags [default: all]
     #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
     /// Base seed; each target's seed is derived from it (printed with the results).

@@ -1,7 +1,7 @@
 //! A structure-aware mutation fuzzer for strata's untrusted inputs, on stable Rust (the
 //! `fuzz` binary drives it; `tests/fuzz_corpus.rs` replays its findings).
 //!
-//! Four targets, each a function from a `Case` (a few named files) to a `Result`:
+//! Six targets, each a function from a `Case` (a few named files) to a `Result`:
 //! - `gguf`: a GGUF file through the reader, our config/tokenizer building from its
 //!   metadata, the weight loader, then a chat-template rendering and a short generation;
 //! - `safetensors`: a Hugging Face directory (config.json, model.safetensors) the same way;
@@ -10,6 +10,9 @@
 //! - `template`: a chat template rendered through `render_template`;
 //! - `http`: raw HTTP/1.1 requests against a live server in this process (`http`), the
 //!   contract (an answer, OpenAI error objects, no 500, still healthy) checked after each;
+//! - `disk`: the disk tier's index and slot file as a restart finds them (`disk`), the
+//!   contract (reads return exactly what was written, nothing written through a link,
+//!   no FIFO waited on) checked after each;
 //! - `flags`: the `strata` and `needle` binaries run with flags at the edges of their
 //!   ranges (`flags`), the CLI contract (exit 0/1/2, one error line, no signal, no hang,
 //!   bounded memory) checked after each.
@@ -22,6 +25,7 @@
 //! of a bad input, and `Ok` of a good one.
 
 pub mod corpus;
+pub mod disk;
 pub mod flags;
 pub mod gguf_writer;
 pub mod http;
@@ -52,16 +56,18 @@ pub enum Target {
     Tokenizer,
     Template,
     Http,
+    Disk,
     Flags,
 }
 
 impl Target {
-    pub const ALL: [Target; 6] = [
+    pub const ALL: [Target; 7] = [
         Target::Gguf,
         Target::Safetensors,
         Target::Tokenizer,
         Target::Template,
         Target::Http,
+        Target::Disk,
         Target::Flags,
     ];
 
@@ -72,6 +78,7 @@ impl Target {
             Target::Tokenizer => "tokenizer",
             Target::Template => "template",
             Target::Http => "http",
+            Target::Disk => "disk",
             Target::Flags => "flags",
         }
     }
@@ -153,6 +160,7 @@ pub fn base_corpus(target: Target) -> Vec<Case> {
         Target::Tokenizer => corpus::tokenizer_cases(),
         Target::Template => corpus::template_cases(),
         Target::Http => http::http_cases(),
+        Target::Disk => disk::disk_cases(),
         Target::Flags => flags::flags_cases(),
     }
 }
@@ -200,6 +208,7 @@ pub fn run_case_bounded(target: Target, case: &Case) -> Outcome {
 pub fn run_case(target: Target, case: &Case) -> Result<()> {
     match target {
         Target::Http => http::run_http(case),
+        Target::Disk => disk::run_disk(case),
         Target::Flags => flags::run_flags(case),
         Target::Template => {
             let text = String::from_utf8_lossy(case.get("template").unwrap_or_default());

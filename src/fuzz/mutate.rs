@@ -31,7 +31,7 @@ const INTERESTING: [u64; 16] = [
     u64::MAX,
 ];
 
-fn interesting(rng: &mut StdRng) -> u64 {
+pub(super) fn interesting(rng: &mut StdRng) -> u64 {
     INTERESTING[rng.random_range(0..INTERESTING.len())]
 }
 
@@ -70,6 +70,7 @@ pub fn mutate(target: Target, pick: &Case, base: &[Case], rng: &mut StdRng) -> C
             Target::Safetensors => mutate_hf_dir(&mut case, rng),
             Target::Tokenizer => mutate_tokenizer_files(&mut case, rng),
             Target::Http => super::http::mutate_http(&mut case, rng),
+            Target::Disk => super::disk::mutate_disk(&mut case, rng),
             Target::Flags => super::flags::mutate_flags(&mut case, rng),
             Target::Template => {
                 let other = &base[rng.random_range(0..base.len())];

@@ -16,6 +16,8 @@ use crate::safe_file::{self, Links};
 use crate::serve::block_manager::DiskSlotId;
 
 pub const INDEX_FILE: &str = "strata-kv.index";
+/// Where the index is written before it is renamed over `INDEX_FILE`.
+pub const TMP_FILE: &str = "strata-kv.index.tmp";
 const VERSION: u32 = 1;
 
 /// One persisted prefix block: its chained content hash, where it is, and the stamp the
@@ -66,17 +68,38 @@ pub fn write(
         num_slots: layout.num_slots as u64,
         entries: entries.to_vec(),
     })?;
-    let tmp = dir.join(format!("{INDEX_FILE}.tmp"));
+    let tmp = dir.join(TMP_FILE);
     // Not through a link planted at the temporary name (the rename then replaces a link at
     // the index's own name, never its target).
     let mut f = safe_file::create_private(&tmp, "the disk tier's index")?;
-    f.write_all(&body)?;
-    writeln!(f, "\n{:08x}", crc32fast::hash(&body))?;
+    f.write_all(&seal(&body))?;
     f.sync_all()?;
     drop(f);
     std::fs::rename(&tmp, dir.join(INDEX_FILE))?;
     File::open(dir)?.sync_all()?; // the rename itself
     Ok(())
+}
+
+/// An index file's bytes for its JSON `body`: the body, then a line with its CRC32.
+pub fn seal(body: &[u8]) -> Vec<u8> {
+    let mut out = body.to_vec();
+    out.extend_from_slice(format!("\n{:08x}\n", crc32fast::hash(body)).as_bytes());
+    out
+}
+
+/// The JSON body of an index file's bytes, if its checksum line matches it.
+pub fn unseal(bytes: &[u8]) -> Result<&str> {
+    let text = std::str::from_utf8(bytes).context("not text")?;
+    let (body, crc) = text
+        .trim_end_matches('\n')
+        .rsplit_once('\n')
+        .context("no checksum line")?;
+    let crc = u32::from_str_radix(crc, 16).context("bad checksum line")?;
+    ensure!(
+        crc32fast::hash(body.as_bytes()) == crc,
+        "checksum mismatch (torn or corrupted)"
+    );
+    Ok(body)
 }
 
 /// The index in `dir`: `Ok(None)` when there is none, `Err` (with why) when there is one
@@ -93,17 +116,7 @@ pub fn read(dir: &Path, fingerprint: u64, layout: StoreLayout) -> Result<Option<
         "the disk tier's index",
         Links::Refuse,
     )?;
-    let text = std::str::from_utf8(&bytes).context("not text")?;
-    let (body, crc) = text
-        .trim_end_matches('\n')
-        .rsplit_once('\n')
-        .context("no checksum line")?;
-    let crc = u32::from_str_radix(crc, 16).context("bad checksum line")?;
-    ensure!(
-        crc32fast::hash(body.as_bytes()) == crc,
-        "checksum mismatch (torn or corrupted)"
-    );
-    let f: IndexFile = serde_json::from_str(body).context("does not parse")?;
+    let f: IndexFile = serde_json::from_str(unseal(&bytes)?).context("does not parse")?;
     ensure!(
         f.version == VERSION,
         "version {} (want {VERSION})",

@@ -33,7 +33,8 @@ use crate::serve::block_manager::DiskSlotId;
 /// IO alignment for `O_DIRECT`: buffers, offsets and lengths are multiples of it.
 pub const ALIGN: usize = 4096;
 const MAGIC: u64 = u64::from_le_bytes(*b"STRATAKV");
-const HEADER_LEN: usize = 48;
+/// The header's bytes at the start of a slot's first page.
+pub const HEADER_LEN: usize = 48;
 pub const SLOTS_FILE: &str = "strata-kv.slots";
 
 /// A zeroed host buffer aligned to `ALIGN` (what `O_DIRECT` needs; `Vec` gives no such
@@ -704,17 +705,20 @@ pub fn fs_name(dir: &Path) -> String {
 }
 
 /// The slot header, little-endian, with its own checksum so a torn header is caught.
+/// Public for the fuzzer (`fuzz::disk`), which re-seals headers it rewrote.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct SlotHeader {
-    fingerprint: u64,
-    key: u64,
-    generation: u64,
-    payload_len: u64,
-    checksum: u32,
+pub struct SlotHeader {
+    pub fingerprint: u64,
+    pub key: u64,
+    pub generation: u64,
+    pub payload_len: u64,
+    /// CRC32 of the payload.
+    pub checksum: u32,
 }
 
 impl SlotHeader {
-    fn encode(&self, out: &mut [u8]) {
+    /// Writes the header, and its own checksum, into `out[..HEADER_LEN]`.
+    pub fn encode(&self, out: &mut [u8]) {
         out[0..8].copy_from_slice(&MAGIC.to_le_bytes());
         out[8..16].copy_from_slice(&self.fingerprint.to_le_bytes());
         out[16..24].copy_from_slice(&self.key.to_le_bytes());
@@ -725,7 +729,10 @@ impl SlotHeader {
         out[44..48].copy_from_slice(&hc.to_le_bytes());
     }
 
-    fn decode(b: &[u8]) -> Option<Self> {
+    /// The header in `b[..HEADER_LEN]`, if `b` is that long and its magic and checksum
+    /// are right.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let b = b.get(..HEADER_LEN)?;
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         if u64_at(0) != MAGIC || crc32fast::hash(&b[0..44]) != u32_at(44) {

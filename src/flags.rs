@@ -39,7 +39,7 @@ fn ranged(lo: usize, hi: usize) -> RangedU64ValueParser<usize> {
     RangedU64ValueParser::new().range(lo as u64..=hi as u64)
 }
 
-/// A token count that may be zero (`--max-tokens`, `--shared-prefix`, `--decode-steps`).
+/// A token count that may be zero (`--max-tokens`, `--shared-prefix`, `--greedy-tokens`).
 pub fn tokens_or_zero() -> RangedU64ValueParser<usize> {
     ranged(0, MAX_TOKENS)
 }

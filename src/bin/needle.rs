@@ -208,7 +208,16 @@ fn run(args: Args) -> Result<bool> {
         }
         .build(&tok)?;
     }
-    if let (Some(plan), false) = (plan, args.json) {
+    // Checked: say what the run holds (on stderr, so `--json`'s stdout stays one object; a
+    // long JSON run is otherwise silent until its end).
+    eprintln!(
+        "needle: {} cases (input lengths {:?} × {} depths × {} repeats)",
+        args.input_len.len() * args.depth.len() * args.repeats,
+        args.input_len,
+        args.depth.len(),
+        args.repeats
+    );
+    if let Some(plan) = plan {
         eprintln!("{plan}");
     }
     // One session for every case and repeat: weights uploaded and engines made once.

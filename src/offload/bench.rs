@@ -36,8 +36,9 @@ pub struct OffloadBenchArgs {
     /// Prompt (context) length in tokens.
     #[arg(long, default_value_t = 2048, value_parser = flags::tokens())]
     pub context: usize,
-    /// Decode steps timed per round and row, after the prefill.
-    #[arg(long, default_value_t = 32, value_parser = flags::tokens_or_zero())]
+    /// Decode steps timed per round and row, after the prefill (at least one: a decode
+    /// benchmark times decode steps).
+    #[arg(long, default_value_t = 32, value_parser = flags::tokens())]
     pub decode_steps: usize,
     /// Timed rounds: each times compute alone, sizes the link from it (unless
     /// --sim-link-gbps), then full loading and each sparse budget, back to back; ratios are

@@ -188,15 +188,16 @@ fn page_scores_ref(
     score
 }
 
-/// Brute force over random pages: the halves bound is what its definition gives from the
-/// keys, never above Quest's; every key's score under a query head is at most its page's
+/// Brute force over random pages: the box bound is what its definition gives from the
+/// keys (each key halved `KEY_BITS` times into its box), never above the halves bound (one
+/// halving) nor Quest's; every key's score under a query head is at most its page's
 /// bound for that head; the selection is the sink and the `k` best pages by the
 /// documented score (checked against an f64 recomputation); and no page whose true score
 /// exceeds a chosen page's bound under every query head is left out (the score is monotone
 /// in each head's bound), so the selection cannot drop a page that must be kept.
 fn bound_and_selection_vs_brute_force<T: From32>() {
     let mut rng = StdRng::seed_from_u64(9);
-    let mut dominated_cases = 0;
+    let (mut dominated_cases, mut tighter) = (0, 0);
     for case in 0..300 {
         let heads = AttnHeads {
             num_heads: [1, 4, 6][case % 3],
@@ -216,8 +217,9 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
         let mut meta = vec![T::from32(0.0); pages * rows * row];
         sparse::page_bounds(&keys, row, page, &mut meta);
         let per_head = sparse::head_bounds(&q, &meta, heads, pages, page);
-        // The halves bound recomputed from the keys themselves (each key's half of its
-        // page's range decided here, not read from the mask), and never above Quest's.
+        // The box bound recomputed from the keys themselves (each key's box of its page's
+        // range found here by halving, not read from the mask), never above the halves
+        // bound (the first halving alone) nor Quest's.
         for p in 0..pages {
             let (min, max) = (
                 &meta[p * rows * row..][..row],
@@ -225,17 +227,23 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
             );
             for h in 0..heads.num_heads {
                 let (g, qh) = ((h / group) * hd, &q[h * hd..][..hd]);
-                let mut want = f32::NEG_INFINITY;
+                let (mut want, mut halves) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
                 for t in 0..page {
                     let k = &keys[(p * page + t) * row + g..][..hd];
-                    let mut s = 0.0f32;
+                    let (mut s, mut s1) = (0.0f32, 0.0f32);
                     for c in 0..hd {
-                        let (lo, hi) = (min[g + c].to_f32(), max[g + c].to_f32());
-                        let m = (lo + (hi - lo) * 0.5).min(hi);
-                        let (a, b) = if k[c].to_f32() >= m { (m, hi) } else { (lo, m) };
-                        s += (qh[c] * a).max(qh[c] * b);
+                        let (mut lo, mut hi) = (min[g + c].to_f32(), max[g + c].to_f32());
+                        for halving in 0..sparse::KEY_BITS {
+                            let m = (lo + (hi - lo) * 0.5).min(hi);
+                            (lo, hi) = if k[c].to_f32() >= m { (m, hi) } else { (lo, m) };
+                            if halving == 0 {
+                                s1 += (qh[c] * lo).max(qh[c] * hi);
+                            }
+                        }
+                        s += (qh[c] * lo).max(qh[c] * hi);
                     }
                     want = want.max(s);
+                    halves = halves.max(s1);
                 }
                 let got = per_head[p * heads.num_heads + h];
                 assert_eq!(
@@ -250,6 +258,11 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
                     quest += (qh[c] * lo).max(qh[c] * hi);
                 }
                 assert!(got <= quest, "case {case}: {got} above Quest's {quest}");
+                assert!(
+                    got <= halves,
+                    "case {case}: {got} above the halves bound {halves}"
+                );
+                tighter += usize::from(got < halves);
             }
         }
         let k = rng.random_range(0..pages);
@@ -324,15 +337,19 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
         dominated_cases > 0,
         "the data never exercises the domination property"
     );
+    assert!(
+        tighter > 0,
+        "the box bound is never tighter than the halves bound"
+    );
 }
 
 #[test]
-fn halves_bound_and_selection_vs_brute_force_f32() {
+fn box_bound_and_selection_vs_brute_force_f32() {
     bound_and_selection_vs_brute_force::<f32>();
 }
 
 #[test]
-fn halves_bound_and_selection_vs_brute_force_bf16() {
+fn box_bound_and_selection_vs_brute_force_bf16() {
     bound_and_selection_vs_brute_force::<bf16>();
 }
 

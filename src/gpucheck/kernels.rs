@@ -812,7 +812,7 @@ fn as_bf16(bits: &[u16]) -> Vec<half::bf16> {
 }
 
 /// The page metadata kernel against `crate::sparse::page_bounds`, bit for bit (min, max
-/// and the halves mask; the emulator's page needs two mask rows).
+/// and the mask planes; the emulator's page needs two mask rows a plane).
 fn check_page_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (pages, page_size, row) = z.pick((300, 16, 1024), (13, 21, 96));
     let keys = coarse_keys(rng, pages * page_size * row); // [pages · page_size, row]
@@ -837,7 +837,7 @@ fn check_page_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result
     ))
 }
 
-/// The halves-bound kernel against `crate::sparse::head_bounds`, bit for bit, over
+/// The box-bound kernel against `crate::sparse::head_bounds`, bit for bit, over
 /// metadata the reference made from random keys, with GQA groups (a wrong head → KV head
 /// mapping changes the bounds) and pages of more than one mask row.
 fn check_head_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {

@@ -134,8 +134,8 @@ pub trait OffloadDevice {
     /// The ops traced so far (waits for them).
     fn take_trace(&mut self) -> Result<Vec<TraceEvent>>;
     /// Sparse decode, queued on the compute stream: the metadata of each `page_size`-row
-    /// page of `keys` (`[pages · page_size, row]`: channel-wise min and max of K, halves
-    /// mask) into `bounds` (`[pages, meta_rows(page_size), row]`). Reference:
+    /// page of `keys` (`[pages · page_size, row]`: channel-wise min and max of K, the
+    /// mask planes) into `bounds` (`[pages, meta_rows(page_size), row]`). Reference:
     /// `crate::sparse::page_bounds`.
     fn page_bounds(
         &mut self,
@@ -149,7 +149,7 @@ pub trait OffloadDevice {
     /// for this call only: the next layer overwrites it) into device memory `dst`, so that
     /// it can be scored once the layer's keys are stored (prefill's last token).
     fn copy_query(&mut self, q: Query<Self::Elem>, dst: Span) -> Result<()>;
-    /// Sparse decode: the halves bound of each of `pages` pages for each query head
+    /// Sparse decode: the box bound of each of `pages` pages for each query head
     /// (`crate::sparse::head_bounds`, `[pages, num_heads]`) for one token's query `q`
     /// (`[num_heads, head_dim]`), after the compute stream's work so far. The host needs
     /// them to choose the pages and issue their copies, so this blocks (on CUDA: kernel,

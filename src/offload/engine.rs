@@ -65,7 +65,7 @@ pub struct OffloadEngine<D: OffloadDevice> {
 struct Sparse {
     cfg: SparseConfig,
     heads: AttnHeads,
-    bounds: MemId, // [num_layers, max_pages, meta_rows, row]: min, max, halves mask (device)
+    bounds: MemId, // [num_layers, max_pages, meta_rows, row]: min, max, mask planes (device)
     max_pages: usize,
     /// Per layer: the pages its slot was prefetched with (`loaded[l][j]` at slot page `j`).
     loaded: Vec<Vec<Page>>,
@@ -468,7 +468,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         Ok(())
     }
 
-    /// Sparse: `layer`'s `candidates` pages ranked by their halves bound for query `q`, best
+    /// Sparse: `layer`'s `candidates` pages ranked by their box bound for query `q`, best
     /// first, as many as the choice of `count` pages and the prefetch margin below it take
     /// (`prefetch_count`); none when every candidate is attended anyway.
     fn rank(

@@ -4,9 +4,10 @@
 //! "Sparse decode", for the decisions.
 //!
 //! Everything here is host code and the reference of the CUDA selection kernel
-//! (`kernels/sparse.cu`): page bounds (channel-wise min and max of K), Quest's upper
-//! bound of a page's attention score, the selection, and the plan of copies that turns the
-//! pages a slot was prefetched with into the selected pages in position order.
+//! (`kernels/sparse.cu`): page metadata (channel-wise min and max of K, and each key's
+//! box within them), the upper bound of a page's attention score it gives, the
+//! selection, and the plan of copies that turns the pages a slot was prefetched with into
+//! the selected pages in position order.
 
 use anyhow::Result;
 
@@ -16,11 +17,11 @@ pub mod eval;
 pub mod replay;
 mod row_fold;
 
-/// Default tokens per page: 16 (Quest's default). With the halves mask a page's bound is
-/// per key, so larger pages lose little recall (both 8,160-token needles Quest's bound
-/// lost at page 8 are found at 16) and cost less: metadata of 3 rows per 16 tokens (3/32
-/// of the KV bytes in bf16, 3/16 at page 8), half the pages to score and to copy, in
-/// longer runs. Measured in docs/benchmarks.md.
+/// Default tokens per page: 16 (Quest's default). With each key's box in the metadata a
+/// page's bound is per key, so larger pages lose little recall (both 8,160-token needles
+/// Quest's bound lost at page 8 are found at 16) and cost less: metadata of
+/// `meta_rows(16)` = 4 rows per 16 tokens (1/8 of the KV bytes in bf16, 1/4 at page 8),
+/// half the pages to score and to copy, in longer runs. Measured in docs/benchmarks.md.
 pub const DEFAULT_PAGE_SIZE: usize = 16;
 
 /// `--sparse-budget` and `--sparse-page-size`, shared by `strata generate`, `needle` and
@@ -150,13 +151,24 @@ impl KvElem for half::bf16 {
 /// Tokens one mask row covers (the bits of a bf16 element).
 pub const MASK_TOKENS: usize = 16;
 
+/// Bits per key and channel that pin the key to a box inside its page's `[min, max]`:
+/// each bit halves the box (`key_box`). 1 was the halves bound (issue #15); 2, the
+/// quarters, keeps what the true per-page maximum of `q · k` keeps on the RULER tuning
+/// cases where the halves bound lost needles (docs/benchmarks.md, issue #32), for one
+/// more metadata row per 16 tokens and about twice the CPU scoring work.
+pub const KEY_BITS: usize = 2;
+
+/// Boxes a channel's range is cut into: `2^KEY_BITS`.
+pub const BOXES: usize = 1 << KEY_BITS;
+
 /// Rows of metadata per page, each `row` (= kv_dim) elements: the channel-wise min of K,
-/// the max, then the **halves mask**, `⌈page_size / 16⌉` rows: bit `t % 16` of row
-/// `2 + t / 16` is set when token `t`'s key lies in the upper half of the page's range in
-/// that channel (`k ≥ mid(min, max)`). The mask pins each key to one half of its page's box
-/// per channel (one bit per key and channel), so the bound is per key, not per page.
+/// the max, then `KEY_BITS` **mask planes** of `⌈page_size / 16⌉` rows each: bit `t % 16`
+/// of row `2 + b · ⌈page_size / 16⌉ + t / 16` is key `t`'s bit `b` in that channel, the
+/// `b`-th halving of `key_box` (plane 0: the upper half of `[min, max]`, as the halves
+/// mask was; plane 1: the upper half of that half, …). The planes pin each key to one of
+/// `BOXES` boxes of its page's range per channel, so the bound is per key, not per page.
 pub fn meta_rows(page_size: usize) -> usize {
-    2 + page_size.div_ceil(MASK_TOKENS)
+    2 + KEY_BITS * page_size.div_ceil(MASK_TOKENS)
 }
 
 /// The split between a channel's lower and upper half, in f32: `lo + (hi − lo) / 2`,
@@ -170,8 +182,43 @@ pub fn mid(lo: f32, hi: f32) -> f32 {
     }
 }
 
+/// The edges of a channel's `BOXES` boxes: `[min, …, max]`, box `j` = `[edges[j],
+/// edges[j + 1]]`, each inner edge the `mid` of the two edges around it (the split of the
+/// halving that made it): the first halving splits `[min, max]` at `edges[BOXES / 2]`,
+/// the next each half at its middle, and so on. `key_box` descends the same halvings, so
+/// it reads the same splits.
+pub fn box_edges(min: f32, max: f32) -> [f32; BOXES + 1] {
+    let mut e = [0.0f32; BOXES + 1];
+    (e[0], e[BOXES]) = (min, max);
+    let mut step = BOXES / 2;
+    while step > 0 {
+        for a in (0..BOXES).step_by(2 * step) {
+            e[a + step] = mid(e[a], e[a + 2 * step]);
+        }
+        step /= 2;
+    }
+    e
+}
+
+/// The box of `edges` (`box_edges`) key value `x` is pinned to: `KEY_BITS` halvings from
+/// `[min, max]`, each taking the upper half when `x ≥` its split. Bit `b` of the index
+/// from the top (`j >> (KEY_BITS − 1 − b)`) is halving `b`'s choice, mask plane `b`'s bit.
+/// The box holds `x` whenever `min ≤ x ≤ max`.
+pub fn key_box(edges: &[f32; BOXES + 1], x: f32) -> usize {
+    let (mut lo, mut hi) = (0, BOXES);
+    while hi - lo > 1 {
+        let m = (lo + hi) / 2;
+        if x >= edges[m] {
+            lo = m;
+        } else {
+            hi = m;
+        }
+    }
+    lo
+}
+
 /// Page metadata of each page of `keys`: `keys[pages · page_size, row]` →
-/// `meta[pages, meta_rows(page_size), row]` (min row, max row, halves mask rows; see
+/// `meta[pages, meta_rows(page_size), row]` (min row, max row, the mask planes; see
 /// `meta_rows`). `row` = kv_heads · head_dim, so each KV head's channels get their own.
 pub fn page_bounds<T: KvElem>(keys: &[T], row: usize, page_size: usize, meta: &mut [T]) {
     let rows = meta_rows(page_size);
@@ -181,7 +228,8 @@ pub fn page_bounds<T: KvElem>(keys: &[T], row: usize, page_size: usize, meta: &m
         pages * rows * row,
         "meta [pages, meta_rows, row]"
     );
-    let mut bits = vec![0u16; rows - 2]; // one channel's mask rows
+    let plane = page_size.div_ceil(MASK_TOKENS); // mask rows per plane
+    let mut bits = vec![0u16; rows - 2]; // [KEY_BITS, plane]: one channel's mask rows
     for (page, b) in keys
         .chunks_exact(row * page_size)
         .zip(meta.chunks_exact_mut(rows * row))
@@ -202,11 +250,14 @@ pub fn page_bounds<T: KvElem>(keys: &[T], row: usize, page_size: usize, meta: &m
             }
         }
         for c in 0..row {
-            let m = mid(lo[c].to_f32(), hi[c].to_f32());
+            let edges = box_edges(lo[c].to_f32(), hi[c].to_f32());
             bits.fill(0);
             for (t, k) in page.chunks_exact(row).enumerate() {
-                if k[c].to_f32() >= m {
-                    bits[t / MASK_TOKENS] |= 1 << (t % MASK_TOKENS);
+                let j = key_box(&edges, k[c].to_f32());
+                for b in 0..KEY_BITS {
+                    if j >> (KEY_BITS - 1 - b) & 1 == 1 {
+                        bits[b * plane + t / MASK_TOKENS] |= 1 << (t % MASK_TOKENS);
+                    }
                 }
             }
             for (r, &b) in bits.iter().enumerate() {
@@ -228,17 +279,19 @@ fn box_term(q: f32, lo: f32, hi: f32) -> f32 {
     }
 }
 
-/// The **halves bound** of every page for every query head: `q[num_heads, head_dim]`
+/// The **box bound** of every page for every query head: `q[num_heads, head_dim]`
 /// (post-RoPE, as attention sees it; the 1/√d scale does not change the order),
 /// `meta[pages, meta_rows(page_size), row]` (`page_bounds`) → `[pages, num_heads]`. Each
-/// key of the page lies, per channel, in the half of the page's `[min, max]` its mask bit
-/// names, so Quest's bound over that smaller box bounds `q · k`; the page's bound is the
-/// largest over its keys. An upper bound of every key's score, never above Quest's bound
-/// `Σ_c max(q_c · min_c, q_c · max_c)` (each term is at most Quest's term, summed in the
-/// same order), and much tighter: Quest pairs each channel's best extreme, which no single
-/// key need reach. (The offload fork's `max(q · min, q · max)` is not a bound at all: with
-/// mixed signs `q · k` exceeds both.) Each query head reads its
-/// KV head's channels; channels are summed in order with plain f32 multiply and add, the
+/// key of the page lies, per channel, in the box of the page's `[min, max]` its mask
+/// bits name (`key_box`: a quarter of the range with `KEY_BITS` = 2), so Quest's bound
+/// over that smaller box bounds `q · k`; the page's bound is the largest over its keys.
+/// An upper bound of every key's score, never above the halves bound of `KEY_BITS` = 1
+/// nor Quest's `Σ_c max(q_c · min_c, q_c · max_c)` (each box lies in the half, and the
+/// half in the range, that the looser bound uses; each term is at most that bound's term,
+/// summed in the same order), and much tighter: Quest pairs each channel's best extreme,
+/// which no single key need reach. (The offload fork's `max(q · min, q · max)` is not a
+/// bound at all: with mixed signs `q · k` exceeds both.) Each query head reads its KV
+/// head's channels; channels are summed in order with plain f32 multiply and add, the
 /// keys' sums compared with `>` from the first: the CUDA kernel (`kernels/sparse.cu`)
 /// does the same, so both choose the same pages.
 pub fn head_bounds<Q: KvElem, T: KvElem>(
@@ -259,12 +312,9 @@ pub fn head_bounds<Q: KvElem, T: KvElem>(
         .zip(meta[..pages * rows * row].par_chunks(rows * row))
         .for_each_init(
             || Scratch {
-                lows: vec![0.0; h.head_dim],
-                mids: vec![0.0; h.head_dim],
-                highs: vec![0.0; h.head_dim],
-                lower: vec![0.0; group * h.head_dim],
-                upper: vec![0.0; group * h.head_dim],
-                masks: Vec::with_capacity(h.head_dim),
+                edges: vec![0.0; (BOXES + 1) * h.head_dim],
+                terms: vec![0.0; group * BOXES * h.head_dim],
+                masks: Vec::with_capacity(KEY_BITS * h.head_dim),
             },
             |scratch, (out, page)| {
                 prefetch_next(page);
@@ -327,21 +377,19 @@ unsafe fn page_head_bounds_avx512<T: KvElem>(
 
 /// `page_head_bounds`' scratch, for one KV head's query heads (its group).
 struct Scratch {
-    lows: Vec<f32>,  // [head_dim]: each channel's min (of this page and KV head)
-    mids: Vec<f32>,  // [head_dim]: the split between its halves
-    highs: Vec<f32>, // [head_dim]: its max
-    lower: Vec<f32>, // [group, head_dim]: each channel's lower half's term
-    upper: Vec<f32>, // [group, head_dim]: and its upper half's
-    masks: Vec<u16>, // [head_dim]: one mask row's bits
+    edges: Vec<f32>, // [BOXES + 1, head_dim]: each channel's box edges (`box_edges`)
+    terms: Vec<f32>, // [group, BOXES, head_dim]: each query head's term of each box
+    masks: Vec<u16>, // [KEY_BITS, head_dim]: one mask row's bits, per plane
 }
 
-/// One page's halves bound for every query head (`head_bounds`): `page[meta_rows, row]`
-/// → `out[num_heads]`. Per KV head: each channel's min, split and max, its two halves'
-/// terms for each query head, then per mask row its keys' sums and their maximum
-/// (`row_fold`, the 16 keys side by side). Measured on SmolLM2's shapes (9 heads, 256
-/// pages of 16, 30 layers, one thread, best of 8 runs): 9.6 ms with the AVX2 build alone,
-/// 5.5 ms with the body compiled for AVX-512 (3 heads' sums in registers, the terms 16
-/// channels at a time, the keys' maximum a tree over the lanes).
+/// One page's box bound for every query head (`head_bounds`): `page[meta_rows, row]` →
+/// `out[num_heads]`. Per KV head: each channel's box edges, each box's term for each
+/// query head, then per mask row its keys' sums and their maximum (`row_fold`, the 16
+/// keys side by side, each key's term picked by its bits). Measured with `KEY_BITS` = 1
+/// on SmolLM2's shapes (9 heads, 256 pages of 16, 30 layers, one thread, best of 8 runs):
+/// 9.6 ms with the AVX2 build alone, 5.5 ms with the body compiled for AVX-512 (3 heads'
+/// sums in registers, the terms 16 channels at a time, the keys' maximum a tree over the
+/// lanes); `KEY_BITS` = 2 picks among 4 terms instead of 2 (docs/benchmarks.md).
 #[inline(always)]
 fn page_head_bounds<T: KvElem, K: row_fold::RowFold>(
     kernel: K,
@@ -350,49 +398,43 @@ fn page_head_bounds<T: KvElem, K: row_fold::RowFold>(
     h: AttnHeads,
     page_size: usize,
     Scratch {
-        lows,
-        mids,
-        highs,
-        lower,
-        upper,
+        edges,
+        terms,
         masks,
     }: &mut Scratch,
     out: &mut [f32],
 ) {
     let (hd, row) = (h.head_dim, h.num_kv_heads * h.head_dim);
     let group = h.num_heads / h.num_kv_heads;
+    let plane = page_size.div_ceil(MASK_TOKENS); // mask rows per plane
     for (kv, out) in out.chunks_mut(group).enumerate() {
         let g = kv * hd;
         let (min, max) = (&page[g..][..hd], &page[row + g..][..hd]);
-        for (((lo, m), hi), (min, max)) in lows
-            .iter_mut()
-            .zip(mids.iter_mut())
-            .zip(highs.iter_mut())
-            .zip(min.iter().zip(max))
-        {
-            (*lo, *hi) = (min.to_f32(), max.to_f32());
-            *m = mid(*lo, *hi);
-        }
-        for (j, (lower, upper)) in lower.chunks_mut(hd).zip(upper.chunks_mut(hd)).enumerate() {
-            let qh = &q[(kv * group + j) * hd..][..hd];
-            for ((((lower, upper), &q), &lo), (&m, &hi)) in lower
-                .iter_mut()
-                .zip(upper.iter_mut())
-                .zip(qh)
-                .zip(lows.iter())
-                .zip(mids.iter().zip(highs.iter()))
-            {
-                (*lower, *upper) = (box_term(q, lo, m), box_term(q, m, hi));
+        for (c, (min, max)) in min.iter().zip(max).enumerate() {
+            let e = box_edges(min.to_f32(), max.to_f32());
+            for (j, &e) in e.iter().enumerate() {
+                edges[j * hd + c] = e;
             }
         }
-        for r in 0..page_size.div_ceil(MASK_TOKENS) {
+        for (j, terms) in terms.chunks_mut(BOXES * hd).enumerate() {
+            let qh = &q[(kv * group + j) * hd..][..hd];
+            for (b, terms) in terms.chunks_mut(hd).enumerate() {
+                let (lo, hi) = (&edges[b * hd..][..hd], &edges[(b + 1) * hd..][..hd]);
+                for (((t, &q), &lo), &hi) in terms.iter_mut().zip(qh).zip(lo).zip(hi) {
+                    *t = box_term(q, lo, hi);
+                }
+            }
+        }
+        for r in 0..plane {
             masks.clear();
-            masks.extend(page[(2 + r) * row + g..][..hd].iter().map(|m| m.mask()));
+            for b in 0..KEY_BITS {
+                let bits = &page[(2 + b * plane + r) * row + g..][..hd];
+                masks.extend(bits.iter().map(|m| m.mask()));
+            }
             let keys = (page_size - r * MASK_TOKENS).min(MASK_TOKENS);
             let row = row_fold::Row {
                 masks,
-                lower,
-                upper,
+                terms,
                 keys,
                 first: r == 0,
             };
@@ -898,15 +940,20 @@ mod tests {
     }
 
     #[test]
-    fn metadata_is_min_max_and_the_upper_half_mask_per_channel() {
+    fn metadata_is_min_max_and_each_keys_quarter_per_channel() {
+        assert_eq!(KEY_BITS, 2, "the values below are worked out for quarters");
         let keys = [1.0f32, -2.0, 3.0, 4.0, -5.0, 0.5]; // 3 rows of 2, one page of 3
-        let mut b = [0.0f32; 6];
+        let mut b = [0.0f32; 8]; // [min | max | plane 0 | plane 1, 2 channels]
         page_bounds(&keys, 2, 3, &mut b);
         assert_eq!(b[..4], [-5.0, -2.0, 3.0, 4.0]);
-        // mids -1 and 1: channel 0 keys 1, 3, -5 → upper, upper, lower (bits 0b011);
-        // channel 1 keys -2, 4, 0.5 → lower, upper, lower (0b010).
+        // Channel 0: [-5, 3] splits at -1, then -3 and 1: keys 1, 3, -5 → quarters 3, 3, 0
+        // (bits 11, 11, 00). Channel 1: [-2, 4] splits at 1, then -0.5 and 2.5: keys -2,
+        // 4, 0.5 → quarters 0, 3, 1 (bits 00, 11, 01). Plane 0 holds the first bits
+        // (upper half), plane 1 the second, bit t for key t.
         assert_eq!([b[4].mask(), b[5].mask()], [0b011, 0b010]);
-        assert_eq!(meta_rows(16), 3);
-        assert_eq!(meta_rows(17), 4);
+        assert_eq!([b[6].mask(), b[7].mask()], [0b011, 0b110]);
+        assert_eq!(box_edges(-5.0, 3.0), [-5.0, -3.0, -1.0, 1.0, 3.0]);
+        assert_eq!(meta_rows(16), 4);
+        assert_eq!(meta_rows(17), 6);
     }
 }

@@ -1,30 +1,31 @@
-//! The inner loop of the CPU halves bound (`page_head_bounds`): for one mask row (up to 16
+//! The inner loop of the CPU box bound (`page_head_bounds`): for one mask row (up to 16
 //! keys of a page) and one KV head's query heads, each key's sum over the channels of its
-//! half's term, and the largest of them folded into each head's page bound.
+//! box's term, and the largest of them folded into each head's page bound.
 //!
 //! The portable loop defines the arithmetic: per key, in channel order from 0.0, add the
-//! lower half's term where the key's mask bit is clear, the upper half's where it is set;
-//! then, key by key, a sum replaces the bound when it is larger (`>`), starting from the
-//! page's first key. The AVX-512 kernel does the same operations (a blend picks the term,
-//! exactly; one add per channel, in order) with the 16 keys in one register, the mask
-//! row's bits as the blend's mask, and up to 4 query heads' sums side by side (a KV head's
-//! query heads read the same bits; independent sums hide the adds' latency). Its maximum
+//! term of the box its bits in the mask planes name (`super::key_box`'s index: plane 0's
+//! bit the most significant); then, key by key, a sum replaces the bound when it is larger
+//! (`>`), starting from the page's first key. The AVX-512 kernel does the same operations
+//! (a tree of blends picks the term, exactly: the last plane's bits choose within each
+//! pair of boxes, plane 0's last; one add per channel, in order) with the 16 keys in one
+//! register, the planes' bits as the blends' masks, and up to 4 query heads' sums side by
+//! side (a KV head's query heads read the same bits; independent sums hide the adds'
+//! latency). Its maximum
 //! is a tree over the lanes, which gives the sequential fold's bits whenever no sum is a
 //! NaN or a zero (then equal sums are equal bits); otherwise it runs the fold itself. A
 //! test checks the kernels agree bitwise, NaNs and zeros included.
 
 use super::MASK_TOKENS as KEYS; // keys one mask row covers
+use super::{BOXES, KEY_BITS};
 
 /// One mask row of a page, with one KV head's query heads' terms (`RowFold`).
 #[derive(Clone, Copy, Debug)]
 pub struct Row<'a> {
-    /// `[head_dim]`: bit `t` of channel `c` set when key `t` lies in the channel's upper
-    /// half.
+    /// `[KEY_BITS, head_dim]`: bit `t` of plane `b`, channel `c`: key `t`'s bit `b` in that
+    /// channel (`super::meta_rows`).
     pub masks: &'a [u16],
-    /// `[group, head_dim]`: each query head's term of the channel's lower half.
-    pub lower: &'a [f32],
-    /// `[group, head_dim]`: and of its upper half.
-    pub upper: &'a [f32],
+    /// `[group, BOXES, head_dim]`: each query head's term of each box of each channel.
+    pub terms: &'a [f32],
     /// Keys in the row, 1 to 16: lanes past them are not keys.
     pub keys: usize,
     /// The page's first row: its first key's sum replaces the bound so far.
@@ -32,12 +33,13 @@ pub struct Row<'a> {
 }
 
 impl Row<'_> {
-    /// Panics unless the terms are `[best.len(), head_dim]` and `keys` fits a row.
+    /// Panics unless the masks are `[KEY_BITS, head_dim]`, the terms `[best.len(), BOXES,
+    /// head_dim]` and `keys` fits a row.
     fn check(&self, best: &[f32]) {
-        let hd = self.masks.len();
+        let hd = self.masks.len() / KEY_BITS;
         assert!(
-            self.lower.len() == best.len() * hd && self.upper.len() == self.lower.len(),
-            "fold_row: terms [group, head_dim]"
+            self.masks.len() == KEY_BITS * hd && self.terms.len() == best.len() * BOXES * hd,
+            "fold_row: masks [KEY_BITS, head_dim], terms [group, BOXES, head_dim]"
         );
         assert!(
             (1..=KEYS).contains(&self.keys),
@@ -60,10 +62,9 @@ impl RowFold for Portable {
     #[inline(always)]
     fn fold_row(self, row: &Row, best: &mut [f32]) {
         row.check(best);
-        let hd = row.masks.len();
-        let terms = row.lower.chunks_exact(hd).zip(row.upper.chunks_exact(hd));
-        for ((lower, upper), best) in terms.zip(best) {
-            let sums = row_sums(row.masks, lower, upper);
+        let hd = row.masks.len() / KEY_BITS;
+        for (terms, best) in row.terms.chunks_exact(BOXES * hd).zip(best) {
+            let sums = row_sums(row.masks, terms);
             *best = fold_keys(&sums[..row.keys], row.first, *best);
         }
     }
@@ -82,16 +83,16 @@ impl RowFold for Avx512 {
     }
 }
 
-/// One query head's 16 key sums (the definition): the 16 sums kept in registers across
-/// the channels (9 instructions a channel with AVX2).
+/// One query head's 16 key sums (the definition): `masks[KEY_BITS, head_dim]`, `terms[BOXES,
+/// head_dim]`; per channel, each key adds the term of the box its bits name.
 #[inline(always)]
-fn row_sums(masks: &[u16], lower: &[f32], upper: &[f32]) -> [f32; KEYS] {
+fn row_sums(masks: &[u16], terms: &[f32]) -> [f32; KEYS] {
+    let hd = masks.len() / KEY_BITS;
     let mut s = [0.0f32; KEYS];
-    for ((&bits, &lo), &up) in masks.iter().zip(lower).zip(upper) {
-        // Key t's bit moved to the sign bit of lane t: a blend reads just that.
-        let lanes: [i32; KEYS] = std::array::from_fn(|t| ((bits as u32) << (31 - t)) as i32);
-        for (s, &l) in s.iter_mut().zip(&lanes) {
-            *s += if l < 0 { up } else { lo };
+    for c in 0..hd {
+        for (t, s) in s.iter_mut().enumerate() {
+            let j = (0..KEY_BITS).fold(0, |j, b| j << 1 | (masks[b * hd + c] >> t & 1) as usize);
+            *s += terms[j * hd + c];
         }
     }
     s
@@ -111,13 +112,12 @@ fn fold_keys(sums: &[f32], first: bool, best: f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn fold_row_avx512(row: &Row, best: &mut [f32]) {
-    let hd = row.masks.len();
+    let hd = row.masks.len() / KEY_BITS;
     let mut head = 0;
     while head < best.len() {
         let n = (best.len() - head).min(4);
         let heads = Row {
-            lower: &row.lower[head * hd..][..n * hd],
-            upper: &row.upper[head * hd..][..n * hd],
+            terms: &row.terms[head * BOXES * hd..][..n * BOXES * hd],
             ..*row
         };
         let best = &mut best[head..head + n];
@@ -142,25 +142,32 @@ fn heads_avx512<const N: usize>(row: &Row, best: &mut [f32]) {
     };
     let Row {
         masks,
-        lower,
-        upper,
+        terms,
         keys,
         first,
     } = *row;
-    let hd = masks.len();
-    assert!(lower.len() >= N * hd && upper.len() >= N * hd);
+    let hd = masks.len() / KEY_BITS;
+    assert!(masks.len() == KEY_BITS * hd && terms.len() >= N * BOXES * hd);
     // Raw pointers: slices' bounds checks and lengths would double the loop's
-    // instructions and spill its registers (the loop issues ~3N + 4 per channel).
-    let lower: [*const f32; N] = std::array::from_fn(|j| lower[j * hd..].as_ptr());
-    let upper: [*const f32; N] = std::array::from_fn(|j| upper[j * hd..].as_ptr());
+    // instructions and spill its registers.
+    let terms: [*const f32; N] = std::array::from_fn(|j| terms[j * BOXES * hd..].as_ptr());
     let mut acc = [_mm512_setzero_ps(); N];
-    for (c, &bits) in masks.iter().enumerate() {
+    for c in 0..hd {
+        let bits: [u16; KEY_BITS] = std::array::from_fn(|b| masks[b * hd + c]);
         for j in 0..N {
-            // SAFETY: c < hd, and each head's terms are hd long (asserted above).
-            let (lo, up) = unsafe { (*lower[j].add(c), *upper[j].add(c)) };
-            // Lane t takes the upper term where bit t is set: key t's half.
-            let term = _mm512_mask_blend_ps(bits, _mm512_set1_ps(lo), _mm512_set1_ps(up));
-            acc[j] = _mm512_add_ps(acc[j], term);
+            // SAFETY: c < hd and x < BOXES: inside head j's [BOXES, hd] terms (asserted).
+            let mut v: [__m512; BOXES] =
+                std::array::from_fn(|x| _mm512_set1_ps(unsafe { *terms[j].add(x * hd + c) }));
+            // The last plane picks within each pair of boxes (lane t takes the upper box
+            // where key t's bit is set), then each earlier plane within the pairs left.
+            let mut n = BOXES;
+            for &bits in bits.iter().rev() {
+                for i in 0..n / 2 {
+                    v[i] = _mm512_mask_blend_ps(bits, v[2 * i], v[2 * i + 1]);
+                }
+                n /= 2;
+            }
+            acc[j] = _mm512_add_ps(acc[j], v[0]);
         }
     }
     let valid = (((1u32 << keys) - 1) & 0xffff) as u16; // lanes of real keys
@@ -196,44 +203,44 @@ mod tests {
             let (group, hd) = [(1, 64), (2, 128), (3, 64), (4, 64), (5, 32), (9, 8)][case % 6];
             let keys = [16, 16, 1, 7, 15][case % 5];
             let first = case % 3 != 0;
-            let masks: Vec<u16> = (0..hd)
+            let masks: Vec<u16> = (0..KEY_BITS * hd)
                 .map(|_| match case % 4 {
                     0 => rng.random::<u16>() & 0x00ff, // half the keys tie
                     _ => rng.random(),
                 })
                 .collect();
             let special = case % 7; // 0: a NaN term, 1: all-zero terms, 2: -0.0 terms
-            let mut terms = |which: usize| -> Vec<f32> {
-                (0..group * hd)
-                    .map(|i| match special {
-                        0 if i == 3 && which == 1 => f32::NAN,
-                        1 => 0.0,
-                        2 => -0.0,
-                        _ => rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-3..4)),
-                    })
-                    .collect()
-            };
-            let (lower, upper) = (terms(0), terms(1));
+            let terms: Vec<f32> = (0..group * BOXES * hd) // [group, BOXES, hd]
+                .map(|i| match special {
+                    0 if i == hd + 3 => f32::NAN,
+                    1 => 0.0,
+                    2 => -0.0,
+                    _ => rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-3..4)),
+                })
+                .collect();
             let start: Vec<f32> = (0..group)
                 .map(|j| [f32::NAN, 0.0, -0.0, 1.5, -100.0][(case + j) % 5])
                 .collect();
             let row = Row {
                 masks: &masks,
-                lower: &lower,
-                upper: &upper,
+                terms: &terms,
                 keys,
                 first,
             };
             let mut want = start.clone();
             Portable.fold_row(&row, &mut want);
-            // The portable loop is the definition: key by key, channel order.
+            // The portable loop is the definition: key by key, channel order, the box the
+            // key's bits spell (plane 0 the most significant).
             for (j, &w) in want.iter().enumerate() {
                 let mut b = start[j];
                 for t in 0..keys {
                     let mut s = 0.0f32;
-                    for (c, m) in masks.iter().enumerate() {
-                        let i = j * hd + c;
-                        s += if m >> t & 1 == 1 { upper[i] } else { lower[i] };
+                    for c in 0..hd {
+                        let mut x = 0;
+                        for p in 0..KEY_BITS {
+                            x = 2 * x + usize::from(masks[p * hd + c] >> t & 1 == 1);
+                        }
+                        s += terms[(j * BOXES + x) * hd + c];
                     }
                     if (first && t == 0) || s > b {
                         b = s;

@@ -7,8 +7,9 @@ use crate::device::cpu::ops::AttnHeads;
 use crate::device::DevPtr;
 use half::bf16;
 
-/// sparse.cu `page_bounds(keys, bounds, pages, page_size, row)`: channel-wise min and
-/// max of K per page and the halves mask, one thread per (page, channel).
+/// sparse.cu `page_bounds(keys, bounds, pages, page_size, row, key_bits)`: channel-wise
+/// min and max of K per page and the `crate::sparse::KEY_BITS` mask planes, one thread per
+/// (page, channel).
 pub fn page_bounds(
     keys: DevPtr<bf16>,   // bf16 [pages · page_size, row]
     bounds: DevPtr<bf16>, // bf16 [pages, meta_rows(page_size), row]
@@ -16,13 +17,21 @@ pub fn page_bounds(
     page_size: usize,
     row: usize,
 ) -> Launch {
-    let args = vec![arg(keys), arg(bounds), i(pages), i(page_size), i(row)];
+    let key_bits = crate::sparse::KEY_BITS;
+    let args = vec![
+        arg(keys),
+        arg(bounds),
+        i(pages),
+        i(page_size),
+        i(row),
+        i(key_bits),
+    ];
     launch("sparse.cu", "page_bounds", grid1(pages * row, EW), args)
 }
 
 /// sparse.cu `head_bounds(q, bounds, out, pages, page_size, num_heads, num_kv_heads,
-/// head_dim)`: the halves bound of each page for each query head, one thread per (page,
-/// head).
+/// head_dim, key_bits)`: the box bound of each page for each query head, one thread per
+/// (page, head).
 pub fn head_bounds(
     q: DevPtr<bf16>,      // bf16 [num_heads, head_dim]
     bounds: DevPtr<bf16>, // bf16 [pages, meta_rows(page_size), num_kv_heads · head_dim]
@@ -40,6 +49,7 @@ pub fn head_bounds(
         i(h.num_heads),
         i(h.num_kv_heads),
         i(h.head_dim),
+        i(crate::sparse::KEY_BITS),
     ];
     launch(
         "sparse.cu",

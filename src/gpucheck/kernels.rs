@@ -821,7 +821,12 @@ fn check_page_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result
     let k_d = m.upload(&keys)?;
     let b_d = m.zeros::<u16>(n)?;
     exec.launch(&crate::device::cuda::sparse::page_bounds(
-        k_d, b_d, pages, page_size, row,
+        k_d,
+        b_d,
+        pages,
+        page_size,
+        row,
+        crate::sparse::KEY_BITS,
     ))?;
     let got = m.download::<u16>(b_d, n)?;
     let mut want = vec![half::bf16::ZERO; n];
@@ -857,7 +862,13 @@ fn check_head_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result
     let (q_d, b_d) = (m.upload(&q)?, m.upload(&meta_bits)?);
     let out = m.zeros::<f32>(pages * nh)?; // [pages, num_heads]
     exec.launch(&crate::device::cuda::sparse::head_bounds(
-        q_d, b_d, out, pages, page_size, heads,
+        q_d,
+        b_d,
+        out,
+        pages,
+        page_size,
+        heads,
+        crate::sparse::KEY_BITS,
     ))?;
     let got = m.download::<f32>(out, pages * nh)?;
     let want = crate::sparse::head_bounds(&as_bf16(&q), &meta, heads, pages, page_size);

@@ -280,6 +280,7 @@ impl OffloadDevice for CudaOffloadDevice {
             pages,
             page_size,
             row,
+            crate::sparse::KEY_BITS,
         );
         self.kernels.launch(&self.compute.0, &l)
     }
@@ -319,6 +320,7 @@ impl OffloadDevice for CudaOffloadDevice {
             pages,
             page_size,
             heads,
+            crate::sparse::KEY_BITS,
         );
         self.kernels.launch(&st, &l)?;
         let mut host = vec![0f32; n];

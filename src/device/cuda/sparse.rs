@@ -1,6 +1,7 @@
-//! Launches of sparse decode's kernels (`kernels/sparse.cu`); their references are
-//! `crate::sparse::page_bounds` and `crate::sparse::head_bounds`, which they equal bit for
-//! bit (gpu-check step 1, and the emulator in CI).
+//! Launches of sparse decode's kernels (`kernels/sparse.cu`); their references are the
+//! runtime's `sparse::page_bounds` and `sparse::head_bounds`, which they equal bit for bit
+//! (gpu-check step 1, and the emulator in CI). `key_bits` (the mask planes per key and
+//! channel) is the caller's, the runtime's `sparse::KEY_BITS`: `device/` is a leaf.
 
 use super::ops::{arg, grid1, i, launch, Launch, EW};
 use crate::device::cpu::ops::AttnHeads;
@@ -8,16 +9,15 @@ use crate::device::DevPtr;
 use half::bf16;
 
 /// sparse.cu `page_bounds(keys, bounds, pages, page_size, row, key_bits)`: channel-wise
-/// min and max of K per page and the `crate::sparse::KEY_BITS` mask planes, one thread per
-/// (page, channel).
+/// min and max of K per page and `key_bits` mask planes, one thread per (page, channel).
 pub fn page_bounds(
     keys: DevPtr<bf16>,   // bf16 [pages · page_size, row]
     bounds: DevPtr<bf16>, // bf16 [pages, meta_rows(page_size), row]
     pages: usize,
     page_size: usize,
     row: usize,
+    key_bits: usize,
 ) -> Launch {
-    let key_bits = crate::sparse::KEY_BITS;
     let args = vec![
         arg(keys),
         arg(bounds),
@@ -39,6 +39,7 @@ pub fn head_bounds(
     pages: usize,
     page_size: usize,
     h: AttnHeads,
+    key_bits: usize,
 ) -> Launch {
     let args = vec![
         arg(q),
@@ -49,7 +50,7 @@ pub fn head_bounds(
         i(h.num_heads),
         i(h.num_kv_heads),
         i(h.head_dim),
-        i(crate::sparse::KEY_BITS),
+        i(key_bits),
     ];
     launch(
         "sparse.cu",

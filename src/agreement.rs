@@ -1,6 +1,7 @@
-//! `strata bench agreement`: how far one weight mode's outputs move from another's on the
-//! same model file. Made for the `q8` mode (8-bit activations, integer dots), which is not
-//! bitwise equal to `stored`: accuracy is measured, not assumed (issue 33).
+//! `strata bench agreement`: how far one mode's outputs move from another's on the same
+//! model file, a mode being a weight mode and a KV element. Made for the `q8` mode (8-bit
+//! activations, integer dots) and the 16-bit KV caches, neither bitwise equal to the
+//! reference: accuracy is measured, not assumed (issue 33).
 //!
 //! Two measurements, both modes loaded side by side:
 //! - teacher-forced: a fixed text fed one token at a time (the decode path), and at every
@@ -14,6 +15,7 @@ use std::path::PathBuf;
 use anyhow::{bail, ensure, Context, Result};
 use rand::SeedableRng;
 
+use crate::device::{DeviceKind, KvDtype};
 use crate::engine::sampler;
 use crate::kv::ContiguousKv;
 use crate::model::weights::WeightDtype;
@@ -32,12 +34,18 @@ pub struct AgreementArgs {
     /// GGUF file or Hugging Face model directory [default: $STRATA_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// The mode measured.
+    /// The weight mode measured.
     #[arg(long, value_enum, default_value_t = WeightDtype::Q8)]
     pub dtype: WeightDtype,
-    /// The mode it is measured against.
+    /// The weight mode it is measured against.
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
     pub reference: WeightDtype,
+    /// The KV element of the mode measured [default: the CPU device's]
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    pub kv_dtype: Option<KvDtype>,
+    /// The KV element of the reference.
+    #[arg(long, value_enum, value_name = "DTYPE", default_value_t = KvDtype::F32)]
+    pub reference_kv_dtype: KvDtype,
     /// Teacher-forced positions.
     #[arg(long, default_value_t = 1024, value_parser = crate::flags::tokens())]
     pub positions: usize,
@@ -73,20 +81,39 @@ pub struct Greedy {
     pub diverged_at_p: Option<(f64, f64)>,
 }
 
-/// Greedy decoding of `prompt` in both models side by side (each on its own tokens) until
-/// they first choose differently or `steps` tokens.
+/// A model with its KV element: one side of a comparison.
+#[derive(Clone, Copy)]
+pub struct Side<'a> {
+    pub model: &'a Model,
+    pub kv: KvDtype,
+}
+
+/// One forward step `(tokens, pos0)` → the last logits.
+type Step<'a> = Box<dyn FnMut(&[u32], usize) -> Result<Vec<f32>> + 'a>;
+
+impl<'a> Side<'a> {
+    /// Its forward over a fresh cache of `cap` tokens in its KV element.
+    fn stepper(self, cap: usize) -> Step<'a> {
+        let (m, c) = (self.model, &self.model.cfg);
+        crate::with_kv_elem!(self.kv, T => {
+            let mut kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, cap);
+            Box::new(move |tokens: &[u32], pos0: usize| m.forward(tokens, pos0, &mut kv))
+        })
+    }
+}
+
+/// Greedy decoding of `prompt` on both sides (each on its own tokens) until they first
+/// choose differently or `steps` tokens.
 pub fn greedy(
-    reference: &Model,
-    mode: &Model,
+    reference: Side<'_>,
+    mode: Side<'_>,
     prompt: &[u32],
     steps: usize,
 ) -> Result<(usize, Option<(f64, f64)>)> {
-    let c = &reference.cfg;
     let cap = prompt.len() + steps;
-    let mut kv_r = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, cap);
-    let mut kv_m = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, cap);
-    let mut lr = reference.forward(prompt, 0, &mut kv_r)?;
-    let mut lm = mode.forward(prompt, 0, &mut kv_m)?;
+    let (mut fr, mut fm) = (reference.stepper(cap), mode.stepper(cap));
+    let mut lr = fr(prompt, 0)?;
+    let mut lm = fm(prompt, 0)?;
     for step in 0..steps {
         let (tr, tm) = (sampler::argmax(&lr), sampler::argmax(&lm));
         if tr != tm {
@@ -94,8 +121,8 @@ pub fn greedy(
             return Ok((step, Some((p[tr as usize].exp(), p[tm as usize].exp()))));
         }
         let pos = prompt.len() + step;
-        lr = reference.forward(&[tr], pos, &mut kv_r)?;
-        lm = mode.forward(&[tr], pos, &mut kv_m)?;
+        lr = fr(&[tr], pos)?;
+        lm = fm(&[tr], pos)?;
     }
     Ok((steps, None))
 }
@@ -124,16 +151,14 @@ pub fn kl(p_logits: &[f32], q_logits: &[f32]) -> f64 {
         .max(0.0)
 }
 
-/// Feeds `tokens` one at a time through both models and compares every position's logits.
-pub fn teacher_forced(reference: &Model, mode: &Model, tokens: &[u32]) -> Result<Forced> {
-    let c = &reference.cfg;
+/// Feeds `tokens` one at a time through both sides and compares every position's logits.
+pub fn teacher_forced(reference: Side<'_>, mode: Side<'_>, tokens: &[u32]) -> Result<Forced> {
     let cap = tokens.len();
-    let mut kv_r = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, cap);
-    let mut kv_m = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, cap);
+    let (mut fr, mut fm) = (reference.stepper(cap), mode.stepper(cap));
     let (mut agree, mut kls) = (0usize, Vec::with_capacity(tokens.len()));
     for (pos, &t) in tokens.iter().enumerate() {
-        let lr = reference.forward(&[t], pos, &mut kv_r)?;
-        let lm = mode.forward(&[t], pos, &mut kv_m)?;
+        let lr = fr(&[t], pos)?;
+        let lm = fm(&[t], pos)?;
         agree += usize::from(sampler::argmax(&lr) == sampler::argmax(&lm));
         kls.push(kl(&lr, &lm));
     }
@@ -152,9 +177,15 @@ pub fn teacher_forced(reference: &Model, mode: &Model, tokens: &[u32]) -> Result
 
 pub fn run(a: AgreementArgs) -> Result<()> {
     let path = model::resolve(a.model.clone())?;
+    let kv = DeviceKind::Cpu.kv_dtype(a.kv_dtype)?;
     let (reference, tok) = Model::load_as(&path, false, a.reference)?;
     let (mode, _) = Model::load_as(&path, false, a.dtype)?;
-    let context = reference.cfg.max_position_embeddings;
+    let reference = Side {
+        model: &reference,
+        kv: a.reference_kv_dtype,
+    };
+    let mode = Side { model: &mode, kv };
+    let context = reference.model.cfg.max_position_embeddings;
     ensure!(
         a.positions <= context,
         "--positions {} exceeds the model's context of {context} tokens",
@@ -195,11 +226,11 @@ pub fn run(a: AgreementArgs) -> Result<()> {
         prompts.len(),
         a.greedy_tokens
     );
-    let forced = teacher_forced(&reference, &mode, &tokens)?;
+    let forced = teacher_forced(reference, mode, &tokens)?;
 
     let mut greedy_rows = Vec::new();
     for (p, prompt) in prompts {
-        let (agree, diverged_at_p) = greedy(&reference, &mode, &prompt, a.greedy_tokens)?;
+        let (agree, diverged_at_p) = greedy(reference, mode, &prompt, a.greedy_tokens)?;
         greedy_rows.push(Greedy {
             prompt: p.to_string(),
             tokens: a.greedy_tokens,
@@ -210,10 +241,16 @@ pub fn run(a: AgreementArgs) -> Result<()> {
     let greedy = greedy_rows;
 
     let name = |d: WeightDtype| format!("{d:?}").to_lowercase();
+    let (mode_name, ref_name) = (
+        format!("{} (KV {kv})", name(a.dtype)),
+        format!("{} (KV {})", name(a.reference), a.reference_kv_dtype),
+    );
     if a.json {
         let j = serde_json::json!({
             "dtype": name(a.dtype),
             "reference": name(a.reference),
+            "kv_dtype": kv.name(),
+            "reference_kv_dtype": a.reference_kv_dtype.name(),
             "teacher_forced": forced,
             "greedy": greedy,
         });
@@ -223,8 +260,8 @@ pub fn run(a: AgreementArgs) -> Result<()> {
     println!(
         "{} against {}: {} teacher-forced positions: top-1 agreement {:.4}, mean KL {:.3e} \
          nats (p99 {:.3e}, max {:.3e})",
-        name(a.dtype),
-        name(a.reference),
+        mode_name,
+        ref_name,
         forced.positions,
         forced.top1_agreement,
         forced.mean_kl,

@@ -223,3 +223,25 @@ mod tests {
         }
     }
 }
+
+/// `--kv-dtype`, on every command that sizes a KV cache: the element the CPU device stores
+/// K and V in. Its help is the one description of the choice (docs/cpu.md has the numbers).
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct KvDtypeArg {
+    /// KV cache element on the CPU device: f32 (the reference), bf16 or f16 (half the
+    /// bytes; attention widens them in registers). CUDA stores bf16 [default: f32 on the
+    /// CPU, bf16 on CUDA]
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    pub kv_dtype: Option<crate::device::KvDtype>,
+}
+
+impl KvDtypeArg {
+    /// The element `device` stores: the flag's, or the device's default; one error line
+    /// where the device cannot store it.
+    pub fn resolve(
+        self,
+        device: crate::device::DeviceKind,
+    ) -> anyhow::Result<crate::device::KvDtype> {
+        device.kv_dtype(self.kv_dtype)
+    }
+}

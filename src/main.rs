@@ -105,6 +105,8 @@ struct GenerateArgs {
     /// bitwise equal to stored).
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
     dtype: WeightDtype,
+    #[command(flatten)]
+    kv: flags::KvDtypeArg,
     /// Layerwise KV offload: the KV cache lives in host memory, layers stream through a device ring.
     #[arg(long)]
     enable_offload: bool,
@@ -182,6 +184,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     // Everything is checked before anything is printed: a failing run prints only its
     // error line (docs/errors.md); warnings and the memory plan follow validation.
     device::check_available(args.device)?;
+    let kv_dtype = args.kv.resolve(args.device)?;
     if let Some(path) = &args.trace_out {
         strata::offload::trace::check_trace_out(path)?;
     }
@@ -233,6 +236,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let sparse = args.sparse.config(args.enable_offload)?;
     let session_cfg = SessionConfig {
         device: args.device,
+        kv_dtype,
         max_len: if args.enable_offload {
             max_len
         } else {

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! CLI / needle / benches ─▶ Session::generate ─▶ engine::run_loop (prefill, decode, sample)
-//!   ─▶ Model::forward (CPU, f32) or CudaModel::forward (CUDA, bf16)
+//!   ─▶ Model::forward (CPU, KV in `--kv-dtype`) or CudaModel::forward (CUDA, KV in bf16)
 //!   ─▶ KvCache seam: ContiguousKv / ResidentKv / OffloadEngine<CPU or CUDA device>
 //! ```
 
@@ -16,18 +16,22 @@ use anyhow::{bail, Result};
 use half::bf16;
 
 use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::{DeviceKind, Feature};
+use crate::device::{DeviceKind, Feature, KvDtype, KvElem};
 use crate::engine::{self, GenerateOptions, GenerationOutput};
 use crate::kv::cuda::ResidentKv;
 use crate::kv::{ContiguousKv, KvCache};
 use crate::model::cuda::weights::CudaWeights;
 use crate::model::cuda::CudaModel;
 use crate::model::{Model, ModelConfig};
-use crate::offload::{CpuOffloadEngine, MemoryPlan, OffloadConfig, OffloadControl, OffloadKv};
+use crate::offload::{
+    CpuOffloadDevice, MemoryPlan, OffloadConfig, OffloadControl, OffloadEngine, OffloadKv,
+};
 
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
     pub device: DeviceKind,
+    /// The KV element (`DeviceKind::kv_dtype`: CUDA stores bf16 only).
+    pub kv_dtype: KvDtype,
     /// Tokens one request may hold (prompt + output).
     pub max_len: usize,
     /// Layerwise KV offload with these settings; `None`: every layer's KV resident.
@@ -39,9 +43,13 @@ pub struct SessionConfig {
 }
 
 impl SessionConfig {
+    /// With the device's default KV element.
     pub fn new(device: DeviceKind, max_len: usize) -> Self {
         Self {
             device,
+            kv_dtype: device
+                .kv_dtype(None)
+                .expect("every device has a default KV element"),
             max_len,
             offload: None,
             trace_out: None,
@@ -61,9 +69,10 @@ impl SessionConfig {
         if self.profile.is_some() {
             self.device.require(Feature::ProfilerRange)?;
         }
+        self.device.kv_dtype(Some(self.kv_dtype))?;
         self.offload
             .as_ref()
-            .map(|o| o.plan_for(model, self.device.kv_elem_bytes()))
+            .map(|o| o.plan_for(model, self.kv_dtype.bytes()))
             .transpose()
     }
 
@@ -106,6 +115,13 @@ struct Caches<T> {
 }
 
 impl<T: 'static> Caches<T> {
+    fn new(offload: Option<Box<dyn OffloadKv<T>>>) -> Self {
+        Self {
+            offload,
+            resident: None,
+        }
+    }
+
     /// The offload engine unless `resident` is asked or there is none; else the resident
     /// cache, made by `make` the first time.
     fn pick(
@@ -125,9 +141,47 @@ impl<T: 'static> Caches<T> {
     }
 }
 
+/// The CPU model's caches, whatever their element (`SessionConfig::kv_dtype`).
+trait CpuCaches {
+    fn offload(&mut self) -> Option<&mut dyn OffloadControl>;
+    /// One request of at most `cap` tokens on the offload engine, or the resident cache.
+    fn run(
+        &mut self,
+        model: &Arc<Model>,
+        resident: bool,
+        cap: usize,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> Result<()>,
+    ) -> Result<GenerationOutput>;
+}
+
+impl<T: KvElem> CpuCaches for Caches<T> {
+    fn offload(&mut self) -> Option<&mut dyn OffloadControl> {
+        self.offload.as_deref_mut().map(|o| o as _)
+    }
+
+    fn run(
+        &mut self,
+        model: &Arc<Model>,
+        resident: bool,
+        cap: usize,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> Result<()>,
+    ) -> Result<GenerationOutput> {
+        let c = &model.cfg;
+        let kv = self.pick(resident, || {
+            let kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, cap);
+            Ok(Box::new(kv))
+        })?;
+        engine::generate_with(model, kv, cap, prompt, opts, on_token)
+    }
+}
+
 /// The model on its device, with its caches.
 enum Backend {
-    Cpu(Caches<f32>),
+    Cpu(Box<dyn CpuCaches>),
     Cuda(Box<CudaModel>, Caches<bf16>),
 }
 
@@ -143,13 +197,12 @@ impl Session {
     pub fn new(model: Arc<Model>, cfg: SessionConfig) -> Result<Self> {
         if cfg.device == DeviceKind::Cpu {
             let capacity = cfg.capacity(&model.cfg)?;
-            let offload = match &cfg.offload {
-                Some(o) => Some(Box::new(CpuOffloadEngine::on_cpu(&model.cfg, o.clone())?) as _),
-                None => None,
-            };
-            let backend = Backend::Cpu(Caches {
-                offload,
-                resident: None,
+            let backend = crate::with_kv_elem!(cfg.kv_dtype, T => {
+                let offload = match &cfg.offload {
+                    Some(o) => Some(Box::new(OffloadEngine::<CpuOffloadDevice<T>>::on_cpu(&model.cfg, o.clone())?) as _),
+                    None => None,
+                };
+                Backend::Cpu(Box::new(Caches::<T>::new(offload)))
             });
             return Ok(Self {
                 model,
@@ -184,10 +237,7 @@ impl Session {
         let w = CudaWeights::from_model(&*exec, &model)?;
         let gpu = CudaModel::new(exec, c.clone(), w, capacity)?;
         let offload = cfg.offload.clone().map(|o| engine(c, o)).transpose()?;
-        let caches = Caches {
-            offload,
-            resident: None,
-        };
+        let caches = Caches::new(offload);
         Ok(Self {
             backend: Backend::Cuda(Box::new(gpu), caches),
             model,
@@ -208,7 +258,7 @@ impl Session {
     /// The offload engine, when offloading.
     fn offload(&mut self) -> Option<&mut dyn OffloadControl> {
         match &mut self.backend {
-            Backend::Cpu(c) => c.offload.as_deref_mut().map(|o| o as _),
+            Backend::Cpu(c) => c.offload(),
             Backend::Cuda(_, c) => c.offload.as_deref_mut().map(|o| o as _),
         }
     }
@@ -268,13 +318,7 @@ impl Session {
         let (cap, c) = (self.capacity, &self.model.cfg);
         engine::check_prompt(prompt, cap)?;
         match &mut self.backend {
-            Backend::Cpu(caches) => {
-                let kv = caches.pick(resident, || {
-                    let kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, cap);
-                    Ok(Box::new(kv))
-                })?;
-                engine::generate_with(&self.model, kv, cap, prompt, opts, on_token)
-            }
+            Backend::Cpu(caches) => caches.run(&self.model, resident, cap, prompt, opts, on_token),
             Backend::Cuda(gpu, caches) => {
                 let kv = caches.pick(resident, || {
                     let kv = ResidentKv::new(gpu.exec(), c.num_layers, c.kv_dim(), cap)?;

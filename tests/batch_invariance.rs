@@ -1,6 +1,7 @@
 //! Batch invariance of the batched forward: a sequence's logits are bitwise those of the
 //! plain contiguous-cache run (`strata generate`'s forward, whole prompt at once), whatever
-//! it is batched with, however its prompt is chunked and wherever its pages are.
+//! it is batched with, however its prompt is chunked and wherever its pages are; in every
+//! KV element (a 16-bit cache against the contiguous run of the same element).
 
 mod common;
 
@@ -9,32 +10,35 @@ use std::sync::Arc;
 use common::{scratch_dir, TinySpec};
 use rand::seq::SliceRandom;
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use strata::device::DevPtr;
+use strata::device::kv_elem::{bf16, f16};
+use strata::device::{DevPtr, KvElem};
 use strata::kv::{ContiguousKv, KvCache, LayerSlot};
 use strata::model::{BatchSeq, Model, PagePool, WantLogits};
 
 const BLOCK: usize = 4;
 
-/// A host page pool for the test: `[layers] × [pages, BLOCK, kv_dim]` for K and V.
-struct Pool {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+/// A host page pool for the test: `[layers] × [pages, BLOCK, kv_dim]` for K and V, in
+/// elements `T`, NaN where nothing was stored.
+struct Pool<T> {
+    k: Vec<Vec<T>>,
+    v: Vec<Vec<T>>,
     pages: usize,
 }
 
-impl Pool {
+impl<T: KvElem> Pool<T> {
     fn new(model: &Model, pages: usize) -> Self {
         let n = pages * BLOCK * model.cfg.kv_dim();
+        let nan = T::from_f32(f32::NAN);
         Self {
-            k: vec![vec![f32::NAN; n]; model.cfg.num_layers],
-            v: vec![vec![f32::NAN; n]; model.cfg.num_layers],
+            k: vec![vec![nan; n]; model.cfg.num_layers],
+            v: vec![vec![nan; n]; model.cfg.num_layers],
             pages,
         }
     }
 }
 
 // SAFETY: the pool's memory is its own and this test's thread the only one touching it.
-unsafe impl KvCache<f32> for Pool {
+unsafe impl<T: KvElem> KvCache<T> for Pool<T> {
     fn reset(&mut self) -> anyhow::Result<()> {
         Ok(())
     }
@@ -44,8 +48,8 @@ unsafe impl KvCache<f32> for Pool {
     fn begin_step(&mut self, _pos0: usize, _tokens: usize) -> anyhow::Result<()> {
         Ok(())
     }
-    fn begin_layer(&mut self, layer: usize) -> anyhow::Result<LayerSlot<f32>> {
-        let ptr = |b: &mut Vec<f32>| DevPtr::from_addr(b.as_mut_ptr() as u64);
+    fn begin_layer(&mut self, layer: usize) -> anyhow::Result<LayerSlot<T>> {
+        let ptr = |b: &mut Vec<T>| DevPtr::from_addr(b.as_mut_ptr() as u64);
         Ok(LayerSlot {
             k: ptr(&mut self.k[layer]),
             v: ptr(&mut self.v[layer]),
@@ -57,7 +61,7 @@ unsafe impl KvCache<f32> for Pool {
     }
 }
 
-impl PagePool for Pool {
+impl<T: KvElem> PagePool<T> for Pool<T> {
     fn block_size(&self) -> usize {
         BLOCK
     }
@@ -79,9 +83,13 @@ fn argmax(x: &[f32]) -> u32 {
 /// The reference: the whole prompt in one contiguous-cache forward, then one decode
 /// forward per token (greedy). Returns the tokens fed after the prompt and the logits of
 /// the prompt's last token and of every decoded token.
-fn reference(model: &Arc<Model>, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn reference<T: KvElem>(
+    model: &Arc<Model>,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let c = &model.cfg;
-    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, 4096);
+    let mut kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, 4096);
     let mut logits = vec![model.forward(prompt, 0, &mut kv).unwrap()];
     let mut fed = Vec::new();
     for _ in 0..steps {
@@ -141,8 +149,8 @@ impl Seq {
 
 /// Runs `seqs` as a continuous-batching engine would: each step, one batched forward over
 /// every joined unfinished sequence; pages are drawn at random from a shuffled free list.
-fn serve(model: &Model, seqs: &mut [Seq], rng: &mut StdRng) {
-    let mut pool = Pool::new(model, 1024);
+fn serve<T: KvElem>(model: &Model, seqs: &mut [Seq], rng: &mut StdRng) {
+    let mut pool = Pool::<T>::new(model, 1024);
     let mut free: Vec<u32> = (0..1024).collect();
     free.shuffle(rng);
     let mut step = 0;
@@ -197,16 +205,17 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn check_family(spec: TinySpec, name: &str) {
     let dir = scratch_dir(name);
     spec.write(&dir, 13);
-    check_model(&Model::load(&dir, false).unwrap().0, name);
+    check_model::<f32>(&Model::load(&dir, false).unwrap().0, name);
 }
 
-fn check_model(model: &Arc<Model>, name: &str) {
+/// Batches of 1 to 16 against the contiguous run, the KV in elements `T`.
+fn check_model<T: KvElem>(model: &Arc<Model>, name: &str) {
     let vocab = model.cfg.vocab_size as u32;
     let mut rng = StdRng::seed_from_u64(42);
     // Long enough to cross the attention's fixed 512-key partitions.
     let prompt: Vec<u32> = (0..530).map(|_| rng.random_range(3..vocab)).collect();
     let steps = 12;
-    let (want_fed, want) = reference(model, &prompt, steps);
+    let (want_fed, want) = reference::<T>(model, &prompt, steps);
     for n in 1..=16 {
         let start = rng.random_range(0..3);
         let mut seqs = vec![Seq::new(&mut rng, prompt.clone(), steps, start)];
@@ -217,7 +226,7 @@ fn check_model(model: &Arc<Model>, name: &str) {
             seqs.push(Seq::new(&mut rng, p, steps, start));
         }
         seqs.shuffle(&mut rng);
-        serve(model, &mut seqs, &mut rng);
+        serve::<T>(model, &mut seqs, &mut rng);
         let target = seqs
             .iter()
             .find(|s| s.prompt_len == prompt.len() && s.tokens[..prompt.len()] == prompt[..])
@@ -232,7 +241,7 @@ fn check_model(model: &Arc<Model>, name: &str) {
         }
         // Every companion is exact too.
         for s in &seqs {
-            let (fed, logits) = reference(model, &s.tokens[..s.prompt_len], s.steps);
+            let (fed, logits) = reference::<T>(model, &s.tokens[..s.prompt_len], s.steps);
             assert_eq!(s.tokens[s.prompt_len..], fed[..s.steps]);
             for (g, w) in s.logits.iter().zip(&logits) {
                 assert!(
@@ -271,7 +280,7 @@ fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_q4_1_ggu
     common::gguf::write_gguf_as(&spec, &w, &path, "llama-bpe", &dtype_of);
     let model = Model::load(&path, false).unwrap().0;
     assert!(model.weights.describe().contains("Q4_1"));
-    check_model(&model, "batch_invariance_q4_1");
+    check_model::<f32>(&model, "batch_invariance_q4_1");
 }
 
 /// The same in the q8 mode (8-bit activations, integer dots; not bitwise the stored
@@ -293,7 +302,28 @@ fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_q8_mode(
     common::gguf::write_gguf_as(&spec, &w, &path, "llama-bpe", &dtype_of);
     let model = Model::load_as(&path, false, WeightDtype::Q8).unwrap().0;
     assert!(model.weights.describe().contains("Q4_0"));
-    check_model(&model, "batch_invariance_q8");
+    check_model::<f32>(&model, "batch_invariance_q8");
+}
+
+/// The same with a bf16 and an f16 KV cache (the 16-bit kernels widen in registers, with
+/// the f32 cache's reduction order), on the Q4_1/Q8_0 GGUF of the default mode, its head
+/// dim a real model's (64: the kernels' full-register paths).
+#[test]
+fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_16_bit_kv() {
+    use candle_core::quantized::GgmlDType;
+    let spec = TinySpec::llama_wide();
+    let dir = scratch_dir("batch_invariance_kv16");
+    let w = spec.write(&dir, 13);
+    let path = dir.join("model.gguf");
+    let dtype_of = |n: &str| match () {
+        _ if n.ends_with("norm.weight") => GgmlDType::F32,
+        _ if n.contains("k_proj") || n.contains("down") => GgmlDType::Q8_0,
+        _ => GgmlDType::Q4_1,
+    };
+    common::gguf::write_gguf_as(&spec, &w, &path, "llama-bpe", &dtype_of);
+    let model = Model::load(&path, false).unwrap().0;
+    check_model::<bf16>(&model, "batch_invariance_bf16_kv");
+    check_model::<f16>(&model, "batch_invariance_f16_kv");
 }
 
 #[test]
@@ -301,7 +331,7 @@ fn a_batch_with_a_bad_page_table_is_an_error_not_a_panic() {
     let dir = scratch_dir("batch_invariance_errors");
     TinySpec::llama().write(&dir, 1);
     let model = Model::load(&dir, false).unwrap().0;
-    let mut pool = Pool::new(&model, 4);
+    let mut pool = Pool::<f32>::new(&model, 4);
     let seq = |tokens: &'static [u32], pos0, pages: &'static [u32]| BatchSeq {
         tokens,
         pos0,

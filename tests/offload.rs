@@ -1,19 +1,20 @@
-//! Layerwise offload is bit-for-bit: greedy tokens with the offload engine equal tokens
-//! with everything resident, across ring sizes, block sizes, prompt lengths and decode
-//! that crosses block boundaries; under the sanitizer too; and the sanitizer catches a
-//! dropped event wait.
+//! Layerwise offload is bit-for-bit: greedy tokens (and their log-probabilities' bits)
+//! with the offload engine equal those with everything resident, in every KV element
+//! (`common::KV_DTYPES`, each against the resident cache of its own element), across ring
+//! sizes, block sizes, prompt lengths and decode that crosses block boundaries; under the
+//! sanitizer too; and the sanitizer catches a dropped event wait.
 
 mod common;
 
 use std::sync::Arc;
 
-use common::TinySpec;
+use common::{TinySpec, KV_DTYPES};
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use strata::engine::{self, GenerateOptions, SamplingParams};
-use strata::kv::ContiguousKv;
+use strata::device::KvDtype;
+use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::kv::KvCache;
 use strata::model::Model;
-use strata::offload::{CpuOffloadEngine, OffloadConfig};
+use strata::offload::{CpuOffloadDevice, CpuOffloadEngine, OffloadConfig, OffloadEngine};
 
 fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
     common::load_tiny(spec, name, 21)
@@ -27,13 +28,22 @@ fn greedy(n: usize) -> GenerateOptions {
     }
 }
 
-fn plain(model: &Arc<Model>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let c = &model.cfg;
-    let cap = prompt.len() + n;
-    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, cap);
-    engine::generate_with(model, &mut kv, cap, prompt, &greedy(n), &mut |_| Ok(()))
-        .unwrap()
-        .token_ids
+/// Tokens and the bits of their log-probabilities.
+type Run = (Vec<u32>, Vec<u32>);
+
+fn run(out: GenerationOutput) -> Run {
+    let bits = out.logprobs.iter().map(|x| x.to_bits()).collect();
+    (out.token_ids, bits)
+}
+
+fn plain(model: &Arc<Model>, kv: KvDtype, prompt: &[u32], n: usize) -> Run {
+    run(common::generate_plain(
+        model,
+        kv,
+        prompt,
+        &greedy(n),
+        prompt.len() + n,
+    ))
 }
 
 fn offload_cfg(nb: usize, bs: usize, max_len: usize) -> OffloadConfig {
@@ -47,13 +57,17 @@ fn offload_cfg(nb: usize, bs: usize, max_len: usize) -> OffloadConfig {
 
 fn offloaded(
     model: &Arc<Model>,
+    kv: KvDtype,
     cfg: OffloadConfig,
     prompt: &[u32],
     n: usize,
-) -> anyhow::Result<Vec<u32>> {
-    let mut kv = CpuOffloadEngine::on_cpu(&model.cfg, cfg)?;
-    let cap = kv.capacity();
-    Ok(engine::generate_with(model, &mut kv, cap, prompt, &greedy(n), &mut |_| Ok(()))?.token_ids)
+) -> anyhow::Result<Run> {
+    strata::with_kv_elem!(kv, T => {
+        let mut kv = OffloadEngine::<CpuOffloadDevice<T>>::on_cpu(&model.cfg, cfg)?;
+        let cap = kv.capacity();
+        let out = engine::generate_with(model, &mut kv, cap, prompt, &greedy(n), &mut |_| Ok(()))?;
+        Ok(run(out))
+    })
 }
 
 fn random_prompt(rng: &mut StdRng, len: usize, vocab: usize) -> Vec<u32> {
@@ -73,14 +87,17 @@ fn tiny_models_match_across_ring_and_block_sizes() {
         for &len in &[1usize, 37, 100] {
             let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
             let n = 40; // crosses 16- and 32-token block boundaries
-            let want = plain(&model, &prompt, n);
-            for nb in [2, 3, 4, 8] {
-                for bs in [16, 32, 64, 1024] {
-                    let got = offloaded(&model, offload_cfg(nb, bs, len + n), &prompt, n).unwrap();
-                    assert_eq!(
-                        got, want,
-                        "{name}: prompt {len}, num_kv_buffers {nb}, block_size {bs}"
-                    );
+            for kv in KV_DTYPES {
+                let want = plain(&model, kv, &prompt, n);
+                for nb in [2, 3, 4, 8] {
+                    for bs in [16, 32, 64, 1024] {
+                        let cfg = offload_cfg(nb, bs, len + n);
+                        let got = offloaded(&model, kv, cfg, &prompt, n).unwrap();
+                        assert_eq!(
+                            got, want,
+                            "{name} {kv}: prompt {len}, num_kv_buffers {nb}, block_size {bs}"
+                        );
+                    }
                 }
             }
         }
@@ -104,10 +121,13 @@ fn smollm2_matches_with_offload() {
         prompt.len()
     );
     let n = 24;
-    let want = plain(&model, &prompt, n);
-    for (nb, bs) in [(2, 16), (3, 64), (4, 256), (8, 1024)] {
-        let got = offloaded(&model, offload_cfg(nb, bs, prompt.len() + n), &prompt, n).unwrap();
-        assert_eq!(got, want, "num_kv_buffers {nb}, block_size {bs}");
+    for kv in KV_DTYPES {
+        let want = plain(&model, kv, &prompt, n);
+        for (nb, bs) in [(2, 16), (3, 64), (4, 256), (8, 1024)] {
+            let cfg = offload_cfg(nb, bs, prompt.len() + n);
+            let got = offloaded(&model, kv, cfg, &prompt, n).unwrap();
+            assert_eq!(got, want, "{kv}: num_kv_buffers {nb}, block_size {bs}");
+        }
     }
 }
 
@@ -121,15 +141,16 @@ fn sanitized_runs_match_on_random_prompts() {
         let nb = rng.random_range(2..6);
         let bs = [8, 16, 32, 128][rng.random_range(0..4)];
         let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
-        let want = plain(&model, &prompt, n);
+        let kv = KV_DTYPES[case % KV_DTYPES.len()];
+        let want = plain(&model, kv, &prompt, n);
         let cfg = OffloadConfig {
             sanitize: true,
             ..offload_cfg(nb, bs, len + n)
         };
-        let got = offloaded(&model, cfg, &prompt, n).unwrap();
+        let got = offloaded(&model, kv, cfg, &prompt, n).unwrap();
         assert_eq!(
             got, want,
-            "case {case}: prompt {len}, decode {n}, num_kv_buffers {nb}, block_size {bs}"
+            "case {case} {kv}: prompt {len}, decode {n}, num_kv_buffers {nb}, block_size {bs}"
         );
     }
 }
@@ -150,13 +171,16 @@ fn requests_in_one_process_match_fresh_processes() {
     let mut shared = CpuOffloadEngine::on_cpu(&model.cfg, cfg.clone()).unwrap();
     let cap = shared.capacity();
     for (i, p) in prompts.iter().enumerate() {
-        let fresh = offloaded(&model, cfg.clone(), p, n).unwrap();
+        let fresh = offloaded(&model, KvDtype::F32, cfg.clone(), p, n).unwrap();
         let reused =
             engine::generate_with(&model, &mut shared, cap, p, &greedy(n), &mut |_| Ok(()))
-                .unwrap()
-                .token_ids;
-        assert_eq!(reused, fresh, "request {i} after {i} others");
-        assert_eq!(fresh, plain(&model, p, n), "request {i} vs resident KV");
+                .unwrap();
+        assert_eq!(run(reused), fresh, "request {i} after {i} others");
+        assert_eq!(
+            fresh,
+            plain(&model, KvDtype::F32, p, n),
+            "request {i} vs resident KV"
+        );
     }
 }
 
@@ -179,6 +203,6 @@ fn bad_settings_are_refused() {
         num_cpu_blocks: Some(1),
         ..offload_cfg(2, 16, 64)
     };
-    let r = offloaded(&model, cfg, &[5; 40], 4);
+    let r = offloaded(&model, KvDtype::Bf16, cfg, &[5; 40], 4);
     assert!(r.unwrap_err().to_string().contains("offload KV is full"));
 }

@@ -17,6 +17,7 @@ use strata::serve::{Engine, EngineConfig, RequestParams, SchedulerConfig};
 
 fn config(gpu: usize, cpu: usize) -> EngineConfig {
     EngineConfig {
+        kv_dtype: strata::device::KvDtype::F32,
         sched: SchedulerConfig {
             block_size: 4,
             num_gpu_blocks: gpu,

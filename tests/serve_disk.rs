@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{scratch_dir, serve_requests as requests, TinySpec};
+use common::{scratch_dir, serve_requests as requests, TinySpec, KV_DTYPES};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::device::KvDtype;
 use strata::model::Model;
 use strata::serve::disk::store::{DiskStore, IoMode, SlotError, SlotIo, StoreLayout, ALIGN};
 use strata::serve::disk::DiskTierConfig;
@@ -306,7 +307,17 @@ fn tiny_model(name: &str) -> (Arc<Model>, std::path::PathBuf) {
 }
 
 fn config(gpu: usize, cpu: usize, disk: Option<(&Path, usize)>) -> EngineConfig {
+    config_kv(KvDtype::F32, gpu, cpu, disk)
+}
+
+fn config_kv(
+    kv_dtype: KvDtype,
+    gpu: usize,
+    cpu: usize,
+    disk: Option<(&Path, usize)>,
+) -> EngineConfig {
     EngineConfig {
+        kv_dtype,
         sched: SchedulerConfig {
             block_size: 4,
             num_gpu_blocks: gpu,
@@ -345,22 +356,25 @@ fn assert_all_free(e: &Engine) {
     );
 }
 
-/// Runs `prompts` unconstrained and on `gpu` pages, `host` host slots and a disk tier;
-/// every token and log-prob must be bitwise equal. Returns the constrained run's stats.
+/// Runs `prompts` unconstrained and on `gpu` pages, `host` host slots and a disk tier, in
+/// KV elements `kv`; every token and log-prob must be bitwise equal. Returns the
+/// constrained run's stats.
 fn bitwise_equal_with_disk(
     model: &Arc<Model>,
+    kv: KvDtype,
     prompts: &[Vec<u32>],
     params: &[RequestParams],
     gpu: usize,
     host: usize,
 ) -> strata::serve::EngineStats {
     let ws = working_set(prompts, params);
-    let want = Engine::new(model.clone(), config(ws, 0, None))
+    let want = Engine::new(model.clone(), config_kv(kv, ws, 0, None))
         .unwrap()
         .generate_with_logprobs(prompts, params)
         .unwrap();
-    let dir = scratch_dir(&format!("disk_accuracy_{gpu}_{host}"));
-    let mut e = Engine::new(model.clone(), config(gpu, host, Some((&dir, 400)))).unwrap();
+    let dir = scratch_dir(&format!("disk_accuracy_{gpu}_{host}_{kv}"));
+    let cfg = config_kv(kv, gpu, host, Some((&dir, 400)));
+    let mut e = Engine::new(model.clone(), cfg).unwrap();
     let got = e.generate_with_logprobs(prompts, params).unwrap();
     let st = e.stats();
     assert!(
@@ -370,8 +384,8 @@ fn bitwise_equal_with_disk(
     assert_eq!(st.disk.checksum_failures + st.disk.io_errors, 0, "{st:?}");
     assert_eq!(st.sched.recomputations, 0, "host {host}: {st:?}");
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g.0, w.0, "host {host}: request {i} tokens differ");
-        assert_eq!(g.1, w.1, "host {host}: request {i} log-probs differ");
+        assert_eq!(g.0, w.0, "{kv} host {host}: request {i} tokens differ");
+        assert_eq!(g.1, w.1, "{kv} host {host}: request {i} log-probs differ");
     }
     assert_all_free(&e);
     st
@@ -384,8 +398,10 @@ fn a_tiny_host_tier_with_a_disk_tier_matches_the_unconstrained_run_bitwise() {
     let (prompts, params) = requests(31, 8, 16);
     let ws = working_set(&prompts, &params);
     assert!((ws / 3) * 4 >= 70 + 40);
-    let st = bitwise_equal_with_disk(&model, &prompts, &params, ws / 3, 2);
-    assert!(st.sched.prefix_blocks_persisted > 0, "{st:?}");
+    for kv in KV_DTYPES {
+        let st = bitwise_equal_with_disk(&model, kv, &prompts, &params, ws / 3, 2);
+        assert!(st.sched.prefix_blocks_persisted > 0, "{kv}: {st:?}");
+    }
 }
 
 /// Six requests of 8 prompt tokens that decode to 12 blocks each (48 tokens): on 24 pages
@@ -408,8 +424,10 @@ fn decode_growth_requests() -> (Vec<Vec<u32>>, Vec<RequestParams>) {
 fn demotions_from_a_full_host_tier_match_the_unconstrained_run_bitwise() {
     let (model, _) = tiny_model("disk_demote_model");
     let (prompts, params) = decode_growth_requests();
-    let st = bitwise_equal_with_disk(&model, &prompts, &params, 24, 12);
-    assert!(st.sched.blocks_demoted > 0, "no demotion: {st:?}");
+    for kv in KV_DTYPES {
+        let st = bitwise_equal_with_disk(&model, kv, &prompts, &params, 24, 12);
+        assert!(st.sched.blocks_demoted > 0, "{kv}: no demotion: {st:?}");
+    }
 }
 
 #[test]
@@ -548,8 +566,12 @@ fn a_slot_file_truncated_under_the_engine_falls_back_to_recomputation() {
 // ---------------------------------------------------------------- restart (new processes)
 
 fn bench_tiny(model: &Path, dir: &Path, block_size: &str) -> serde_json::Value {
+    bench_tiny_kv(model, dir, block_size, KvDtype::F32)
+}
+
+fn bench_tiny_kv(model: &Path, dir: &Path, block_size: &str, kv: KvDtype) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["bench", "serve", "--model"])
+        .args(["bench", "serve", "--kv-dtype", kv.name(), "--model"])
         .arg(model)
         .args([
             "--num-seqs",
@@ -638,6 +660,18 @@ fn the_prefix_cache_survives_a_restart_and_corruption_is_ignored() {
     let other = bench_tiny(&model, &dir, "8");
     assert_eq!(u(&other, "restored_prefix_blocks"), 0, "{other}");
     assert_eq!(u(&other, "compare_mismatches"), 0);
+
+    // Nor another KV element (a bf16 block is half an f32 block's bytes, an f16 block
+    // as many as a bf16 one: the fingerprint names the element); each restores its own.
+    bench_tiny(&model, &dir, "4");
+    for kv in [KvDtype::Bf16, KvDtype::F16] {
+        let other = bench_tiny_kv(&model, &dir, "4", kv);
+        assert_eq!(u(&other, "restored_prefix_blocks"), 0, "{kv}: {other}");
+        assert_eq!(u(&other, "compare_mismatches"), 0);
+        let again = bench_tiny_kv(&model, &dir, "4", kv);
+        assert!(u(&again, "restored_prefix_blocks") >= 14, "{kv}: {again}");
+        assert_eq!(u(&again, "compare_mismatches"), 0);
+    }
 }
 
 #[test]

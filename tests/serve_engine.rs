@@ -1,14 +1,16 @@
 //! End-to-end tests of the serving engine on a tiny random model: with greedy sampling
 //! and so few GPU blocks that preemption happens often, every request's tokens equal its
-//! tokens in an unconstrained run, with offload and with recomputation.
+//! tokens in an unconstrained run, with offload and with recomputation, in every KV
+//! element (`common::KV_DTYPES`: each against the unconstrained run of its own element).
 
 mod common;
 
 use std::sync::Arc;
 
-use common::{scratch_dir, serve_requests as requests, TinySpec};
+use common::{scratch_dir, serve_requests as requests, TinySpec, KV_DTYPES};
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use strata::engine::{self, GenerateOptions, SamplingParams};
+use strata::device::KvDtype;
+use strata::engine::{GenerateOptions, SamplingParams};
 use strata::model::Model;
 use strata::serve::transfer::ChaosBackend;
 use strata::serve::{Engine, EngineConfig, RequestParams, SchedulerConfig};
@@ -34,12 +36,17 @@ fn sched(gpu: usize, cpu: usize) -> SchedulerConfig {
 }
 
 fn config(gpu: usize, cpu: usize, sanitize: bool) -> EngineConfig {
+    config_kv(KvDtype::F32, gpu, cpu, sanitize)
+}
+
+fn config_kv(kv_dtype: KvDtype, gpu: usize, cpu: usize, sanitize: bool) -> EngineConfig {
     EngineConfig {
         sched: sched(gpu, cpu),
         link_gbps: 0.0,
         sanitize,
         check_order: strata::device::order::on_by_default(),
         disk: None,
+        kv_dtype,
     }
 }
 
@@ -53,7 +60,8 @@ fn working_set(p: &[Vec<u32>], r: &[RequestParams]) -> usize {
 #[test]
 fn preempted_requests_match_an_unconstrained_run_with_offload_and_with_recompute() {
     let model = tiny_model("serve_engine_accuracy");
-    for shared in [0, 16] {
+    for (kv, shared) in KV_DTYPES.into_iter().flat_map(|k| [(k, 0), (k, 16)]) {
+        let config = |gpu, cpu, sanitize| config_kv(kv, gpu, cpu, sanitize);
         let (prompts, params) = requests(11 + shared as u64, 8, shared);
         let ws = working_set(&prompts, &params);
         let mut free = Engine::new(model.clone(), config(ws, 0, false)).unwrap();
@@ -76,12 +84,15 @@ fn preempted_requests_match_an_unconstrained_run_with_offload_and_with_recompute
             let got_lp = e.generate_with_logprobs(&prompts, &params).unwrap();
             let got: Vec<Vec<u32>> = got_lp.iter().map(|(t, _)| t.clone()).collect();
             let st = e.stats().sched;
-            assert!(st.preemptions >= 3, "shared {shared} cpu {cpu}: {st:?}");
+            assert!(
+                st.preemptions >= 3,
+                "{kv} shared {shared} cpu {cpu}: {st:?}"
+            );
             // Bitwise, not just argmax-equal: every token's log-probability is identical.
             for (i, ((_, g), (_, w))) in got_lp.iter().zip(&want_lp).enumerate() {
                 assert_eq!(
                     g, w,
-                    "shared {shared} cpu {cpu}: request {i} logprobs differ"
+                    "{kv} shared {shared} cpu {cpu}: request {i} logprobs differ"
                 );
             }
             if cpu == 0 {
@@ -94,7 +105,7 @@ fn preempted_requests_match_an_unconstrained_run_with_offload_and_with_recompute
                 assert!(st.prefix_hit_blocks > 0, "{st:?}");
             }
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g, w, "shared {shared} cpu {cpu}: request {i} differs");
+                assert_eq!(g, w, "{kv} shared {shared} cpu {cpu}: request {i} differs");
             }
             let bm = &e.scheduler().bm;
             assert_eq!(bm.available_pages(), bm.num_pages());
@@ -111,19 +122,22 @@ fn late_random_order_and_failed_transfers_keep_tokens_exact() {
     let model = tiny_model("serve_engine_chaos");
     let (prompts, params) = requests(5, 8, 8);
     let ws = working_set(&prompts, &params);
-    let want = Engine::new(model.clone(), config(ws, 0, false))
-        .unwrap()
-        .generate(&prompts, &params)
-        .unwrap();
-    for (seed, cpu) in [(1, 1000), (2, 1000), (3, 12)] {
-        let mut e = Engine::with_backend(model.clone(), config(ws / 3, cpu, true), |b| {
-            Box::new(ChaosBackend::new(b, seed, 0.3, 0.25))
-        })
-        .unwrap();
-        let got = e.generate(&prompts, &params).unwrap();
-        let st = e.stats().sched;
-        assert!(st.preemptions > 0 && st.blocks_stored > 0, "{st:?}");
-        assert_eq!(got, want, "seed {seed}: {st:?}");
+    for kv in KV_DTYPES {
+        let want = Engine::new(model.clone(), config_kv(kv, ws, 0, false))
+            .unwrap()
+            .generate(&prompts, &params)
+            .unwrap();
+        for (seed, cpu) in [(1, 1000), (2, 1000), (3, 12)] {
+            let cfg = config_kv(kv, ws / 3, cpu, true);
+            let mut e = Engine::with_backend(model.clone(), cfg, |b| {
+                Box::new(ChaosBackend::new(b, seed, 0.3, 0.25))
+            })
+            .unwrap();
+            let got = e.generate(&prompts, &params).unwrap();
+            let st = e.stats().sched;
+            assert!(st.preemptions > 0 && st.blocks_stored > 0, "{st:?}");
+            assert_eq!(got, want, "{kv} seed {seed}: {st:?}");
+        }
     }
 }
 
@@ -134,19 +148,21 @@ fn serving_equals_generate_bitwise_however_the_prompt_is_chunked() {
     // kernels are batch-invariant, so the log-probabilities are the same bits.
     let model = tiny_model("serve_engine_contiguous");
     let (prompts, params) = requests(9, 4, 0);
-    let got = Engine::new(model.clone(), config(200, 0, false))
-        .unwrap()
-        .generate_with_logprobs(&prompts, &params)
-        .unwrap();
-    for (i, p) in prompts.iter().enumerate() {
-        let opts = GenerateOptions {
-            max_tokens: params[i].max_tokens,
-            sampling: SamplingParams::default(),
-            stop_ids: vec![],
-        };
-        let want = engine::generate(&model, p, &opts, 512, &mut |_| Ok(())).unwrap();
-        assert_eq!(got[i].0, want.token_ids, "request {i}");
-        assert_eq!(bits(&got[i].1), bits(&want.logprobs), "request {i}");
+    for kv in KV_DTYPES {
+        let got = Engine::new(model.clone(), config_kv(kv, 200, 0, false))
+            .unwrap()
+            .generate_with_logprobs(&prompts, &params)
+            .unwrap();
+        for (i, p) in prompts.iter().enumerate() {
+            let opts = GenerateOptions {
+                max_tokens: params[i].max_tokens,
+                sampling: SamplingParams::default(),
+                stop_ids: vec![],
+            };
+            let want = common::generate_plain(&model, kv, p, &opts, 512);
+            assert_eq!(got[i].0, want.token_ids, "{kv} request {i}");
+            assert_eq!(bits(&got[i].1), bits(&want.logprobs), "{kv} request {i}");
+        }
     }
 }
 

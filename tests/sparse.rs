@@ -14,11 +14,12 @@ use common::{scratch_dir, TinySpec};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::device::cpu::ops::AttnHeads;
+use strata::device::KvElem;
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::kv::KvCache;
 use strata::model::Model;
 use strata::offload::{CpuOffloadEngine, OffloadConfig, OffloadControl};
-use strata::sparse::{self, KvElem, SparseConfig, SparseStats};
+use strata::sparse::{self, SparseConfig, SparseStats};
 
 fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
     common::load_tiny(spec, name, 33)

@@ -64,6 +64,8 @@ struct Args {
     num_cpu_blocks: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
+    #[command(flatten)]
+    kv: flags::KvDtypeArg,
     /// Sanitizer (with offload, CPU device): poison released ring slots and delay copies at
     /// random, so a missing wait changes the answer.
     #[arg(long)]
@@ -153,6 +155,7 @@ fn run(args: Args) -> Result<bool> {
         ));
     }
     device::check_available(args.device)?;
+    let kv_dtype = args.kv.resolve(args.device)?;
     let (model, tok) = Model::load(&strata::model::resolve(args.model.clone())?, !args.json)?;
     let longest = *args
         .input_len
@@ -194,6 +197,7 @@ fn run(args: Args) -> Result<bool> {
     });
     let session_cfg = SessionConfig {
         offload: ocfg,
+        kv_dtype,
         ..SessionConfig::new(args.device, max_len)
     };
     let plan = session_cfg.plan(&model.cfg)?;

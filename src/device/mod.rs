@@ -6,12 +6,17 @@ pub mod bf16;
 pub mod cpu;
 pub mod cuda;
 pub mod handles;
+pub mod kv_elem;
 pub mod order;
 pub mod ptr;
 
+pub use kv_elem::{KvDtype, KvElem};
 pub use ptr::DevPtr;
 
 use anyhow::Result;
+
+/// The CPU device's KV element when `--kv-dtype` is not given (docs/cpu.md says why).
+pub const CPU_KV_DTYPE: KvDtype = KvDtype::F32;
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -51,12 +56,17 @@ impl Feature {
 }
 
 impl DeviceKind {
-    /// Bytes of one KV element: f32 on the CPU device (its reference precision), bf16 on
-    /// CUDA.
-    pub fn kv_elem_bytes(self) -> usize {
-        match self {
-            DeviceKind::Cpu => 4,
-            DeviceKind::Cuda => 2,
+    /// The KV element this device stores for `asked` (`--kv-dtype`; `None`: the device's
+    /// default): the CPU device holds any of them (f32 is its reference), CUDA's kernels
+    /// read bf16 only.
+    pub fn kv_dtype(self, asked: Option<KvDtype>) -> Result<KvDtype> {
+        match (self, asked) {
+            (DeviceKind::Cpu, None) => Ok(CPU_KV_DTYPE),
+            (DeviceKind::Cpu, Some(d)) | (DeviceKind::Cuda, Some(d @ KvDtype::Bf16)) => Ok(d),
+            (DeviceKind::Cuda, None) => Ok(KvDtype::Bf16),
+            (DeviceKind::Cuda, Some(d)) => {
+                anyhow::bail!("--kv-dtype {d} is a CPU option: the CUDA device stores KV in bf16")
+            }
         }
     }
 

@@ -16,6 +16,7 @@ use anyhow::{bail, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
 
+use crate::device::KvElem;
 use crate::engine::sampler::argmax;
 use crate::flags;
 use crate::kv::ContiguousKv;
@@ -41,6 +42,8 @@ pub struct DecodeBenchArgs {
     /// How the CPU holds and multiplies the weights (as for `generate`): stored, f32 or q8.
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
     pub dtype: WeightDtype,
+    #[command(flatten)]
+    pub kv: flags::KvDtypeArg,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -50,6 +53,7 @@ pub struct DecodeBenchArgs {
 pub struct DecodeBenchReport {
     pub model: String,
     pub dtype: String,
+    pub kv_dtype: String,
     pub threads: usize,
     /// The machine's read bandwidth, measured here (see `read_gbps`).
     pub read_gbps: f64,
@@ -82,16 +86,21 @@ const PROBE_PASSES: usize = 5;
 /// the table (or JSON).
 pub fn run(args: DecodeBenchArgs) -> Result<()> {
     let path = crate::model::resolve(args.model.clone())?;
+    let kv_dtype = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     check_contexts(&args, &Model::peek_config(&path)?)?;
     let (model, _) = Model::load_as(&path, !args.json, args.dtype)?;
     let read_gbps = read_gbps(PROBE_BYTES, PROBE_PASSES)?;
     let mut rows = Vec::new();
     for &context in &args.context {
-        rows.push(bench_context(&model, &args, context, read_gbps)?);
+        let row = crate::with_kv_elem!(kv_dtype, T => {
+            bench_context::<T>(&model, &args, context, read_gbps)?
+        });
+        rows.push(row);
     }
     let report = DecodeBenchReport {
         model: path.display().to_string(),
         dtype: format!("{:?}", args.dtype).to_lowercase(),
+        kv_dtype: kv_dtype.to_string(),
         threads: rayon::current_num_threads(),
         read_gbps,
         rows,
@@ -118,7 +127,7 @@ fn check_contexts(args: &DecodeBenchArgs, cfg: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
-fn bench_context(
+fn bench_context<T: KvElem>(
     model: &Model,
     args: &DecodeBenchArgs,
     context: usize,
@@ -131,7 +140,7 @@ fn bench_context(
         .map(|_| rng.random_range(low..c.vocab_size as u32))
         .collect();
     let steps = args.decode_steps;
-    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, context + steps);
+    let mut kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, context + steps);
     let t0 = Instant::now();
     let first = model.forward(&prompt, 0, &mut kv)?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -146,9 +155,10 @@ fn bench_context(
     }
     let decode = median(&per_round);
     let weight_bytes = model.weights.decode_read_bytes() as u64;
-    // Step at position p attends over p + 1 rows of K and V in every layer (f32).
+    // Step at position p attends over p + 1 rows of K and V in every layer (elements T).
     let mean_rows = context as f64 + (steps as f64 + 1.0) / 2.0;
-    let kv_bytes = (mean_rows * (2 * c.num_layers * c.kv_dim() * 4) as f64) as u64;
+    let row_bytes = 2 * c.num_layers * c.kv_dim() * std::mem::size_of::<T>();
+    let kv_bytes = (mean_rows * row_bytes as f64) as u64;
     let achieved = (weight_bytes + kv_bytes) as f64 * decode / 1e9;
     Ok(DecodeRow {
         context,
@@ -190,8 +200,8 @@ impl std::fmt::Display for DecodeBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "bench decode: {} ({}), {} threads, measured read bandwidth {:.1} GB/s",
-            self.model, self.dtype, self.threads, self.read_gbps
+            "bench decode: {} ({}, KV {}), {} threads, measured read bandwidth {:.1} GB/s",
+            self.model, self.dtype, self.kv_dtype, self.threads, self.read_gbps
         )?;
         writeln!(
             f,

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 
+use crate::device::KvElem;
 use crate::kv::{ContiguousKv, KvCache};
 use crate::model::Model;
 pub use sampler::{Sampler, SamplingParams};
@@ -94,9 +95,9 @@ pub fn generate(
 }
 
 /// The prefill/decode loop over any KV view with room for `capacity` tokens.
-pub fn generate_with(
+pub fn generate_with<T: KvElem>(
     model: &Arc<Model>,
-    kv: &mut dyn KvCache<f32>,
+    kv: &mut dyn KvCache<T>,
     capacity: usize,
     prompt: &[u32],
     opts: &GenerateOptions,

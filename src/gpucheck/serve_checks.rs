@@ -23,6 +23,7 @@ use super::model_checks::logits_error;
 use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{alloc, Buf, CudaExec, Exec};
 use crate::device::DevPtr;
+use crate::device::KvDtype;
 use crate::engine::sampler::argmax;
 use crate::kv::{ContiguousKv, KvCache, LayerSlot};
 use crate::model::cuda::weights::CudaWeights;
@@ -305,6 +306,7 @@ pub fn serve_case(
         sanitize,
         check_order: crate::device::order::on_by_default(),
         disk: None,
+        kv_dtype: KvDtype::Bf16,
     };
     let mut free = make(&model, &cfg(ws, 0, false))?;
     let want = free.generate_with_logprobs(&prompts, &params)?;
@@ -334,7 +336,12 @@ pub fn serve_case(
         );
         row(what, st.preemptions >= 3 && moved && differ == 0, note);
     }
-    let mut cpu = Engine::new(Arc::clone(&model), cfg(ws, 0, false))?;
+    // The CPU reference keeps its f32 KV.
+    let f32_kv = EngineConfig {
+        kv_dtype: KvDtype::F32,
+        ..cfg(ws, 0, false)
+    };
+    let mut cpu = Engine::new(Arc::clone(&model), f32_kv)?;
     let cpu_out = cpu.generate_with_logprobs(&prompts, &params)?;
     let same: usize = want
         .iter()
@@ -372,6 +379,7 @@ pub fn disk_case(
             dir: dir.to_path_buf(),
             io_threads: 2,
         }),
+        kv_dtype: KvDtype::Bf16,
     };
     let want = make(&model, &cfg(ws, 0, false))?.generate_with_logprobs(&prompts, &params)?;
     let mut rows = Vec::new();

@@ -14,10 +14,10 @@ use std::marker::PhantomData;
 use anyhow::{bail, Result};
 
 pub use crate::device::cpu::rows::KvRows;
-use crate::device::DevPtr;
+use crate::device::{DevPtr, KvElem};
 
 /// Where one layer's K and V live while it computes: `[rows, kv_dim]` each, in the
-/// device's KV element type (f32 on the CPU device, bf16 on CUDA).
+/// cache's KV element type (`--kv-dtype` on the CPU device, bf16 on CUDA).
 #[derive(Debug)]
 pub struct LayerSlot<T> {
     pub k: DevPtr<T>,
@@ -57,9 +57,9 @@ impl<T> Clone for Query<T> {
 
 impl<T> Copy for Query<T> {}
 
-impl<'a> From<&'a [f32]> for Query<f32> {
+impl<'a, T> From<&'a [T]> for Query<T> {
     /// The CPU model's query, in host memory.
-    fn from(q: &'a [f32]) -> Self {
+    fn from(q: &'a [T]) -> Self {
         Self {
             ptr: DevPtr::from_addr(q.as_ptr() as u64),
             len: q.len(),
@@ -99,22 +99,22 @@ pub unsafe trait KvCache<T> {
     }
 }
 
-/// One layer's K and V memory on the CPU device, `[rows, kv_dim]` f32 each, as the model
-/// stores into it. It holds raw pointers and hands out one row-sized slice at a time, never
-/// a reference spanning rows that another stream may be writing (the serving pool's other
-/// pages, a ring slot's neighbours).
-pub struct LayerKv<'a> {
-    k: *mut f32,
-    v: *mut f32,
-    len: usize, // f32s in each of K and V
-    _borrow: PhantomData<&'a mut [f32]>,
+/// One layer's K and V memory on the CPU device, `[rows, kv_dim]` elements `T` each, as
+/// the model stores into it. It holds raw pointers and hands out one row-sized slice at a
+/// time, never a reference spanning rows that another stream may be writing (the serving
+/// pool's other pages, a ring slot's neighbours).
+pub struct LayerKv<'a, T> {
+    k: *mut T,
+    v: *mut T,
+    len: usize, // elements in each of K and V
+    _borrow: PhantomData<&'a mut [T]>,
 }
 
-impl<'a> LayerKv<'a> {
+impl<'a, T: KvElem> LayerKv<'a, T> {
     /// # Safety
     /// `slot` must come from a `KvCache::begin_layer` whose `end_layer` has not been
     /// called yet, on the CPU device (its addresses are host memory).
-    pub unsafe fn from_slot(slot: LayerSlot<f32>, kv_dim: usize) -> Self {
+    pub unsafe fn from_slot(slot: LayerSlot<T>, kv_dim: usize) -> Self {
         Self {
             k: slot.k.as_host_ptr(),
             v: slot.v.as_host_ptr(),
@@ -124,7 +124,7 @@ impl<'a> LayerKv<'a> {
     }
 
     /// Over two buffers the caller owns (tests, references).
-    pub fn from_slices(k: &'a mut [f32], v: &'a mut [f32]) -> Self {
+    pub fn from_slices(k: &'a mut [T], v: &'a mut [T]) -> Self {
         assert_eq!(k.len(), v.len(), "K and V hold the same rows");
         Self {
             k: k.as_mut_ptr(),
@@ -134,7 +134,8 @@ impl<'a> LayerKv<'a> {
         }
     }
 
-    /// Writes one position's K and V row at `at` (an offset in f32s).
+    /// Writes one position's K and V row at `at` (an offset in elements), each value
+    /// rounded to `T` (`KvElem::from_f32`; f32 stores it as is).
     pub fn store(&mut self, at: usize, k: &[f32], v: &[f32]) {
         assert!(
             k.len() == v.len() && at + k.len() <= self.len,
@@ -142,33 +143,46 @@ impl<'a> LayerKv<'a> {
         );
         // SAFETY: in bounds; the row is the compute stream's (the `KvCache` contract, or
         // the caller's own buffers); the sources are activations, never the cache.
-        unsafe {
-            std::ptr::copy_nonoverlapping(k.as_ptr(), self.k.add(at), k.len());
-            std::ptr::copy_nonoverlapping(v.as_ptr(), self.v.add(at), v.len());
+        let (kd, vd) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.k.add(at), k.len()),
+                std::slice::from_raw_parts_mut(self.v.add(at), v.len()),
+            )
+        };
+        for (d, s) in kd.iter_mut().zip(k).chain(vd.iter_mut().zip(v)) {
+            *d = T::from_f32(*s);
         }
     }
 
     /// The same memory, to read.
-    pub fn read(&self) -> KvRows<'_> {
-        // SAFETY: `len` f32s at each pointer (the slot, or the caller's buffers), borrowed
-        // from `self` for the view's life, so nothing stores through it meanwhile.
+    pub fn read(&self) -> KvRows<'_, T> {
+        // SAFETY: `len` elements at each pointer (the slot, or the caller's buffers),
+        // borrowed from `self` for the view's life, so nothing stores through it meanwhile.
         unsafe { KvRows::from_raw(self.k, self.v, self.len) }
     }
 }
 
-/// A contiguous per-sequence cache in CPU memory: `num_layers × [capacity, kv_dim]` f32
-/// for K and for V, grown as positions are used. Everything is resident and the calling
-/// thread is the compute stream, so `begin_layer`/`end_layer` wait for nothing.
-pub struct ContiguousKv {
+/// A contiguous per-sequence cache in CPU memory: `num_layers × [capacity, kv_dim]`
+/// elements `T` for K and for V, grown as positions are used. Everything is resident and
+/// the calling thread is the compute stream, so `begin_layer`/`end_layer` wait for nothing.
+pub struct ContiguousKv<T = f32> {
     row: usize, // kv_heads * head_dim
     capacity: usize,
-    k: Vec<Vec<f32>>, // [num_layers][rows * row]
-    v: Vec<Vec<f32>>,
+    k: Vec<Vec<T>>, // [num_layers][rows * row]
+    v: Vec<Vec<T>>,
 }
 
-impl ContiguousKv {
-    /// Room for `capacity` tokens per layer (allocated lazily as positions are used).
+impl ContiguousKv<f32> {
+    /// Room for `capacity` tokens per layer in f32, the reference (allocated lazily as
+    /// positions are used).
     pub fn new(num_layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
+        Self::of(num_layers, kv_heads, head_dim, capacity)
+    }
+}
+
+impl<T: KvElem> ContiguousKv<T> {
+    /// Room for `capacity` tokens per layer in elements `T`.
+    pub fn of(num_layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
         Self {
             row: kv_heads * head_dim,
             capacity,
@@ -179,12 +193,13 @@ impl ContiguousKv {
 
     /// Bytes currently held.
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|b| b.len() * 4).sum()
+        let elems: usize = self.k.iter().chain(&self.v).map(Vec::len).sum();
+        elems * std::mem::size_of::<T>()
     }
 }
 
 // SAFETY: the buffers are this cache's alone and only grow in `begin_step`, between steps.
-unsafe impl KvCache<f32> for ContiguousKv {
+unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
     fn reset(&mut self) -> Result<()> {
         Ok(())
     }
@@ -206,13 +221,13 @@ unsafe impl KvCache<f32> for ContiguousKv {
             if buf.len() < need {
                 // Grow geometrically so decode does not reallocate every step.
                 let target = need.max(buf.len() * 2).min(self.capacity * self.row);
-                buf.resize(target, 0.0);
+                buf.resize(target, T::default());
             }
         }
         Ok(())
     }
 
-    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<f32>> {
+    fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<T>> {
         let (k, v) = (&mut self.k[layer], &mut self.v[layer]);
         Ok(LayerSlot {
             k: DevPtr::from_addr(k.as_mut_ptr() as u64),

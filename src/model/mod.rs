@@ -18,7 +18,8 @@ use anyhow::{bail, Context, Result};
 use crate::device::cpu::ops::{
     self, ActivationMode, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows,
 };
-use crate::kv::{KvCache, LayerKv, NewRow};
+use crate::device::KvElem;
+use crate::kv::{KvCache, LayerKv, NewRow, Query};
 pub use config::{Arch, ModelConfig};
 pub use tokenizer::Tokenizer;
 use weights::{ModelWeights, WeightDtype};
@@ -238,12 +239,13 @@ impl Model {
     }
 
     /// Runs `tokens` at positions `pos0..` through every layer, storing their K/V through
-    /// `kv`, and returns the logits `[vocab]` of the last token.
-    pub fn forward(
+    /// `kv` (in its element `T`: the activations are f32, the cache rounds them), and
+    /// returns the logits `[vocab]` of the last token.
+    pub fn forward<T: KvElem>(
         &self,
         tokens: &[u32],
         pos0: usize,
-        kv: &mut dyn KvCache<f32>,
+        kv: &mut dyn KvCache<T>,
     ) -> Result<Vec<f32>> {
         let t = tokens.len();
         if t == 0 {
@@ -269,10 +271,10 @@ impl Model {
     /// for the whole batch. Returns the last token's logits `[vocab]` of each sequence that
     /// wants them. Every kernel is batch-invariant, so each sequence's logits are bitwise
     /// those of `forward` over a contiguous cache, whatever else is in the batch.
-    pub fn forward_batch(
+    pub fn forward_batch<T: KvElem>(
         &self,
         seqs: &[BatchSeq<'_>],
-        pool: &mut dyn PagePool,
+        pool: &mut dyn PagePool<T>,
     ) -> Result<Vec<Option<Vec<f32>>>> {
         let cfg = &self.cfg;
         let bs = pool.block_size();
@@ -311,15 +313,15 @@ impl Model {
     /// Embedding, then every layer over the KV seam: layer `l` pulls its K/V from `kv`,
     /// runs here (the CPU device's compute stream is the calling thread) and hands the
     /// slot back. Returns the activations, the final norm in `hn`.
-    fn run_layers<L: KvLayout>(
+    fn run_layers<T: KvElem, L: KvLayout>(
         &self,
         tokens: &[u32],
         positions: &[usize],
         seqs: &[AttnSeq<L>],
-        kv: &mut dyn KvCache<f32>,
+        kv: &mut dyn KvCache<T>,
     ) -> Result<Activations> {
         let kvd = self.cfg.kv_dim();
-        // f32s of K (and of V) the step addresses: its last row's end, in any sequence.
+        // Elements of K (and of V) the step addresses: its last row's end, in any sequence.
         let need = seqs
             .iter()
             .map(|s| s.kv.row_offset(s.pos0 + s.tokens - 1) + kvd)
@@ -339,7 +341,13 @@ impl Model {
             // SAFETY: the slot is this (compute) thread's until `end_layer` below, which
             // is called after the layer's work has run.
             let lkv = unsafe { LayerKv::from_slot(slot, kvd) };
-            self.layer(l, &mut a, lkv, seqs, &mut |q| kv.select_rows(l, q.into()))?;
+            // A sparse cache scores pages with the query in its own element, as the CUDA
+            // model hands it over: rounded like the keys it is scored against.
+            let mut select = |q: &[f32]| {
+                let q: Vec<T> = q.iter().map(|&x| T::from_f32(x)).collect(); // [heads, head_dim]
+                kv.select_rows(l, Query::from(&q[..]))
+            };
+            self.layer(l, &mut a, lkv, seqs, &mut select)?;
             kv.end_layer(l)?;
         }
         Ok(a)
@@ -363,11 +371,11 @@ impl Model {
     /// One decoder layer: reads `a.hn` (normalised input), updates the residual `a.x`, and
     /// leaves the next layer's normalised input in `a.hn`. `select` hands the query to the
     /// cache (`KvCache::select_rows`: sparse decode picks the rows to attend from it).
-    fn layer<L: KvLayout>(
+    fn layer<T: KvElem, L: KvLayout>(
         &self,
         l: usize,
         a: &mut Activations,
-        kv: LayerKv<'_>,
+        kv: LayerKv<'_, T>,
         seqs: &[AttnSeq<L>],
         select: &mut dyn FnMut(&[f32]) -> Result<Option<NewRow>>,
     ) -> Result<()> {
@@ -475,10 +483,10 @@ impl Model {
 
     /// Stores each row's new K/V (in `a.qkv`) at its position, then attends each sequence's
     /// queries over its keys into `a.attn`.
-    fn store_and_attend<L: KvLayout>(
+    fn store_and_attend<T: KvElem, L: KvLayout>(
         &self,
         a: &mut Activations,
-        mut kv: LayerKv<'_>,
+        mut kv: LayerKv<'_, T>,
         seqs: &[AttnSeq<L>],
     ) {
         let cfg = &self.cfg;

@@ -19,8 +19,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::{trace, CpuOffloadEngine, OffloadConfig, OffloadControl};
+use super::{trace, CpuOffloadDevice, OffloadConfig, OffloadControl, OffloadEngine};
 use crate::device::cpu::stream::{Buffer, CpuDevice, MemSpace, Stream};
+use crate::device::KvElem;
 use crate::engine::sampler::argmax;
 use crate::flags;
 use crate::kv::{ContiguousKv, KvCache};
@@ -71,6 +72,8 @@ pub struct OffloadBenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub kv: flags::KvDtypeArg,
 }
 
 /// The command: load the model, run the benchmark, print the table (or JSON).
@@ -116,10 +119,14 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
             format!(", needles at {:?}", args.needle_depth)
         },
     );
-    let mut report = run_bench(&model, &args)?;
-    if !needles.is_empty() {
-        needle_scores(&model, &tok, &args, needles, &mut report)?;
-    }
+    let kv = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
+    let report = crate::with_kv_elem!(kv, T => {
+        let mut report = run_bench::<T>(&model, &args)?;
+        if !needles.is_empty() {
+            needle_scores::<T>(&model, &tok, &args, needles, &mut report)?;
+        }
+        report
+    });
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -186,7 +193,11 @@ pub struct SparseRow {
 }
 
 /// Resets `kv` and prefills `prompt`: (seconds, the last logits).
-fn prefill(model: &Model, kv: &mut dyn KvCache<f32>, prompt: &[u32]) -> Result<(f64, Vec<f32>)> {
+fn prefill<T: KvElem>(
+    model: &Model,
+    kv: &mut dyn KvCache<T>,
+    prompt: &[u32],
+) -> Result<(f64, Vec<f32>)> {
     kv.reset()?;
     let t0 = Instant::now();
     let logits = model.forward(prompt, 0, kv)?;
@@ -203,7 +214,7 @@ fn sparse_trace_path(path: &std::path::Path, budget: usize) -> PathBuf {
 fn transfer_only_step(gbps: f64, layers: usize, bytes_per_layer: usize) -> Result<f64> {
     let dev = CpuDevice::new(gbps, false);
     let s = Stream::new(&dev, "h2d");
-    let n = bytes_per_layer / 8; // f32s per K (or V)
+    let n = bytes_per_layer / 8; // f32s per K (or V): the copies move bytes
     let (h, d) = (
         Buffer::alloc(n, MemSpace::Host)?,
         Buffer::alloc(n, MemSpace::Device)?,
@@ -236,10 +247,13 @@ struct Decoding<K> {
     pos: usize,
 }
 
-impl<K: KvCache<f32>> Decoding<K> {
+impl<K> Decoding<K> {
     /// `steps` greedy decode steps on from where the last round stopped: mean seconds per
     /// step.
-    fn round(&mut self, model: &Model, steps: usize) -> Result<f64> {
+    fn round<T: KvElem>(&mut self, model: &Model, steps: usize) -> Result<f64>
+    where
+        K: KvCache<T>,
+    {
         let t1 = Instant::now();
         for _ in 0..steps {
             self.logits = model.forward(&[argmax(&self.logits)], self.pos, &mut self.kv)?;
@@ -272,7 +286,11 @@ fn sized_link(
     })
 }
 
-pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadBenchReport> {
+/// The benchmark with KV elements `T`.
+pub fn run_bench<T: KvElem>(
+    model: &Arc<Model>,
+    args: &OffloadBenchArgs,
+) -> Result<OffloadBenchReport> {
     let c = &model.cfg;
     let mut rng = StdRng::seed_from_u64(1);
     let prompt: Vec<u32> = (0..args.context)
@@ -281,10 +299,10 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
     let (rounds, steps) = (args.rounds.max(1), args.decode_steps);
     // Compute alone runs one more round than the others (it sizes the prefills' link).
     let total = args.context + (rounds + 1) * steps + 1;
-    let bytes_per_layer = 2 * args.context * c.kv_dim() * 4;
+    let bytes_per_layer = 2 * args.context * c.kv_dim() * std::mem::size_of::<T>();
 
     // 1. Compute alone: everything resident; a first timing sizes the prefills' link.
-    let mut plain = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, total);
+    let mut plain = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, total);
     let warm = &prompt[..prompt.len().min(64)];
     let (_, logits) = prefill(model, &mut plain, warm)?;
     let mut warming = Decoding {
@@ -311,7 +329,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
         link_gbps: gbps,
         ..Default::default()
     };
-    let mut engine = CpuOffloadEngine::on_cpu(c, cfg.clone())?;
+    let mut engine = OffloadEngine::<CpuOffloadDevice<T>>::on_cpu(c, cfg.clone())?;
     let (prefill_offload, logits) = prefill(model, &mut engine, &prompt)?;
     let mut full = Decoding {
         kv: engine,
@@ -328,7 +346,7 @@ pub fn run_bench(model: &Arc<Model>, args: &OffloadBenchArgs) -> Result<OffloadB
             sparse: Some(sc),
             ..cfg.clone()
         };
-        let mut e = CpuOffloadEngine::on_cpu(c, sparse_cfg)?;
+        let mut e = OffloadEngine::<CpuOffloadDevice<T>>::on_cpu(c, sparse_cfg)?;
         let (_, logits) = prefill(model, &mut e, &prompt)?;
         sparse.push((
             sc,
@@ -558,7 +576,7 @@ fn needle_prompts(
         .collect()
 }
 
-fn needle_scores(
+fn needle_scores<T: KvElem>(
     model: &Arc<Model>,
     tok: &crate::model::Tokenizer,
     args: &OffloadBenchArgs,
@@ -587,7 +605,7 @@ fn needle_scores(
             }),
             ..Default::default()
         };
-        let mut e = CpuOffloadEngine::on_cpu(c, cfg)?;
+        let mut e = OffloadEngine::<CpuOffloadDevice<T>>::on_cpu(c, cfg)?;
         let cap = e.capacity();
         let mut passed = 0;
         for p in &prompts {

@@ -23,8 +23,8 @@ use super::device::{
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::cpu::stream::{CpuDevice, Event, Link, MemSpace, Stream, TraceEvent};
 use crate::device::DevPtr;
+use crate::device::KvElem;
 use crate::kv::Query;
-use crate::sparse::KvElem;
 
 pub struct CpuOffloadDevice<T> {
     dev: Arc<CpuDevice>,

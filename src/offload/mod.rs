@@ -2,7 +2,8 @@
 //! `num_kv_buffers` per-layer device slots is filled by asynchronous H2D prefetch (decode)
 //! and drained by asynchronous D2H offload (prefill), all ordered by events.
 //!
-//! Memory (f32 on the CPU device; `row` = kv_heads · head_dim):
+//! Memory (elements of `--kv-dtype` on the CPU device, bf16 on CUDA; `row` = kv_heads ·
+//! head_dim):
 //! - host KV, K and V each `[num_layers, num_cpu_blocks, block_size, row]`. One request's
 //!   blocks are allocated from 0 upwards, so a layer's full blocks are one contiguous range
 //!   and each prefill offload or decode prefetch is **one copy per layer for K and one for V**
@@ -27,6 +28,7 @@ pub mod trace;
 
 use anyhow::{bail, Result};
 
+use crate::device::KvElem;
 use crate::model::ModelConfig;
 use crate::sparse::SparseConfig;
 pub use cpu_device::CpuOffloadDevice;
@@ -35,10 +37,11 @@ pub use engine::{OffloadControl, OffloadEngine, OffloadKv};
 /// Largest block: the decode buffer holds one block per layer on the device.
 pub const MAX_BLOCK_SIZE: usize = 16384;
 
-/// The engine on the CPU device, f32 KV: what `strata generate --enable-offload` runs.
+/// The engine on the CPU device with f32 KV, the reference (`OffloadEngine::on_cpu` makes
+/// it for any element: what `strata generate --enable-offload` runs).
 pub type CpuOffloadEngine = OffloadEngine<CpuOffloadDevice<f32>>;
 
-impl CpuOffloadEngine {
+impl<T: KvElem> OffloadEngine<CpuOffloadDevice<T>> {
     /// On a new CPU device set up from `cfg` (link throttle, sanitizer).
     pub fn on_cpu(model: &ModelConfig, cfg: OffloadConfig) -> Result<Self> {
         let d = CpuOffloadDevice::new(cfg.link_gbps, cfg.sanitize, engine::OFFLOAD_STREAMS);

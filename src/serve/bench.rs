@@ -13,6 +13,7 @@ use super::disk::{DiskArgs, DiskTierConfig};
 use super::engine::{EngineConfig, EngineStats, RequestParams};
 use super::scheduler::SchedulerConfig;
 use crate::device::DeviceKind;
+use crate::device::KvDtype;
 use crate::errors::usage;
 use crate::flags;
 use crate::model::weights::WeightDtype;
@@ -114,6 +115,8 @@ pub struct ServeArgs {
     /// bitwise equal to stored).
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
     pub dtype: WeightDtype,
+    #[command(flatten)]
+    pub kv: crate::flags::KvDtypeArg,
 }
 
 /// Random prompts and output lengths, reproducible from `seed`.
@@ -212,7 +215,7 @@ fn most_differing<'a>(runs: impl Iterator<Item = &'a BenchRun>, reference: &Benc
 
 pub fn run_once(
     model: &Arc<Model>,
-    device: DeviceKind,
+    (device, kv_dtype): (DeviceKind, KvDtype),
     sched: SchedulerConfig,
     link_gbps: f64,
     disk: Option<DiskTierConfig>,
@@ -225,6 +228,7 @@ pub fn run_once(
         sanitize: false,
         check_order: crate::device::order::on_by_default(),
         disk,
+        kv_dtype,
     };
     let mut engine = super::setup::engine_for(device, model, &cfg)?;
     if let Some(plan) = engine.disk_plan() {
@@ -259,10 +263,10 @@ pub fn run_once(
 }
 
 /// The memory plan, printed at start: what each tier holds.
-fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize, device: DeviceKind) {
+fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize, kv: KvDtype) {
     let block = model
         .cfg
-        .kv_bytes(sched.block_size, device.kv_elem_bytes())
+        .kv_bytes(sched.block_size, kv.bytes())
         .unwrap_or(0); // checked by ensure_fits first
     let mib = |n: usize| n as f64 * block as f64 / (1u64 << 20) as f64;
     eprintln!(
@@ -306,6 +310,7 @@ fn check_flags(a: &ServeArgs) -> Result<Option<DiskTierConfig>> {
     .validate()
     .map_err(usage)?;
     crate::device::check_available(a.device)?;
+    a.kv.resolve(a.device)?;
     if a.link_gbps > 0.0 {
         a.device.require(crate::device::Feature::SimulatedLink)?;
     }
@@ -315,6 +320,7 @@ fn check_flags(a: &ServeArgs) -> Result<Option<DiskTierConfig>> {
 pub fn run_serve(a: ServeArgs) -> Result<()> {
     // Validate first, then inform: nothing is printed before every check has passed.
     let disk = check_flags(&a)?;
+    let kv = a.kv.resolve(a.device)?;
     let (model, _tok) = Model::load_as(&crate::model::resolve(a.model.clone())?, false, a.dtype)?;
     // Checked before the requests are built: their total size follows from these flags.
     let longest = a.input_len.hi.saturating_add(a.output_len.hi);
@@ -356,7 +362,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     };
     sched.validate()?;
     ensure_fits(
-        super::setup::host_kv_bytes(&model.cfg, &sched, a.device),
+        super::setup::host_kv_bytes(&model.cfg, &sched, a.device, kv),
         "the KV pools",
         "--num-gpu-blocks, --max-cpu-offload-blocks or --block-size",
     )?;
@@ -364,11 +370,11 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         // The slot file's size against the directory's free space, before the plan.
         let block = model
             .cfg
-            .kv_bytes(a.block_size, a.device.kv_elem_bytes())
+            .kv_bytes(a.block_size, kv.bytes())
             .context("a KV block's size overflows")?;
         d.check(a.disk.max_disk_offload_blocks, block)?;
     }
-    print_plan(&model, &sched, working_set, a.device);
+    print_plan(&model, &sched, working_set, kv);
     if a.table {
         return run_table(&a, &model, sched, working_set, &prompts, &params);
     }
@@ -379,7 +385,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     }
     let r = run_once(
         &model,
-        a.device,
+        (a.device, kv),
         sched.clone(),
         a.link_gbps,
         disk,
@@ -397,11 +403,11 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             ..sched.clone()
         };
         ensure_fits(
-            super::setup::host_kv_bytes(&model.cfg, &free, a.device),
+            super::setup::host_kv_bytes(&model.cfg, &free, a.device, kv),
             "the unconstrained run's KV pool",
             "--num-seqs or the lengths",
         )?;
-        let base = run_once(&model, a.device, free, 0.0, None, &prompts, &params)?;
+        let base = run_once(&model, (a.device, kv), free, 0.0, None, &prompts, &params)?;
         let bad = r
             .outputs
             .iter()
@@ -499,6 +505,7 @@ fn run_table(
     prompts: &[Vec<u32>],
     params: &[RequestParams],
 ) -> Result<()> {
+    let kv = a.kv.resolve(a.device)?;
     let free = SchedulerConfig {
         num_gpu_blocks: working_set,
         max_cpu_offload_blocks: 0,
@@ -534,7 +541,7 @@ fn run_table(
     for (name, cfg) in rows {
         let r = run_once(
             model,
-            a.device,
+            (a.device, kv),
             cfg.clone(),
             a.link_gbps,
             None,
@@ -629,6 +636,7 @@ fn run_tier_table(
     prompts: &[Vec<u32>],
     params: &[RequestParams],
 ) -> Result<()> {
+    let kv = a.kv.resolve(a.device)?;
     let free = SchedulerConfig {
         num_gpu_blocks: working_set,
         max_cpu_offload_blocks: 0,
@@ -645,7 +653,7 @@ fn run_tier_table(
         ..tight.clone()
     };
     ensure_fits(
-        super::setup::host_kv_bytes(&model.cfg, &free, a.device),
+        super::setup::host_kv_bytes(&model.cfg, &free, a.device, kv),
         "the unconstrained run's KV pool",
         "--num-seqs or the lengths",
     )?;
@@ -658,7 +666,7 @@ fn run_tier_table(
     for (name, cfg, disk) in rows {
         let r = run_once(
             model,
-            a.device,
+            (a.device, kv),
             cfg.clone(),
             a.link_gbps,
             disk,

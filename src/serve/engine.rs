@@ -15,6 +15,7 @@ use super::runner::BatchRunner;
 use super::scheduler::{SchedStats, Scheduler, SchedulerConfig, SeqId, Sequence};
 use super::setup::{self, Hooks};
 use super::transfer::TransferBackend;
+use crate::device::KvDtype;
 use crate::engine::{Sampler, SamplingParams};
 use crate::model::{Model, ModelConfig};
 
@@ -30,6 +31,9 @@ pub struct EngineConfig {
     pub check_order: bool,
     /// The disk tier's directory; its capacity is `sched.max_disk_offload_blocks`.
     pub disk: Option<DiskTierConfig>,
+    /// The KV pages' element (CUDA: bf16 only). Every tier carries it unchanged; the disk
+    /// tier's fingerprint names it, so a store of one element is never read as another.
+    pub kv_dtype: KvDtype,
 }
 
 #[derive(Debug, Clone, Default)]

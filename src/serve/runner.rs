@@ -1,7 +1,8 @@
 //! The forward side of the serving path: one batched forward per engine step over every
 //! scheduled sequence's pages, by a model whose KV element is the pages' (the CPU model in
-//! f32, the CUDA model in bf16), declared to the stream-ordering checker first.
+//! any `KvElem`, the CUDA model in bf16), declared to the stream-ordering checker first.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -9,6 +10,7 @@ use half::bf16;
 
 use super::device_pages::{lock, SharedPages};
 use super::scheduler::ScheduledSeq;
+use crate::device::KvElem;
 use crate::model::cuda::CudaModel;
 use crate::model::{BatchSeq, Model, PagePool, WantLogits};
 use crate::offload::device::OffloadDevice;
@@ -48,15 +50,30 @@ pub trait BatchForward: Send {
     ) -> Result<Vec<Option<Vec<f32>>>>;
 }
 
-/// The CPU model (f32 KV; the CPU device's compute stream is the calling thread).
-impl BatchForward for Arc<Model> {
-    type Elem = f32;
+/// The CPU model over pages of elements `T` (the CPU device's compute stream is the
+/// calling thread).
+pub struct CpuForward<T> {
+    model: Arc<Model>,
+    _elem: PhantomData<fn() -> T>,
+}
+
+impl<T> CpuForward<T> {
+    pub fn new(model: Arc<Model>) -> Self {
+        Self {
+            model,
+            _elem: PhantomData,
+        }
+    }
+}
+
+impl<T: KvElem> BatchForward for CpuForward<T> {
+    type Elem = T;
     fn forward_batch(
         &mut self,
         seqs: &[BatchSeq<'_>],
-        pool: &mut dyn PagePool<f32>,
+        pool: &mut dyn PagePool<T>,
     ) -> Result<Vec<Option<Vec<f32>>>> {
-        Model::forward_batch(self, seqs, pool)
+        self.model.forward_batch(seqs, pool)
     }
 }
 

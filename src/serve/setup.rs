@@ -6,7 +6,7 @@
 //!
 //! | `--device` | model | KV pages | element |
 //! | --- | --- | --- | --- |
-//! | `cpu` | the CPU model | `CpuOffloadDevice<f32>` | f32 |
+//! | `cpu` | the CPU model (`CpuForward<T>`) | `CpuOffloadDevice<T>` | `--kv-dtype`: f32, bf16, f16 |
 //! | `cuda` | the CUDA model | `CudaOffloadDevice` on GPU 0 | bf16 |
 //! | (tests) | the CUDA model on the kernel emulator | `CpuOffloadDevice<bf16>` | bf16 |
 
@@ -19,18 +19,18 @@ use super::disk::backend::{DiskBackend, TieredBackend};
 use super::disk::store::{SlotIo, StoreLayout};
 use super::disk::DiskTier;
 use super::engine::{Engine, EngineConfig, EngineStats};
-use super::runner::{BatchForward, DeviceRunner};
+use super::runner::{BatchForward, CpuForward, DeviceRunner};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::transfer::TransferBackend;
 use crate::device::cuda::exec::{CudaExec, Exec};
-use crate::device::{DeviceKind, Feature};
+use crate::device::KvElem;
+use crate::device::{DeviceKind, Feature, KvDtype};
 use crate::model::cuda::weights::CudaWeights;
 use crate::model::cuda::CudaModel;
 use crate::model::{Model, ModelConfig};
 use crate::offload::cuda_device::CudaOffloadDevice;
 use crate::offload::device::OffloadDevice;
 use crate::offload::CpuOffloadDevice;
-use crate::sparse::KvElem;
 
 type WrapBackend<'a> = Box<dyn FnOnce(Box<dyn TransferBackend>) -> Box<dyn TransferBackend> + 'a>;
 type WrapIo<'a> = Box<dyn FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo> + 'a>;
@@ -43,15 +43,16 @@ pub struct Hooks<'a> {
     pub wrap_io: Option<WrapIo<'a>>,
 }
 
-/// Bytes of host memory the KV pages of `sched` take on `device`: both tiers on the CPU
-/// device (its "device" memory is host memory), the host tier alone on CUDA (pinned);
-/// `None` if it overflows.
+/// Bytes of host memory the KV pages of `sched` take on `device` in elements `kv`: both
+/// tiers on the CPU device (its "device" memory is host memory), the host tier alone on
+/// CUDA (pinned); `None` if it overflows.
 pub fn host_kv_bytes(
     model: &ModelConfig,
     sched: &SchedulerConfig,
     device: DeviceKind,
+    kv: KvDtype,
 ) -> Option<usize> {
-    let block = model.kv_bytes(sched.block_size, device.kv_elem_bytes())?;
+    let block = model.kv_bytes(sched.block_size, kv.bytes())?;
     let blocks = match device {
         DeviceKind::Cpu => sched
             .num_gpu_blocks
@@ -70,11 +71,13 @@ pub fn engine_for(device: DeviceKind, model: &Arc<Model>, cfg: &EngineConfig) ->
     }
 }
 
-/// The CPU model over pages on the CPU device (f32), its copy streams on worker threads
-/// (link throttle and sanitizer delays as configured).
+/// The CPU model over pages on the CPU device in `cfg.kv_dtype`, its copy streams on
+/// worker threads (link throttle and sanitizer delays as configured).
 pub fn cpu_engine(model: &Arc<Model>, cfg: &EngineConfig, hooks: Hooks<'_>) -> Result<Engine> {
-    let d = CpuOffloadDevice::<f32>::new(cfg.link_gbps, cfg.sanitize, 1);
-    on_device(model, cfg, Arc::clone(model), d, hooks)
+    crate::with_kv_elem!(cfg.kv_dtype, T => {
+        let d = CpuOffloadDevice::<T>::new(cfg.link_gbps, cfg.sanitize, 1);
+        on_device(model, cfg, CpuForward::<T>::new(Arc::clone(model)), d, hooks)
+    })
 }
 
 /// The CUDA model on GPU 0, its pages on the GPU's offload device sharing the model's
@@ -106,6 +109,7 @@ where
     D: OffloadDevice<Elem = half::bf16> + Send + 'static,
 {
     let (c, s) = (&model.cfg, &cfg.sched);
+    DeviceKind::Cuda.kv_dtype(Some(cfg.kv_dtype))?;
     s.validate()?;
     // No sequence outgrows the device tier, which bounds the RoPE tables and scratch.
     let max_pos = c

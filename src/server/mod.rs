@@ -97,6 +97,8 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
     pub dtype: WeightDtype,
     #[command(flatten)]
+    pub kv: flags::KvDtypeArg,
+    #[command(flatten)]
     pub disk: crate::serve::disk::DiskArgs,
     /// Publish the prefix cache's KV-cache events (vLLM's format) on a ZMQ PUB socket bound
     /// here: tcp://HOST:PORT, HOST `*` for every interface, PORT 0 for any free port.
@@ -143,9 +145,10 @@ fn engine_config(args: &ServeArgs, model: &ModelConfig) -> Result<(EngineConfig,
         prefill_chunk: prefill_chunk(bs),
     };
     sched.validate()?;
+    let kv_dtype = args.kv.resolve(args.device)?;
     // Host memory the KV takes (on CUDA the device tier is GPU memory, whose allocation
     // fails clearly).
-    let kv = crate::serve::setup::host_kv_bytes(model, &sched, args.device);
+    let kv = crate::serve::setup::host_kv_bytes(model, &sched, args.device, kv_dtype);
     if let Some(avail) = available_memory_bytes() {
         ensure!(
             kv.is_some_and(|b| b as u64 <= avail),
@@ -157,7 +160,7 @@ fn engine_config(args: &ServeArgs, model: &ModelConfig) -> Result<(EngineConfig,
     }
     if let Some(dc) = &disk {
         let block = model
-            .kv_bytes(bs, args.device.kv_elem_bytes())
+            .kv_bytes(bs, kv_dtype.bytes())
             .context("a KV block's size overflows")?;
         dc.check(sched.max_disk_offload_blocks, block)?;
     }
@@ -168,6 +171,7 @@ fn engine_config(args: &ServeArgs, model: &ModelConfig) -> Result<(EngineConfig,
             sanitize: false,
             check_order: crate::device::order::on_by_default(),
             disk,
+            kv_dtype,
         },
         max_model_len,
     ))

@@ -12,6 +12,7 @@
 use anyhow::Result;
 
 use crate::device::cpu::ops::AttnHeads;
+use crate::device::KvElem;
 
 pub mod eval;
 pub mod replay;
@@ -107,44 +108,6 @@ impl SparseConfig {
         let candidates = (pos - window) / self.page_size;
         let room = (self.budget - window) / self.page_size; // >= 1: budget >= page + block
         (candidates, candidates.min(room))
-    }
-}
-
-/// A KV element the page metadata is made of: f32 (the CPU device) or bf16 (CUDA and the
-/// emulator). Min and max of bf16 values are bf16 values, so bounds are kept in the KV's
-/// own element type, exactly; a mask row's element carries 16 bits as its bit pattern.
-pub trait KvElem: Copy + Send + Sync + 'static {
-    /// Its name where a format records it (the disk tier's fingerprint).
-    const NAME: &'static str;
-    fn to_f32(self) -> f32;
-    /// The element whose low 16 bits are `m` (a mask row's entry).
-    fn from_mask(m: u16) -> Self;
-    fn mask(self) -> u16;
-}
-
-impl KvElem for f32 {
-    const NAME: &'static str = "f32";
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_mask(m: u16) -> Self {
-        f32::from_bits(m as u32)
-    }
-    fn mask(self) -> u16 {
-        self.to_bits() as u16
-    }
-}
-
-impl KvElem for half::bf16 {
-    const NAME: &'static str = "bf16";
-    fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
-    }
-    fn from_mask(m: u16) -> Self {
-        half::bf16::from_bits(m)
-    }
-    fn mask(self) -> u16 {
-        self.to_bits()
     }
 }
 

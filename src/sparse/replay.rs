@@ -14,9 +14,10 @@
 
 use anyhow::{bail, Result};
 
-use super::{KvElem, SparseConfig};
+use super::SparseConfig;
 use crate::device::cpu::ops::AttnHeads;
 use crate::device::DevPtr;
+use crate::device::KvElem;
 use crate::kv::{KvCache, LayerSlot, NewRow, Query};
 use crate::model::ModelConfig;
 

@@ -10,6 +10,32 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+/// Every KV element the CPU device stores: each bit-exactness test of a tier (offload,
+/// preemption, disk) runs in each, against the plain run of the same element.
+pub const KV_DTYPES: [strata::device::KvDtype; 3] = [
+    strata::device::KvDtype::F32,
+    strata::device::KvDtype::Bf16,
+    strata::device::KvDtype::F16,
+];
+
+/// One request on a fresh contiguous cache of elements `kv` (`engine::generate` in any
+/// KV element): the plain run every tier is compared with.
+pub fn generate_plain(
+    model: &std::sync::Arc<strata::model::Model>,
+    kv: strata::device::KvDtype,
+    prompt: &[u32],
+    opts: &strata::engine::GenerateOptions,
+    capacity: usize,
+) -> strata::engine::GenerationOutput {
+    let c = &model.cfg;
+    strata::with_kv_elem!(kv, T => {
+        let mut cache =
+            strata::kv::ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, capacity);
+        strata::engine::generate_with(model, &mut cache, capacity, prompt, opts, &mut |_| Ok(()))
+            .unwrap()
+    })
+}
+
 /// A fresh directory under the target dir, removed first if it exists.
 pub fn scratch_dir(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);

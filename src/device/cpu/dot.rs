@@ -8,29 +8,43 @@
 //! correctly rounded `mul_add` per lane, as the portable `f32::mul_add` is on every target.
 //! Only the register blocking (how many dots share their loads) differs between them, and
 //! it never changes a dot's operations. A test checks the kernels agree bitwise.
+//!
+//! The second operand may be any `KvElem` (attention scores over a 16-bit KV cache): each
+//! element is widened to f32 in registers, exactly, so a dot over 16-bit keys is bitwise
+//! the dot over the same keys widened to f32. `axpy` (attention's `P·V`) reads values the
+//! same way.
+
+use crate::device::kv_elem::{KvDtype, KvElem};
 
 /// Lanes of every fixed-order dot.
 pub const LANES: usize = 16;
 
-/// `R × C` dot products `xs[r] · ws[c]` of slices of one length.
+/// `R × C` dot products `xs[r] · ws[c]` of slices of one length, and `axpy`.
 pub trait DotKernel: Copy + Send + Sync {
-    fn block<const R: usize, const C: usize>(
+    fn block<W: KvElem, const R: usize, const C: usize>(
         self,
         xs: &[&[f32]; R],
-        ws: &[&[f32]; C],
+        ws: &[&[W]; C],
     ) -> [[f32; C]; R];
+    /// `acc += Σ_j ps[j] · vs[j]`: for every element `i`, `acc[i] = fma(ps[j], vs[j][i],
+    /// acc[i])` for `j` in increasing order (attention's `P·V` over one tile of keys).
+    /// Each element is its own chain of correctly rounded operations, so every kernel
+    /// gives the portable bits whatever its width; the SIMD ones keep `acc` in registers
+    /// across the keys.
+    fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]);
 }
 
 /// `R × C` fixed-order dots with the best kernel the build targets (AVX2 on x86-64-v3).
 #[inline(always)]
-pub fn dot_block<const R: usize, const C: usize>(
+pub fn dot_block<W: KvElem, const R: usize, const C: usize>(
     xs: &[&[f32]; R],
-    ws: &[&[f32]; C],
+    ws: &[&[W]; C],
 ) -> [[f32; C]; R] {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
-        target_feature = "fma"
+        target_feature = "fma",
+        target_feature = "f16c"
     ))]
     {
         Avx2.block(xs, ws)
@@ -38,7 +52,8 @@ pub fn dot_block<const R: usize, const C: usize>(
     #[cfg(not(all(
         target_arch = "x86_64",
         target_feature = "avx2",
-        target_feature = "fma"
+        target_feature = "fma",
+        target_feature = "f16c"
     )))]
     {
         Portable.block(xs, ws)
@@ -51,10 +66,10 @@ pub fn dot_fixed(a: &[f32], b: &[f32]) -> f32 {
     dot_block(&[a], &[b])[0][0]
 }
 
-fn check_lengths<const R: usize, const C: usize>(xs: &[&[f32]; R], ws: &[&[f32]; C]) -> usize {
+fn check_lengths<W, const R: usize, const C: usize>(xs: &[&[f32]; R], ws: &[&[W]; C]) -> usize {
     let k = if R > 0 { xs[0].len() } else { 0 };
     assert!(
-        xs.iter().chain(ws.iter()).all(|s| s.len() == k),
+        xs.iter().all(|s| s.len() == k) && ws.iter().all(|s| s.len() == k),
         "dot_block: slices of different lengths"
     );
     k
@@ -68,9 +83,9 @@ pub(super) fn sum_lanes(a: &[f32; LANES]) -> f32 {
 
 /// The lane sums, then the tail fused in order: the end of every fixed-order dot.
 #[inline(always)]
-fn finish<const R: usize, const C: usize>(
+fn finish<W: KvElem, const R: usize, const C: usize>(
     xs: &[&[f32]; R],
-    ws: &[&[f32]; C],
+    ws: &[&[W]; C],
     acc: &[[[f32; LANES]; C]; R],
     body: usize,
 ) -> [[f32; C]; R] {
@@ -78,7 +93,7 @@ fn finish<const R: usize, const C: usize>(
         std::array::from_fn(|c| {
             let mut s = sum_lanes(&acc[r][c]);
             for q in body..xs[r].len() {
-                s = xs[r][q].mul_add(ws[c][q], s);
+                s = xs[r][q].mul_add(ws[c][q].to_f32(), s);
             }
             s
         })
@@ -91,10 +106,10 @@ pub struct Portable;
 
 impl DotKernel for Portable {
     #[inline(always)]
-    fn block<const R: usize, const C: usize>(
+    fn block<W: KvElem, const R: usize, const C: usize>(
         self,
         xs: &[&[f32]; R],
-        ws: &[&[f32]; C],
+        ws: &[&[W]; C],
     ) -> [[f32; C]; R] {
         let k = check_lengths(xs, ws);
         let body = k - k % LANES;
@@ -103,21 +118,48 @@ impl DotKernel for Portable {
             for c in 0..C {
                 for r in 0..R {
                     for l in 0..LANES {
-                        acc[r][c][l] = xs[r][p + l].mul_add(ws[c][p + l], acc[r][c][l]);
+                        acc[r][c][l] = xs[r][p + l].mul_add(ws[c][p + l].to_f32(), acc[r][c][l]);
                     }
                 }
             }
         }
         finish(xs, ws, &acc, body)
     }
+
+    #[inline(always)]
+    fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+        accumulate_from(0, ps, vs, acc);
+    }
 }
 
-/// AVX2 + FMA, enabled at compile time (the x86-64-v3 build): lanes 0–7 and 8–15 of a dot
-/// in two registers (`linear` uses 2 × 3 blocks: 12 accumulators, 4 inputs, of 16).
+/// Checks `accumulate`'s shapes: a weight per row, every row as long as `acc`.
+fn check_rows<W>(ps: &[f32], vs: &[&[W]], acc: &[f32]) {
+    assert!(
+        ps.len() == vs.len() && vs.iter().all(|v| v.len() == acc.len()),
+        "accumulate: {} weights, rows of other lengths than {}",
+        ps.len(),
+        acc.len()
+    );
+}
+
+/// The portable `accumulate` over elements `from..` (every kernel's tail).
+#[inline(always)]
+fn accumulate_from<W: KvElem>(from: usize, ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+    check_rows(ps, vs, acc);
+    for (p, v) in ps.iter().zip(vs) {
+        for (a, x) in acc[from..].iter_mut().zip(&v[from..]) {
+            *a = p.mul_add(x.to_f32(), *a);
+        }
+    }
+}
+
+/// AVX2 + FMA + F16C, enabled at compile time (the x86-64-v3 build): lanes 0–7 and 8–15
+/// of a dot in two registers (`linear` uses 2 × 3 blocks: 12 accumulators, 4 inputs, of 16).
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 #[derive(Clone, Copy, Debug)]
 pub struct Avx2;
@@ -125,14 +167,15 @@ pub struct Avx2;
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 impl DotKernel for Avx2 {
     #[inline(always)]
-    fn block<const R: usize, const C: usize>(
+    fn block<W: KvElem, const R: usize, const C: usize>(
         self,
         xs: &[&[f32]; R],
-        ws: &[&[f32]; C],
+        ws: &[&[W]; C],
     ) -> [[f32; C]; R] {
         use std::arch::x86_64::{__m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps};
         let k = check_lengths(xs, ws);
@@ -149,7 +192,7 @@ impl DotKernel for Avx2 {
                 });
                 for c in 0..C {
                     let b = ws[c].as_ptr().add(p);
-                    let wv = [_mm256_loadu_ps(b), _mm256_loadu_ps(b.add(8))];
+                    let wv = [load8(b), load8(b.add(8))];
                     for r in 0..R {
                         for h in 0..2 {
                             acc[r][c][h] = _mm256_fmadd_ps(xv[r][h], wv[h], acc[r][c][h]);
@@ -162,6 +205,66 @@ impl DotKernel for Avx2 {
             std::mem::transmute_copy(&acc)
         };
         finish(xs, ws, &acc, body)
+    }
+
+    #[inline(always)]
+    fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+        use std::arch::x86_64::*;
+        check_rows(ps, vs, acc);
+        // 4 registers (32 elements) of `acc` at a time, then single registers.
+        let mut i = 0;
+        // SAFETY: the build enables AVX2, FMA and F16C (cfg above); every access is 8
+        // elements ending at or before `acc.len()`, inside `acc` and each row (checked).
+        unsafe {
+            while i + 32 <= acc.len() {
+                let a = acc.as_mut_ptr().add(i);
+                let mut r: [__m256; 4] = std::array::from_fn(|c| _mm256_loadu_ps(a.add(8 * c)));
+                for (p, v) in ps.iter().zip(vs) {
+                    let (pv, x) = (_mm256_set1_ps(*p), v.as_ptr().add(i));
+                    for (c, r) in r.iter_mut().enumerate() {
+                        *r = _mm256_fmadd_ps(pv, load8(x.add(8 * c)), *r);
+                    }
+                }
+                for (c, r) in r.iter().enumerate() {
+                    _mm256_storeu_ps(a.add(8 * c), *r);
+                }
+                i += 32;
+            }
+            while i + 8 <= acc.len() {
+                let a = acc.as_mut_ptr().add(i);
+                let mut r = _mm256_loadu_ps(a);
+                for (p, v) in ps.iter().zip(vs) {
+                    r = _mm256_fmadd_ps(_mm256_set1_ps(*p), load8(v.as_ptr().add(i)), r);
+                }
+                _mm256_storeu_ps(a, r);
+                i += 8;
+            }
+        }
+        accumulate_from(i, ps, vs, acc);
+    }
+}
+
+/// 8 elements at `p` widened to f32: a load, or 8 halves converted (F16C), or 8 bf16
+/// shifted into the high half of each lane (exact: a bf16 is an f32's upper 16 bits).
+///
+/// # Safety
+/// 8 elements at `p` are readable; the CPU has AVX2 and F16C.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[inline(always)]
+unsafe fn load8<W: KvElem>(p: *const W) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    match W::DTYPE {
+        KvDtype::F32 => _mm256_loadu_ps(p as *const f32),
+        KvDtype::Bf16 => {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+        KvDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
     }
 }
 
@@ -184,21 +287,92 @@ impl Avx512 {
 #[cfg(target_arch = "x86_64")]
 impl DotKernel for Avx512 {
     #[inline(always)]
-    fn block<const R: usize, const C: usize>(
+    fn block<W: KvElem, const R: usize, const C: usize>(
         self,
         xs: &[&[f32]; R],
-        ws: &[&[f32]; C],
+        ws: &[&[W]; C],
     ) -> [[f32; C]; R] {
         // SAFETY: an `Avx512` exists only once AVX-512F was detected.
         unsafe { avx512_block(xs, ws) }
     }
+
+    #[inline(always)]
+    fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { avx512_accumulate(ps, vs, acc) }
+    }
+}
+
+/// 16 elements at `p` widened to f32 (see `load8`). Inlined into the `avx512f` functions
+/// below, whose feature its intrinsics then inherit.
+///
+/// # Safety
+/// 16 elements at `p` are readable; the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn load16<W: KvElem>(p: *const W) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    match W::DTYPE {
+        KvDtype::F32 => _mm512_loadu_ps(p as *const f32),
+        KvDtype::Bf16 => {
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+        KvDtype::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+    }
+}
+
+/// `Avx512::accumulate`: 4 registers (64 elements: a 64-wide head in registers across
+/// the whole tile) of `acc` at a time, then single registers, then the portable tail.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_accumulate<W: KvElem>(ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+    use std::arch::x86_64::*;
+    check_rows(ps, vs, acc);
+    let mut i = 0;
+    while i + 4 * LANES <= acc.len() {
+        // SAFETY: 64 elements from `i`, inside `acc` and each row (checked). No closures
+        // or iterator adaptors over registers: they would not inherit the target feature.
+        unsafe {
+            let a = acc.as_mut_ptr().add(i);
+            let mut r0 = _mm512_loadu_ps(a);
+            let mut r1 = _mm512_loadu_ps(a.add(LANES));
+            let mut r2 = _mm512_loadu_ps(a.add(2 * LANES));
+            let mut r3 = _mm512_loadu_ps(a.add(3 * LANES));
+            for j in 0..ps.len() {
+                let (pv, x) = (_mm512_set1_ps(ps[j]), vs[j].as_ptr().add(i));
+                r0 = _mm512_fmadd_ps(pv, load16(x), r0);
+                r1 = _mm512_fmadd_ps(pv, load16(x.add(LANES)), r1);
+                r2 = _mm512_fmadd_ps(pv, load16(x.add(2 * LANES)), r2);
+                r3 = _mm512_fmadd_ps(pv, load16(x.add(3 * LANES)), r3);
+            }
+            _mm512_storeu_ps(a, r0);
+            _mm512_storeu_ps(a.add(LANES), r1);
+            _mm512_storeu_ps(a.add(2 * LANES), r2);
+            _mm512_storeu_ps(a.add(3 * LANES), r3);
+        }
+        i += 4 * LANES;
+    }
+    while i + LANES <= acc.len() {
+        // SAFETY: 16 elements from `i`, inside `acc` and each row.
+        unsafe {
+            let a = acc.as_mut_ptr().add(i);
+            let mut r = _mm512_loadu_ps(a);
+            for j in 0..ps.len() {
+                r = _mm512_fmadd_ps(_mm512_set1_ps(ps[j]), load16(vs[j].as_ptr().add(i)), r);
+            }
+            _mm512_storeu_ps(a, r);
+        }
+        i += LANES;
+    }
+    accumulate_from(i, ps, vs, acc);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn avx512_block<const R: usize, const C: usize>(
+unsafe fn avx512_block<W: KvElem, const R: usize, const C: usize>(
     xs: &[&[f32]; R],
-    ws: &[&[f32]; C],
+    ws: &[&[W]; C],
 ) -> [[f32; C]; R] {
     use std::arch::x86_64::{__m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_setzero_ps};
     let k = check_lengths(xs, ws);
@@ -214,7 +388,7 @@ unsafe fn avx512_block<const R: usize, const C: usize>(
         }
         for c in 0..C {
             // SAFETY: as above.
-            let wv = unsafe { _mm512_loadu_ps(ws[c].as_ptr().add(p)) };
+            let wv = unsafe { load16(ws[c].as_ptr().add(p)) };
             for r in 0..R {
                 acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
             }
@@ -235,34 +409,145 @@ mod tests {
         v.iter().flatten().map(|x| x.to_bits()).collect()
     }
 
-    /// Every kernel on this machine gives the portable kernel's bits, on lengths with and
-    /// without a tail. (Without AVX-512 on the test machine that kernel is not checked.)
-    #[test]
-    fn every_kernel_reproduces_the_portable_order_bitwise() {
+    /// `n` random elements in [-1, 1], with edge values sprinkled in (f16 subnormals and
+    /// its largest finite value, a bf16 tiny exponent), the conversions' special cases.
+    fn elems<W: KvElem>(rng: &mut StdRng, n: usize) -> Vec<W> {
+        const EDGES: [f32; 6] = [6.0e-8, -3.0e-6, 65504.0, -1.0e-30, -1.0e4, 0.0];
+        (0..n)
+            .map(|_| match rng.random_range(0..8) {
+                0 => W::from_f32(EDGES[rng.random_range(0..EDGES.len())]),
+                _ => W::from_f32(rng.random_range(-1.0..1.0)),
+            })
+            .collect()
+    }
+
+    fn widen<W: KvElem>(v: &[W]) -> Vec<f32> {
+        v.iter().map(|x| x.to_f32()).collect()
+    }
+
+    /// Every kernel on this machine gives the portable kernel's bits with weights of
+    /// element `W`, on lengths with and without a tail, and those are the bits of the f32
+    /// dots over the widened weights: widening in registers changes nothing. (Without
+    /// AVX-512 on the test machine that kernel is not checked.)
+    fn check_blocks<W: KvElem>() {
         let mut rng = StdRng::seed_from_u64(11);
         for k in [1, 7, 15, 16, 17, 64, 100, 577] {
             let mut v = || -> Vec<f32> { (0..k).map(|_| rng.random_range(-1.0..1.0)).collect() };
             let x: Vec<Vec<f32>> = (0..4).map(|_| v()).collect();
-            let w: Vec<Vec<f32>> = (0..6).map(|_| v()).collect();
+            let w: Vec<Vec<W>> = (0..6).map(|_| elems::<W>(&mut rng, k)).collect();
+            let wide: Vec<Vec<f32>> = w.iter().map(|w| widen(w)).collect();
             let xs: [&[f32]; 4] = std::array::from_fn(|i| x[i].as_slice());
-            let ws: [&[f32]; 6] = std::array::from_fn(|i| w[i].as_slice());
-            let want = Portable.block(&xs, &ws);
+            let ws: [&[W]; 6] = std::array::from_fn(|i| w[i].as_slice());
+            let wides: [&[f32]; 6] = std::array::from_fn(|i| wide[i].as_slice());
+            let want = Portable.block(&xs, &wides);
+            let name = W::NAME;
+            assert_eq!(
+                bits(&Portable.block(&xs, &ws)),
+                bits(&want),
+                "portable {name}, k {k}"
+            );
             assert_eq!(
                 bits(&dot_block(&xs, &ws)),
                 bits(&want),
-                "compile-time kernel, k {k}"
+                "compile-time {name}, k {k}"
             );
             #[cfg(target_arch = "x86_64")]
             if let Some(kern) = Avx512::detect() {
-                assert_eq!(bits(&kern.block(&xs, &ws)), bits(&want), "AVX-512, k {k}");
+                assert_eq!(
+                    bits(&kern.block(&xs, &ws)),
+                    bits(&want),
+                    "AVX-512 {name}, k {k}"
+                );
             }
             // A plain sequential reference to catch a kernel that drops lanes.
             let naive: f64 = x[0]
                 .iter()
-                .zip(&w[0])
+                .zip(&wide[0])
                 .map(|(a, b)| *a as f64 * *b as f64)
                 .sum();
-            assert!((want[0][0] as f64 - naive).abs() < 1e-4, "k {k}");
+            let scale: f64 = x[0]
+                .iter()
+                .zip(&wide[0])
+                .map(|(a, b)| (*a * *b).abs() as f64)
+                .sum();
+            assert!(
+                (want[0][0] as f64 - naive).abs() <= 1e-5 * scale.max(1.0),
+                "{name} k {k}"
+            );
         }
+    }
+
+    #[test]
+    fn every_kernel_reproduces_the_portable_order_bitwise_in_every_element() {
+        check_blocks::<f32>();
+        check_blocks::<half::bf16>();
+        check_blocks::<half::f16>();
+    }
+
+    /// `accumulate` (attention's `P·V`): every kernel gives the portable bits, which are
+    /// those of the f32 values widened; on widths with every path (4 registers, single
+    /// registers, a tail) and tiles of 1 to 130 rows.
+    fn check_accumulate<W: KvElem>() {
+        let mut rng = StdRng::seed_from_u64(12);
+        for (hd, rows) in [
+            (64, 128),
+            (64, 1),
+            (16, 3),
+            (8, 5),
+            (100, 130),
+            (7, 9),
+            (136, 17),
+        ] {
+            let ps = widen(&elems::<f32>(&mut rng, rows));
+            let v: Vec<Vec<W>> = (0..rows).map(|_| elems::<W>(&mut rng, hd)).collect();
+            let wide: Vec<Vec<f32>> = v.iter().map(|v| widen(v)).collect();
+            let vs: Vec<&[W]> = v.iter().map(Vec::as_slice).collect();
+            let wides: Vec<&[f32]> = wide.iter().map(Vec::as_slice).collect();
+            let acc0 = widen(&elems::<f32>(&mut rng, hd));
+            let run = |k: &dyn Fn(&mut [f32])| {
+                let mut acc = acc0.clone();
+                k(&mut acc);
+                acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            let want = run(&|a| Portable.accumulate(&ps, &wides, a));
+            let name = W::NAME;
+            assert_eq!(
+                run(&|a| Portable.accumulate(&ps, &vs, a)),
+                want,
+                "portable {name} {hd}"
+            );
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma",
+                target_feature = "f16c"
+            ))]
+            assert_eq!(
+                run(&|a| Avx2.accumulate(&ps, &vs, a)),
+                want,
+                "AVX2 {name} {hd}"
+            );
+            #[cfg(target_arch = "x86_64")]
+            if let Some(kern) = Avx512::detect() {
+                assert_eq!(
+                    run(&|a| kern.accumulate(&ps, &vs, a)),
+                    want,
+                    "AVX-512 {name} {hd}"
+                );
+            }
+            // Element 0 by hand: the chain of fused multiply-adds in row order.
+            let mut e = acc0[0];
+            for (p, v) in ps.iter().zip(&wide) {
+                e = p.mul_add(v[0], e);
+            }
+            assert_eq!(want[0], e.to_bits(), "{name} {hd}");
+        }
+    }
+
+    #[test]
+    fn every_kernel_accumulates_rows_as_the_portable_kernel_in_every_element() {
+        check_accumulate::<f32>();
+        check_accumulate::<half::bf16>();
+        check_accumulate::<half::f16>();
     }
 }

@@ -196,7 +196,8 @@ impl Lanes for PortableLanes {
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 mod avx2 {
     use super::{Lanes, LANES};
@@ -746,7 +747,8 @@ impl StoredDot for Portable {
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 impl StoredDot for super::dot::Avx2 {
     #[inline(always)]
@@ -920,7 +922,8 @@ mod tests {
         #[cfg(all(
             target_arch = "x86_64",
             target_feature = "avx2",
-            target_feature = "fma"
+            target_feature = "fma",
+            target_feature = "f16c"
         ))]
         check_kernel(super::super::dot::Avx2, "AVX2");
         #[cfg(target_arch = "x86_64")]
@@ -964,7 +967,8 @@ mod tests {
         #[cfg(all(
             target_arch = "x86_64",
             target_feature = "avx2",
-            target_feature = "fma"
+            target_feature = "fma",
+            target_feature = "f16c"
         ))]
         check_linear::<_, 2, 3, 3>(super::super::dot::Avx2, "AVX2");
         #[cfg(target_arch = "x86_64")]

@@ -6,10 +6,11 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 pub use super::dot::dot_fixed;
-use super::dot::{dot_block, DotKernel};
+use super::dot::DotKernel;
 use super::fused::{StoredDot, StoredRows};
 use super::q8;
 use super::rows::KvRows;
+use crate::device::kv_elem::KvElem;
 
 /// Weight rows per parallel task of `linear` (a multiple of every kernel's `NR`): the tile
 /// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only
@@ -259,13 +260,15 @@ fn q8_block<Q: q8::Q8Dot, const R: usize, const C: usize>(
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 const BUILD_KERNEL: super::dot::Avx2 = super::dot::Avx2;
 #[cfg(not(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 )))]
 const BUILD_KERNEL: super::dot::Portable = super::dot::Portable;
 
@@ -730,7 +733,7 @@ const KV_SPLIT: usize = 512;
 ///
 /// `q[tokens, num_heads, head_dim]`; `k`, `v`: `[>= pos0 + tokens, num_kv_heads, head_dim]`
 /// (the layer's cache, the new tokens already stored); `out[tokens, num_heads, head_dim]`.
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], s: AttnShape) {
+pub fn attention<T: KvElem>(q: &[f32], k: &[T], v: &[T], out: &mut [f32], s: AttnShape) {
     let heads = AttnHeads {
         num_heads: s.num_heads,
         num_kv_heads: s.num_kv_heads,
@@ -756,11 +759,31 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], s: AttnShape)
 /// [`dot_fixed`], `P·V` one key after the other; the partials are merged in partition
 /// order. So batching, chunking, the task split and paging never change a bit.
 ///
+/// K and V are read in the cache's element `T`, widened to f32 in registers (exactly), so
+/// the result over a 16-bit cache is bitwise the result over the same values in f32. The
+/// kernel (AVX-512 if this CPU has it, else the build's) changes no bit either (`dot.rs`).
+///
 /// `q[rows, num_heads, head_dim]`; `k`, `v`: the layer's K/V buffers, addressed by each
 /// sequence's layout; `out[rows, num_heads, head_dim]`.
-pub fn attention_batch<L: KvLayout>(
+pub fn attention_batch<T: KvElem, L: KvLayout>(
     q: &[f32],
-    kv: KvRows<'_>,
+    kv: KvRows<'_, T>,
+    out: &mut [f32],
+    h: AttnHeads,
+    seqs: &[AttnSeq<L>],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kern) = super::dot::Avx512::detect() {
+        return attention_with(kern, q, kv, out, h, seqs);
+    }
+    attention_with(BUILD_KERNEL, q, kv, out, h, seqs)
+}
+
+/// `attention_batch` with the kernel `kern`.
+pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
+    kern: K,
+    q: &[f32],
+    kv: KvRows<'_, T>,
     out: &mut [f32],
     h: AttnHeads,
     seqs: &[AttnSeq<L>],
@@ -805,7 +828,7 @@ pub fn attention_batch<L: KvLayout>(
             let s = &seqs[it.seq];
             let key_end = s.pos0 + it.t0 + it.nq; // exclusive: the tile's last query sees keys < key_end
             let (ks, ke) = (p * KV_SPLIT, ((p + 1) * KV_SPLIT).min(key_end));
-            attend_part(q, kv, h, s, it.g, group, it.t0, it.nq, ks, ke)
+            attend_part(kern, q, kv, h, s, it.g, group, it.t0, it.nq, ks, ke)
         })
         .collect();
     // Merge each query row's partials in partition order and normalise into `out`.
@@ -856,9 +879,10 @@ struct Partial {
 /// One task: rows = the `group` heads × `nq` queries (from `t0`) of KV head `g` of one
 /// sequence, keys `ks..ke`. Every step is per row; rows only share loads.
 #[allow(clippy::too_many_arguments)]
-fn attend_part<L: KvLayout>(
+fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
+    kern: K,
     q: &[f32],
-    kv: KvRows<'_>,
+    kv: KvRows<'_, T>,
     h: AttnHeads,
     s: &AttnSeq<L>,
     g: usize,
@@ -891,9 +915,9 @@ fn attend_part<L: KvLayout>(
         let kn = K_TILE.min(ke - kb);
         // This tile's key and value rows of head g, wherever their pages are.
         let krow = |j: usize| kv.rows(s.kv.row_offset(kb + j) + g * hd, hd);
-        let kv_rows: Vec<(&[f32], &[f32])> = (0..kn).map(krow).collect();
-        // sc[rows, kn] = qg · Kᵀ, each score by dot_fixed (blocked 4 × 4 for reuse).
-        score_tile(&qg, hd, rows, &kv_rows, &mut sc);
+        let (keys, values): (Vec<&[T]>, Vec<&[T]>) = (0..kn).map(krow).unzip(); // [kn][hd] each
+                                                                                // sc[rows, kn] = qg · Kᵀ, each score by dot_fixed (blocked for reuse).
+        score_tile(kern, &qg, hd, rows, &keys, &mut sc);
         for j in 0..group {
             for i in 0..nq {
                 let r = j * nq + i;
@@ -917,11 +941,7 @@ fn attend_part<L: KvLayout>(
                     acc.iter_mut().for_each(|x| *x *= corr);
                 }
                 // acc += P[r, ..visible] · V, one key after the other.
-                for (p, (_, vr)) in row.iter().zip(&kv_rows) {
-                    for (a, x) in acc.iter_mut().zip(*vr) {
-                        *a = p.mul_add(*x, *a);
-                    }
-                }
+                kern.accumulate(row, &values[..visible], acc);
             }
         }
         kb += kn;
@@ -934,7 +954,14 @@ const SMR: usize = 2;
 const SNR: usize = 3;
 
 /// `sc[r, j] = dot_fixed(qg[r], key j)` for `rows` query rows and the tile's keys.
-fn score_tile(qg: &[f32], hd: usize, rows: usize, keys: &[(&[f32], &[f32])], sc: &mut [f32]) {
+fn score_tile<K: DotKernel, T: KvElem>(
+    kern: K,
+    qg: &[f32],
+    hd: usize,
+    rows: usize,
+    keys: &[&[T]],
+    sc: &mut [f32],
+) {
     let kn = keys.len();
     let qrow = |r: usize| &qg[r * hd..(r + 1) * hd];
     let mut r = 0;
@@ -943,15 +970,15 @@ fn score_tile(qg: &[f32], hd: usize, rows: usize, keys: &[(&[f32], &[f32])], sc:
         if r + SMR <= rows {
             let xs: [&[f32]; SMR] = std::array::from_fn(|i| qrow(r + i));
             while j + SNR <= kn {
-                let ws: [&[f32]; SNR] = std::array::from_fn(|c| keys[j + c].0);
-                let b = dot_block(&xs, &ws);
+                let ws: [&[T]; SNR] = std::array::from_fn(|c| keys[j + c]);
+                let b = kern.block(&xs, &ws);
                 for (i, row) in b.iter().enumerate() {
                     sc[(r + i) * K_TILE + j..][..SNR].copy_from_slice(row);
                 }
                 j += SNR;
             }
             while j < kn {
-                let b = dot_block(&xs, &[keys[j].0]);
+                let b = kern.block(&xs, &[keys[j]]);
                 for (i, row) in b.iter().enumerate() {
                     sc[(r + i) * K_TILE + j] = row[0];
                 }
@@ -960,7 +987,7 @@ fn score_tile(qg: &[f32], hd: usize, rows: usize, keys: &[(&[f32], &[f32])], sc:
             r += SMR;
         } else {
             for (jj, key) in keys.iter().enumerate() {
-                sc[r * K_TILE + jj] = dot_fixed(qrow(r), key.0);
+                sc[r * K_TILE + jj] = kern.block(&[qrow(r)], &[*key])[0][0];
             }
             r += 1;
         }
@@ -1168,6 +1195,71 @@ mod tests {
         let mut out = vec![0.0; 103 * qd];
         attention_batch(&qb, KvRows::from_slices(&kp, &vp), &mut out, heads, &seqs);
         assert_eq!(bits(&out[3 * qd..]), bits(&whole[600 * qd..]));
+    }
+
+    /// Attention over a 16-bit cache is bitwise attention over the same values widened to
+    /// f32 (the kernels widen in registers and keep the f32 order), with every kernel this
+    /// machine has; and it stays close to the naive f64 softmax over the unrounded values
+    /// (the rounding is the only difference a 16-bit cache makes).
+    fn check_16_bit<T: KvElem>(tol: f32) {
+        let mut rng = StdRng::seed_from_u64(17);
+        let (nh, nkv, hd) = (6, 2, 64);
+        for (tokens, pos0) in [(1, 700), (40, 0), (3, 1100)] {
+            let total = pos0 + tokens;
+            let q = rand_vec(&mut rng, tokens * nh * hd);
+            let (k, v) = (
+                rand_vec(&mut rng, total * nkv * hd),
+                rand_vec(&mut rng, total * nkv * hd),
+            );
+            let round = |x: &[f32]| -> Vec<T> { x.iter().map(|&x| T::from_f32(x)).collect() };
+            let (kt, vt) = (round(&k), round(&v));
+            let widen = |x: &[T]| -> Vec<f32> { x.iter().map(|x| x.to_f32()).collect() };
+            let (kw, vw) = (widen(&kt), widen(&vt));
+            let shape = AttnShape {
+                tokens,
+                pos0,
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+            };
+            let mut want = vec![0.0; tokens * nh * hd];
+            attention(&q, &kw, &vw, &mut want, shape);
+            let mut got = vec![0.0; tokens * nh * hd];
+            attention(&q, &kt, &vt, &mut got, shape);
+            assert_eq!(bits(&got), bits(&want), "{} at {pos0}", T::NAME);
+            // Each kernel by name (the dispatcher above took the best one).
+            let heads = AttnHeads {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+            };
+            let seq = [AttnSeq {
+                row0: 0,
+                tokens,
+                pos0,
+                kv: ContiguousRows { row: nkv * hd },
+            }];
+            let rows = KvRows::from_slices(&kt, &vt);
+            let mut out = vec![0.0; tokens * nh * hd];
+            attention_with(BUILD_KERNEL, &q, rows, &mut out, heads, &seq);
+            assert_eq!(bits(&out), bits(&want), "build kernel, {}", T::NAME);
+            attention_with(super::super::dot::Portable, &q, rows, &mut out, heads, &seq);
+            assert_eq!(bits(&out), bits(&want), "portable kernel, {}", T::NAME);
+            let naive = attention_naive(&q, &k, &v, shape);
+            let err = naive
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(err < tol, "{}: {err} from the unrounded values", T::NAME);
+        }
+    }
+
+    #[test]
+    fn attention_over_16_bit_kv_is_the_f32_attention_over_its_widened_values() {
+        check_16_bit::<half::bf16>(2e-2);
+        check_16_bit::<half::f16>(2e-3);
+        check_16_bit::<f32>(1e-5);
     }
 
     #[test]

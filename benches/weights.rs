@@ -35,6 +35,7 @@ fn main() {
         let out = match job.as_str() {
             "cuda-host" => cuda_host(&qwen_dir()),
             "decode-interleaved" => decode_interleaved(),
+            "decode-interleaved-kv" => decode_interleaved_kv(),
             mode => run_mode(mode),
         };
         println!("{out}");
@@ -297,6 +298,60 @@ fn decode_interleaved() -> Value {
         "stored_tps": 1.0 / median(&mut step_s[1]),
         "q8_tps": 1.0 / median(&mut step_s[2]),
     })
+}
+
+/// The KV element's decode cost with the machine's load shared fairly (issue 33): the
+/// stored Q4_1 GGUF with its KV in f32, bf16 and f16, in one process, each prefilled to
+/// `STRATA_BENCH_CTX`, then decode steps alternating between them on the same tokens (the
+/// f32 cache's greedy choice); tokens/s from each one's median step, and its range.
+/// (`STRATA_BENCH_WEIGHTS_CHILD=decode-interleaved-kv cargo bench --bench weights`.)
+fn decode_interleaved_kv() -> Value {
+    use strata::device::{KvDtype, KvElem};
+    /// One cache being decoded: its forward step.
+    type Step = Box<dyn FnMut(u32, usize) -> Vec<f32>>;
+    fn cache<T: KvElem>(m: Arc<Model>, toks: &[u32], cap: usize) -> (Step, Vec<f32>) {
+        let c = &m.cfg;
+        let mut kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, cap);
+        let mut logits = Vec::new();
+        for (i, chunk) in toks.chunks(PREFILL_CHUNK).enumerate() {
+            logits = m.forward(chunk, i * PREFILL_CHUNK, &mut kv).unwrap();
+        }
+        let step = move |t: u32, pos: usize| m.forward(&[t], pos, &mut kv).unwrap();
+        (Box::new(step), logits)
+    }
+    let ctx: usize = env_or("STRATA_BENCH_CTX", "1024")
+        .split(',')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let steps: usize = env_or("STRATA_BENCH_STEPS", "16").parse().unwrap();
+    let model = Model::load(&gguf_path(), false).unwrap().0;
+    let toks: Vec<u32> = (0..ctx).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
+    let dtypes = [KvDtype::F32, KvDtype::Bf16, KvDtype::F16];
+    let mut state: Vec<(Step, Vec<f32>)> = dtypes
+        .iter()
+        .map(|&d| strata::with_kv_elem!(d, T => cache::<T>(model.clone(), &toks, ctx + steps)))
+        .collect();
+    let mut step_s = vec![Vec::new(); dtypes.len()];
+    for s in 0..steps {
+        let next = argmax(&state[0].1);
+        // Rotate who goes first, so no element always runs after the same one.
+        for k in 0..dtypes.len() {
+            let i = (s + k) % dtypes.len();
+            let (step, logits) = &mut state[i];
+            let t = Instant::now();
+            *logits = step(next, ctx + s);
+            step_s[i].push(t.elapsed().as_secs_f64());
+        }
+    }
+    let mut out = json!({ "context": ctx, "steps": steps });
+    for (d, v) in dtypes.iter().zip(&mut step_s) {
+        v.sort_by(f64::total_cmp);
+        out[format!("{d}_tps")] = json!(1.0 / v[v.len() / 2]);
+        out[format!("{d}_tps_range")] = json!([1.0 / v[v.len() - 1], 1.0 / v[0]]);
+    }
+    out
 }
 
 fn argmax(x: &[f32]) -> u32 {

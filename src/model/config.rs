@@ -198,7 +198,7 @@ impl ModelConfig {
     }
 
     /// Bytes of K and V for `tokens` tokens of one layer, in elements of `elem_bytes`
-    /// (`DeviceKind::kv_elem_bytes`); `None` if the product overflows. With `kv_bytes`, the
+    /// (`KvDtype::bytes`); `None` if the product overflows. With `kv_bytes`, the
     /// one KV sizing rule: offload plans, serving blocks, memory checks and plan lines.
     pub fn kv_layer_bytes(&self, tokens: usize, elem_bytes: usize) -> Option<usize> {
         [2, tokens, self.kv_dim(), elem_bytes]

@@ -82,7 +82,7 @@ pub fn copy_each<D: OffloadDevice + ?Sized>(
 }
 
 pub trait OffloadDevice {
-    /// The KV element: f32 on the CPU device, bf16 on CUDA.
+    /// The KV element: any `KvElem` on the CPU device, bf16 on CUDA.
     type Elem;
     /// Streams in the offload pool (`StreamRole::Offload(0..n)`).
     fn num_offload_streams(&self) -> usize;

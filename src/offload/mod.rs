@@ -130,7 +130,7 @@ impl std::fmt::Display for MemoryPlan {
 
 impl OffloadConfig {
     /// Checks the settings against the model and sizes every buffer, for KV elements of
-    /// `elem_bytes` (4: f32 on the CPU device; 2: bf16 on CUDA).
+    /// `elem_bytes` (`KvDtype::bytes`: 4 for f32, 2 for bf16 and f16).
     pub fn plan_for(&self, model: &ModelConfig, elem_bytes: usize) -> Result<MemoryPlan> {
         use crate::flags::MAX_KV_BUFFERS;
         if !(2..=MAX_KV_BUFFERS).contains(&self.num_kv_buffers) {

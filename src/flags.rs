@@ -229,7 +229,7 @@ mod tests {
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct KvDtypeArg {
     /// KV cache element on the CPU device: f32 (the reference), bf16 or f16 (half the
-    /// bytes; attention widens them in registers). CUDA stores bf16 [default: f32 on the
+    /// bytes; attention widens them in registers). CUDA stores bf16 [default: f16 on the
     /// CPU, bf16 on CUDA]
     #[arg(long, value_enum, value_name = "DTYPE")]
     pub kv_dtype: Option<crate::device::KvDtype>,

@@ -123,7 +123,7 @@ impl RowFold for Avx512 {
     #[inline(always)]
     fn tables(self, q: &[f32], edges: &[f32], terms: &mut [f32]) {
         let hd = check_tables(q, edges, terms);
-        if BOXES != 4 || hd % KEYS != 0 {
+        if BOXES != 4 || !hd.is_multiple_of(KEYS) {
             // The kernel transposes quarters of 16 channels: other shapes take the definition.
             return Portable.tables(q, edges, terms);
         }
@@ -134,7 +134,7 @@ impl RowFold for Avx512 {
     #[inline(always)]
     fn fold_row(self, row: &Row, best: &mut [f32]) {
         row.check(best);
-        if row.masks.len() / KEY_BITS % TABLE_CHANNELS != 0 {
+        if !(row.masks.len() / KEY_BITS).is_multiple_of(TABLE_CHANNELS) {
             // A last table holding fewer channels: rare head sizes, left to the definition.
             return Portable.fold_row(row, best);
         }
@@ -205,7 +205,9 @@ fn tables_avx512(q: &[f32], edges: &[f32], terms: &mut [f32]) {
     };
     const { assert!(BOXES == 4 && TABLE_CHANNELS == 4) };
     let hd = q.len();
-    assert!(hd % KEYS == 0 && edges.len() == (BOXES + 1) * hd && terms.len() == BOXES * hd);
+    assert!(
+        hd.is_multiple_of(KEYS) && edges.len() == (BOXES + 1) * hd && terms.len() == BOXES * hd
+    );
     for k in (0..hd).step_by(KEYS) {
         // SAFETY (every load and store below): k + 16 ≤ hd, rows of hd (asserted above).
         let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(k)) };
@@ -252,7 +254,9 @@ fn heads_avx512<const N: usize>(row: &Row, best: &mut [f32]) {
     let hd = masks.len() / KEY_BITS;
     let per_head = head_terms(hd);
     assert!(
-        masks.len() == KEY_BITS * hd && hd % TABLE_CHANNELS == 0 && terms.len() >= N * per_head
+        masks.len() == KEY_BITS * hd
+            && hd.is_multiple_of(TABLE_CHANNELS)
+            && terms.len() >= N * per_head
     );
     // Plane b's bit moves a lane's index by its box's weight, 2^(KEY_BITS − 1 − b) boxes.
     let steps: [__m512i; KEY_BITS] =

@@ -247,13 +247,7 @@ fn matvec_ms(model: &Model) -> Value {
 /// prefilled to the first context, then decode steps alternating between them (the same
 /// tokens: the stored mode's greedy choice); tokens/s from each one's median step.
 fn decode_interleaved() -> Value {
-    let ctx: usize = env_or("STRATA_BENCH_CTX", "1024")
-        .split(',')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let steps: usize = env_or("STRATA_BENCH_STEPS", "16").parse().unwrap();
+    let (ctx, steps) = interleaved_shape();
     let models = [
         Model::load_as(&gguf_path(), false, WeightDtype::F32)
             .unwrap()
@@ -319,13 +313,7 @@ fn decode_interleaved_kv() -> Value {
         let step = move |t: u32, pos: usize| m.forward(&[t], pos, &mut kv).unwrap();
         (Box::new(step), logits)
     }
-    let ctx: usize = env_or("STRATA_BENCH_CTX", "1024")
-        .split(',')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let steps: usize = env_or("STRATA_BENCH_STEPS", "16").parse().unwrap();
+    let (ctx, steps) = interleaved_shape();
     let model = Model::load(&gguf_path(), false).unwrap().0;
     let toks: Vec<u32> = (0..ctx).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
     let dtypes = [KvDtype::F32, KvDtype::Bf16, KvDtype::F16];
@@ -352,6 +340,13 @@ fn decode_interleaved_kv() -> Value {
         out[format!("{d}_tps_range")] = json!([1.0 / v[v.len() - 1], 1.0 / v[0]]);
     }
     out
+}
+
+/// The interleaved modes' context (the first of `STRATA_BENCH_CTX`) and decode steps.
+fn interleaved_shape() -> (usize, usize) {
+    let ctx = env_or("STRATA_BENCH_CTX", "1024");
+    let ctx = ctx.split(',').next().unwrap().parse().unwrap();
+    (ctx, env_or("STRATA_BENCH_STEPS", "16").parse().unwrap())
 }
 
 fn argmax(x: &[f32]) -> u32 {

@@ -267,9 +267,15 @@ fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_qwen3() 
 /// and Q8_0 blocks: dequantization happens per weight tile, never per batch.
 #[test]
 fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_q4_1_gguf() {
+    let model = q4_1_gguf(TinySpec::llama(), "batch_invariance_q4_1");
+    assert!(model.weights.describe().contains("Q4_1"));
+    check_model::<f32>(&model, "batch_invariance_q4_1");
+}
+
+/// `spec` written as a GGUF of Q4_1 matrices (Q8_0 for k_proj and down), loaded as stored.
+fn q4_1_gguf(spec: TinySpec, name: &str) -> Arc<Model> {
     use candle_core::quantized::GgmlDType;
-    let spec = TinySpec::llama();
-    let dir = scratch_dir("batch_invariance_q4_1");
+    let dir = scratch_dir(name);
     let w = spec.write(&dir, 13);
     let path = dir.join("model.gguf");
     let dtype_of = |n: &str| match () {
@@ -278,9 +284,7 @@ fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_q4_1_ggu
         _ => GgmlDType::Q4_1,
     };
     common::gguf::write_gguf_as(&spec, &w, &path, "llama-bpe", &dtype_of);
-    let model = Model::load(&path, false).unwrap().0;
-    assert!(model.weights.describe().contains("Q4_1"));
-    check_model::<f32>(&model, "batch_invariance_q4_1");
+    Model::load(&path, false).unwrap().0
 }
 
 /// The same in the q8 mode (8-bit activations, integer dots; not bitwise the stored
@@ -310,18 +314,7 @@ fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_q8_mode(
 /// dim a real model's (64: the kernels' full-register paths).
 #[test]
 fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_16_bit_kv() {
-    use candle_core::quantized::GgmlDType;
-    let spec = TinySpec::llama_wide();
-    let dir = scratch_dir("batch_invariance_kv16");
-    let w = spec.write(&dir, 13);
-    let path = dir.join("model.gguf");
-    let dtype_of = |n: &str| match () {
-        _ if n.ends_with("norm.weight") => GgmlDType::F32,
-        _ if n.contains("k_proj") || n.contains("down") => GgmlDType::Q8_0,
-        _ => GgmlDType::Q4_1,
-    };
-    common::gguf::write_gguf_as(&spec, &w, &path, "llama-bpe", &dtype_of);
-    let model = Model::load(&path, false).unwrap().0;
+    let model = q4_1_gguf(TinySpec::llama_wide(), "batch_invariance_kv16");
     check_model::<bf16>(&model, "batch_invariance_bf16_kv");
     check_model::<f16>(&model, "batch_invariance_f16_kv");
 }

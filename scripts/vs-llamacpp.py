@@ -80,8 +80,14 @@ def parse_args(argv):
                     help="interleaved rounds (default: %(default)s)")
     ap.add_argument("--dtypes", default="stored,q8",
                     help="strata --dtype modes, comma-separated (default: %(default)s)")
+    ap.add_argument("--llama-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment for llama.cpp's runs, repeatable (e.g. "
+                         "OMP_WAIT_POLICY=passive: its OpenMP barriers sleep instead of "
+                         "spinning, which a loaded machine needs)")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (every round's numbers) instead of the table")
+    ap.add_argument("--json-out", metavar="FILE",
+                    help="also write that JSON object to FILE")
     return ap.parse_args(argv)
 
 
@@ -113,8 +119,10 @@ def llama_variant(bench, model, fmt, args):
            "-npl", "1", "-t", str(args.threads), "-tb", str(args.threads),
            "--output-format", "jsonl"]
 
+    env = {**os.environ, **args.llama_env}
+
     def measure():
-        out = run(cmd)
+        out = run(cmd, env)
         rows = {}
         for line in (out.stdout + "\n" + out.stderr).splitlines():
             line = line.strip()
@@ -128,7 +136,7 @@ def llama_variant(bench, model, fmt, args):
         return rows
 
     return {"name": f"llama.cpp {fmt}", "kind": "llama.cpp", "format": fmt, "model": model,
-            "command": cmd, "measure": measure}
+            "command": cmd, "env": args.llama_env, "measure": measure}
 
 
 def strata_variant(strata, model, dtype, args):
@@ -150,7 +158,8 @@ def strata_variant(strata, model, dtype, args):
                                "decode": r["decode_tokens_per_s"]} for r in report["rows"]}
 
     return {"name": f"strata {dtype}", "kind": "strata", "format": dtype, "model": model,
-            "command": cmd, "measure": measure}
+            "command": cmd, "env": {"RAYON_NUM_THREADS": str(args.threads)},
+            "measure": measure}
 
 
 def file_format(path):
@@ -230,6 +239,9 @@ def table(variants, rounds, contexts, stats, ratios):
                  f"each round's ratio; decode against the fastest llama.cpp format in that "
                  f"round (of: {', '.join(llama)}), prefill against {llama[0]} (the same file "
                  f"as strata).")
+    env = next((v["env"] for v in variants if v["kind"] == "llama.cpp"), {})
+    if env:
+        lines.append("llama.cpp ran with " + " ".join(f"{k}={x}" for k, x in env.items()) + ".")
     lines.append("Load average (1, 5, 15 min) before → after each round: " + "; ".join(
         f"{i + 1}: {r['load_before'][0]:.2f}/{r['load_before'][1]:.2f}/{r['load_before'][2]:.2f}"
         f" → {r['load_after'][0]:.2f}/{r['load_after'][1]:.2f}/{r['load_after'][2]:.2f}"
@@ -239,6 +251,13 @@ def table(variants, rounds, contexts, stats, ratios):
 
 def main(argv):
     args = parse_args(argv)
+    env = {}
+    for kv in args.llama_env:
+        key, eq, value = kv.partition("=")
+        if not key or not eq:
+            raise Fail(f"--llama-env takes KEY=VALUE, got {kv!r}")
+        env[key] = value
+    args.llama_env = env
     bench = executable(os.path.join(args.llama_dir, "llama-batched-bench"),
                        "llama-batched-bench")
     strata = executable(args.strata, "strata binary")
@@ -267,19 +286,23 @@ def main(argv):
         rounds.append({"load_before": before, "load_after": after, "results": results})
 
     stats, ratios = analyse(variants, rounds, args.contexts)
+    report = json.dumps({
+        "model": args.model, "threads": args.threads, "contexts": args.contexts,
+        "decode_steps": args.decode_steps,
+        "variants": [{k: v[k] for k in ("name", "kind", "format", "model", "command", "env")}
+                     for v in variants],
+        "rounds": [{**r, "results": {n: {str(c): x for c, x in res.items()}
+                                     for n, res in r["results"].items()}}
+                   for r in rounds],
+        "stats": {n: {m: {str(c): x for c, x in per.items()} for m, per in s.items()}
+                  for n, s in stats.items()},
+        "ratios": {n: {str(c): x for c, x in per.items()} for n, per in ratios.items()},
+    }, indent=1)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(report + "\n")
     if args.json:
-        print(json.dumps({
-            "model": args.model, "threads": args.threads, "contexts": args.contexts,
-            "decode_steps": args.decode_steps,
-            "variants": [{k: v[k] for k in ("name", "kind", "format", "model", "command")}
-                         for v in variants],
-            "rounds": [{**r, "results": {n: {str(c): x for c, x in res.items()}
-                                         for n, res in r["results"].items()}}
-                       for r in rounds],
-            "stats": {n: {m: {str(c): x for c, x in per.items()} for m, per in s.items()}
-                      for n, s in stats.items()},
-            "ratios": {n: {str(c): x for c, x in per.items()} for n, per in ratios.items()},
-        }, indent=1))
+        print(report)
     else:
         print(table(variants, rounds, args.contexts, stats, ratios))
     return 0

@@ -586,13 +586,28 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// RMSNorm of each `dim`-wide row: `out = x / sqrt(mean(x²) + eps) * w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let dim = w.len();
-    out.par_chunks_mut(dim * 16)
-        .zip(x.par_chunks(dim * 16))
-        .for_each(|(o, x)| {
-            for (o, x) in o.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
-                rms_norm_row(x, w, eps, o);
-            }
-        });
+    let f = |(o, x): (&mut [f32], &[f32])| {
+        for (o, x) in o.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
+            rms_norm_row(x, w, eps, o);
+        }
+    };
+    if serial(x.len()) {
+        out.chunks_mut(dim * 16).zip(x.chunks(dim * 16)).for_each(f);
+    } else {
+        out.par_chunks_mut(dim * 16)
+            .zip(x.par_chunks(dim * 16))
+            .for_each(f);
+    }
+}
+
+/// Values at or below which an elementwise op (norm, RoPE, SiLU) runs on the calling
+/// thread: a decode step's op is a few microseconds of work, and handing it to the pool
+/// (wake a worker, sleep until it is done, be woken) costs more, ten times per layer. The
+/// results are the same either way: every row is computed alone.
+const SERIAL_MAX: usize = 1 << 14;
+
+fn serial(values: usize) -> bool {
+    values <= SERIAL_MAX
 }
 
 #[inline]
@@ -607,21 +622,29 @@ pub fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// Residual add fused with the next RMSNorm: `x += delta; out = rms_norm(x)`.
 pub fn add_rms_norm(x: &mut [f32], delta: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let dim = w.len();
-    out.par_chunks_mut(dim * 16)
-        .zip(x.par_chunks_mut(dim * 16))
-        .zip(delta.par_chunks(dim * 16))
-        .for_each(|((o, x), d)| {
-            for ((o, x), d) in o
-                .chunks_exact_mut(dim)
-                .zip(x.chunks_exact_mut(dim))
-                .zip(d.chunks_exact(dim))
-            {
-                for (x, d) in x.iter_mut().zip(d) {
-                    *x += d;
-                }
-                rms_norm_row(x, w, eps, o);
+    let f = |((o, x), d): ((&mut [f32], &mut [f32]), &[f32])| {
+        for ((o, x), d) in o
+            .chunks_exact_mut(dim)
+            .zip(x.chunks_exact_mut(dim))
+            .zip(d.chunks_exact(dim))
+        {
+            for (x, d) in x.iter_mut().zip(d) {
+                *x += d;
             }
-        });
+            rms_norm_row(x, w, eps, o);
+        }
+    };
+    if serial(x.len()) {
+        out.chunks_mut(dim * 16)
+            .zip(x.chunks_mut(dim * 16))
+            .zip(delta.chunks(dim * 16))
+            .for_each(f);
+    } else {
+        out.par_chunks_mut(dim * 16)
+            .zip(x.par_chunks_mut(dim * 16))
+            .zip(delta.par_chunks(dim * 16))
+            .for_each(f);
+    }
 }
 
 /// Rotary embedding, NeoX/HF convention (pairs `i` and `i + d/2`), in place on
@@ -637,24 +660,32 @@ pub fn rope(
     sin: &[f32],
 ) {
     let half = head_dim / 2;
-    x.par_chunks_mut(row_stride)
-        .take(tokens)
-        .enumerate()
-        .for_each(|(t, row)| {
-            let (c, s) = (
-                &cos[t * half..(t + 1) * half],
-                &sin[t * half..(t + 1) * half],
-            );
-            for h in 0..heads {
-                let v = &mut row[h * head_dim..(h + 1) * head_dim];
-                let (a, b) = v.split_at_mut(half);
-                for i in 0..half {
-                    let (x0, x1) = (a[i], b[i]);
-                    a[i] = x0 * c[i] - x1 * s[i];
-                    b[i] = x0 * s[i] + x1 * c[i];
-                }
+    let f = |(t, row): (usize, &mut [f32])| {
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for h in 0..heads {
+            let v = &mut row[h * head_dim..(h + 1) * head_dim];
+            let (a, b) = v.split_at_mut(half);
+            for i in 0..half {
+                let (x0, x1) = (a[i], b[i]);
+                a[i] = x0 * c[i] - x1 * s[i];
+                b[i] = x0 * s[i] + x1 * c[i];
             }
-        });
+        }
+    };
+    if serial(tokens * heads * head_dim) {
+        x.chunks_mut(row_stride)
+            .take(tokens)
+            .enumerate()
+            .for_each(f);
+    } else {
+        x.par_chunks_mut(row_stride)
+            .take(tokens)
+            .enumerate()
+            .for_each(f);
+    }
 }
 
 /// `cos`, `sin` tables `[positions, head_dim / 2]` for positions `pos0..pos0 + n`.
@@ -681,14 +712,19 @@ pub fn rope_tables_at(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f
 
 /// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]`, with `gu` = `[tokens, 2 * inter]` (gate, up).
 pub fn silu_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
-    out.par_chunks_mut(inter)
-        .zip(gu.par_chunks(2 * inter))
-        .for_each(|(o, gu)| {
-            let (g, u) = gu.split_at(inter);
-            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + exp_fast(-g)) * u;
-            }
-        });
+    let f = |(o, gu): (&mut [f32], &[f32])| {
+        let (g, u) = gu.split_at(inter);
+        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + exp_fast(-g)) * u;
+        }
+    };
+    if serial(out.len()) {
+        out.chunks_mut(inter).zip(gu.chunks(2 * inter)).for_each(f);
+    } else {
+        out.par_chunks_mut(inter)
+            .zip(gu.par_chunks(2 * inter))
+            .for_each(f);
+    }
 }
 
 /// Per-head RMSNorm (Qwen3 q/k norm) on `x[tokens, heads, head_dim]` with row stride `row_stride`.
@@ -701,14 +737,19 @@ pub fn head_rms_norm(
     w: &[f32],
     eps: f32,
 ) {
-    x.par_chunks_mut(row_stride).take(tokens).for_each(|row| {
+    let f = |row: &mut [f32]| {
         let mut tmp = vec![0.0f32; head_dim];
         for h in 0..heads {
             let v = &mut row[h * head_dim..(h + 1) * head_dim];
             rms_norm_row(v, w, eps, &mut tmp);
             v.copy_from_slice(&tmp);
         }
-    });
+    };
+    if serial(tokens * heads * head_dim) {
+        x.chunks_mut(row_stride).take(tokens).for_each(f);
+    } else {
+        x.par_chunks_mut(row_stride).take(tokens).for_each(f);
+    }
 }
 
 /// `exp(x)` for `x <= 0` (softmax after subtracting the row max).

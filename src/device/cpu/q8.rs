@@ -736,7 +736,8 @@ mod tests {
         let n = ws.len() / rb;
         let p = Packed::pack(format, ws, n, nb * QK);
         let xr: [&[Q8Block]; R] = std::array::from_fn(|r| xs[r].as_slice());
-        let mut kernels: Vec<(&str, Box<dyn Fn(PackedGroup<'_>) -> [[f32; PACK]; R]>)> =
+        type Kernel<'a, const R: usize> = Box<dyn Fn(PackedGroup<'_>) -> [[f32; PACK]; R] + 'a>;
+        let mut kernels: Vec<(&str, Kernel<'_, R>)> =
             vec![("portable", Box::new(|g| Portable.packed_block(&xr, g)))];
         #[cfg(target_arch = "x86_64")]
         {
@@ -754,10 +755,10 @@ mod tests {
                 for c in 0..PACK.min(n - g * PACK) {
                     let j = g * PACK + c;
                     let want = Portable.q8_block(format, &xr, &[&ws[j * rb..(j + 1) * rb]]);
-                    for r in 0..R {
+                    for (r, (got, want)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(
-                            got[r][c].to_bits(),
-                            want[r][0].to_bits(),
+                            got[c].to_bits(),
+                            want[0].to_bits(),
                             "{name} packed, {R} rows: {format} {what}, input row {r}, weight row {j}"
                         );
                     }

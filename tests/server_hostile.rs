@@ -82,7 +82,7 @@ fn idle_and_half_open_connections_are_closed_and_the_cap_answers_503() {
     idle[0]
         .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    server.wait_accepted(8);
     // One more is told why, at once, with an OpenAI-style error.
     let mut extra = server.connect();
     let (buf, closed) = read_until_closed(&mut extra, Duration::from_secs(5));

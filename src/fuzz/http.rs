@@ -66,7 +66,7 @@ fn start_server() -> Result<SocketAddr> {
         "1",
     ])?
     .serve;
-    let addr = crate::server::spawn_in_process(args, dir)?;
+    let addr = crate::server::spawn_in_process(args, dir.clone())?;
     let start = Instant::now();
     while exchange(addr, GET_HEALTH, false)?.status != 200 {
         anyhow::ensure!(
@@ -75,6 +75,9 @@ fn start_server() -> Result<SocketAddr> {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Loaded (weights mapped, tokenizer and template read): the files can go, so no run
+    // leaves a model directory behind in the temp dir.
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(addr)
 }
 

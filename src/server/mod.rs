@@ -146,7 +146,7 @@ fn engine_config(args: &ServeArgs, model: &ModelConfig) -> Result<(EngineConfig,
     // Host memory the KV takes (on CUDA the device tier is GPU memory, whose allocation
     // fails clearly).
     let kv = crate::serve::setup::host_kv_bytes(model, &sched, args.device);
-    if let Some(avail) = available_memory_bytes() {
+    if let Some(avail) = crate::offload::available_memory_bytes() {
         ensure!(
             kv.is_some_and(|b| b as u64 <= avail),
             "the KV cache needs {} of host memory ({num_gpu_blocks} GPU + {cpu_blocks} host blocks of {bs} tokens on --device {}) but only {:.1} GiB is available; lower --num-gpu-blocks, --max-cpu-offload-blocks or --max-model-len",
@@ -171,14 +171,6 @@ fn engine_config(args: &ServeArgs, model: &ModelConfig) -> Result<(EngineConfig,
         },
         max_model_len,
     ))
-}
-
-/// `MemAvailable` from /proc/meminfo, where there is one.
-fn available_memory_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 /// Every check of the flags, before anything is bound or printed: `check_args`, then the

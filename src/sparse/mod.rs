@@ -189,15 +189,34 @@ pub fn mid(lo: f32, hi: f32) -> f32 {
 /// it reads the same splits.
 pub fn box_edges(min: f32, max: f32) -> [f32; BOXES + 1] {
     let mut e = [0.0f32; BOXES + 1];
-    (e[0], e[BOXES]) = (min, max);
+    box_edges_of_row(&[min], &[max], &mut e);
+    e
+}
+
+/// `box_edges` of every channel of a row at once: `min[n]`, `max[n]` → `edges[BOXES + 1,
+/// n]`, the same operations channel by channel, in loops over the channels the compiler
+/// vectorises (the scoring computes a page's edges for every KV head).
+#[inline(always)]
+pub fn box_edges_of_row(min: &[f32], max: &[f32], edges: &mut [f32]) {
+    let n = min.len();
+    assert!(
+        max.len() == n && edges.len() == (BOXES + 1) * n,
+        "edges [BOXES + 1, n]"
+    );
+    edges[..n].copy_from_slice(min);
+    edges[BOXES * n..].copy_from_slice(max);
     let mut step = BOXES / 2;
     while step > 0 {
         for a in (0..BOXES).step_by(2 * step) {
-            e[a + step] = mid(e[a], e[a + 2 * step]);
+            let (lower, upper) = edges.split_at_mut((a + step) * n);
+            let (mids, upper) = upper.split_at_mut(n);
+            let (lo, hi) = (&lower[a * n..][..n], &upper[(step - 1) * n..][..n]);
+            for ((m, &lo), &hi) in mids.iter_mut().zip(lo).zip(hi) {
+                *m = mid(lo, hi);
+            }
         }
         step /= 2;
     }
-    e
 }
 
 /// The box of `edges` (`box_edges`) key value `x` is pinned to: `KEY_BITS` halvings from
@@ -312,8 +331,9 @@ pub fn head_bounds<Q: KvElem, T: KvElem>(
         .zip(meta[..pages * rows * row].par_chunks(rows * row))
         .for_each_init(
             || Scratch {
+                bounds: (vec![0.0; h.head_dim], vec![0.0; h.head_dim]),
                 edges: vec![0.0; (BOXES + 1) * h.head_dim],
-                terms: vec![0.0; group * BOXES * h.head_dim],
+                terms: vec![0.0; group * row_fold::head_terms(h.head_dim)],
                 masks: Vec::with_capacity(KEY_BITS * h.head_dim),
             },
             |scratch, (out, page)| {
@@ -377,9 +397,10 @@ unsafe fn page_head_bounds_avx512<T: KvElem>(
 
 /// `page_head_bounds`' scratch, for one KV head's query heads (its group).
 struct Scratch {
-    edges: Vec<f32>, // [BOXES + 1, head_dim]: each channel's box edges (`box_edges`)
-    terms: Vec<f32>, // [group, BOXES, head_dim]: each query head's term of each box
-    masks: Vec<u16>, // [KEY_BITS, head_dim]: one mask row's bits, per plane
+    bounds: (Vec<f32>, Vec<f32>), // [head_dim] each: the page's min and max, as f32
+    edges: Vec<f32>,              // [BOXES + 1, head_dim]: each channel's box edges
+    terms: Vec<f32>,              // [group, row_fold::head_terms(head_dim)]: `term_index`
+    masks: Vec<u16>,              // [KEY_BITS, head_dim]: one mask row's bits, per plane
 }
 
 /// One page's box bound for every query head (`head_bounds`): `page[meta_rows, row]` →
@@ -398,6 +419,7 @@ fn page_head_bounds<T: KvElem, K: row_fold::RowFold>(
     h: AttnHeads,
     page_size: usize,
     Scratch {
+        bounds,
         edges,
         terms,
         masks,
@@ -410,20 +432,12 @@ fn page_head_bounds<T: KvElem, K: row_fold::RowFold>(
     for (kv, out) in out.chunks_mut(group).enumerate() {
         let g = kv * hd;
         let (min, max) = (&page[g..][..hd], &page[row + g..][..hd]);
-        for (c, (min, max)) in min.iter().zip(max).enumerate() {
-            let e = box_edges(min.to_f32(), max.to_f32());
-            for (j, &e) in e.iter().enumerate() {
-                edges[j * hd + c] = e;
-            }
+        for (((lo, hi), min), max) in bounds.0.iter_mut().zip(&mut bounds.1[..]).zip(min).zip(max) {
+            (*lo, *hi) = (min.to_f32(), max.to_f32());
         }
-        for (j, terms) in terms.chunks_mut(BOXES * hd).enumerate() {
-            let qh = &q[(kv * group + j) * hd..][..hd];
-            for (b, terms) in terms.chunks_mut(hd).enumerate() {
-                let (lo, hi) = (&edges[b * hd..][..hd], &edges[(b + 1) * hd..][..hd]);
-                for (((t, &q), &lo), &hi) in terms.iter_mut().zip(qh).zip(lo).zip(hi) {
-                    *t = box_term(q, lo, hi);
-                }
-            }
+        box_edges_of_row(&bounds.0, &bounds.1, edges);
+        for (j, terms) in terms.chunks_exact_mut(row_fold::head_terms(hd)).enumerate() {
+            kernel.tables(&q[(kv * group + j) * hd..][..hd], edges, terms);
         }
         for r in 0..plane {
             masks.clear();

@@ -206,8 +206,18 @@ enum Q8Task<'a> {
 
 /// `w`'s rows cut into tasks, part by part (`WeightRows::q8_parts`).
 fn q8_tasks<W: WeightRows>(w: &W) -> Vec<Q8Task<'_>> {
+    let (n, _) = w.out_in();
     let mut tasks = Vec::new();
     for part in w.q8_parts() {
+        // The tasks write `out[.., part.rows]` through a raw pointer: hold the parts to it.
+        assert!(part.rows.end <= n, "q8_parts: rows past the weight's {n}");
+        if let Some(p) = &part.packed {
+            assert_eq!(
+                p.rows,
+                part.rows.len(),
+                "q8_parts: a repacked part of another size"
+            );
+        }
         match part.packed {
             Some(rows) => {
                 let (all, per) = (rows.groups(), W_TILE / PACK);

@@ -102,7 +102,7 @@ impl Packed {
         self.data.len()
     }
 
-    /// The repacked bytes (for fingerprints of what the kernels read).
+    /// Borrowed, for the kernels.
     pub fn as_rows(&self) -> PackedRows<'_> {
         PackedRows {
             format: self.format,
@@ -189,11 +189,6 @@ impl<'a> PackedRows<'a> {
             nb: self.nb,
             data: &self.data[g * len..(g + 1) * len],
         }
-    }
-
-    /// The repacked bytes.
-    pub fn bytes(&self) -> &'a [u8] {
-        self.data
     }
 }
 

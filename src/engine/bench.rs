@@ -51,8 +51,11 @@ pub struct DecodeBenchReport {
     pub model: String,
     pub dtype: String,
     pub threads: usize,
-    /// The machine's read bandwidth, measured here (see `read_gbps`).
+    /// The machine's read bandwidth, measured here (see `read_gbps`) with every compute
+    /// thread: what the fractions below are of.
     pub read_gbps: f64,
+    /// The same with one thread (how much of it one core can draw alone).
+    pub read_gbps_one_thread: f64,
     pub rows: Vec<DecodeRow>,
 }
 
@@ -84,6 +87,10 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
     let path = crate::model::resolve(args.model.clone())?;
     check_contexts(&args, &Model::peek_config(&path)?)?;
     let (model, _) = Model::load_as(&path, !args.json, args.dtype)?;
+    let read_gbps_one_thread = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()?
+        .install(|| read_gbps(PROBE_BYTES, PROBE_PASSES))?;
     let read_gbps = read_gbps(PROBE_BYTES, PROBE_PASSES)?;
     let mut rows = Vec::new();
     for &context in &args.context {
@@ -94,6 +101,7 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
         dtype: format!("{:?}", args.dtype).to_lowercase(),
         threads: rayon::current_num_threads(),
         read_gbps,
+        read_gbps_one_thread,
         rows,
     };
     if args.json {
@@ -190,8 +198,8 @@ impl std::fmt::Display for DecodeBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "bench decode: {} ({}), {} threads, measured read bandwidth {:.1} GB/s",
-            self.model, self.dtype, self.threads, self.read_gbps
+            "bench decode: {} ({}), {} threads, measured read bandwidth {:.1} GB/s ({:.1} GB/s one thread)",
+            self.model, self.dtype, self.threads, self.read_gbps, self.read_gbps_one_thread
         )?;
         writeln!(
             f,

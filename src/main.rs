@@ -156,6 +156,14 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Decode(_)) => "strata bench decode",
         Command::Bench(BenchCommand::Agreement(_)) => "strata bench agreement",
     };
+    if matches!(
+        cli.command,
+        Command::Generate(_)
+            | Command::Bench(BenchCommand::Decode(_))
+            | Command::Bench(BenchCommand::Agreement(_))
+    ) {
+        strata::engine::compute_on_this_thread();
+    }
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => {

@@ -32,6 +32,7 @@ fn decode_bench_counts_the_bytes_a_token_reads() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let read = v["read_gbps"].as_f64().unwrap();
     assert!(read > 0.0);
+    assert!(v["read_gbps_one_thread"].as_f64().unwrap() > 0.0);
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
     for (row, context) in rows.iter().zip([40.0, 100.0]) {

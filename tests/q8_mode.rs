@@ -12,7 +12,8 @@ use common::gguf::write_gguf_as;
 use common::{require_default_model, scratch_dir, TinySpec};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::device::cpu::fused::StoredRows;
-use strata::device::cpu::ops::{self, ActivationMode, WeightRows};
+use strata::device::cpu::ops::{self, ActivationMode, Q8Part, WeightRows};
+use strata::device::cpu::packed::{self, Packed};
 use strata::device::cpu::quant::Format;
 use strata::kv::ContiguousKv;
 use strata::model::weights::WeightDtype;
@@ -32,6 +33,8 @@ struct Q8Matrix {
     bytes: Vec<u8>,
     n: usize,
     k: usize,
+    /// The rows repacked for the integer kernels, if they are (`packed.rs`).
+    packed: Option<Packed>,
 }
 
 impl WeightRows for Q8Matrix {
@@ -63,12 +66,19 @@ impl WeightRows for Q8Matrix {
     fn activations(&self) -> ActivationMode {
         ActivationMode::Q8
     }
+    fn q8_parts(&self) -> Vec<Q8Part<'_>> {
+        vec![Q8Part {
+            rows: 0..self.n,
+            packed: self.packed.as_ref().map(Packed::as_rows),
+        }]
+    }
 }
 
 /// `linear` in the q8 mode: every row of a batch (sizes 1 to 33, so every register block
 /// and edge) is bitwise the row computed alone, for each integer format and for a format
-/// without an integer kernel (Q4_K: the f32 path); and a q8 result is within the 8-bit
-/// activation error of the f32 path's.
+/// without an integer kernel (Q4_K: the f32 path); the rows repacked (53 = 6 groups of 8
+/// and a padded one) give the same bits as the rows as stored; and a q8 result is within
+/// the 8-bit activation error of the f32 path's.
 #[test]
 fn a_q8_linear_row_is_the_same_alone_and_in_any_batch() {
     let mut rng = StdRng::seed_from_u64(3);
@@ -86,16 +96,32 @@ fn a_q8_linear_row_is_the_same_alone_and_in_any_batch() {
             .data()
             .unwrap()
             .into_owned();
+        let packed = packed::supports(format).then(|| Packed::pack(format, &bytes, n, k));
         let w = Q8Matrix {
+            format,
+            bytes: bytes.clone(),
+            n,
+            k,
+            packed: None,
+        };
+        let wp = Q8Matrix {
             format,
             bytes,
             n,
             k,
+            packed,
         };
         for m in [1, 2, 3, 5, 8, 17, 33] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
             let mut batch = vec![f32::NAN; m * n];
             ops::linear_weight(&x, &w, None, &mut batch, m);
+            let mut repacked = vec![f32::NAN; m * n];
+            ops::linear_weight(&x, &wp, None, &mut repacked, m);
+            assert_eq!(
+                bits(&repacked),
+                bits(&batch),
+                "{format}, m {m}: repacked rows"
+            );
             for i in 0..m {
                 let mut alone = vec![f32::NAN; n];
                 ops::linear_weight(&x[i * k..(i + 1) * k], &w, None, &mut alone, 1);

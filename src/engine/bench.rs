@@ -55,8 +55,11 @@ pub struct DecodeBenchReport {
     pub dtype: String,
     pub kv_dtype: String,
     pub threads: usize,
-    /// The machine's read bandwidth, measured here (see `read_gbps`).
+    /// The machine's read bandwidth, measured here (see `read_gbps`) with every compute
+    /// thread: what the fractions below are of.
     pub read_gbps: f64,
+    /// The same with one thread (how much of it one core can draw alone).
+    pub read_gbps_one_thread: f64,
     pub rows: Vec<DecodeRow>,
 }
 
@@ -89,6 +92,10 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
     let kv_dtype = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     check_contexts(&args, &Model::peek_config(&path)?)?;
     let (model, _) = Model::load_as(&path, !args.json, args.dtype)?;
+    let read_gbps_one_thread = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()?
+        .install(|| read_gbps(PROBE_BYTES, PROBE_PASSES))?;
     let read_gbps = read_gbps(PROBE_BYTES, PROBE_PASSES)?;
     let mut rows = Vec::new();
     for &context in &args.context {
@@ -103,6 +110,7 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
         kv_dtype: kv_dtype.to_string(),
         threads: rayon::current_num_threads(),
         read_gbps,
+        read_gbps_one_thread,
         rows,
     };
     if args.json {
@@ -200,8 +208,8 @@ impl std::fmt::Display for DecodeBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "bench decode: {} ({}, KV {}), {} threads, measured read bandwidth {:.1} GB/s",
-            self.model, self.dtype, self.kv_dtype, self.threads, self.read_gbps
+            "bench decode: {} ({}, KV {}), {} threads, measured read bandwidth {:.1} GB/s ({:.1} GB/s one thread)",
+            self.model, self.dtype, self.kv_dtype, self.threads, self.read_gbps, self.read_gbps_one_thread
         )?;
         writeln!(
             f,

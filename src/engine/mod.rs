@@ -172,6 +172,20 @@ pub fn return_large_buffers_to_the_system() {
     }
 }
 
+/// Makes the calling thread one of the compute threads: worker 0 of rayon's global pool
+/// (beside `available_parallelism − 1` others), for a command whose model runs on this
+/// thread. Every parallel op of a step (a few per layer) is then started and joined here
+/// and this thread does its share, instead of handing the op to the pool and sleeping until
+/// a worker wakes it: on two shared cores each such hand-off costs tens of microseconds or
+/// a scheduler slice. Not for a thread that blocks while others compute (`serve`'s main
+/// thread): the pool would be a thread short. Call first, before anything uses rayon;
+/// after that it changes nothing.
+pub fn compute_on_this_thread() {
+    let _ = rayon::ThreadPoolBuilder::new()
+        .use_current_thread()
+        .build_global();
+}
+
 /// Peak resident memory of this process in bytes (Linux `VmHWM`), if known.
 pub fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

@@ -15,9 +15,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
-use crate::device::cpu::ops::{
-    self, ActivationMode, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows,
-};
+use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
 use crate::device::KvElem;
 use crate::kv::{KvCache, LayerKv, NewRow, Query};
 pub use config::{Arch, ModelConfig};
@@ -192,7 +190,7 @@ impl Model {
                 let mut w = weights::load_gguf(&mut gguf, &mut cfg, progress, dtype)
                     .with_context(|| format!("{}", p.display()))?;
                 if dtype == WeightDtype::Q8 {
-                    w.set_activations(ActivationMode::Q8);
+                    w.to_q8_mode();
                 }
                 if cfg.eos_token_ids.is_empty() {
                     cfg.eos_token_ids = tok.eos_token_ids.clone();
@@ -215,7 +213,7 @@ impl Model {
                     .with_context(|| format!("{}", dir.display()))?;
                 match dtype {
                     WeightDtype::F32 => w.widen(),
-                    WeightDtype::Q8 => w.set_activations(ActivationMode::Q8),
+                    WeightDtype::Q8 => w.to_q8_mode(),
                     WeightDtype::Stored => {}
                 }
                 Ok((Arc::new(Self::new(cfg, w)), tok))

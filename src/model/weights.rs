@@ -16,7 +16,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::config::{Arch, ModelConfig};
 use super::{files, gguf_header};
 use crate::device::cpu::fused::StoredRows;
-use crate::device::cpu::ops::{ActivationMode, WeightRows};
+use crate::device::cpu::ops::{ActivationMode, Q8Part, WeightRows};
+use crate::device::cpu::packed::{self, Packed};
 use crate::device::cpu::quant::{self, Format};
 use crate::errors;
 
@@ -84,6 +85,27 @@ impl Bytes {
         let in_core = vec.iter().filter(|&&b| b & 1 == 1).count();
         (in_core * page).min(range.len())
     }
+
+    /// Hands mapped pages already read back to the kernel (they stay in the page cache):
+    /// after a repack nothing reads them, and they would count in this process's memory
+    /// beside the copy. A page shared with a neighbouring tensor is read again from the
+    /// cache if that one needs it (the map is read-only, so nothing is lost).
+    fn release(&self) {
+        let Bytes::Mapped { map, range } = self else {
+            return;
+        };
+        if range.is_empty() {
+            return;
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+        let base = map.as_ptr() as usize; // page-aligned: mmap returns page-aligned maps
+        let start = (base + range.start) / page * page;
+        let len = base + range.end - start;
+        // SAFETY: [start, start + len) lies inside the live, read-only map; dropping its
+        // pages only makes the next read (if any) fault them in from the file again.
+        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+    }
 }
 
 /// Consecutive rows of a weight in one format.
@@ -97,12 +119,16 @@ enum Segment {
         format: Format,
         bytes: Bytes,
     },
+    /// Q4_0/Q4_1/Q8_0 rows repacked at load for the `q8` mode's integer kernels (owned; the
+    /// same values: `packed.rs`).
+    Packed(Packed),
 }
 
 impl Segment {
     fn rows(&self) -> usize {
         match self {
             Segment::F32 { rows, .. } | Segment::Stored { rows, .. } => *rows,
+            Segment::Packed(p) => p.rows(),
         }
     }
 
@@ -110,6 +136,7 @@ impl Segment {
         match self {
             Segment::F32 { .. } => Format::F32,
             Segment::Stored { format, .. } => *format,
+            Segment::Packed(p) => p.format(),
         }
     }
 
@@ -122,6 +149,7 @@ impl Segment {
                 let rb = format.row_bytes(cols).expect("checked at construction");
                 quant::dequantize(*format, &bytes.as_slice()[r * rb..(r + 1) * rb], out);
             }
+            Segment::Packed(p) => quant::dequantize(p.format(), &unpacked_row(p, r, cols), out),
         }
     }
 
@@ -129,6 +157,7 @@ impl Segment {
         match self {
             Segment::F32 { data, .. } => 4 * data.len(),
             Segment::Stored { bytes, .. } => bytes.as_slice().len(),
+            Segment::Packed(p) => p.bytes(),
         }
     }
 
@@ -136,8 +165,16 @@ impl Segment {
         match self {
             Segment::F32 { data, .. } => 4 * data.len(),
             Segment::Stored { bytes, .. } => bytes.resident(),
+            Segment::Packed(p) => p.bytes(),
         }
     }
+}
+
+/// Row `r` of a repacked segment of `cols`-value rows, as stored.
+fn unpacked_row(p: &Packed, r: usize, cols: usize) -> Vec<u8> {
+    let mut row = vec![0u8; p.format().row_bytes(cols).expect("checked at construction")];
+    p.unpack_row(r, &mut row);
+    row
 }
 
 /// A weight matrix `[out_features, in_features]` held as stored: one or more row segments
@@ -301,6 +338,36 @@ impl Weight {
                     std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4)
                 }),
                 Segment::Stored { bytes, .. } => crc.update(bytes.as_slice()),
+                // The stored bytes, so a repack leaves the fingerprint of the values alone.
+                Segment::Packed(p) => {
+                    for r in 0..p.rows() {
+                        crc.update(&unpacked_row(p, r, self.cols));
+                    }
+                }
+            }
+        }
+        // The q8 mode computes other K/V from the same weights: not the same model.
+        if self.acts == ActivationMode::Q8 {
+            crc.update(b"activations: q8");
+        }
+    }
+
+    /// Repacks every Q4_0/Q4_1/Q8_0 segment for the `q8` mode's integer kernels (`packed.rs`)
+    /// and releases the mapped pages the repack read. Memory: the copy (the stored size);
+    /// the file's pages leave this process. Other segments stay as they are.
+    pub fn repack_for_q8(&mut self) {
+        for s in &mut self.segments {
+            if let Segment::Stored {
+                rows,
+                format,
+                bytes,
+            } = s
+            {
+                if packed::supports(*format) {
+                    let p = Packed::pack(*format, bytes.as_slice(), *rows, self.cols);
+                    bytes.release();
+                    *s = Segment::Packed(p);
+                }
             }
         }
     }
@@ -319,6 +386,9 @@ impl Weight {
                     .copied()
                     .collect(),
             },
+            Segment::Packed(_) => {
+                unreachable!("permuted_rows: rows are unpermuted before a repack")
+            }
             Segment::Stored { format, bytes, .. } => {
                 let rb = format.row_bytes(cols).expect("checked at construction");
                 let b = bytes.as_slice();
@@ -400,6 +470,22 @@ impl WeightRows for Weight {
     fn activations(&self) -> ActivationMode {
         self.acts
     }
+
+    fn q8_parts(&self) -> Vec<Q8Part<'_>> {
+        let mut first = 0;
+        self.segments
+            .iter()
+            .map(|s| {
+                let rows = first..first + s.rows();
+                first = rows.end;
+                let packed = match s {
+                    Segment::Packed(p) => Some(p.as_rows()),
+                    _ => None,
+                };
+                Q8Part { rows, packed }
+            })
+            .collect()
+    }
 }
 
 /// One decoder layer's weights, row-major `[out, in]` as Hugging Face stores them.
@@ -480,11 +566,29 @@ impl ModelWeights {
         }
     }
 
-    /// Every matrix's inputs treated as `acts` by `linear` (the `q8` mode).
+    /// Every matrix's inputs treated as `acts` by `linear`.
     pub fn set_activations(&mut self, acts: ActivationMode) {
         for w in self.matrices_mut() {
             w.acts = acts;
         }
+    }
+
+    /// The `q8` mode: inputs quantised to 8 bits (`ActivationMode::Q8`) and every
+    /// Q4_0/Q4_1/Q8_0 matrix repacked for the integer kernels (`Weight::repack_for_q8`).
+    pub fn to_q8_mode(&mut self) {
+        self.set_activations(ActivationMode::Q8);
+        for w in self.matrices_mut() {
+            w.repack_for_q8();
+        }
+    }
+
+    /// Bytes of weights repacked at load (`Weight::repack_for_q8`), owned.
+    pub fn repacked_bytes(&self) -> usize {
+        self.matrices()
+            .flat_map(|w| &w.segments)
+            .filter(|s| matches!(s, Segment::Packed(_)))
+            .map(Segment::bytes)
+            .sum()
     }
 
     fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Weight> {
@@ -523,6 +627,13 @@ impl ModelWeights {
         );
         if !self.conversions.is_empty() {
             line += &format!("; converted at load: {}", self.conversions.join(", "));
+        }
+        let repacked = self.repacked_bytes();
+        if repacked > 0 {
+            line += &format!(
+                "; {:.1} MiB of it repacked for the integer kernels (owned, the file's pages released)",
+                mib(repacked)
+            );
         }
         line
     }

@@ -4,6 +4,7 @@
 pub mod dot;
 pub mod fused;
 pub mod ops;
+pub mod packed;
 pub mod q8;
 pub mod quant;
 pub mod rows;

@@ -8,6 +8,7 @@ use rayon::prelude::*;
 pub use super::dot::dot_fixed;
 use super::dot::DotKernel;
 use super::fused::{StoredDot, StoredRows};
+use super::packed::{PackedRows, PACK};
 use super::q8;
 use super::rows::KvRows;
 use crate::device::kv_elem::KvElem;
@@ -16,6 +17,10 @@ use crate::device::kv_elem::KvElem;
 /// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only
 /// the output columns, never `k`.
 const W_TILE: usize = 24;
+const _: () = assert!(
+    W_TILE.is_multiple_of(PACK),
+    "a tile is whole repacked groups"
+);
 
 /// Batches up to this many rows read stored weights straight into registers (the fused
 /// path, `fused.rs`); larger ones dequantize each tile once into scratch and stream every
@@ -37,6 +42,22 @@ pub trait WeightRows: Sync {
     fn activations(&self) -> ActivationMode {
         ActivationMode::F32
     }
+    /// The rows as consecutive parts, for the `q8` path: each repacked for its integer
+    /// kernels (`packed.rs`), or read through `stored_rows` / `rows_f32`. Tiles never span
+    /// two parts.
+    fn q8_parts(&self) -> Vec<Q8Part<'_>> {
+        vec![Q8Part {
+            rows: 0..self.out_in().0,
+            packed: None,
+        }]
+    }
+}
+
+/// Consecutive rows of a weight, as `WeightRows::q8_parts` hands them out.
+pub struct Q8Part<'a> {
+    pub rows: Range<usize>,
+    /// The rows repacked, if they are.
+    pub packed: Option<PackedRows<'a>>,
 }
 
 /// How `linear` treats its input rows.
@@ -156,13 +177,13 @@ fn linear_q8<W: WeightRows>(x: &[f32], w: &W, out: &mut [f32], m: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         if let Some(kern) = q8::Vnni::detect() {
-            return q8_tiles::<_, _, 8, 4>(kern, &xq, w, out, m);
+            return q8_tiles::<_, _, 8, 4, 2>(kern, &xq, w, out, m);
         }
         if let Some(kern) = q8::Avx2::detect() {
-            return q8_tiles::<_, _, 4, 3>(kern, &xq, w, out, m);
+            return q8_tiles::<_, _, 4, 3, 2>(kern, &xq, w, out, m);
         }
     }
-    q8_tiles::<_, _, 4, 3>(q8::Portable, &xq, w, out, m);
+    q8_tiles::<_, _, 4, 3, 2>(q8::Portable, &xq, w, out, m);
 }
 
 /// The input of `linear_q8`: the rows quantised, and as they are (for tiles on the f32 path).
@@ -172,9 +193,56 @@ struct Q8Input<'a> {
     nb: usize,
 }
 
-/// Parallel over weight-row tiles (the f32 path's tiles); in each, blocks of 4 input rows ×
-/// `FC4` or 1 weight rows, then of 2 or 1 input rows × `FC` or 1.
-fn q8_tiles<Q: q8::Q8Dot, W: WeightRows, const FC: usize, const FC4: usize>(
+/// One parallel task of `linear_q8`: at most `W_TILE` rows of one part of the weight.
+enum Q8Task<'a> {
+    /// Groups `groups` of repacked rows whose row 0 is output row `row0`.
+    Packed {
+        rows: PackedRows<'a>,
+        groups: Range<usize>,
+        row0: usize,
+    },
+    /// Output rows as stored (the integer path) or not (the f32 path).
+    Rows(Range<usize>),
+}
+
+/// `w`'s rows cut into tasks, part by part (`WeightRows::q8_parts`).
+fn q8_tasks<W: WeightRows>(w: &W) -> Vec<Q8Task<'_>> {
+    let (n, _) = w.out_in();
+    let mut tasks = Vec::new();
+    for part in w.q8_parts() {
+        // The tasks write `out[.., part.rows]` through a raw pointer: hold the parts to it.
+        assert!(part.rows.end <= n, "q8_parts: rows past the weight's {n}");
+        if let Some(p) = &part.packed {
+            assert_eq!(
+                p.rows,
+                part.rows.len(),
+                "q8_parts: a repacked part of another size"
+            );
+        }
+        match part.packed {
+            Some(rows) => {
+                let (all, per) = (rows.groups(), W_TILE / PACK);
+                tasks.extend((0..all).step_by(per).map(|g| Q8Task::Packed {
+                    rows,
+                    groups: g..(g + per).min(all),
+                    row0: part.rows.start,
+                }));
+            }
+            None => tasks.extend(
+                part.rows
+                    .clone()
+                    .step_by(W_TILE)
+                    .map(|j| Q8Task::Rows(j..(j + W_TILE).min(part.rows.end))),
+            ),
+        }
+    }
+    tasks
+}
+
+/// Parallel over the tasks of `q8_tasks`. Repacked groups take `PR`, 2 or 1 input rows at a
+/// time; rows as stored take blocks of 4 input rows × `FC4` or 1 weight rows, then of 2 or 1
+/// input rows × `FC` or 1.
+fn q8_tiles<Q: q8::Q8Dot, W: WeightRows, const FC: usize, const FC4: usize, const PR: usize>(
     kern: Q,
     xq: &Q8Input<'_>,
     w: &W,
@@ -183,15 +251,68 @@ fn q8_tiles<Q: q8::Q8Dot, W: WeightRows, const FC: usize, const FC4: usize>(
 ) {
     let (n, _) = w.out_in();
     let dst = SyncPtr(out.as_mut_ptr());
-    (0..n.div_ceil(W_TILE)).into_par_iter().for_each(|tile| {
-        let (j0, j_end) = (tile * W_TILE, (tile * W_TILE + W_TILE).min(n));
-        match w.stored_rows(j0..j_end) {
-            Some(rows) if q8::supports(rows.format) => {
-                q8_tile::<Q, FC, FC4>(kern, xq, rows, j0..j_end, (m, n), dst)
+    q8_tasks(w).into_par_iter().for_each(|task| match task {
+        Q8Task::Packed { rows, groups, row0 } => {
+            for g in groups {
+                packed_group::<Q, PR>(kern, xq, rows, g, row0, (m, n), dst);
             }
-            _ => f32_tile(xq.x, w, j0..j_end, m, dst),
         }
+        Q8Task::Rows(tile) => match w.stored_rows(tile.clone()) {
+            Some(rows) if q8::supports(rows.format) => {
+                q8_tile::<Q, FC, FC4>(kern, xq, rows, tile, (m, n), dst)
+            }
+            _ => f32_tile(xq.x, w, tile, m, dst),
+        },
     });
+}
+
+/// Group `g` of repacked `rows` (whose row 0 is output row `row0`) dotted with every
+/// quantised input row, `PR`, 2 or 1 at a time, into `out[m, n]`. The group's bytes stay in
+/// L1 while the input rows stream past.
+fn packed_group<Q: q8::Q8Dot, const PR: usize>(
+    kern: Q,
+    xq: &Q8Input<'_>,
+    rows: PackedRows<'_>,
+    g: usize,
+    row0: usize,
+    (m, n): (usize, usize),
+    out: SyncPtr,
+) {
+    let group = rows.group(g);
+    let j = row0 + g * PACK;
+    let valid = PACK.min(rows.rows - g * PACK); // the last group's padding is not written
+    let mut i = 0;
+    while i < m {
+        let r = [PR, 2, 1].into_iter().find(|&r| i + r <= m).unwrap_or(1);
+        let at = (i, j, valid, n);
+        match r {
+            _ if r == PR => packed_block::<Q, PR>(kern, xq, group, at, out),
+            2 => packed_block::<Q, 2>(kern, xq, group, at, out),
+            _ => packed_block::<Q, 1>(kern, xq, group, at, out),
+        }
+        i += r;
+    }
+}
+
+/// `out[i..i + R, j..j + valid]` for `R` quantised inputs × one repacked group.
+#[inline(always)]
+fn packed_block<Q: q8::Q8Dot, const R: usize>(
+    kern: Q,
+    xq: &Q8Input<'_>,
+    group: super::packed::PackedGroup<'_>,
+    (i, j, valid, n): (usize, usize, usize, usize),
+    out: SyncPtr,
+) {
+    let nb = xq.nb;
+    let xs: [&[q8::Q8Block]; R] =
+        std::array::from_fn(|r| &xq.blocks[(i + r) * nb..(i + r + 1) * nb]);
+    let res = kern.packed_block(&xs, group);
+    for (r, row) in res.iter().enumerate() {
+        for (c, v) in row[..valid].iter().enumerate() {
+            // SAFETY: (i + r, j + c) is inside [m, n] and this task owns the group's rows.
+            unsafe { *out.at((i + r) * n + j + c) = *v };
+        }
+    }
 }
 
 /// One tile of the f32 path with the best f32 kernel (the q8 mode's fallback).
@@ -478,13 +599,28 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// RMSNorm of each `dim`-wide row: `out = x / sqrt(mean(x²) + eps) * w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let dim = w.len();
-    out.par_chunks_mut(dim * 16)
-        .zip(x.par_chunks(dim * 16))
-        .for_each(|(o, x)| {
-            for (o, x) in o.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
-                rms_norm_row(x, w, eps, o);
-            }
-        });
+    let f = |(o, x): (&mut [f32], &[f32])| {
+        for (o, x) in o.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
+            rms_norm_row(x, w, eps, o);
+        }
+    };
+    if serial(x.len()) {
+        out.chunks_mut(dim * 16).zip(x.chunks(dim * 16)).for_each(f);
+    } else {
+        out.par_chunks_mut(dim * 16)
+            .zip(x.par_chunks(dim * 16))
+            .for_each(f);
+    }
+}
+
+/// Values at or below which an elementwise op (norm, RoPE, SiLU) runs on the calling
+/// thread: a decode step's op is a few microseconds of work, and handing it to the pool
+/// (wake a worker, sleep until it is done, be woken) costs more, ten times per layer. The
+/// results are the same either way: every row is computed alone.
+const SERIAL_MAX: usize = 1 << 14;
+
+fn serial(values: usize) -> bool {
+    values <= SERIAL_MAX
 }
 
 #[inline]
@@ -499,21 +635,29 @@ pub fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// Residual add fused with the next RMSNorm: `x += delta; out = rms_norm(x)`.
 pub fn add_rms_norm(x: &mut [f32], delta: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let dim = w.len();
-    out.par_chunks_mut(dim * 16)
-        .zip(x.par_chunks_mut(dim * 16))
-        .zip(delta.par_chunks(dim * 16))
-        .for_each(|((o, x), d)| {
-            for ((o, x), d) in o
-                .chunks_exact_mut(dim)
-                .zip(x.chunks_exact_mut(dim))
-                .zip(d.chunks_exact(dim))
-            {
-                for (x, d) in x.iter_mut().zip(d) {
-                    *x += d;
-                }
-                rms_norm_row(x, w, eps, o);
+    let f = |((o, x), d): ((&mut [f32], &mut [f32]), &[f32])| {
+        for ((o, x), d) in o
+            .chunks_exact_mut(dim)
+            .zip(x.chunks_exact_mut(dim))
+            .zip(d.chunks_exact(dim))
+        {
+            for (x, d) in x.iter_mut().zip(d) {
+                *x += d;
             }
-        });
+            rms_norm_row(x, w, eps, o);
+        }
+    };
+    if serial(x.len()) {
+        out.chunks_mut(dim * 16)
+            .zip(x.chunks_mut(dim * 16))
+            .zip(delta.chunks(dim * 16))
+            .for_each(f);
+    } else {
+        out.par_chunks_mut(dim * 16)
+            .zip(x.par_chunks_mut(dim * 16))
+            .zip(delta.par_chunks(dim * 16))
+            .for_each(f);
+    }
 }
 
 /// Rotary embedding, NeoX/HF convention (pairs `i` and `i + d/2`), in place on
@@ -529,24 +673,32 @@ pub fn rope(
     sin: &[f32],
 ) {
     let half = head_dim / 2;
-    x.par_chunks_mut(row_stride)
-        .take(tokens)
-        .enumerate()
-        .for_each(|(t, row)| {
-            let (c, s) = (
-                &cos[t * half..(t + 1) * half],
-                &sin[t * half..(t + 1) * half],
-            );
-            for h in 0..heads {
-                let v = &mut row[h * head_dim..(h + 1) * head_dim];
-                let (a, b) = v.split_at_mut(half);
-                for i in 0..half {
-                    let (x0, x1) = (a[i], b[i]);
-                    a[i] = x0 * c[i] - x1 * s[i];
-                    b[i] = x0 * s[i] + x1 * c[i];
-                }
+    let f = |(t, row): (usize, &mut [f32])| {
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for h in 0..heads {
+            let v = &mut row[h * head_dim..(h + 1) * head_dim];
+            let (a, b) = v.split_at_mut(half);
+            for i in 0..half {
+                let (x0, x1) = (a[i], b[i]);
+                a[i] = x0 * c[i] - x1 * s[i];
+                b[i] = x0 * s[i] + x1 * c[i];
             }
-        });
+        }
+    };
+    if serial(tokens * heads * head_dim) {
+        x.chunks_mut(row_stride)
+            .take(tokens)
+            .enumerate()
+            .for_each(f);
+    } else {
+        x.par_chunks_mut(row_stride)
+            .take(tokens)
+            .enumerate()
+            .for_each(f);
+    }
 }
 
 /// `cos`, `sin` tables `[positions, head_dim / 2]` for positions `pos0..pos0 + n`.
@@ -573,14 +725,19 @@ pub fn rope_tables_at(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f
 
 /// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]`, with `gu` = `[tokens, 2 * inter]` (gate, up).
 pub fn silu_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
-    out.par_chunks_mut(inter)
-        .zip(gu.par_chunks(2 * inter))
-        .for_each(|(o, gu)| {
-            let (g, u) = gu.split_at(inter);
-            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + exp_fast(-g)) * u;
-            }
-        });
+    let f = |(o, gu): (&mut [f32], &[f32])| {
+        let (g, u) = gu.split_at(inter);
+        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + exp_fast(-g)) * u;
+        }
+    };
+    if serial(out.len()) {
+        out.chunks_mut(inter).zip(gu.chunks(2 * inter)).for_each(f);
+    } else {
+        out.par_chunks_mut(inter)
+            .zip(gu.par_chunks(2 * inter))
+            .for_each(f);
+    }
 }
 
 /// Per-head RMSNorm (Qwen3 q/k norm) on `x[tokens, heads, head_dim]` with row stride `row_stride`.
@@ -593,14 +750,19 @@ pub fn head_rms_norm(
     w: &[f32],
     eps: f32,
 ) {
-    x.par_chunks_mut(row_stride).take(tokens).for_each(|row| {
+    let f = |row: &mut [f32]| {
         let mut tmp = vec![0.0f32; head_dim];
         for h in 0..heads {
             let v = &mut row[h * head_dim..(h + 1) * head_dim];
             rms_norm_row(v, w, eps, &mut tmp);
             v.copy_from_slice(&tmp);
         }
-    });
+    };
+    if serial(tokens * heads * head_dim) {
+        x.chunks_mut(row_stride).take(tokens).for_each(f);
+    } else {
+        x.par_chunks_mut(row_stride).take(tokens).for_each(f);
+    }
 }
 
 /// `exp(x)` for `x <= 0` (softmax after subtracting the row max).

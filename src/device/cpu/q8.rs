@@ -29,6 +29,7 @@
 
 use half::f16;
 
+use super::packed::{PackedGroup, PACK};
 use super::quant::Format;
 
 /// Values per activation block (and per weight block of every format this file reads).
@@ -102,6 +103,14 @@ pub trait Q8Dot: Copy + Send + Sync {
         xs: &[&[Q8Block]; R],
         ws: &[&[u8]; C],
     ) -> [[f32; C]; R];
+
+    /// `R × PACK` dots: the rows `xs` against the `PACK` rows of one repacked group
+    /// (`packed.rs`), bitwise `q8_block` on those rows as stored (the same order above).
+    fn packed_block<const R: usize>(
+        self,
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+    ) -> [[f32; PACK]; R];
 }
 
 fn check<const R: usize, const C: usize>(
@@ -118,6 +127,69 @@ fn check<const R: usize, const C: usize>(
     nb
 }
 
+/// `check` for a repacked group: blocks per row.
+fn check_packed<const R: usize>(xs: &[&[Q8Block]; R], g: PackedGroup<'_>) -> usize {
+    assert!(
+        supports(g.format),
+        "q8 dot: no integer kernel for {}",
+        g.format
+    );
+    assert!(
+        xs.iter().all(|x| x.len() == g.nb) && g.data.len() == g.nb * PACK * g.format.block_bytes(),
+        "q8 dot: rows of different lengths"
+    );
+    g.nb
+}
+
+/// Stored bytes of the largest block read here (Q8_0's).
+const MAX_BLOCK: usize = 34;
+
+/// The reference dot of `x` with one weight row of `format`, whose block `b` `block(b, out)`
+/// writes as stored: the order above, lane by lane.
+fn reference_dot(format: Format, x: &[Q8Block], mut block: impl FnMut(usize, &mut [u8])) -> f32 {
+    let mut buf = [0u8; MAX_BLOCK];
+    let wb = &mut buf[..format.block_bytes()];
+    let (mut acc, mut mins) = ([0.0f32; 8], 0.0f32);
+    for (b, x) in x.iter().enumerate() {
+        block(b, wb);
+        let mut v = [0i32; QK]; // the block's weight values
+        let (dw, mw) = match format {
+            Format::Q4_0 | Format::Q4_1 => {
+                let (off, at) = if format == Format::Q4_0 {
+                    (8, 2)
+                } else {
+                    (0, 4)
+                };
+                for j in 0..16 {
+                    v[j] = (wb[at + j] & 0x0F) as i32 - off;
+                    v[j + 16] = (wb[at + j] >> 4) as i32 - off;
+                }
+                let mw = if format == Format::Q4_1 {
+                    half_at(wb, 2)
+                } else {
+                    0.0
+                };
+                (half_at(wb, 0), mw)
+            }
+            _ => {
+                for j in 0..QK {
+                    v[j] = wb[2 + j] as i8 as i32;
+                }
+                (half_at(wb, 0), 0.0)
+            }
+        };
+        let s = dw * x.d;
+        for (l, a) in acc.iter_mut().enumerate() {
+            let p: i32 = (4 * l..4 * l + 4).map(|i| v[i] * x.qs[i] as i32).sum();
+            *a = s.mul_add(p as f32, *a);
+        }
+        if format == Format::Q4_1 {
+            mins = mw.mul_add(x.ds, mins);
+        }
+    }
+    finish(&acc, mins)
+}
+
 /// The reference: the order above, lane by lane, on any target.
 #[derive(Clone, Copy, Debug)]
 pub struct Portable;
@@ -129,51 +201,25 @@ impl Q8Dot for Portable {
         xs: &[&[Q8Block]; R],
         ws: &[&[u8]; C],
     ) -> [[f32; C]; R] {
-        let nb = check(format, xs, ws);
+        check(format, xs, ws);
         let bb = format.block_bytes();
         std::array::from_fn(|r| {
             std::array::from_fn(|c| {
-                let (mut acc, mut mins) = ([0.0f32; 8], 0.0f32);
-                for b in 0..nb {
-                    let wb = &ws[c][b * bb..(b + 1) * bb];
-                    let x = &xs[r][b];
-                    let mut v = [0i32; QK]; // the block's weight values
-                    let (dw, mw) = match format {
-                        Format::Q4_0 | Format::Q4_1 => {
-                            let (off, at) = if format == Format::Q4_0 {
-                                (8, 2)
-                            } else {
-                                (0, 4)
-                            };
-                            for j in 0..16 {
-                                v[j] = (wb[at + j] & 0x0F) as i32 - off;
-                                v[j + 16] = (wb[at + j] >> 4) as i32 - off;
-                            }
-                            let mw = if format == Format::Q4_1 {
-                                half_at(wb, 2)
-                            } else {
-                                0.0
-                            };
-                            (half_at(wb, 0), mw)
-                        }
-                        _ => {
-                            for j in 0..QK {
-                                v[j] = wb[2 + j] as i8 as i32;
-                            }
-                            (half_at(wb, 0), 0.0)
-                        }
-                    };
-                    let s = dw * x.d;
-                    for (l, a) in acc.iter_mut().enumerate() {
-                        let p: i32 = (4 * l..4 * l + 4).map(|i| v[i] * x.qs[i] as i32).sum();
-                        *a = s.mul_add(p as f32, *a);
-                    }
-                    if format == Format::Q4_1 {
-                        mins = mw.mul_add(x.ds, mins);
-                    }
-                }
-                finish(&acc, mins)
+                reference_dot(format, xs[r], |b, out| {
+                    out.copy_from_slice(&ws[c][b * bb..(b + 1) * bb])
+                })
             })
+        })
+    }
+
+    fn packed_block<const R: usize>(
+        self,
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+    ) -> [[f32; PACK]; R] {
+        check_packed(xs, g);
+        std::array::from_fn(|r| {
+            std::array::from_fn(|c| reference_dot(g.format, xs[r], |b, out| g.block(c, b, out)))
         })
     }
 }
@@ -183,7 +229,8 @@ pub use x86::{Avx2, Vnni};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{check, finish, Format, Q8Block, Q8Dot};
+    use super::{check, check_packed, finish, Format, PackedGroup, Q8Block, Q8Dot, PACK};
+    use crate::device::cpu::packed::qs_offset;
     use std::arch::x86_64::*;
 
     /// AVX2 (+ FMA, F16C), detected at run time: `maddubs` then `madd` for the lane sums.
@@ -374,6 +421,119 @@ mod x86 {
         }
     }
 
+    /// `packed_with` for the group's format.
+    ///
+    /// # Safety
+    /// As `packed_with`.
+    #[inline(always)]
+    unsafe fn packed_by_format<M: MulSum, const R: usize>(
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+    ) -> [[f32; PACK]; R] {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match g.format {
+                Format::Q4_0 => packed_with::<M, Q40, R>(xs, g),
+                Format::Q4_1 => packed_with::<M, Q41, R>(xs, g),
+                _ => packed_with::<M, Q80, R>(xs, g),
+            }
+        }
+    }
+
+    /// `R` rows × one repacked group (`packed.rs`) in the canonical order: each of the
+    /// group's rows keeps its 8 lanes in one register, as in `block_with`; per block, the
+    /// group's 8 scales are converted at once, and a 32-byte load of a 4-bit pair gives two
+    /// rows' values.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are present (and whatever `M` needs); lengths are checked here.
+    #[inline(always)]
+    unsafe fn packed_with<M: MulSum, F: Fmt, const R: usize>(
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+    ) -> [[f32; PACK]; R] {
+        let format = F::FORMAT;
+        let nb = check_packed(xs, g);
+        let gbb = PACK * format.block_bytes();
+        let qs = qs_offset(format);
+        // SAFETY: the features are the caller's contract; every pointer is inside group
+        // block `b < nb` (checked to be `gbb` bytes each) or activation block `b`.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); PACK]; R]; // [R][row of the group]: 8 lanes
+            let mut mins = [_mm256_setzero_ps(); R]; // [R]: the group's 8 rows
+            let low = _mm256_set1_epi8(0x0F);
+            for b in 0..nb {
+                let p = g.data.as_ptr().add(b * gbb);
+                let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p.cast())); // the 8 rows' scales
+                let mut w = [_mm256_setzero_si256(); PACK]; // each row's 32 values
+                if format == Format::Q8_0 {
+                    for (c, wc) in w.iter_mut().enumerate() {
+                        *wc = _mm256_loadu_si256(p.add(qs + 32 * c).cast());
+                    }
+                } else {
+                    for pair in 0..PACK / 2 {
+                        let v = _mm256_loadu_si256(p.add(qs + 32 * pair).cast());
+                        w[2 * pair] = _mm256_and_si256(v, low);
+                        w[2 * pair + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                    }
+                }
+                for r in 0..R {
+                    let x = &*xs[r].as_ptr().add(b);
+                    let xv = _mm256_loadu_si256(x.qs.as_ptr().cast());
+                    let s8 = _mm256_mul_ps(d8, _mm256_set1_ps(x.d)); // dw · d, each row
+                                                                     // Q4_0's values are nibble − 8: Σ (n − 8)·x = Σ n·x − 8·Σ x, lane by
+                                                                     // lane, exact in i32 (|8·Σ x| ≤ 8·4·127).
+                    let eight = if format == Format::Q4_0 {
+                        M::us(_mm256_set1_epi8(8), xv)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    for c in 0..PACK {
+                        let lanes = if format == Format::Q8_0 {
+                            // Signed weights: |w| · (x signed as w), |w| ≤ 128.
+                            M::us(_mm256_abs_epi8(w[c]), _mm256_sign_epi8(xv, w[c]))
+                        } else {
+                            _mm256_sub_epi32(M::us(w[c], xv), eight)
+                        };
+                        let s = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(c as i32));
+                        acc[r][c] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(lanes), acc[r][c]);
+                    }
+                    if format == Format::Q4_1 {
+                        let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * PACK).cast()));
+                        mins[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(x.ds), mins[r]);
+                    }
+                }
+            }
+            let mut out = [[0.0f32; PACK]; R];
+            for r in 0..R {
+                let m = std::mem::transmute::<__m256, [f32; 8]>(mins[r]);
+                for c in 0..PACK {
+                    let a = std::mem::transmute::<__m256, [f32; 8]>(acc[r][c]);
+                    out[r][c] = finish(&a, m[c]);
+                }
+            }
+            out
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_packed<const R: usize>(
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+    ) -> [[f32; PACK]; R] {
+        // SAFETY: this function runs only with AVX2, FMA and F16C (its caller's contract).
+        unsafe { packed_by_format::<Maddubs, R>(xs, g) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn vnni_packed<const R: usize>(
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+    ) -> [[f32; PACK]; R] {
+        // SAFETY: this function runs only with those features (its caller's contract).
+        unsafe { packed_by_format::<Dpbusd, R>(xs, g) }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn avx2_block<const R: usize, const C: usize>(
         format: Format,
@@ -405,6 +565,16 @@ mod x86 {
             // SAFETY: an `Avx2` exists only once AVX2, FMA and F16C were detected.
             unsafe { avx2_block(format, xs, ws) }
         }
+
+        #[inline(always)]
+        fn packed_block<const R: usize>(
+            self,
+            xs: &[&[Q8Block]; R],
+            g: PackedGroup<'_>,
+        ) -> [[f32; PACK]; R] {
+            // SAFETY: an `Avx2` exists only once AVX2, FMA and F16C were detected.
+            unsafe { avx2_packed(xs, g) }
+        }
     }
 
     impl Q8Dot for Vnni {
@@ -418,12 +588,23 @@ mod x86 {
             // SAFETY: a `Vnni` exists only once its features were detected.
             unsafe { vnni_block(format, xs, ws) }
         }
+
+        #[inline(always)]
+        fn packed_block<const R: usize>(
+            self,
+            xs: &[&[Q8Block]; R],
+            g: PackedGroup<'_>,
+        ) -> [[f32; PACK]; R] {
+            // SAFETY: a `Vnni` exists only once its features were detected.
+            unsafe { vnni_packed(xs, g) }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::cpu::packed::Packed;
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -542,6 +723,93 @@ mod tests {
                 assert!(ext[0][0].qs.iter().all(|&q| q == 127));
                 let ew = extreme_rows(format, 4, nb, &mut rng);
                 check_all_shapes(format, &ext, &ew, &format!("extremes, nb {nb}"));
+            }
+        }
+    }
+
+    /// Every kernel's `packed_block` (the portable one's too) over every group of `ws`'s
+    /// `n` rows repacked, for the first `R` rows of `xs`: the portable `q8_block`'s bits on
+    /// the rows as stored.
+    fn check_packed<const R: usize>(format: Format, xs: &[Vec<Q8Block>], ws: &[u8], what: &str) {
+        let nb = xs[0].len();
+        let rb = nb * format.block_bytes();
+        let n = ws.len() / rb;
+        let p = Packed::pack(format, ws, n, nb * QK);
+        let xr: [&[Q8Block]; R] = std::array::from_fn(|r| xs[r].as_slice());
+        type Kernel<'a, const R: usize> = Box<dyn Fn(PackedGroup<'_>) -> [[f32; PACK]; R] + 'a>;
+        let mut kernels: Vec<(&str, Kernel<'_, R>)> =
+            vec![("portable", Box::new(|g| Portable.packed_block(&xr, g)))];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(k) = Avx2::detect() {
+                kernels.push(("AVX2", Box::new(move |g| k.packed_block(&xr, g))));
+            }
+            if let Some(k) = Vnni::detect() {
+                kernels.push(("VNNI", Box::new(move |g| k.packed_block(&xr, g))));
+            }
+        }
+        let rows = p.as_rows();
+        for g in 0..rows.groups() {
+            for (name, kern) in &kernels {
+                let got = kern(rows.group(g));
+                for c in 0..PACK.min(n - g * PACK) {
+                    let j = g * PACK + c;
+                    let want = Portable.q8_block(format, &xr, &[&ws[j * rb..(j + 1) * rb]]);
+                    for (r, (got, want)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            got[c].to_bits(),
+                            want[0].to_bits(),
+                            "{name} packed, {R} rows: {format} {what}, input row {r}, weight row {j}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_packed_shapes(format: Format, xs: &[Vec<Q8Block>], ws: &[u8], what: &str) {
+        check_packed::<1>(format, xs, ws, what);
+        check_packed::<2>(format, xs, ws, what);
+        check_packed::<3>(format, xs, ws, what);
+        check_packed::<4>(format, xs, ws, what);
+    }
+
+    /// The repacked kernels on random, all-zero and extreme rows, 13 weight rows (a full
+    /// group and a padded one): the portable kernel's bits on the rows as stored.
+    #[test]
+    fn every_packed_kernel_gives_the_portable_bits() {
+        let mut rng = StdRng::seed_from_u64(53);
+        let n = 13;
+        for format in FORMATS {
+            for nb in [1, 3, 18] {
+                let k = nb * QK;
+                let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let ws = stored(&w, format, n, k);
+                let xs: Vec<Vec<Q8Block>> = (0..4)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..k).map(|_| rng.random_range(-3.0..3.0)).collect();
+                        quantized(&x)
+                    })
+                    .collect();
+                check_packed_shapes(format, &xs, &ws, &format!("random, nb {nb}"));
+                let zero = vec![quantized(&vec![0.0; k]); 4];
+                check_packed_shapes(format, &zero, &ws, &format!("zero x, nb {nb}"));
+                let zw = stored(&vec![0.0; n * k], format, n, k);
+                check_packed_shapes(format, &xs, &zw, &format!("zero w, nb {nb}"));
+                let ext: Vec<Vec<Q8Block>> = (0..4)
+                    .map(|r| {
+                        let sign = |i: usize| {
+                            if (i / QK + r).is_multiple_of(2) {
+                                1e3
+                            } else {
+                                -1e3
+                            }
+                        };
+                        quantized(&(0..k).map(sign).collect::<Vec<f32>>())
+                    })
+                    .collect();
+                let ew = extreme_rows(format, n, nb, &mut rng);
+                check_packed_shapes(format, &ext, &ew, &format!("extremes, nb {nb}"));
             }
         }
     }

@@ -11,16 +11,31 @@ use common::{scratch_dir, TinySpec};
 
 const STRATA: &str = env!("CARGO_BIN_EXE_strata");
 
+/// In every KV element: the KV bytes follow the element's size (f16 is the CPU default).
 #[test]
 fn decode_bench_counts_the_bytes_a_token_reads() {
-    let dir = scratch_dir("bench_decode_model");
+    for (kv_dtype, kv_elem_bytes) in [("f32", 4), ("f16", 2), ("bf16", 2)] {
+        decode_bench_counts_the_bytes_of(kv_dtype, kv_elem_bytes);
+    }
+}
+
+fn decode_bench_counts_the_bytes_of(kv_dtype: &str, kv_elem_bytes: usize) {
+    let dir = scratch_dir(&format!("bench_decode_model_{kv_dtype}"));
     let spec = TinySpec::llama();
     let tensors = spec.write(&dir, 3);
     // Tied embeddings: the table is read whole, as the head. Every tensor is f32.
     let weight_bytes: usize = tensors.values().map(|t| t.elem_count() * 4).sum();
     let out = Command::new(STRATA)
         .args(["bench", "decode", "--json", "--context", "40,100"])
-        .args(["--decode-steps", "5", "--rounds", "2", "--model"])
+        .args([
+            "--decode-steps",
+            "5",
+            "--rounds",
+            "2",
+            "--kv-dtype",
+            kv_dtype,
+            "--model",
+        ])
         .arg(&dir)
         .output()
         .unwrap();
@@ -41,9 +56,14 @@ fn decode_bench_counts_the_bytes_a_token_reads() {
             Some(weight_bytes as u64)
         );
         // Positions context..context+5 attend over context+1 ..= context+5 rows: a mean of
-        // context + 3, of K and V in every layer, kv_dim f32s each.
-        let kv = (context + 3.0) * (2 * spec.layers * spec.kv_heads * spec.head_dim * 4) as f64;
-        assert_eq!(row["kv_bytes_per_token"].as_u64(), Some(kv as u64));
+        // context + 3, of K and V in every layer, kv_dim elements each.
+        let kv_row = 2 * spec.layers * spec.kv_heads * spec.head_dim * kv_elem_bytes;
+        let kv = (context + 3.0) * kv_row as f64;
+        assert_eq!(
+            row["kv_bytes_per_token"].as_u64(),
+            Some(kv as u64),
+            "--kv-dtype {kv_dtype}"
+        );
         let tps = row["decode_tokens_per_s"].as_f64().unwrap();
         assert!(tps > 0.0);
         assert_eq!(

@@ -76,13 +76,14 @@ fn idle_and_half_open_connections_are_closed_and_the_cap_answers_503() {
     ]
     .concat();
     let server = Server::start(&tiny_with_template("conn_cap", "{{ 'x' }}"), &args);
-    // The health check of `start` is done and closed: all 8 slots are free. Fill them with
-    // connections that send nothing, or half a request head.
+    // Once the server has let the health check of `start` go, all 8 slots are free. Fill
+    // them with connections that send nothing, or half a request head.
+    server.wait_held(0);
     let mut idle: Vec<TcpStream> = (0..8).map(|_| server.connect()).collect();
     idle[0]
         .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         .unwrap();
-    server.wait_accepted(8);
+    server.wait_held(8);
     // One more is told why, at once, with an OpenAI-style error.
     let mut extra = server.connect();
     let (buf, closed) = read_until_closed(&mut extra, Duration::from_secs(5));

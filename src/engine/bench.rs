@@ -2,7 +2,7 @@
 //! lengths, with what a decode token reads from memory — the weights it multiplies with
 //! and the KV it attends over — against the machine's read bandwidth measured in the same
 //! run. A small model on a CPU is bound by memory bandwidth, so the achieved fraction of
-//! it is how close decode is to its ceiling (docs/benchmarks.md, "CPU decode").
+//! it is how close decode is to its ceiling (docs/cpu.md, "Decode budget").
 //!
 //! Each context is prefilled once (random token ids, seeded), then decoded in `--rounds`
 //! rounds of `--decode-steps` greedy steps, each round from the end of the prefill again

@@ -88,30 +88,33 @@ impl Server {
         s
     }
 
-    /// Connections the server has accepted and that are still open both ways: entries of
-    /// Linux's `/proc/net/tcp` on the server's port in state ESTABLISHED that have an
-    /// inode (a connection still in the accept queue has none). `None` where that file is
-    /// not readable.
-    pub fn accepted_connections(&self) -> Option<usize> {
+    /// Connections the server process holds: entries of Linux's `/proc/net/tcp` on the
+    /// server's port, other than the listener, that have an inode. A connection still in
+    /// the accept queue has none, nor one the server has closed; one the client closed
+    /// first keeps it (CLOSE_WAIT) until the server lets it go, and with it its slot
+    /// under `--max-connections`. `None` where that file is not readable.
+    pub fn held_connections(&self) -> Option<usize> {
         let port = self.addr.rsplit(':').next()?.parse::<u16>().ok()?;
         let local = format!(":{port:04X}");
         let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
-        let accepted = |line: &&str| {
+        let held = |line: &&str| {
             let f: Vec<&str> = line.split_whitespace().collect();
-            f.len() > 9 && f[1].ends_with(&local) && f[3] == "01" && f[9] != "0"
+            const LISTEN: &str = "0A";
+            f.len() > 9 && f[1].ends_with(&local) && f[3] != LISTEN && f[9] != "0"
         };
-        Some(table.lines().skip(1).filter(accepted).count())
+        Some(table.lines().skip(1).filter(held).count())
     }
 
-    /// Waits until the server has accepted `n` open connections (`accepted_connections`),
-    /// for at most 10 s: a test that fills the connection cap must not race the accept
-    /// loop (a fixed sleep did, on a loaded machine). Without `/proc`, a second.
-    pub fn wait_accepted(&self, n: usize) {
+    /// Waits until the server holds exactly `n` connections (`held_connections`), for at
+    /// most 10 s: a test that fills the connection cap must neither race the accept loop
+    /// nor a connection of its own that the server has not let go yet (fixed sleeps did,
+    /// on a loaded machine). Without `/proc`, a second.
+    pub fn wait_held(&self, n: usize) {
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(10) {
-            match self.accepted_connections() {
+            match self.held_connections() {
                 None => return std::thread::sleep(Duration::from_secs(1)),
-                Some(now) if now >= n => return,
+                Some(now) if now == n => return,
                 Some(_) => std::thread::sleep(Duration::from_millis(10)),
             }
         }

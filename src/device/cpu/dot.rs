@@ -32,6 +32,76 @@ pub trait DotKernel: Copy + Send + Sync {
     /// gives the portable bits whatever its width; the SIMD ones keep `acc` in registers
     /// across the keys.
     fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]);
+
+    /// Attention's score tile: `out[r * stride + c] = dot(q row r, ws[c])`, the fixed-order
+    /// dot of `block`, for the `q.len() / k` query rows of `q[rows, k]` (`k` = the keys'
+    /// length) and every key. Kernels may block it as they like; the bits are `block`'s.
+    #[inline(always)]
+    fn scores<W: KvElem>(self, q: &[f32], ws: &[&[W]], out: &mut [f32], stride: usize) {
+        scores_by_blocks(self, q, ws, out, stride);
+    }
+
+    /// `accumulate` for several rows over the same values: row `r` of `acc[rows, hd]` (`hd`
+    /// = the values' length) takes the weights `ps[r * p_stride..][..vs.len()]`. Each row
+    /// gets `accumulate`'s bits; kernels may share the value loads between rows.
+    #[inline(always)]
+    fn accumulate_rows<W: KvElem>(self, ps: &[f32], p_stride: usize, vs: &[&[W]], acc: &mut [f32]) {
+        let Some(hd) = vs.first().map(|v| v.len()) else {
+            return;
+        };
+        for (r, acc) in acc.chunks_exact_mut(hd).enumerate() {
+            self.accumulate(&ps[r * p_stride..][..vs.len()], vs, acc);
+        }
+    }
+}
+
+/// Query rows × keys per `block` of the default `scores` (the AVX2 kernel's register
+/// blocking).
+const SMR: usize = 2;
+const SNR: usize = 3;
+
+/// `DotKernel::scores` by `SMR × SNR` blocks (then single rows and keys).
+#[inline(always)]
+fn scores_by_blocks<K: DotKernel, W: KvElem>(
+    kern: K,
+    q: &[f32],
+    keys: &[&[W]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let Some(hd) = keys.first().map(|k| k.len()) else {
+        return;
+    };
+    let (rows, kn) = (q.len() / hd, keys.len());
+    let qrow = |r: usize| &q[r * hd..(r + 1) * hd];
+    let mut r = 0;
+    while r < rows {
+        let mut j = 0;
+        if r + SMR <= rows {
+            let xs: [&[f32]; SMR] = std::array::from_fn(|i| qrow(r + i));
+            while j + SNR <= kn {
+                let ws: [&[W]; SNR] = std::array::from_fn(|c| keys[j + c]);
+                let b = kern.block(&xs, &ws);
+                for (i, row) in b.iter().enumerate() {
+                    out[(r + i) * stride + j..][..SNR].copy_from_slice(row);
+                }
+                j += SNR;
+            }
+            while j < kn {
+                let b = kern.block(&xs, &[keys[j]]);
+                for (i, row) in b.iter().enumerate() {
+                    out[(r + i) * stride + j] = row[0];
+                }
+                j += 1;
+            }
+            r += SMR;
+        } else {
+            for (jj, key) in keys.iter().enumerate() {
+                out[r * stride + jj] = kern.block(&[qrow(r)], &[*key])[0][0];
+            }
+            r += 1;
+        }
+    }
 }
 
 /// `R × C` fixed-order dots with the best kernel the build targets (AVX2 on x86-64-v3).
@@ -301,6 +371,255 @@ impl DotKernel for Avx512 {
         // SAFETY: as above.
         unsafe { avx512_accumulate(ps, vs, acc) }
     }
+
+    #[inline(always)]
+    fn scores<W: KvElem>(self, q: &[f32], ws: &[&[W]], out: &mut [f32], stride: usize) {
+        match ws.first().map(|k| k.len()) {
+            // SAFETY: as above.
+            Some(k) if k > 0 && k % LANES == 0 => unsafe { avx512_scores(q, ws, out, stride) },
+            _ => scores_by_blocks(self, q, ws, out, stride),
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate_rows<W: KvElem>(self, ps: &[f32], p_stride: usize, vs: &[&[W]], acc: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { avx512_accumulate_rows(ps, p_stride, vs, acc) }
+    }
+}
+
+/// Keys per step of `avx512_scores`: one `reduce8` of their accumulators.
+const S512_KEYS: usize = 8;
+
+/// `Avx512::scores` for keys of a length `k`, a multiple of 16: query rows in threes (a
+/// GQA group of 3 shares each key load; then the last one or two), keys in eights, up to
+/// 24 accumulators; each eight's lane sums by `reduce8`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_scores<W: KvElem>(q: &[f32], keys: &[&[W]], out: &mut [f32], stride: usize) {
+    let k = keys[0].len();
+    let (rows, kn) = (q.len() / k, keys.len());
+    assert!(
+        rows * k == q.len()
+            && keys.iter().all(|w| w.len() == k)
+            && kn <= stride
+            && (rows == 0 || (rows - 1) * stride + kn <= out.len()),
+        "scores: shapes"
+    );
+    let mut r = 0;
+    while r + 3 <= rows {
+        // SAFETY: rows r..r + 3 are inside `q` and `out` (checked).
+        unsafe { avx512_score_rows::<W, 3>(q, r, keys, out, stride) };
+        r += 3;
+    }
+    // SAFETY: as above, for the last one or two rows.
+    match rows - r {
+        2 => unsafe { avx512_score_rows::<W, 2>(q, r, keys, out, stride) },
+        1 => unsafe { avx512_score_rows::<W, 1>(q, r, keys, out, stride) },
+        _ => {}
+    }
+}
+
+/// Scores of query rows `r0..r0 + R` (see `avx512_scores`, which checked the shapes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+// Indexed loops over register arrays: iterator adaptors take closures, which would not
+// inherit the target feature.
+#[allow(clippy::needless_range_loop)]
+unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
+    q: &[f32],
+    r0: usize,
+    keys: &[&[W]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    use std::arch::x86_64::*;
+    let (k, kn) = (keys[0].len(), keys.len());
+    let mut j = 0;
+    while j < kn {
+        let n = S512_KEYS.min(kn - j);
+        // A short last step repeats its last key; only its first `n` scores are stored.
+        let mut kp = [keys[j + n - 1].as_ptr(); S512_KEYS];
+        for c in 0..n {
+            kp[c] = keys[j + c].as_ptr();
+        }
+        let mut acc = [[_mm512_setzero_ps(); S512_KEYS]; R];
+        // Key by key (each read start to end), 16 lanes at a time: the order of every
+        // accumulator's operations is the dot's.
+        for c in 0..S512_KEYS {
+            let mut p = 0;
+            while p < k {
+                // SAFETY: 16 elements of a key from p + 16 <= k.
+                let wv = unsafe { load16(kp[c].add(p)) };
+                for r in 0..R {
+                    // SAFETY: 16 floats of row r0 + r from p + 16 <= k: inside `q`.
+                    let xv = unsafe { _mm512_loadu_ps(q.as_ptr().add((r0 + r) * k + p)) };
+                    acc[r][c] = _mm512_fmadd_ps(xv, wv, acc[r][c]);
+                }
+                p += LANES;
+            }
+        }
+        for r in 0..R {
+            // SAFETY: this function's features include reduce8's.
+            let sums = unsafe { reduce8(&acc[r]) };
+            let mut s = [0.0f32; S512_KEYS];
+            // SAFETY: 8 floats into an 8-float array.
+            unsafe { _mm256_storeu_ps(s.as_mut_ptr(), sums) };
+            out[(r0 + r) * stride + j..][..n].copy_from_slice(&s[..n]);
+        }
+        j += n;
+    }
+}
+
+/// The fixed lane tree of `sum_lanes` for 8 dots at once: lane `c` of the result is
+/// `sum_lanes(a[c])`, bit for bit. Each level adds the same pairs as `sum_lanes` (lane
+/// `l` and `l + 8`, then `l + 4`, `l + 2`, `l + 1`), with shuffles lining them up across
+/// the 8 registers instead of 8 separate horizontal reductions.
+///
+/// # Safety
+/// The CPU has AVX-512F; inlined into an `avx512f` function.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn reduce8(a: &[std::arch::x86_64::__m512; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // 128-bit quarters: [q0 q1 q2 q3] = lanes 0-3, 4-7, 8-11, 12-15. No closures here:
+    // they would not inherit the caller's target feature.
+    // h_c = lanes 0-7 + lanes 8-15 of a[c]; t_i = [h_2i | h_2i+1].
+    let t0 = add_shuffled_f32x4::<0x44, 0xEE>(a[0], a[1]); // [x.q0 x.q1 y.q0 y.q1] + [x.q2 x.q3 y.q2 y.q3]
+    let t1 = add_shuffled_f32x4::<0x44, 0xEE>(a[2], a[3]);
+    let t2 = add_shuffled_f32x4::<0x44, 0xEE>(a[4], a[5]);
+    let t3 = add_shuffled_f32x4::<0x44, 0xEE>(a[6], a[7]);
+    // g_c = h_c lanes 0-3 + lanes 4-7; w0 = [g0 g1 g2 g3], w1 = [g4 g5 g6 g7].
+    let w0 = add_shuffled_f32x4::<0x88, 0xDD>(t0, t1); // [x.q0 x.q2 y.q0 y.q2] + [x.q1 x.q3 y.q1 y.q3]
+    let w1 = add_shuffled_f32x4::<0x88, 0xDD>(t2, t3);
+    // Per quarter i: [g_i.0 + g_i.2, g_i.1 + g_i.3, g_i+4.0 + g_i+4.2, g_i+4.1 + g_i+4.3].
+    let z = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x44>(w0, w1), // [w0.0 w0.1 w1.0 w1.1] per quarter
+        _mm512_shuffle_ps::<0xEE>(w0, w1), // [w0.2 w0.3 w1.2 w1.3]
+    );
+    // Per quarter i: [sum_i, sum_i+4, sum_i, sum_i+4].
+    let f = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x88>(z, z), // [z.0 z.2 z.0 z.2]
+        _mm512_shuffle_ps::<0xDD>(z, z), // [z.1 z.3 z.1 z.3]
+    );
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(order, f))
+}
+
+/// `shuffle_f32x4::<A>(x, y) + shuffle_f32x4::<B>(x, y)`: one level of `reduce8`.
+///
+/// # Safety
+/// As `reduce8`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn add_shuffled_f32x4<const A: i32, const B: i32>(
+    x: std::arch::x86_64::__m512,
+    y: std::arch::x86_64::__m512,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<A>(x, y),
+        _mm512_shuffle_f32x4::<B>(x, y),
+    )
+}
+
+/// Rows of `Avx512::accumulate_rows` that share each value load.
+const A512_ROWS: usize = 4;
+
+/// `Avx512::accumulate_rows`: rows in fours (then the rest), 64 elements of each at a
+/// time in registers (16 accumulators), every value register loaded once for the rows.
+/// A head size not a multiple of 64 goes row by row through `avx512_accumulate`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_accumulate_rows<W: KvElem>(
+    ps: &[f32],
+    p_stride: usize,
+    vs: &[&[W]],
+    acc: &mut [f32],
+) {
+    let Some(hd) = vs.first().map(|v| v.len()) else {
+        return;
+    };
+    let rows = acc.len() / hd;
+    assert!(
+        rows * hd == acc.len()
+            && vs.iter().all(|v| v.len() == hd)
+            && vs.len() <= p_stride
+            && (rows == 0 || (rows - 1) * p_stride + vs.len() <= ps.len()),
+        "accumulate_rows: shapes"
+    );
+    if hd % (4 * LANES) != 0 {
+        for (r, acc) in acc.chunks_exact_mut(hd).enumerate() {
+            // SAFETY: this function's features include avx512_accumulate's.
+            unsafe { avx512_accumulate(&ps[r * p_stride..][..vs.len()], vs, acc) };
+        }
+        return;
+    }
+    let mut r = 0;
+    while r < rows {
+        let n = A512_ROWS.min(rows - r);
+        // SAFETY: rows r..r + n are inside `ps` and `acc` (checked).
+        unsafe {
+            match n {
+                4 => avx512_accumulate_block::<W, 4>(ps, p_stride, vs, acc, r),
+                3 => avx512_accumulate_block::<W, 3>(ps, p_stride, vs, acc, r),
+                2 => avx512_accumulate_block::<W, 2>(ps, p_stride, vs, acc, r),
+                _ => avx512_accumulate_block::<W, 1>(ps, p_stride, vs, acc, r),
+            }
+        }
+        r += n;
+    }
+}
+
+/// Rows `r0..r0 + R` of `avx512_accumulate_rows` (which checked the shapes; the head size
+/// is a multiple of 64): the same chain of fused multiply-adds per element as `accumulate`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+// Indexed loops over register arrays: iterator adaptors take closures, which would not
+// inherit the target feature.
+#[allow(clippy::needless_range_loop)]
+unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
+    ps: &[f32],
+    p_stride: usize,
+    vs: &[&[W]],
+    acc: &mut [f32],
+    r0: usize,
+) {
+    use std::arch::x86_64::*;
+    let hd = vs[0].len();
+    let mut i = 0;
+    while i + 4 * LANES <= hd {
+        let mut a = [[_mm512_setzero_ps(); 4]; R];
+        for r in 0..R {
+            for c in 0..4 {
+                // SAFETY: 16 floats from i + 16c + 16 <= hd in row r0 + r of `acc`.
+                a[r][c] =
+                    unsafe { _mm512_loadu_ps(acc.as_ptr().add((r0 + r) * hd + i + c * LANES)) };
+            }
+        }
+        for j in 0..vs.len() {
+            let mut pv = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                pv[r] = _mm512_set1_ps(ps[(r0 + r) * p_stride + j]);
+            }
+            for c in 0..4 {
+                // SAFETY: 16 elements of value row j from i + 16c + 16 <= hd.
+                let x = unsafe { load16(vs[j].as_ptr().add(i + c * LANES)) };
+                for r in 0..R {
+                    a[r][c] = _mm512_fmadd_ps(pv[r], x, a[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..4 {
+                // SAFETY: as the loads.
+                unsafe {
+                    _mm512_storeu_ps(acc.as_mut_ptr().add((r0 + r) * hd + i + c * LANES), a[r][c])
+                };
+            }
+        }
+        i += 4 * LANES;
+    }
 }
 
 /// 16 elements at `p` widened to f32 (see `load8`). Inlined into the `avx512f` functions
@@ -542,6 +861,140 @@ mod tests {
             }
             assert_eq!(want[0], e.to_bits(), "{name} {hd}");
         }
+    }
+
+    /// `scores` (attention's score tile) with every kernel is `block`'s dot per row and
+    /// key: head sizes a multiple of 16 (the AVX-512 path: pairs of rows, eights of keys,
+    /// the vector lane tree) and not (the blocked path), rows and key counts with every
+    /// remainder, scores written at a stride past the keys.
+    fn check_scores<W: KvElem>() {
+        let mut rng = StdRng::seed_from_u64(13);
+        for (hd, rows, kn) in [
+            (64, 3, 128),
+            (64, 1, 5),
+            (16, 2, 8),
+            (32, 5, 17),
+            (48, 4, 1),
+            (24, 3, 9),
+        ] {
+            let stride = kn + 3;
+            let q: Vec<f32> = (0..rows * hd)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let k: Vec<Vec<W>> = (0..kn).map(|_| elems::<W>(&mut rng, hd)).collect();
+            let keys: Vec<&[W]> = k.iter().map(Vec::as_slice).collect();
+            let mut want = vec![f32::NAN; rows * stride];
+            for r in 0..rows {
+                for c in 0..kn {
+                    want[r * stride + c] =
+                        Portable.block(&[&q[r * hd..(r + 1) * hd]], &[keys[c]])[0][0];
+                }
+            }
+            let run = |f: &dyn Fn(&mut [f32])| {
+                let mut out = vec![f32::NAN; rows * stride];
+                f(&mut out);
+                out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            let want = run(&|o| o.copy_from_slice(&want));
+            let name = W::NAME;
+            assert_eq!(
+                run(&|o| Portable.scores(&q, &keys, o, stride)),
+                want,
+                "portable {name} {hd}x{rows}x{kn}"
+            );
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma",
+                target_feature = "f16c"
+            ))]
+            assert_eq!(
+                run(&|o| Avx2.scores(&q, &keys, o, stride)),
+                want,
+                "AVX2 {name} {hd}x{rows}x{kn}"
+            );
+            #[cfg(target_arch = "x86_64")]
+            if let Some(kern) = Avx512::detect() {
+                assert_eq!(
+                    run(&|o| kern.scores(&q, &keys, o, stride)),
+                    want,
+                    "AVX-512 {name} {hd}x{rows}x{kn}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_scores_a_tile_as_the_portable_dots_in_every_element() {
+        check_scores::<f32>();
+        check_scores::<half::bf16>();
+        check_scores::<half::f16>();
+    }
+
+    /// `accumulate_rows` with every kernel gives each row `accumulate`'s bits: row counts
+    /// around the AVX-512 kernel's blocks of 4, head sizes a multiple of 64 and not.
+    fn check_accumulate_rows<W: KvElem>() {
+        let mut rng = StdRng::seed_from_u64(14);
+        for (hd, rows, kn) in [
+            (64, 3, 128),
+            (64, 9, 7),
+            (128, 5, 33),
+            (64, 1, 1),
+            (80, 3, 10),
+            (16, 6, 4),
+        ] {
+            let p_stride = kn + 2;
+            let ps = widen(&elems::<f32>(&mut rng, rows * p_stride));
+            let v: Vec<Vec<W>> = (0..kn).map(|_| elems::<W>(&mut rng, hd)).collect();
+            let vs: Vec<&[W]> = v.iter().map(Vec::as_slice).collect();
+            let acc0 = widen(&elems::<f32>(&mut rng, rows * hd));
+            let mut want = acc0.clone();
+            for r in 0..rows {
+                Portable.accumulate(
+                    &ps[r * p_stride..][..kn],
+                    &vs,
+                    &mut want[r * hd..(r + 1) * hd],
+                );
+            }
+            let want: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+            let run = |f: &dyn Fn(&mut [f32])| {
+                let mut acc = acc0.clone();
+                f(&mut acc);
+                acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            let name = W::NAME;
+            assert_eq!(
+                run(&|a| Portable.accumulate_rows(&ps, p_stride, &vs, a)),
+                want,
+                "portable {name} {hd}x{rows}"
+            );
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma",
+                target_feature = "f16c"
+            ))]
+            assert_eq!(
+                run(&|a| Avx2.accumulate_rows(&ps, p_stride, &vs, a)),
+                want,
+                "AVX2 {name} {hd}x{rows}"
+            );
+            #[cfg(target_arch = "x86_64")]
+            if let Some(kern) = Avx512::detect() {
+                assert_eq!(
+                    run(&|a| kern.accumulate_rows(&ps, p_stride, &vs, a)),
+                    want,
+                    "AVX-512 {name} {hd}x{rows}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_accumulates_several_rows_as_one_row_at_a_time_in_every_element() {
+        check_accumulate_rows::<f32>();
+        check_accumulate_rows::<half::bf16>();
+        check_accumulate_rows::<half::f16>();
     }
 
     #[test]

@@ -953,27 +953,46 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
     let hd = h.head_dim;
     let group = h.num_heads / h.num_kv_heads;
     let row_stride = h.num_heads * hd;
-    // Work items: (sequence, KV group, query tile); each has one task per partition.
+    // Work items: (sequence, KV groups, query tile); each has one task per partition. A
+    // task takes every KV head when there are tasks enough for the threads without
+    // splitting them: it then reads whole K/V rows, in order (a stream the prefetchers
+    // follow), instead of one head's slice of each row.
     #[derive(Clone, Copy)]
     struct Item {
         seq: usize,
-        g: usize,
+        g0: usize, // KV heads g0..g0 + ng
+        ng: usize,
         t0: usize, // first query of the tile, relative to the sequence
         nq: usize,
         parts: usize,
         first_task: usize,
     }
+    let whole_rows: usize = seqs
+        .iter()
+        .map(|s| {
+            (0..s.tokens)
+                .step_by(Q_TILE)
+                .map(|t0| (s.pos0 + t0 + Q_TILE.min(s.tokens - t0)).div_ceil(KV_SPLIT))
+                .sum::<usize>()
+        })
+        .sum();
+    let ng = if whole_rows >= rayon::current_num_threads() {
+        h.num_kv_heads
+    } else {
+        1
+    };
     let mut items = Vec::new();
     let mut tasks = Vec::new(); // (item, partition)
     for (si, s) in seqs.iter().enumerate() {
-        for g in 0..h.num_kv_heads {
+        for g0 in (0..h.num_kv_heads).step_by(ng) {
             for t0 in (0..s.tokens).step_by(Q_TILE) {
                 let nq = Q_TILE.min(s.tokens - t0);
                 let parts = (s.pos0 + t0 + nq).div_ceil(KV_SPLIT);
                 let item = items.len();
                 items.push(Item {
                     seq: si,
-                    g,
+                    g0,
+                    ng,
                     t0,
                     nq,
                     parts,
@@ -990,7 +1009,8 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
             let s = &seqs[it.seq];
             let key_end = s.pos0 + it.t0 + it.nq; // exclusive: the tile's last query sees keys < key_end
             let (ks, ke) = (p * KV_SPLIT, ((p + 1) * KV_SPLIT).min(key_end));
-            attend_part(kern, q, kv, h, s, it.g, group, it.t0, it.nq, ks, ke)
+            let heads = it.g0..it.g0 + it.ng;
+            attend_part(kern, q, kv, h, s, heads, it.t0, it.nq, ks, ke)
         })
         .collect();
     // Merge each query row's partials in partition order and normalise into `out`.
@@ -998,35 +1018,38 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
     items.par_iter().for_each(|it| {
         let parts = &partials[it.first_task..it.first_task + it.parts];
         let row0 = seqs[it.seq].row0 + it.t0;
-        for j in 0..group {
+        for g in 0..it.ng {
             for i in 0..it.nq {
-                let r = j * it.nq + i;
-                let m = parts
-                    .iter()
-                    .map(|p| p.m[r])
-                    .fold(f32::NEG_INFINITY, f32::max);
-                // SAFETY: this item alone writes head g*group + j of its rows; `out` is
-                // [rows, num_heads, head_dim] and the row is inside it.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        dst_ptr.at((row0 + i) * row_stride + (it.g * group + j) * hd),
-                        hd,
-                    )
-                };
-                dst.fill(0.0);
-                let mut l = 0.0;
-                for p in parts {
-                    if p.m[r] == f32::NEG_INFINITY {
-                        continue;
+                for j in 0..group {
+                    let r = (g * it.nq + i) * group + j;
+                    let m = parts
+                        .iter()
+                        .map(|p| p.m[r])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    let head = (it.g0 + g) * group + j;
+                    // SAFETY: this item alone writes heads of KV heads g0..g0 + ng of its
+                    // rows; `out` is [rows, num_heads, head_dim] and the row is inside it.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            dst_ptr.at((row0 + i) * row_stride + head * hd),
+                            hd,
+                        )
+                    };
+                    dst.fill(0.0);
+                    let mut l = 0.0;
+                    for p in parts {
+                        if p.m[r] == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let w = (p.m[r] - m).exp();
+                        l += p.l[r] * w;
+                        for (d, o) in dst.iter_mut().zip(&p.o[r * hd..(r + 1) * hd]) {
+                            *d += o * w;
+                        }
                     }
-                    let w = (p.m[r] - m).exp();
-                    l += p.l[r] * w;
-                    for (d, o) in dst.iter_mut().zip(&p.o[r * hd..(r + 1) * hd]) {
-                        *d += o * w;
-                    }
+                    let inv = 1.0 / l;
+                    dst.iter_mut().for_each(|d| *d *= inv);
                 }
-                let inv = 1.0 / l;
-                dst.iter_mut().for_each(|d| *d *= inv);
             }
         }
     });
@@ -1038,8 +1061,11 @@ struct Partial {
     o: Vec<f32>, // [rows, head_dim] Σ exp(score - m) · v
 }
 
-/// One task: rows = the `group` heads × `nq` queries (from `t0`) of KV head `g` of one
-/// sequence, keys `ks..ke`. Every step is per row; rows only share loads.
+/// One task: the `nq` queries (from `t0`) of one sequence × the heads of KV heads `kv_heads`,
+/// over keys `ks..ke`. Rows `r = (g * nq + i) * group + j`: KV head `kv_heads.start + g`,
+/// token `t0 + i`, its head `j` in the group; a KV head's rows are adjacent (one score
+/// call), and so are a token's heads in it (they see the same keys: `P·V` shares each value
+/// load). Every step is per row; rows only share loads.
 #[allow(clippy::too_many_arguments)]
 fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     kern: K,
@@ -1047,23 +1073,25 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     kv: KvRows<'_, T>,
     h: AttnHeads,
     s: &AttnSeq<L>,
-    g: usize,
-    group: usize,
+    kv_heads: Range<usize>,
     t0: usize,
     nq: usize,
     ks: usize,
     ke: usize,
 ) -> Partial {
     let hd = h.head_dim;
-    let rows = group * nq;
+    let group = h.num_heads / h.num_kv_heads;
+    let g_rows = nq * group; // rows of one KV head
+    let rows = kv_heads.len() * g_rows;
     let q_stride = h.num_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    // qg[rows, hd], row r = j * nq + i: head g*group + j, token t0 + i; pre-scaled.
+    // qg[rows, hd], pre-scaled.
     let mut qg = vec![0.0f32; rows * hd];
-    for j in 0..group {
+    for (g, kvh) in kv_heads.clone().enumerate() {
         for i in 0..nq {
-            let src = &q[(s.row0 + t0 + i) * q_stride + (g * group + j) * hd..][..hd];
-            for (d, x) in qg[(j * nq + i) * hd..][..hd].iter_mut().zip(src) {
+            let src = &q[(s.row0 + t0 + i) * q_stride + kvh * group * hd..][..group * hd];
+            let dst = &mut qg[(g * nq + i) * group * hd..][..group * hd];
+            for (d, x) in dst.iter_mut().zip(src) {
                 *d = x * scale;
             }
         }
@@ -1072,88 +1100,67 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     let mut l = vec![0.0f32; rows];
     let mut o = vec![0.0f32; rows * hd];
     let mut sc = vec![0.0f32; rows * K_TILE]; // scores, then probabilities [rows, K_TILE]
+    let mut keys: Vec<&[T]> = Vec::with_capacity(K_TILE); // [kn][hd] of one KV head
+    let mut values: Vec<&[T]> = Vec::with_capacity(K_TILE); // [kn][hd]
     let mut kb = ks;
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
-        // This tile's key and value rows of head g, wherever their pages are.
-        let krow = |j: usize| kv.rows(s.kv.row_offset(kb + j) + g * hd, hd);
-        let (keys, values): (Vec<&[T]>, Vec<&[T]>) = (0..kn).map(krow).unzip(); // [kn][hd] each
-                                                                                // sc[rows, kn] = qg · Kᵀ, each score by dot_fixed (blocked for reuse).
-        score_tile(kern, &qg, hd, rows, &keys, &mut sc);
-        for j in 0..group {
+        for (g, kvh) in kv_heads.clone().enumerate() {
+            // This tile's key and value rows of KV head kvh, wherever their pages are.
+            keys.clear();
+            values.clear();
+            for j in 0..kn {
+                let (k, v) = kv.rows(s.kv.row_offset(kb + j) + kvh * hd, hd);
+                keys.push(k);
+                values.push(v);
+            }
+            let (g_sc, g_o) = (
+                &mut sc[g * g_rows * K_TILE..(g + 1) * g_rows * K_TILE],
+                &mut o[g * g_rows * hd..(g + 1) * g_rows * hd],
+            );
+            let (g_m, g_l) = (
+                &mut m[g * g_rows..(g + 1) * g_rows],
+                &mut l[g * g_rows..(g + 1) * g_rows],
+            );
+            // sc[rows, kn] = qg · Kᵀ, each score the fixed-order dot.
+            kern.scores(
+                &qg[g * g_rows * hd..(g + 1) * g_rows * hd],
+                &keys,
+                g_sc,
+                K_TILE,
+            );
             for i in 0..nq {
-                let r = j * nq + i;
                 // Causal: query at position p sees keys <= p.
                 let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);
                 if visible == 0 {
                     continue;
                 }
-                let row = &mut sc[r * K_TILE..r * K_TILE + visible];
-                let m_new = m[r].max(max_of(row));
-                let corr = exp_nonpos(m[r] - m_new);
-                // Separate map and sum loops: each vectorizes, a fused one would not.
-                for x in row.iter_mut() {
-                    *x = exp_nonpos(*x - m_new);
+                for r in i * group..(i + 1) * group {
+                    let row = &mut g_sc[r * K_TILE..r * K_TILE + visible];
+                    let m_new = g_m[r].max(max_of(row));
+                    let corr = exp_nonpos(g_m[r] - m_new);
+                    // Separate map and sum loops: each vectorizes, a fused one would not.
+                    for x in row.iter_mut() {
+                        *x = exp_nonpos(*x - m_new);
+                    }
+                    let sum = sum_of(row);
+                    g_l[r] = g_l[r] * corr + sum;
+                    g_m[r] = m_new;
+                    if corr != 1.0 {
+                        g_o[r * hd..(r + 1) * hd]
+                            .iter_mut()
+                            .for_each(|x| *x *= corr);
+                    }
                 }
-                let sum = sum_of(row);
-                l[r] = l[r] * corr + sum;
-                m[r] = m_new;
-                let acc = &mut o[r * hd..(r + 1) * hd];
-                if corr != 1.0 {
-                    acc.iter_mut().for_each(|x| *x *= corr);
-                }
-                // acc += P[r, ..visible] · V, one key after the other.
-                kern.accumulate(row, &values[..visible], acc);
+                // acc += P[r, ..visible] · V for the token's heads, one key after the other.
+                let acc = &mut g_o[i * group * hd..(i + 1) * group * hd];
+                let ps = &g_sc[i * group * K_TILE..];
+                kern.accumulate_rows(ps, K_TILE, &values[..visible], acc);
             }
         }
         kb += kn;
     }
     Partial { m, l, o }
-}
-
-/// Query rows × keys per score block (the AVX2 kernel's register blocking).
-const SMR: usize = 2;
-const SNR: usize = 3;
-
-/// `sc[r, j] = dot_fixed(qg[r], key j)` for `rows` query rows and the tile's keys.
-fn score_tile<K: DotKernel, T: KvElem>(
-    kern: K,
-    qg: &[f32],
-    hd: usize,
-    rows: usize,
-    keys: &[&[T]],
-    sc: &mut [f32],
-) {
-    let kn = keys.len();
-    let qrow = |r: usize| &qg[r * hd..(r + 1) * hd];
-    let mut r = 0;
-    while r < rows {
-        let mut j = 0;
-        if r + SMR <= rows {
-            let xs: [&[f32]; SMR] = std::array::from_fn(|i| qrow(r + i));
-            while j + SNR <= kn {
-                let ws: [&[T]; SNR] = std::array::from_fn(|c| keys[j + c]);
-                let b = kern.block(&xs, &ws);
-                for (i, row) in b.iter().enumerate() {
-                    sc[(r + i) * K_TILE + j..][..SNR].copy_from_slice(row);
-                }
-                j += SNR;
-            }
-            while j < kn {
-                let b = kern.block(&xs, &[keys[j]]);
-                for (i, row) in b.iter().enumerate() {
-                    sc[(r + i) * K_TILE + j] = row[0];
-                }
-                j += 1;
-            }
-            r += SMR;
-        } else {
-            for (jj, key) in keys.iter().enumerate() {
-                sc[r * K_TILE + jj] = kern.block(&[qrow(r)], &[*key])[0][0];
-            }
-            r += 1;
-        }
-    }
 }
 
 /// Reference attention for tests: plain softmax over the full score row.

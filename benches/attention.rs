@@ -1,0 +1,84 @@
+//! Decode attention alone: one query token over a context of `STRATA_BENCH_CTX` keys
+//! (default 4096) with the default model's heads (9 query, 3 KV, 64 wide), in each KV
+//! element. "hot" reuses one layer's cache (it stays in L2/L3: the kernels' compute
+//! cost); "cold" walks 30 layers' caches in turn, as a decode step does (it streams from
+//! memory). Prints the fastest and the median round's time per call, and the KV bytes per
+//! second the fastest reads.
+//!
+//! `cargo bench --bench attention`
+
+use std::time::Instant;
+
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::device::cpu::ops::{attention, AttnShape};
+use strata::device::kv_elem::KvElem;
+
+const LAYERS: usize = 30;
+const ROUNDS: usize = 15;
+
+/// (fastest, median) of the rounds: a shared machine's noise only ever adds time.
+fn min_median(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[0], v[v.len() / 2])
+}
+
+fn run<T: KvElem>(ctx: usize) {
+    // STRATA_BENCH_KV_HEADS=1 packs the same work into one KV head (3 query heads) over
+    // 3× the keys: contiguous keys instead of a 3-head row's stride.
+    let one = std::env::var("STRATA_BENCH_KV_HEADS").is_ok_and(|v| v == "1");
+    let (nh, nkv, hd, ctx) = if one {
+        (3, 1, 64, 3 * ctx)
+    } else {
+        (9, 3, 64, ctx)
+    };
+    let mut rng = StdRng::seed_from_u64(1);
+    let row = nkv * hd;
+    let caches: Vec<(Vec<T>, Vec<T>)> = (0..LAYERS)
+        .map(|_| {
+            let mut f = || -> Vec<T> {
+                (0..ctx * row)
+                    .map(|_| T::from_f32(rng.random_range(-1.0..1.0)))
+                    .collect()
+            };
+            (f(), f())
+        })
+        .collect();
+    let q: Vec<f32> = (0..nh * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut out = vec![0.0f32; nh * hd];
+    let shape = AttnShape {
+        tokens: 1,
+        pos0: ctx - 1,
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: hd,
+    };
+    let bytes = (2 * ctx * row * std::mem::size_of::<T>()) as f64;
+    for (name, layers) in [("hot", 1), ("cold", LAYERS)] {
+        let mut times = Vec::new();
+        for _ in 0..ROUNDS {
+            let t = Instant::now();
+            for (k, v) in caches.iter().take(layers).cycle().take(LAYERS) {
+                attention(&q, k, v, &mut out, shape);
+            }
+            times.push(t.elapsed().as_secs_f64() * 1e6 / LAYERS as f64);
+        }
+        let (us, median) = min_median(times);
+        println!(
+            "{:>5} ctx {ctx:>6} {name:>4}: {us:8.1} us/layer (median {median:8.1}), {:6.2} GB/s of KV, {:6.2} ms per 30-layer token",
+            T::NAME,
+            bytes / us / 1e3,
+            us * LAYERS as f64 / 1e3
+        );
+    }
+}
+
+fn main() {
+    // As `generate` and `bench decode` do: this thread is rayon's worker 0.
+    strata::engine::compute_on_this_thread();
+    let ctx: usize = std::env::var("STRATA_BENCH_CTX")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4096);
+    run::<half::f16>(ctx);
+    run::<f32>(ctx);
+}

@@ -36,16 +36,32 @@ pub trait DotKernel: Copy + Send + Sync {
     /// Attention's score tile: `out[r * stride + c] = dot(q row r, ws[c])`, the fixed-order
     /// dot of `block`, for the `q.len() / k` query rows of `q[rows, k]` (`k` = the keys'
     /// length) and every key. Kernels may block it as they like; the bits are `block`'s.
+    /// `ahead`: rows the caller reads next, which a kernel may prefetch as it goes (a hint).
     #[inline(always)]
-    fn scores<W: KvElem>(self, q: &[f32], ws: &[&[W]], out: &mut [f32], stride: usize) {
+    fn scores<W: KvElem>(
+        self,
+        q: &[f32],
+        ws: &[&[W]],
+        out: &mut [f32],
+        stride: usize,
+        _ahead: &[&[W]],
+    ) {
         scores_by_blocks(self, q, ws, out, stride);
     }
 
     /// `accumulate` for several rows over the same values: row `r` of `acc[rows, hd]` (`hd`
     /// = the values' length) takes the weights `ps[r * p_stride..][..vs.len()]`. Each row
-    /// gets `accumulate`'s bits; kernels may share the value loads between rows.
+    /// gets `accumulate`'s bits; kernels may share the value loads between rows. `ahead`:
+    /// as for `scores`.
     #[inline(always)]
-    fn accumulate_rows<W: KvElem>(self, ps: &[f32], p_stride: usize, vs: &[&[W]], acc: &mut [f32]) {
+    fn accumulate_rows<W: KvElem>(
+        self,
+        ps: &[f32],
+        p_stride: usize,
+        vs: &[&[W]],
+        acc: &mut [f32],
+        _ahead: &[&[W]],
+    ) {
         let Some(hd) = vs.first().map(|v| v.len()) else {
             return;
         };
@@ -373,18 +389,34 @@ impl DotKernel for Avx512 {
     }
 
     #[inline(always)]
-    fn scores<W: KvElem>(self, q: &[f32], ws: &[&[W]], out: &mut [f32], stride: usize) {
+    fn scores<W: KvElem>(
+        self,
+        q: &[f32],
+        ws: &[&[W]],
+        out: &mut [f32],
+        stride: usize,
+        ahead: &[&[W]],
+    ) {
         match ws.first().map(|k| k.len()) {
-            // SAFETY: as above.
-            Some(k) if k > 0 && k % LANES == 0 => unsafe { avx512_scores(q, ws, out, stride) },
+            Some(k) if k > 0 && k % LANES == 0 => {
+                // SAFETY: as above.
+                unsafe { avx512_scores(q, ws, out, stride, ahead) }
+            }
             _ => scores_by_blocks(self, q, ws, out, stride),
         }
     }
 
     #[inline(always)]
-    fn accumulate_rows<W: KvElem>(self, ps: &[f32], p_stride: usize, vs: &[&[W]], acc: &mut [f32]) {
+    fn accumulate_rows<W: KvElem>(
+        self,
+        ps: &[f32],
+        p_stride: usize,
+        vs: &[&[W]],
+        acc: &mut [f32],
+        ahead: &[&[W]],
+    ) {
         // SAFETY: as above.
-        unsafe { avx512_accumulate_rows(ps, p_stride, vs, acc) }
+        unsafe { avx512_accumulate_rows(ps, p_stride, vs, acc, ahead) }
     }
 }
 
@@ -396,7 +428,13 @@ const S512_KEYS: usize = 8;
 /// 24 accumulators; each eight's lane sums by `reduce8`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn avx512_scores<W: KvElem>(q: &[f32], keys: &[&[W]], out: &mut [f32], stride: usize) {
+unsafe fn avx512_scores<W: KvElem>(
+    q: &[f32],
+    keys: &[&[W]],
+    out: &mut [f32],
+    stride: usize,
+    ahead: &[&[W]],
+) {
     let k = keys[0].len();
     let (rows, kn) = (q.len() / k, keys.len());
     assert!(
@@ -407,15 +445,17 @@ unsafe fn avx512_scores<W: KvElem>(q: &[f32], keys: &[&[W]], out: &mut [f32], st
         "scores: shapes"
     );
     let mut r = 0;
+    let mut ahead = ahead; // prefetched during the first rows' pass
     while r + 3 <= rows {
         // SAFETY: rows r..r + 3 are inside `q` and `out` (checked).
-        unsafe { avx512_score_rows::<W, 3>(q, r, keys, out, stride) };
+        unsafe { avx512_score_rows::<W, 3>(q, r, keys, out, stride, ahead) };
+        ahead = &[];
         r += 3;
     }
     // SAFETY: as above, for the last one or two rows.
     match rows - r {
-        2 => unsafe { avx512_score_rows::<W, 2>(q, r, keys, out, stride) },
-        1 => unsafe { avx512_score_rows::<W, 1>(q, r, keys, out, stride) },
+        2 => unsafe { avx512_score_rows::<W, 2>(q, r, keys, out, stride, ahead) },
+        1 => unsafe { avx512_score_rows::<W, 1>(q, r, keys, out, stride, ahead) },
         _ => {}
     }
 }
@@ -432,12 +472,18 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
     keys: &[&[W]],
     out: &mut [f32],
     stride: usize,
+    ahead: &[&[W]],
 ) {
     use std::arch::x86_64::*;
     let (k, kn) = (keys[0].len(), keys.len());
     let mut j = 0;
     while j < kn {
         let n = S512_KEYS.min(kn - j);
+        // The rows the caller reads next, spread over the steps (all by the last one).
+        let (a0, a1) = (ahead.len() * j / kn, ahead.len() * (j + n) / kn);
+        for row in &ahead[a0..a1] {
+            prefetch_row(row);
+        }
         // A short last step repeats its last key; only its first `n` scores are stored.
         let mut kp = [keys[j + n - 1].as_ptr(); S512_KEYS];
         for c in 0..n {
@@ -468,6 +514,18 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
             out[(r0 + r) * stride + j..][..n].copy_from_slice(&s[..n]);
         }
         j += n;
+    }
+}
+
+/// Asks for every cache line of `row` (K or V rows read next) to be brought into cache.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_row<W>(row: &[W]) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let (p, bytes) = (row.as_ptr() as *const i8, std::mem::size_of_val(row));
+    for at in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch never faults; `at` is inside the row.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(at)) };
     }
 }
 
@@ -536,6 +594,7 @@ unsafe fn avx512_accumulate_rows<W: KvElem>(
     p_stride: usize,
     vs: &[&[W]],
     acc: &mut [f32],
+    ahead: &[&[W]],
 ) {
     let Some(hd) = vs.first().map(|v| v.len()) else {
         return;
@@ -548,6 +607,7 @@ unsafe fn avx512_accumulate_rows<W: KvElem>(
             && (rows == 0 || (rows - 1) * p_stride + vs.len() <= ps.len()),
         "accumulate_rows: shapes"
     );
+    let mut ahead = ahead; // prefetched during the first rows' pass
     if hd % (4 * LANES) != 0 {
         for (r, acc) in acc.chunks_exact_mut(hd).enumerate() {
             // SAFETY: this function's features include avx512_accumulate's.
@@ -561,12 +621,13 @@ unsafe fn avx512_accumulate_rows<W: KvElem>(
         // SAFETY: rows r..r + n are inside `ps` and `acc` (checked).
         unsafe {
             match n {
-                4 => avx512_accumulate_block::<W, 4>(ps, p_stride, vs, acc, r),
-                3 => avx512_accumulate_block::<W, 3>(ps, p_stride, vs, acc, r),
-                2 => avx512_accumulate_block::<W, 2>(ps, p_stride, vs, acc, r),
-                _ => avx512_accumulate_block::<W, 1>(ps, p_stride, vs, acc, r),
+                4 => avx512_accumulate_block::<W, 4>(ps, p_stride, vs, acc, r, ahead),
+                3 => avx512_accumulate_block::<W, 3>(ps, p_stride, vs, acc, r, ahead),
+                2 => avx512_accumulate_block::<W, 2>(ps, p_stride, vs, acc, r, ahead),
+                _ => avx512_accumulate_block::<W, 1>(ps, p_stride, vs, acc, r, ahead),
             }
         }
+        ahead = &[];
         r += n;
     }
 }
@@ -584,9 +645,10 @@ unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
     vs: &[&[W]],
     acc: &mut [f32],
     r0: usize,
+    ahead: &[&[W]],
 ) {
     use std::arch::x86_64::*;
-    let hd = vs[0].len();
+    let (hd, kn) = (vs[0].len(), vs.len());
     let mut i = 0;
     while i + 4 * LANES <= hd {
         let mut a = [[_mm512_setzero_ps(); 4]; R];
@@ -597,7 +659,13 @@ unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
                     unsafe { _mm512_loadu_ps(acc.as_ptr().add((r0 + r) * hd + i + c * LANES)) };
             }
         }
-        for j in 0..vs.len() {
+        for j in 0..kn {
+            if i == 0 {
+                // The rows the caller reads next, spread over the keys.
+                for row in &ahead[ahead.len() * j / kn..ahead.len() * (j + 1) / kn] {
+                    prefetch_row(row);
+                }
+            }
             let mut pv = [_mm512_setzero_ps(); R];
             for r in 0..R {
                 pv[r] = _mm512_set1_ps(ps[(r0 + r) * p_stride + j]);
@@ -898,7 +966,7 @@ mod tests {
             let want = run(&|o| o.copy_from_slice(&want));
             let name = W::NAME;
             assert_eq!(
-                run(&|o| Portable.scores(&q, &keys, o, stride)),
+                run(&|o| Portable.scores(&q, &keys, o, stride, &keys)),
                 want,
                 "portable {name} {hd}x{rows}x{kn}"
             );
@@ -909,14 +977,14 @@ mod tests {
                 target_feature = "f16c"
             ))]
             assert_eq!(
-                run(&|o| Avx2.scores(&q, &keys, o, stride)),
+                run(&|o| Avx2.scores(&q, &keys, o, stride, &keys)),
                 want,
                 "AVX2 {name} {hd}x{rows}x{kn}"
             );
             #[cfg(target_arch = "x86_64")]
             if let Some(kern) = Avx512::detect() {
                 assert_eq!(
-                    run(&|o| kern.scores(&q, &keys, o, stride)),
+                    run(&|o| kern.scores(&q, &keys, o, stride, &keys)),
                     want,
                     "AVX-512 {name} {hd}x{rows}x{kn}"
                 );
@@ -964,7 +1032,7 @@ mod tests {
             };
             let name = W::NAME;
             assert_eq!(
-                run(&|a| Portable.accumulate_rows(&ps, p_stride, &vs, a)),
+                run(&|a| Portable.accumulate_rows(&ps, p_stride, &vs, a, &vs)),
                 want,
                 "portable {name} {hd}x{rows}"
             );
@@ -975,14 +1043,14 @@ mod tests {
                 target_feature = "f16c"
             ))]
             assert_eq!(
-                run(&|a| Avx2.accumulate_rows(&ps, p_stride, &vs, a)),
+                run(&|a| Avx2.accumulate_rows(&ps, p_stride, &vs, a, &vs)),
                 want,
                 "AVX2 {name} {hd}x{rows}"
             );
             #[cfg(target_arch = "x86_64")]
             if let Some(kern) = Avx512::detect() {
                 assert_eq!(
-                    run(&|a| kern.accumulate_rows(&ps, p_stride, &vs, a)),
+                    run(&|a| kern.accumulate_rows(&ps, p_stride, &vs, a, &vs)),
                     want,
                     "AVX-512 {name} {hd}x{rows}"
                 );

@@ -890,6 +890,9 @@ const K_TILE: usize = 128; // keys per online-softmax step, at absolute multiple
 /// partials of a query are merged in partition order. Fixed, so the bits never depend
 /// on how many queries a call has or how many threads run it.
 const KV_SPLIT: usize = 512;
+/// Keys per step of a tile's score and `P·V` passes, each step over every KV head of the
+/// task (so a step reads whole K/V rows); never changes bits.
+const KV_CHUNK: usize = 32;
 
 /// Causal GQA attention of one sequence over a contiguous cache (see [`attention_batch`]).
 ///
@@ -1055,6 +1058,24 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
     });
 }
 
+/// `k`, `v` = the K and V slices `cols` of the rows at `positions`.
+fn rows_at<'a, T, L: KvLayout>(
+    kv: KvRows<'a, T>,
+    layout: &L,
+    cols: Range<usize>,
+    positions: Range<usize>,
+    k: &mut Vec<&'a [T]>,
+    v: &mut Vec<&'a [T]>,
+) {
+    k.clear();
+    v.clear();
+    for pos in positions {
+        let (kr, vr) = kv.rows(layout.row_offset(pos) + cols.start, cols.len());
+        k.push(kr);
+        v.push(vr);
+    }
+}
+
 struct Partial {
     m: Vec<f32>, // [rows] running max of the scaled scores
     l: Vec<f32>, // [rows] running sum of exp(score - m)
@@ -1100,62 +1121,80 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     let mut l = vec![0.0f32; rows];
     let mut o = vec![0.0f32; rows * hd];
     let mut sc = vec![0.0f32; rows * K_TILE]; // scores, then probabilities [rows, K_TILE]
-    let mut keys: Vec<&[T]> = Vec::with_capacity(K_TILE); // [kn][hd] of one KV head
-    let mut values: Vec<&[T]> = Vec::with_capacity(K_TILE); // [kn][hd]
+                                              // [kv heads][kn][hd]: this tile's key and value rows of each of the task's KV heads.
+    let mut keys: Vec<Vec<&[T]>> = vec![Vec::with_capacity(K_TILE); kv_heads.len()];
+    let mut values: Vec<Vec<&[T]>> = vec![Vec::with_capacity(K_TILE); kv_heads.len()];
+    // Whole K and V rows (the task's KV heads) of the keys after the current chunk: the
+    // kernels prefetch them while they compute on it, an access the hardware would start
+    // too late (a chunk is a few thousand cycles of compute, a miss a few hundred).
+    let (mut ahead_k, mut ahead_v): (Vec<&[T]>, Vec<&[T]>) = (Vec::new(), Vec::new());
+    let whole = kv_heads.start * hd..kv_heads.end * hd;
     let mut kb = ks;
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
         for (g, kvh) in kv_heads.clone().enumerate() {
-            // This tile's key and value rows of KV head kvh, wherever their pages are.
-            keys.clear();
-            values.clear();
-            for j in 0..kn {
-                let (k, v) = kv.rows(s.kv.row_offset(kb + j) + kvh * hd, hd);
-                keys.push(k);
-                values.push(v);
+            let cols = kvh * hd..(kvh + 1) * hd;
+            rows_at(kv, &s.kv, cols, kb..kb + kn, &mut keys[g], &mut values[g]);
+        }
+        // sc[rows, kn] = qg · Kᵀ, each score the fixed-order dot. Key chunk by key chunk,
+        // every KV head in each: a chunk's K rows are read whole and in order (one head's
+        // slice of each row is a stride the prefetchers do not follow).
+        for c0 in (0..kn).step_by(KV_CHUNK) {
+            let c1 = kn.min(c0 + KV_CHUNK);
+            let next = kb + c1..ke.min(kb + c1 + KV_CHUNK);
+            rows_at(kv, &s.kv, whole.clone(), next, &mut ahead_k, &mut ahead_v);
+            for g in 0..kv_heads.len() {
+                let qg = &qg[g * g_rows * hd..(g + 1) * g_rows * hd];
+                let sc = &mut sc[g * g_rows * K_TILE + c0..(g + 1) * g_rows * K_TILE];
+                let ahead = if g == 0 { &ahead_k[..] } else { &[] };
+                kern.scores(qg, &keys[g][c0..c1], sc, K_TILE, ahead);
             }
-            let (g_sc, g_o) = (
-                &mut sc[g * g_rows * K_TILE..(g + 1) * g_rows * K_TILE],
-                &mut o[g * g_rows * hd..(g + 1) * g_rows * hd],
-            );
-            let (g_m, g_l) = (
-                &mut m[g * g_rows..(g + 1) * g_rows],
-                &mut l[g * g_rows..(g + 1) * g_rows],
-            );
-            // sc[rows, kn] = qg · Kᵀ, each score the fixed-order dot.
-            kern.scores(
-                &qg[g * g_rows * hd..(g + 1) * g_rows * hd],
-                &keys,
-                g_sc,
-                K_TILE,
-            );
+        }
+        // Online softmax per row: sc becomes this tile's probabilities.
+        for g in 0..kv_heads.len() {
             for i in 0..nq {
                 // Causal: query at position p sees keys <= p.
                 let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);
                 if visible == 0 {
                     continue;
                 }
-                for r in i * group..(i + 1) * group {
-                    let row = &mut g_sc[r * K_TILE..r * K_TILE + visible];
-                    let m_new = g_m[r].max(max_of(row));
-                    let corr = exp_nonpos(g_m[r] - m_new);
+                for r in (g * nq + i) * group..(g * nq + i + 1) * group {
+                    let row = &mut sc[r * K_TILE..r * K_TILE + visible];
+                    let m_new = m[r].max(max_of(row));
+                    let corr = exp_nonpos(m[r] - m_new);
                     // Separate map and sum loops: each vectorizes, a fused one would not.
                     for x in row.iter_mut() {
                         *x = exp_nonpos(*x - m_new);
                     }
                     let sum = sum_of(row);
-                    g_l[r] = g_l[r] * corr + sum;
-                    g_m[r] = m_new;
+                    l[r] = l[r] * corr + sum;
+                    m[r] = m_new;
                     if corr != 1.0 {
-                        g_o[r * hd..(r + 1) * hd]
-                            .iter_mut()
-                            .for_each(|x| *x *= corr);
+                        o[r * hd..(r + 1) * hd].iter_mut().for_each(|x| *x *= corr);
                     }
                 }
-                // acc += P[r, ..visible] · V for the token's heads, one key after the other.
-                let acc = &mut g_o[i * group * hd..(i + 1) * group * hd];
-                let ps = &g_sc[i * group * K_TILE..];
-                kern.accumulate_rows(ps, K_TILE, &values[..visible], acc);
+            }
+        }
+        // o += P · V, one key after the other for every element (chunks in order), a
+        // token's heads sharing each value load; key chunks outermost as for the scores.
+        for c0 in (0..kn).step_by(KV_CHUNK) {
+            let c1 = kn.min(c0 + KV_CHUNK);
+            let next = kb + c1..ke.min(kb + c1 + KV_CHUNK);
+            rows_at(kv, &s.kv, whole.clone(), next, &mut ahead_k, &mut ahead_v);
+            let mut ahead = &ahead_v[..]; // for the chunk's first call
+            for (g, g_values) in values.iter().enumerate() {
+                for i in 0..nq {
+                    let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);
+                    if visible <= c0 {
+                        continue;
+                    }
+                    let rows = (g * nq + i) * group..(g * nq + i + 1) * group;
+                    let acc = &mut o[rows.start * hd..rows.end * hd];
+                    let ps = &sc[rows.start * K_TILE + c0..];
+                    let vs = &g_values[c0..c1.min(visible)];
+                    kern.accumulate_rows(ps, K_TILE, vs, acc, ahead);
+                    ahead = &[];
+                }
             }
         }
         kb += kn;

@@ -444,18 +444,39 @@ unsafe fn avx512_scores<W: KvElem>(
             && (rows == 0 || (rows - 1) * stride + kn <= out.len()),
         "scores: shapes"
     );
+    // SAFETY: checked above; the head size matches the HD given.
+    unsafe {
+        match k {
+            64 => avx512_score_all_rows::<W, 64>(q, keys, out, stride, ahead),
+            128 => avx512_score_all_rows::<W, 128>(q, keys, out, stride, ahead),
+            _ => avx512_score_all_rows::<W, 0>(q, keys, out, stride, ahead),
+        }
+    }
+}
+
+/// `avx512_scores` (which checked the shapes) with the head size `HD` (0: any).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_score_all_rows<W: KvElem, const HD: usize>(
+    q: &[f32],
+    keys: &[&[W]],
+    out: &mut [f32],
+    stride: usize,
+    ahead: &[&[W]],
+) {
+    let rows = q.len() / keys[0].len();
     let mut r = 0;
     let mut ahead = ahead; // prefetched during the first rows' pass
     while r + 3 <= rows {
         // SAFETY: rows r..r + 3 are inside `q` and `out` (checked).
-        unsafe { avx512_score_rows::<W, 3>(q, r, keys, out, stride, ahead) };
+        unsafe { avx512_score_rows::<W, 3, HD>(q, r, keys, out, stride, ahead) };
         ahead = &[];
         r += 3;
     }
     // SAFETY: as above, for the last one or two rows.
     match rows - r {
-        2 => unsafe { avx512_score_rows::<W, 2>(q, r, keys, out, stride, ahead) },
-        1 => unsafe { avx512_score_rows::<W, 1>(q, r, keys, out, stride, ahead) },
+        2 => unsafe { avx512_score_rows::<W, 2, HD>(q, r, keys, out, stride, ahead) },
+        1 => unsafe { avx512_score_rows::<W, 1, HD>(q, r, keys, out, stride, ahead) },
         _ => {}
     }
 }
@@ -466,7 +487,7 @@ unsafe fn avx512_scores<W: KvElem>(
 // Indexed loops over register arrays: iterator adaptors take closures, which would not
 // inherit the target feature.
 #[allow(clippy::needless_range_loop)]
-unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
+unsafe fn avx512_score_rows<W: KvElem, const R: usize, const HD: usize>(
     q: &[f32],
     r0: usize,
     keys: &[&[W]],
@@ -475,13 +496,16 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
     ahead: &[&[W]],
 ) {
     use std::arch::x86_64::*;
-    let (k, kn) = (keys[0].len(), keys.len());
+    // A head size known at compile time (HD > 0) unrolls the loop over it.
+    let (k, kn) = (if HD > 0 { HD } else { keys[0].len() }, keys.len());
     let mut j = 0;
     while j < kn {
         let n = S512_KEYS.min(kn - j);
         // The rows the caller reads next, spread over the steps (all by the last one).
-        let (a0, a1) = (ahead.len() * j / kn, ahead.len() * (j + n) / kn);
-        for row in &ahead[a0..a1] {
+        // The rows the caller reads next: as many as this step's keys (the rest after the
+        // last step).
+        let end = if j + n == kn { ahead.len() } else { j + n };
+        for row in ahead.get(j..end).unwrap_or(&[]) {
             prefetch_row(row);
         }
         // A short last step repeats its last key; only its first `n` scores are stored.
@@ -661,8 +685,9 @@ unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
         }
         for j in 0..kn {
             if i == 0 {
-                // The rows the caller reads next, spread over the keys.
-                for row in &ahead[ahead.len() * j / kn..ahead.len() * (j + 1) / kn] {
+                // The rows the caller reads next: one per key (the rest after the last).
+                let end = if j + 1 == kn { ahead.len() } else { j + 1 };
+                for row in ahead.get(j..end).unwrap_or(&[]) {
                     prefetch_row(row);
                 }
             }
@@ -932,14 +957,15 @@ mod tests {
     }
 
     /// `scores` (attention's score tile) with every kernel is `block`'s dot per row and
-    /// key: head sizes a multiple of 16 (the AVX-512 path: pairs of rows, eights of keys,
-    /// the vector lane tree) and not (the blocked path), rows and key counts with every
-    /// remainder, scores written at a stride past the keys.
+    /// key: head sizes a multiple of 16 (the AVX-512 path: threes of rows, eights of keys,
+    /// the vector lane tree; 64 and 128 unrolled) and not (the blocked path), rows and key
+    /// counts with every remainder, scores written at a stride past the keys.
     fn check_scores<W: KvElem>() {
         let mut rng = StdRng::seed_from_u64(13);
         for (hd, rows, kn) in [
             (64, 3, 128),
             (64, 1, 5),
+            (128, 4, 11),
             (16, 2, 8),
             (32, 5, 17),
             (48, 4, 1),

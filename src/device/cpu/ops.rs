@@ -1132,9 +1132,16 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     let mut kb = ks;
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
-        for (g, kvh) in kv_heads.clone().enumerate() {
-            let cols = kvh * hd..(kvh + 1) * hd;
-            rows_at(kv, &s.kv, cols, kb..kb + kn, &mut keys[g], &mut values[g]);
+        // This tile's rows of every KV head, wherever their pages are.
+        keys.iter_mut()
+            .chain(values.iter_mut())
+            .for_each(Vec::clear);
+        for pos in kb..kb + kn {
+            let (k, v) = kv.rows(s.kv.row_offset(pos) + whole.start, whole.len());
+            for (g, (gk, gv)) in keys.iter_mut().zip(values.iter_mut()).enumerate() {
+                gk.push(&k[g * hd..(g + 1) * hd]);
+                gv.push(&v[g * hd..(g + 1) * hd]);
+            }
         }
         // sc[rows, kn] = qg · Kᵀ, each score the fixed-order dot. Key chunk by key chunk,
         // every KV head in each: a chunk's K rows are read whole and in order (one head's

@@ -890,6 +890,8 @@ const K_TILE: usize = 128; // keys per online-softmax step, at absolute multiple
 /// partials of a query are merged in partition order. Fixed, so the bits never depend
 /// on how many queries a call has or how many threads run it.
 const KV_SPLIT: usize = 512;
+/// Query tokens per sequence up to which a task reads every KV head (whole K/V rows).
+const WHOLE_ROWS_MAX_TOKENS: usize = 4;
 /// Keys per step of a tile's score and `P·V` passes, each step over every KV head of the
 /// task (so a step reads whole K/V rows); never changes bits.
 const KV_CHUNK: usize = 32;
@@ -956,10 +958,10 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
     let hd = h.head_dim;
     let group = h.num_heads / h.num_kv_heads;
     let row_stride = h.num_heads * hd;
-    // Work items: (sequence, KV groups, query tile); each has one task per partition. A
-    // task takes every KV head when there are tasks enough for the threads without
-    // splitting them: it then reads whole K/V rows, in order (a stream the prefetchers
-    // follow), instead of one head's slice of each row.
+    // Work items: (sequence, KV groups, query tile); each has one task per partition. In
+    // a decode-like call a task takes every KV head when there are tasks enough for the
+    // threads without splitting them: it then reads whole K/V rows, in order (a stream
+    // the prefetchers follow), instead of one head's slice of each row.
     #[derive(Clone, Copy)]
     struct Item {
         seq: usize,
@@ -979,7 +981,10 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
                 .sum::<usize>()
         })
         .sum();
-    let ng = if whole_rows >= rayon::current_num_threads() {
+    // Decode-like calls only: a prefill tile reuses each K/V row for its 32 queries (the
+    // stream matters less), and all heads × 32 queries of a large model outgrow L2.
+    let decode_like = seqs.iter().all(|s| s.tokens <= WHOLE_ROWS_MAX_TOKENS);
+    let ng = if decode_like && whole_rows >= rayon::current_num_threads() {
         h.num_kv_heads
     } else {
         1

@@ -821,6 +821,33 @@ mod tests {
         v.iter().flatten().map(|x| x.to_bits()).collect()
     }
 
+    /// Asserts `run(|out| <body with kern>)` equals `want` for the portable kernel, the
+    /// build's AVX2 one and (if this CPU has it) AVX-512: the kernels are distinct types
+    /// with generic methods, so each is named here once.
+    macro_rules! every_kernel {
+        (|$kern:ident, $out:ident| $body:expr, $run:ident, $want:ident, $($msg:tt)+) => {{
+            let label = format!($($msg)+);
+            {
+                let $kern = Portable;
+                assert_eq!($run(&|$out| $body), $want, "portable {label}");
+            }
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma",
+                target_feature = "f16c"
+            ))]
+            {
+                let $kern = Avx2;
+                assert_eq!($run(&|$out| $body), $want, "AVX2 {label}");
+            }
+            #[cfg(target_arch = "x86_64")]
+            if let Some($kern) = Avx512::detect() {
+                assert_eq!($run(&|$out| $body), $want, "AVX-512 {label}");
+            }
+        }};
+    }
+
     /// `n` random elements in [-1, 1], with edge values sprinkled in (f16 subnormals and
     /// its largest finite value, a bf16 tiny exponent), the conversions' special cases.
     fn elems<W: KvElem>(rng: &mut StdRng, n: usize) -> Vec<W> {
@@ -923,30 +950,12 @@ mod tests {
             };
             let want = run(&|a| Portable.accumulate(&ps, &wides, a));
             let name = W::NAME;
-            assert_eq!(
-                run(&|a| Portable.accumulate(&ps, &vs, a)),
+            every_kernel!(
+                |kern, a| kern.accumulate(&ps, &vs, a),
+                run,
                 want,
-                "portable {name} {hd}"
+                "{name} {hd}"
             );
-            #[cfg(all(
-                target_arch = "x86_64",
-                target_feature = "avx2",
-                target_feature = "fma",
-                target_feature = "f16c"
-            ))]
-            assert_eq!(
-                run(&|a| Avx2.accumulate(&ps, &vs, a)),
-                want,
-                "AVX2 {name} {hd}"
-            );
-            #[cfg(target_arch = "x86_64")]
-            if let Some(kern) = Avx512::detect() {
-                assert_eq!(
-                    run(&|a| kern.accumulate(&ps, &vs, a)),
-                    want,
-                    "AVX-512 {name} {hd}"
-                );
-            }
             // Element 0 by hand: the chain of fused multiply-adds in row order.
             let mut e = acc0[0];
             for (p, v) in ps.iter().zip(&wide) {
@@ -991,30 +1000,12 @@ mod tests {
             };
             let want = run(&|o| o.copy_from_slice(&want));
             let name = W::NAME;
-            assert_eq!(
-                run(&|o| Portable.scores(&q, &keys, o, stride, &keys)),
+            every_kernel!(
+                |kern, o| kern.scores(&q, &keys, o, stride, &keys),
+                run,
                 want,
-                "portable {name} {hd}x{rows}x{kn}"
+                "{name} {hd}x{rows}x{kn}"
             );
-            #[cfg(all(
-                target_arch = "x86_64",
-                target_feature = "avx2",
-                target_feature = "fma",
-                target_feature = "f16c"
-            ))]
-            assert_eq!(
-                run(&|o| Avx2.scores(&q, &keys, o, stride, &keys)),
-                want,
-                "AVX2 {name} {hd}x{rows}x{kn}"
-            );
-            #[cfg(target_arch = "x86_64")]
-            if let Some(kern) = Avx512::detect() {
-                assert_eq!(
-                    run(&|o| kern.scores(&q, &keys, o, stride, &keys)),
-                    want,
-                    "AVX-512 {name} {hd}x{rows}x{kn}"
-                );
-            }
         }
     }
 
@@ -1057,30 +1048,12 @@ mod tests {
                 acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             };
             let name = W::NAME;
-            assert_eq!(
-                run(&|a| Portable.accumulate_rows(&ps, p_stride, &vs, a, &vs)),
+            every_kernel!(
+                |kern, a| kern.accumulate_rows(&ps, p_stride, &vs, a, &vs),
+                run,
                 want,
-                "portable {name} {hd}x{rows}"
+                "{name} {hd}x{rows}"
             );
-            #[cfg(all(
-                target_arch = "x86_64",
-                target_feature = "avx2",
-                target_feature = "fma",
-                target_feature = "f16c"
-            ))]
-            assert_eq!(
-                run(&|a| Avx2.accumulate_rows(&ps, p_stride, &vs, a, &vs)),
-                want,
-                "AVX2 {name} {hd}x{rows}"
-            );
-            #[cfg(target_arch = "x86_64")]
-            if let Some(kern) = Avx512::detect() {
-                assert_eq!(
-                    run(&|a| kern.accumulate_rows(&ps, p_stride, &vs, a, &vs)),
-                    want,
-                    "AVX-512 {name} {hd}x{rows}"
-                );
-            }
         }
     }
 

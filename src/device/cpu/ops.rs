@@ -892,6 +892,10 @@ const K_TILE: usize = 128; // keys per online-softmax step, at absolute multiple
 const KV_SPLIT: usize = 512;
 /// Query tokens per sequence up to which a task reads every KV head (whole K/V rows).
 const WHOLE_ROWS_MAX_TOKENS: usize = 4;
+const _: () = assert!(
+    WHOLE_ROWS_MAX_TOKENS <= Q_TILE,
+    "a decode-like sequence is one tile"
+);
 /// Keys per step of a tile's score and `P·V` passes, each step over every KV head of the
 /// task (so a step reads whole K/V rows); never changes bits.
 const KV_CHUNK: usize = 32;
@@ -972,19 +976,14 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
         parts: usize,
         first_task: usize,
     }
-    let whole_rows: usize = seqs
-        .iter()
-        .map(|s| {
-            (0..s.tokens)
-                .step_by(Q_TILE)
-                .map(|t0| (s.pos0 + t0 + Q_TILE.min(s.tokens - t0)).div_ceil(KV_SPLIT))
-                .sum::<usize>()
-        })
-        .sum();
-    // Decode-like calls only: a prefill tile reuses each K/V row for its 32 queries (the
-    // stream matters less), and all heads × 32 queries of a large model outgrow L2.
+    // Partitions of a query tile of `nq` tokens from `t0`: its last query sees them all.
+    let partitions = |s: &AttnSeq<L>, t0: usize, nq: usize| (s.pos0 + t0 + nq).div_ceil(KV_SPLIT);
+    // Decode-like calls only (one query tile a sequence): a prefill tile reuses each K/V
+    // row for its 32 queries (the stream matters less), and all heads × 32 queries of a
+    // large model outgrow L2.
     let decode_like = seqs.iter().all(|s| s.tokens <= WHOLE_ROWS_MAX_TOKENS);
-    let ng = if decode_like && whole_rows >= rayon::current_num_threads() {
+    let whole_row_tasks: usize = seqs.iter().map(|s| partitions(s, 0, s.tokens)).sum();
+    let ng = if decode_like && whole_row_tasks >= rayon::current_num_threads() {
         h.num_kv_heads
     } else {
         1
@@ -995,7 +994,7 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
         for g0 in (0..h.num_kv_heads).step_by(ng) {
             for t0 in (0..s.tokens).step_by(Q_TILE) {
                 let nq = Q_TILE.min(s.tokens - t0);
-                let parts = (s.pos0 + t0 + nq).div_ceil(KV_SPLIT);
+                let parts = partitions(s, t0, nq);
                 let item = items.len();
                 items.push(Item {
                     seq: si,
@@ -1125,40 +1124,41 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     let mut m = vec![f32::NEG_INFINITY; rows];
     let mut l = vec![0.0f32; rows];
     let mut o = vec![0.0f32; rows * hd];
-    let mut sc = vec![0.0f32; rows * K_TILE]; // scores, then probabilities [rows, K_TILE]
-                                              // [kv heads][kn][hd]: this tile's key and value rows of each of the task's KV heads.
+    // Scores, then probabilities: [rows, K_TILE].
+    let mut sc = vec![0.0f32; rows * K_TILE];
+    // Whole K and V rows (the task's KV heads) of this tile and of the chunk after it,
+    // wherever their pages are: [kn + up to KV_CHUNK][kv_heads.len() * hd]. The kernels
+    // prefetch the rows after the chunk they compute on, an access the hardware would
+    // start too late (a chunk is a few thousand cycles of compute, a miss a few hundred).
+    let (mut whole_k, mut whole_v): (Vec<&[T]>, Vec<&[T]>) = (Vec::new(), Vec::new());
+    let whole = kv_heads.start * hd..kv_heads.end * hd;
+    // [kv heads][kn][hd]: this tile's key and value rows of each of the task's KV heads.
     let mut keys: Vec<Vec<&[T]>> = vec![Vec::with_capacity(K_TILE); kv_heads.len()];
     let mut values: Vec<Vec<&[T]>> = vec![Vec::with_capacity(K_TILE); kv_heads.len()];
-    // Whole K and V rows (the task's KV heads) of the keys after the current chunk: the
-    // kernels prefetch them while they compute on it, an access the hardware would start
-    // too late (a chunk is a few thousand cycles of compute, a miss a few hundred).
-    let (mut ahead_k, mut ahead_v): (Vec<&[T]>, Vec<&[T]>) = (Vec::new(), Vec::new());
-    let whole = kv_heads.start * hd..kv_heads.end * hd;
     let mut kb = ks;
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
-        // This tile's rows of every KV head, wherever their pages are.
-        keys.iter_mut()
-            .chain(values.iter_mut())
-            .for_each(Vec::clear);
-        for pos in kb..kb + kn {
-            let (k, v) = kv.rows(s.kv.row_offset(pos) + whole.start, whole.len());
-            for (g, (gk, gv)) in keys.iter_mut().zip(values.iter_mut()).enumerate() {
-                gk.push(&k[g * hd..(g + 1) * hd]);
-                gv.push(&v[g * hd..(g + 1) * hd]);
-            }
+        let fetched = kb..ke.min(kb + kn + KV_CHUNK);
+        let (wk, wv) = (&mut whole_k, &mut whole_v);
+        rows_at(kv, &s.kv, whole.clone(), fetched, wk, wv);
+        for (g, (gk, gv)) in keys.iter_mut().zip(values.iter_mut()).enumerate() {
+            let head = g * hd..(g + 1) * hd;
+            gk.clear();
+            gv.clear();
+            gk.extend(whole_k[..kn].iter().map(|&row| &row[head.clone()]));
+            gv.extend(whole_v[..kn].iter().map(|&row| &row[head.clone()]));
         }
+        // The rows after a chunk ending at tile key c1.
+        let after = |c1: usize| c1..whole_k.len().min(c1 + KV_CHUNK);
         // sc[rows, kn] = qg · Kᵀ, each score the fixed-order dot. Key chunk by key chunk,
         // every KV head in each: a chunk's K rows are read whole and in order (one head's
         // slice of each row is a stride the prefetchers do not follow).
         for c0 in (0..kn).step_by(KV_CHUNK) {
             let c1 = kn.min(c0 + KV_CHUNK);
-            let next = kb + c1..ke.min(kb + c1 + KV_CHUNK);
-            rows_at(kv, &s.kv, whole.clone(), next, &mut ahead_k, &mut ahead_v);
             for g in 0..kv_heads.len() {
                 let qg = &qg[g * g_rows * hd..(g + 1) * g_rows * hd];
                 let sc = &mut sc[g * g_rows * K_TILE + c0..(g + 1) * g_rows * K_TILE];
-                let ahead = if g == 0 { &ahead_k[..] } else { &[] };
+                let ahead = if g == 0 { &whole_k[after(c1)] } else { &[] };
                 kern.scores(qg, &keys[g][c0..c1], sc, K_TILE, ahead);
             }
         }
@@ -1191,9 +1191,7 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
         // token's heads sharing each value load; key chunks outermost as for the scores.
         for c0 in (0..kn).step_by(KV_CHUNK) {
             let c1 = kn.min(c0 + KV_CHUNK);
-            let next = kb + c1..ke.min(kb + c1 + KV_CHUNK);
-            rows_at(kv, &s.kv, whole.clone(), next, &mut ahead_k, &mut ahead_v);
-            let mut ahead = &ahead_v[..]; // for the chunk's first call
+            let mut ahead = &whole_v[after(c1)]; // for the chunk's first call
             for (g, g_values) in values.iter().enumerate() {
                 for i in 0..nq {
                     let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);

@@ -781,13 +781,18 @@ pub fn exp_fast(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³: adding it rounds to an integer
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + MAGIC) - MAGIC;
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    // n as an integer: t = 1.5 · 2²³ + n lies in [2²³, 2²⁴), where one unit is one ulp,
+    // so n is the difference of the bit patterns. (`n as i32`, the same value, saturates
+    // and so compiles to a scalar conversion per lane.)
+    let n_int = t.to_bits() as i32 - MAGIC.to_bits() as i32;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    p * f32::from_bits(((n_int + 127) as u32) << 23)
 }
 
 /// Largest element (−∞ for an empty slice), in 8 lanes so it vectorizes.

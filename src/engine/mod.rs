@@ -186,10 +186,48 @@ pub fn compute_on_this_thread() {
         .build_global();
 }
 
+/// `compute_on_this_thread` for a thread started after the global pool exists (`serve`'s
+/// engine thread, spawned once the model is loaded): a pool of the global pool's size with
+/// this thread as its worker 0. Every parallel op this thread starts from then on runs in
+/// it. Hold the pool as long as the thread computes. `None` if it cannot be built (no
+/// thread to spawn): the ops then run in the global pool, as before.
+pub fn compute_pool_on_this_thread() -> Option<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .thread_name(|i| format!("strata-compute-{i}"))
+        .use_current_thread()
+        .build()
+        .ok()
+}
+
 /// Peak resident memory of this process in bytes (Linux `VmHWM`), if known.
 pub fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use rayon::prelude::*;
+
+    #[test]
+    fn a_compute_pool_makes_the_calling_thread_its_worker_0() {
+        let global = rayon::current_num_threads();
+        std::thread::spawn(move || {
+            assert_eq!(rayon::current_thread_index(), None, "not a worker yet");
+            let _pool = super::compute_pool_on_this_thread().expect("a pool");
+            assert_eq!(rayon::current_thread_index(), Some(0));
+            assert_eq!(rayon::current_num_threads(), global);
+            // Parallel work started here runs in that pool, this thread taking part.
+            let workers: Vec<usize> = (0..64)
+                .into_par_iter()
+                .map(|_| rayon::current_thread_index().expect("on a worker"))
+                .collect();
+            assert!(workers.iter().all(|&w| w < global));
+        })
+        .join()
+        .unwrap();
+    }
 }

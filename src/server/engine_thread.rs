@@ -105,6 +105,9 @@ pub fn spawn(
     let thread = std::thread::Builder::new()
         .name("strata-engine".into())
         .spawn(move || {
+            // This thread runs every step: as a compute thread, not one that sleeps while
+            // the global pool's workers compute and wake it (docs/cpu.md, "Threading").
+            let _pool = crate::engine::compute_pool_on_this_thread();
             let r = EngineLoop::new(engine, metrics, eos, kv_events).run(rx);
             flag.store(false, Ordering::Release);
             if let Err(e) = &r {

@@ -156,12 +156,9 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Decode(_)) => "strata bench decode",
         Command::Bench(BenchCommand::Agreement(_)) => "strata bench agreement",
     };
-    if matches!(
-        cli.command,
-        Command::Generate(_)
-            | Command::Bench(BenchCommand::Decode(_))
-            | Command::Bench(BenchCommand::Agreement(_))
-    ) {
+    // Every command but `serve` runs its model on this thread (`serve` on its engine thread,
+    // which makes its own pool: `server::engine_thread`).
+    if !matches!(cli.command, Command::Serve(_)) {
         strata::engine::compute_on_this_thread();
     }
     let result = match cli.command {

@@ -110,6 +110,8 @@ fn main() -> ExitCode {
         Ok(args) => args,
         Err(code) => return code,
     };
+    // The model runs on this thread: make it a compute thread (as `strata generate` does).
+    strata::engine::compute_on_this_thread();
     match run(args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,

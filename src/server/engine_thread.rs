@@ -214,7 +214,12 @@ impl EngineLoop {
                 continue;
             }
             match self.engine.step() {
-                Ok(finished) => self.deliver(&finished)?,
+                Ok(finished) => {
+                    // The step's counters first: a client that has its answer and then
+                    // reads /metrics sees the step that answered it.
+                    self.observe();
+                    self.deliver(&finished)?;
+                }
                 Err(e) => {
                     for (_, a) in self.active.drain() {
                         let _ = a.events.send(Event::Failed(format!("engine error: {e:#}")));

@@ -25,6 +25,7 @@ use crate::device::KvElem;
 use crate::engine::sampler::argmax;
 use crate::flags;
 use crate::kv::{ContiguousKv, KvCache};
+use crate::model::weights::WeightDtype;
 use crate::model::Model;
 use crate::sparse::SparseConfig;
 
@@ -72,6 +73,9 @@ pub struct OffloadBenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// How the CPU holds and multiplies the weights (as for `generate`): stored, f32 or q8.
+    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
+    pub dtype: WeightDtype,
     #[command(flatten)]
     pub kv: flags::KvDtypeArg,
 }
@@ -89,7 +93,7 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
         };
         sc.check(args.block_size)?;
     }
-    let (model, tok) = Model::load(&path, !args.json)?;
+    let (model, tok) = Model::load_as(&path, !args.json, args.dtype)?;
     let max = model.cfg.max_position_embeddings;
     // Compute alone decodes one round more than the rows (its first sizes the prefills' link).
     if args.context == 0 || args.context + (args.rounds + 1) * args.decode_steps >= max {
@@ -99,11 +103,13 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
     }
     // The needle prompts are built (and so checked) before the rounds, not after them.
     let needles = needle_prompts(&tok, &args)?;
+    let kv = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     // Checked: say what the next minutes do (the table comes at the end).
     eprintln!(
-        "strata bench offload: context {}, {} rounds × {} decode steps, {} ring slots, block \
-         {}{}{}",
+        "strata bench offload: context {}, weights {}, KV {kv}, {} rounds × {} decode steps, \
+         {} ring slots, block {}{}{}",
         args.context,
+        format!("{:?}", args.dtype).to_lowercase(),
         args.rounds,
         args.decode_steps,
         args.num_kv_buffers,
@@ -119,7 +125,6 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
             format!(", needles at {:?}", args.needle_depth)
         },
     );
-    let kv = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     let report = crate::with_kv_elem!(kv, T => {
         let mut report = run_bench::<T>(&model, &args)?;
         if !needles.is_empty() {

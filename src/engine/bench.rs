@@ -106,7 +106,7 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
     }
     let report = DecodeBenchReport {
         model: path.display().to_string(),
-        dtype: format!("{:?}", args.dtype).to_lowercase(),
+        dtype: args.dtype.name().to_string(),
         kv_dtype: kv_dtype.to_string(),
         threads: rayon::current_num_threads(),
         read_gbps,

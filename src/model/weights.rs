@@ -35,6 +35,17 @@ pub enum WeightDtype {
     Q8,
 }
 
+impl WeightDtype {
+    /// Its name in flags and reports (`--dtype`'s value).
+    pub const fn name(self) -> &'static str {
+        match self {
+            WeightDtype::Stored => "stored",
+            WeightDtype::F32 => "f32",
+            WeightDtype::Q8 => "q8",
+        }
+    }
+}
+
 /// A weight matrix's row-major shape: `out_features` rows of `in_features` values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatShape {
@@ -1241,6 +1252,15 @@ mod tests {
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    #[test]
+    fn weight_dtype_names_are_the_flag_values() {
+        use clap::ValueEnum;
+        for d in WeightDtype::value_variants() {
+            let flag = d.to_possible_value().expect("a value");
+            assert_eq!(d.name(), flag.get_name());
+        }
+    }
 
     const FORMATS: [(Format, GgmlDType); 9] = [
         (Format::Bf16, GgmlDType::BF16),

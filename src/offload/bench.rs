@@ -109,7 +109,7 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
         "strata bench offload: context {}, weights {}, KV {kv}, {} rounds × {} decode steps, \
          {} ring slots, block {}{}{}",
         args.context,
-        format!("{:?}", args.dtype).to_lowercase(),
+        args.dtype.name(),
         args.rounds,
         args.decode_steps,
         args.num_kv_buffers,

@@ -425,7 +425,8 @@ const S512_KEYS: usize = 8;
 
 /// `Avx512::scores` for keys of a length `k`, a multiple of 16: query rows in threes (a
 /// GQA group of 3 shares each key load; then the last one or two), keys in eights, up to
-/// 24 accumulators; each eight's lane sums by `reduce8`.
+/// 24 accumulators; each eight's lane sums by `reduce8`. 64-wide heads (SmolLM2's) have
+/// their own kernel, `avx512_score_rows_hd64`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn avx512_scores<W: KvElem>(
@@ -447,7 +448,7 @@ unsafe fn avx512_scores<W: KvElem>(
     // SAFETY: checked above; the head size matches the HD given.
     unsafe {
         match k {
-            64 => avx512_score_all_rows::<W, 64>(q, keys, out, stride, ahead),
+            64 => avx512_score_all_rows_hd64::<W>(q, keys, out, stride, ahead),
             128 => avx512_score_all_rows::<W, 128>(q, keys, out, stride, ahead),
             _ => avx512_score_all_rows::<W, 0>(q, keys, out, stride, ahead),
         }
@@ -479,6 +480,125 @@ unsafe fn avx512_score_all_rows<W: KvElem, const HD: usize>(
         1 => unsafe { avx512_score_rows::<W, 1, HD>(q, r, keys, out, stride, ahead) },
         _ => {}
     }
+}
+
+/// `avx512_scores` (which checked the shapes) for 64-wide heads: rows in threes (then
+/// the last one or two) by `avx512_score_rows_hd64`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_score_all_rows_hd64<W: KvElem>(
+    q: &[f32],
+    keys: &[&[W]],
+    out: &mut [f32],
+    stride: usize,
+    ahead: &[&[W]],
+) {
+    let rows = q.len() / 64;
+    let mut r = 0;
+    let mut ahead = ahead; // prefetched during the first rows' pass
+    while r + 3 <= rows {
+        // SAFETY: rows r..r + 3 are inside `q` and `out` (checked).
+        unsafe { avx512_score_rows_hd64::<W, 3>(q, r, keys, out, stride, ahead) };
+        ahead = &[];
+        r += 3;
+    }
+    // SAFETY: as above, for the last one or two rows.
+    match rows - r {
+        2 => unsafe { avx512_score_rows_hd64::<W, 2>(q, r, keys, out, stride, ahead) },
+        1 => unsafe { avx512_score_rows_hd64::<W, 1>(q, r, keys, out, stride, ahead) },
+        _ => {}
+    }
+}
+
+/// Keys per step of `avx512_score_rows_hd64`: one `reduce4` per row.
+const S64_KEYS: usize = 4;
+
+/// Scores of query rows `r0..r0 + R` (`R` ≤ 3) over 64-wide keys: the rows' queries stay
+/// in registers (4 each) for every key, keys go in fours (4 × `R` accumulators, each a
+/// dot's 16 lanes), each four's lane sums by `reduce4`. At most 12 + 12 + 1 registers
+/// live, so nothing spills (the general `avx512_score_rows` holds 24 accumulators and
+/// reloads the queries for every key; compiled, it spilled, and it took twice the time of
+/// `P·V`'s as many fused multiply-adds).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::needless_range_loop)] // as in avx512_score_rows
+unsafe fn avx512_score_rows_hd64<W: KvElem, const R: usize>(
+    q: &[f32],
+    r0: usize,
+    keys: &[&[W]],
+    out: &mut [f32],
+    stride: usize,
+    ahead: &[&[W]],
+) {
+    use std::arch::x86_64::*;
+    const HD: usize = 64;
+    let mut qv = [[_mm512_setzero_ps(); HD / LANES]; R];
+    for r in 0..R {
+        for s in 0..HD / LANES {
+            // SAFETY: row r0 + r is inside `q` (checked by the caller), 64 floats.
+            qv[r][s] = unsafe { _mm512_loadu_ps(q.as_ptr().add((r0 + r) * HD + s * LANES)) };
+        }
+    }
+    let kn = keys.len();
+    let mut j = 0;
+    while j < kn {
+        let n = S64_KEYS.min(kn - j);
+        // The rows the caller reads next: as many as this step's keys (the rest after the
+        // last step).
+        let end = if j + n == kn { ahead.len() } else { j + n };
+        for row in ahead.get(j..end).unwrap_or(&[]) {
+            prefetch_row(row);
+        }
+        // A short last step repeats its last key; only its first `n` scores are stored.
+        let kp: [*const W; S64_KEYS] = std::array::from_fn(|c| keys[j + c.min(n - 1)].as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); S64_KEYS]; R];
+        // Each accumulator's operations in the dot's order: lanes 0-15, 16-31, ...
+        for c in 0..S64_KEYS {
+            for s in 0..HD / LANES {
+                // SAFETY: 16 elements of a 64-element key from 16s.
+                let wv = unsafe { load16(kp[c].add(s * LANES)) };
+                for r in 0..R {
+                    acc[r][c] = _mm512_fmadd_ps(qv[r][s], wv, acc[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            // SAFETY: this function's features include reduce4's.
+            let sums = unsafe { reduce4(&acc[r]) };
+            let dst = &mut out[(r0 + r) * stride + j..][..n];
+            if n == S64_KEYS {
+                // SAFETY: 4 floats into a 4-float slice.
+                unsafe { _mm_storeu_ps(dst.as_mut_ptr(), sums) };
+            } else {
+                let mut s = [0.0f32; S64_KEYS];
+                // SAFETY: 4 floats into a 4-float array.
+                unsafe { _mm_storeu_ps(s.as_mut_ptr(), sums) };
+                dst.copy_from_slice(&s[..n]);
+            }
+        }
+        j += n;
+    }
+}
+
+/// `reduce8` for 4 dots: lane `c` of the result is `sum_lanes(a[c])`, bit for bit.
+///
+/// # Safety
+/// As `reduce8`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn reduce4(a: &[std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // t0 = [h0 | h1], t1 = [h2 | h3]: h_c = lanes 0-7 + lanes 8-15 of a[c] (as reduce8).
+    let t0 = add_shuffled_f32x4::<0x44, 0xEE>(a[0], a[1]);
+    let t1 = add_shuffled_f32x4::<0x44, 0xEE>(a[2], a[3]);
+    // Quarter c: g_c = h_c lanes 0-3 + lanes 4-7.
+    let w = add_shuffled_f32x4::<0x88, 0xDD>(t0, t1);
+    // Per quarter: [g.0 + g.2, g.1 + g.3, ..] (the other two lanes the same sums swapped).
+    let z = _mm512_add_ps(w, _mm512_permute_ps::<0x4E>(w));
+    // Per quarter, lane 0: (g.0 + g.2) + (g.1 + g.3) = sum_lanes.
+    let f = _mm512_add_ps(z, _mm512_permute_ps::<0xB1>(z));
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps128(_mm512_permutexvar_ps(order, f))
 }
 
 /// Scores of query rows `r0..r0 + R` (see `avx512_scores`, which checked the shapes).
@@ -972,13 +1092,16 @@ mod tests {
 
     /// `scores` (attention's score tile) with every kernel is `block`'s dot per row and
     /// key: head sizes a multiple of 16 (the AVX-512 path: threes of rows, eights of keys,
-    /// the vector lane tree; 64 and 128 unrolled) and not (the blocked path), rows and key
+    /// the vector lane tree, 128 unrolled; at 64 fours of keys, the queries in registers)
+    /// and not (the blocked path), rows and key
     /// counts with every remainder, scores written at a stride past the keys.
     fn check_scores<W: KvElem>() {
         let mut rng = StdRng::seed_from_u64(13);
         for (hd, rows, kn) in [
             (64, 3, 128),
             (64, 1, 5),
+            (64, 2, 6),
+            (64, 5, 7),
             (128, 4, 11),
             (16, 2, 8),
             (32, 5, 17),

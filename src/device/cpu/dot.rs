@@ -423,10 +423,11 @@ impl DotKernel for Avx512 {
 /// Keys per step of `avx512_scores`: one `reduce8` of their accumulators.
 const S512_KEYS: usize = 8;
 
-/// `Avx512::scores` for keys of a length `k`, a multiple of 16: query rows in threes (a
-/// GQA group of 3 shares each key load; then the last one or two), keys in eights, up to
-/// 24 accumulators; each eight's lane sums by `reduce8`. 64-wide heads (SmolLM2's) have
-/// their own kernel, `avx512_score_rows_hd64`.
+/// `Avx512::scores` for keys of a length `k`, a multiple of 16. 64- and 128-wide heads
+/// (SmolLM2's; Llama's and Qwen's) keep the queries in registers
+/// (`avx512_score_rows_qreg`); other sizes go by `avx512_score_rows`: query rows in threes
+/// (a GQA group of 3 shares each key load; then the last one or two), keys in eights, up
+/// to 24 accumulators, each eight's lane sums by `reduce8`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn avx512_scores<W: KvElem>(
@@ -445,20 +446,20 @@ unsafe fn avx512_scores<W: KvElem>(
             && (rows == 0 || (rows - 1) * stride + kn <= out.len()),
         "scores: shapes"
     );
-    // SAFETY: checked above; the head size matches the HD given.
+    // SAFETY: checked above; the head size matches the S (16-element segments) given.
     unsafe {
         match k {
-            64 => avx512_score_all_rows_hd64::<W>(q, keys, out, stride, ahead),
-            128 => avx512_score_all_rows::<W, 128>(q, keys, out, stride, ahead),
-            _ => avx512_score_all_rows::<W, 0>(q, keys, out, stride, ahead),
+            64 => avx512_score_all_rows_qreg::<W, 4, 3>(q, keys, out, stride, ahead),
+            128 => avx512_score_all_rows_qreg::<W, 8, 2>(q, keys, out, stride, ahead),
+            _ => avx512_score_all_rows(q, keys, out, stride, ahead),
         }
     }
 }
 
-/// `avx512_scores` (which checked the shapes) with the head size `HD` (0: any).
+/// `avx512_scores` (which checked the shapes) for any head size.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn avx512_score_all_rows<W: KvElem, const HD: usize>(
+unsafe fn avx512_score_all_rows<W: KvElem>(
     q: &[f32],
     keys: &[&[W]],
     out: &mut [f32],
@@ -470,59 +471,62 @@ unsafe fn avx512_score_all_rows<W: KvElem, const HD: usize>(
     let mut ahead = ahead; // prefetched during the first rows' pass
     while r + 3 <= rows {
         // SAFETY: rows r..r + 3 are inside `q` and `out` (checked).
-        unsafe { avx512_score_rows::<W, 3, HD>(q, r, keys, out, stride, ahead) };
+        unsafe { avx512_score_rows::<W, 3>(q, r, keys, out, stride, ahead) };
         ahead = &[];
         r += 3;
     }
     // SAFETY: as above, for the last one or two rows.
     match rows - r {
-        2 => unsafe { avx512_score_rows::<W, 2, HD>(q, r, keys, out, stride, ahead) },
-        1 => unsafe { avx512_score_rows::<W, 1, HD>(q, r, keys, out, stride, ahead) },
+        2 => unsafe { avx512_score_rows::<W, 2>(q, r, keys, out, stride, ahead) },
+        1 => unsafe { avx512_score_rows::<W, 1>(q, r, keys, out, stride, ahead) },
         _ => {}
     }
 }
 
-/// `avx512_scores` (which checked the shapes) for 64-wide heads: rows in threes (then
-/// the last one or two) by `avx512_score_rows_hd64`.
+/// `avx512_scores` (which checked the shapes) for heads of `S` × 16 elements whose queries
+/// fit in registers: rows in blocks of `RB` (then the rest, one block size at a time) by
+/// `avx512_score_rows_qreg`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn avx512_score_all_rows_hd64<W: KvElem>(
+unsafe fn avx512_score_all_rows_qreg<W: KvElem, const S: usize, const RB: usize>(
     q: &[f32],
     keys: &[&[W]],
     out: &mut [f32],
     stride: usize,
     ahead: &[&[W]],
 ) {
-    let rows = q.len() / 64;
+    let rows = q.len() / (S * LANES);
     let mut r = 0;
     let mut ahead = ahead; // prefetched during the first rows' pass
-    while r + 3 <= rows {
-        // SAFETY: rows r..r + 3 are inside `q` and `out` (checked).
-        unsafe { avx512_score_rows_hd64::<W, 3>(q, r, keys, out, stride, ahead) };
+    while r < rows {
+        let n = RB.min(rows - r);
+        // SAFETY: rows r..r + n are inside `q` and `out` (checked).
+        unsafe {
+            match n {
+                3 => avx512_score_rows_qreg::<W, 3, S>(q, r, keys, out, stride, ahead),
+                2 => avx512_score_rows_qreg::<W, 2, S>(q, r, keys, out, stride, ahead),
+                _ => avx512_score_rows_qreg::<W, 1, S>(q, r, keys, out, stride, ahead),
+            }
+        }
         ahead = &[];
-        r += 3;
-    }
-    // SAFETY: as above, for the last one or two rows.
-    match rows - r {
-        2 => unsafe { avx512_score_rows_hd64::<W, 2>(q, r, keys, out, stride, ahead) },
-        1 => unsafe { avx512_score_rows_hd64::<W, 1>(q, r, keys, out, stride, ahead) },
-        _ => {}
+        r += n;
     }
 }
 
-/// Keys per step of `avx512_score_rows_hd64`: one `reduce4` per row.
-const S64_KEYS: usize = 4;
+/// Keys per step of `avx512_score_rows_qreg`: one `reduce4` per row.
+const QREG_KEYS: usize = 4;
 
-/// Scores of query rows `r0..r0 + R` (`R` ≤ 3) over 64-wide keys: the rows' queries stay
-/// in registers (4 each) for every key, keys go in fours (4 × `R` accumulators, each a
-/// dot's 16 lanes), each four's lane sums by `reduce4`. At most 12 + 12 + 1 registers
-/// live, so nothing spills (the general `avx512_score_rows` holds 24 accumulators and
-/// reloads the queries for every key; compiled, it spilled, and it took twice the time of
-/// `P·V`'s as many fused multiply-adds).
+/// Scores of query rows `r0..r0 + R` over keys of `S` × 16 elements, the rows' queries
+/// held in registers (`R · S` of them) for every key: keys go in fours (4 × `R`
+/// accumulators, each a dot's 16 lanes), each four's lane sums by `reduce4`. With
+/// `R · S + 4 · R + 1 ≤ 32` (64-wide heads in threes of rows, 128-wide in twos) nothing
+/// spills. The general `avx512_score_rows` holds 24 accumulators and reloads the queries
+/// for every key; on 64-wide heads it spilled and took ~4 ns a (query, key) pair in a hot
+/// microbenchmark, against ~2.4 here and ~1.7 for `P·V`'s as many fused multiply-adds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::needless_range_loop)] // as in avx512_score_rows
-unsafe fn avx512_score_rows_hd64<W: KvElem, const R: usize>(
+unsafe fn avx512_score_rows_qreg<W: KvElem, const R: usize, const S: usize>(
     q: &[f32],
     r0: usize,
     keys: &[&[W]],
@@ -531,18 +535,18 @@ unsafe fn avx512_score_rows_hd64<W: KvElem, const R: usize>(
     ahead: &[&[W]],
 ) {
     use std::arch::x86_64::*;
-    const HD: usize = 64;
-    let mut qv = [[_mm512_setzero_ps(); HD / LANES]; R];
+    let hd = S * LANES;
+    let mut qv = [[_mm512_setzero_ps(); S]; R];
     for r in 0..R {
-        for s in 0..HD / LANES {
-            // SAFETY: row r0 + r is inside `q` (checked by the caller), 64 floats.
-            qv[r][s] = unsafe { _mm512_loadu_ps(q.as_ptr().add((r0 + r) * HD + s * LANES)) };
+        for s in 0..S {
+            // SAFETY: row r0 + r is inside `q` (checked by the caller), `hd` floats.
+            qv[r][s] = unsafe { _mm512_loadu_ps(q.as_ptr().add((r0 + r) * hd + s * LANES)) };
         }
     }
     let kn = keys.len();
     let mut j = 0;
     while j < kn {
-        let n = S64_KEYS.min(kn - j);
+        let n = QREG_KEYS.min(kn - j);
         // The rows the caller reads next: as many as this step's keys (the rest after the
         // last step).
         let end = if j + n == kn { ahead.len() } else { j + n };
@@ -550,12 +554,12 @@ unsafe fn avx512_score_rows_hd64<W: KvElem, const R: usize>(
             prefetch_row(row);
         }
         // A short last step repeats its last key; only its first `n` scores are stored.
-        let kp: [*const W; S64_KEYS] = std::array::from_fn(|c| keys[j + c.min(n - 1)].as_ptr());
-        let mut acc = [[_mm512_setzero_ps(); S64_KEYS]; R];
+        let kp: [*const W; QREG_KEYS] = std::array::from_fn(|c| keys[j + c.min(n - 1)].as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); QREG_KEYS]; R];
         // Each accumulator's operations in the dot's order: lanes 0-15, 16-31, ...
-        for c in 0..S64_KEYS {
-            for s in 0..HD / LANES {
-                // SAFETY: 16 elements of a 64-element key from 16s.
+        for c in 0..QREG_KEYS {
+            for s in 0..S {
+                // SAFETY: 16 elements of an `hd`-element key from 16s.
                 let wv = unsafe { load16(kp[c].add(s * LANES)) };
                 for r in 0..R {
                     acc[r][c] = _mm512_fmadd_ps(qv[r][s], wv, acc[r][c]);
@@ -566,11 +570,11 @@ unsafe fn avx512_score_rows_hd64<W: KvElem, const R: usize>(
             // SAFETY: this function's features include reduce4's.
             let sums = unsafe { reduce4(&acc[r]) };
             let dst = &mut out[(r0 + r) * stride + j..][..n];
-            if n == S64_KEYS {
+            if n == QREG_KEYS {
                 // SAFETY: 4 floats into a 4-float slice.
                 unsafe { _mm_storeu_ps(dst.as_mut_ptr(), sums) };
             } else {
-                let mut s = [0.0f32; S64_KEYS];
+                let mut s = [0.0f32; QREG_KEYS];
                 // SAFETY: 4 floats into a 4-float array.
                 unsafe { _mm_storeu_ps(s.as_mut_ptr(), sums) };
                 dst.copy_from_slice(&s[..n]);
@@ -607,7 +611,7 @@ unsafe fn reduce4(a: &[std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m1
 // Indexed loops over register arrays: iterator adaptors take closures, which would not
 // inherit the target feature.
 #[allow(clippy::needless_range_loop)]
-unsafe fn avx512_score_rows<W: KvElem, const R: usize, const HD: usize>(
+unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
     q: &[f32],
     r0: usize,
     keys: &[&[W]],
@@ -616,8 +620,7 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize, const HD: usize>(
     ahead: &[&[W]],
 ) {
     use std::arch::x86_64::*;
-    // A head size known at compile time (HD > 0) unrolls the loop over it.
-    let (k, kn) = (if HD > 0 { HD } else { keys[0].len() }, keys.len());
+    let (k, kn) = (keys[0].len(), keys.len());
     let mut j = 0;
     while j < kn {
         let n = S512_KEYS.min(kn - j);
@@ -1091,9 +1094,9 @@ mod tests {
     }
 
     /// `scores` (attention's score tile) with every kernel is `block`'s dot per row and
-    /// key: head sizes a multiple of 16 (the AVX-512 path: threes of rows, eights of keys,
-    /// the vector lane tree, 128 unrolled; at 64 fours of keys, the queries in registers)
-    /// and not (the blocked path), rows and key
+    /// key: head sizes a multiple of 16 (the AVX-512 path: at 64 and 128 the queries in
+    /// registers, rows in threes or twos, keys in fours; at other sizes threes of rows,
+    /// eights of keys; the vector lane tree) and not (the blocked path), rows and key
     /// counts with every remainder, scores written at a stride past the keys.
     fn check_scores<W: KvElem>() {
         let mut rng = StdRng::seed_from_u64(13);
@@ -1103,6 +1106,7 @@ mod tests {
             (64, 2, 6),
             (64, 5, 7),
             (128, 4, 11),
+            (128, 3, 6),
             (16, 2, 8),
             (32, 5, 17),
             (48, 4, 1),

@@ -1,8 +1,9 @@
 //! The decode attention kernels alone, hot in L1: `DotKernel::scores` (a score tile) and
-//! `DotKernel::accumulate_rows` (`P·V`) of the AVX-512 kernel (else the portable one), over 32 f16 keys
-//! for one GQA group of query rows, per head size. Prints the fastest of 7 rounds in ns per
-//! (query row, key) pair: the kernels' compute cost without memory stalls, tiles, softmax
-//! or threads (`cargo bench --bench attention` times the whole of attention).
+//! `DotKernel::accumulate_rows` (`P·V`) of the AVX-512 kernel (else the portable one),
+//! over 32 f16 keys for one GQA group of query rows, per head size. Prints the fastest of
+//! 7 rounds in ns per (query row, key) pair: the kernels' compute cost without memory
+//! stalls, tiles, softmax or threads (`cargo bench --bench attention` times the whole of
+//! attention).
 //!
 //! `cargo bench --bench attention_kernels`
 

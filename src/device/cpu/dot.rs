@@ -547,14 +547,7 @@ unsafe fn avx512_score_rows_qreg<W: KvElem, const R: usize, const S: usize>(
     let mut j = 0;
     while j < kn {
         let n = QREG_KEYS.min(kn - j);
-        // The rows the caller reads next: as many as this step's keys (the rest after the
-        // last step).
-        let end = if j + n == kn { ahead.len() } else { j + n };
-        for row in ahead.get(j..end).unwrap_or(&[]) {
-            prefetch_row(row);
-        }
-        // A short last step repeats its last key; only its first `n` scores are stored.
-        let kp: [*const W; QREG_KEYS] = std::array::from_fn(|c| keys[j + c.min(n - 1)].as_ptr());
+        let kp: [*const W; QREG_KEYS] = score_step(keys, j, n, ahead);
         let mut acc = [[_mm512_setzero_ps(); QREG_KEYS]; R];
         // Each accumulator's operations in the dot's order: lanes 0-15, 16-31, ...
         for c in 0..QREG_KEYS {
@@ -624,18 +617,7 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
     let mut j = 0;
     while j < kn {
         let n = S512_KEYS.min(kn - j);
-        // The rows the caller reads next, spread over the steps (all by the last one).
-        // The rows the caller reads next: as many as this step's keys (the rest after the
-        // last step).
-        let end = if j + n == kn { ahead.len() } else { j + n };
-        for row in ahead.get(j..end).unwrap_or(&[]) {
-            prefetch_row(row);
-        }
-        // A short last step repeats its last key; only its first `n` scores are stored.
-        let mut kp = [keys[j + n - 1].as_ptr(); S512_KEYS];
-        for c in 0..n {
-            kp[c] = keys[j + c].as_ptr();
-        }
+        let kp: [*const W; S512_KEYS] = score_step(keys, j, n, ahead);
         let mut acc = [[_mm512_setzero_ps(); S512_KEYS]; R];
         // Key by key (each read start to end), 16 lanes at a time: the order of every
         // accumulator's operations is the dot's.
@@ -662,6 +644,29 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
         }
         j += n;
     }
+}
+
+/// The start of a score kernel's step over keys `j..j + n` (`0 < n ≤ N`): asks for the
+/// step's share of `ahead` (as many rows as the step has keys; the rest on the last step,
+/// so all are asked for by the end) and returns the step's key pointers, a short last step
+/// repeating its last key (the kernel stores only the first `n` scores).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn score_step<W, const N: usize>(
+    keys: &[&[W]],
+    j: usize,
+    n: usize,
+    ahead: &[&[W]],
+) -> [*const W; N] {
+    let end = if j + n == keys.len() {
+        ahead.len()
+    } else {
+        j + n
+    };
+    for row in ahead.get(j..end).unwrap_or(&[]) {
+        prefetch_row(row);
+    }
+    std::array::from_fn(|c| keys[j + c.min(n - 1)].as_ptr())
 }
 
 /// Asks for every cache line of `row` (K or V rows read next) to be brought into cache:

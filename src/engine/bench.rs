@@ -7,7 +7,10 @@
 //! Each context is prefilled once (random token ids, seeded), then decoded in `--rounds`
 //! rounds of `--decode-steps` greedy steps, each round from the end of the prefill again
 //! (the same positions every round), so rounds differ only by the machine's drift; the
-//! report gives the median and the range.
+//! report gives the median and the range. The bandwidth is probed again right before every
+//! round and each round's fraction taken against its own probe: on a machine whose speed
+//! drifts (a shared VM's moved between 30 and 47 GB/s within an hour), a probe taken once
+//! at the start made the fraction follow the drift instead of the decode.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -55,8 +58,8 @@ pub struct DecodeBenchReport {
     pub dtype: String,
     pub kv_dtype: String,
     pub threads: usize,
-    /// The machine's read bandwidth, measured here (see `read_gbps`) with every compute
-    /// thread: what the fractions below are of.
+    /// The machine's read bandwidth, measured at the start (`Probe::gbps`) with every
+    /// compute thread. The fractions below are of the probe taken before each round.
     pub read_gbps: f64,
     /// The same with one thread (how much of it one core can draw alone).
     pub read_gbps_one_thread: f64,
@@ -76,7 +79,11 @@ pub struct DecodeRow {
     pub kv_bytes_per_token: u64,
     /// (weights + KV) × decode tokens/s.
     pub achieved_gbps: f64,
-    /// `achieved_gbps` ÷ `read_gbps`.
+    /// The read bandwidth probed right before each round (`Probe::gbps`), GB/s.
+    pub read_gbps_per_round: Vec<f64>,
+    /// Each round's achieved GB/s ÷ its own probe.
+    pub bandwidth_fraction_per_round: Vec<f64>,
+    /// The median of `bandwidth_fraction_per_round`.
     pub bandwidth_fraction: f64,
 }
 
@@ -92,15 +99,16 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
     let kv_dtype = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     check_contexts(&args, &Model::peek_config(&path)?)?;
     let (model, _) = Model::load_as(&path, !args.json, args.dtype)?;
+    let probe = Probe::new(PROBE_BYTES)?;
     let read_gbps_one_thread = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()?
-        .install(|| read_gbps(PROBE_BYTES, PROBE_PASSES))?;
-    let read_gbps = read_gbps(PROBE_BYTES, PROBE_PASSES)?;
+        .install(|| probe.gbps(PROBE_PASSES));
+    let read_gbps = probe.gbps(PROBE_PASSES);
     let mut rows = Vec::new();
     for &context in &args.context {
         let row = crate::with_kv_elem!(kv_dtype, T => {
-            bench_context::<T>(&model, &args, context, read_gbps)?
+            bench_context::<T>(&model, &args, context, &probe)?
         });
         rows.push(row);
     }
@@ -139,7 +147,7 @@ fn bench_context<T: KvElem>(
     model: &Model,
     args: &DecodeBenchArgs,
     context: usize,
-    read_gbps: f64,
+    probe: &Probe,
 ) -> Result<DecodeRow> {
     let c = &model.cfg;
     let mut rng = StdRng::seed_from_u64(context as u64);
@@ -152,8 +160,16 @@ fn bench_context<T: KvElem>(
     let t0 = Instant::now();
     let first = model.forward(&prompt, 0, &mut kv)?;
     let prefill_s = t0.elapsed().as_secs_f64();
+    let weight_bytes = model.weights.decode_read_bytes() as u64;
+    // Step at position p attends over p + 1 rows of K and V in every layer (elements T).
+    let mean_rows = context as f64 + (steps as f64 + 1.0) / 2.0;
+    let row_bytes = 2 * c.num_layers * c.kv_dim() * std::mem::size_of::<T>();
+    let kv_bytes = (mean_rows * row_bytes as f64) as u64;
+    let gbps = |tokens_per_s: f64| (weight_bytes + kv_bytes) as f64 * tokens_per_s / 1e9;
     let mut per_round = Vec::with_capacity(args.rounds);
+    let mut probes = Vec::with_capacity(args.rounds);
     for _ in 0..args.rounds {
+        probes.push(probe.gbps(PROBE_PASSES));
         let mut logits = first.clone();
         let t = Instant::now();
         for pos in context..context + steps {
@@ -162,12 +178,11 @@ fn bench_context<T: KvElem>(
         per_round.push(steps as f64 / t.elapsed().as_secs_f64().max(1e-9));
     }
     let decode = median(&per_round);
-    let weight_bytes = model.weights.decode_read_bytes() as u64;
-    // Step at position p attends over p + 1 rows of K and V in every layer (elements T).
-    let mean_rows = context as f64 + (steps as f64 + 1.0) / 2.0;
-    let row_bytes = 2 * c.num_layers * c.kv_dim() * std::mem::size_of::<T>();
-    let kv_bytes = (mean_rows * row_bytes as f64) as u64;
-    let achieved = (weight_bytes + kv_bytes) as f64 * decode / 1e9;
+    let fractions: Vec<f64> = per_round
+        .iter()
+        .zip(&probes)
+        .map(|(&tps, &read)| gbps(tps) / read)
+        .collect();
     Ok(DecodeRow {
         context,
         prefill_tokens_per_s: context as f64 / prefill_s.max(1e-9),
@@ -175,33 +190,48 @@ fn bench_context<T: KvElem>(
         decode_tokens_per_s_per_round: per_round,
         weight_bytes_per_token: weight_bytes,
         kv_bytes_per_token: kv_bytes,
-        achieved_gbps: achieved,
-        bandwidth_fraction: achieved / read_gbps,
+        achieved_gbps: gbps(decode),
+        read_gbps_per_round: probes,
+        bandwidth_fraction: median(&fractions),
+        bandwidth_fraction_per_round: fractions,
     })
 }
 
-/// The read bandwidth of this machine with the compute threads (rayon's pool), GB/s: the
-/// best of `passes` passes summing a buffer of `bytes`, one contiguous chunk per thread
-/// (as decode streams a weight matrix's rows).
-pub fn read_gbps(bytes: usize, passes: usize) -> Result<f64> {
-    let n = bytes / 8;
-    let mut buf: Vec<u64> = Vec::new();
-    buf.try_reserve_exact(n)
-        .map_err(|_| anyhow::anyhow!("cannot allocate the bandwidth probe's {bytes} bytes"))?;
-    // Written once, so every page is resident before the timed passes.
-    buf.extend((0..n as u64).map(|i| i.wrapping_mul(0x9e37_79b9)));
-    let chunk = n.div_ceil(rayon::current_num_threads()).max(1);
-    let mut best = 0.0f64;
-    for _ in 0..passes {
-        let t = Instant::now();
-        let sum = buf
-            .par_chunks(chunk)
-            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
-            .reduce(|| 0, u64::wrapping_add);
-        std::hint::black_box(sum);
-        best = best.max(bytes as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9);
+/// A buffer far larger than any last-level cache, written once (so every page is
+/// resident), whose plain sum measures the machine's read bandwidth.
+pub struct Probe {
+    buf: Vec<u64>,
+}
+
+impl Probe {
+    pub fn new(bytes: usize) -> Result<Self> {
+        let n = bytes / 8;
+        let mut buf: Vec<u64> = Vec::new();
+        buf.try_reserve_exact(n)
+            .map_err(|_| anyhow::anyhow!("cannot allocate the bandwidth probe's {bytes} bytes"))?;
+        buf.extend((0..n as u64).map(|i| i.wrapping_mul(0x9e37_79b9)));
+        Ok(Self { buf })
     }
-    Ok(best)
+
+    /// The read bandwidth with the compute threads (rayon's pool), GB/s: the best of
+    /// `passes` passes summing the buffer, one contiguous chunk per thread (as decode
+    /// streams a weight matrix's rows).
+    pub fn gbps(&self, passes: usize) -> f64 {
+        let bytes = std::mem::size_of_val(self.buf.as_slice());
+        let chunk = self.buf.len().div_ceil(rayon::current_num_threads()).max(1);
+        let mut best = 0.0f64;
+        for _ in 0..passes {
+            let t = Instant::now();
+            let sum = self
+                .buf
+                .par_chunks(chunk)
+                .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+                .reduce(|| 0, u64::wrapping_add);
+            std::hint::black_box(sum);
+            best = best.max(bytes as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9);
+        }
+        best
+    }
 }
 
 impl std::fmt::Display for DecodeBenchReport {
@@ -213,7 +243,7 @@ impl std::fmt::Display for DecodeBenchReport {
         )?;
         writeln!(
             f,
-            "{:>8} {:>12} {:>11} {:>17} {:>10} {:>8} {:>10} {:>9}",
+            "{:>8} {:>12} {:>11} {:>17} {:>10} {:>8} {:>10} {:>8} {:>11}",
             "context",
             "prefill t/s",
             "decode t/s",
@@ -221,22 +251,15 @@ impl std::fmt::Display for DecodeBenchReport {
             "weights MB",
             "KV MB",
             "read GB/s",
-            "of peak"
+            "of peak",
+            "(range)"
         )?;
         for r in &self.rows {
-            let lo = r
-                .decode_tokens_per_s_per_round
-                .iter()
-                .copied()
-                .fold(f64::INFINITY, f64::min);
-            let hi = r
-                .decode_tokens_per_s_per_round
-                .iter()
-                .copied()
-                .fold(0.0, f64::max);
+            let (lo, hi) = range(&r.decode_tokens_per_s_per_round);
+            let (flo, fhi) = range(&r.bandwidth_fraction_per_round);
             writeln!(
                 f,
-                "{:>8} {:>12.1} {:>11.1} {:>17} {:>10.1} {:>8.1} {:>10.2} {:>8.0}%",
+                "{:>8} {:>12.1} {:>11.1} {:>17} {:>10.1} {:>8.1} {:>10.2} {:>7.0}% {:>11}",
                 r.context,
                 r.prefill_tokens_per_s,
                 r.decode_tokens_per_s,
@@ -244,11 +267,22 @@ impl std::fmt::Display for DecodeBenchReport {
                 r.weight_bytes_per_token as f64 / 1e6,
                 r.kv_bytes_per_token as f64 / 1e6,
                 r.achieved_gbps,
-                100.0 * r.bandwidth_fraction
+                100.0 * r.bandwidth_fraction,
+                format!("{:.0}-{:.0}%", 100.0 * flo, 100.0 * fhi)
             )?;
         }
-        Ok(())
+        writeln!(
+            f,
+            "(\"of peak\": the median over the rounds of each round's read GB/s ÷ the bandwidth probed right before it)"
+        )
     }
+}
+
+/// (smallest, largest) of `v`.
+fn range(v: &[f64]) -> (f64, f64) {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, hi)
 }
 
 #[cfg(test)]
@@ -259,7 +293,7 @@ mod tests {
     fn the_probe_reads_at_a_plausible_speed() {
         // 64 MiB: beyond caches of this kind of machine, fast enough for a unit test. A
         // probe that read nothing (optimised away) would report absurd speeds.
-        let g = read_gbps(64 << 20, 2).unwrap();
+        let g = Probe::new(64 << 20).unwrap().gbps(2);
         assert!((0.1..2_000.0).contains(&g), "{g} GB/s");
     }
 }

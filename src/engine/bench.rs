@@ -25,7 +25,7 @@ use crate::flags;
 use crate::kv::ContiguousKv;
 use crate::model::weights::WeightDtype;
 use crate::model::{Model, ModelConfig};
-use crate::offload::bench::median;
+use crate::offload::bench::{median, range};
 
 /// `strata bench decode`.
 #[derive(Debug, Clone, clap::Args)]
@@ -276,13 +276,6 @@ impl std::fmt::Display for DecodeBenchReport {
             "(\"of peak\": the median over the rounds of each round's read GB/s ÷ the bandwidth probed right before it)"
         )
     }
-}
-
-/// (smallest, largest) of `v`.
-fn range(v: &[f64]) -> (f64, f64) {
-    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    (lo, hi)
 }
 
 #[cfg(test)]

@@ -245,6 +245,13 @@ pub(crate) fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// (smallest, largest) of `v`: a median's range over rounds.
+pub(crate) fn range(v: &[f64]) -> (f64, f64) {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, hi)
+}
+
 /// A cache being decoded round after round: its last logits and position.
 struct Decoding<K> {
     kv: K,
@@ -405,13 +412,14 @@ pub fn run_bench<T: KvElem>(
         let (bytes, _) = trace::link_bytes(&events);
         let stats = d.kv.sparse_stats().unwrap_or_default();
         let speedups: Vec<f64> = fulls.iter().zip(&times).map(|(f, s)| f / s).collect();
+        let (speedup_min, speedup_max) = range(&speedups);
         rows.push(SparseRow {
             budget: sc.budget,
             page_size: sc.page_size,
             decode_step_ms: median(&times) * 1e3,
             decode_speedup: median(&speedups),
-            decode_speedup_min: speedups.iter().copied().fold(f64::INFINITY, f64::min),
-            decode_speedup_max: speedups.iter().copied().fold(0.0, f64::max),
+            decode_speedup_min: speedup_min,
+            decode_speedup_max: speedup_max,
             decode_step_ms_per_round: times.iter().map(|s| s * 1e3).collect(),
             h2d_bytes_per_step: bytes as f64 / timed,
             bytes_per_step_ratio: bytes as f64 / h2d.max(1) as f64,

@@ -495,6 +495,13 @@ unsafe fn avx512_score_all_rows_qreg<W: KvElem, const S: usize, const RB: usize>
     stride: usize,
     ahead: &[&[W]],
 ) {
+    // The dispatch below has kernels for blocks of 1 to 3 rows.
+    const {
+        assert!(
+            RB >= 1 && RB <= 3,
+            "avx512_score_all_rows_qreg: RB is 1, 2 or 3"
+        )
+    };
     let rows = q.len() / (S * LANES);
     let mut r = 0;
     let mut ahead = ahead; // prefetched during the first rows' pass

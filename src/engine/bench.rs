@@ -98,6 +98,16 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
     let path = crate::model::resolve(args.model.clone())?;
     let kv_dtype = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     check_contexts(&args, &Model::peek_config(&path)?)?;
+    // Checked: say what the next minutes do (the table comes at the end; each round
+    // first reads the bandwidth probe, PROBE_PASSES × PROBE_BYTES).
+    eprintln!(
+        "strata bench decode: contexts {:?}, weights {}, KV {kv_dtype}, {} rounds × {} decode steps, \
+         the read bandwidth probed before each round",
+        args.context,
+        args.dtype.name(),
+        args.rounds,
+        args.decode_steps,
+    );
     let (model, _) = Model::load_as(&path, !args.json, args.dtype)?;
     let probe = Probe::new(PROBE_BYTES)?;
     let read_gbps_one_thread = rayon::ThreadPoolBuilder::new()

@@ -30,8 +30,9 @@ pub enum WeightDtype {
     /// Widened once to f32 at load: the reference mode.
     F32,
     /// As stored, and (CPU) every matmul on Q4_0/Q4_1/Q8_0 rows quantises its input
-    /// activations to 8 bits per block of 32 and runs integer dot products: faster, still
-    /// batch-invariant, but NOT bitwise equal to `stored` (agreement is measured, docs/cpu.md).
+    /// activations per block of 32 (two 8-bit planes, 15 bits) and runs integer dot
+    /// products on rows repacked at load: faster, still batch-invariant, but NOT bitwise
+    /// equal to `stored` (agreement is measured, docs/cpu.md).
     Q8,
 }
 
@@ -584,7 +585,7 @@ impl ModelWeights {
         }
     }
 
-    /// The `q8` mode: inputs quantised to 8 bits (`ActivationMode::Q8`) and every
+    /// The `q8` mode: inputs quantised to two 8-bit planes (`ActivationMode::Q8`) and every
     /// Q4_0/Q4_1/Q8_0 matrix repacked for the integer kernels (`Weight::repack_for_q8`).
     pub fn to_q8_mode(&mut self) {
         self.set_activations(ActivationMode::Q8);

@@ -66,7 +66,7 @@ pub enum ActivationMode {
     /// As they are, in f32: bitwise the f32 reference's result, whatever the weight format.
     #[default]
     F32,
-    /// Quantised to 8 bits per block of 32, then integer dots (`q8.rs`) with the weight
+    /// Quantised per block of 32 (two 8-bit planes), then integer dots (`q8.rs`) with the weight
     /// rows stored as Q4_0, Q4_1 or Q8_0 (other rows take the f32 path). Batch-invariant,
     /// not bitwise the f32 result.
     Q8,

@@ -1,12 +1,17 @@
-//! Integer dot products of 8-bit activations with Q4_0, Q4_1 and Q8_0 weight rows: the
-//! `--dtype q8` mode's `linear` (llama.cpp's scheme: Q8_1-style activations, per-block
-//! integer dots, one float multiply-add per block).
+//! Integer dot products of quantised activations (two 8-bit planes) with Q4_0, Q4_1 and
+//! Q8_0 weight rows: the `--dtype q8` mode's `linear` (llama.cpp's scheme, Q8_1-style
+//! blocks, per-block integer dots, one float multiply-add per block, with a second plane).
 //!
-//! **Activations.** An input row is cut into blocks of 32; each block `x` becomes
-//! `d = max|x| / 127`, `q = round_ties_even(x · 127 / max|x|)` in `[-127, 127]` and
-//! `ds = d · Σq` (Q4_1's min term needs the block's sum). Exact IEEE operations in one
-//! written order, so every kernel sees the same bytes. Unlike llama.cpp, `d` stays f32 and
-//! `Σq` is exact before its one rounding.
+//! **Activations.** An input row is cut into blocks of 32; each block `x` becomes a step
+//! `d = max|x| / 32258` and integers `q = round_ties_even(x · 32258 / max|x|)` in
+//! `[-32258, 32258]` (`32258 = 127 · 254`: about 15 bits), stored as two signed-byte
+//! planes `q = 254 · qs + ql` (`qs`, `ql` in `[-127, 127]`) so that the byte-dot
+//! instructions take them; and `ds = d · Σq` (Q4_1's min term needs the block's sum).
+//! Exact IEEE operations in one written order, so every kernel sees the same bytes. Unlike
+//! llama.cpp's one 8-bit plane (`d = max|x| / 127`), the second plane makes the rounding of
+//! the activations 254× finer: one plane moved greedy decoding off the f32 reference at
+//! near-ties (docs/cpu.md, "Accuracy"); a byte dot more per block costs little where decode
+//! is bound by reading the weights.
 //!
 //! **The one reduction order** of a dot `x · w` over `nb` blocks, for weight values `v`
 //! (Q4_0: nibble − 8; Q4_1: nibble; Q8_0: the byte), weight scale `dw` and Q4_1 min `mw`:
@@ -14,7 +19,8 @@
 //! ```text
 //! acc[0..8] = 0, mins = 0
 //! for b in 0..nb:
-//!     p[l]   = Σ_{i = 4l..4l+4} v[i]·q[i]           (8 exact i32 lane sums)
+//!     p[l]   = 254 · Σ_{i = 4l..4l+4} v[i]·qs[i]
+//!                  + Σ_{i = 4l..4l+4} v[i]·ql[i]    (8 exact i32 lane sums, |p| < 2^24)
 //!     acc[l] = fma(dw·d, p[l] as f32, acc[l])       (l = 0..8)
 //!     mins   = fma(mw, ds, mins)                    (Q4_1 only)
 //! result = (((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))) + mins
@@ -35,23 +41,38 @@ use super::quant::Format;
 /// Values per activation block (and per weight block of every format this file reads).
 pub const QK: usize = 32;
 
-/// One block of 32 activations quantised to 8 bits: `x[i] ≈ d · qs[i]`.
+/// Integer levels of a block's largest value: `127 · PLANE`.
+pub const LEVELS: i32 = 127 * PLANE;
+
+/// What one step of the coarse plane is worth in steps of `d`.
+pub const PLANE: i32 = 254;
+
+/// One block of 32 activations as two 8-bit planes: `x[i] ≈ d · (254 · qs[i] + ql[i])`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
 pub struct Q8Block {
+    /// The coarse plane, in `[-127, 127]`.
     pub qs: [i8; QK],
-    /// The scale, `max|x| / 127` (0 for an all-zero block).
+    /// The fine plane (what the coarse one leaves), in `[-127, 127]`.
+    pub ql: [i8; QK],
+    /// The step, `max|x| / 32258` (0 for an all-zero block).
     pub d: f32,
-    /// `d · Σ qs`, rounded once (Q4_1's min term).
+    /// `d · Σ (254 · qs + ql)`, rounded once (Q4_1's min term).
     pub ds: f32,
 }
 
 impl Q8Block {
     pub const ZERO: Self = Self {
         qs: [0; QK],
+        ql: [0; QK],
         d: 0.0,
         ds: 0.0,
     };
+
+    /// Value `i` in steps of `d`: `254 · qs[i] + ql[i]`.
+    pub fn level(&self, i: usize) -> i32 {
+        PLANE * self.qs[i] as i32 + self.ql[i] as i32
+    }
 }
 
 /// Whether `linear` can take the integer path on rows of `format`.
@@ -69,17 +90,21 @@ pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
     for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
         // max is exact and order-free; the compiler may vectorise it.
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let levels = LEVELS as f32;
+        let d = amax / levels;
+        let id = if amax != 0.0 { levels / amax } else { 0.0 };
         let mut sum = 0i32;
-        for (q, &v) in o.qs.iter_mut().zip(xb) {
-            // |v · id| ≤ 127 up to rounding; the clamp only guards that last ulp.
-            let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-            *q = r;
-            sum += r as i32;
+        for (i, &v) in xb.iter().enumerate() {
+            // |v · id| ≤ 32258 up to rounding; the clamp only guards that last ulp.
+            let q = (v * id).round_ties_even().clamp(-levels, levels) as i32;
+            // q = 254 · qs + ql with ql in [-127, 126]: qs = ⌊(q + 127) / 254⌋, in [-127, 127].
+            let qs = (q + PLANE / 2).div_euclid(PLANE);
+            o.qs[i] = qs as i8;
+            o.ql[i] = (q - PLANE * qs) as i8;
+            sum += q;
         }
         o.d = d;
-        o.ds = d * sum as f32;
+        o.ds = d * sum as f32; // |sum| ≤ 32 · 32258 < 2^24: exact before this rounding
     }
 }
 
@@ -180,7 +205,7 @@ fn reference_dot(format: Format, x: &[Q8Block], mut block: impl FnMut(usize, &mu
         };
         let s = dw * x.d;
         for (l, a) in acc.iter_mut().enumerate() {
-            let p: i32 = (4 * l..4 * l + 4).map(|i| v[i] * x.qs[i] as i32).sum();
+            let p: i32 = (4 * l..4 * l + 4).map(|i| v[i] * x.level(i)).sum();
             *a = s.mul_add(p as f32, *a);
         }
         if format == Format::Q4_1 {
@@ -229,7 +254,7 @@ pub use x86::{Avx2, Vnni};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{check, check_packed, finish, Format, PackedGroup, Q8Block, Q8Dot, PACK};
+    use super::{check, check_packed, finish, Format, PackedGroup, Q8Block, Q8Dot, PACK, PLANE};
     use crate::device::cpu::packed::qs_offset;
     use std::arch::x86_64::*;
 
@@ -271,24 +296,45 @@ mod x86 {
     /// Exact when every pair sum fits i16 (AVX2's `maddubs` saturates): `u ≤ 128`,
     /// `|x| ≤ 127` gives at most 2·128·127 = 32512.
     trait MulSum {
-        unsafe fn us(u: __m256i, x: __m256i) -> __m256i;
+        /// `acc` plus the lane sums of `u` and `x`.
+        unsafe fn acc_us(acc: __m256i, u: __m256i, x: __m256i) -> __m256i;
+
+        #[inline(always)]
+        unsafe fn us(u: __m256i, x: __m256i) -> __m256i {
+            // SAFETY: the caller's contract.
+            unsafe { Self::acc_us(_mm256_setzero_si256(), u, x) }
+        }
+
+        /// The lane sums of `u` against an activation block's two planes, as its levels:
+        /// `254 · us(u, qs) + us(u, ql)`, exact (|each| ≤ 4 · 128 · 127: |sum| < 2^24).
+        #[inline(always)]
+        unsafe fn levels(u: __m256i, qs: __m256i, ql: __m256i) -> __m256i {
+            // SAFETY: the caller's contract (AVX2 at least).
+            unsafe {
+                let coarse = _mm256_mullo_epi32(Self::us(u, qs), _mm256_set1_epi32(PLANE));
+                Self::acc_us(coarse, u, ql)
+            }
+        }
     }
 
     struct Maddubs;
     impl MulSum for Maddubs {
         #[inline(always)]
-        unsafe fn us(u: __m256i, x: __m256i) -> __m256i {
+        unsafe fn acc_us(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
             // SAFETY: inlined only into the AVX2 kernel (its caller's contract).
-            unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)) }
+            unsafe {
+                let s = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+                _mm256_add_epi32(acc, s)
+            }
         }
     }
 
     struct Dpbusd;
     impl MulSum for Dpbusd {
         #[inline(always)]
-        unsafe fn us(u: __m256i, x: __m256i) -> __m256i {
+        unsafe fn acc_us(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
             // SAFETY: inlined only into the VNNI kernel (its caller's contract).
-            unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x) }
+            unsafe { _mm256_dpbusd_epi32(acc, u, x) }
         }
     }
 
@@ -369,11 +415,13 @@ mod x86 {
             let mut mins = [[0.0f32; C]; R];
             for b in 0..nb {
                 // No closures: they would not inherit the caller's target features.
-                let mut xv = [_mm256_setzero_si256(); R];
+                let mut xv = [_mm256_setzero_si256(); R]; // coarse planes
+                let mut xl = [_mm256_setzero_si256(); R]; // fine planes
                 let mut xd = [0.0f32; R];
                 for r in 0..R {
                     let x = xs[r].as_ptr().add(b);
                     xv[r] = _mm256_loadu_si256((*x).qs.as_ptr().cast());
+                    xl[r] = _mm256_loadu_si256((*x).ql.as_ptr().cast());
                     xd[r] = (*x).d;
                 }
                 for c in 0..C {
@@ -385,7 +433,7 @@ mod x86 {
                             let w = nibbles(p.add(4));
                             let mw = half_at(p.add(2));
                             for r in 0..R {
-                                let s = _mm256_cvtepi32_ps(M::us(w, xv[r]));
+                                let s = _mm256_cvtepi32_ps(M::levels(w, xv[r], xl[r]));
                                 let d = _mm256_set1_ps(dw * xd[r]);
                                 acc[r][c] = _mm256_fmadd_ps(d, s, acc[r][c]);
                                 mins[r][c] = mw.mul_add((*xs[r].as_ptr().add(b)).ds, mins[r][c]);
@@ -401,8 +449,9 @@ mod x86 {
                             };
                             let aw = _mm256_abs_epi8(w);
                             for r in 0..R {
-                                let sx = _mm256_sign_epi8(xv[r], w);
-                                let s = _mm256_cvtepi32_ps(M::us(aw, sx));
+                                let (sx, sl) =
+                                    (_mm256_sign_epi8(xv[r], w), _mm256_sign_epi8(xl[r], w));
+                                let s = _mm256_cvtepi32_ps(M::levels(aw, sx, sl));
                                 let d = _mm256_set1_ps(dw * xd[r]);
                                 acc[r][c] = _mm256_fmadd_ps(d, s, acc[r][c]);
                             }
@@ -480,20 +529,22 @@ mod x86 {
                 for r in 0..R {
                     let x = &*xs[r].as_ptr().add(b);
                     let xv = _mm256_loadu_si256(x.qs.as_ptr().cast());
+                    let xl = _mm256_loadu_si256(x.ql.as_ptr().cast());
                     let s8 = _mm256_mul_ps(d8, _mm256_set1_ps(x.d)); // dw · d, each row
                                                                      // Q4_0's values are nibble − 8: Σ (n − 8)·x = Σ n·x − 8·Σ x, lane by
-                                                                     // lane, exact in i32 (|8·Σ x| ≤ 8·4·127).
+                                                                     // lane, exact in i32 (|8·Σ x| ≤ 8·4·32258).
                     let eight = if format == Format::Q4_0 {
-                        M::us(_mm256_set1_epi8(8), xv)
+                        M::levels(_mm256_set1_epi8(8), xv, xl)
                     } else {
                         _mm256_setzero_si256()
                     };
                     for c in 0..PACK {
                         let lanes = if format == Format::Q8_0 {
                             // Signed weights: |w| · (x signed as w), |w| ≤ 128.
-                            M::us(_mm256_abs_epi8(w[c]), _mm256_sign_epi8(xv, w[c]))
+                            let (sx, sl) = (_mm256_sign_epi8(xv, w[c]), _mm256_sign_epi8(xl, w[c]));
+                            M::levels(_mm256_abs_epi8(w[c]), sx, sl)
                         } else {
-                            _mm256_sub_epi32(M::us(w[c], xv), eight)
+                            _mm256_sub_epi32(M::levels(w[c], xv, xl), eight)
                         };
                         let s = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(c as i32));
                         acc[r][c] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(lanes), acc[r][c]);
@@ -645,6 +696,25 @@ mod tests {
         out
     }
 
+    /// Blocks whose first value is the maximum and the rest sit at levels `±(32258 − 127)`
+    /// (coarse plane ±127, fine plane ∓127): both planes at their extremes.
+    fn extreme_levels(k: usize) -> Vec<Q8Block> {
+        let near = (LEVELS - 127) as f32 / LEVELS as f32;
+        let x: Vec<f32> = (0..k)
+            .map(|i| {
+                let sign = if (i / QK).is_multiple_of(2) {
+                    1.0
+                } else {
+                    -1.0
+                };
+                sign * if i % QK == 0 { 1e3 } else { 1e3 * near }
+            })
+            .collect();
+        let q = quantized(&x);
+        assert_eq!((q[0].qs[1], q[0].ql[1]), (127, -127), "{:?}", q[0]);
+        q
+    }
+
     fn bits<const C: usize>(v: &[[f32; C]]) -> Vec<u32> {
         v.iter().flatten().map(|x| x.to_bits()).collect()
     }
@@ -723,6 +793,9 @@ mod tests {
                 assert!(ext[0][0].qs.iter().all(|&q| q == 127));
                 let ew = extreme_rows(format, 4, nb, &mut rng);
                 check_all_shapes(format, &ext, &ew, &format!("extremes, nb {nb}"));
+                // The fine plane at its extreme too: levels 32258 − 127 (qs 127, ql −127).
+                let fine = vec![extreme_levels(k); 4];
+                check_all_shapes(format, &fine, &ew, &format!("fine extremes, nb {nb}"));
             }
         }
     }
@@ -810,12 +883,15 @@ mod tests {
                     .collect();
                 let ew = extreme_rows(format, n, nb, &mut rng);
                 check_packed_shapes(format, &ext, &ew, &format!("extremes, nb {nb}"));
+                let fine = vec![extreme_levels(k); 4];
+                check_packed_shapes(format, &fine, &ew, &format!("fine extremes, nb {nb}"));
             }
         }
     }
 
     /// The portable kernel's integer part on the extremes equals a plain i64 sum (nothing
-    /// saturates or wraps): Q8_0 bytes −128 against activations 127, 32 per block.
+    /// saturates or wraps): Q8_0 bytes −128 against activations at the top level (32258),
+    /// 32 per block.
     #[test]
     fn the_extreme_blocks_sum_exactly() {
         let nb = 2;
@@ -827,15 +903,16 @@ mod tests {
         let x = quantized(&vec![5.0; nb * QK]);
         assert!(x.iter().all(|b| b.qs == [127; QK]));
         let [[got]] = Portable.q8_block(Format::Q8_0, &[&x], &[&ws]);
-        let want = -128.0 * 127.0 * (nb * QK) as f64 * x[0].d as f64;
+        let want = -128.0 * LEVELS as f64 * (nb * QK) as f64 * x[0].d as f64;
         assert!(
             (got as f64 - want).abs() < 1e-3 * want.abs(),
             "{got} vs {want}"
         );
     }
 
-    /// Quantisation: exact zeros, the maximum maps to ±127, finite huge and tiny scales,
-    /// and the round trip within half a step.
+    /// Quantisation: exact zeros, the maximum maps to the top level (coarse plane ±127),
+    /// finite huge and tiny scales, both planes in range, and the round trip within half a
+    /// step.
     #[test]
     fn activations_quantise_within_half_a_step() {
         let mut rng = StdRng::seed_from_u64(43);
@@ -852,21 +929,28 @@ mod tests {
             let xb = &x[b * QK..(b + 1) * QK];
             let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             if amax > 0.0 {
+                assert!((0..QK).any(|i| blk.level(i).abs() == LEVELS), "block {b}");
                 assert!(blk.qs.iter().any(|&v| v.abs() == 127), "block {b}");
             }
-            for (v, &qv) in xb.iter().zip(&blk.qs) {
-                let err = (*v as f64 - qv as f64 * blk.d as f64).abs();
-                assert!(err <= 0.5001 * blk.d as f64, "block {b}: {v} vs {qv}");
+            assert!(
+                blk.qs.iter().chain(&blk.ql).all(|&v| v != i8::MIN),
+                "block {b}"
+            );
+            for (i, v) in xb.iter().enumerate() {
+                let q = blk.level(i);
+                let err = (*v as f64 - q as f64 * blk.d as f64).abs();
+                assert!(err <= 0.5001 * blk.d as f64, "block {b}: {v} vs {q}");
             }
-            let sum: i32 = blk.qs.iter().map(|&v| v as i32).sum();
+            let sum: i32 = (0..QK).map(|i| blk.level(i)).sum();
             assert_eq!(blk.ds, blk.d * sum as f32, "block {b}");
         }
     }
 
     /// Against the f32 reference (the dequantised weights dotted with the unquantised
-    /// activations, in f64): the error is what 8-bit activations cost, bounded by
-    /// `Σ_blocks (d_x / 2) · Σ|w|` (half a step per value), and in practice far below it.
-    /// Stated tolerance: within that bound, and a relative error under 2% of `Σ|x·w|`.
+    /// activations, in f64): the error is what quantised activations cost, bounded by
+    /// `Σ_blocks (d_x / 2) · Σ|w|` (half a step per value) plus the float part's roundings,
+    /// and in practice far below it. Stated tolerance: within that bound, and a relative
+    /// error under 1e-4 of `Σ|x·w|` (one 8-bit plane needed 2%).
     #[test]
     fn integer_dots_are_within_the_activation_rounding_of_the_f32_dot() {
         let mut rng = StdRng::seed_from_u64(47);
@@ -904,7 +988,7 @@ mod tests {
                     err <= bound * 1.001 + 1e-5,
                     "{format} row {c}: {err} > {bound}"
                 );
-                assert!(err <= 0.02 * mag, "{format} row {c}: {err} vs |x·w| {mag}");
+                assert!(err <= 1e-4 * mag, "{format} row {c}: {err} vs |x·w| {mag}");
             }
         }
     }

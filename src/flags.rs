@@ -224,6 +224,34 @@ mod tests {
     }
 }
 
+/// `--dtype`, on every command that loads a model: how the CPU holds the weights and
+/// computes the matmuls. Its help is the one description of the choice (docs/cpu.md has
+/// the measurements).
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct WeightDtypeArg {
+    /// How the CPU holds the weights: q8 (as stored; Q4_0/Q4_1/Q8_0 rows repacked, each
+    /// matmul's input quantised to 15 bits per block of 32 for integer dots: the fastest,
+    /// within ~1e-6 nats of the reference, not bitwise), stored (as in the file, widened in
+    /// registers: bitwise the f32 reference) or f32 (widened at load: the reference, 4-6x
+    /// the memory). CUDA uploads bf16 whatever this says [default: q8 on the CPU, stored on
+    /// CUDA]
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    pub dtype: Option<crate::model::weights::WeightDtype>,
+}
+
+impl WeightDtypeArg {
+    /// The flag's mode, or the default for `device`: q8 on the CPU (its greedy outputs equal
+    /// the reference's on the reference prompts: docs/cpu.md, "Accuracy"), stored for CUDA
+    /// (which holds its own bf16 copy, so repacking for the CPU would be wasted work).
+    pub fn resolve(self, device: crate::device::DeviceKind) -> crate::model::weights::WeightDtype {
+        use crate::model::weights::WeightDtype;
+        self.dtype.unwrap_or(match device {
+            crate::device::DeviceKind::Cpu => WeightDtype::Q8,
+            crate::device::DeviceKind::Cuda => WeightDtype::Stored,
+        })
+    }
+}
+
 /// `--kv-dtype`, on every command that sizes a KV cache: the element the CPU device stores
 /// K and V in. Its help is the one description of the choice (docs/cpu.md has the numbers).
 #[derive(Debug, Clone, Copy, Default, clap::Args)]

@@ -11,7 +11,6 @@ use clap::{Args, Parser, Subcommand};
 use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
-use strata::model::weights::WeightDtype;
 use strata::model::{Model, Tokenizer};
 use strata::offload::OffloadConfig;
 use strata::session::ProfileSteps;
@@ -100,11 +99,8 @@ struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
-    /// How the CPU holds the weights: as stored in the file, widened to f32 (reference), or
-    /// as stored with activations quantised to 8 bits for integer dots (q8: faster, not
-    /// bitwise equal to stored).
-    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
-    dtype: WeightDtype,
+    #[command(flatten)]
+    dtype: flags::WeightDtypeArg,
     #[command(flatten)]
     kv: flags::KvDtypeArg,
     /// Layerwise KV offload: the KV cache lives in host memory, layers stream through a device ring.
@@ -207,7 +203,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         bail!("empty prompt: nothing to generate from");
     }
     let path = strata::model::resolve(args.model.clone())?;
-    let (model, tok) = Model::load_as(&path, !args.json, args.dtype)?;
+    let (model, tok) = Model::load_as(&path, !args.json, args.dtype.resolve(args.device))?;
     let cfg = &model.cfg;
     let text = if args.chat {
         tok.apply_chat_template(&prompt_text)?

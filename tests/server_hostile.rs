@@ -202,14 +202,12 @@ fn huge_prompts_are_tokenized_inside_admission_control() {
     assert_serving(&server);
 }
 
-#[test]
-fn a_model_file_truncated_while_mapped_is_a_503_not_a_sigbus() {
-    // A copy of the default model (its pages mapped by the server), cut to a tenth while
-    // the server runs: the next forward reads pages the file no longer has.
-    let dir = scratch_dir("truncated_model");
+/// A copy of the default model served with `flags`, then cut to a tenth of its length.
+fn serve_then_truncate(name: &str, flags: &[&str]) -> Server {
+    let dir = scratch_dir(name);
     let model = dir.join("model.gguf");
     std::fs::copy(common::require_default_model(), &model).unwrap();
-    let mut server = Server::start(&model, &[]);
+    let server = Server::start(&model, flags);
     assert_serving(&server);
     let len = std::fs::metadata(&model).unwrap().len();
     std::fs::OpenOptions::new()
@@ -218,6 +216,14 @@ fn a_model_file_truncated_while_mapped_is_a_503_not_a_sigbus() {
         .unwrap()
         .set_len(len / 10)
         .unwrap();
+    server
+}
+
+#[test]
+fn a_model_file_truncated_while_mapped_is_a_503_not_a_sigbus() {
+    // `stored` computes on the file's mapped pages: after the cut, the next forward reads
+    // pages the file no longer has.
+    let mut server = serve_then_truncate("truncated_model", &["--dtype", "stored"]);
     let r = server.post_json(
         "/v1/completions",
         &json!({"model": server.model_name, "prompt": "hello", "max_tokens": 4}),
@@ -230,4 +236,17 @@ fn a_model_file_truncated_while_mapped_is_a_503_not_a_sigbus() {
     unsafe { libc::kill(server.pid() as i32, libc::SIGTERM) };
     let status = server.wait_exit(Duration::from_secs(30));
     assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn the_default_mode_serves_on_after_its_model_file_is_truncated() {
+    // `q8` (the CPU default) repacks every matrix of the default model at load and closes
+    // the map: the file is not read again, so cutting it changes nothing.
+    let server = serve_then_truncate("truncated_model_q8", &[]);
+    let r = server.post_json(
+        "/v1/completions",
+        &json!({"model": server.model_name, "prompt": "hello", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(server.get("/health").status, 200);
 }

@@ -65,6 +65,8 @@ struct Args {
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
     #[command(flatten)]
+    dtype: flags::WeightDtypeArg,
+    #[command(flatten)]
     kv: flags::KvDtypeArg,
     /// Sanitizer (with offload, CPU device): poison released ring slots and delay copies at
     /// random, so a missing wait changes the answer.
@@ -158,7 +160,8 @@ fn run(args: Args) -> Result<bool> {
     }
     device::check_available(args.device)?;
     let kv_dtype = args.kv.resolve(args.device)?;
-    let (model, tok) = Model::load(&strata::model::resolve(args.model.clone())?, !args.json)?;
+    let path = strata::model::resolve(args.model.clone())?;
+    let (model, tok) = Model::load_as(&path, !args.json, args.dtype.resolve(args.device))?;
     let longest = *args
         .input_len
         .iter()

@@ -23,7 +23,6 @@ use crate::device::KvElem;
 use crate::engine::sampler::argmax;
 use crate::flags;
 use crate::kv::ContiguousKv;
-use crate::model::weights::WeightDtype;
 use crate::model::{Model, ModelConfig};
 use crate::offload::bench::{median, range};
 
@@ -42,9 +41,8 @@ pub struct DecodeBenchArgs {
     /// Timed rounds per context, each from the end of the prefill again.
     #[arg(long, default_value_t = 5, value_parser = flags::rounds())]
     pub rounds: usize,
-    /// How the CPU holds and multiplies the weights (as for `generate`): stored, f32 or q8.
-    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
-    pub dtype: WeightDtype,
+    #[command(flatten)]
+    pub dtype: flags::WeightDtypeArg,
     #[command(flatten)]
     pub kv: flags::KvDtypeArg,
     /// Print one JSON object instead of the table.
@@ -97,6 +95,7 @@ const PROBE_PASSES: usize = 5;
 pub fn run(args: DecodeBenchArgs) -> Result<()> {
     let path = crate::model::resolve(args.model.clone())?;
     let kv_dtype = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
+    let dtype = args.dtype.resolve(crate::device::DeviceKind::Cpu);
     check_contexts(&args, &Model::peek_config(&path)?)?;
     // Checked: say what the next minutes do (the table comes at the end; each round
     // first reads the bandwidth probe, PROBE_PASSES × PROBE_BYTES).
@@ -104,11 +103,11 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
         "strata bench decode: contexts {:?}, weights {}, KV {kv_dtype}, {} rounds × {} decode steps, \
          the read bandwidth probed before each round",
         args.context,
-        args.dtype.name(),
+        dtype.name(),
         args.rounds,
         args.decode_steps,
     );
-    let (model, _) = Model::load_as(&path, !args.json, args.dtype)?;
+    let (model, _) = Model::load_as(&path, !args.json, dtype)?;
     let probe = Probe::new(PROBE_BYTES)?;
     let read_gbps_one_thread = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
@@ -124,7 +123,7 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
     }
     let report = DecodeBenchReport {
         model: path.display().to_string(),
-        dtype: args.dtype.name().to_string(),
+        dtype: dtype.name().to_string(),
         kv_dtype: kv_dtype.to_string(),
         threads: rayon::current_num_threads(),
         read_gbps,

@@ -25,7 +25,6 @@ use crate::device::KvElem;
 use crate::engine::sampler::argmax;
 use crate::flags;
 use crate::kv::{ContiguousKv, KvCache};
-use crate::model::weights::WeightDtype;
 use crate::model::Model;
 use crate::sparse::SparseConfig;
 
@@ -73,9 +72,8 @@ pub struct OffloadBenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// How the CPU holds and multiplies the weights (as for `generate`): stored, f32 or q8.
-    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
-    pub dtype: WeightDtype,
+    #[command(flatten)]
+    pub dtype: flags::WeightDtypeArg,
     #[command(flatten)]
     pub kv: flags::KvDtypeArg,
 }
@@ -93,7 +91,8 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
         };
         sc.check(args.block_size)?;
     }
-    let (model, tok) = Model::load_as(&path, !args.json, args.dtype)?;
+    let dtype = args.dtype.resolve(crate::device::DeviceKind::Cpu);
+    let (model, tok) = Model::load_as(&path, !args.json, dtype)?;
     let max = model.cfg.max_position_embeddings;
     // Compute alone decodes one round more than the rows (its first sizes the prefills' link).
     if args.context == 0 || args.context + (args.rounds + 1) * args.decode_steps >= max {
@@ -109,7 +108,7 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
         "strata bench offload: context {}, weights {}, KV {kv}, {} rounds × {} decode steps, \
          {} ring slots, block {}{}{}",
         args.context,
-        args.dtype.name(),
+        dtype.name(),
         args.rounds,
         args.decode_steps,
         args.num_kv_buffers,

@@ -16,7 +16,6 @@ use crate::device::DeviceKind;
 use crate::device::KvDtype;
 use crate::errors::usage;
 use crate::flags;
-use crate::model::weights::WeightDtype;
 use crate::model::Model;
 
 /// An inclusive length range `A:B` (or `N` for exactly N).
@@ -110,11 +109,8 @@ pub struct ServeArgs {
     /// fails unless every run gives the same tokens.
     #[arg(long, conflicts_with = "table")]
     pub tier_table: bool,
-    /// How the CPU holds the weights: as stored in the file, widened to f32 (reference), or
-    /// as stored with activations quantised to 8 bits for integer dots (q8: faster, not
-    /// bitwise equal to stored).
-    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
-    pub dtype: WeightDtype,
+    #[command(flatten)]
+    pub dtype: crate::flags::WeightDtypeArg,
     #[command(flatten)]
     pub kv: crate::flags::KvDtypeArg,
 }
@@ -321,7 +317,11 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     // Validate first, then inform: nothing is printed before every check has passed.
     let disk = check_flags(&a)?;
     let kv = a.kv.resolve(a.device)?;
-    let (model, _tok) = Model::load_as(&crate::model::resolve(a.model.clone())?, false, a.dtype)?;
+    let (model, _tok) = Model::load_as(
+        &crate::model::resolve(a.model.clone())?,
+        false,
+        a.dtype.resolve(a.device),
+    )?;
     // Checked before the requests are built: their total size follows from these flags.
     let longest = a.input_len.hi.saturating_add(a.output_len.hi);
     ensure!(

@@ -30,7 +30,6 @@ use tokio::net::TcpListener;
 use crate::device::DeviceKind;
 use crate::errors::usage;
 use crate::flags;
-use crate::model::weights::WeightDtype;
 use crate::model::{Model, ModelConfig};
 use crate::serve::{EngineConfig, SchedulerConfig};
 use kv_events::{KvEventPublisher, ZmqEndpoint};
@@ -91,11 +90,8 @@ pub struct ServeArgs {
     /// On Ctrl-C/SIGTERM, seconds to let requests in flight finish before cancelling them.
     #[arg(long, default_value_t = 30, value_parser = flags::shutdown_secs())]
     pub shutdown_timeout: u64,
-    /// How the CPU holds the weights: as stored in the file, widened to f32 (reference), or
-    /// as stored with activations quantised to 8 bits for integer dots (q8: faster, not
-    /// bitwise equal to stored).
-    #[arg(long, value_enum, default_value_t = WeightDtype::Stored)]
-    pub dtype: WeightDtype,
+    #[command(flatten)]
+    pub dtype: flags::WeightDtypeArg,
     #[command(flatten)]
     pub kv: flags::KvDtypeArg,
     #[command(flatten)]
@@ -466,7 +462,7 @@ fn load(
     engine_thread: &Mutex<EngineSlot>,
     kv_events: Option<KvEventPublisher>,
 ) -> Result<()> {
-    let (model, tokenizer) = Model::load_as(model_path, false, args.dtype)?;
+    let (model, tokenizer) = Model::load_as(model_path, false, args.dtype.resolve(args.device))?;
     let (cfg, max_model_len) = engine_config(args, &model.cfg)?;
     let eos = model.cfg.eos_token_ids.clone();
     let defaults = model.cfg.generation.clone();

@@ -206,6 +206,16 @@ fn run(args: Args) -> Result<bool> {
         ..SessionConfig::new(args.device, max_len)
     };
     let plan = session_cfg.plan(&model.cfg)?;
+    // --num-cpu-blocks may hold less than --max-model-len: the longest case and its answer
+    // must fit what the engine holds, or the run would fail after its first cases.
+    let cap = session_cfg.capacity(&model.cfg)?;
+    if longest.saturating_add(NEW_TOKENS) > cap {
+        return Err(errors::usage(format!(
+            "--input-len {longest} and the {NEW_TOKENS}-token answer need {} tokens, the offload engine holds {cap} (--num-cpu-blocks × --block-size {}); raise --num-cpu-blocks",
+            longest + NEW_TOKENS,
+            args.block_size
+        )));
+    }
     // Every input length builds its prompt (one that is too short fails here, not after
     // the plan and the first rows).
     for &input_len in &args.input_len {

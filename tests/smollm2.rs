@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama;
 use strata::engine::{self, GenerateOptions, SamplingParams};
+use strata::model::weights::WeightDtype;
 use strata::model::Model;
 
 const STEPS: usize = 24;
@@ -106,6 +107,14 @@ fn greedy_continuation_matches_candle_llama() {
         .iter()
         .map(|&kv| common::generate_plain(&model, kv, &prompt, &opts, 8192).token_ids)
         .collect();
+    // The CPU's default mode, q8 (integer dots on two-plane activations), in every KV
+    // element too: not bitwise, but it must decode the same tokens (the bar for being the
+    // default: docs/cpu.md, "Accuracy"; one 8-bit plane did not).
+    let (q8, _) = Model::load_as(&path, false, WeightDtype::Q8).unwrap();
+    let ours_q8: Vec<Vec<u32>> = common::KV_DTYPES
+        .iter()
+        .map(|&kv| common::generate_plain(&q8, kv, &prompt, &opts, 8192).token_ids)
+        .collect();
 
     // candle-transformers llama on the same dequantized weights.
     let cfg = llama::Config {
@@ -147,11 +156,13 @@ fn greedy_continuation_matches_candle_llama() {
         theirs.push(next);
         input = vec![next];
     }
-    for (ours, kv) in ours.iter().zip(common::KV_DTYPES) {
+    let modes = ours.iter().map(|o| ("stored", o));
+    let modes = modes.chain(ours_q8.iter().map(|o| ("q8", o)));
+    for ((dtype, ours), kv) in modes.zip(common::KV_DTYPES.iter().cycle()) {
         assert_eq!(
             ours,
             &theirs,
-            "KV {kv}: strata: {:?}\ncandle: {:?}",
+            "{dtype}, KV {kv}: strata: {:?}\ncandle: {:?}",
             tok.decode(ours, false),
             tok.decode(&theirs, false)
         );

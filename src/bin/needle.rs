@@ -208,11 +208,13 @@ fn run(args: Args) -> Result<bool> {
     let plan = session_cfg.plan(&model.cfg)?;
     // --num-cpu-blocks may hold less than --max-model-len: the longest case and its answer
     // must fit what the engine holds, or the run would fail after its first cases.
-    let cap = session_cfg.capacity(&model.cfg)?;
-    if longest.saturating_add(NEW_TOKENS) > cap {
+    let (cap, need) = (
+        session_cfg.capacity(&model.cfg)?,
+        longest.saturating_add(NEW_TOKENS),
+    );
+    if need > cap {
         return Err(errors::usage(format!(
-            "--input-len {longest} and the {NEW_TOKENS}-token answer need {} tokens, the offload engine holds {cap} (--num-cpu-blocks × --block-size {}); raise --num-cpu-blocks",
-            longest + NEW_TOKENS,
+            "--input-len {longest} and the {NEW_TOKENS}-token answer need {need} tokens, the offload engine holds {cap} (--num-cpu-blocks × --block-size {}); raise --num-cpu-blocks",
             args.block_size
         )));
     }

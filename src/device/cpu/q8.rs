@@ -299,19 +299,15 @@ mod x86 {
         /// `acc` plus the lane sums of `u` and `x`.
         unsafe fn acc_us(acc: __m256i, u: __m256i, x: __m256i) -> __m256i;
 
-        #[inline(always)]
-        unsafe fn us(u: __m256i, x: __m256i) -> __m256i {
-            // SAFETY: the caller's contract.
-            unsafe { Self::acc_us(_mm256_setzero_si256(), u, x) }
-        }
-
         /// The lane sums of `u` against an activation block's two planes, as its levels:
-        /// `254 · us(u, qs) + us(u, ql)`, exact (|each| ≤ 4 · 128 · 127: |sum| < 2^24).
+        /// `254 · (lane sums with qs) + (lane sums with ql)`, exact (each at most
+        /// 4 · 128 · 127: the whole below 2^24).
         #[inline(always)]
         unsafe fn levels(u: __m256i, qs: __m256i, ql: __m256i) -> __m256i {
             // SAFETY: the caller's contract (AVX2 at least).
             unsafe {
-                let coarse = _mm256_mullo_epi32(Self::us(u, qs), _mm256_set1_epi32(PLANE));
+                let coarse = Self::acc_us(_mm256_setzero_si256(), u, qs);
+                let coarse = _mm256_mullo_epi32(coarse, _mm256_set1_epi32(PLANE));
                 Self::acc_us(coarse, u, ql)
             }
         }
@@ -530,9 +526,10 @@ mod x86 {
                     let x = &*xs[r].as_ptr().add(b);
                     let xv = _mm256_loadu_si256(x.qs.as_ptr().cast());
                     let xl = _mm256_loadu_si256(x.ql.as_ptr().cast());
-                    let s8 = _mm256_mul_ps(d8, _mm256_set1_ps(x.d)); // dw · d, each row
-                                                                     // Q4_0's values are nibble − 8: Σ (n − 8)·x = Σ n·x − 8·Σ x, lane by
-                                                                     // lane, exact in i32 (|8·Σ x| ≤ 8·4·32258).
+                    // dw · d, each of the group's rows.
+                    let s8 = _mm256_mul_ps(d8, _mm256_set1_ps(x.d));
+                    // Q4_0's values are nibble − 8: Σ (n − 8)·x = Σ n·x − 8·Σ x, lane by
+                    // lane, exact in i32 (|8·Σ x| ≤ 8·4·32258).
                     let eight = if format == Format::Q4_0 {
                         M::levels(_mm256_set1_epi8(8), xv, xl)
                     } else {

@@ -273,12 +273,14 @@ mod x86 {
         }
     }
 
-    /// AVX-512 VNNI on 256-bit registers (AVX-512VL), detected at run time: `vpdpbusd`
-    /// computes the four-product lane sums in one instruction, and 32 registers hold
-    /// wider blocks.
+    /// AVX-512 VNNI, detected at run time: `vpdpbusd` computes the four-product lane sums
+    /// in one instruction; rows as stored on 256-bit registers (AVX-512VL), repacked groups
+    /// on 512-bit ones (`packed_with_512`).
     #[derive(Clone, Copy, Debug)]
     pub struct Vnni {
-        _detected: (),
+        /// Whether the repacked kernel asks for the weights `PREFETCH_BYTES` ahead
+        /// (`intel_cpu`).
+        prefetch: bool,
     }
 
     impl Vnni {
@@ -288,8 +290,29 @@ mod x86 {
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx512vnni"))
-            .then_some(Self { _detected: () })
+            .then(|| Self {
+                prefetch: intel_cpu(),
+            })
         }
+    }
+
+    /// How far ahead of the block it reads the repacked kernel prefetches the weights,
+    /// where it does (`intel_cpu`): 2 KiB, about a dozen blocks (decode on an Intel Xeon,
+    /// SmolLM2: 0, 1, 2 and 4 KiB alternated, 2 best; docs/cpu.md).
+    const PREFETCH_BYTES: usize = 2048;
+
+    /// Whether this is an Intel CPU, whose decode matmuls run faster when they prefetch
+    /// their weights in software: a layer's matrices are short streams (100–300 KB per
+    /// thread), over before the hardware prefetchers reach full rate (measured on a Xeon
+    /// of the Emerald Rapids generation: ≈ +30% decode). On AMD Zen 4 the same kind of
+    /// prefetch made decode slower, so other vendors keep to the hardware's (docs/cpu.md).
+    fn intel_cpu() -> bool {
+        static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *INTEL.get_or_init(|| {
+            let id = __cpuid(0); // leaf 0: the vendor string, on every x86-64 CPU
+            let vendor = [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat();
+            vendor == b"GenuineIntel"
+        })
     }
 
     /// The 8 lane sums `Σ_{i = 4l..4l+4} u[i]·x[i]` of unsigned bytes `u` and signed `x`.
@@ -564,6 +587,130 @@ mod x86 {
         }
     }
 
+    /// `packed_with` on 512-bit registers, for the VNNI kernel: each register holds two of
+    /// the group's rows, one per half, so every byte dot, conversion and multiply-add does
+    /// two rows' work (on cores with full-width AVX-512 units, such as Intel's Xeons, one
+    /// 512-bit `vpdpbusd` issues as often as a 256-bit one, and this kernel is bound by
+    /// those instructions where the weights are in cache). Lane by lane it computes what
+    /// `packed_with` does, so its bits are the same: a half's 8 lanes are one row's lane
+    /// sums of one block (the activation planes are the same in both halves), scaled by
+    /// that row's `dw · d` and added into that row's accumulator.
+    ///
+    /// Which rows share a register follows from the layout (`packed.rs`): a 64-byte load of
+    /// two 4-bit pairs gives rows (0, 2) in its low nibbles and (1, 3) in its high ones; of
+    /// Q8_0 rows, two consecutive rows. Q8_0's signed weights take the `|w| · (x signed as
+    /// w)` form of the 256-bit kernels, the sign applied by a masked negation (AVX-512 has
+    /// no 512-bit `vpsignb`; where `w` = 0 the product is 0 either way).
+    ///
+    /// # Safety
+    /// AVX-512F, BW, VNNI, F16C and FMA are present; lengths are checked here.
+    #[inline(always)]
+    unsafe fn packed_with_512<F: Fmt, const R: usize>(
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+        prefetch: bool,
+    ) -> [[f32; PACK]; R] {
+        /// The group rows in register `k`'s low and high halves.
+        const Q4_PAIRS: [(usize, usize); PACK / 2] = [(0, 2), (1, 3), (4, 6), (5, 7)];
+        const Q8_PAIRS: [(usize, usize); PACK / 2] = [(0, 1), (2, 3), (4, 5), (6, 7)];
+        let format = F::FORMAT;
+        let nb = check_packed(xs, g);
+        let gbb = PACK * format.block_bytes();
+        let qs = qs_offset(format);
+        let pairs = if format == Format::Q8_0 {
+            Q8_PAIRS
+        } else {
+            Q4_PAIRS
+        };
+        // SAFETY: the features are the caller's contract; every pointer is inside group
+        // block `b < nb` (checked to be `gbb` bytes each) or activation block `b`.
+        unsafe {
+            // Register k's scales: row `pairs[k].0`'s in lanes 0..8, `pairs[k].1`'s above.
+            let pick: [__m512i; PACK / 2] = std::array::from_fn(|k| {
+                let (lo, hi) = pairs[k];
+                _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo as i32), _mm256_set1_epi32(hi as i32))
+            });
+            let mut acc = [[_mm512_setzero_ps(); PACK / 2]; R]; // [R][register]: 16 lanes
+            let mut mins = [_mm256_setzero_ps(); R]; // [R]: the group's 8 rows
+            let low = _mm512_set1_epi8(0x0F);
+            for b in 0..nb {
+                let p = g.data.as_ptr().add(b * gbb);
+                if prefetch {
+                    // The lines `PREFETCH_BYTES` ahead; past the matrix a hint, never a fault.
+                    for line in (0..gbb).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES + line).cast());
+                    }
+                }
+                let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p.cast())); // the 8 rows' scales
+                let mut w = [_mm512_setzero_si512(); PACK / 2]; // two rows' 32 values each
+                if format == Format::Q8_0 {
+                    for (k, wk) in w.iter_mut().enumerate() {
+                        *wk = _mm512_loadu_si512(p.add(qs + 64 * k).cast());
+                    }
+                } else {
+                    for h in 0..PACK / 4 {
+                        let v = _mm512_loadu_si512(p.add(qs + 64 * h).cast());
+                        w[2 * h] = _mm512_and_si512(v, low);
+                        w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                    }
+                }
+                for r in 0..R {
+                    let x = &*xs[r].as_ptr().add(b);
+                    let xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.qs.as_ptr().cast()));
+                    let xl = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.ql.as_ptr().cast()));
+                    // dw · d, each of the group's rows (lanes 0..8).
+                    let s8 = _mm512_castps256_ps512(_mm256_mul_ps(d8, _mm256_set1_ps(x.d)));
+                    // Q4_0: Σ (n − 8)·x = Σ n·x − 8·Σ x, as in `packed_with`.
+                    let eight = if format == Format::Q4_0 {
+                        levels_512(_mm512_set1_epi8(8), xv, xl)
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    for (k, wk) in w.iter().enumerate() {
+                        let lanes = if format == Format::Q8_0 {
+                            let neg = _mm512_movepi8_mask(*wk);
+                            let zero = _mm512_setzero_si512();
+                            let (sx, sl) = (
+                                _mm512_mask_sub_epi8(xv, neg, zero, xv),
+                                _mm512_mask_sub_epi8(xl, neg, zero, xl),
+                            );
+                            levels_512(_mm512_abs_epi8(*wk), sx, sl)
+                        } else {
+                            _mm512_sub_epi32(levels_512(*wk, xv, xl), eight)
+                        };
+                        let s = _mm512_permutexvar_ps(pick[k], s8);
+                        acc[r][k] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(lanes), acc[r][k]);
+                    }
+                    if format == Format::Q4_1 {
+                        let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * PACK).cast()));
+                        mins[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(x.ds), mins[r]);
+                    }
+                }
+            }
+            let mut out = [[0.0f32; PACK]; R];
+            for r in 0..R {
+                let m = std::mem::transmute::<__m256, [f32; 8]>(mins[r]);
+                for (k, &(lo, hi)) in pairs.iter().enumerate() {
+                    let a = std::mem::transmute::<__m512, [[f32; 8]; 2]>(acc[r][k]);
+                    out[r][lo] = finish(&a[0], m[lo]);
+                    out[r][hi] = finish(&a[1], m[hi]);
+                }
+            }
+            out
+        }
+    }
+
+    /// `MulSum::levels` with `vpdpbusd` on 512-bit registers: 16 lanes.
+    #[inline(always)]
+    unsafe fn levels_512(u: __m512i, qs: __m512i, ql: __m512i) -> __m512i {
+        // SAFETY: inlined only into the 512-bit kernel (AVX-512F and VNNI, its contract).
+        unsafe {
+            let coarse = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, qs);
+            let coarse = _mm512_mullo_epi32(coarse, _mm512_set1_epi32(PLANE));
+            _mm512_dpbusd_epi32(coarse, u, ql)
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn avx2_packed<const R: usize>(
         xs: &[&[Q8Block]; R],
@@ -577,9 +724,16 @@ mod x86 {
     unsafe fn vnni_packed<const R: usize>(
         xs: &[&[Q8Block]; R],
         g: PackedGroup<'_>,
+        prefetch: bool,
     ) -> [[f32; PACK]; R] {
         // SAFETY: this function runs only with those features (its caller's contract).
-        unsafe { packed_by_format::<Dpbusd, R>(xs, g) }
+        unsafe {
+            match g.format {
+                Format::Q4_0 => packed_with_512::<Q40, R>(xs, g, prefetch),
+                Format::Q4_1 => packed_with_512::<Q41, R>(xs, g, prefetch),
+                _ => packed_with_512::<Q80, R>(xs, g, prefetch),
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -644,7 +798,7 @@ mod x86 {
             g: PackedGroup<'_>,
         ) -> [[f32; PACK]; R] {
             // SAFETY: a `Vnni` exists only once its features were detected.
-            unsafe { vnni_packed(xs, g) }
+            unsafe { vnni_packed(xs, g, self.prefetch) }
         }
     }
 }

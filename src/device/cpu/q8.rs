@@ -261,7 +261,8 @@ mod x86 {
     /// AVX2 (+ FMA, F16C), detected at run time: `maddubs` then `madd` for the lane sums.
     #[derive(Clone, Copy, Debug)]
     pub struct Avx2 {
-        _detected: (),
+        /// Whether the repacked kernel asks for the weights ahead (`prefetch_ahead`).
+        prefetch: bool,
     }
 
     impl Avx2 {
@@ -269,7 +270,9 @@ mod x86 {
             (is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c"))
-            .then_some(Self { _detected: () })
+            .then(|| Self {
+                prefetch: intel_cpu(),
+            })
         }
     }
 
@@ -278,8 +281,7 @@ mod x86 {
     /// on 512-bit ones (`packed_with_512`).
     #[derive(Clone, Copy, Debug)]
     pub struct Vnni {
-        /// Whether the repacked kernel asks for the weights `PREFETCH_BYTES` ahead
-        /// (`intel_cpu`).
+        /// Whether the repacked kernel asks for the weights ahead (`prefetch_ahead`).
         prefetch: bool,
     }
 
@@ -296,16 +298,27 @@ mod x86 {
         }
     }
 
-    /// How far ahead of the block it reads the repacked kernel prefetches the weights,
-    /// where it does (`intel_cpu`): 2 KiB, about a dozen blocks (decode on an Intel Xeon,
-    /// SmolLM2: 0, 1, 2 and 4 KiB alternated, 2 best; docs/cpu.md).
+    /// How far ahead of the block it reads a repacked kernel prefetches the weights, where
+    /// it does (`intel_cpu`): 2 KiB, about a dozen blocks (1K decode on an Intel Xeon,
+    /// SmolLM2, 0, 1, 2 and 4 KiB alternated: 2 and 4 alike and best; docs/cpu.md).
     const PREFETCH_BYTES: usize = 2048;
+
+    /// Asks for the lines `PREFETCH_BYTES` past each of the `bytes` from `p` (a group
+    /// block about to be read): one request per line, into L1.
+    #[inline(always)]
+    unsafe fn prefetch_ahead(p: *const u8, bytes: usize) {
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch is a hint: past the matrix it reads nothing and never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES + line).cast()) };
+        }
+    }
 
     /// Whether this is an Intel CPU, whose decode matmuls run faster when they prefetch
     /// their weights in software: a layer's matrices are short streams (100–300 KB per
     /// thread), over before the hardware prefetchers reach full rate (measured on a Xeon
-    /// of the Emerald Rapids generation: ≈ +30% decode). On AMD Zen 4 the same kind of
-    /// prefetch made decode slower, so other vendors keep to the hardware's (docs/cpu.md).
+    /// of the Emerald Rapids generation, 1K decode: ≈ +27% with the VNNI kernel, ≈ +21%
+    /// with the AVX2 one). On AMD Zen 4 the same kind of prefetch made decode slower, so
+    /// other vendors keep to the hardware's (docs/cpu.md).
     fn intel_cpu() -> bool {
         static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *INTEL.get_or_init(|| {
@@ -497,13 +510,14 @@ mod x86 {
     unsafe fn packed_by_format<M: MulSum, const R: usize>(
         xs: &[&[Q8Block]; R],
         g: PackedGroup<'_>,
+        prefetch: bool,
     ) -> [[f32; PACK]; R] {
         // SAFETY: the caller's contract.
         unsafe {
             match g.format {
-                Format::Q4_0 => packed_with::<M, Q40, R>(xs, g),
-                Format::Q4_1 => packed_with::<M, Q41, R>(xs, g),
-                _ => packed_with::<M, Q80, R>(xs, g),
+                Format::Q4_0 => packed_with::<M, Q40, R>(xs, g, prefetch),
+                Format::Q4_1 => packed_with::<M, Q41, R>(xs, g, prefetch),
+                _ => packed_with::<M, Q80, R>(xs, g, prefetch),
             }
         }
     }
@@ -519,6 +533,7 @@ mod x86 {
     unsafe fn packed_with<M: MulSum, F: Fmt, const R: usize>(
         xs: &[&[Q8Block]; R],
         g: PackedGroup<'_>,
+        prefetch: bool,
     ) -> [[f32; PACK]; R] {
         let format = F::FORMAT;
         let nb = check_packed(xs, g);
@@ -532,6 +547,9 @@ mod x86 {
             let low = _mm256_set1_epi8(0x0F);
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
+                if prefetch {
+                    prefetch_ahead(p, gbb);
+                }
                 let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p.cast())); // the 8 rows' scales
                 let mut w = [_mm256_setzero_si256(); PACK]; // each row's 32 values
                 if format == Format::Q8_0 {
@@ -636,10 +654,7 @@ mod x86 {
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
                 if prefetch {
-                    // The lines `PREFETCH_BYTES` ahead; past the matrix a hint, never a fault.
-                    for line in (0..gbb).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES + line).cast());
-                    }
+                    prefetch_ahead(p, gbb);
                 }
                 let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p.cast())); // the 8 rows' scales
                 let mut w = [_mm512_setzero_si512(); PACK / 2]; // two rows' 32 values each
@@ -715,9 +730,10 @@ mod x86 {
     unsafe fn avx2_packed<const R: usize>(
         xs: &[&[Q8Block]; R],
         g: PackedGroup<'_>,
+        prefetch: bool,
     ) -> [[f32; PACK]; R] {
         // SAFETY: this function runs only with AVX2, FMA and F16C (its caller's contract).
-        unsafe { packed_by_format::<Maddubs, R>(xs, g) }
+        unsafe { packed_by_format::<Maddubs, R>(xs, g, prefetch) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -775,7 +791,7 @@ mod x86 {
             g: PackedGroup<'_>,
         ) -> [[f32; PACK]; R] {
             // SAFETY: an `Avx2` exists only once AVX2, FMA and F16C were detected.
-            unsafe { avx2_packed(xs, g) }
+            unsafe { avx2_packed(xs, g, self.prefetch) }
         }
     }
 

@@ -502,6 +502,36 @@ mod x86 {
         }
     }
 
+    /// A group block's 8 scales (`d[8]` f16 at its start, `packed.rs`), after asking for
+    /// the lines ahead when `prefetch` (`prefetch_ahead`).
+    ///
+    /// # Safety
+    /// `p` is a group block of `gbb` bytes; AVX2 and F16C are present.
+    #[inline(always)]
+    unsafe fn group_scales(p: *const u8, gbb: usize, prefetch: bool) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if prefetch {
+                prefetch_ahead(p, gbb);
+            }
+            _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+        }
+    }
+
+    /// `mins` (a Q4_1 group's 8 rows) plus each row's min times `ds`: `fma(m, ds, mins)`.
+    ///
+    /// # Safety
+    /// `p` is a Q4_1 group block (`m[8]` f16 after the scales); AVX2, FMA and F16C are
+    /// present.
+    #[inline(always)]
+    unsafe fn add_mins(p: *const u8, ds: f32, mins: __m256) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * PACK).cast()));
+            _mm256_fmadd_ps(m8, _mm256_set1_ps(ds), mins)
+        }
+    }
+
     /// `packed_with` for the group's format.
     ///
     /// # Safety
@@ -547,10 +577,7 @@ mod x86 {
             let low = _mm256_set1_epi8(0x0F);
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
-                if prefetch {
-                    prefetch_ahead(p, gbb);
-                }
-                let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p.cast())); // the 8 rows' scales
+                let d8 = group_scales(p, gbb, prefetch); // the 8 rows' scales
                 let mut w = [_mm256_setzero_si256(); PACK]; // each row's 32 values
                 if format == Format::Q8_0 {
                     for (c, wc) in w.iter_mut().enumerate() {
@@ -588,8 +615,7 @@ mod x86 {
                         acc[r][c] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(lanes), acc[r][c]);
                     }
                     if format == Format::Q4_1 {
-                        let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * PACK).cast()));
-                        mins[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(x.ds), mins[r]);
+                        mins[r] = add_mins(p, x.ds, mins[r]);
                     }
                 }
             }
@@ -653,10 +679,7 @@ mod x86 {
             let low = _mm512_set1_epi8(0x0F);
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
-                if prefetch {
-                    prefetch_ahead(p, gbb);
-                }
-                let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p.cast())); // the 8 rows' scales
+                let d8 = group_scales(p, gbb, prefetch); // the 8 rows' scales
                 let mut w = [_mm512_setzero_si512(); PACK / 2]; // two rows' 32 values each
                 if format == Format::Q8_0 {
                     for (k, wk) in w.iter_mut().enumerate() {
@@ -697,8 +720,7 @@ mod x86 {
                         acc[r][k] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(lanes), acc[r][k]);
                     }
                     if format == Format::Q4_1 {
-                        let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * PACK).cast()));
-                        mins[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(x.ds), mins[r]);
+                        mins[r] = add_mins(p, x.ds, mins[r]);
                     }
                 }
             }

@@ -130,6 +130,8 @@ fn sparse_eval_scores_what_it_prints() {
     ]);
     assert!(ok, "{stderr}");
     let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    // The defaults are `generate`'s: what a user's sparse decode runs with.
+    assert_eq!((&r["dtype"], &r["kv_dtype"]), (&"q8".into(), &"f16".into()));
     let cases = r["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 2);
     for c in cases {
@@ -196,8 +198,16 @@ fn the_table_names_every_cell() {
         "1",
         "--budget",
         "1/8",
+        "--dtype",
+        "stored",
+        "--kv-dtype",
+        "f32",
     ]);
     assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("weights stored, KV f32,"),
+        "the reference mode, named: {stdout}"
+    );
     let head = stdout.lines().nth(1).unwrap();
     for col in [
         "task",

@@ -16,6 +16,7 @@ use anyhow::{bail, Result};
 
 use super::replay::Replay;
 use super::SparseConfig;
+use crate::device::kv_elem::KvElem;
 use crate::engine::{Sampler, SamplingParams};
 use crate::flags;
 use crate::model::{Model, Tokenizer};
@@ -97,6 +98,12 @@ pub struct SparseEvalArgs {
     /// Seeds: the tuning set, or the held-out set (run once, with the final method).
     #[arg(long, value_enum, default_value_t = SeedSet::Tune)]
     pub seed_set: SeedSet,
+    /// As `generate`'s: the defaults evaluate what a user runs; `--dtype stored --kv-dtype
+    /// f32` is the bitwise reference mode (every table before 2026-12-04 evening ran in it).
+    #[command(flatten)]
+    pub dtype: flags::WeightDtypeArg,
+    #[command(flatten)]
+    pub kv: flags::KvDtypeArg,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -147,6 +154,9 @@ pub struct Cell {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct EvalReport {
     pub seed_set: SeedSet,
+    /// The weights' mode and the KV element the cases ran with.
+    pub dtype: String,
+    pub kv_dtype: String,
     pub block_size: usize,
     pub page_size: usize,
     pub cells: Vec<Cell>,
@@ -172,8 +182,10 @@ pub fn run(args: SparseEvalArgs) -> Result<()> {
             }
         }
     }
+    let kv_dtype = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
+    let dtype = args.dtype.resolve(crate::device::DeviceKind::Cpu);
     let path = crate::model::resolve(args.model.clone())?;
-    let (model, tok) = Model::load(&path, false)?;
+    let (model, tok) = Model::load_as(&path, false, dtype)?;
     let longest = *args.context.iter().max().expect("clap gives a default");
     if longest > model.cfg.max_position_embeddings {
         bail!(
@@ -181,7 +193,9 @@ pub fn run(args: SparseEvalArgs) -> Result<()> {
             model.cfg.max_position_embeddings
         );
     }
-    let report = evaluate(&model, &tok, &args, &tasks)?;
+    let mut report =
+        crate::with_kv_elem!(kv_dtype, T => evaluate::<T>(&model, &tok, &args, &tasks)?);
+    report.dtype = dtype.name().to_string();
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -191,7 +205,7 @@ pub fn run(args: SparseEvalArgs) -> Result<()> {
 }
 
 /// Runs every case (progress on stderr) and tabulates.
-pub fn evaluate(
+pub fn evaluate<T: KvElem>(
     model: &Model,
     tok: &Tokenizer,
     args: &SparseEvalArgs,
@@ -204,7 +218,7 @@ pub fn evaluate(
         budget,
         page_size: page,
     };
-    let mut kv = Replay::<f32>::new(c, sc(page + args.block_size), args.block_size, longest);
+    let mut kv = Replay::<T>::new(c, sc(page + args.block_size), args.block_size, longest);
     let total = tasks.len() * args.context.len() * args.cases;
     let mut cases = Vec::new();
     for &context in &args.context {
@@ -309,6 +323,8 @@ pub fn evaluate(
     }
     Ok(EvalReport {
         seed_set: args.seed_set,
+        dtype: String::new(), // the caller's to fill: it loaded the model
+        kv_dtype: T::NAME.to_string(),
         block_size: args.block_size,
         page_size: page,
         cells,
@@ -343,9 +359,9 @@ fn cell(
 
 /// Greedy decode from the prefill's first token at `pos`: up to `max_new` tokens (the
 /// first included), stopping at an end-of-sequence token or the context's end.
-fn greedy(
+fn greedy<T: KvElem>(
     model: &Model,
-    kv: &mut Replay<f32>,
+    kv: &mut Replay<T>,
     first: u32,
     mut pos: usize,
     max_new: usize,
@@ -366,8 +382,8 @@ impl fmt::Display for EvalReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "RULER retrieval, {:?} seeds, block {}, page {}: sparse scored on the cases full attention gets right",
-            self.seed_set, self.block_size, self.page_size
+            "RULER retrieval, {:?} seeds, weights {}, KV {}, block {}, page {}: sparse scored on the cases full attention gets right",
+            self.seed_set, self.dtype, self.kv_dtype, self.block_size, self.page_size
         )?;
         writeln!(
             f,

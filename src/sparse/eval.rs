@@ -193,9 +193,7 @@ pub fn run(args: SparseEvalArgs) -> Result<()> {
             model.cfg.max_position_embeddings
         );
     }
-    let mut report =
-        crate::with_kv_elem!(kv_dtype, T => evaluate::<T>(&model, &tok, &args, &tasks)?);
-    report.dtype = dtype.name().to_string();
+    let report = crate::with_kv_elem!(kv_dtype, T => evaluate::<T>(&model, &tok, &args, &tasks)?);
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -323,7 +321,11 @@ pub fn evaluate<T: KvElem>(
     }
     Ok(EvalReport {
         seed_set: args.seed_set,
-        dtype: String::new(), // the caller's to fill: it loaded the model
+        dtype: args
+            .dtype
+            .resolve(crate::device::DeviceKind::Cpu)
+            .name()
+            .to_string(),
         kv_dtype: T::NAME.to_string(),
         block_size: args.block_size,
         page_size: page,

@@ -1155,11 +1155,11 @@ mod tests {
         for b in 0..400 {
             let scale = 10f32.powi(rng.random_range(-30..30));
             x.extend((0..QK).map(|_| scale * rng.random_range(-1.0..1.0f32)));
+            let n = x.len();
+            let blk = &mut x[n - QK..]; // the block just added
             match b % 8 {
                 // Block max 32258 so that value = level: boundaries and ties exactly.
                 1 | 2 => {
-                    let n = x.len();
-                    let blk = &mut x[n - QK..];
                     blk[0] = LEVELS as f32;
                     for (i, v) in blk.iter_mut().enumerate().skip(1) {
                         let m = rng.random_range(-127..=126) * PLANE - PLANE / 2;
@@ -1168,29 +1168,23 @@ mod tests {
                     }
                 }
                 3 => {
-                    let n = x.len();
                     let specials = [f32::NAN, 0.0, -0.0, f32::MIN_POSITIVE / 4.0];
-                    for (i, v) in x[n - QK..].iter_mut().enumerate().step_by(3) {
+                    for (i, v) in blk.iter_mut().enumerate().step_by(3) {
                         *v = specials[i % specials.len()];
                     }
                 }
                 4 => {
-                    let n = x.len();
-                    x[n - 5] = if b % 16 == 4 {
+                    blk[QK - 5] = if b % 16 == 4 {
                         f32::INFINITY
                     } else {
                         f32::NEG_INFINITY
                     };
                 }
                 5 => {
-                    let n = x.len();
-                    x[n - 7] = f32::MAX;
-                    x[n - 8] = -f32::MAX;
+                    blk[QK - 7] = f32::MAX;
+                    blk[QK - 8] = -f32::MAX;
                 }
-                6 => {
-                    let n = x.len();
-                    x[n - QK..].fill(0.0);
-                }
+                6 => blk.fill(0.0),
                 _ => {}
             }
         }

@@ -498,12 +498,17 @@ pub fn score(output: &str, answers: &[String]) -> f64 {
     if answers.is_empty() {
         return 0.0;
     }
-    let out = output.to_lowercase();
-    let found = answers
-        .iter()
-        .filter(|a| out.contains(&a.to_lowercase()))
-        .count();
+    let found = found(output, answers).iter().filter(|&&f| f).count();
     found as f64 / answers.len() as f64
+}
+
+/// Which of `answers` appear in `output`, case-insensitively (`score`'s test, per value).
+pub fn found(output: &str, answers: &[String]) -> Vec<bool> {
+    let out = output.to_lowercase();
+    answers
+        .iter()
+        .map(|a| out.contains(&a.to_lowercase()))
+        .collect()
 }
 
 /// Key words: adjectives and nouns (keys are "adjective-noun").

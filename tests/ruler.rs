@@ -163,9 +163,11 @@ fn sparse_eval_scores_what_it_prints() {
             "a whole-context budget is full attention"
         );
         assert_eq!(sparse[1]["budget"], 128);
-        for s in sparse {
-            let t = s["answer"].as_str().unwrap();
-            assert_eq!(s["score"].as_f64().unwrap(), ruler::score(t, &answers));
+        for d in sparse.iter().chain([full]) {
+            let t = d["answer"].as_str().unwrap();
+            assert_eq!(d["score"].as_f64().unwrap(), ruler::score(t, &answers));
+            let found: Vec<bool> = serde_json::from_value(d["found"].clone()).unwrap();
+            assert_eq!(found, ruler::found(t, &answers), "{d}");
         }
     }
     // Cells: two tasks and "all", per budget; counts consistent with the cases.
@@ -176,6 +178,9 @@ fn sparse_eval_scores_what_it_prints() {
         assert_eq!(cell["cases"], n, "{cell}");
         assert_eq!(cell["full_correct"], n, "{cell}");
         assert!(cell["sparse_correct"].as_u64().unwrap() <= n);
+        // One value a case, each found by full attention; kept where sparse found it.
+        assert_eq!(cell["values_full_found"], n, "{cell}");
+        assert_eq!(cell["values_kept"], cell["sparse_correct"], "{cell}");
     }
     assert_eq!(
         cells[0]["sparse_accuracy"], 100.0,
@@ -219,6 +224,7 @@ fn the_table_names_every_cell() {
         "sparse_ok",
         "sparse_acc",
         "drop",
+        "values_kept",
     ] {
         assert!(head.contains(col), "{head}");
     }

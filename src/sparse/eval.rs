@@ -3,6 +3,13 @@
 //! reference: sparse decode is scored only on the cases full attention gets right (all
 //! expected values found), since a miss there is the model's, not the selection's.
 //!
+//! Multi-value answers get a second, finer measure: on every case where full attention
+//! finds at least one value, the share of the values it found that sparse decode finds
+//! too ("values kept"). It is what a selection can be tuned on where the model finds only
+//! some of the values (the small default model at 8K finds one or two of four queried
+//! keys' values on most cases), and it counts a lost value where the whole-case score
+//! would need every value right first.
+//!
 //! Each case is prefilled once into a `Replay` cache and decoded greedily with full
 //! attention, then (only if full attention is right) at each budget, rewound to the
 //! prompt between them: the engine's own selection (`replay`), one prefill instead of one
@@ -116,6 +123,8 @@ pub struct Decoded {
     pub budget: Option<usize>,
     pub answer: String,
     pub score: f64,
+    /// Per expected value (the case's `answers`, in order): whether the answer has it.
+    pub found: Vec<bool>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -129,7 +138,7 @@ pub struct CaseReport {
     /// Depths (percent) of the asked needles.
     pub depths: Vec<u32>,
     pub full: Decoded,
-    /// One per budget, in `--budget` order; empty when full attention is wrong.
+    /// One per budget, in `--budget` order; empty when full attention finds no value.
     pub sparse: Vec<Decoded>,
 }
 
@@ -149,6 +158,11 @@ pub struct Cell {
     pub sparse_correct: usize,
     /// Mean sparse score over the full-correct cases, percent (full attention's is 100).
     pub sparse_accuracy: Option<f64>,
+    /// Values full attention found, over every case where it found one (a case's values
+    /// count only once, however many budgets).
+    pub values_full_found: usize,
+    /// Of those, the ones sparse decode found too.
+    pub values_kept: usize,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -253,14 +267,18 @@ pub fn evaluate<T: KvElem>(
                     )?;
                     let answer = tok.decode(&ids, true)?;
                     let score = ruler::score(&answer, &p.answers);
+                    let found = ruler::found(&answer, &p.answers);
                     Ok(Decoded {
                         budget,
                         answer,
                         score,
+                        found,
                     })
                 };
                 let full = decode(None)?;
-                let sparse = if full.score == 1.0 {
+                // Sparse wherever full attention found a value: scored per case where it
+                // found them all, per value (`values_kept`) where it found any.
+                let sparse = if full.score > 0.0 {
                     budgets
                         .iter()
                         .map(|&b| decode(Some(b)))
@@ -344,6 +362,12 @@ fn cell(
 ) -> Cell {
     let right: Vec<&&CaseReport> = of.iter().filter(|r| r.full.score == 1.0).collect();
     let sparse: Vec<f64> = right.iter().map(|r| r.sparse[bi].score).collect();
+    // (full found, sparse found too) per value, over the cases with sparse decodes.
+    let values = of
+        .iter()
+        .filter(|r| !r.sparse.is_empty())
+        .flat_map(|r| r.full.found.iter().zip(&r.sparse[bi].found))
+        .filter(|&(&full, _)| full);
     Cell {
         task: task.to_string(),
         context,
@@ -356,6 +380,8 @@ fn cell(
         sparse_correct: sparse.iter().filter(|&&s| s == 1.0).count(),
         sparse_accuracy: (!sparse.is_empty())
             .then(|| 100.0 * sparse.iter().sum::<f64>() / sparse.len() as f64),
+        values_full_found: values.clone().count(),
+        values_kept: values.filter(|&(_, &kept)| kept).count(),
     }
 }
 
@@ -384,12 +410,12 @@ impl fmt::Display for EvalReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "RULER retrieval, {:?} seeds, weights {}, KV {}, block {}, page {}: sparse scored on the cases full attention gets right",
+            "RULER retrieval, {:?} seeds, weights {}, KV {}, block {}, page {}: sparse scored on the cases full attention gets right; values_kept: of the values full attention found (any case), those sparse found too",
             self.seed_set, self.dtype, self.kv_dtype, self.block_size, self.page_size
         )?;
         writeln!(
             f,
-            "{:<16} {:>7} {:>11} {:>5} {:>8} {:>7} {:>9} {:>10} {:>6}",
+            "{:<16} {:>7} {:>11} {:>5} {:>8} {:>7} {:>9} {:>10} {:>6} {:>11}",
             "task",
             "context",
             "budget",
@@ -398,7 +424,8 @@ impl fmt::Display for EvalReport {
             "full_ok",
             "sparse_ok",
             "sparse_acc",
-            "drop"
+            "drop",
+            "values_kept"
         )?;
         for c in &self.cells {
             let acc = c.sparse_accuracy.map_or("-".into(), |a| format!("{a:.1}"));
@@ -407,7 +434,7 @@ impl fmt::Display for EvalReport {
                 .map_or("-".into(), |a| format!("{:.1}", 100.0 - a));
             writeln!(
                 f,
-                "{:<16} {:>7} {:>11} {:>5} {:>8.1} {:>7} {:>9} {:>10} {:>6}",
+                "{:<16} {:>7} {:>11} {:>5} {:>8.1} {:>7} {:>9} {:>10} {:>6} {:>11}",
                 c.task,
                 c.context,
                 format!("{} ({})", c.budget, c.budget_spec),
@@ -416,7 +443,8 @@ impl fmt::Display for EvalReport {
                 c.full_correct,
                 c.sparse_correct,
                 acc,
-                drop
+                drop,
+                format!("{}/{}", c.values_kept, c.values_full_found)
             )?;
         }
         Ok(())
@@ -426,6 +454,52 @@ impl fmt::Display for EvalReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn decoded(budget: Option<usize>, found: &[bool]) -> Decoded {
+        Decoded {
+            budget,
+            answer: String::new(),
+            score: found.iter().filter(|&&f| f).count() as f64 / found.len() as f64,
+            found: found.to_vec(),
+        }
+    }
+
+    fn report(full: &[bool], sparse: &[&[bool]]) -> CaseReport {
+        CaseReport {
+            task: "niah_multiquery",
+            context: 8192,
+            index: 0,
+            seed: 0,
+            prompt_tokens: 8000,
+            answers: vec!["1".into(); full.len()],
+            depths: Vec::new(),
+            full: decoded(None, full),
+            sparse: sparse.iter().map(|f| decoded(Some(512), f)).collect(),
+        }
+    }
+
+    /// Whole cases are scored where full attention found every value; values are counted
+    /// on every case where it found one, and only the values it found.
+    #[test]
+    fn values_kept_counts_the_values_full_attention_found() {
+        let (t, f) = (true, false);
+        let cases = [
+            // Full right, sparse loses one value of four (and finds none extra).
+            report(&[t, t, t, t], &[&[t, f, t, t], &[t, t, t, t]]),
+            // Full finds two; sparse keeps one of them and finds one full did not.
+            report(&[t, f, t, f], &[&[t, t, f, f], &[f, f, f, f]]),
+            // Full finds nothing: no sparse decodes, nothing counted.
+            report(&[f, f, f, f], &[]),
+        ];
+        let of: Vec<&CaseReport> = cases.iter().collect();
+        let c = cell("all", 8192, BudgetSpec::Fraction(8), 1024, 0, &of);
+        assert_eq!((c.cases, c.full_correct, c.sparse_correct), (3, 1, 0));
+        assert_eq!(c.sparse_accuracy, Some(75.0));
+        assert_eq!((c.values_kept, c.values_full_found), (4, 6));
+        let c = cell("all", 8192, BudgetSpec::Fraction(8), 1024, 1, &of);
+        assert_eq!((c.full_correct, c.sparse_correct), (1, 1));
+        assert_eq!((c.values_kept, c.values_full_found), (4, 6));
+    }
 
     #[test]
     fn budgets_parse_as_fractions_or_tokens() {

@@ -11,7 +11,7 @@
 //! would need every value right first.
 //!
 //! Each case is prefilled once into a `Replay` cache and decoded greedily with full
-//! attention, then (only if full attention is right) at each budget, rewound to the
+//! attention, then (if full attention found any value) at each budget, rewound to the
 //! prompt between them: the engine's own selection (`replay`), one prefill instead of one
 //! per budget. Prefill is full attention in every mode, so sharing it changes nothing.
 

@@ -495,11 +495,15 @@ fn encode(tok: &Tokenizer, t: &Text) -> Result<RulerPrompt> {
 /// RULER's `string_match_all` for one output: the fraction of `answers` found in
 /// `output`, case-insensitively.
 pub fn score(output: &str, answers: &[String]) -> f64 {
-    if answers.is_empty() {
+    score_found(&found(output, answers))
+}
+
+/// `score` from `found`'s answer: the fraction of values found (0 when none are expected).
+pub fn score_found(found: &[bool]) -> f64 {
+    if found.is_empty() {
         return 0.0;
     }
-    let found = found(output, answers).iter().filter(|&&f| f).count();
-    found as f64 / answers.len() as f64
+    found.iter().filter(|&&f| f).count() as f64 / found.len() as f64
 }
 
 /// Which of `answers` appear in `output`, case-insensitively (`score`'s test, per value).

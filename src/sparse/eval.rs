@@ -266,12 +266,11 @@ pub fn evaluate<T: KvElem>(
                         context,
                     )?;
                     let answer = tok.decode(&ids, true)?;
-                    let score = ruler::score(&answer, &p.answers);
                     let found = ruler::found(&answer, &p.answers);
                     Ok(Decoded {
                         budget,
                         answer,
-                        score,
+                        score: ruler::score_found(&found),
                         found,
                     })
                 };
@@ -459,7 +458,7 @@ mod tests {
         Decoded {
             budget,
             answer: String::new(),
-            score: found.iter().filter(|&&f| f).count() as f64 / found.len() as f64,
+            score: ruler::score_found(found),
             found: found.to_vec(),
         }
     }

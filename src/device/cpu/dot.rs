@@ -14,6 +14,7 @@
 //! the dot over the same keys widened to f32. `axpy` (attention's `P·V`) reads values the
 //! same way.
 
+use super::ops::{exp_nonpos, max_of, sum_of};
 use crate::device::kv_elem::{KvDtype, KvElem};
 
 /// Lanes of every fixed-order dot.
@@ -47,6 +48,26 @@ pub trait DotKernel: Copy + Send + Sync {
         _ahead: &[&[W]],
     ) {
         scores_by_blocks(self, q, ws, out, stride);
+    }
+
+    /// The largest of a row of scores (−∞ for an empty row). A maximum is exact, so every
+    /// kernel gives the portable value whatever its order.
+    #[inline(always)]
+    fn row_max(self, row: &[f32]) -> f32 {
+        max_of(row)
+    }
+
+    /// Attention's softmax numerators: `row[i] = exp_nonpos(row[i] - m)` for every element,
+    /// returning their sum in `sum_of`'s order. Each element is the portable scalar
+    /// function's chain of operations and the sum the portable order, so every kernel
+    /// gives the portable bits whatever its width.
+    #[inline(always)]
+    fn exp_sum(self, row: &mut [f32], m: f32) -> f32 {
+        // Separate map and sum loops: each vectorizes, a fused one would not.
+        for x in row.iter_mut() {
+            *x = exp_nonpos(*x - m);
+        }
+        sum_of(row)
     }
 
     /// `accumulate` for several rows over the same values: row `r` of `acc[rows, hd]` (`hd`
@@ -418,6 +439,101 @@ impl DotKernel for Avx512 {
         // SAFETY: as above.
         unsafe { avx512_accumulate_rows(ps, p_stride, vs, acc, ahead) }
     }
+
+    #[inline(always)]
+    fn row_max(self, row: &[f32]) -> f32 {
+        // SAFETY: as above.
+        unsafe { avx512_row_max(row) }
+    }
+
+    #[inline(always)]
+    fn exp_sum(self, row: &mut [f32], m: f32) -> f32 {
+        // SAFETY: as above.
+        unsafe { avx512_exp_sum(row, m) }
+    }
+}
+
+/// `Avx512::row_max`: 16 lanes, two registers (independent chains), then the lanes and
+/// the tail; NaNs skipped, as `max_of` skips them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_row_max(row: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_set1_ps(f32::NEG_INFINITY); 2];
+    let mut chunks = row.chunks_exact(2 * LANES);
+    for c in &mut chunks {
+        for (h, a) in acc.iter_mut().enumerate() {
+            // SAFETY: 16 floats of the 32-float chunk from 16h.
+            let x = unsafe { _mm512_loadu_ps(c.as_ptr().add(h * LANES)) };
+            // `vmaxps` returns its second operand where either is a NaN: the running
+            // maximum, so a NaN is skipped, as `f32::max` skips it.
+            *a = _mm512_max_ps(x, *a);
+        }
+    }
+    let lanes = _mm512_reduce_max_ps(_mm512_max_ps(acc[0], acc[1]));
+    max_of(chunks.remainder()).max(lanes)
+}
+
+/// `exp_fast` on 16 lanes: the scalar function's operations in its order, one IEEE
+/// operation per scalar one (it has no fused multiply-adds), so each lane is bitwise
+/// `exp_nonpos` of its input. The clamp takes the bounds as first operands so that a NaN
+/// stays a NaN, as `f32::clamp` leaves it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use super::ops::exp_consts::*;
+    use std::arch::x86_64::*;
+    let c = |v: f32| _mm512_set1_ps(v);
+    let x = _mm512_min_ps(c(HI), _mm512_max_ps(c(LO), x));
+    let t = _mm512_add_ps(_mm512_mul_ps(x, c(LOG2E)), c(MAGIC));
+    let n = _mm512_sub_ps(t, c(MAGIC));
+    let n_int = _mm512_sub_epi32(
+        _mm512_castps_si512(t),
+        _mm512_set1_epi32(MAGIC.to_bits() as i32),
+    );
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(n, c(LN2_HI))),
+        _mm512_mul_ps(n, c(LN2_LO)),
+    );
+    let mut p = c(POLY[0]);
+    for &k in &POLY[1..] {
+        p = _mm512_add_ps(c(k), _mm512_mul_ps(r, p));
+    }
+    let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(n_int, _mm512_set1_epi32(127)));
+    _mm512_mul_ps(p, _mm512_castsi512_ps(scale))
+}
+
+/// `Avx512::exp_sum`: 16 elements a step, each step's two halves added to `sum_of`'s 8
+/// lane sums in turn (its order: lane `l` takes elements `l`, `l + 8`, `l + 16`, …); the
+/// last elements as the portable code does them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_exp_sum(row: &mut [f32], m: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let mv = _mm512_set1_ps(m);
+    let mut acc8 = _mm256_setzero_ps();
+    let mut chunks = row.chunks_exact_mut(2 * 8);
+    for c in &mut chunks {
+        // SAFETY: 16 floats in the chunk, read and written in place.
+        let e = unsafe { exp16(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), mv)) };
+        unsafe { _mm512_storeu_ps(c.as_mut_ptr(), e) };
+        acc8 = _mm256_add_ps(acc8, _mm512_castps512_ps256(e));
+        acc8 = _mm256_add_ps(acc8, _mm512_extractf32x8_ps::<1>(e));
+    }
+    let mut acc = [0.0f32; 8];
+    // SAFETY: 8 floats into an 8-float array.
+    unsafe { _mm256_storeu_ps(acc.as_mut_ptr(), acc8) };
+    let tail = chunks.into_remainder();
+    for x in tail.iter_mut() {
+        *x = exp_nonpos(*x - m);
+    }
+    let mut eights = tail.chunks_exact(8);
+    for c in &mut eights {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + eights.remainder().iter().sum::<f32>()
 }
 
 /// Keys per step of `avx512_scores`: one `reduce8` of their accumulators.
@@ -1149,6 +1265,61 @@ mod tests {
                 run,
                 want,
                 "{name} {hd}x{rows}x{kn}"
+            );
+        }
+    }
+
+    /// Attention's softmax step (`row_max`, `exp_sum`): every kernel gives the portable
+    /// bits, on rows of every length up to ten 16-lane steps and around a tile (tails of
+    /// each size), with scores past exp's clamp (below −87 after the shift), zeros, and a
+    /// NaN kept a NaN; the sum is checked against an f64 reference, so a dropped lane fails.
+    #[test]
+    fn every_kernel_takes_a_softmax_step_as_the_portable_code_bitwise() {
+        let mut rng = StdRng::seed_from_u64(14);
+        let lengths: Vec<usize> = (0..=160).chain([511, 512, 513]).collect();
+        for (i, &len) in lengths.iter().enumerate() {
+            let mut row: Vec<f32> = (0..len)
+                .map(|_| match rng.random_range(0..10) {
+                    0 => rng.random_range(-200.0..-80.0),
+                    1 => 0.0,
+                    _ => rng.random_range(-30.0..5.0),
+                })
+                .collect();
+            if i % 7 == 3 && len > 0 {
+                row[len / 2] = f32::NAN;
+            }
+            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // The row, then one more element: what the body writes there.
+            let run = |f: &dyn Fn(&mut [f32])| {
+                let mut out = row.clone();
+                out.push(f32::NAN);
+                f(&mut out);
+                out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            let want = run(&|o| o[len] = Portable.row_max(&o[..len]));
+            assert_eq!(want[len], m.to_bits(), "the portable max, length {len}");
+            every_kernel!(
+                |kern, o| o[len] = kern.row_max(&o[..len]),
+                run,
+                want,
+                "row_max, length {len}"
+            );
+            let want = run(&|o| o[len] = Portable.exp_sum(&mut o[..len], m));
+            if !row.iter().any(|x| x.is_nan()) {
+                let exact: f64 = row.iter().map(|&x| (x as f64 - m as f64).exp()).sum();
+                let sum = f32::from_bits(want[len]) as f64;
+                assert!(
+                    (sum - exact).abs() <= 1e-5 * exact.max(1.0),
+                    "sum, length {len}"
+                );
+            } else {
+                assert!(f32::from_bits(want[len / 2]).is_nan(), "NaN, length {len}");
+            }
+            every_kernel!(
+                |kern, o| o[len] = kern.exp_sum(&mut o[..len], m),
+                run,
+                want,
+                "exp_sum, length {len}"
             );
         }
     }

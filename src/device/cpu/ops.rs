@@ -771,16 +771,34 @@ pub fn exp_nonpos(x: f32) -> f32 {
     exp_fast(x)
 }
 
+/// `exp_fast`'s constants, shared with the 16-lane version (`dot.rs`), which must do the
+/// same operations on the same values.
+pub(super) mod exp_consts {
+    pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two (Cody-Waite) so `n · ln2` stays exact for |n| up to ~128.
+    pub const LN2_HI: f32 = 0.693_145_75;
+    pub const LN2_LO: f32 = 1.428_606_8e-6;
+    pub const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³: adding it rounds to an integer
+    pub const LO: f32 = -87.0; // the clamp: exp saturates outside [LO, HI]
+    pub const HI: f32 = 88.0;
+    /// The degree-6 polynomial's coefficients, highest first (Horner's order).
+    pub const POLY: [f32; 7] = [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ];
+}
+
 /// `exp(x)`, vectorizable: 2ⁿ · e^r with |r| ≤ ln2/2 and a degree-6 polynomial
 /// (relative error ≈ 2e-7, at f32 rounding level); saturates outside [-87, 88].
 #[inline(always)]
 pub fn exp_fast(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split in two (Cody-Waite) so `n · ln2` stays exact for |n| up to ~128.
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³: adding it rounds to an integer
-    let x = x.clamp(-87.0, 88.0);
+    use exp_consts::*;
+    let x = x.clamp(LO, HI);
     let t = x * LOG2E + MAGIC;
     let n = t - MAGIC;
     // n as an integer: t = 1.5 · 2²³ + n lies in [2²³, 2²⁴), where one unit is one ulp,
@@ -788,16 +806,17 @@ pub fn exp_fast(x: f32) -> f32 {
     // and so compiles to a scalar conversion per lane.)
     let n_int = t.to_bits() as i32 - MAGIC.to_bits() as i32;
     let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    // Horner: 1 + r(1 + r(1/2 + r(1/6 + r(1/24 + r(1/120 + r/720))))).
+    let mut p = POLY[0];
+    for k in &POLY[1..] {
+        p = k + r * p;
+    }
     p * f32::from_bits(((n_int + 127) as u32) << 23)
 }
 
 /// Largest element (−∞ for an empty slice), in 8 lanes so it vectorizes.
 #[inline]
-fn max_of(x: &[f32]) -> f32 {
+pub(super) fn max_of(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let chunks = x.chunks_exact(8);
     let rest = chunks.remainder();
@@ -814,7 +833,7 @@ fn max_of(x: &[f32]) -> f32 {
 
 /// Sum in 8 lanes so it vectorizes.
 #[inline]
-fn sum_of(x: &[f32]) -> f32 {
+pub(super) fn sum_of(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = x.chunks_exact(8);
     let rest = chunks.remainder();
@@ -1189,13 +1208,9 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
                 }
                 for r in (g * nq + i) * group..(g * nq + i + 1) * group {
                     let row = &mut sc[r * K_TILE..r * K_TILE + visible];
-                    let m_new = m[r].max(max_of(row));
+                    let m_new = m[r].max(kern.row_max(row));
                     let corr = exp_nonpos(m[r] - m_new);
-                    // Separate map and sum loops: each vectorizes, a fused one would not.
-                    for x in row.iter_mut() {
-                        *x = exp_nonpos(*x - m_new);
-                    }
-                    let sum = sum_of(row);
+                    let sum = kern.exp_sum(row, m_new);
                     l[r] = l[r] * corr + sum;
                     m[r] = m_new;
                     if corr != 1.0 {

@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use half::f16;
-use strata::device::cpu::dot::DotKernel;
+use strata::device::cpu::dot::{DotKernel, Rows};
 
 const KEYS: usize = 32;
 const STRIDE: usize = 128; // as attention's score tile (K_TILE)
@@ -42,13 +42,13 @@ fn run<K: DotKernel>(kern: K, name: &str) {
             .collect();
         let mut scores = vec![0.0f32; rows * STRIDE];
         let s = best_ns(KEYS * rows, || {
-            kern.scores(&q, &keys, &mut scores, STRIDE, &[]);
+            kern.scores(&q, Rows::whole(&keys), &mut scores, STRIDE, &[]);
             std::hint::black_box(&mut scores);
         });
         let ps = vec![0.01f32; rows * STRIDE];
         let mut acc = vec![0.0f32; rows * hd];
         let pv = best_ns(KEYS * rows, || {
-            kern.accumulate_rows(&ps, STRIDE, &keys, &mut acc, &[]);
+            kern.accumulate_rows(&ps, STRIDE, Rows::whole(&keys), &mut acc, &[]);
             std::hint::black_box(&mut acc);
         });
         println!("{name} head {hd:>3}, {rows} rows: scores {s:5.2} ns/pair, P·V {pv:5.2} ns/pair");

@@ -15,10 +15,103 @@
 //! same way.
 
 use super::ops::{exp_nonpos, max_of, sum_of};
+use std::ops::Range;
+
 use crate::device::kv_elem::{KvDtype, KvElem};
 
 /// Lanes of every fixed-order dot.
 pub const LANES: usize = 16;
+
+/// K or V rows seen through one window of columns: row `j` is `rows[j][start..start +
+/// width]`. Attention hands the kernels a tile's whole rows (every KV head of its task)
+/// and each head's window of them, so it builds no list of per-head slices per tile; the
+/// window is checked once, when made, so the kernels read `width` elements from `ptr(j)`.
+#[derive(Clone, Copy, Debug)]
+pub struct Rows<'r, 'a, W> {
+    rows: &'r [&'a [W]],
+    start: usize,
+    width: usize,
+}
+
+impl<'r, 'a, W> Rows<'r, 'a, W> {
+    /// Columns `cols` of every row; panics if a row ends before `cols.end`.
+    pub fn new(rows: &'r [&'a [W]], cols: Range<usize>) -> Self {
+        assert!(
+            cols.start <= cols.end && rows.iter().all(|r| r.len() >= cols.end),
+            "Rows: a row shorter than its window {cols:?}"
+        );
+        Self {
+            rows,
+            start: cols.start,
+            width: cols.len(),
+        }
+    }
+
+    /// Whole rows, all of one length (panics otherwise).
+    pub fn whole(rows: &'r [&'a [W]]) -> Self {
+        let width = rows.first().map_or(0, |r| r.len());
+        assert!(
+            rows.iter().all(|r| r.len() == width),
+            "Rows::whole: rows of different lengths"
+        );
+        Self::new(rows, 0..width)
+    }
+
+    /// Columns `cols` of this window, counted from its start.
+    pub fn columns(self, cols: Range<usize>) -> Self {
+        assert!(
+            cols.start <= cols.end && cols.end <= self.width,
+            "Rows: columns {cols:?} outside a window of {}",
+            self.width
+        );
+        Self {
+            start: self.start + cols.start,
+            width: cols.len(),
+            ..self
+        }
+    }
+
+    /// Rows `range` of this window.
+    pub fn range(self, range: Range<usize>) -> Self {
+        Self {
+            rows: &self.rows[range],
+            ..self
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Elements of each row's window.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// The width, if there is a row (the shape kernels take from their first row).
+    fn first_width(&self) -> Option<usize> {
+        (!self.is_empty()).then_some(self.width)
+    }
+
+    /// Row `j`'s window.
+    pub fn row(&self, j: usize) -> &'a [W] {
+        &self.rows[j][self.start..self.start + self.width]
+    }
+
+    /// The first element of row `j`'s window: `width` elements from it are inside the row
+    /// (checked by `new`).
+    fn ptr(&self, j: usize) -> *const W {
+        self.rows[j][self.start..].as_ptr()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &'a [W]> + '_ {
+        (0..self.len()).map(|j| self.row(j))
+    }
+}
 
 /// `R × C` dot products `xs[r] · ws[c]` of slices of one length, and `axpy`.
 pub trait DotKernel: Copy + Send + Sync {
@@ -32,7 +125,7 @@ pub trait DotKernel: Copy + Send + Sync {
     /// Each element is its own chain of correctly rounded operations, so every kernel
     /// gives the portable bits whatever its width; the SIMD ones keep `acc` in registers
     /// across the keys.
-    fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]);
+    fn accumulate<W: KvElem>(self, ps: &[f32], vs: Rows<'_, '_, W>, acc: &mut [f32]);
 
     /// Attention's score tile: `out[r * stride + c] = dot(q row r, ws[c])`, the fixed-order
     /// dot of `block`, for the `q.len() / k` query rows of `q[rows, k]` (`k` = the keys'
@@ -42,7 +135,7 @@ pub trait DotKernel: Copy + Send + Sync {
     fn scores<W: KvElem>(
         self,
         q: &[f32],
-        ws: &[&[W]],
+        ws: Rows<'_, '_, W>,
         out: &mut [f32],
         stride: usize,
         _ahead: &[&[W]],
@@ -79,11 +172,11 @@ pub trait DotKernel: Copy + Send + Sync {
         self,
         ps: &[f32],
         p_stride: usize,
-        vs: &[&[W]],
+        vs: Rows<'_, '_, W>,
         acc: &mut [f32],
         _ahead: &[&[W]],
     ) {
-        let Some(hd) = vs.first().map(|v| v.len()) else {
+        let Some(hd) = vs.first_width() else {
             return;
         };
         for (r, acc) in acc.chunks_exact_mut(hd).enumerate() {
@@ -102,11 +195,11 @@ const SNR: usize = 3;
 fn scores_by_blocks<K: DotKernel, W: KvElem>(
     kern: K,
     q: &[f32],
-    keys: &[&[W]],
+    keys: Rows<'_, '_, W>,
     out: &mut [f32],
     stride: usize,
 ) {
-    let Some(hd) = keys.first().map(|k| k.len()) else {
+    let Some(hd) = keys.first_width() else {
         return;
     };
     let (rows, kn) = (q.len() / hd, keys.len());
@@ -117,7 +210,7 @@ fn scores_by_blocks<K: DotKernel, W: KvElem>(
         if r + SMR <= rows {
             let xs: [&[f32]; SMR] = std::array::from_fn(|i| qrow(r + i));
             while j + SNR <= kn {
-                let ws: [&[W]; SNR] = std::array::from_fn(|c| keys[j + c]);
+                let ws: [&[W]; SNR] = std::array::from_fn(|c| keys.row(j + c));
                 let b = kern.block(&xs, &ws);
                 for (i, row) in b.iter().enumerate() {
                     out[(r + i) * stride + j..][..SNR].copy_from_slice(row);
@@ -125,7 +218,7 @@ fn scores_by_blocks<K: DotKernel, W: KvElem>(
                 j += SNR;
             }
             while j < kn {
-                let b = kern.block(&xs, &[keys[j]]);
+                let b = kern.block(&xs, &[keys.row(j)]);
                 for (i, row) in b.iter().enumerate() {
                     out[(r + i) * stride + j] = row[0];
                 }
@@ -134,7 +227,7 @@ fn scores_by_blocks<K: DotKernel, W: KvElem>(
             r += SMR;
         } else {
             for (jj, key) in keys.iter().enumerate() {
-                out[r * stride + jj] = kern.block(&[qrow(r)], &[*key])[0][0];
+                out[r * stride + jj] = kern.block(&[qrow(r)], &[key])[0][0];
             }
             r += 1;
         }
@@ -234,15 +327,15 @@ impl DotKernel for Portable {
     }
 
     #[inline(always)]
-    fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+    fn accumulate<W: KvElem>(self, ps: &[f32], vs: Rows<'_, '_, W>, acc: &mut [f32]) {
         accumulate_from(0, ps, vs, acc);
     }
 }
 
 /// Checks `accumulate`'s shapes: a weight per row, every row as long as `acc`.
-fn check_rows<W>(ps: &[f32], vs: &[&[W]], acc: &[f32]) {
+fn check_rows<W>(ps: &[f32], vs: Rows<'_, '_, W>, acc: &[f32]) {
     assert!(
-        ps.len() == vs.len() && vs.iter().all(|v| v.len() == acc.len()),
+        ps.len() == vs.len() && vs.width() == acc.len(),
         "accumulate: {} weights, rows of other lengths than {}",
         ps.len(),
         acc.len()
@@ -251,9 +344,9 @@ fn check_rows<W>(ps: &[f32], vs: &[&[W]], acc: &[f32]) {
 
 /// The portable `accumulate` over elements `from..` (every kernel's tail).
 #[inline(always)]
-fn accumulate_from<W: KvElem>(from: usize, ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+fn accumulate_from<W: KvElem>(from: usize, ps: &[f32], vs: Rows<'_, '_, W>, acc: &mut [f32]) {
     check_rows(ps, vs, acc);
-    for (p, v) in ps.iter().zip(vs) {
+    for (p, v) in ps.iter().zip(vs.iter()) {
         for (a, x) in acc[from..].iter_mut().zip(&v[from..]) {
             *a = p.mul_add(x.to_f32(), *a);
         }
@@ -315,7 +408,7 @@ impl DotKernel for Avx2 {
     }
 
     #[inline(always)]
-    fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+    fn accumulate<W: KvElem>(self, ps: &[f32], vs: Rows<'_, '_, W>, acc: &mut [f32]) {
         use std::arch::x86_64::*;
         check_rows(ps, vs, acc);
         // 4 registers (32 elements) of `acc` at a time, then single registers.
@@ -326,7 +419,7 @@ impl DotKernel for Avx2 {
             while i + 32 <= acc.len() {
                 let a = acc.as_mut_ptr().add(i);
                 let mut r: [__m256; 4] = std::array::from_fn(|c| _mm256_loadu_ps(a.add(8 * c)));
-                for (p, v) in ps.iter().zip(vs) {
+                for (p, v) in ps.iter().zip(vs.iter()) {
                     let (pv, x) = (_mm256_set1_ps(*p), v.as_ptr().add(i));
                     for (c, r) in r.iter_mut().enumerate() {
                         *r = _mm256_fmadd_ps(pv, load8(x.add(8 * c)), *r);
@@ -340,7 +433,7 @@ impl DotKernel for Avx2 {
             while i + 8 <= acc.len() {
                 let a = acc.as_mut_ptr().add(i);
                 let mut r = _mm256_loadu_ps(a);
-                for (p, v) in ps.iter().zip(vs) {
+                for (p, v) in ps.iter().zip(vs.iter()) {
                     r = _mm256_fmadd_ps(_mm256_set1_ps(*p), load8(v.as_ptr().add(i)), r);
                 }
                 _mm256_storeu_ps(a, r);
@@ -404,7 +497,7 @@ impl DotKernel for Avx512 {
     }
 
     #[inline(always)]
-    fn accumulate<W: KvElem>(self, ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+    fn accumulate<W: KvElem>(self, ps: &[f32], vs: Rows<'_, '_, W>, acc: &mut [f32]) {
         // SAFETY: as above.
         unsafe { avx512_accumulate(ps, vs, acc) }
     }
@@ -413,12 +506,12 @@ impl DotKernel for Avx512 {
     fn scores<W: KvElem>(
         self,
         q: &[f32],
-        ws: &[&[W]],
+        ws: Rows<'_, '_, W>,
         out: &mut [f32],
         stride: usize,
         ahead: &[&[W]],
     ) {
-        match ws.first().map(|k| k.len()) {
+        match ws.first_width() {
             Some(k) if k > 0 && k % LANES == 0 => {
                 // SAFETY: as above.
                 unsafe { avx512_scores(q, ws, out, stride, ahead) }
@@ -432,7 +525,7 @@ impl DotKernel for Avx512 {
         self,
         ps: &[f32],
         p_stride: usize,
-        vs: &[&[W]],
+        vs: Rows<'_, '_, W>,
         acc: &mut [f32],
         ahead: &[&[W]],
     ) {
@@ -548,16 +641,16 @@ const S512_KEYS: usize = 8;
 #[target_feature(enable = "avx512f")]
 unsafe fn avx512_scores<W: KvElem>(
     q: &[f32],
-    keys: &[&[W]],
+    keys: Rows<'_, '_, W>,
     out: &mut [f32],
     stride: usize,
     ahead: &[&[W]],
 ) {
-    let k = keys[0].len();
+    let k = keys.width();
     let (rows, kn) = (q.len() / k, keys.len());
     assert!(
         rows * k == q.len()
-            && keys.iter().all(|w| w.len() == k)
+            && keys.width() == k
             && kn <= stride
             && (rows == 0 || (rows - 1) * stride + kn <= out.len()),
         "scores: shapes"
@@ -577,12 +670,12 @@ unsafe fn avx512_scores<W: KvElem>(
 #[target_feature(enable = "avx512f")]
 unsafe fn avx512_score_all_rows<W: KvElem>(
     q: &[f32],
-    keys: &[&[W]],
+    keys: Rows<'_, '_, W>,
     out: &mut [f32],
     stride: usize,
     ahead: &[&[W]],
 ) {
-    let rows = q.len() / keys[0].len();
+    let rows = q.len() / keys.width();
     let mut r = 0;
     let mut ahead = ahead; // prefetched during the first rows' pass
     while r + 3 <= rows {
@@ -606,7 +699,7 @@ unsafe fn avx512_score_all_rows<W: KvElem>(
 #[target_feature(enable = "avx512f")]
 unsafe fn avx512_score_all_rows_qreg<W: KvElem, const S: usize, const RB: usize>(
     q: &[f32],
-    keys: &[&[W]],
+    keys: Rows<'_, '_, W>,
     out: &mut [f32],
     stride: usize,
     ahead: &[&[W]],
@@ -652,7 +745,7 @@ const QREG_KEYS: usize = 4;
 unsafe fn avx512_score_rows_qreg<W: KvElem, const R: usize, const S: usize>(
     q: &[f32],
     r0: usize,
-    keys: &[&[W]],
+    keys: Rows<'_, '_, W>,
     out: &mut [f32],
     stride: usize,
     ahead: &[&[W]],
@@ -730,13 +823,13 @@ unsafe fn reduce4(a: &[std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m1
 unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
     q: &[f32],
     r0: usize,
-    keys: &[&[W]],
+    keys: Rows<'_, '_, W>,
     out: &mut [f32],
     stride: usize,
     ahead: &[&[W]],
 ) {
     use std::arch::x86_64::*;
-    let (k, kn) = (keys[0].len(), keys.len());
+    let (k, kn) = (keys.width(), keys.len());
     let mut j = 0;
     while j < kn {
         let n = S512_KEYS.min(kn - j);
@@ -776,7 +869,7 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn score_step<W, const N: usize>(
-    keys: &[&[W]],
+    keys: Rows<'_, '_, W>,
     j: usize,
     n: usize,
     ahead: &[&[W]],
@@ -789,7 +882,7 @@ fn score_step<W, const N: usize>(
     for row in ahead.get(j..end).unwrap_or(&[]) {
         prefetch_row(row);
     }
-    std::array::from_fn(|c| keys[j + c.min(n - 1)].as_ptr())
+    std::array::from_fn(|c| keys.ptr(j + c.min(n - 1)))
 }
 
 /// Asks for every cache line of `row` (K or V rows read next) to be brought into cache:
@@ -872,17 +965,17 @@ const A512_ROWS: usize = 4;
 unsafe fn avx512_accumulate_rows<W: KvElem>(
     ps: &[f32],
     p_stride: usize,
-    vs: &[&[W]],
+    vs: Rows<'_, '_, W>,
     acc: &mut [f32],
     ahead: &[&[W]],
 ) {
-    let Some(hd) = vs.first().map(|v| v.len()) else {
+    let Some(hd) = vs.first_width() else {
         return;
     };
     let rows = acc.len() / hd;
     assert!(
         rows * hd == acc.len()
-            && vs.iter().all(|v| v.len() == hd)
+            && vs.width() == hd
             && vs.len() <= p_stride
             && (rows == 0 || (rows - 1) * p_stride + vs.len() <= ps.len()),
         "accumulate_rows: shapes"
@@ -922,13 +1015,13 @@ unsafe fn avx512_accumulate_rows<W: KvElem>(
 unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
     ps: &[f32],
     p_stride: usize,
-    vs: &[&[W]],
+    vs: Rows<'_, '_, W>,
     acc: &mut [f32],
     r0: usize,
     ahead: &[&[W]],
 ) {
     use std::arch::x86_64::*;
-    let (hd, kn) = (vs[0].len(), vs.len());
+    let (hd, kn) = (vs.width(), vs.len());
     let mut i = 0;
     while i + 4 * LANES <= hd {
         let mut a = [[_mm512_setzero_ps(); 4]; R];
@@ -953,7 +1046,7 @@ unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
             }
             for c in 0..4 {
                 // SAFETY: 16 elements of value row j from i + 16c + 16 <= hd.
-                let x = unsafe { load16(vs[j].as_ptr().add(i + c * LANES)) };
+                let x = unsafe { load16(vs.ptr(j).add(i + c * LANES)) };
                 for r in 0..R {
                     a[r][c] = _mm512_fmadd_ps(pv[r], x, a[r][c]);
                 }
@@ -994,7 +1087,7 @@ unsafe fn load16<W: KvElem>(p: *const W) -> std::arch::x86_64::__m512 {
 /// the whole tile) of `acc` at a time, then single registers, then the portable tail.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn avx512_accumulate<W: KvElem>(ps: &[f32], vs: &[&[W]], acc: &mut [f32]) {
+unsafe fn avx512_accumulate<W: KvElem>(ps: &[f32], vs: Rows<'_, '_, W>, acc: &mut [f32]) {
     use std::arch::x86_64::*;
     check_rows(ps, vs, acc);
     let mut i = 0;
@@ -1007,8 +1100,8 @@ unsafe fn avx512_accumulate<W: KvElem>(ps: &[f32], vs: &[&[W]], acc: &mut [f32])
             let mut r1 = _mm512_loadu_ps(a.add(LANES));
             let mut r2 = _mm512_loadu_ps(a.add(2 * LANES));
             let mut r3 = _mm512_loadu_ps(a.add(3 * LANES));
-            for j in 0..ps.len() {
-                let (pv, x) = (_mm512_set1_ps(ps[j]), vs[j].as_ptr().add(i));
+            for (j, &p) in ps.iter().enumerate() {
+                let (pv, x) = (_mm512_set1_ps(p), vs.ptr(j).add(i));
                 r0 = _mm512_fmadd_ps(pv, load16(x), r0);
                 r1 = _mm512_fmadd_ps(pv, load16(x.add(LANES)), r1);
                 r2 = _mm512_fmadd_ps(pv, load16(x.add(2 * LANES)), r2);
@@ -1026,8 +1119,8 @@ unsafe fn avx512_accumulate<W: KvElem>(ps: &[f32], vs: &[&[W]], acc: &mut [f32])
         unsafe {
             let a = acc.as_mut_ptr().add(i);
             let mut r = _mm512_loadu_ps(a);
-            for j in 0..ps.len() {
-                r = _mm512_fmadd_ps(_mm512_set1_ps(ps[j]), load16(vs[j].as_ptr().add(i)), r);
+            for (j, &p) in ps.iter().enumerate() {
+                r = _mm512_fmadd_ps(_mm512_set1_ps(p), load16(vs.ptr(j).add(i)), r);
             }
             _mm512_storeu_ps(a, r);
         }
@@ -1120,6 +1213,23 @@ mod tests {
         v.iter().map(|x| x.to_f32()).collect()
     }
 
+    /// Elements before and after each row in `padded`: a kernel that reads outside its
+    /// window reads these and gets other bits.
+    const PAD: (usize, usize) = (3, 5);
+
+    /// Each row inside a longer one, between random elements (`PAD`); `Rows::new` over
+    /// them with the window `PAD.0..PAD.0 + width` sees the rows themselves.
+    fn padded<W: KvElem>(rng: &mut StdRng, rows: &[Vec<W>]) -> Vec<Vec<W>> {
+        rows.iter()
+            .map(|r| {
+                let mut p = elems::<W>(rng, PAD.0);
+                p.extend_from_slice(r);
+                p.extend(elems::<W>(rng, PAD.1));
+                p
+            })
+            .collect()
+    }
+
     /// Every kernel on this machine gives the portable kernel's bits with weights of
     /// element `W`, on lengths with and without a tail, and those are the bits of the f32
     /// dots over the widened weights: widening in registers changes nothing. (Without
@@ -1204,10 +1314,11 @@ mod tests {
                 k(&mut acc);
                 acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             };
-            let want = run(&|a| Portable.accumulate(&ps, &wides, a));
+            let want = run(&|a| Portable.accumulate(&ps, Rows::whole(&wides), a));
             let name = W::NAME;
+            let vs = Rows::whole(&vs);
             every_kernel!(
-                |kern, a| kern.accumulate(&ps, &vs, a),
+                |kern, a| kern.accumulate(&ps, vs, a),
                 run,
                 want,
                 "{name} {hd}"
@@ -1246,6 +1357,10 @@ mod tests {
                 .collect();
             let k: Vec<Vec<W>> = (0..kn).map(|_| elems::<W>(&mut rng, hd)).collect();
             let keys: Vec<&[W]> = k.iter().map(Vec::as_slice).collect();
+            // The kernels read the keys through a window of longer rows.
+            let kp = padded(&mut rng, &k);
+            let kp: Vec<&[W]> = kp.iter().map(Vec::as_slice).collect();
+            let window = Rows::new(&kp, PAD.0..PAD.0 + hd);
             let mut want = vec![f32::NAN; rows * stride];
             for r in 0..rows {
                 for c in 0..kn {
@@ -1261,7 +1376,7 @@ mod tests {
             let want = run(&|o| o.copy_from_slice(&want));
             let name = W::NAME;
             every_kernel!(
-                |kern, o| kern.scores(&q, &keys, o, stride, &keys),
+                |kern, o| kern.scores(&q, window, o, stride, &kp),
                 run,
                 want,
                 "{name} {hd}x{rows}x{kn}"
@@ -1347,12 +1462,16 @@ mod tests {
             let ps = widen(&elems::<f32>(&mut rng, rows * p_stride));
             let v: Vec<Vec<W>> = (0..kn).map(|_| elems::<W>(&mut rng, hd)).collect();
             let vs: Vec<&[W]> = v.iter().map(Vec::as_slice).collect();
+            // The kernels read the values through a window of longer rows.
+            let vp = padded(&mut rng, &v);
+            let vp: Vec<&[W]> = vp.iter().map(Vec::as_slice).collect();
+            let window = Rows::new(&vp, PAD.0..PAD.0 + hd);
             let acc0 = widen(&elems::<f32>(&mut rng, rows * hd));
             let mut want = acc0.clone();
             for r in 0..rows {
                 Portable.accumulate(
                     &ps[r * p_stride..][..kn],
-                    &vs,
+                    Rows::whole(&vs),
                     &mut want[r * hd..(r + 1) * hd],
                 );
             }
@@ -1364,7 +1483,7 @@ mod tests {
             };
             let name = W::NAME;
             every_kernel!(
-                |kern, a| kern.accumulate_rows(&ps, p_stride, &vs, a, &vs),
+                |kern, a| kern.accumulate_rows(&ps, p_stride, window, a, &vp),
                 run,
                 want,
                 "{name} {hd}x{rows}"

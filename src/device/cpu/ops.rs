@@ -6,7 +6,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 pub use super::dot::dot_fixed;
-use super::dot::DotKernel;
+use super::dot::{DotKernel, Rows};
 use super::fused::{StoredDot, StoredRows};
 use super::packed::{PackedRows, PACK};
 use super::q8;
@@ -1156,22 +1156,15 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     // start too late (a chunk is a few thousand cycles of compute, a miss a few hundred).
     let (mut whole_k, mut whole_v): (Vec<&[T]>, Vec<&[T]>) = (Vec::new(), Vec::new());
     let whole = kv_heads.start * hd..kv_heads.end * hd;
-    // [kv heads][kn][hd]: this tile's key and value rows of each of the task's KV heads.
-    let mut keys: Vec<Vec<&[T]>> = vec![Vec::with_capacity(K_TILE); kv_heads.len()];
-    let mut values: Vec<Vec<&[T]>> = vec![Vec::with_capacity(K_TILE); kv_heads.len()];
     let mut kb = ks;
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
         let fetched = kb..ke.min(kb + kn + KV_CHUNK);
         let (wk, wv) = (&mut whole_k, &mut whole_v);
         rows_at(kv, &s.kv, whole.clone(), fetched, wk, wv);
-        for (g, (gk, gv)) in keys.iter_mut().zip(values.iter_mut()).enumerate() {
-            let head = g * hd..(g + 1) * hd;
-            gk.clear();
-            gv.clear();
-            gk.extend(whole_k[..kn].iter().map(|&row| &row[head.clone()]));
-            gv.extend(whole_v[..kn].iter().map(|&row| &row[head.clone()]));
-        }
+        // This tile's K and V rows; KV head `g`'s are their columns `g * hd..(g + 1) * hd`.
+        let (tile_k, tile_v) = (Rows::whole(&whole_k[..kn]), Rows::whole(&whole_v[..kn]));
+        let head = |g: usize| g * hd..(g + 1) * hd;
         // The rows after a chunk ending at tile key c1.
         let after = |c1: usize| c1..whole_k.len().min(c1 + KV_CHUNK);
         // sc[rows, kn] = qg · Kᵀ, each score the fixed-order dot. Key chunk by key chunk,
@@ -1195,7 +1188,8 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
                 } else {
                     &[]
                 };
-                kern.scores(qg, &keys[g][c0..c1], sc, K_TILE, ahead);
+                let keys = tile_k.columns(head(g)).range(c0..c1);
+                kern.scores(qg, keys, sc, K_TILE, ahead);
             }
         }
         // Online softmax per row: sc becomes this tile's probabilities.
@@ -1224,7 +1218,7 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
         for c0 in (0..kn).step_by(KV_CHUNK) {
             let c1 = kn.min(c0 + KV_CHUNK);
             let mut ahead = &whole_v[after(c1)]; // for the chunk's first call
-            for (g, g_values) in values.iter().enumerate() {
+            for g in 0..kv_heads.len() {
                 for i in 0..nq {
                     let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);
                     if visible <= c0 {
@@ -1233,7 +1227,7 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
                     let rows = (g * nq + i) * group..(g * nq + i + 1) * group;
                     let acc = &mut o[rows.start * hd..rows.end * hd];
                     let ps = &sc[rows.start * K_TILE + c0..];
-                    let vs = &g_values[c0..c1.min(visible)];
+                    let vs = tile_v.columns(head(g)).range(c0..c1.min(visible));
                     kern.accumulate_rows(ps, K_TILE, vs, acc, ahead);
                     ahead = &[];
                 }

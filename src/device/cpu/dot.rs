@@ -611,7 +611,10 @@ unsafe fn avx512_exp_sum(row: &mut [f32], m: f32) -> f32 {
         let e = unsafe { exp16(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), mv)) };
         unsafe { _mm512_storeu_ps(c.as_mut_ptr(), e) };
         acc8 = _mm256_add_ps(acc8, _mm512_castps512_ps256(e));
-        acc8 = _mm256_add_ps(acc8, _mm512_extractf32x8_ps::<1>(e));
+        // The upper half (`_mm512_extractf32x8_ps` needs AVX-512DQ, and a call to it
+        // would not be inlined here).
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)));
+        acc8 = _mm256_add_ps(acc8, hi);
     }
     let mut acc = [0.0f32; 8];
     // SAFETY: 8 floats into an 8-float array.

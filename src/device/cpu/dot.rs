@@ -13,8 +13,11 @@
 //! element is widened to f32 in registers, exactly, so a dot over 16-bit keys is bitwise
 //! the dot over the same keys widened to f32. `axpy` (attention's `P·V`) reads values the
 //! same way.
+//!
+//! Attention's softmax step has its order here too (`max_of`, `sum_of`, `exp_nonpos`),
+//! which each kernel's `row_max` and `exp_sum` reproduce bitwise, however wide.
 
-use super::ops::{exp_nonpos, max_of, sum_of};
+use super::ops::exp_nonpos;
 use std::ops::Range;
 
 use crate::device::kv_elem::{KvDtype, KvElem};
@@ -183,6 +186,38 @@ pub trait DotKernel: Copy + Send + Sync {
             self.accumulate(&ps[r * p_stride..][..vs.len()], vs, acc);
         }
     }
+}
+
+/// Largest element (−∞ for an empty slice), in 8 lanes so it vectorizes.
+#[inline]
+fn max_of(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] = acc[i].max(c[i]);
+        }
+    }
+    rest.iter()
+        .chain(&acc)
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Sum in 8 lanes so it vectorizes: the order of attention's softmax sums, which every
+/// kernel's `exp_sum` reproduces.
+#[inline]
+fn sum_of(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }
 
 /// Query rows × keys per `block` of the default `scores` (the AVX2 kernel's register

@@ -814,37 +814,6 @@ pub fn exp_fast(x: f32) -> f32 {
     p * f32::from_bits(((n_int + 127) as u32) << 23)
 }
 
-/// Largest element (−∞ for an empty slice), in 8 lanes so it vectorizes.
-#[inline]
-pub(super) fn max_of(x: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; 8];
-    let chunks = x.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..8 {
-            acc[i] = acc[i].max(c[i]);
-        }
-    }
-    rest.iter()
-        .chain(&acc)
-        .copied()
-        .fold(f32::NEG_INFINITY, f32::max)
-}
-
-/// Sum in 8 lanes so it vectorizes.
-#[inline]
-pub(super) fn sum_of(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..8 {
-            acc[i] += c[i];
-        }
-    }
-    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
-}
-
 /// Shapes of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {

@@ -209,7 +209,12 @@ fn max_of(x: &[f32]) -> f32 {
 /// kernel's `exp_sum` reproduces.
 #[inline]
 fn sum_of(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
+    sum_continued([0.0; 8], x)
+}
+
+/// `sum_of` of elements that follow a multiple of 8 others whose lane sums are `acc`.
+#[inline(always)]
+fn sum_continued(mut acc: [f32; 8], x: &[f32]) -> f32 {
     let chunks = x.chunks_exact(8);
     let rest = chunks.remainder();
     for c in chunks {
@@ -640,7 +645,7 @@ unsafe fn avx512_exp_sum(row: &mut [f32], m: f32) -> f32 {
     use std::arch::x86_64::*;
     let mv = _mm512_set1_ps(m);
     let mut acc8 = _mm256_setzero_ps();
-    let mut chunks = row.chunks_exact_mut(2 * 8);
+    let mut chunks = row.chunks_exact_mut(LANES);
     for c in &mut chunks {
         // SAFETY: 16 floats in the chunk, read and written in place.
         let e = unsafe { exp16(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), mv)) };
@@ -658,13 +663,7 @@ unsafe fn avx512_exp_sum(row: &mut [f32], m: f32) -> f32 {
     for x in tail.iter_mut() {
         *x = exp_nonpos(*x - m);
     }
-    let mut eights = tail.chunks_exact(8);
-    for c in &mut eights {
-        for i in 0..8 {
-            acc[i] += c[i];
-        }
-    }
-    acc.iter().sum::<f32>() + eights.remainder().iter().sum::<f32>()
+    sum_continued(acc, tail)
 }
 
 /// Keys per step of `avx512_scores`: one `reduce8` of their accumulators.

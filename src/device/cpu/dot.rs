@@ -57,7 +57,12 @@ impl<'r, 'a, W> Rows<'r, 'a, W> {
             rows.iter().all(|r| r.len() == width),
             "Rows::whole: rows of different lengths"
         );
-        Self::new(rows, 0..width)
+        // Every row is `width` long: `new`'s check holds already.
+        Self {
+            rows,
+            start: 0,
+            width,
+        }
     }
 
     /// Columns `cols` of this window, counted from its start.

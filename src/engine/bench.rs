@@ -282,7 +282,8 @@ impl std::fmt::Display for DecodeBenchReport {
         }
         writeln!(
             f,
-            "(\"of peak\": the median over the rounds of each round's read GB/s ÷ the bandwidth probed right before it)"
+            "(\"of peak\": the median over the rounds of each round's read GB/s ÷ the bandwidth probed right before it; \
+             above 100%, part of the bytes came from the CPU's caches instead of memory)"
         )
     }
 }

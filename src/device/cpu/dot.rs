@@ -905,8 +905,7 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
 }
 
 /// The start of a score kernel's step over keys `j..j + n` (`0 < n ≤ N`): asks for the
-/// step's share of `ahead` (as many rows as the step has keys; the rest on the last step,
-/// so all are asked for by the end) and returns the step's key pointers, a short last step
+/// step's share of `ahead` (`ahead_share`) and returns the step's key pointers, a short last step
 /// repeating its last key (the kernel stores only the first `n` scores).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -916,15 +915,20 @@ fn score_step<W, const N: usize>(
     n: usize,
     ahead: &[&[W]],
 ) -> [*const W; N] {
-    let end = if j + n == keys.len() {
-        ahead.len()
-    } else {
-        j + n
-    };
-    for row in ahead.get(j..end).unwrap_or(&[]) {
+    for row in ahead_share(ahead, j, n, keys.len()) {
         prefetch_row(row);
     }
     std::array::from_fn(|c| keys.ptr(j + c.min(n - 1)))
+}
+
+/// The share of `ahead` a kernel's step over keys `j..j + n` of its `kn` asks for: the rows
+/// spread evenly over the keys (all asked for by the last), so the misses go out at a
+/// steady rate while the kernel computes, not in a burst that stalls it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn ahead_share<'r, 'a, W>(ahead: &'r [&'a [W]], j: usize, n: usize, kn: usize) -> &'r [&'a [W]] {
+    let at = |key: usize| key * ahead.len() / kn;
+    &ahead[at(j)..at(j + n)]
 }
 
 /// Asks for every cache line of `row` (K or V rows read next) to be brought into cache:
@@ -1076,9 +1080,8 @@ unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
         }
         for j in 0..kn {
             if i == 0 {
-                // The rows the caller reads next: one per key (the rest after the last).
-                let end = if j + 1 == kn { ahead.len() } else { j + 1 };
-                for row in ahead.get(j..end).unwrap_or(&[]) {
+                // The rows the caller reads next: the key's share.
+                for row in ahead_share(ahead, j, 1, kn) {
                     prefetch_row(row);
                 }
             }

@@ -1119,16 +1119,26 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     let mut o = vec![0.0f32; rows * hd];
     // Scores, then probabilities: [rows, K_TILE].
     let mut sc = vec![0.0f32; rows * K_TILE];
-    // Whole K and V rows (the task's KV heads) of this tile and of the chunk after it,
-    // wherever their pages are: [kn + up to KV_CHUNK][kv_heads.len() * hd]. The kernels
-    // prefetch the rows after the chunk they compute on, an access the hardware would
-    // start too late (a chunk is a few thousand cycles of compute, a miss a few hundred).
+    // Whole K and V rows (the task's KV heads) of this tile and of the chunk after it (the
+    // next partition's too: a thread mostly takes the partitions in order), wherever their
+    // pages are: [kn + up to KV_CHUNK][kv_heads.len() * hd]. Each pass over a chunk asks
+    // for the rows the next pass reads (`next` below), an access the hardware would start
+    // too late (a chunk is a few thousand cycles of compute, a miss a few hundred).
     let (mut whole_k, mut whole_v): (Vec<&[T]>, Vec<&[T]>) = (Vec::new(), Vec::new());
     let whole = kv_heads.start * hd..kv_heads.end * hd;
+    let key_end = s.pos0 + t0 + nq; // the tile's last query sees keys < key_end
+    let nh = kv_heads.len();
+    // KV head `g`'s share of the rows a chunk's pass asks for: each head's call a third (of
+    // 3), which the kernels spread evenly over their keys, so the misses go out at a steady
+    // rate through the whole pass. Asking for them all in head 0's call (or one per key)
+    // bursts them faster than a core's misses drain and stalls the compute behind them
+    // (`cargo bench --bench attention`, 4K f16, one thread: hot 275 → 242, dram 405 → 336
+    // µs a layer with this and the order of `next`).
+    let share = |rows: usize, g: usize| g * rows / nh..(g + 1) * rows / nh;
     let mut kb = ks;
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
-        let fetched = kb..ke.min(kb + kn + KV_CHUNK);
+        let fetched = kb..key_end.min(kb + kn + KV_CHUNK);
         let (wk, wv) = (&mut whole_k, &mut whole_v);
         rows_at(kv, &s.kv, whole.clone(), fetched, wk, wv);
         // This tile's K and V rows; KV head `g`'s are their columns `g * hd..(g + 1) * hd`.
@@ -1144,19 +1154,14 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
             for g in 0..kv_heads.len() {
                 let qg = &qg[g * g_rows * hd..(g + 1) * g_rows * hd];
                 let sc = &mut sc[g * g_rows * K_TILE + c0..(g + 1) * g_rows * K_TILE];
-                // Head 0 asks for the K rows after the chunk; on the tile's last chunk, head
-                // 1 asks for the tile's first V chunk, which `P·V` reads right after the
-                // softmax and nothing else fetches ahead (the `P·V` pass prefetches from its
-                // second chunk on). Measured (`cargo bench --bench attention`, cold 4K,
-                // alternating rounds, four runs): median 216–292 µs a layer against 275–299
-                // without it.
-                let ahead = if g == 0 {
+                // Next: the K rows after the chunk, or after the tile's last chunk its first
+                // V chunk, which `P·V` reads right after the softmax.
+                let next = if c1 < kn {
                     &whole_k[after(c1)]
-                } else if g == 1 && c1 == kn {
-                    &whole_v[..KV_CHUNK.min(kn)]
                 } else {
-                    &[]
+                    &whole_v[..KV_CHUNK.min(kn)]
                 };
+                let ahead = &next[share(next.len(), g)];
                 let keys = tile_k.columns(head(g)).range(c0..c1);
                 kern.scores(qg, keys, sc, K_TILE, ahead);
             }
@@ -1186,8 +1191,15 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
         // token's heads sharing each value load; key chunks outermost as for the scores.
         for c0 in (0..kn).step_by(KV_CHUNK) {
             let c1 = kn.min(c0 + KV_CHUNK);
-            let mut ahead = &whole_v[after(c1)]; // for the chunk's first call
+            // Next: the V rows after the chunk, or after the tile's last chunk the next
+            // tile's (or partition's) first K chunk.
+            let next = if c1 < kn {
+                &whole_v[after(c1)]
+            } else {
+                &whole_k[after(c1)]
+            };
             for g in 0..kv_heads.len() {
+                let mut ahead = &next[share(next.len(), g)]; // for the head's first call
                 for i in 0..nq {
                     let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);
                     if visible <= c0 {

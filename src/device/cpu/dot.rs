@@ -802,10 +802,11 @@ unsafe fn avx512_score_rows_qreg<W: KvElem, const R: usize, const S: usize>(
         }
     }
     let kn = keys.len();
+    let mut ahead = Pacer::new(ahead, kn);
     let mut j = 0;
     while j < kn {
         let n = QREG_KEYS.min(kn - j);
-        let kp: [*const W; QREG_KEYS] = score_step(keys, j, n, ahead);
+        let kp: [*const W; QREG_KEYS] = score_step(keys, j, n, &mut ahead);
         let mut acc = [[_mm512_setzero_ps(); QREG_KEYS]; R];
         // Each accumulator's operations in the dot's order: lanes 0-15, 16-31, ...
         for c in 0..QREG_KEYS {
@@ -872,10 +873,11 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
 ) {
     use std::arch::x86_64::*;
     let (k, kn) = (keys.width(), keys.len());
+    let mut ahead = Pacer::new(ahead, kn);
     let mut j = 0;
     while j < kn {
         let n = S512_KEYS.min(kn - j);
-        let kp: [*const W; S512_KEYS] = score_step(keys, j, n, ahead);
+        let kp: [*const W; S512_KEYS] = score_step(keys, j, n, &mut ahead);
         let mut acc = [[_mm512_setzero_ps(); S512_KEYS]; R];
         // Key by key (each read start to end), 16 lanes at a time: the order of every
         // accumulator's operations is the dot's.
@@ -905,30 +907,56 @@ unsafe fn avx512_score_rows<W: KvElem, const R: usize>(
 }
 
 /// The start of a score kernel's step over keys `j..j + n` (`0 < n ≤ N`): asks for the
-/// step's share of `ahead` (`ahead_share`) and returns the step's key pointers, a short last step
-/// repeating its last key (the kernel stores only the first `n` scores).
+/// step's share of the rows ahead (`Pacer`) and returns the step's key pointers, a short
+/// last step repeating its last key (the kernel stores only the first `n` scores).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn score_step<W, const N: usize>(
     keys: Rows<'_, '_, W>,
     j: usize,
     n: usize,
-    ahead: &[&[W]],
+    ahead: &mut Pacer<'_, '_, W>,
 ) -> [*const W; N] {
-    for row in ahead_share(ahead, j, n, keys.len()) {
-        prefetch_row(row);
-    }
+    ahead.keys(n);
     std::array::from_fn(|c| keys.ptr(j + c.min(n - 1)))
 }
 
-/// The share of `ahead` a kernel's step over keys `j..j + n` of its `kn` asks for: the rows
-/// spread evenly over the keys (all asked for by the last), so the misses go out at a
-/// steady rate while the kernel computes, not in a burst that stalls it.
+/// Asks for `rows` (which the caller reads next) as a kernel walks its `kn` keys: spread
+/// evenly over the keys, all asked for by the last, so the misses go out at a steady rate
+/// while the kernel computes, not in a burst that stalls it. A running remainder, not a
+/// division per step.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn ahead_share<'r, 'a, W>(ahead: &'r [&'a [W]], j: usize, n: usize, kn: usize) -> &'r [&'a [W]] {
-    let at = |key: usize| key * ahead.len() / kn;
-    &ahead[at(j)..at(j + n)]
+struct Pacer<'r, 'a, W> {
+    rows: &'r [&'a [W]],
+    asked: usize,
+    owed: usize, // keys walked × rows, less kn per row asked for
+    kn: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'r, 'a, W> Pacer<'r, 'a, W> {
+    fn new(rows: &'r [&'a [W]], kn: usize) -> Self {
+        Self {
+            rows,
+            asked: 0,
+            owed: 0,
+            kn,
+        }
+    }
+
+    /// The next `n` keys are walked: ask for their share.
+    #[inline(always)]
+    fn keys(&mut self, n: usize) {
+        if self.asked == self.rows.len() {
+            return;
+        }
+        self.owed += n * self.rows.len();
+        while self.owed >= self.kn && self.asked < self.rows.len() {
+            self.owed -= self.kn;
+            prefetch_row(self.rows[self.asked]);
+            self.asked += 1;
+        }
+    }
 }
 
 /// Asks for every cache line of `row` (K or V rows read next) to be brought into cache:
@@ -1068,6 +1096,7 @@ unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
 ) {
     use std::arch::x86_64::*;
     let (hd, kn) = (vs.width(), vs.len());
+    let mut ahead = Pacer::new(ahead, kn);
     let mut i = 0;
     while i + 4 * LANES <= hd {
         let mut a = [[_mm512_setzero_ps(); 4]; R];
@@ -1080,10 +1109,7 @@ unsafe fn avx512_accumulate_block<W: KvElem, const R: usize>(
         }
         for j in 0..kn {
             if i == 0 {
-                // The rows the caller reads next: the key's share.
-                for row in ahead_share(ahead, j, 1, kn) {
-                    prefetch_row(row);
-                }
+                ahead.keys(1);
             }
             let mut pv = [_mm512_setzero_ps(); R];
             for r in 0..R {

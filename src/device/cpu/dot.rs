@@ -947,15 +947,24 @@ impl<'r, 'a, W> Pacer<'r, 'a, W> {
     /// The next `n` keys are walked: ask for their share.
     #[inline(always)]
     fn keys(&mut self, n: usize) {
-        if self.asked == self.rows.len() {
-            return;
+        for row in self.due(n) {
+            prefetch_row(row);
         }
-        self.owed += n * self.rows.len();
-        while self.owed >= self.kn && self.asked < self.rows.len() {
-            self.owed -= self.kn;
-            prefetch_row(self.rows[self.asked]);
-            self.asked += 1;
+    }
+
+    /// The rows due once the next `n` keys are walked: `⌊walked · rows / kn⌋` in all, so
+    /// every row by the last key and at most `⌈n · rows / kn⌉` in one step.
+    #[inline(always)]
+    fn due(&mut self, n: usize) -> &'r [&'a [W]] {
+        let first = self.asked;
+        if first < self.rows.len() {
+            self.owed += n * self.rows.len();
+            while self.owed >= self.kn && self.asked < self.rows.len() {
+                self.owed -= self.kn;
+                self.asked += 1;
+            }
         }
+        &self.rows[first..self.asked]
     }
 }
 
@@ -964,7 +973,8 @@ impl<'r, 'a, W> Pacer<'r, 'a, W> {
 /// its whole trip from memory; with `T0` a chunk's prefetches queued behind them and
 /// 4K decode attention over a cold cache took 300 µs a layer, with `T1` (or `T2`) 220–235
 /// (`cargo bench --bench attention`, the hints alternated in one process). The next
-/// chunk's lines then come from L2 in a dozen cycles.
+/// chunk's lines then come from L2 in a dozen cycles. (Since the requests are paced,
+/// `Pacer`, the three hints measure alike: docs/cpu.md.)
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_row<W>(row: &[W]) {
@@ -1239,6 +1249,41 @@ mod tests {
 
     fn bits<const C: usize>(v: &[[f32; C]]) -> Vec<u32> {
         v.iter().flatten().map(|x| x.to_bits()).collect()
+    }
+
+    /// The rows ahead go out evenly: each asked for once, in order, all of them by the last
+    /// key, never more than a step's share at once (a burst stalls the kernel).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_pacer_asks_for_every_row_once_and_evenly() {
+        let data: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        for rows_n in 0..40 {
+            let rows: Vec<&[f32]> = data.chunks(1).take(rows_n).collect();
+            for kn in 1..40 {
+                for step in [1, 3, 4, 8] {
+                    let mut pacer = Pacer::new(&rows, kn);
+                    let mut asked: Vec<f32> = Vec::new();
+                    let mut j = 0;
+                    while j < kn {
+                        let n = step.min(kn - j);
+                        let due = pacer.due(n);
+                        let share = (n * rows_n).div_ceil(kn);
+                        assert!(
+                            due.len() <= share,
+                            "{rows_n} rows over {kn} keys: {} at once, share {share}",
+                            due.len()
+                        );
+                        asked.extend(due.iter().map(|r| r[0]));
+                        j += n;
+                    }
+                    let want: Vec<f32> = rows.iter().map(|r| r[0]).collect();
+                    assert_eq!(
+                        asked, want,
+                        "{rows_n} rows over {kn} keys in steps of {step}"
+                    );
+                }
+            }
+        }
     }
 
     /// Asserts `run(|out| <body with kern>)` equals `want` for the portable kernel, the

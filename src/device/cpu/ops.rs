@@ -1128,12 +1128,12 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     let whole = kv_heads.start * hd..kv_heads.end * hd;
     let key_end = s.pos0 + t0 + nq; // the tile's last query sees keys < key_end
     let nh = kv_heads.len();
-    // KV head `g`'s share of the rows a chunk's pass asks for: each head's call a third (of
-    // 3), which the kernels spread evenly over their keys, so the misses go out at a steady
-    // rate through the whole pass. Asking for them all in head 0's call (or one per key)
-    // bursts them faster than a core's misses drain and stalls the compute behind them
-    // (`cargo bench --bench attention`, 4K f16, one thread: hot 275 → 242, dram 405 → 336
-    // µs a layer with this and the order of `next`).
+    // KV head `g`'s share of the rows a chunk's pass asks for (a third with the default
+    // model's 3 KV heads), which the kernels spread evenly over their keys (`Pacer`), so the
+    // misses go out at a steady rate through the whole pass. Asking for them all in head
+    // 0's call bursts them faster than a core's misses drain and stalls the compute behind
+    // them (4K f16 decode attention, one thread: 272–283 → 228–229 µs a layer hot, 400–408
+    // → 334–339 from memory, with this and the order of `next`; docs/cpu.md).
     let share = |rows: usize, g: usize| g * rows / nh..(g + 1) * rows / nh;
     let mut kb = ks;
     while kb < ke {

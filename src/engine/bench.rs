@@ -252,7 +252,7 @@ impl std::fmt::Display for DecodeBenchReport {
         )?;
         writeln!(
             f,
-            "{:>8} {:>12} {:>11} {:>17} {:>10} {:>8} {:>10} {:>8} {:>11}",
+            "{:>8} {:>12} {:>11} {:>17} {:>10} {:>8} {:>10} {:>8} {:>11} {:>13}",
             "context",
             "prefill t/s",
             "decode t/s",
@@ -261,14 +261,16 @@ impl std::fmt::Display for DecodeBenchReport {
             "KV MB",
             "read GB/s",
             "of peak",
-            "(range)"
+            "(range)",
+            "probed GB/s"
         )?;
         for r in &self.rows {
             let (lo, hi) = range(&r.decode_tokens_per_s_per_round);
             let (flo, fhi) = range(&r.bandwidth_fraction_per_round);
+            let (plo, phi) = range(&r.read_gbps_per_round);
             writeln!(
                 f,
-                "{:>8} {:>12.1} {:>11.1} {:>17} {:>10.1} {:>8.1} {:>10.2} {:>7.0}% {:>11}",
+                "{:>8} {:>12.1} {:>11.1} {:>17} {:>10.1} {:>8.1} {:>10.2} {:>7.0}% {:>11} {:>13}",
                 r.context,
                 r.prefill_tokens_per_s,
                 r.decode_tokens_per_s,
@@ -277,12 +279,14 @@ impl std::fmt::Display for DecodeBenchReport {
                 r.kv_bytes_per_token as f64 / 1e6,
                 r.achieved_gbps,
                 100.0 * r.bandwidth_fraction,
-                format!("{:.0}-{:.0}%", 100.0 * flo, 100.0 * fhi)
+                format!("{:.0}-{:.0}%", 100.0 * flo, 100.0 * fhi),
+                format!("{plo:.1}-{phi:.1}")
             )?;
         }
         writeln!(
             f,
-            "(\"of peak\": the median over the rounds of each round's read GB/s ÷ the bandwidth probed right before it; \
+            "(\"of peak\": the median over the rounds of each round's read GB/s ÷ the bandwidth probed right before it \
+             (\"probed GB/s\": those probes' range; on a shared machine they move with the neighbours' load); \
              above 100%, part of the bytes came from the CPU's caches instead of memory)"
         )
     }

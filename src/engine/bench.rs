@@ -303,4 +303,36 @@ mod tests {
         let g = Probe::new(64 << 20).unwrap().gbps(2);
         assert!((0.1..2_000.0).contains(&g), "{g} GB/s");
     }
+
+    #[test]
+    fn the_table_shows_the_range_of_the_probes_each_row_was_measured_against() {
+        let row = DecodeRow {
+            context: 1024,
+            prefill_tokens_per_s: 400.0,
+            decode_tokens_per_s: 200.0,
+            decode_tokens_per_s_per_round: vec![190.0, 200.0, 210.0],
+            weight_bytes_per_token: 96_600_000,
+            kv_bytes_per_token: 24_000_000,
+            achieved_gbps: 24.1,
+            read_gbps_per_round: vec![55.3, 34.0, 33.6],
+            bandwidth_fraction_per_round: vec![0.4, 0.7, 0.75],
+            bandwidth_fraction: 0.7,
+        };
+        let report = DecodeBenchReport {
+            model: "m.gguf".into(),
+            dtype: "q8".into(),
+            kv_dtype: "f16".into(),
+            threads: 2,
+            read_gbps: 34.0,
+            read_gbps_one_thread: 29.0,
+            rows: vec![row],
+        };
+        let text = report.to_string();
+        let header = text.lines().nth(1).unwrap();
+        let line = text.lines().nth(2).unwrap();
+        assert!(header.trim_end().ends_with("probed GB/s"), "{header}");
+        // The lowest and the highest probe, whatever the rounds' order.
+        assert!(line.trim_end().ends_with(" 33.6-55.3"), "{line}");
+        assert!(line.contains(" 70% ") && line.contains("40-75%"), "{line}");
+    }
 }

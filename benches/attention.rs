@@ -8,7 +8,8 @@
 //! weights push them out of). Prints the fastest and the median round's time per call,
 //! and the KV bytes per second the fastest reads.
 //!
-//! `cargo bench --bench attention`
+//! `cargo bench --bench attention` (`STRATA_BENCH_KERNEL=avx2`: the AVX2 kernel, which CPUs
+//! without AVX-512 run, instead of the best this CPU has)
 
 use std::time::Instant;
 
@@ -28,7 +29,58 @@ fn min_median(mut v: Vec<f64>) -> (f64, f64) {
     (v[0], v[v.len() / 2])
 }
 
-fn run<T: KvElem>(ctx: usize) {
+/// Which attention kernel a run times: `STRATA_BENCH_KERNEL=avx2` the build's AVX2 one
+/// (what CPUs without AVX-512 run), else the best this CPU has (the dispatcher's).
+#[derive(Clone, Copy, PartialEq)]
+enum Kernel {
+    Best,
+    Avx2,
+}
+
+/// `attention` with the build's AVX2 kernel (x86-64-v3 builds, as `.cargo/config.toml`'s).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod avx2 {
+    use strata::device::cpu::dot::Avx2;
+    use strata::device::cpu::ops::{attention_with, AttnHeads, AttnSeq, AttnShape, ContiguousRows};
+    use strata::device::kv_elem::KvElem;
+    use strata::kv::KvRows;
+
+    pub fn attention<T: KvElem>(q: &[f32], k: &[T], v: &[T], out: &mut [f32], s: AttnShape) {
+        let heads = AttnHeads {
+            num_heads: s.num_heads,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+        };
+        let seq = AttnSeq {
+            row0: 0,
+            tokens: s.tokens,
+            pos0: s.pos0,
+            kv: ContiguousRows {
+                row: s.num_kv_heads * s.head_dim,
+            },
+        };
+        attention_with(Avx2, q, KvRows::from_slices(k, v), out, heads, &[seq]);
+    }
+}
+
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+)))]
+mod avx2 {
+    pub fn attention<T>(_: &[f32], _: &[T], _: &[T], _: &mut [f32], _: super::AttnShape) {
+        panic!("STRATA_BENCH_KERNEL=avx2: this build has no AVX2 kernel");
+    }
+}
+
+fn run<T: KvElem>(ctx: usize, kernel: Kernel) {
     // STRATA_BENCH_KV_HEADS=1 packs the same work into one KV head (3 query heads) over
     // 3× the keys: contiguous keys instead of a 3-head row's stride.
     let one = std::env::var("STRATA_BENCH_KV_HEADS").is_ok_and(|v| v == "1");
@@ -76,14 +128,18 @@ fn run<T: KvElem>(ctx: usize) {
         for _ in 0..ROUNDS {
             let t = Instant::now();
             for (k, v) in walk.iter().cycle().take(calls) {
-                attention(&q, k, v, &mut out, shape);
+                match kernel {
+                    Kernel::Best => attention(&q, k, v, &mut out, shape),
+                    Kernel::Avx2 => avx2::attention(&q, k, v, &mut out, shape),
+                }
             }
             times.push(t.elapsed().as_secs_f64() * 1e6 / calls as f64);
         }
         let (us, median) = min_median(times);
         println!(
-            "{:>5} ctx {ctx:>6} {name:>4}: {us:8.1} us/layer (median {median:8.1}), {:6.2} GB/s of KV, {:6.2} ms per 30-layer token",
+            "{:>5} ctx {ctx:>6} {name:>4}{}: {us:8.1} us/layer (median {median:8.1}), {:6.2} GB/s of KV, {:6.2} ms per 30-layer token",
             T::NAME,
+            if kernel == Kernel::Avx2 { " (AVX2)" } else { "" },
             bytes / us / 1e3,
             us * LAYERS as f64 / 1e3
         );
@@ -97,6 +153,11 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(4096);
-    run::<half::f16>(ctx);
-    run::<f32>(ctx);
+    let kernel = match std::env::var("STRATA_BENCH_KERNEL").as_deref() {
+        Ok("avx2") => Kernel::Avx2,
+        Ok(other) if !other.is_empty() => panic!("STRATA_BENCH_KERNEL={other}: avx2, or unset"),
+        _ => Kernel::Best,
+    };
+    run::<half::f16>(ctx, kernel);
+    run::<f32>(ctx, kernel);
 }

@@ -300,8 +300,9 @@ fn scores_by_blocks<K: DotKernel, W: KvElem>(
 }
 
 /// Keys per step of the paced first row in `DotKernel::accumulate_rows`' default: each
-/// step reloads and stores the row's accumulators, so not every key (AVX2, 4K f16 one
-/// layer, one thread: 8 keys 440 µs hot / 476 from memory, 16 keys 433 / 466).
+/// step reloads and stores the row's accumulators, so not every key (the AVX2 kernel, a
+/// 4K f16 layer, one thread, a throwaway loop on an AMD EPYC: 8 keys 440 µs hot / 476
+/// from memory, 16 keys 433 / 466).
 const PACED_KEYS: usize = 16;
 
 /// `R × C` fixed-order dots with the best kernel the build targets (AVX2 on x86-64-v3).

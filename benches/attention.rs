@@ -46,24 +46,12 @@ enum Kernel {
 ))]
 mod avx2 {
     use strata::device::cpu::dot::Avx2;
-    use strata::device::cpu::ops::{attention_with, AttnHeads, AttnSeq, AttnShape, ContiguousRows};
+    use strata::device::cpu::ops::{attention_with, AttnShape};
     use strata::device::kv_elem::KvElem;
     use strata::kv::KvRows;
 
     pub fn attention<T: KvElem>(q: &[f32], k: &[T], v: &[T], out: &mut [f32], s: AttnShape) {
-        let heads = AttnHeads {
-            num_heads: s.num_heads,
-            num_kv_heads: s.num_kv_heads,
-            head_dim: s.head_dim,
-        };
-        let seq = AttnSeq {
-            row0: 0,
-            tokens: s.tokens,
-            pos0: s.pos0,
-            kv: ContiguousRows {
-                row: s.num_kv_heads * s.head_dim,
-            },
-        };
+        let (heads, seq) = s.batch_of_one();
         attention_with(Avx2, q, KvRows::from_slices(k, v), out, heads, &[seq]);
     }
 }

@@ -898,20 +898,29 @@ const KV_CHUNK: usize = 32;
 /// `q[tokens, num_heads, head_dim]`; `k`, `v`: `[>= pos0 + tokens, num_kv_heads, head_dim]`
 /// (the layer's cache, the new tokens already stored); `out[tokens, num_heads, head_dim]`.
 pub fn attention<T: KvElem>(q: &[f32], k: &[T], v: &[T], out: &mut [f32], s: AttnShape) {
-    let heads = AttnHeads {
-        num_heads: s.num_heads,
-        num_kv_heads: s.num_kv_heads,
-        head_dim: s.head_dim,
-    };
-    let seq = AttnSeq {
-        row0: 0,
-        tokens: s.tokens,
-        pos0: s.pos0,
-        kv: ContiguousRows {
-            row: s.num_kv_heads * s.head_dim,
-        },
-    };
+    let (heads, seq) = s.batch_of_one();
     attention_batch(q, KvRows::from_slices(k, v), out, heads, &[seq]);
+}
+
+impl AttnShape {
+    /// This one sequence over a contiguous cache as `attention_batch` / `attention_with`
+    /// take it: the heads, and the sequence.
+    pub fn batch_of_one(self) -> (AttnHeads, AttnSeq<ContiguousRows>) {
+        let heads = AttnHeads {
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+        };
+        let seq = AttnSeq {
+            row0: 0,
+            tokens: self.tokens,
+            pos0: self.pos0,
+            kv: ContiguousRows {
+                row: self.num_kv_heads * self.head_dim,
+            },
+        };
+        (heads, seq)
+    }
 }
 
 /// Causal GQA attention for a batch of sequences, each over its own keys (contiguous or
@@ -1453,17 +1462,8 @@ mod tests {
             attention(&q, &kt, &vt, &mut got, shape);
             assert_eq!(bits(&got), bits(&want), "{} at {pos0}", T::NAME);
             // Each kernel by name (the dispatcher above took the best one).
-            let heads = AttnHeads {
-                num_heads: nh,
-                num_kv_heads: nkv,
-                head_dim: hd,
-            };
-            let seq = [AttnSeq {
-                row0: 0,
-                tokens,
-                pos0,
-                kv: ContiguousRows { row: nkv * hd },
-            }];
+            let (heads, seq) = shape.batch_of_one();
+            let seq = [seq];
             let rows = KvRows::from_slices(&kt, &vt);
             let mut out = vec![0.0; tokens * nh * hd];
             attention_with(BUILD_KERNEL, &q, rows, &mut out, heads, &seq);

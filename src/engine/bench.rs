@@ -23,6 +23,8 @@ use crate::device::KvElem;
 use crate::engine::sampler::argmax;
 use crate::flags;
 use crate::kv::ContiguousKv;
+use crate::model::op_times::{Op, OpTimes, Recording};
+use crate::model::weights::{LayerWeights, Weight};
 use crate::model::{Model, ModelConfig};
 use crate::offload::bench::{median, range};
 
@@ -45,6 +47,11 @@ pub struct DecodeBenchArgs {
     pub dtype: flags::WeightDtypeArg,
     #[command(flatten)]
     pub kv: flags::KvDtypeArg,
+    /// Also time each op of the decode steps (the layers' Q/K/V, attention, output, gate/up
+    /// and down, the LM head; the rest as "other"): time a token and the read bandwidth
+    /// each achieves, to see which falls short of the machine's.
+    #[arg(long)]
+    pub ops: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -83,6 +90,25 @@ pub struct DecodeRow {
     pub bandwidth_fraction_per_round: Vec<f64>,
     /// The median of `bandwidth_fraction_per_round`.
     pub bandwidth_fraction: f64,
+    /// With `--ops`: each op's share of the timed decode steps (all rounds together), then
+    /// "other" (what no op covers: norms, RoPE, the argmax between steps).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ops: Option<Vec<OpRow>>,
+}
+
+/// One op of a decode token (`--ops`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OpRow {
+    pub op: String,
+    /// Wall time a token, milliseconds.
+    pub ms_per_token: f64,
+    /// Of the whole step's.
+    pub share: f64,
+    /// What the op reads a token (its weights; attention: the K and V, as
+    /// `kv_bytes_per_token`); 0 for "other".
+    pub bytes_per_token: u64,
+    /// bytes ÷ time; 0 for "other".
+    pub gbps: f64,
 }
 
 /// Bytes the bandwidth probe reads: far more than any last-level cache.
@@ -177,15 +203,26 @@ fn bench_context<T: KvElem>(
     let gbps = |tokens_per_s: f64| (weight_bytes + kv_bytes) as f64 * tokens_per_s / 1e9;
     let mut per_round = Vec::with_capacity(args.rounds);
     let mut probes = Vec::with_capacity(args.rounds);
+    let (mut op_times, mut decode_s) = (OpTimes::default(), 0.0);
     for _ in 0..args.rounds {
         probes.push(probe.gbps(PROBE_PASSES));
         let mut logits = first.clone();
+        let recording = args.ops.then(Recording::start);
         let t = Instant::now();
         for pos in context..context + steps {
             logits = model.forward(&[argmax(&logits)], pos, &mut kv)?;
         }
-        per_round.push(steps as f64 / t.elapsed().as_secs_f64().max(1e-9));
+        let round_s = t.elapsed().as_secs_f64();
+        if let Some(r) = recording {
+            op_times += r.finish();
+        }
+        decode_s += round_s;
+        per_round.push(steps as f64 / round_s.max(1e-9));
     }
+    let ops = args.ops.then(|| {
+        let tokens = (args.rounds * steps) as f64;
+        op_rows(&op_times, &op_bytes(model, kv_bytes), decode_s / tokens, tokens)
+    });
     let decode = median(&per_round);
     let fractions: Vec<f64> = per_round
         .iter()
@@ -203,7 +240,54 @@ fn bench_context<T: KvElem>(
         read_gbps_per_round: probes,
         bandwidth_fraction: median(&fractions),
         bandwidth_fraction_per_round: fractions,
+        ops,
     })
+}
+
+/// What each op reads a decode token, as `Op::ALL`: its weights over every layer (the LM
+/// head's once); attention the K and V (`kv_bytes`).
+fn op_bytes(model: &Model, kv_bytes: u64) -> Vec<u64> {
+    let w = &model.weights;
+    let layers = |f: fn(&LayerWeights) -> &Weight| w.layers.iter().map(|l| f(l).bytes() as u64).sum();
+    Op::ALL
+        .iter()
+        .map(|op| match op {
+            Op::Qkv => layers(|l| &l.wqkv),
+            Op::Attention => kv_bytes,
+            Op::OutProj => layers(|l| &l.wo),
+            Op::GateUp => layers(|l| &l.w_gate_up),
+            Op::Down => layers(|l| &l.w_down),
+            Op::LmHead => w.lm_head().bytes() as u64,
+        })
+        .collect()
+}
+
+/// The `--ops` rows: each op's time a token (`times` summed over `tokens` steps of
+/// `step_s` seconds each), share and bandwidth (`bytes` as `Op::ALL`), then "other".
+fn op_rows(times: &OpTimes, bytes: &[u64], step_s: f64, tokens: f64) -> Vec<OpRow> {
+    let mut rows: Vec<OpRow> = Op::ALL
+        .iter()
+        .zip(bytes)
+        .map(|(&op, &b)| {
+            let s = times.get(op).as_secs_f64() / tokens;
+            OpRow {
+                op: op.name().to_string(),
+                ms_per_token: 1e3 * s,
+                share: s / step_s,
+                bytes_per_token: b,
+                gbps: if s > 0.0 { b as f64 / s / 1e9 } else { 0.0 },
+            }
+        })
+        .collect();
+    let other = (step_s - times.total().as_secs_f64() / tokens).max(0.0);
+    rows.push(OpRow {
+        op: "other".to_string(),
+        ms_per_token: 1e3 * other,
+        share: other / step_s,
+        bytes_per_token: 0,
+        gbps: 0.0,
+    });
+    rows
 }
 
 /// A buffer far larger than any last-level cache, written once (so every page is
@@ -288,7 +372,38 @@ impl std::fmt::Display for DecodeBenchReport {
             "(\"of peak\": the median over the rounds of each round's read GB/s ÷ the bandwidth probed right before it \
              (\"probed GB/s\": those probes' range; on a shared machine they move with the neighbours' load); \
              above 100%, part of the bytes came from the CPU's caches instead of memory)"
-        )
+        )?;
+        for r in &self.rows {
+            let Some(ops) = &r.ops else { continue };
+            let probe = median(&r.read_gbps_per_round);
+            writeln!(
+                f,
+                "\nops of a decode token at context {} (all rounds; \"of probe\": of the rounds' median probe, {probe:.1} GB/s):",
+                r.context
+            )?;
+            writeln!(
+                f,
+                "{:>10} {:>8} {:>7} {:>9} {:>9} {:>9}",
+                "op", "ms", "share", "MB", "GB/s", "of probe"
+            )?;
+            for o in ops {
+                if o.bytes_per_token == 0 {
+                    writeln!(f, "{:>10} {:>8.3} {:>6.1}%", o.op, o.ms_per_token, 100.0 * o.share)?;
+                } else {
+                    writeln!(
+                        f,
+                        "{:>10} {:>8.3} {:>6.1}% {:>9.1} {:>9.1} {:>8.0}%",
+                        o.op,
+                        o.ms_per_token,
+                        100.0 * o.share,
+                        o.bytes_per_token as f64 / 1e6,
+                        o.gbps,
+                        100.0 * o.gbps / probe
+                    )?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -317,6 +432,7 @@ mod tests {
             read_gbps_per_round: vec![55.3, 34.0, 33.6],
             bandwidth_fraction_per_round: vec![0.4, 0.7, 0.75],
             bandwidth_fraction: 0.7,
+            ops: None,
         };
         let report = DecodeBenchReport {
             model: "m.gguf".into(),
@@ -334,5 +450,86 @@ mod tests {
         // The lowest and the highest probe, whatever the rounds' order.
         assert!(line.trim_end().ends_with(" 33.6-55.3"), "{line}");
         assert!(line.contains(" 70% ") && line.contains("40-75%"), "{line}");
+        assert!(!text.contains("ops of a decode token"), "no --ops, no op table");
+    }
+
+    /// Each op's time a token, share and bandwidth from the summed times; "other" is what
+    /// the ops leave of the step.
+    #[test]
+    fn op_rows_divide_the_summed_times_by_the_tokens() {
+        use crate::model::op_times::timed;
+        let sleep = |ms| std::thread::sleep(std::time::Duration::from_millis(ms));
+        // Sums made by a recording (OpTimes has no constructor from values).
+        let rec = Recording::start();
+        timed(Op::GateUp, || sleep(40));
+        timed(Op::Attention, || sleep(20));
+        let times = rec.finish();
+        let (gu, attn) = (times.get(Op::GateUp), times.get(Op::Attention));
+        let bytes = [0, 1_000_000, 0, 4_000_000, 0, 0];
+        // 4 tokens of 25 ms each.
+        let rows = op_rows(&times, &bytes, 0.025, 4.0);
+        assert_eq!(rows.len(), Op::ALL.len() + 1);
+        let row = |name: &str| rows.iter().find(|r| r.op == name).unwrap();
+        let g = row("gate_up");
+        let per_token = gu.as_secs_f64() / 4.0;
+        assert!((g.ms_per_token - 1e3 * per_token).abs() < 1e-9);
+        assert!((g.share - per_token / 0.025).abs() < 1e-9);
+        assert!((g.gbps - 4e6 / per_token / 1e9).abs() < 1e-9);
+        assert_eq!(row("qkv").ms_per_token, 0.0);
+        assert_eq!(row("qkv").gbps, 0.0, "no time, no bandwidth (not a division by zero)");
+        let other = row("other");
+        let timed = (gu + attn).as_secs_f64() / 4.0;
+        assert!((other.ms_per_token - 1e3 * (0.025 - timed)).abs() < 1e-9);
+        let shares: f64 = rows.iter().map(|r| r.share).sum();
+        assert!((shares - 1.0).abs() < 1e-9, "shares sum to the step: {shares}");
+    }
+
+    #[test]
+    fn the_op_table_follows_the_main_table_per_context() {
+        let ops = vec![
+            OpRow {
+                op: "attention".into(),
+                ms_per_token: 4.12,
+                share: 0.495,
+                bytes_per_token: 94_800_000,
+                gbps: 23.0,
+            },
+            OpRow {
+                op: "other".into(),
+                ms_per_token: 0.25,
+                share: 0.03,
+                bytes_per_token: 0,
+                gbps: 0.0,
+            },
+        ];
+        let row = DecodeRow {
+            context: 4096,
+            prefill_tokens_per_s: 300.0,
+            decode_tokens_per_s: 120.0,
+            decode_tokens_per_s_per_round: vec![120.0],
+            weight_bytes_per_token: 96_600_000,
+            kv_bytes_per_token: 94_800_000,
+            achieved_gbps: 23.0,
+            read_gbps_per_round: vec![46.0],
+            bandwidth_fraction_per_round: vec![0.5],
+            bandwidth_fraction: 0.5,
+            ops: Some(ops),
+        };
+        let report = DecodeBenchReport {
+            model: "m.gguf".into(),
+            dtype: "q8".into(),
+            kv_dtype: "f16".into(),
+            threads: 2,
+            read_gbps: 46.0,
+            read_gbps_one_thread: 29.0,
+            rows: vec![row],
+        };
+        let text = report.to_string();
+        assert!(text.contains("ops of a decode token at context 4096"), "{text}");
+        let attn = text.lines().find(|l| l.trim_start().starts_with("attention")).unwrap();
+        // 23.0 GB/s of the 46.0 probe: 50%.
+        assert!(attn.contains(" 94.8 ") && attn.trim_end().ends_with(" 50%"), "{attn}");
+        let other = text.lines().find(|l| l.trim_start().starts_with("other")).unwrap();
+        assert!(other.trim_end().ends_with("3.0%"), "other has no bandwidth: {other}");
     }
 }

@@ -5,6 +5,7 @@ pub mod cuda;
 pub mod files;
 mod gguf_header;
 pub mod mapped;
+pub mod op_times;
 pub mod random;
 pub mod template;
 pub mod tokenizer;
@@ -17,6 +18,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
 use crate::device::KvElem;
+use op_times::{timed, Op};
 use crate::kv::{KvCache, LayerKv, NewRow, Query};
 pub use config::{Arch, ModelConfig};
 pub use tokenizer::Tokenizer;
@@ -389,7 +391,9 @@ impl Model {
         let qkv_dim = qd + 2 * kvd;
         let eps = cfg.rms_norm_eps;
         // 1. Fused QKV projection.
-        ops::linear_weight(&a.hn, &lw.wqkv, lw.bqkv.as_deref(), &mut a.qkv, t);
+        timed(Op::Qkv, || {
+            ops::linear_weight(&a.hn, &lw.wqkv, lw.bqkv.as_deref(), &mut a.qkv, t)
+        });
         // 2. Qwen3: per-head RMSNorm of q and k, before RoPE.
         if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
             ops::head_rms_norm(&mut a.qkv, t, cfg.num_heads, cfg.head_dim, qkv_dim, qn, eps);
@@ -427,24 +431,29 @@ impl Model {
         }
         // 4. Store the new K/V and attend over everything up to them (or, in sparse
         //    decode, over the rows the cache chose from the query).
-        let last_query = &a.q[(t - 1) * qd..t * qd];
-        match select(last_query)? {
-            None => self.store_and_attend(a, kv, seqs),
-            Some(new_row) => {
-                if seqs.len() != 1 || t != 1 {
-                    bail!("sparse decode attends one sequence's one new token, got {} sequences of {t} rows", seqs.len());
+        timed(Op::Attention, || -> Result<()> {
+            let last_query = &a.q[(t - 1) * qd..t * qd];
+            match select(last_query)? {
+                None => self.store_and_attend(a, kv, seqs),
+                Some(new_row) => {
+                    if seqs.len() != 1 || t != 1 {
+                        bail!("sparse decode attends one sequence's one new token, got {} sequences of {t} rows", seqs.len());
+                    }
+                    let seq = AttnSeq {
+                        row0: 0,
+                        tokens: 1,
+                        pos0: new_row.0,
+                        kv: ContiguousRows { row: kvd },
+                    };
+                    self.store_and_attend(a, kv, &[seq]);
                 }
-                let seq = AttnSeq {
-                    row0: 0,
-                    tokens: 1,
-                    pos0: new_row.0,
-                    kv: ContiguousRows { row: kvd },
-                };
-                self.store_and_attend(a, kv, &[seq]);
             }
-        }
+            Ok(())
+        })?;
         // 5. Output projection, residual add, post-attention norm.
-        ops::linear_weight(&a.attn, &lw.wo, None, &mut a.proj, t);
+        timed(Op::OutProj, || {
+            ops::linear_weight(&a.attn, &lw.wo, None, &mut a.proj, t)
+        });
         ops::add_rms_norm(&mut a.x, &a.proj, &lw.mlp_norm, eps, &mut a.hn);
         // 6. MLP in row chunks; the residual add is fused with the next block's norm.
         let w = &self.weights;
@@ -453,21 +462,25 @@ impl Model {
         for r0 in (0..t).step_by(chunk) {
             let n = chunk.min(t - r0);
             let rows = r0 * h..(r0 + n) * h;
-            ops::linear_weight(
-                &a.hn[rows.clone()],
-                &lw.w_gate_up,
-                None,
-                &mut a.gu[..n * 2 * inter],
-                n,
-            );
+            timed(Op::GateUp, || {
+                ops::linear_weight(
+                    &a.hn[rows.clone()],
+                    &lw.w_gate_up,
+                    None,
+                    &mut a.gu[..n * 2 * inter],
+                    n,
+                )
+            });
             ops::silu_mul(&a.gu[..n * 2 * inter], inter, &mut a.act[..n * inter]);
-            ops::linear_weight(
-                &a.act[..n * inter],
-                &lw.w_down,
-                None,
-                &mut a.proj[rows.clone()],
-                n,
-            );
+            timed(Op::Down, || {
+                ops::linear_weight(
+                    &a.act[..n * inter],
+                    &lw.w_down,
+                    None,
+                    &mut a.proj[rows.clone()],
+                    n,
+                )
+            });
             ops::add_rms_norm(
                 &mut a.x[rows.clone()],
                 &a.proj[rows.clone()],
@@ -517,7 +530,9 @@ impl Model {
             .copied()
             .collect(); // [rows, hidden]
         let mut logits = vec![0.0f32; rows.len() * vocab]; // [rows, vocab]
-        ops::linear_weight(&x, self.weights.lm_head(), None, &mut logits, rows.len());
+        timed(Op::LmHead, || {
+            ops::linear_weight(&x, self.weights.lm_head(), None, &mut logits, rows.len())
+        });
         logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
     }
 }

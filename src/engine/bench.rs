@@ -221,7 +221,12 @@ fn bench_context<T: KvElem>(
     }
     let ops = args.ops.then(|| {
         let tokens = (args.rounds * steps) as f64;
-        op_rows(&op_times, &op_bytes(model, kv_bytes), decode_s / tokens, tokens)
+        op_rows(
+            &op_times,
+            &op_bytes(model, kv_bytes),
+            decode_s / tokens,
+            tokens,
+        )
     });
     let decode = median(&per_round);
     let fractions: Vec<f64> = per_round
@@ -248,7 +253,8 @@ fn bench_context<T: KvElem>(
 /// head's once); attention the K and V (`kv_bytes`).
 fn op_bytes(model: &Model, kv_bytes: u64) -> Vec<u64> {
     let w = &model.weights;
-    let layers = |f: fn(&LayerWeights) -> &Weight| w.layers.iter().map(|l| f(l).bytes() as u64).sum();
+    let layers =
+        |f: fn(&LayerWeights) -> &Weight| w.layers.iter().map(|l| f(l).bytes() as u64).sum();
     Op::ALL
         .iter()
         .map(|op| match op {
@@ -388,7 +394,13 @@ impl std::fmt::Display for DecodeBenchReport {
             )?;
             for o in ops {
                 if o.bytes_per_token == 0 {
-                    writeln!(f, "{:>10} {:>8.3} {:>6.1}%", o.op, o.ms_per_token, 100.0 * o.share)?;
+                    writeln!(
+                        f,
+                        "{:>10} {:>8.3} {:>6.1}%",
+                        o.op,
+                        o.ms_per_token,
+                        100.0 * o.share
+                    )?;
                 } else {
                     writeln!(
                         f,
@@ -450,7 +462,10 @@ mod tests {
         // The lowest and the highest probe, whatever the rounds' order.
         assert!(line.trim_end().ends_with(" 33.6-55.3"), "{line}");
         assert!(line.contains(" 70% ") && line.contains("40-75%"), "{line}");
-        assert!(!text.contains("ops of a decode token"), "no --ops, no op table");
+        assert!(
+            !text.contains("ops of a decode token"),
+            "no --ops, no op table"
+        );
     }
 
     /// Each op's time a token, share and bandwidth from the summed times; "other" is what
@@ -476,12 +491,19 @@ mod tests {
         assert!((g.share - per_token / 0.025).abs() < 1e-9);
         assert!((g.gbps - 4e6 / per_token / 1e9).abs() < 1e-9);
         assert_eq!(row("qkv").ms_per_token, 0.0);
-        assert_eq!(row("qkv").gbps, 0.0, "no time, no bandwidth (not a division by zero)");
+        assert_eq!(
+            row("qkv").gbps,
+            0.0,
+            "no time, no bandwidth (not a division by zero)"
+        );
         let other = row("other");
         let timed = (gu + attn).as_secs_f64() / 4.0;
         assert!((other.ms_per_token - 1e3 * (0.025 - timed)).abs() < 1e-9);
         let shares: f64 = rows.iter().map(|r| r.share).sum();
-        assert!((shares - 1.0).abs() < 1e-9, "shares sum to the step: {shares}");
+        assert!(
+            (shares - 1.0).abs() < 1e-9,
+            "shares sum to the step: {shares}"
+        );
     }
 
     #[test]
@@ -525,11 +547,26 @@ mod tests {
             rows: vec![row],
         };
         let text = report.to_string();
-        assert!(text.contains("ops of a decode token at context 4096"), "{text}");
-        let attn = text.lines().find(|l| l.trim_start().starts_with("attention")).unwrap();
+        assert!(
+            text.contains("ops of a decode token at context 4096"),
+            "{text}"
+        );
+        let attn = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("attention"))
+            .unwrap();
         // 23.0 GB/s of the 46.0 probe: 50%.
-        assert!(attn.contains(" 94.8 ") && attn.trim_end().ends_with(" 50%"), "{attn}");
-        let other = text.lines().find(|l| l.trim_start().starts_with("other")).unwrap();
-        assert!(other.trim_end().ends_with("3.0%"), "other has no bandwidth: {other}");
+        assert!(
+            attn.contains(" 94.8 ") && attn.trim_end().ends_with(" 50%"),
+            "{attn}"
+        );
+        let other = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("other"))
+            .unwrap();
+        assert!(
+            other.trim_end().ends_with("3.0%"),
+            "other has no bandwidth: {other}"
+        );
     }
 }

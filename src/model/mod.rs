@@ -18,9 +18,9 @@ use anyhow::{bail, Context, Result};
 
 use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
 use crate::device::KvElem;
-use op_times::{timed, Op};
 use crate::kv::{KvCache, LayerKv, NewRow, Query};
 pub use config::{Arch, ModelConfig};
+use op_times::{timed, Op};
 pub use tokenizer::Tokenizer;
 use weights::{ModelWeights, WeightDtype};
 

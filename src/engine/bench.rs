@@ -431,6 +431,27 @@ mod tests {
         assert!((0.1..2_000.0).contains(&g), "{g} GB/s");
     }
 
+    /// The printed report of one row (a 2-thread q8 / f16 run).
+    fn table_of(row: DecodeRow) -> String {
+        DecodeBenchReport {
+            model: "m.gguf".into(),
+            dtype: "q8".into(),
+            kv_dtype: "f16".into(),
+            threads: 2,
+            read_gbps: 34.0,
+            read_gbps_one_thread: 29.0,
+            rows: vec![row],
+        }
+        .to_string()
+    }
+
+    /// The first line of `text` whose first word starts with `word`.
+    fn line_starting<'a>(text: &'a str, word: &str) -> &'a str {
+        text.lines()
+            .find(|l| l.trim_start().starts_with(word))
+            .unwrap_or_else(|| panic!("no line of {word}: {text}"))
+    }
+
     #[test]
     fn the_table_shows_the_range_of_the_probes_each_row_was_measured_against() {
         let row = DecodeRow {
@@ -446,16 +467,7 @@ mod tests {
             bandwidth_fraction: 0.7,
             ops: None,
         };
-        let report = DecodeBenchReport {
-            model: "m.gguf".into(),
-            dtype: "q8".into(),
-            kv_dtype: "f16".into(),
-            threads: 2,
-            read_gbps: 34.0,
-            read_gbps_one_thread: 29.0,
-            rows: vec![row],
-        };
-        let text = report.to_string();
+        let text = table_of(row);
         let header = text.lines().nth(1).unwrap();
         let line = text.lines().nth(2).unwrap();
         assert!(header.trim_end().ends_with("probed GB/s"), "{header}");
@@ -537,33 +549,18 @@ mod tests {
             bandwidth_fraction: 0.5,
             ops: Some(ops),
         };
-        let report = DecodeBenchReport {
-            model: "m.gguf".into(),
-            dtype: "q8".into(),
-            kv_dtype: "f16".into(),
-            threads: 2,
-            read_gbps: 46.0,
-            read_gbps_one_thread: 29.0,
-            rows: vec![row],
-        };
-        let text = report.to_string();
+        let text = table_of(row);
         assert!(
             text.contains("ops of a decode token at context 4096"),
             "{text}"
         );
-        let attn = text
-            .lines()
-            .find(|l| l.trim_start().starts_with("attention"))
-            .unwrap();
+        let attn = line_starting(&text, "attention");
         // 23.0 GB/s of the 46.0 probe: 50%.
         assert!(
             attn.contains(" 94.8 ") && attn.trim_end().ends_with(" 50%"),
             "{attn}"
         );
-        let other = text
-            .lines()
-            .find(|l| l.trim_start().starts_with("other"))
-            .unwrap();
+        let other = line_starting(&text, "other");
         assert!(
             other.trim_end().ends_with("3.0%"),
             "other has no bandwidth: {other}"

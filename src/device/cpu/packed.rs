@@ -9,16 +9,18 @@
 //! bytes, so a repacked matrix is exactly as large as the stored one (plus the padding):
 //!
 //! ```text
-//! Q4_0:  d[8] f16 (16 bytes)                   | pairs[4] × 32 bytes     = 144 = 8 × 18
-//! Q4_1:  d[8] f16 (16 bytes) | m[8] f16 (16)   | pairs[4] × 32 bytes     = 160 = 8 × 20
-//! Q8_0:  d[8] f16 (16 bytes)                   | qs[8] × 32 signed bytes = 272 = 8 × 34
+//! Q4_0:  d[8] f16 (16 bytes)                   | nibbles[8] × 16 bytes          = 144 = 8 × 18
+//! Q4_1:  d[8] f16 (16 bytes) | m[8] f16 (16)   | nibbles[8] × 16 bytes          = 160 = 8 × 20
+//! Q8_0:  d[8] f16 (16 bytes)                   | quads[2] × (low[4], high[4]) × 16 = 272 = 8 × 34
 //! ```
 //!
-//! `d[r]` and `m[r]` are row `r`'s block scale and min, as stored. A 4-bit row's 32 values
-//! `v[0..32]` (`v[j]` = low nibble of stored byte `j`, `v[16 + j]` its high nibble, `j < 16`)
-//! sit in *pairs*: byte `j` of pair `p` is `v_{2p}[j] | v_{2p+1}[j] << 4`, so one load,
-//! mask and shift give two rows' values in value order (and a 64-byte load four rows).
-//! Q8_0 rows' 32 bytes are stored whole, row after row.
+//! `d[r]` and `m[r]` are row `r`'s block scale and min, as stored. A 4-bit row's 16 stored
+//! bytes follow one another, row after row: byte `j` holds its values `v[j]` (low nibble)
+//! and `v[16 + j]` (high), so a 64-byte load of four rows gives, masked, each row's values
+//! 0–15 in its 16 bytes, and shifted, its values 16–31 in the same places. Q8_0 rows come in
+//! quads of four: the four rows' values 0–15 (16 bytes each), then their values 16–31, so the
+//! same two 64-byte registers. The kernels' lane `l` of a row sums values `4l..4l + 4` and
+//! `16 + 4l..16 + 4l + 4` (`q8.rs`), the four bytes at `4l` of each register's row slot.
 //!
 //! Repacking only moves bytes: `unpack_row` rebuilds a row's stored bytes exactly (so the
 //! f32 path, the embedding gather and fingerprints read a repacked matrix as stored).
@@ -126,22 +128,29 @@ impl Packed {
     }
 }
 
+/// Where row `c`'s values `16h..16h + 16` of a Q8_0 group block start (after `qs_offset`):
+/// quad `c / 4`'s half `h`, slot `c % 4`.
+const fn q8_half_at(c: usize, h: usize) -> usize {
+    8 * QK * (c / 4) / 2 + 4 * QK / 2 * h + QK / 2 * (c % 4)
+}
+
 /// Writes stored block `blk` as row `c` of group block `gb` (whose other rows it leaves).
 fn place(format: Format, c: usize, blk: &[u8], gb: &mut [u8]) {
     gb[2 * c..2 * c + 2].copy_from_slice(&blk[..2]);
     let qs = qs_offset(format);
     match format {
-        Format::Q8_0 => gb[qs + QK * c..qs + QK * (c + 1)].copy_from_slice(&blk[2..2 + QK]),
+        Format::Q8_0 => {
+            for h in 0..2 {
+                let at = qs + q8_half_at(c, h);
+                gb[at..at + QK / 2].copy_from_slice(&blk[2 + QK / 2 * h..][..QK / 2]);
+            }
+        }
         _ => {
             if format == Format::Q4_1 {
                 gb[2 * PACK + 2 * c..2 * PACK + 2 * c + 2].copy_from_slice(&blk[2..4]);
             }
-            let nib = &blk[nibbles_at(format)..];
-            let (pair, shift) = (qs + QK * (c / 2), 4 * (c % 2));
-            for j in 0..QK / 2 {
-                gb[pair + j] |= (nib[j] & 0x0F) << shift;
-                gb[pair + QK / 2 + j] |= (nib[j] >> 4) << shift;
-            }
+            let at = qs + QK / 2 * c;
+            gb[at..at + QK / 2].copy_from_slice(&blk[nibbles_at(format)..][..QK / 2]);
         }
     }
 }
@@ -151,16 +160,18 @@ fn take(format: Format, c: usize, gb: &[u8], blk: &mut [u8]) {
     blk[..2].copy_from_slice(&gb[2 * c..2 * c + 2]);
     let qs = qs_offset(format);
     match format {
-        Format::Q8_0 => blk[2..2 + QK].copy_from_slice(&gb[qs + QK * c..qs + QK * (c + 1)]),
+        Format::Q8_0 => {
+            for h in 0..2 {
+                let at = qs + q8_half_at(c, h);
+                blk[2 + QK / 2 * h..][..QK / 2].copy_from_slice(&gb[at..at + QK / 2]);
+            }
+        }
         _ => {
             if format == Format::Q4_1 {
                 blk[2..4].copy_from_slice(&gb[2 * PACK + 2 * c..2 * PACK + 2 * c + 2]);
             }
-            let (pair, shift) = (qs + QK * (c / 2), 4 * (c % 2));
-            let v = |j: usize| (gb[pair + j] >> shift) & 0x0F;
-            for (j, b) in blk[nibbles_at(format)..].iter_mut().enumerate() {
-                *b = v(j) | v(QK / 2 + j) << 4;
-            }
+            let at = qs + QK / 2 * c;
+            blk[nibbles_at(format)..][..QK / 2].copy_from_slice(&gb[at..at + QK / 2]);
         }
     }
 }
@@ -251,22 +262,48 @@ mod tests {
     }
 
     /// The layout the SIMD kernels assume, spelled out on one Q4_1 group block: scales,
-    /// mins, then pair 0's byte 0 = row 0's value 0 | row 1's value 0 << 4, and byte 16 =
-    /// their values 16 (the high nibbles of their stored byte 0).
+    /// mins, then each row's 16 stored nibble bytes, row after row.
     #[test]
-    fn the_q4_pairs_hold_two_rows_values_in_value_order() {
+    fn the_q4_rows_follow_one_another_after_the_scales_and_mins() {
         let format = Format::Q4_1;
         let mut bytes = vec![0u8; 2 * 20];
         bytes[..4].copy_from_slice(&[1, 2, 3, 4]); // row 0: d, m
         bytes[4] = 0x5A; // row 0: v[0] = 0xA, v[16] = 0x5
         bytes[20..24].copy_from_slice(&[5, 6, 7, 8]); // row 1
         bytes[24] = 0xC3; // row 1: v[0] = 0x3, v[16] = 0xC
+        bytes[39] = 0x71; // row 1: v[15] = 0x1, v[31] = 0x7
         let p = Packed::pack(format, &bytes, 2, QK);
         let d = p.as_rows().group(0).data;
         assert_eq!(&d[..4], &[1, 2, 5, 6]);
         assert_eq!(&d[16..20], &[3, 4, 7, 8]);
-        assert_eq!(d[32], 0x3A);
-        assert_eq!(d[32 + 16], 0xC5);
+        assert_eq!((d[32], d[48], d[63]), (0x5A, 0xC3, 0x71));
         assert!(d[33..48].iter().all(|&b| b == 0) && d[64..].iter().all(|&b| b == 0));
+    }
+
+    /// Q8_0's quads: rows 0–3's values 0–15, then their values 16–31, then rows 4–7's.
+    #[test]
+    fn the_q8_quads_hold_four_rows_low_halves_then_their_high_halves() {
+        let format = Format::Q8_0;
+        let rows = 6;
+        // Row r's value i is the byte 32r + i (so each byte names its row and place).
+        let bytes: Vec<u8> = (0..rows)
+            .flat_map(|r| {
+                let mut blk = vec![0u8; 34];
+                for (i, b) in blk[2..].iter_mut().enumerate() {
+                    *b = (32 * r + i) as u8;
+                }
+                blk
+            })
+            .collect();
+        let p = Packed::pack(format, &bytes, rows, QK);
+        let q = &p.as_rows().group(0).data[qs_offset(format)..];
+        let at = |r: usize, i: usize| q.iter().position(|&b| b == (32 * r + i) as u8).unwrap();
+        assert_eq!(at(0, 0), 0);
+        assert_eq!(at(1, 0), 16);
+        assert_eq!(at(3, 15), 63);
+        assert_eq!(at(0, 16), 64);
+        assert_eq!(at(2, 20), 64 + 32 + 4);
+        assert_eq!(at(4, 0), 128);
+        assert_eq!(at(5, 16), 128 + 64 + 16);
     }
 }

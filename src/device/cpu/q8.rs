@@ -17,17 +17,25 @@
 //! (Q4_0: nibble − 8; Q4_1: nibble; Q8_0: the byte), weight scale `dw` and Q4_1 min `mw`:
 //!
 //! ```text
-//! acc[0..8] = 0, mins = 0
+//! acc[0..4] = 0, mins = 0
 //! for b in 0..nb:
-//!     p[l]   = 254 · Σ_{i = 4l..4l+4} v[i]·qs[i]
-//!                  + Σ_{i = 4l..4l+4} v[i]·ql[i]    (8 exact i32 lane sums, |p| < 2^24)
-//!     acc[l] = fma(dw·d, p[l] as f32, acc[l])       (l = 0..8)
+//!     p[l]   = 254 · Σ_{i ∈ I_l} v[i]·qs[i] + Σ_{i ∈ I_l} v[i]·ql[i]
+//!              I_l = 4l..4l+4 and 16+4l..16+4l+4    (4 exact i32 lane sums)
+//!     acc[l] = fma(dw·d, p[l] as f32, acc[l])       (l = 0..4)
 //!     mins   = fma(mw, ds, mins)                    (Q4_1 only)
-//! result = (((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))) + mins
+//! result = ((acc0 + acc2) + (acc1 + acc3)) + mins
 //! ```
 //!
+//! Each lane sums eight products, two four-byte groups 16 bytes apart: what a byte-dot
+//! instruction gives per 32-bit lane when a register holds four rows' values 0–15 and a
+//! second one the same rows' values 16–31 (`packed.rs`), accumulated into one register. So
+//! a 512-bit register carries four rows' lanes: a group block of 8 rows is 2 registers of
+//! byte dots, conversions and multiply-adds (it was 4 with 8 lanes of four products).
+//!
 //! The integer part is exact whatever instructions compute it (no product or partial sum
-//! can overflow: see the kernels), and the float part is a fixed sequence per output, so
+//! can overflow: see the kernels); `p as f32` is exact below 2^24 (4-bit weights: |p| ≤
+//! 8 · 15 · 127 · 255) and rounds to nearest even above (Q8_0's |p| ≤ 8 · 128 · 127 · 255),
+//! which every kernel's conversion does alike. The float part is a fixed sequence per output, so
 //! the portable, AVX2 and AVX-512 VNNI kernels agree bitwise (tests check it) and a row's
 //! result never depends on the batch size or on the rows it is batched with. It is *not*
 //! the f32 path's result: the activations lost bits. Tolerance against the f32 reference
@@ -133,10 +141,19 @@ pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
     }
 }
 
+/// f32 lanes of one dot (`p[l]` above).
+const LANES: usize = 4;
+
 /// The canonical end of every dot: the lane tree, then the min term.
 #[inline(always)]
-fn finish(acc: &[f32; 8], mins: f32) -> f32 {
-    (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))) + mins
+fn finish(acc: &[f32; LANES], mins: f32) -> f32 {
+    ((acc[0] + acc[2]) + (acc[1] + acc[3])) + mins
+}
+
+/// Value `i`'s lane: `I_l` above.
+#[inline(always)]
+fn lane_of(i: usize) -> usize {
+    (i % (QK / 2)) / 4
 }
 
 #[inline(always)]
@@ -199,7 +216,7 @@ const MAX_BLOCK: usize = 34;
 fn reference_dot(format: Format, x: &[Q8Block], mut block: impl FnMut(usize, &mut [u8])) -> f32 {
     let mut buf = [0u8; MAX_BLOCK];
     let wb = &mut buf[..format.block_bytes()];
-    let (mut acc, mut mins) = ([0.0f32; 8], 0.0f32);
+    let (mut acc, mut mins) = ([0.0f32; LANES], 0.0f32);
     for (b, x) in x.iter().enumerate() {
         block(b, wb);
         let mut v = [0i32; QK]; // the block's weight values
@@ -229,8 +246,11 @@ fn reference_dot(format: Format, x: &[Q8Block], mut block: impl FnMut(usize, &mu
             }
         };
         let s = dw * x.d;
-        for (l, a) in acc.iter_mut().enumerate() {
-            let p: i32 = (4 * l..4 * l + 4).map(|i| v[i] * x.level(i)).sum();
+        let mut p = [0i32; LANES];
+        for (i, v) in v.iter().enumerate() {
+            p[lane_of(i)] += v * x.level(i);
+        }
+        for (a, p) in acc.iter_mut().zip(p) {
             *a = s.mul_add(p as f32, *a);
         }
         if format == Format::Q4_1 {
@@ -279,7 +299,9 @@ pub use x86::{Avx2, Vnni};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{check, check_packed, finish, Format, PackedGroup, Q8Block, Q8Dot, PACK, PLANE};
+    use super::{
+        check, check_packed, finish, Format, PackedGroup, Q8Block, Q8Dot, LANES, PACK, PLANE, QK,
+    };
     use crate::device::cpu::packed::qs_offset;
     use std::arch::x86_64::*;
 
@@ -372,6 +394,38 @@ mod x86 {
                 Self::acc_us(coarse, u, ql)
             }
         }
+
+        /// `levels` of two rows held as their values 0–15 (`u[0]`) and 16–31 (`u[1]`), 16
+        /// bytes a row, against the planes' halves broadcast to both rows' places: the
+        /// canonical lanes, four a row (each |lane sum| at most 8 · 128 · 127 · 255 < 2^31).
+        #[inline(always)]
+        unsafe fn levels2(u: [__m256i; 2], qs: [__m256i; 2], ql: [__m256i; 2]) -> __m256i {
+            // SAFETY: the caller's contract (AVX2 at least).
+            unsafe {
+                let coarse = Self::acc_us(_mm256_setzero_si256(), u[0], qs[0]);
+                let coarse = Self::acc_us(coarse, u[1], qs[1]);
+                let coarse = _mm256_mullo_epi32(coarse, _mm256_set1_epi32(PLANE));
+                Self::acc_us(Self::acc_us(coarse, u[0], ql[0]), u[1], ql[1])
+            }
+        }
+    }
+
+    /// A block's 8 lane sums in value order (lane `l`: values `4l..4l + 4`) as the canonical
+    /// 4 (lane `l` + lane `l + 4`: values `4l..` and `16 + 4l..`), in f32.
+    #[inline(always)]
+    unsafe fn canonical(lanes: __m256i) -> __m128 {
+        // SAFETY: inlined into AVX2 kernels (their contract).
+        unsafe {
+            let lo = _mm256_castsi256_si128(lanes);
+            _mm_cvtepi32_ps(_mm_add_epi32(lo, _mm256_extracti128_si256::<1>(lanes)))
+        }
+    }
+
+    /// An activation plane's values `16h..16h + 16` in every 128-bit quarter (each row slot).
+    #[inline(always)]
+    unsafe fn half_x2(plane: &[i8; QK], h: usize) -> __m256i {
+        // SAFETY: 16 bytes from 16h of a 32-byte plane; AVX2 is the caller's contract.
+        unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(plane.as_ptr().add(16 * h).cast())) }
     }
 
     struct Maddubs;
@@ -468,7 +522,7 @@ mod x86 {
         // SAFETY: the features are the caller's contract; every pointer is block `b < nb`
         // of a row checked to hold `nb` blocks.
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); C]; R];
+            let mut acc = [[_mm_setzero_ps(); C]; R];
             let mut mins = [[0.0f32; C]; R];
             for b in 0..nb {
                 // No closures: they would not inherit the caller's target features.
@@ -490,9 +544,9 @@ mod x86 {
                             let w = nibbles(p.add(4));
                             let mw = half_at(p.add(2));
                             for r in 0..R {
-                                let s = _mm256_cvtepi32_ps(M::levels(w, xv[r], xl[r]));
-                                let d = _mm256_set1_ps(dw * xd[r]);
-                                acc[r][c] = _mm256_fmadd_ps(d, s, acc[r][c]);
+                                let s = canonical(M::levels(w, xv[r], xl[r]));
+                                let d = _mm_set1_ps(dw * xd[r]);
+                                acc[r][c] = _mm_fmadd_ps(d, s, acc[r][c]);
                                 mins[r][c] = mw.mul_add((*xs[r].as_ptr().add(b)).ds, mins[r][c]);
                             }
                         }
@@ -508,9 +562,9 @@ mod x86 {
                             for r in 0..R {
                                 let (sx, sl) =
                                     (_mm256_sign_epi8(xv[r], w), _mm256_sign_epi8(xl[r], w));
-                                let s = _mm256_cvtepi32_ps(M::levels(aw, sx, sl));
-                                let d = _mm256_set1_ps(dw * xd[r]);
-                                acc[r][c] = _mm256_fmadd_ps(d, s, acc[r][c]);
+                                let s = canonical(M::levels(aw, sx, sl));
+                                let d = _mm_set1_ps(dw * xd[r]);
+                                acc[r][c] = _mm_fmadd_ps(d, s, acc[r][c]);
                             }
                         }
                     }
@@ -519,7 +573,7 @@ mod x86 {
             let mut out = [[0.0f32; C]; R];
             for r in 0..R {
                 for c in 0..C {
-                    let a = std::mem::transmute::<__m256, [f32; 8]>(acc[r][c]);
+                    let a = std::mem::transmute::<__m128, [f32; LANES]>(acc[r][c]);
                     out[r][c] = finish(&a, mins[r][c]);
                 }
             }
@@ -577,10 +631,10 @@ mod x86 {
         }
     }
 
-    /// `R` rows × one repacked group (`packed.rs`) in the canonical order: each of the
-    /// group's rows keeps its 8 lanes in one register, as in `block_with`; per block, the
-    /// group's 8 scales are converted at once, and a 32-byte load of a 4-bit pair gives two
-    /// rows' values.
+    /// `R` rows × one repacked group (`packed.rs`) in the canonical order: a register holds
+    /// two of the group's rows, four lanes each; per block, the group's 8 scales are converted
+    /// at once, and a 32-byte load gives two rows' values 0–15 (4-bit: masked) and 16–31
+    /// (shifted; Q8_0: a second load).
     ///
     /// # Safety
     /// AVX2, FMA and F16C are present (and whatever `M` needs); lengths are checked here.
@@ -590,6 +644,8 @@ mod x86 {
         g: PackedGroup<'_>,
         prefetch: bool,
     ) -> [[f32; PACK]; R] {
+        /// Registers a group block's rows take: rows `2k` and `2k + 1` in register `k`.
+        const REGS: usize = PACK / 2;
         let format = F::FORMAT;
         let nb = check_packed(xs, g);
         let gbb = PACK * format.block_bytes();
@@ -597,47 +653,62 @@ mod x86 {
         // SAFETY: the features are the caller's contract; every pointer is inside group
         // block `b < nb` (checked to be `gbb` bytes each) or activation block `b`.
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); PACK]; R]; // [R][row of the group]: 8 lanes
+            // Register k's scales: row 2k's in lanes 0..4, row 2k + 1's above.
+            let pick: [__m256i; REGS] = std::array::from_fn(|k| {
+                let (lo, hi) = (2 * k as i32, 2 * k as i32 + 1);
+                _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)
+            });
+            let mut acc = [[_mm256_setzero_ps(); REGS]; R]; // [R][register]: 2 rows × 4 lanes
             let mut mins = [_mm256_setzero_ps(); R]; // [R]: the group's 8 rows
             let low = _mm256_set1_epi8(0x0F);
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
                 let d8 = group_scales(p, gbb, prefetch); // the 8 rows' scales
-                let mut w = [_mm256_setzero_si256(); PACK]; // each row's 32 values
-                if format == Format::Q8_0 {
-                    for (c, wc) in w.iter_mut().enumerate() {
-                        *wc = _mm256_loadu_si256(p.add(qs + 32 * c).cast());
-                    }
-                } else {
-                    for pair in 0..PACK / 2 {
-                        let v = _mm256_loadu_si256(p.add(qs + 32 * pair).cast());
-                        w[2 * pair] = _mm256_and_si256(v, low);
-                        w[2 * pair + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                                                         // Each register's two rows: values 0–15, then 16–31.
+                let mut w = [[_mm256_setzero_si256(); 2]; REGS];
+                for (k, wk) in w.iter_mut().enumerate() {
+                    if format == Format::Q8_0 {
+                        // Quad k / 2, its rows' low halves, then their high halves.
+                        let at = qs + 128 * (k / 2) + 32 * (k % 2);
+                        wk[0] = _mm256_loadu_si256(p.add(at).cast());
+                        wk[1] = _mm256_loadu_si256(p.add(at + 64).cast());
+                    } else {
+                        let v = _mm256_loadu_si256(p.add(qs + 32 * k).cast());
+                        wk[0] = _mm256_and_si256(v, low);
+                        wk[1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
                     }
                 }
                 for r in 0..R {
                     let x = &*xs[r].as_ptr().add(b);
-                    let xv = _mm256_loadu_si256(x.qs.as_ptr().cast());
-                    let xl = _mm256_loadu_si256(x.ql.as_ptr().cast());
+                    let xv = [half_x2(&x.qs, 0), half_x2(&x.qs, 1)];
+                    let xl = [half_x2(&x.ql, 0), half_x2(&x.ql, 1)];
                     // dw · d, each of the group's rows.
                     let s8 = _mm256_mul_ps(d8, _mm256_set1_ps(x.d));
                     // Q4_0's values are nibble − 8: Σ (n − 8)·x = Σ n·x − 8·Σ x, lane by
-                    // lane, exact in i32 (|8·Σ x| ≤ 8·4·32258).
+                    // lane, exact in i32 (|8·Σ x| ≤ 8·8·32258).
                     let eight = if format == Format::Q4_0 {
-                        M::levels(_mm256_set1_epi8(8), xv, xl)
+                        let e = _mm256_set1_epi8(8);
+                        M::levels2([e, e], xv, xl)
                     } else {
                         _mm256_setzero_si256()
                     };
-                    for c in 0..PACK {
+                    for (k, wk) in w.iter().enumerate() {
                         let lanes = if format == Format::Q8_0 {
                             // Signed weights: |w| · (x signed as w), |w| ≤ 128.
-                            let (sx, sl) = (_mm256_sign_epi8(xv, w[c]), _mm256_sign_epi8(xl, w[c]));
-                            M::levels(_mm256_abs_epi8(w[c]), sx, sl)
+                            let sx = [
+                                _mm256_sign_epi8(xv[0], wk[0]),
+                                _mm256_sign_epi8(xv[1], wk[1]),
+                            ];
+                            let sl = [
+                                _mm256_sign_epi8(xl[0], wk[0]),
+                                _mm256_sign_epi8(xl[1], wk[1]),
+                            ];
+                            M::levels2([_mm256_abs_epi8(wk[0]), _mm256_abs_epi8(wk[1])], sx, sl)
                         } else {
-                            _mm256_sub_epi32(M::levels(w[c], xv, xl), eight)
+                            _mm256_sub_epi32(M::levels2(*wk, xv, xl), eight)
                         };
-                        let s = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(c as i32));
-                        acc[r][c] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(lanes), acc[r][c]);
+                        let s = _mm256_permutevar8x32_ps(s8, pick[k]);
+                        acc[r][k] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(lanes), acc[r][k]);
                     }
                     if format == Format::Q4_1 {
                         mins[r] = add_mins(p, x.ds, mins[r]);
@@ -647,29 +718,26 @@ mod x86 {
             let mut out = [[0.0f32; PACK]; R];
             for r in 0..R {
                 let m = std::mem::transmute::<__m256, [f32; 8]>(mins[r]);
-                for c in 0..PACK {
-                    let a = std::mem::transmute::<__m256, [f32; 8]>(acc[r][c]);
-                    out[r][c] = finish(&a, m[c]);
+                for k in 0..REGS {
+                    let a = std::mem::transmute::<__m256, [[f32; LANES]; 2]>(acc[r][k]);
+                    out[r][2 * k] = finish(&a[0], m[2 * k]);
+                    out[r][2 * k + 1] = finish(&a[1], m[2 * k + 1]);
                 }
             }
             out
         }
     }
 
-    /// `packed_with` on 512-bit registers, for the VNNI kernel: each register holds two of
-    /// the group's rows, one per half, so every byte dot, conversion and multiply-add does
-    /// two rows' work (on cores with full-width AVX-512 units, such as Intel's Xeons, one
-    /// 512-bit `vpdpbusd` issues as often as a 256-bit one, and this kernel is bound by
-    /// those instructions where the weights are in cache). Lane by lane it computes what
-    /// `packed_with` does, so its bits are the same: a half's 8 lanes are one row's lane
-    /// sums of one block (the activation planes are the same in both halves), scaled by
-    /// that row's `dw · d` and added into that row's accumulator.
-    ///
-    /// Which rows share a register follows from the layout (`packed.rs`): a 64-byte load of
-    /// two 4-bit pairs gives rows (0, 2) in its low nibbles and (1, 3) in its high ones; of
-    /// Q8_0 rows, two consecutive rows. Q8_0's signed weights take the `|w| · (x signed as
-    /// w)` form of the 256-bit kernels, the sign applied by a masked negation (AVX-512 has
-    /// no 512-bit `vpsignb`; where `w` = 0 the product is 0 either way).
+    /// `packed_with` on 512-bit registers, for the VNNI kernel: each register holds four of
+    /// the group's rows (a 64-byte load of four rows' 16 nibble bytes, masked and shifted,
+    /// or Q8_0's quad of low and high halves: `packed.rs`), so a group block is two
+    /// registers of byte dots, conversions and multiply-adds. Lane by lane it computes what
+    /// `packed_with` does, so its bits are the same: a quarter's 4 lanes are one row's lane
+    /// sums of one block (the activation planes' halves are broadcast to every quarter),
+    /// scaled by that row's `dw · d` and added into that row's accumulator. Q8_0's signed
+    /// weights take the `|w| · (x signed as w)` form of the 256-bit kernels, the sign applied
+    /// by a masked negation (AVX-512 has no 512-bit `vpsignb`; where `w` = 0 the product is
+    /// 0 either way).
     ///
     /// # Safety
     /// AVX-512F, BW, VNNI, F16C and FMA are present; lengths are checked here.
@@ -679,65 +747,73 @@ mod x86 {
         g: PackedGroup<'_>,
         prefetch: bool,
     ) -> [[f32; PACK]; R] {
-        /// The group rows in register `k`'s low and high halves.
-        const Q4_PAIRS: [(usize, usize); PACK / 2] = [(0, 2), (1, 3), (4, 6), (5, 7)];
-        const Q8_PAIRS: [(usize, usize); PACK / 2] = [(0, 1), (2, 3), (4, 5), (6, 7)];
+        /// Registers a group block's rows take: rows `4k..4k + 4` in register `k`.
+        const REGS: usize = PACK / 4;
         let format = F::FORMAT;
         let nb = check_packed(xs, g);
         let gbb = PACK * format.block_bytes();
         let qs = qs_offset(format);
-        let pairs = if format == Format::Q8_0 {
-            Q8_PAIRS
-        } else {
-            Q4_PAIRS
-        };
         // SAFETY: the features are the caller's contract; every pointer is inside group
         // block `b < nb` (checked to be `gbb` bytes each) or activation block `b`.
         unsafe {
-            // Register k's scales: row `pairs[k].0`'s in lanes 0..8, `pairs[k].1`'s above.
-            let pick: [__m512i; PACK / 2] = std::array::from_fn(|k| {
-                let (lo, hi) = pairs[k];
-                _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo as i32), _mm256_set1_epi32(hi as i32))
+            // Register k's scales: row 4k + j's in lanes 4j..4j + 4.
+            let pick: [__m512i; REGS] = std::array::from_fn(|k| {
+                let r = |j: i32| 4 * k as i32 + j;
+                _mm512_setr_epi32(
+                    r(0),
+                    r(0),
+                    r(0),
+                    r(0),
+                    r(1),
+                    r(1),
+                    r(1),
+                    r(1),
+                    r(2),
+                    r(2),
+                    r(2),
+                    r(2),
+                    r(3),
+                    r(3),
+                    r(3),
+                    r(3),
+                )
             });
-            let mut acc = [[_mm512_setzero_ps(); PACK / 2]; R]; // [R][register]: 16 lanes
+            let mut acc = [[_mm512_setzero_ps(); REGS]; R]; // [R][register]: 4 rows × 4 lanes
             let mut mins = [_mm256_setzero_ps(); R]; // [R]: the group's 8 rows
             let low = _mm512_set1_epi8(0x0F);
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
                 let d8 = group_scales(p, gbb, prefetch); // the 8 rows' scales
-                let mut w = [_mm512_setzero_si512(); PACK / 2]; // two rows' 32 values each
-                if format == Format::Q8_0 {
-                    for (k, wk) in w.iter_mut().enumerate() {
-                        *wk = _mm512_loadu_si512(p.add(qs + 64 * k).cast());
-                    }
-                } else {
-                    for h in 0..PACK / 4 {
-                        let v = _mm512_loadu_si512(p.add(qs + 64 * h).cast());
-                        w[2 * h] = _mm512_and_si512(v, low);
-                        w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                                                         // Each register's four rows: values 0–15, then 16–31.
+                let mut w = [[_mm512_setzero_si512(); 2]; REGS];
+                for (k, wk) in w.iter_mut().enumerate() {
+                    if format == Format::Q8_0 {
+                        wk[0] = _mm512_loadu_si512(p.add(qs + 128 * k).cast());
+                        wk[1] = _mm512_loadu_si512(p.add(qs + 128 * k + 64).cast());
+                    } else {
+                        let v = _mm512_loadu_si512(p.add(qs + 64 * k).cast());
+                        wk[0] = _mm512_and_si512(v, low);
+                        wk[1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
                     }
                 }
                 for r in 0..R {
                     let x = &*xs[r].as_ptr().add(b);
-                    let xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.qs.as_ptr().cast()));
-                    let xl = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.ql.as_ptr().cast()));
+                    let xv = [half_x4(&x.qs, 0), half_x4(&x.qs, 1)];
+                    let xl = [half_x4(&x.ql, 0), half_x4(&x.ql, 1)];
                     // dw · d, each of the group's rows (lanes 0..8).
                     let s8 = _mm512_castps256_ps512(_mm256_mul_ps(d8, _mm256_set1_ps(x.d)));
                     // Q4_0: Σ (n − 8)·x = Σ n·x − 8·Σ x, as in `packed_with`.
                     let eight = if format == Format::Q4_0 {
-                        levels_512(_mm512_set1_epi8(8), xv, xl)
+                        let e = _mm512_set1_epi8(8);
+                        levels_512([e, e], xv, xl)
                     } else {
                         _mm512_setzero_si512()
                     };
                     for (k, wk) in w.iter().enumerate() {
                         let lanes = if format == Format::Q8_0 {
-                            let neg = _mm512_movepi8_mask(*wk);
-                            let zero = _mm512_setzero_si512();
-                            let (sx, sl) = (
-                                _mm512_mask_sub_epi8(xv, neg, zero, xv),
-                                _mm512_mask_sub_epi8(xl, neg, zero, xl),
-                            );
-                            levels_512(_mm512_abs_epi8(*wk), sx, sl)
+                            let sx = [signed_as(xv[0], wk[0]), signed_as(xv[1], wk[1])];
+                            let sl = [signed_as(xl[0], wk[0]), signed_as(xl[1], wk[1])];
+                            levels_512([_mm512_abs_epi8(wk[0]), _mm512_abs_epi8(wk[1])], sx, sl)
                         } else {
                             _mm512_sub_epi32(levels_512(*wk, xv, xl), eight)
                         };
@@ -752,24 +828,41 @@ mod x86 {
             let mut out = [[0.0f32; PACK]; R];
             for r in 0..R {
                 let m = std::mem::transmute::<__m256, [f32; 8]>(mins[r]);
-                for (k, &(lo, hi)) in pairs.iter().enumerate() {
-                    let a = std::mem::transmute::<__m512, [[f32; 8]; 2]>(acc[r][k]);
-                    out[r][lo] = finish(&a[0], m[lo]);
-                    out[r][hi] = finish(&a[1], m[hi]);
+                for k in 0..REGS {
+                    let a = std::mem::transmute::<__m512, [[f32; LANES]; 4]>(acc[r][k]);
+                    for (j, a) in a.iter().enumerate() {
+                        out[r][4 * k + j] = finish(a, m[4 * k + j]);
+                    }
                 }
             }
             out
         }
     }
 
-    /// `MulSum::levels` with `vpdpbusd` on 512-bit registers: 16 lanes.
+    /// `x` negated where `w` is negative (byte by byte): `vpsignb` on 512 bits, but for
+    /// `w` = 0, whose product is 0 either way.
     #[inline(always)]
-    unsafe fn levels_512(u: __m512i, qs: __m512i, ql: __m512i) -> __m512i {
+    unsafe fn signed_as(x: __m512i, w: __m512i) -> __m512i {
+        // SAFETY: inlined only into the 512-bit kernel (AVX-512BW, its contract).
+        unsafe { _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x) }
+    }
+
+    /// An activation plane's values `16h..16h + 16` in every 128-bit quarter (each row slot).
+    #[inline(always)]
+    unsafe fn half_x4(plane: &[i8; QK], h: usize) -> __m512i {
+        // SAFETY: 16 bytes from 16h of a 32-byte plane; AVX-512F is the caller's contract.
+        unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(plane.as_ptr().add(16 * h).cast())) }
+    }
+
+    /// `MulSum::levels2` with `vpdpbusd` on 512-bit registers: four rows' lanes.
+    #[inline(always)]
+    unsafe fn levels_512(u: [__m512i; 2], qs: [__m512i; 2], ql: [__m512i; 2]) -> __m512i {
         // SAFETY: inlined only into the 512-bit kernel (AVX-512F and VNNI, its contract).
         unsafe {
-            let coarse = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, qs);
+            let coarse = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], qs[0]);
+            let coarse = _mm512_dpbusd_epi32(coarse, u[1], qs[1]);
             let coarse = _mm512_mullo_epi32(coarse, _mm512_set1_epi32(PLANE));
-            _mm512_dpbusd_epi32(coarse, u, ql)
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(coarse, u[0], ql[0]), u[1], ql[1])
         }
     }
 

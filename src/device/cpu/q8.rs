@@ -421,7 +421,7 @@ mod x86 {
         }
     }
 
-    /// An activation plane's values `16h..16h + 16` in every 128-bit quarter (each row slot).
+    /// An activation plane's values `16h..16h + 16` in both 128-bit halves (each row's slot).
     #[inline(always)]
     unsafe fn half_x2(plane: &[i8; QK], h: usize) -> __m256i {
         // SAFETY: 16 bytes from 16h of a 32-byte plane; AVX2 is the caller's contract.

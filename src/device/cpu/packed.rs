@@ -38,7 +38,7 @@ pub fn supports(format: Format) -> bool {
     matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
 }
 
-/// Where a group block's 4-bit pairs or 8-bit rows start: after the `PACK` scales (and the
+/// Where a group block's weight values start: after the `PACK` scales (and the
 /// `PACK` mins of Q4_1).
 pub const fn qs_offset(format: Format) -> usize {
     match format {

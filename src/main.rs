@@ -157,6 +157,7 @@ fn main() -> ExitCode {
     if !matches!(cli.command, Command::Serve(_)) {
         strata::engine::compute_on_this_thread();
     }
+    let bench = matches!(cli.command, Command::Bench(_));
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => {
@@ -172,7 +173,13 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Agreement(args)) => strata::agreement::run(args),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            // After the report, not before: an error stays one line.
+            if let Some(note) = strata::device::order::timing_note().filter(|_| bench) {
+                eprintln!("{note}");
+            }
+            ExitCode::SUCCESS
+        }
         // One line naming the cause chain, e.g. "error: model.safetensors: invalid safetensors file: ...".
         Err(e) => errors::report_for(&e, Some(command)),
     }

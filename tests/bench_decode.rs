@@ -44,6 +44,12 @@ fn decode_bench_counts_the_bytes_of(kv_dtype: &str, kv_elem_bytes: usize) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Every `cargo test` binary runs the stream-ordering checker: the report says so.
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the stream-ordering checker is on"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let read = v["read_gbps"].as_f64().unwrap();
     assert!(read > 0.0);

@@ -3,7 +3,7 @@
 # from a prebuilt binary. Prints one summary table; exits non-zero on any failure.
 #   1. every kernel against its CPU twin on random inputs (`strata-gpucheck kernels`)
 #   2. logits CUDA vs CPU                      3. offload (and sparse decode) equality on CUDA
-#   4. pinned bandwidth sweep 64 KB..256 MB    5. offload benchmark at 8K/32K (Qwen3-4B-shaped;
+#   4. pinned bandwidth sweep 64 KB..256 MB    5. offload benchmark at 4K/8K/32K (Qwen3-4B-shaped;
 #      full loading vs sparse decode at 1/8)
 #   6. the serving path on CUDA: batch invariance, preemption bitwise, tokens vs the CPU engine,
 #      the disk tier (spill/load, restart reuse, corrupted slots never used)
@@ -95,13 +95,13 @@ if want 4; then
     fi
 fi
 if want 5; then
-    run 180 bench-offload --layers 8 --contexts 8192,32768 --decode-steps 16
+    run 180 bench-offload --layers 8 --contexts 4096,8192,32768 --decode-steps 16
     if [[ $rc -ne 0 ]]; then
-        add 5 "offload benchmark 8K/32K" FAIL "exit $rc: $(tail -n1 <<<"$out")"
+        add 5 "offload benchmark 4K/8K/32K" FAIL "exit $rc: $(tail -n1 <<<"$out")"
     elif grep -q MISSED <<<"$out"; then
-        add 5 "offload benchmark 8K/32K" MISS "$(grep -c MISSED <<<"$out") goal(s) missed (see above)"
+        add 5 "offload benchmark 4K/8K/32K" MISS "$(grep -c MISSED <<<"$out") goal(s) missed (see above)"
     else
-        add 5 "offload benchmark 8K/32K" ok "$(grep -c '^goal' <<<"$out") goals met"
+        add 5 "offload benchmark 4K/8K/32K" ok "$(grep -c '^goal' <<<"$out") goals met"
     fi
 fi
 

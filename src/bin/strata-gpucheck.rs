@@ -62,7 +62,7 @@ struct BenchArgs {
     #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=36))]
     layers: usize,
     /// Context lengths, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "8192,32768", value_parser = flags::tokens())]
+    #[arg(long, value_delimiter = ',', default_value = "4096,8192,32768", value_parser = flags::tokens())]
     contexts: Vec<usize>,
     #[arg(long, default_value_t = 16, value_parser = flags::tokens_or_zero())]
     decode_steps: usize,

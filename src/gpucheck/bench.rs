@@ -142,7 +142,7 @@ impl Default for BenchArgs {
     fn default() -> Self {
         Self {
             layers: 8,
-            contexts: vec![8192, 32768],
+            contexts: vec![4096, 8192, 32768],
             decode_steps: 16,
             num_kv_buffers: 4,
             block_size: 256,

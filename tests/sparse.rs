@@ -499,7 +499,7 @@ fn the_prompts_last_query_predicts_the_first_decode_step() {
 
 /// `bench offload --json` in rounds: each budget's speedup is the median of the rounds'
 /// full ÷ sparse step ratios, between its reported minimum and maximum, with one step time,
-/// link and compute-only time per round.
+/// link and compute-only time per round, and where the sparse step's own work goes.
 #[test]
 fn bench_offload_reports_the_median_of_its_rounds() {
     let dir = scratch_dir("sparse_bench_rounds");
@@ -547,6 +547,19 @@ fn bench_offload_reports_the_median_of_its_rounds() {
         assert!(close(get("decode_step_ms"), sorted[1]), "{row}");
         assert!((0.0..=1.0).contains(&get("prefetch_hit_rate")), "{row}");
         assert!(get("bytes_per_step_ratio") > 0.0 && get("bytes_per_step_ratio") < 1.0);
+        // Where the sparse step goes: scoring ran every step, and the parts (a mean over
+        // the traced steps) fit in the slowest round's step.
+        let part = |k: &str| row["step_parts"][k].as_f64().unwrap();
+        assert!(part("scoring_ms") > 0.0, "{row}");
+        let parts = [
+            "scoring_ms",
+            "miss_waits_ms",
+            "moves_ms",
+            "prefetch_waits_ms",
+        ];
+        assert!(parts.iter().all(|k| part(k) >= 0.0), "{row}");
+        let sum: f64 = parts.iter().map(|k| part(k)).sum();
+        assert!(sum <= sorted[2], "{row}");
     }
     assert_eq!(r["decode_speedup"], r["sparse"][0]["decode_speedup"]);
 }

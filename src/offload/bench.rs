@@ -193,6 +193,8 @@ pub struct SparseRow {
     pub prefetch_hit_rate: f64,
     /// Runs of missed pages per step (all layers), contiguous in host memory.
     pub miss_runs_per_step: f64,
+    /// Where the step's sparse work goes (ms a step, from the decode trace).
+    pub step_parts: trace::SparseStepParts,
     pub needle_passed: Option<usize>,
 }
 
@@ -424,6 +426,7 @@ pub fn run_bench<T: KvElem>(
             bytes_per_step_ratio: bytes as f64 / h2d.max(1) as f64,
             prefetch_hit_rate: stats.hit_rate(),
             miss_runs_per_step: stats.miss_runs as f64 / timed,
+            step_parts: trace::SparseStepParts::of(&events, rounds * steps),
             needle_passed: None,
         });
     }
@@ -558,6 +561,19 @@ impl std::fmt::Display for OffloadBenchReport {
                 r.prefetch_hit_rate * 100.0,
                 r.miss_runs_per_step,
                 needle(r.needle_passed)
+            )?;
+        }
+        for r in &self.sparse {
+            let p = &r.step_parts;
+            write!(
+                f,
+                "\n{:>8}: a step's scoring {:.2} ms, miss waits {:.2}, moves {:.2}, prefetch waits {:.2} (of {:.2})",
+                r.budget,
+                p.scoring_ms,
+                p.miss_waits_ms,
+                p.moves_ms,
+                p.prefetch_waits_ms,
+                r.decode_step_ms
             )?;
         }
         Ok(())

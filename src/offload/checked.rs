@@ -235,7 +235,12 @@ impl<D: OffloadDevice> OffloadDevice for Checked<D> {
         page_size: usize,
     ) -> Result<Vec<f32>> {
         let acc = [(Access::Read, bounds)];
-        self.on_stream(StreamRole::Compute, "page-scores", Some(layer), &acc)?;
+        self.on_stream(
+            StreamRole::Compute,
+            super::trace::PAGE_SCORES,
+            Some(layer),
+            &acc,
+        )?;
         let out = self
             .d
             .head_bounds(layer, q, bounds, heads, pages, page_size)?;

@@ -343,7 +343,7 @@ impl<T: KvElem> OffloadDevice for CpuOffloadDevice<T> {
             )
         };
         let out = crate::sparse::head_bounds(q, b, heads, pages, page_size);
-        self.trace_compute("page-scores", Some(layer), 0, start);
+        self.trace_compute(super::trace::PAGE_SCORES, Some(layer), 0, start);
         Ok(out)
     }
 }

@@ -557,14 +557,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let (moves_done, misses_done) = (sp.moves_done, sp.misses_done);
         let slot = self.ring[s];
         for (src, dst, len) in moves {
-            self.copy_kv(
-                c,
-                ["move-k", "move-v"],
-                layer,
-                (slot, src),
-                (slot, dst),
-                len,
-            )?;
+            self.copy_kv(c, super::trace::MOVES, layer, (slot, src), (slot, dst), len)?;
         }
         // The window after the compacted pages (the moves may have read from there).
         self.append_window(layer, s, pos, base)?;

@@ -94,6 +94,49 @@ pub fn overlap_fraction(events: &[TraceEvent]) -> f64 {
     both / total
 }
 
+/// The names sparse decode's work carries in a trace: the page scoring (the devices'
+/// `head_bounds`), the moves of prefetched pages inside the slot (the engine's `select`),
+/// and the compute stream's waits for the missed pages and for a slot's prefetch (the
+/// engine's `wait`s, traced as `wait:` and what they name).
+pub const PAGE_SCORES: &str = "page-scores";
+pub const MOVES: [&str; 2] = ["move-k", "move-v"];
+const MISSES_WAIT: &str = "wait:misses-fetched";
+const SLOT_WAIT: &str = "wait:slot-ready";
+
+/// Where a sparse decode step's own work goes, in ms a step (a trace of `steps` steps):
+/// what the compute stream spends beside the model's compute.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct SparseStepParts {
+    /// Scoring the pages (the box bound of every candidate page for every query head).
+    pub scoring_ms: f64,
+    /// Waiting for the pages the prefetch missed.
+    pub miss_waits_ms: f64,
+    /// Moving prefetched pages to their places in the slot.
+    pub moves_ms: f64,
+    /// Waiting for a layer's prefetch (the link behind).
+    pub prefetch_waits_ms: f64,
+}
+
+impl SparseStepParts {
+    pub fn of(events: &[TraceEvent], steps: usize) -> Self {
+        let ms = |names: &[&str]| {
+            events
+                .iter()
+                .filter(|e| e.stream == "compute" && names.contains(&e.name.as_str()))
+                .map(|e| (e.end_us - e.start_us).max(0.0))
+                .fold(0.0, |a, d| a + d) // (an empty `sum` is -0.0, printed "-0.00")
+                / 1e3
+                / steps.max(1) as f64
+        };
+        Self {
+            scoring_ms: ms(&[PAGE_SCORES]),
+            miss_waits_ms: ms(&[MISSES_WAIT]),
+            moves_ms: ms(&MOVES),
+            prefetch_waits_ms: ms(&[SLOT_WAIT]),
+        }
+    }
+}
+
 /// Bytes moved over the link, per direction: (host→device, device→host).
 pub fn link_bytes(events: &[TraceEvent]) -> (usize, usize) {
     let sum = |p: &str| {
@@ -130,6 +173,30 @@ mod tests {
         ];
         assert!((overlap_fraction(&evs) - 0.5).abs() < 1e-9);
         assert_eq!(link_bytes(&evs), (10, 0));
+    }
+
+    #[test]
+    fn sparse_step_parts_sum_the_compute_streams_sparse_work_per_step() {
+        let evs = [
+            ev("compute", "layer", 0.0, 100.0),
+            ev("compute", PAGE_SCORES, 0.0, 400.0),
+            ev("compute", PAGE_SCORES, 500.0, 600.0),
+            ev("compute", "move-k", 600.0, 700.0),
+            ev("compute", "move-v", 700.0, 900.0),
+            ev("compute", "wait:misses-fetched", 900.0, 1000.0),
+            ev("compute", "wait:slot-ready", 1000.0, 1050.0),
+            ev("h2d-miss", "h2d-miss-k", 0.0, 5000.0), // not the compute stream's
+        ];
+        let p = SparseStepParts::of(&evs, 2);
+        assert_eq!(
+            p,
+            SparseStepParts {
+                scoring_ms: 0.25,
+                miss_waits_ms: 0.05,
+                moves_ms: 0.15,
+                prefetch_waits_ms: 0.025,
+            }
+        );
     }
 
     #[test]

@@ -425,11 +425,11 @@ pub fn on_by_default() -> bool {
     std::env::var("STRATA_CHECK_ORDER").is_ok_and(|v| v == "1")
 }
 
-/// What a benchmark prints first when the checker is on by default: its bookkeeping
-/// (a lock and interval maps for every copy and kernel) is in every offload and serving
-/// timing, and `cargo test --release` leaves exactly such a `target/release/strata`
-/// behind (the dev-dependency's feature), so a run timed after the tests is not the
-/// binary a user runs.
+/// What a benchmark prints after its report when the checker is on by default: its
+/// bookkeeping (a lock and interval maps for every copy and kernel) is in every offload
+/// and serving timing, and `cargo test --release` leaves exactly such a
+/// `target/release/strata` behind (the dev-dependency's feature), so a run timed after
+/// the tests is not the binary a user runs.
 pub fn timing_note() -> Option<&'static str> {
     on_by_default().then_some(
         "note: the stream-ordering checker is on (a debug or `cargo test` build, or \

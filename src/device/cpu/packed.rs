@@ -128,9 +128,14 @@ impl Packed {
     }
 }
 
+/// Where row `c`'s 16 nibble bytes of a Q4 group block start (after `qs_offset`).
+pub const fn q4_row_at(c: usize) -> usize {
+    QK / 2 * c
+}
+
 /// Where row `c`'s values `16h..16h + 16` of a Q8_0 group block start (after `qs_offset`):
 /// quad `c / 4`'s half `h`, slot `c % 4`.
-const fn q8_half_at(c: usize, h: usize) -> usize {
+pub const fn q8_half_at(c: usize, h: usize) -> usize {
     8 * QK * (c / 4) / 2 + 4 * QK / 2 * h + QK / 2 * (c % 4)
 }
 
@@ -149,7 +154,7 @@ fn place(format: Format, c: usize, blk: &[u8], gb: &mut [u8]) {
             if format == Format::Q4_1 {
                 gb[2 * PACK + 2 * c..2 * PACK + 2 * c + 2].copy_from_slice(&blk[2..4]);
             }
-            let at = qs + QK / 2 * c;
+            let at = qs + q4_row_at(c);
             gb[at..at + QK / 2].copy_from_slice(&blk[nibbles_at(format)..][..QK / 2]);
         }
     }
@@ -170,7 +175,7 @@ fn take(format: Format, c: usize, gb: &[u8], blk: &mut [u8]) {
             if format == Format::Q4_1 {
                 blk[2..4].copy_from_slice(&gb[2 * PACK + 2 * c..2 * PACK + 2 * c + 2]);
             }
-            let at = qs + QK / 2 * c;
+            let at = qs + q4_row_at(c);
             blk[nibbles_at(format)..][..QK / 2].copy_from_slice(&gb[at..at + QK / 2]);
         }
     }

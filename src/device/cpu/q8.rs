@@ -302,7 +302,7 @@ mod x86 {
     use super::{
         check, check_packed, finish, Format, PackedGroup, Q8Block, Q8Dot, LANES, PACK, PLANE, QK,
     };
-    use crate::device::cpu::packed::qs_offset;
+    use crate::device::cpu::packed::{q4_row_at, q8_half_at, qs_offset};
     use std::arch::x86_64::*;
 
     /// AVX2 (+ FMA, F16C), detected at run time: `maddubs` then `madd` for the lane sums.
@@ -664,16 +664,15 @@ mod x86 {
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
                 let d8 = group_scales(p, gbb, prefetch); // the 8 rows' scales
-                                                         // Each register's two rows: values 0–15, then 16–31.
+                                                         // Each register's two rows (2k, 2k + 1): values 0–15, then 16–31.
                 let mut w = [[_mm256_setzero_si256(); 2]; REGS];
                 for (k, wk) in w.iter_mut().enumerate() {
                     if format == Format::Q8_0 {
                         // Quad k / 2, its rows' low halves, then their high halves.
-                        let at = qs + 128 * (k / 2) + 32 * (k % 2);
-                        wk[0] = _mm256_loadu_si256(p.add(at).cast());
-                        wk[1] = _mm256_loadu_si256(p.add(at + 64).cast());
+                        wk[0] = _mm256_loadu_si256(p.add(qs + q8_half_at(2 * k, 0)).cast());
+                        wk[1] = _mm256_loadu_si256(p.add(qs + q8_half_at(2 * k, 1)).cast());
                     } else {
-                        let v = _mm256_loadu_si256(p.add(qs + 32 * k).cast());
+                        let v = _mm256_loadu_si256(p.add(qs + q4_row_at(2 * k)).cast());
                         wk[0] = _mm256_and_si256(v, low);
                         wk[1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
                     }
@@ -758,25 +757,8 @@ mod x86 {
         unsafe {
             // Register k's scales: row 4k + j's in lanes 4j..4j + 4.
             let pick: [__m512i; REGS] = std::array::from_fn(|k| {
-                let r = |j: i32| 4 * k as i32 + j;
-                _mm512_setr_epi32(
-                    r(0),
-                    r(0),
-                    r(0),
-                    r(0),
-                    r(1),
-                    r(1),
-                    r(1),
-                    r(1),
-                    r(2),
-                    r(2),
-                    r(2),
-                    r(2),
-                    r(3),
-                    r(3),
-                    r(3),
-                    r(3),
-                )
+                let rows: [i32; 16] = std::array::from_fn(|i| (4 * k + i / 4) as i32);
+                _mm512_loadu_si512(rows.as_ptr().cast())
             });
             let mut acc = [[_mm512_setzero_ps(); REGS]; R]; // [R][register]: 4 rows × 4 lanes
             let mut mins = [_mm256_setzero_ps(); R]; // [R]: the group's 8 rows
@@ -784,14 +766,14 @@ mod x86 {
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
                 let d8 = group_scales(p, gbb, prefetch); // the 8 rows' scales
-                                                         // Each register's four rows: values 0–15, then 16–31.
+                                                         // Each register's four rows (4k..4k + 4): values 0–15, then 16–31.
                 let mut w = [[_mm512_setzero_si512(); 2]; REGS];
                 for (k, wk) in w.iter_mut().enumerate() {
                     if format == Format::Q8_0 {
-                        wk[0] = _mm512_loadu_si512(p.add(qs + 128 * k).cast());
-                        wk[1] = _mm512_loadu_si512(p.add(qs + 128 * k + 64).cast());
+                        wk[0] = _mm512_loadu_si512(p.add(qs + q8_half_at(4 * k, 0)).cast());
+                        wk[1] = _mm512_loadu_si512(p.add(qs + q8_half_at(4 * k, 1)).cast());
                     } else {
-                        let v = _mm512_loadu_si512(p.add(qs + 64 * k).cast());
+                        let v = _mm512_loadu_si512(p.add(qs + q4_row_at(4 * k)).cast());
                         wk[0] = _mm512_and_si512(v, low);
                         wk[1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
                     }

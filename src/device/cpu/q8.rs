@@ -757,8 +757,13 @@ mod x86 {
         unsafe {
             // Register k's scales: row 4k + j's in lanes 4j..4j + 4.
             let pick: [__m512i; REGS] = std::array::from_fn(|k| {
-                let rows: [i32; 16] = std::array::from_fn(|i| (4 * k + i / 4) as i32);
-                _mm512_loadu_si512(rows.as_ptr().cast())
+                let r = |j: i32| 4 * k as i32 + j;
+                #[rustfmt::skip]
+                let v = _mm512_setr_epi32(
+                    r(0), r(0), r(0), r(0), r(1), r(1), r(1), r(1),
+                    r(2), r(2), r(2), r(2), r(3), r(3), r(3), r(3),
+                );
+                v
             });
             let mut acc = [[_mm512_setzero_ps(); REGS]; R]; // [R][register]: 4 rows × 4 lanes
             let mut mins = [_mm256_setzero_ps(); R]; // [R]: the group's 8 rows

@@ -169,6 +169,25 @@ fn sparse_eval_scores_what_it_prints() {
             let found: Vec<bool> = serde_json::from_value(d["found"].clone()).unwrap();
             assert_eq!(found, ruler::found(t, &answers), "{d}");
         }
+        // Teacher-forced: fed full attention's tokens, the whole-context budget makes full
+        // attention's choice at every step with the same logits (KL exactly 0); a step
+        // compared with the wrong one of full attention's would not.
+        let forced = c["forced"].as_array().unwrap();
+        assert_eq!(forced.len(), 2, "{c}");
+        let steps = forced[0]["steps"].as_u64().unwrap();
+        assert!(steps >= 7, "a 7-digit value and more: {c}");
+        assert_eq!(forced[0]["agreed"], steps, "{c}");
+        assert_eq!(
+            (&forced[0]["mean_kl"], &forced[0]["max_kl"]),
+            (&0.0.into(), &0.0.into())
+        );
+        assert_eq!(forced[1]["steps"], steps, "{c}");
+        assert!(forced[1]["agreed"].as_u64().unwrap() <= steps, "{c}");
+        let (mean, max) = (
+            forced[1]["mean_kl"].as_f64().unwrap(),
+            forced[1]["max_kl"].as_f64().unwrap(),
+        );
+        assert!((0.0..=max).contains(&mean), "{c}");
     }
     // Cells: two tasks and "all", per budget; counts consistent with the cases.
     let cells = r["cells"].as_array().unwrap();
@@ -181,7 +200,17 @@ fn sparse_eval_scores_what_it_prints() {
         // One value a case, each found by full attention; kept where sparse found it.
         assert_eq!(cell["values_full_found"], n, "{cell}");
         assert_eq!(cell["values_kept"], cell["sparse_correct"], "{cell}");
+        assert!(
+            cell["forced_agreed"].as_u64() <= cell["forced_steps"].as_u64(),
+            "{cell}"
+        );
     }
+    assert_eq!(cells[2]["task"], "all");
+    assert_eq!(
+        cells[2]["forced_agreed"], cells[2]["forced_steps"],
+        "the whole-context budget"
+    );
+    assert_eq!(cells[2]["forced_mean_kl"], 0.0);
     assert_eq!(
         cells[0]["sparse_accuracy"], 100.0,
         "the whole-context budget"
@@ -225,6 +254,8 @@ fn the_table_names_every_cell() {
         "sparse_acc",
         "drop",
         "values_kept",
+        "agree",
+        "mean_kl",
     ] {
         assert!(head.contains(col), "{head}");
     }

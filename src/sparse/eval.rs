@@ -10,6 +10,14 @@
 //! keys' values on most cases), and it counts a lost value where the whole-case score
 //! would need every value right first.
 //!
+//! A third measure is per token, on every case: sparse decode fed full attention's own
+//! tokens (teacher-forced), and at each of full attention's decode steps whether its greedy
+//! choice is full attention's ("agree") and KL(full ‖ sparse) of the next-token
+//! distributions. A case gives one score but tens to hundreds of steps, so two selections
+//! that score alike on a handful of cases can still be told apart; and the agreement is
+//! the acceptance rate a verifier would see if full attention checked sparse decode's
+//! tokens (self-speculative decoding with a sparse draft).
+//!
 //! Each case is prefilled once into a `Replay` cache and decoded greedily with full
 //! attention, then (if full attention found any value) at each budget, rewound to the
 //! prompt between them: the engine's own selection (`replay`), one prefill instead of one
@@ -24,7 +32,7 @@ use anyhow::{bail, Result};
 use super::replay::Replay;
 use super::SparseConfig;
 use crate::device::kv_elem::KvElem;
-use crate::engine::{Sampler, SamplingParams};
+use crate::engine::{sampler, Sampler, SamplingParams};
 use crate::flags;
 use crate::model::{Model, Tokenizer};
 use crate::ruler::{self, RulerCase, SeedSet, Task};
@@ -140,6 +148,23 @@ pub struct CaseReport {
     pub full: Decoded,
     /// One per budget, in `--budget` order; empty when full attention finds no value.
     pub sparse: Vec<Decoded>,
+    /// One per budget, in `--budget` order, on every case.
+    pub forced: Vec<Forced>,
+}
+
+/// Sparse decode fed full attention's tokens (teacher-forced) at one budget: at each of
+/// full attention's decode steps, the step's next-token choice and distribution against
+/// full attention's at the same position.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Forced {
+    pub budget: usize,
+    /// Full attention's decode steps (its tokens after the prefill's first).
+    pub steps: usize,
+    /// Steps where sparse decode's greedy choice is full attention's.
+    pub agreed: usize,
+    /// Mean over the steps of KL(full ‖ sparse), nats.
+    pub mean_kl: f64,
+    pub max_kl: f64,
 }
 
 /// One table row: a task (or "all"), a context and a budget.
@@ -163,6 +188,11 @@ pub struct Cell {
     pub values_full_found: usize,
     /// Of those, the ones sparse decode found too.
     pub values_kept: usize,
+    /// Teacher-forced (`Forced`), over every case: full attention's decode steps, the ones
+    /// where sparse decode chose the same token, and the mean KL(full ‖ sparse) per step.
+    pub forced_steps: usize,
+    pub forced_agreed: usize,
+    pub forced_mean_kl: Option<f64>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -254,18 +284,8 @@ pub fn evaluate<T: KvElem>(
                 let logits = model.forward(&p.ids, 0, &mut kv)?;
                 let first = Sampler::new(SamplingParams::default()).sample(&logits);
                 let prefilled = t0.elapsed().as_secs_f64();
-                let mut decode = |budget: Option<usize>| -> Result<Decoded> {
-                    kv.rewind(p.ids.len())?;
-                    kv.set_sparse(budget.map(sc))?;
-                    let ids = greedy(
-                        model,
-                        &mut kv,
-                        first,
-                        p.ids.len(),
-                        p.max_new_tokens,
-                        context,
-                    )?;
-                    let answer = tok.decode(&ids, true)?;
+                let score = |budget: Option<usize>, ids: &[u32]| -> Result<Decoded> {
+                    let answer = tok.decode(ids, true)?;
                     let found = ruler::found(&answer, &p.answers);
                     Ok(Decoded {
                         budget,
@@ -274,26 +294,48 @@ pub fn evaluate<T: KvElem>(
                         found,
                     })
                 };
-                let full = decode(None)?;
+                let mut decode = |budget: Option<usize>, on_step: &mut dyn FnMut(&[f32])| {
+                    kv.rewind(p.ids.len())?;
+                    kv.set_sparse(budget.map(sc))?;
+                    let (pos, max_new) = (p.ids.len(), p.max_new_tokens);
+                    greedy(model, &mut kv, first, pos, max_new, context, on_step)
+                };
+                // Full attention, its logits kept for the teacher-forced passes.
+                let mut full_logits = Vec::new(); // [decode steps, vocab]
+                let full_ids = decode(None, &mut |l| full_logits.push(l.to_vec()))?;
+                let full = score(None, &full_ids)?;
                 // Sparse wherever full attention found a value: scored per case where it
                 // found them all, per value (`values_kept`) where it found any.
                 let sparse = if full.score > 0.0 {
                     budgets
                         .iter()
-                        .map(|&b| decode(Some(b)))
+                        .map(|&b| score(Some(b), &decode(Some(b), &mut |_| {})?))
                         .collect::<Result<_>>()?
                 } else {
                     Vec::new()
                 };
+                let forced = budgets
+                    .iter()
+                    .map(|&b| {
+                        kv.rewind(p.ids.len())?;
+                        kv.set_sparse(Some(sc(b)))?;
+                        teacher_forced(model, &mut kv, b, &full_ids, p.ids.len(), &full_logits)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
                 let scores: Vec<String> =
                     sparse.iter().map(|d| format!("{:.2}", d.score)).collect();
+                let agreed: Vec<String> = forced
+                    .iter()
+                    .map(|f| format!("{}/{}", f.agreed, f.steps))
+                    .collect();
                 eprintln!(
-                    "[{}/{total}] {} {context} #{index}: full {:.2}{}{} (build {built:.1} s, prefill {:.1} s, decode {:.1} s)",
+                    "[{}/{total}] {} {context} #{index}: full {:.2}{}{}, agree {} (build {built:.1} s, prefill {:.1} s, decode {:.1} s)",
                     cases.len() + 1,
                     task.name(),
                     full.score,
                     if scores.is_empty() { "" } else { ", sparse " },
                     scores.join(" "),
+                    agreed.join(" "),
                     prefilled - built,
                     t0.elapsed().as_secs_f64() - prefilled
                 );
@@ -312,6 +354,7 @@ pub fn evaluate<T: KvElem>(
                         .collect(),
                     full,
                     sparse,
+                    forced,
                 });
             }
         }
@@ -367,6 +410,12 @@ fn cell(
         .filter(|r| !r.sparse.is_empty())
         .flat_map(|r| r.full.found.iter().zip(&r.sparse[bi].found))
         .filter(|&(&full, _)| full);
+    let forced = of.iter().map(|r| &r.forced[bi]);
+    let forced_steps = forced.clone().map(|f| f.steps).sum::<usize>();
+    let kl_sum = forced
+        .clone()
+        .map(|f| f.mean_kl * f.steps as f64)
+        .sum::<f64>();
     Cell {
         task: task.to_string(),
         context,
@@ -381,11 +430,15 @@ fn cell(
             .then(|| 100.0 * sparse.iter().sum::<f64>() / sparse.len() as f64),
         values_full_found: values.clone().count(),
         values_kept: values.filter(|&(_, &kept)| kept).count(),
+        forced_steps,
+        forced_agreed: forced.map(|f| f.agreed).sum(),
+        forced_mean_kl: (forced_steps > 0).then(|| kl_sum / forced_steps as f64),
     }
 }
 
 /// Greedy decode from the prefill's first token at `pos`: up to `max_new` tokens (the
-/// first included), stopping at an end-of-sequence token or the context's end.
+/// first included), stopping at an end-of-sequence token or the context's end; `on_step`
+/// sees each decode step's logits.
 fn greedy<T: KvElem>(
     model: &Model,
     kv: &mut Replay<T>,
@@ -393,28 +446,59 @@ fn greedy<T: KvElem>(
     mut pos: usize,
     max_new: usize,
     context: usize,
+    on_step: &mut dyn FnMut(&[f32]),
 ) -> Result<Vec<u32>> {
     let stop = &model.cfg.eos_token_ids;
     let mut sampler = Sampler::new(SamplingParams::default());
     let mut ids = vec![first];
     while ids.len() < max_new && pos < context && !stop.contains(ids.last().expect("non-empty")) {
         let logits = model.forward(&ids[ids.len() - 1..], pos, kv)?;
+        on_step(&logits);
         ids.push(sampler.sample(&logits));
         pos += 1;
     }
     Ok(ids)
 }
 
+/// Feeds full attention's tokens `ids` (from the prefill's first, at `pos` on) through
+/// `kv` as it is set (rewound to the prompt, sparse at `budget`), and compares each step's
+/// logits with full attention's at the same step (`full_logits[steps, vocab]`, step `i`
+/// the one that chose `ids[i + 1]`).
+fn teacher_forced<T: KvElem>(
+    model: &Model,
+    kv: &mut Replay<T>,
+    budget: usize,
+    ids: &[u32],
+    pos: usize,
+    full_logits: &[Vec<f32>],
+) -> Result<Forced> {
+    let (mut agreed, mut kl_sum, mut max_kl) = (0, 0.0, 0.0f64);
+    for (i, full) in full_logits.iter().enumerate() {
+        let logits = model.forward(&ids[i..i + 1], pos + i, kv)?;
+        agreed += usize::from(sampler::argmax(&logits) == sampler::argmax(full));
+        let kl = crate::agreement::kl(full, &logits);
+        (kl_sum, max_kl) = (kl_sum + kl, max_kl.max(kl));
+    }
+    let steps = full_logits.len();
+    Ok(Forced {
+        budget,
+        steps,
+        agreed,
+        mean_kl: kl_sum / steps.max(1) as f64,
+        max_kl,
+    })
+}
+
 impl fmt::Display for EvalReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "RULER retrieval, {:?} seeds, weights {}, KV {}, block {}, page {}: sparse scored on the cases full attention gets right; values_kept: of the values full attention found (any case), those sparse found too",
+            "RULER retrieval, {:?} seeds, weights {}, KV {}, block {}, page {}: sparse scored on the cases full attention gets right; values_kept: of the values full attention found (any case), those sparse found too; agree, mean_kl: sparse fed full attention's tokens (every case), the steps where it chose full attention's next token, and KL(full || sparse) per step",
             self.seed_set, self.dtype, self.kv_dtype, self.block_size, self.page_size
         )?;
         writeln!(
             f,
-            "{:<16} {:>7} {:>11} {:>5} {:>8} {:>7} {:>9} {:>10} {:>6} {:>11}",
+            "{:<16} {:>7} {:>11} {:>5} {:>8} {:>7} {:>9} {:>10} {:>6} {:>11} {:>11} {:>8}",
             "task",
             "context",
             "budget",
@@ -424,7 +508,9 @@ impl fmt::Display for EvalReport {
             "sparse_ok",
             "sparse_acc",
             "drop",
-            "values_kept"
+            "values_kept",
+            "agree",
+            "mean_kl"
         )?;
         for c in &self.cells {
             let acc = c.sparse_accuracy.map_or("-".into(), |a| format!("{a:.1}"));
@@ -433,7 +519,7 @@ impl fmt::Display for EvalReport {
                 .map_or("-".into(), |a| format!("{:.1}", 100.0 - a));
             writeln!(
                 f,
-                "{:<16} {:>7} {:>11} {:>5} {:>8.1} {:>7} {:>9} {:>10} {:>6} {:>11}",
+                "{:<16} {:>7} {:>11} {:>5} {:>8.1} {:>7} {:>9} {:>10} {:>6} {:>11} {:>11} {:>8}",
                 c.task,
                 c.context,
                 format!("{} ({})", c.budget, c.budget_spec),
@@ -443,7 +529,9 @@ impl fmt::Display for EvalReport {
                 c.sparse_correct,
                 acc,
                 drop,
-                format!("{}/{}", c.values_kept, c.values_full_found)
+                format!("{}/{}", c.values_kept, c.values_full_found),
+                format!("{}/{}", c.forced_agreed, c.forced_steps),
+                c.forced_mean_kl.map_or("-".into(), |k| format!("{k:.4}"))
             )?;
         }
         Ok(())
@@ -474,6 +562,15 @@ mod tests {
             depths: Vec::new(),
             full: decoded(None, full),
             sparse: sparse.iter().map(|f| decoded(Some(512), f)).collect(),
+            forced: [(10, 10, 0.0), (10, 9, 0.5)]
+                .map(|(steps, agreed, mean_kl)| Forced {
+                    budget: 512,
+                    steps,
+                    agreed,
+                    mean_kl,
+                    max_kl: 2.0 * mean_kl,
+                })
+                .to_vec(),
         }
     }
 
@@ -498,6 +595,32 @@ mod tests {
         let c = cell("all", 8192, BudgetSpec::Fraction(8), 1024, 1, &of);
         assert_eq!((c.full_correct, c.sparse_correct), (1, 1));
         assert_eq!((c.values_kept, c.values_full_found), (4, 6));
+    }
+
+    /// The teacher-forced counts cover every case, full attention right or not, and the
+    /// cell's KL is the mean per step, not per case.
+    #[test]
+    fn forced_agreement_counts_every_case() {
+        let (t, f) = (true, false);
+        let mut cases = [
+            report(&[t], &[&[t], &[t]]),
+            report(&[f], &[]),
+            report(&[f], &[]),
+        ];
+        cases[2].forced[1].steps = 30;
+        cases[2].forced[1].mean_kl = 0.1;
+        let of: Vec<&CaseReport> = cases.iter().collect();
+        let c = cell("all", 8192, BudgetSpec::Fraction(8), 1024, 0, &of);
+        assert_eq!((c.forced_steps, c.forced_agreed), (30, 30));
+        assert_eq!(c.forced_mean_kl, Some(0.0));
+        let c = cell("all", 8192, BudgetSpec::Fraction(16), 512, 1, &of);
+        assert_eq!((c.forced_steps, c.forced_agreed), (50, 27));
+        let want = (0.5 * 10.0 * 2.0 + 0.1 * 30.0) / 50.0;
+        assert!((c.forced_mean_kl.unwrap() - want).abs() < 1e-12);
+        assert_eq!(
+            cell("all", 8192, BudgetSpec::Fraction(8), 1024, 0, &[]).forced_mean_kl,
+            None
+        );
     }
 
     #[test]

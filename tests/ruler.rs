@@ -177,12 +177,21 @@ fn sparse_eval_scores_what_it_prints() {
         let steps = forced[0]["steps"].as_u64().unwrap();
         assert!(steps >= 7, "a 7-digit value and more: {c}");
         assert_eq!(forced[0]["agreed"], steps, "{c}");
+        assert_eq!(forced[0]["disagreed"], serde_json::json!([]), "{c}");
         assert_eq!(
             (&forced[0]["mean_kl"], &forced[0]["max_kl"]),
             (&0.0.into(), &0.0.into())
         );
         assert_eq!(forced[1]["steps"], steps, "{c}");
-        assert!(forced[1]["agreed"].as_u64().unwrap() <= steps, "{c}");
+        let disagreed: Vec<u64> = serde_json::from_value(forced[1]["disagreed"].clone()).unwrap();
+        assert_eq!(
+            forced[1]["agreed"].as_u64().unwrap() + disagreed.len() as u64,
+            steps
+        );
+        assert!(
+            disagreed.iter().all(|&i| i < steps) && disagreed.is_sorted(),
+            "{c}"
+        );
         let (mean, max) = (
             forced[1]["mean_kl"].as_f64().unwrap(),
             forced[1]["max_kl"].as_f64().unwrap(),

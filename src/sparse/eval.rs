@@ -162,6 +162,9 @@ pub struct Forced {
     pub steps: usize,
     /// Steps where sparse decode's greedy choice is full attention's.
     pub agreed: usize,
+    /// The other steps (0: the first decode step), where a verifier would reject sparse
+    /// decode's token: with them, a speculative round's accepted run can be replayed.
+    pub disagreed: Vec<usize>,
     /// Mean over the steps of KL(full ‖ sparse), nats.
     pub mean_kl: f64,
     pub max_kl: f64,
@@ -472,10 +475,12 @@ fn teacher_forced<T: KvElem>(
     pos: usize,
     full_logits: &[Vec<f32>],
 ) -> Result<Forced> {
-    let (mut agreed, mut kl_sum, mut max_kl) = (0, 0.0, 0.0f64);
+    let (mut disagreed, mut kl_sum, mut max_kl) = (Vec::new(), 0.0, 0.0f64);
     for (i, full) in full_logits.iter().enumerate() {
         let logits = model.forward(&ids[i..i + 1], pos + i, kv)?;
-        agreed += usize::from(sampler::argmax(&logits) == sampler::argmax(full));
+        if sampler::argmax(&logits) != sampler::argmax(full) {
+            disagreed.push(i);
+        }
         let kl = crate::agreement::kl(full, &logits);
         (kl_sum, max_kl) = (kl_sum + kl, max_kl.max(kl));
     }
@@ -483,7 +488,8 @@ fn teacher_forced<T: KvElem>(
     Ok(Forced {
         budget,
         steps,
-        agreed,
+        agreed: steps - disagreed.len(),
+        disagreed,
         mean_kl: kl_sum / steps.max(1) as f64,
         max_kl,
     })
@@ -567,6 +573,7 @@ mod tests {
                     budget: 512,
                     steps,
                     agreed,
+                    disagreed: (agreed..steps).collect(),
                     mean_kl,
                     max_kl: 2.0 * mean_kl,
                 })

@@ -19,9 +19,10 @@
 //! tokens (self-speculative decoding with a sparse draft).
 //!
 //! Each case is prefilled once into a `Replay` cache and decoded greedily with full
-//! attention, then (if full attention found any value) at each budget, rewound to the
-//! prompt between them: the engine's own selection (`replay`), one prefill instead of one
-//! per budget. Prefill is full attention in every mode, so sharing it changes nothing.
+//! attention, then (if full attention found any value) at each budget, then fed full
+//! attention's tokens at each budget, rewound to the prompt between them: the engine's own
+//! selection (`replay`), one prefill instead of one per decode. Prefill is full attention
+//! in every mode, so sharing it changes nothing.
 
 use std::fmt;
 use std::path::PathBuf;

@@ -35,7 +35,7 @@ pub struct SparseArgs {
     #[arg(long, value_parser = crate::flags::tokens())]
     pub sparse_budget: Option<usize>,
     /// Tokens per sparse page (divides --block-size). 8 stays closer to full attention
-    /// (per-step KL a half to a quarter of 16's on RULER tuning cases, docs/benchmarks.md)
+    /// (per-step KL 0.25–0.8 of 16's on RULER tuning cases, docs/benchmarks.md)
     /// for twice the page metadata in device memory, twice the pages to score and more
     /// misses: on the CPU device it costs the whole speed-up.
     #[arg(long, default_value_t = DEFAULT_PAGE_SIZE, value_parser = crate::flags::block_size())]

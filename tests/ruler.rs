@@ -170,8 +170,8 @@ fn sparse_eval_scores_what_it_prints() {
             assert_eq!(found, ruler::found(t, &answers), "{d}");
         }
         // Teacher-forced: fed full attention's tokens, the whole-context budget makes full
-        // attention's choice at every step with the same logits (KL exactly 0); a step
-        // compared with the wrong one of full attention's would not.
+        // attention's choice at every step with the same logits (KL exactly 0); comparing a
+        // step with another step of full attention's would not.
         let forced = c["forced"].as_array().unwrap();
         assert_eq!(forced.len(), 2, "{c}");
         let steps = forced[0]["steps"].as_u64().unwrap();
@@ -209,8 +209,9 @@ fn sparse_eval_scores_what_it_prints() {
         // One value a case, each found by full attention; kept where sparse found it.
         assert_eq!(cell["values_full_found"], n, "{cell}");
         assert_eq!(cell["values_kept"], cell["sparse_correct"], "{cell}");
+        let (agreed, steps) = (&cell["forced_agreed"], &cell["forced_steps"]);
         assert!(
-            cell["forced_agreed"].as_u64() <= cell["forced_steps"].as_u64(),
+            agreed.as_u64().unwrap() <= steps.as_u64().unwrap(),
             "{cell}"
         );
     }

@@ -663,8 +663,9 @@ mod x86 {
             let low = _mm256_set1_epi8(0x0F);
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
-                let d8 = group_scales(p, gbb, prefetch); // the 8 rows' scales
-                                                         // Each register's two rows (2k, 2k + 1): values 0–15, then 16–31.
+                // The 8 rows' scales.
+                let d8 = group_scales(p, gbb, prefetch);
+                // Each register's two rows (2k, 2k + 1): values 0–15, then 16–31.
                 let mut w = [[_mm256_setzero_si256(); 2]; REGS];
                 for (k, wk) in w.iter_mut().enumerate() {
                     if format == Format::Q8_0 {
@@ -770,8 +771,9 @@ mod x86 {
             let low = _mm512_set1_epi8(0x0F);
             for b in 0..nb {
                 let p = g.data.as_ptr().add(b * gbb);
-                let d8 = group_scales(p, gbb, prefetch); // the 8 rows' scales
-                                                         // Each register's four rows (4k..4k + 4): values 0–15, then 16–31.
+                // The 8 rows' scales.
+                let d8 = group_scales(p, gbb, prefetch);
+                // Each register's four rows (4k..4k + 4): values 0–15, then 16–31.
                 let mut w = [[_mm512_setzero_si512(); 2]; REGS];
                 for (k, wk) in w.iter_mut().enumerate() {
                     if format == Format::Q8_0 {

@@ -262,6 +262,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }),
         trace_out: args.trace_out.clone(),
         profile: args.profile_steps,
+        sparse_verify: args.sparse.verify()?,
     };
     let plan = session_cfg.plan(cfg)?;
     session_cfg.check_prompt(cfg, prompt.len())?;
@@ -318,6 +319,7 @@ fn print_result(model: &Model, tok: &Tokenizer, out: &GenerationOutput, json: bo
             "peak_memory_bytes": peak,
             "weights_bytes": model.weight_bytes(),
             "weights_resident_bytes": model.weights.resident_bytes(),
+            "sparse_verify": out.verified,
         });
         println!("{obj}");
     } else {
@@ -332,5 +334,15 @@ fn print_result(model: &Model, tok: &Tokenizer, out: &GenerationOutput, json: bo
         peak as f64 / (1024.0 * 1024.0),
         model.weights.resident_bytes() as f64 / (1024.0 * 1024.0)
     );
+    if let Some(v) = out.verified {
+        eprintln!(
+            "sparse verify: {} rounds | {} drafted | {} kept ({:.1}%) | {:.2} tokens per full load",
+            v.rounds,
+            v.drafted,
+            v.accepted,
+            100.0 * v.acceptance(),
+            out.decode_steps as f64 / v.rounds.max(1) as f64
+        );
+    }
     Ok(())
 }

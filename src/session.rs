@@ -40,6 +40,9 @@ pub struct SessionConfig {
     pub trace_out: Option<PathBuf>,
     /// CUDA: decode steps bracketed by cuProfilerStart/Stop.
     pub profile: Option<ProfileSteps>,
+    /// Verified sparse decode (`engine::verified`): sparse decode drafts this many tokens
+    /// per round, full attention checks them (greedy).
+    pub sparse_verify: Option<usize>,
 }
 
 impl SessionConfig {
@@ -54,6 +57,7 @@ impl SessionConfig {
             offload: None,
             trace_out: None,
             profile: None,
+            sparse_verify: None,
         }
     }
 
@@ -70,6 +74,16 @@ impl SessionConfig {
             self.device.require(Feature::ProfilerRange)?;
         }
         self.device.kv_dtype(Some(self.kv_dtype))?;
+        if self.sparse_verify.is_some() {
+            if self.offload.as_ref().and_then(|o| o.sparse).is_none() {
+                bail!("--sparse-verify checks sparse decode's tokens: add --enable-offload and --sparse-budget");
+            }
+            if self.device != DeviceKind::Cpu {
+                // Its verify step would run the prefill attention kernel, whose rows are
+                // not bitwise the decode kernel's: not built until they are.
+                bail!("--sparse-verify runs on the CPU device only for now (docs/offload.md, \"Verified sparse decode\")");
+            }
+        }
         self.offload
             .as_ref()
             .map(|o| o.plan_for(model, self.kv_dtype.bytes()))
@@ -112,13 +126,16 @@ pub type EngineFactory<'a> =
 struct Caches<T> {
     offload: Option<Box<dyn OffloadKv<T>>>,
     resident: Option<Box<dyn KvCache<T>>>,
+    /// Drafts per verified round on the offload engine (`SessionConfig::sparse_verify`).
+    verify: Option<usize>,
 }
 
 impl<T: 'static> Caches<T> {
-    fn new(offload: Option<Box<dyn OffloadKv<T>>>) -> Self {
+    fn new(offload: Option<Box<dyn OffloadKv<T>>>, verify: Option<usize>) -> Self {
         Self {
             offload,
             resident: None,
+            verify,
         }
     }
 
@@ -171,6 +188,9 @@ impl<T: KvElem> CpuCaches for Caches<T> {
         on_token: &mut dyn FnMut(u32) -> Result<()>,
     ) -> Result<GenerationOutput> {
         let c = &model.cfg;
+        if let (Some(k), false, Some(kv)) = (self.verify, resident, self.offload.as_deref_mut()) {
+            return engine::verified::generate_verified(model, kv, cap, prompt, opts, k, on_token);
+        }
         let kv = self.pick(resident, || {
             let kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, cap);
             Ok(Box::new(kv))
@@ -202,7 +222,7 @@ impl Session {
                     Some(o) => Some(Box::new(OffloadEngine::<CpuOffloadDevice<T>>::on_cpu(&model.cfg, o.clone())?) as _),
                     None => None,
                 };
-                Backend::Cpu(Box::new(Caches::<T>::new(offload)))
+                Backend::Cpu(Box::new(Caches::<T>::new(offload, cfg.sparse_verify)))
             });
             return Ok(Self {
                 model,
@@ -237,7 +257,7 @@ impl Session {
         let w = CudaWeights::from_model(&*exec, &model)?;
         let gpu = CudaModel::new(exec, c.clone(), w, capacity)?;
         let offload = cfg.offload.clone().map(|o| engine(c, o)).transpose()?;
-        let caches = Caches::new(offload);
+        let caches = Caches::new(offload, None); // refused on CUDA (`SessionConfig::plan`)
         Ok(Self {
             backend: Backend::Cuda(Box::new(gpu), caches),
             model,

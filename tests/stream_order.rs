@@ -1,7 +1,8 @@
 //! The stream-ordering checker (`strata::device::order`) over the real schedules: layerwise
 //! offload (prefill slot reuse, decode prefetch across step boundaries, decode-buffer
 //! flushes, several requests in one engine), sparse decode (moves inside the slot, miss
-//! fetches) and the serving path (preemption stores, loads, recomputation), each run with
+//! fetches), verified sparse decode (verify steps offloading from the slot, rewinds) and
+//! the serving path (preemption stores, loads, recomputation), each run with
 //! the checker on and its tokens compared with the plain run. A missing edge is an error
 //! the run returns, whatever the timing.
 //!
@@ -15,6 +16,7 @@ use std::sync::Arc;
 
 use common::{scratch_dir, TinySpec};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use strata::engine::verified::generate_verified;
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::gpucheck::serve_checks::{disk_case, serve_case};
 use strata::kv::{ContiguousKv, KvCache};
@@ -133,6 +135,35 @@ fn sparse_decode_moves_and_misses_are_proven_ordered() {
         };
         let (again, _) = run_all(&model, sanitized, &prompts, n);
         assert_eq!(again[0].token_ids, outs[0].token_ids, "ring {nb}");
+    }
+}
+
+#[test]
+fn verified_sparse_decode_extensions_and_rewinds_are_proven_ordered() {
+    let model = model();
+    let mut rng = StdRng::seed_from_u64(13);
+    let p = prompt(&mut rng, 70, model.cfg.vocab_size);
+    let n = 30;
+    let want = plain(&model, &p, n);
+    // Blocks of 8 and drafts of 5: verify steps fill blocks from the slot and rewinds
+    // land in blocks already flushed.
+    for nb in [2, 4] {
+        let cfg = checked(OffloadConfig {
+            num_kv_buffers: nb,
+            block_size: 8,
+            max_model_len: 110,
+            sparse: Some(SparseConfig {
+                budget: 24,
+                page_size: 4,
+            }),
+            ..Default::default()
+        });
+        let mut kv = CpuOffloadEngine::on_cpu(&model.cfg, cfg).unwrap();
+        assert!(kv.order_checked());
+        let cap = kv.capacity();
+        let out = generate_verified(&model, &mut kv, cap, &p, &greedy(n), 5, &mut |_| Ok(()))
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(out.token_ids, want.token_ids, "ring {nb}");
     }
 }
 

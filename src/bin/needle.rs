@@ -102,6 +102,8 @@ struct CaseReport {
     /// With --sparse-budget: the budget, and the share of selected pages already prefetched.
     sparse_budget: Option<usize>,
     sparse_hit_rate: Option<f64>,
+    /// With --sparse-verify: drafted and kept tokens (the answer is full attention's).
+    sparse_verify: Option<strata::engine::verified::VerifyStats>,
 }
 
 fn main() -> ExitCode {
@@ -203,6 +205,7 @@ fn run(args: Args) -> Result<bool> {
     let session_cfg = SessionConfig {
         offload: ocfg,
         kv_dtype,
+        sparse_verify: args.sparse.verify()?,
         ..SessionConfig::new(args.device, max_len)
     };
     let plan = session_cfg.plan(&model.cfg)?;
@@ -282,6 +285,7 @@ fn run(args: Args) -> Result<bool> {
                     max_logprob_diff: None,
                     sparse_budget: sparse.map(|s| s.budget),
                     sparse_hit_rate: session.sparse_stats().map(|s| s.hit_rate()),
+                    sparse_verify: out.verified,
                 };
                 if args.compare_offload {
                     let (plain, _) = answer(&mut session, true, &prompt.ids, new_tokens)?;

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod sampler;
+pub mod verified;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,6 +32,8 @@ pub struct GenerationOutput {
     pub decode_steps: usize,
     /// Log-probability of each chosen token under the model (before temperature).
     pub logprobs: Vec<f32>,
+    /// Verified sparse decode (`--sparse-verify`): its rounds and drafts.
+    pub verified: Option<verified::VerifyStats>,
 }
 
 /// `log softmax(logits)[id]`, in f64 so it is exact enough to compare runs.

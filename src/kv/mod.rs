@@ -87,6 +87,12 @@ pub unsafe trait KvCache<T> {
     fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<T>>;
     /// The layer's work is enqueued: record, offload, prefetch ahead.
     fn end_layer(&mut self, layer: usize) -> Result<()>;
+    /// Forgets positions `len..` between steps, so that the next step may start at `len`
+    /// (speculative decoding's rejected drafts). Caches that address rows by position
+    /// need do nothing; the default refuses.
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        bail!("this KV cache cannot forget stored positions (truncate to {len})")
+    }
     /// Called by the model between `begin_layer` and attention with the query of the
     /// step's last token (`[num_heads, head_dim]`), once it is queued on the compute
     /// stream (valid until the call returns). In decode, a sparse cache picks the rows to
@@ -238,5 +244,9 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
 
     fn end_layer(&mut self, _layer: usize) -> Result<()> {
         Ok(())
+    }
+
+    fn truncate(&mut self, _len: usize) -> Result<()> {
+        Ok(()) // rows are addressed by position: the next step overwrites from `len`
     }
 }

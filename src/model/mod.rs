@@ -247,6 +247,31 @@ impl Model {
         pos0: usize,
         kv: &mut dyn KvCache<T>,
     ) -> Result<Vec<f32>> {
+        let a = self.step(tokens, pos0, kv)?;
+        Ok(self.head(&a, &[tokens.len() - 1]).remove(0))
+    }
+
+    /// `forward`, returning the logits `[vocab]` of every token, in order: sparse decode's
+    /// verify step (each row's are bitwise those a one-token step at its position gives:
+    /// every kernel is batch-invariant).
+    pub fn forward_rows<T: KvElem>(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<T>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let a = self.step(tokens, pos0, kv)?;
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        Ok(self.head(&a, &rows))
+    }
+
+    /// One sequence's step over `kv`: the activations after the final norm.
+    fn step<T: KvElem>(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<T>,
+    ) -> Result<Activations> {
         let t = tokens.len();
         if t == 0 {
             bail!("forward called with no tokens");
@@ -262,8 +287,7 @@ impl Model {
             },
         };
         let positions: Vec<usize> = (pos0..pos0 + t).collect();
-        let a = self.run_layers(tokens, &positions, &[seq], kv)?;
-        Ok(self.head(&a, &[t - 1]).remove(0))
+        self.run_layers(tokens, &positions, &[seq], kv)
     }
 
     /// One forward over a batch of sequences (decode rows and prefill chunks alike), each

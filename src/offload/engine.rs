@@ -36,8 +36,17 @@ struct SlotEvents {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
     Idle,
-    Prefill { tokens: usize },
-    Decode { pos: usize },
+    /// `tokens` new rows at `pos..`, computed in the slot with full attention, then
+    /// offloaded from it: the prompt (`pos == 0`: nothing stored, nothing to prefetch), or
+    /// an extension of the stored context (sparse decode's verify step, a follow-up turn),
+    /// whose stored KV is prefetched in full first, as a full decode step's is.
+    Prefill {
+        pos: usize,
+        tokens: usize,
+    },
+    Decode {
+        pos: usize,
+    },
 }
 
 pub struct OffloadEngine<D: OffloadDevice> {
@@ -58,6 +67,9 @@ pub struct OffloadEngine<D: OffloadDevice> {
     /// Tokens whose KV is stored (host blocks + decode buffer).
     seq_len: usize,
     step: Step,
+    /// The next step attends every stored position, even a one-token step under sparse
+    /// decode (`OffloadControl::attend_all_next_step`).
+    attend_all: bool,
     sparse: Option<Sparse>,
 }
 
@@ -152,6 +164,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             ahead: 0,
             seq_len: 0,
             step: Step::Idle,
+            attend_all: false,
             sparse,
             cfg,
             plan,
@@ -210,18 +223,19 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     }
 
     /// Sparse, on the compute stream: the bounds of `tokens / page_size` pages of `keys`
-    /// (device K at element `off`) into layer `layer`'s bounds from page `page`.
+    /// (device K at element `off`), the context's from position `first` (a page's first
+    /// token), into layer `layer`'s bounds.
     fn queue_bounds(
         &mut self,
         layer: usize,
         (keys, off): (MemId, usize),
-        page: usize,
+        first: usize,
         tokens: usize,
     ) -> Result<()> {
         let Some(sp) = &self.sparse else {
             return Ok(());
         };
-        let pages = tokens / sp.cfg.page_size;
+        let (page, pages) = (first / sp.cfg.page_size, tokens / sp.cfg.page_size);
         if pages == 0 {
             return Ok(());
         }
@@ -316,6 +330,28 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         }
     }
 
+    /// A step's compute takes `layer`'s prefetched slot once the prefetch landed
+    /// (`offloads`: the step's rows are copied out of it afterwards). The wait also orders
+    /// this layer's decode-buffer writes after its last flush: the prefetch waited for
+    /// `layer_stored` before recording `ready`.
+    fn begin_prefetched(&mut self, layer: usize, offloads: bool) -> Result<usize> {
+        let s = self.state.begin_decode_compute(layer, offloads)?;
+        self.d
+            .wait(StreamRole::Compute, self.slots[s].ready, "slot-ready")?;
+        Ok(s)
+    }
+
+    /// Waits for every stream and forgets the ring's slots (what the last step's tail
+    /// prefetched for a step that will not come), keeping the stored KV: the next step
+    /// prefetches its first layers itself. After a full synchronize no slot has work in
+    /// flight, so every slot is free with nothing to wait for.
+    fn drain(&mut self) -> Result<()> {
+        self.d.sync_all()?;
+        self.state.reset();
+        self.ahead = 0;
+        Ok(())
+    }
+
     /// Decode, on the compute stream: the decode buffer's `pos % block_size` tokens (the
     /// recent window) into slot `s` from row `base`.
     fn append_window(&mut self, layer: usize, s: usize, pos: usize, base: usize) -> Result<()> {
@@ -329,14 +365,22 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     }
 
     /// Decode: queues the H2D of `layer`'s full host blocks (of a step at `pos`) into its
-    /// slot, for this step or, when `next_step`, for the next; sparse: the pages predicted.
-    fn prefetch_layer(&mut self, layer: usize, pos: usize, next_step: bool) -> Result<()> {
+    /// slot, for this step or, when `next_step`, for the next; sparse (unless `all`, a
+    /// step attending every position): the pages predicted.
+    fn prefetch_layer(
+        &mut self,
+        layer: usize,
+        pos: usize,
+        next_step: bool,
+        all: bool,
+    ) -> Result<()> {
         let (s, after) = self.state.begin_load(layer, next_step)?;
         let p = StreamRole::Prefetch;
         self.wait_released(p, s, after)?;
         self.d.wait(p, self.layer_stored[layer], "layer-stored")?;
         let names = ["h2d-k", "h2d-v"];
-        if let Some(sp) = &mut self.sparse {
+        let sparse = self.sparse.as_mut().filter(|_| !all);
+        if let Some(sp) = sparse {
             // The pages this layer ranked best last step (its query is not known yet), a
             // margin beyond its choice included: runs contiguous in host memory, one copy
             // each.
@@ -364,11 +408,16 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     fn prefetch_after(&mut self, layer: usize, next_pos: usize) -> Result<()> {
         let target = layer + self.depth;
         if target < self.num_layers {
-            if let Step::Decode { pos } = self.step {
-                self.prefetch_layer(target, pos, false)?;
+            match self.step {
+                Step::Decode { pos } => self.prefetch_layer(target, pos, false, false)?,
+                Step::Prefill { pos, .. } if pos > 0 => {
+                    self.prefetch_layer(target, pos, false, true)?
+                }
+                _ => {}
             }
         } else if target - self.num_layers < self.depth && next_pos < self.capacity() {
-            self.prefetch_layer(target - self.num_layers, next_pos, true)?;
+            // The next step is taken to be a decode step (the rest are drained for).
+            self.prefetch_layer(target - self.num_layers, next_pos, true, false)?;
             self.ahead += 1;
         }
         if layer + 1 == self.num_layers {
@@ -388,23 +437,32 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         Ok(())
     }
 
-    /// Prefill: the slot's KV goes to the host (full blocks) and the decode buffer (the
-    /// partial last block), on an offload stream, while the next layers compute.
-    fn offload_prefill(&mut self, layer: usize, s: usize, tokens: usize) -> Result<()> {
-        let bs = self.cfg.block_size;
+    /// Prefill: the slot's new rows `pos..end` go to the host (the blocks they fill, whole:
+    /// the slot holds their earlier rows too) and the decode buffer (the partial last
+    /// block), on an offload stream, while the next layers compute.
+    fn offload_rows(&mut self, layer: usize, s: usize, pos: usize, end: usize) -> Result<()> {
+        let (bs, row) = (self.cfg.block_size, self.row);
         let o = self.offload_stream(layer);
         self.d
             .wait(o, self.slots[s].compute_done, "slot-compute-done")?;
-        let (full, rem) = (tokens / bs, tokens % bs);
-        let len = full * bs * self.row;
+        let (first, full) = (pos / bs * bs, end / bs * bs);
         let slot = self.ring[s];
-        let host = (self.host, self.host_at(layer, 0));
-        self.copy_kv(o, ["d2h-k", "d2h-v"], layer, (slot, 0), host, len)?;
-        let dbuf = (self.dbuf, self.dbuf_at(layer));
+        let host = (self.host, self.host_at(layer, first / bs));
+        let len = (full - first) * row;
+        self.copy_kv(o, ["d2h-k", "d2h-v"], layer, (slot, first * row), host, len)?;
+        let from = pos.max(full);
+        let dbuf = (self.dbuf, self.dbuf_at(layer) + from % bs * row);
         let names = ["slot-to-dbuf-k", "slot-to-dbuf-v"];
-        self.copy_kv(o, names, layer, (slot, len), dbuf, rem * self.row)?;
+        self.copy_kv(
+            o,
+            names,
+            layer,
+            (slot, from * row),
+            dbuf,
+            (end - from) * row,
+        )?;
         if self.cfg.sanitize {
-            self.poison_slot(o, s, tokens)?;
+            self.poison_slot(o, s, end)?;
         }
         self.d.record(o, self.slots[s].offload_done)?;
         self.d.record(o, self.layer_stored[layer])
@@ -460,10 +518,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             self.d.record(o, self.layer_stored[layer])?;
             // The block's pages become candidates: their bounds, from the decode buffer,
             // on the compute stream (which wrote it).
-            if let Some(sp) = &self.sparse {
-                let page = full * bs / sp.cfg.page_size;
-                self.queue_bounds(layer, (self.dbuf.k, self.dbuf_at(layer)), page, bs)?;
-            }
+            self.queue_bounds(layer, (self.dbuf.k, self.dbuf_at(layer)), full * bs, bs)?;
         }
         Ok(())
     }
@@ -598,6 +653,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         self.ahead = 0;
         self.seq_len = 0;
         self.step = Step::Idle;
+        self.attend_all = false;
         let num_layers = self.num_layers;
         if let Some(sp) = &mut self.sparse {
             sp.loaded.iter_mut().for_each(Vec::clear);
@@ -632,6 +688,52 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         Ok(())
     }
 
+    /// Forgets positions `len..` (sparse decode's drafts before their verify step, and the
+    /// drafts it rejected): the ring is drained, and when `len` falls in a block already
+    /// flushed to the host, the decode buffer gets that block's first rows back from it.
+    /// Page bounds need no care: a page is a candidate only once its block is full, and a
+    /// block refilled gets its bounds again when it is stored.
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.seq_len {
+            bail!(
+                "offload engine: cannot truncate to {len} tokens, {} are stored",
+                self.seq_len
+            );
+        }
+        if len == self.seq_len {
+            return Ok(());
+        }
+        self.drain()?;
+        let (bs, row, c) = (self.cfg.block_size, self.row, StreamRole::Compute);
+        let (block, r) = (len / bs, len % bs);
+        let flushed = block < self.seq_len / bs;
+        for layer in 0..self.num_layers {
+            if flushed {
+                let src = (self.host, self.host_at(layer, block));
+                let dst = (self.dbuf, self.dbuf_at(layer));
+                let names = ["h2d-rewind-k", "h2d-rewind-v"];
+                self.copy_kv(c, names, layer, src, dst, r * row)?;
+            }
+            if self.cfg.sanitize {
+                // Nothing may read the forgotten rows: the host blocks' and the buffer's.
+                let host = self.host_at(layer, block) + r * row;
+                let stored = self.host_at(layer, self.seq_len.div_ceil(bs));
+                let dbuf = self.dbuf_at(layer) + r * row;
+                for (m, off, len) in [
+                    (self.host, host, stored.saturating_sub(host)),
+                    (self.dbuf, dbuf, (bs - r) * row),
+                ] {
+                    for mem in [m.k, m.v] {
+                        self.d.poison(c, Span { mem, off, len })?;
+                    }
+                }
+            }
+        }
+        self.seq_len = len;
+        self.step = Step::Idle;
+        Ok(())
+    }
+
     /// Tokens one request may hold: the smaller of the ring slot and the host KV.
     fn capacity(&self) -> usize {
         self.cfg
@@ -650,17 +752,29 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
                 cap
             );
         }
-        self.step = if pos0 == 0 && self.seq_len == 0 {
-            Step::Prefill { tokens }
-        } else if tokens == 1 && pos0 == self.seq_len {
+        if pos0 != self.seq_len {
+            bail!("offload engine: a step must continue the stored context (got {tokens} tokens at position {pos0}, {} stored; truncate first to rewind)", self.seq_len);
+        }
+        let all = std::mem::take(&mut self.attend_all);
+        self.step = if tokens == 1 && pos0 > 0 && !all {
             Step::Decode { pos: pos0 }
         } else {
-            bail!("offload engine: a step must be a whole-prompt prefill or one decode token (got {tokens} tokens at position {pos0}, {} stored)", self.seq_len);
+            Step::Prefill { pos: pos0, tokens }
         };
-        if let Step::Decode { pos } = self.step {
-            // Layers not already prefetched during the previous step's tail.
+        let pos = pos0;
+        match self.step {
+            Step::Prefill { pos: 0, .. } => {}
+            Step::Prefill { .. } if self.ahead > 0 && self.sparse.is_some() => {
+                // The previous step's tail prefetched a sparse decode step's pages.
+                self.drain()?;
+            }
+            _ => {}
+        }
+        // Layers not already prefetched during the previous step's tail.
+        if pos > 0 {
+            let all = matches!(self.step, Step::Prefill { .. });
             for layer in self.ahead..self.depth {
-                self.prefetch_layer(layer, pos, false)?;
+                self.prefetch_layer(layer, pos, false, all)?;
             }
         }
         self.ahead = 0;
@@ -669,25 +783,26 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
 
     fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<D::Elem>> {
         let c = StreamRole::Compute;
+        let bs = self.cfg.block_size;
+        let r = |pos: usize| pos % bs;
         let s = match self.step {
-            Step::Prefill { .. } => {
+            Step::Prefill { pos: 0, .. } => {
                 let (s, after) = self.state.begin_prefill_compute(layer)?;
                 self.wait_released(c, s, after)?;
                 s
             }
+            Step::Prefill { pos, .. } => {
+                let s = self.begin_prefetched(layer, true)?;
+                self.append_window(layer, s, pos, pos - r(pos))?;
+                s
+            }
             Step::Decode { pos } => {
-                let s = self.state.begin_decode_compute(layer)?;
-                // Also orders this layer's decode-buffer writes after its last flush: the
-                // prefetch waited for `layer_stored` before recording `ready`.
-                self.d.wait(c, self.slots[s].ready, "slot-ready")?;
+                let s = self.begin_prefetched(layer, false)?;
                 // Append the partial block so the attention sees one contiguous context
                 // (sparse: after the compacted pages, once `select` has moved the
                 // prefetched pages there: a margin page may sit where the window goes).
                 match &mut self.sparse {
-                    None => {
-                        let r = pos % self.cfg.block_size;
-                        self.append_window(layer, s, pos, pos - r)?;
-                    }
+                    None => self.append_window(layer, s, pos, pos - r(pos))?,
                     Some(sp) => sp.selected = false,
                 }
                 s
@@ -706,17 +821,21 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         let s = self.state.slot_of(layer);
         self.d.layer_end(layer)?;
         match self.step {
-            Step::Prefill { tokens } => {
-                self.declare_compute(layer, s, tokens)?;
+            Step::Prefill { pos, tokens } => {
+                let end = pos + tokens;
+                self.declare_compute(layer, s, end)?;
                 self.state.end_compute(layer)?;
-                // Sparse: the bounds of the full blocks' pages, before the slot is released.
-                let full = tokens / self.cfg.block_size * self.cfg.block_size;
-                self.queue_bounds(layer, (self.ring[s].k, 0), 0, full)?;
-                self.rank_for_first_step(layer, tokens)?;
+                // Sparse: the bounds of the pages of the blocks the step filled, before the
+                // slot is released.
+                let bs = self.cfg.block_size;
+                let (first, full) = (pos / bs * bs, end / bs * bs);
+                let keys = (self.ring[s].k, first * self.row);
+                self.queue_bounds(layer, keys, first, full - first)?;
+                self.rank_for_first_step(layer, end)?;
                 self.d
                     .record(StreamRole::Compute, self.slots[s].compute_done)?;
-                self.offload_prefill(layer, s, tokens)?;
-                self.prefetch_after(layer, tokens)
+                self.offload_rows(layer, s, pos, end)?;
+                self.prefetch_after(layer, end)
             }
             Step::Decode { pos } => {
                 self.store_decoded(layer, s, pos)?;
@@ -748,6 +867,9 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
 /// What a session asks of an offload engine besides the KV seam, whatever its element type.
 pub trait OffloadControl {
     fn plan(&self) -> MemoryPlan;
+    /// The next step attends every stored position, even if it is one token under sparse
+    /// decode (the verify step of sparse decode's drafts; several tokens always do).
+    fn attend_all_next_step(&mut self);
     /// Traces every copy and layer from now on.
     fn set_tracing(&mut self, on: bool) -> Result<()>;
     /// The ops traced so far (waits for them).
@@ -764,6 +886,10 @@ impl<T, E: KvCache<T> + OffloadControl> OffloadKv<T> for E {}
 impl<D: OffloadDevice> OffloadControl for OffloadEngine<D> {
     fn plan(&self) -> MemoryPlan {
         self.plan
+    }
+
+    fn attend_all_next_step(&mut self) {
+        self.attend_all = true;
     }
 
     fn set_tracing(&mut self, on: bool) -> Result<()> {

@@ -25,10 +25,11 @@ pub enum SlotState {
     Loading {
         layer: usize,
     },
-    /// `layer`'s compute is queued on it.
+    /// `layer`'s compute is queued on it; `offloads`: it writes new rows that an offload
+    /// stream then copies out of the slot (prefill, and a decode step's extension).
     Computing {
         layer: usize,
-        prefill: bool,
+        offloads: bool,
     },
 }
 
@@ -97,12 +98,14 @@ impl Ring {
         Ok((s, after))
     }
 
-    /// Decode: `layer`'s compute starts on the slot its prefetch filled (wait `slot_ready`).
-    pub fn begin_decode_compute(&mut self, layer: usize) -> Result<usize> {
+    /// Decode: `layer`'s compute starts on the slot its prefetch filled (wait `slot_ready`);
+    /// `offloads` when the step's new rows are copied out of the slot afterwards (several
+    /// tokens after a stored context: `OffloadEngine`'s extension).
+    pub fn begin_decode_compute(&mut self, layer: usize, offloads: bool) -> Result<usize> {
         let s = self.slot_of(layer);
         match self.slots[s] {
             SlotState::Loading { layer: l } if l == layer => {
-                self.slots[s] = SlotState::Computing { layer, prefill: false };
+                self.slots[s] = SlotState::Computing { layer, offloads };
                 Ok(s)
             }
             other => bail!("ring slot {s}: decode compute of layer {layer} needs its prefetch, found {other:?}"),
@@ -115,18 +118,18 @@ impl Ring {
         let (s, after) = self.take_free(self.slot_of(layer), layer, "prefill")?;
         self.slots[s] = SlotState::Computing {
             layer,
-            prefill: true,
+            offloads: true,
         };
         Ok((s, after))
     }
 
-    /// `layer`'s compute is queued in full; prefill slots are released behind their
-    /// offload, decode slots behind their compute.
+    /// `layer`'s compute is queued in full; slots whose rows are offloaded are released
+    /// behind their offload, the others behind their compute.
     pub fn end_compute(&mut self, layer: usize) -> Result<usize> {
         let s = self.slot_of(layer);
         match self.slots[s] {
-            SlotState::Computing { layer: l, prefill } if l == layer => {
-                let after = if prefill {
+            SlotState::Computing { layer: l, offloads } if l == layer => {
+                let after = if offloads {
                     ReleasedAfter::Offload
                 } else {
                     ReleasedAfter::Compute
@@ -149,7 +152,7 @@ mod tests {
         let mut r = Ring::new(2, 4);
         assert_eq!(r.begin_load(0, false).unwrap(), (0, Nothing));
         assert_eq!(r.begin_load(1, false).unwrap(), (1, Nothing));
-        assert_eq!(r.begin_decode_compute(0).unwrap(), 0);
+        assert_eq!(r.begin_decode_compute(0, false).unwrap(), 0);
         assert_eq!(r.end_compute(0).unwrap(), 0);
         // Layer 2 reuses slot 0: its H2D must wait for layer 0's compute to be done.
         assert_eq!(r.begin_load(2, false).unwrap(), (0, Compute));
@@ -161,7 +164,7 @@ mod tests {
         let mut r = Ring::new(2, 3);
         r.begin_load(0, false).unwrap();
         for l in 0..3 {
-            assert_eq!(r.begin_decode_compute(l).unwrap(), l % 2);
+            assert_eq!(r.begin_decode_compute(l, false).unwrap(), l % 2);
             r.end_compute(l).unwrap();
             if l + 1 < 3 {
                 r.begin_load(l + 1, false).unwrap();
@@ -173,7 +176,7 @@ mod tests {
         r.advance();
         assert_eq!(r.slot_of(0), 1);
         assert_eq!(
-            r.begin_decode_compute(0).unwrap(),
+            r.begin_decode_compute(0, false).unwrap(),
             1,
             "the prefetched slot is the one computed on"
         );
@@ -194,10 +197,20 @@ mod tests {
     }
 
     #[test]
+    fn a_prefetched_slot_whose_rows_are_offloaded_is_released_behind_the_offload() {
+        let mut r = Ring::new(2, 4);
+        r.begin_load(0, false).unwrap();
+        assert_eq!(r.begin_decode_compute(0, true).unwrap(), 0);
+        r.end_compute(0).unwrap();
+        assert_eq!(r.state(0), SlotState::Free(Offload));
+        assert_eq!(r.begin_load(2, false).unwrap(), (0, Offload));
+    }
+
+    #[test]
     fn illegal_transitions_are_errors() {
         let mut r = Ring::new(2, 4);
         // Compute without a prefetch.
-        assert!(r.begin_decode_compute(0).is_err());
+        assert!(r.begin_decode_compute(0, false).is_err());
         // Ending a layer that never started.
         assert!(r.end_compute(0).is_err());
         r.begin_load(0, false).unwrap();
@@ -206,8 +219,8 @@ mod tests {
         // Prefill into a slot still being loaded.
         assert!(r.begin_prefill_compute(0).is_err());
         // Computing a different layer than the one loaded.
-        assert!(r.begin_decode_compute(2).is_err());
-        r.begin_decode_compute(0).unwrap();
+        assert!(r.begin_decode_compute(2, false).is_err());
+        r.begin_decode_compute(0, false).unwrap();
         // A load into a slot whose compute is still being queued.
         assert!(r.begin_load(2, false).is_err());
         // Ending the wrong layer.

@@ -40,6 +40,13 @@ pub struct SparseArgs {
     /// misses: on the CPU device it costs the whole speed-up.
     #[arg(long, default_value_t = DEFAULT_PAGE_SIZE, value_parser = crate::flags::block_size())]
     pub sparse_page_size: usize,
+    /// Verified sparse decode (with --sparse-budget, greedy): sparse decode drafts this
+    /// many tokens, then one step attending the whole context keeps those full attention
+    /// would choose and replaces the first it would not. The output is full attention's,
+    /// token for token, for one full load of the KV per round instead of per token
+    /// (docs/offload.md, "Verified sparse decode"). CPU device only for now.
+    #[arg(long, value_name = "DRAFTS")]
+    pub sparse_verify: Option<usize>,
 }
 
 impl SparseArgs {
@@ -54,6 +61,21 @@ impl SparseArgs {
                 budget,
                 page_size: self.sparse_page_size,
             })),
+        }
+    }
+
+    /// Drafts per verified round (`--sparse-verify`), refused without sparse decode.
+    pub fn verify(&self) -> Result<Option<usize>> {
+        let max = crate::engine::verified::MAX_DRAFT;
+        match (self.sparse_verify, self.sparse_budget) {
+            (None, _) => Ok(None),
+            (Some(_), None) => Err(crate::errors::usage(
+                "--sparse-verify checks sparse decode's tokens: add --sparse-budget",
+            )),
+            (Some(k), Some(_)) if !(1..=max).contains(&k) => Err(crate::errors::usage(format!(
+                "--sparse-verify drafts 1 to {max} tokens per round, got {k}"
+            ))),
+            (Some(k), Some(_)) => Ok(Some(k)),
         }
     }
 }

@@ -148,6 +148,9 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Replay<T> {
         }
         Ok(())
     }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.rewind(len)
+    }
     fn select_rows(&mut self, l: usize, q: Query<T>) -> Result<Option<NewRow>> {
         if !self.decode {
             return Ok(None);

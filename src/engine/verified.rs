@@ -1,0 +1,332 @@
+//! Sparse decode verified by full attention (self-speculative decoding with a sparse-KV
+//! draft, as TriForce and MagicDec do; docs/offload.md, "Verified sparse decode"). A
+//! round: `K` sparse decode steps draft tokens; the cache forgets their rows; one
+//! full-attention step over the last kept token and the drafts gives full attention's
+//! choice after each of them. The drafts full attention agrees with are kept, the first
+//! it does not is replaced by its own choice, and a round whose drafts are all kept ends
+//! with full attention's next token as a bonus. Every emitted token and log-prob comes
+//! from the verify step's logits, which are bitwise a one-token full step's (the kernels
+//! are batch-invariant): greedy output is full attention's, token for token.
+
+use std::time::Instant;
+
+use anyhow::Result;
+
+use super::sampler::argmax;
+use super::{logprob, GenerateOptions, GenerationOutput};
+use crate::device::KvElem;
+use crate::model::Model;
+use crate::offload::OffloadKv;
+
+/// Longest draft: the verify step computes `K + 1` query rows, and past a few tokens the
+/// chance that every draft survives is small.
+pub const MAX_DRAFT: usize = 32;
+
+/// What a round asks of the model and its cache.
+pub trait VerifiedSteps {
+    /// A step of `tokens` at `pos0..` as the cache runs it (the prompt; one draft token
+    /// under sparse decode): the last token's logits.
+    fn forward(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<f32>>;
+    /// A step attending every stored position over `tokens` at `pos0..`, even one token:
+    /// every token's logits, in order.
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<Vec<f32>>>;
+    /// Forgets positions `len..`.
+    fn truncate(&mut self, len: usize) -> Result<()>;
+}
+
+/// What the drafts came to over one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct VerifyStats {
+    /// Verify steps (one per round).
+    pub rounds: usize,
+    /// Tokens sparse decode drafted.
+    pub drafted: usize,
+    /// Drafts full attention agreed with (kept).
+    pub accepted: usize,
+}
+
+impl VerifyStats {
+    /// Share of the drafts kept.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+}
+
+/// One request of the CPU model on an offload engine with sparse decode, verified:
+/// `run_verified` over the engine's steps.
+pub fn generate_verified<T: KvElem>(
+    model: &Model,
+    kv: &mut dyn OffloadKv<T>,
+    capacity: usize,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    draft_len: usize,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationOutput> {
+    kv.reset()?;
+    let mut steps = CpuSteps { model, kv };
+    run_verified(capacity, prompt, opts, draft_len, &mut steps, on_token)
+}
+
+/// The CPU model's steps over an offload engine.
+struct CpuSteps<'a, T> {
+    model: &'a Model,
+    kv: &'a mut dyn OffloadKv<T>,
+}
+
+impl<T: KvElem> VerifiedSteps for CpuSteps<'_, T> {
+    fn forward(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<f32>> {
+        self.model.forward(tokens, pos0, self.kv)
+    }
+
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<Vec<f32>>> {
+        self.kv.attend_all_next_step();
+        self.model.forward_rows(tokens, pos0, self.kv)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.kv.truncate(len)
+    }
+}
+
+/// Prefill, then verified rounds of up to `draft_len` sparse drafts, greedy; stops as
+/// `run_loop` does (at `max_tokens`, a stop id, or `capacity` tokens in the context) and
+/// emits the same tokens as a greedy full-attention run.
+pub fn run_verified(
+    capacity: usize,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    draft_len: usize,
+    m: &mut dyn VerifiedSteps,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationOutput> {
+    opts.sampling.validate()?;
+    if opts.sampling.temperature != 0.0 {
+        return Err(crate::errors::usage(
+            "--sparse-verify keeps full attention's greedy choices: it needs --temperature 0",
+        ));
+    }
+    if !(1..=MAX_DRAFT).contains(&draft_len) {
+        return Err(crate::errors::usage(format!(
+            "--sparse-verify drafts 1 to {MAX_DRAFT} tokens per round, got {draft_len}"
+        )));
+    }
+    let mut out = GenerationOutput {
+        prompt_tokens: prompt.len(),
+        verified: Some(VerifyStats::default()),
+        ..Default::default()
+    };
+    if opts.max_tokens == 0 {
+        return Ok(out);
+    }
+    let t0 = Instant::now();
+    let logits = m.forward(prompt, 0)?;
+    let mut next = argmax(&logits);
+    out.logprobs.push(logprob(&logits, next));
+    out.prefill_secs = t0.elapsed().as_secs_f64();
+    out.token_ids.push(next);
+    on_token(next)?;
+    let t1 = Instant::now();
+    let mut stats = VerifyStats::default();
+    // `next` is at `pos`, its KV not stored yet.
+    let mut pos = prompt.len();
+    let stop = |t: &u32| opts.stop_ids.contains(t);
+    while out.token_ids.len() < opts.max_tokens && !stop(&next) && pos < capacity {
+        // The verify step emits up to one token per input and writes positions
+        // `pos..pos + inputs`: both bound the drafts.
+        let room = (opts.max_tokens - out.token_ids.len()).min(capacity - pos);
+        let mut input = vec![next];
+        while input.len() <= draft_len.min(room - 1) {
+            let at = pos + input.len() - 1;
+            let d = argmax(&m.forward(&input[input.len() - 1..], at)?);
+            input.push(d);
+            if stop(&d) {
+                break; // nothing after a stop is wanted
+            }
+        }
+        m.truncate(pos)?;
+        let rows = m.verify(&input, pos)?;
+        stats.rounds += 1;
+        stats.drafted += input.len() - 1;
+        // Inputs whose rows stay: those full attention chose too (and `next`).
+        let mut kept = 0;
+        for (i, logits) in rows.iter().enumerate() {
+            let t = argmax(logits);
+            out.logprobs.push(logprob(logits, t));
+            out.token_ids.push(t);
+            on_token(t)?;
+            kept = i + 1;
+            if input.get(i + 1) != Some(&t) || stop(&t) {
+                break;
+            }
+            stats.accepted += 1;
+        }
+        pos += kept;
+        m.truncate(pos)?;
+        next = *out.token_ids.last().expect("a round emits a token");
+    }
+    out.decode_steps = out.token_ids.len() - 1;
+    out.decode_secs = t1.elapsed().as_secs_f64();
+    out.verified = Some(stats);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::SamplingParams;
+
+    /// A toy model: the next token after `t` at `pos` is `rule(t, pos)`, as logits; the
+    /// drafts follow `draft_rule` instead. Records what it is asked.
+    struct Toy {
+        vocab: usize,
+        stored: usize,
+        full: fn(u32, usize) -> u32,
+        draft: fn(u32, usize) -> u32,
+        verified: usize,
+    }
+
+    impl Toy {
+        fn logits(&self, t: u32) -> Vec<f32> {
+            let mut l = vec![0.0; self.vocab];
+            l[t as usize] = 1.0;
+            l
+        }
+    }
+
+    impl VerifiedSteps for Toy {
+        fn forward(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<f32>> {
+            assert_eq!(pos0, self.stored, "a step continues the stored context");
+            self.stored += tokens.len();
+            let (t, p) = (*tokens.last().unwrap(), pos0 + tokens.len() - 1);
+            let rule = if tokens.len() == 1 {
+                self.draft
+            } else {
+                self.full
+            };
+            Ok(self.logits(rule(t, p)))
+        }
+        fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<Vec<f32>>> {
+            assert_eq!(pos0, self.stored, "verify continues the stored context");
+            self.stored += tokens.len();
+            self.verified += 1;
+            Ok((0..tokens.len())
+                .map(|i| self.logits((self.full)(tokens[i], pos0 + i)))
+                .collect())
+        }
+        fn truncate(&mut self, len: usize) -> Result<()> {
+            assert!(len <= self.stored);
+            self.stored = len;
+            Ok(())
+        }
+    }
+
+    fn opts(max_tokens: usize, stop_ids: Vec<u32>) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_ids,
+        }
+    }
+
+    /// The greedy run of `full` alone.
+    fn plain(
+        full: fn(u32, usize) -> u32,
+        prompt: &[u32],
+        o: &GenerateOptions,
+        cap: usize,
+    ) -> Vec<u32> {
+        let mut pos = prompt.len();
+        let mut next = full(*prompt.last().unwrap(), pos - 1);
+        let mut out = vec![next];
+        while out.len() < o.max_tokens && !o.stop_ids.contains(&next) && pos < cap {
+            next = full(next, pos);
+            pos += 1;
+            out.push(next);
+        }
+        out
+    }
+
+    fn full_rule(t: u32, pos: usize) -> u32 {
+        ((t as usize * 7 + pos * 3) % 11) as u32
+    }
+
+    #[test]
+    fn verified_output_is_full_attentions_whatever_the_drafts() {
+        let prompt = [1, 2, 3];
+        // Drafts always right, never right, right at most positions.
+        let drafts: [fn(u32, usize) -> u32; 3] = [
+            full_rule,
+            |t, p| (full_rule(t, p) + 1) % 11,
+            |t, p| if p % 3 == 0 { 0 } else { full_rule(t, p) },
+        ];
+        for draft in drafts {
+            for k in [1, 2, 4, 7] {
+                for (max_tokens, cap, stops) in [
+                    (20, 100, vec![]),
+                    (20, 12, vec![]),
+                    (30, 100, vec![5]),
+                    (1, 100, vec![]),
+                ] {
+                    let o = opts(max_tokens, stops);
+                    let mut toy = Toy {
+                        vocab: 11,
+                        stored: 0,
+                        full: full_rule,
+                        draft,
+                        verified: 0,
+                    };
+                    let out = run_verified(cap, &prompt, &o, k, &mut toy, &mut |_| Ok(())).unwrap();
+                    let want = plain(full_rule, &prompt, &o, cap);
+                    assert_eq!(out.token_ids, want, "k {k}, max {max_tokens}, cap {cap}");
+                    let s = out.verified.unwrap();
+                    assert_eq!(s.rounds, toy.verified);
+                    // Each round emits its accepted drafts and one token of its own.
+                    assert_eq!(out.token_ids.len(), 1 + s.rounds + s.accepted);
+                    assert!(toy.stored <= cap);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn drafts_full_attention_agrees_with_are_all_kept() {
+        let o = opts(41, vec![]);
+        let mut toy = Toy {
+            vocab: 11,
+            stored: 0,
+            full: full_rule,
+            draft: full_rule,
+            verified: 0,
+        };
+        let out = run_verified(1000, &[4], &o, 4, &mut toy, &mut |_| Ok(())).unwrap();
+        // 40 decoded tokens in rounds of 4 drafts + a bonus.
+        assert_eq!(
+            out.verified.unwrap(),
+            VerifyStats {
+                rounds: 8,
+                drafted: 32,
+                accepted: 32
+            }
+        );
+    }
+
+    #[test]
+    fn sampling_and_draft_lengths_out_of_range_are_refused() {
+        let mut toy = Toy {
+            vocab: 11,
+            stored: 0,
+            full: full_rule,
+            draft: full_rule,
+            verified: 0,
+        };
+        let mut o = opts(4, vec![]);
+        o.sampling.temperature = 0.7;
+        let err = run_verified(100, &[1], &o, 4, &mut toy, &mut |_| Ok(())).unwrap_err();
+        assert!(err.to_string().contains("--temperature 0"), "{err}");
+        let o = opts(4, vec![]);
+        for k in [0, MAX_DRAFT + 1] {
+            assert!(run_verified(100, &[1], &o, k, &mut toy, &mut |_| Ok(())).is_err());
+        }
+    }
+}

@@ -69,9 +69,9 @@ pub fn generate_verified<T: KvElem>(
 }
 
 /// The CPU model's steps over an offload engine.
-struct CpuSteps<'a, T> {
-    model: &'a Model,
-    kv: &'a mut dyn OffloadKv<T>,
+pub struct CpuSteps<'a, T> {
+    pub model: &'a Model,
+    pub kv: &'a mut dyn OffloadKv<T>,
 }
 
 impl<T: KvElem> VerifiedSteps for CpuSteps<'_, T> {
@@ -106,11 +106,7 @@ pub fn run_verified(
             "--sparse-verify keeps full attention's greedy choices: it needs --temperature 0",
         ));
     }
-    if !(1..=MAX_DRAFT).contains(&draft_len) {
-        return Err(crate::errors::usage(format!(
-            "--sparse-verify drafts 1 to {MAX_DRAFT} tokens per round, got {draft_len}"
-        )));
-    }
+    check_draft_len(draft_len)?;
     let mut out = GenerationOutput {
         prompt_tokens: prompt.len(),
         verified: Some(VerifyStats::default()),
@@ -121,54 +117,98 @@ pub fn run_verified(
     }
     let t0 = Instant::now();
     let logits = m.forward(prompt, 0)?;
-    let mut next = argmax(&logits);
-    out.logprobs.push(logprob(&logits, next));
+    let first = argmax(&logits);
+    out.logprobs.push(logprob(&logits, first));
     out.prefill_secs = t0.elapsed().as_secs_f64();
-    out.token_ids.push(next);
-    on_token(next)?;
+    out.token_ids.push(first);
+    on_token(first)?;
     let t1 = Instant::now();
-    let mut stats = VerifyStats::default();
-    // `next` is at `pos`, its KV not stored yet.
-    let mut pos = prompt.len();
-    let stop = |t: &u32| opts.stop_ids.contains(t);
-    while out.token_ids.len() < opts.max_tokens && !stop(&next) && pos < capacity {
-        // The verify step emits up to one token per input and writes positions
-        // `pos..pos + inputs`: both bound the drafts.
-        let room = (opts.max_tokens - out.token_ids.len()).min(capacity - pos);
-        let mut input = vec![next];
-        while input.len() <= draft_len.min(room - 1) {
+    let mut v = Verifier::new(first, prompt.len(), draft_len)?;
+    let stop = |t: u32| opts.stop_ids.contains(&t);
+    while out.token_ids.len() < opts.max_tokens && !stop(v.next) && v.pos < capacity {
+        let room = (opts.max_tokens - out.token_ids.len()).min(capacity - v.pos);
+        v.round(m, room, &stop, &mut |t, logits| {
+            out.logprobs.push(logprob(logits, t));
+            out.token_ids.push(t);
+            on_token(t)
+        })?;
+    }
+    out.decode_steps = out.token_ids.len() - 1;
+    out.decode_secs = t1.elapsed().as_secs_f64();
+    out.verified = Some(v.stats);
+    Ok(out)
+}
+
+/// Errors unless `1 ..= MAX_DRAFT` drafts per round.
+pub fn check_draft_len(draft_len: usize) -> Result<()> {
+    if !(1..=MAX_DRAFT).contains(&draft_len) {
+        return Err(crate::errors::usage(format!(
+            "--sparse-verify drafts 1 to {MAX_DRAFT} tokens per round, got {draft_len}"
+        )));
+    }
+    Ok(())
+}
+
+/// Verified decoding on from a stored context: `next` is the last token chosen, at
+/// position `pos`, its KV not stored yet.
+pub struct Verifier {
+    pub next: u32,
+    pub pos: usize,
+    pub stats: VerifyStats,
+    draft_len: usize,
+}
+
+impl Verifier {
+    pub fn new(next: u32, pos: usize, draft_len: usize) -> Result<Self> {
+        check_draft_len(draft_len)?;
+        Ok(Self {
+            next,
+            pos,
+            stats: VerifyStats::default(),
+            draft_len,
+        })
+    }
+
+    /// One round: drafts, the verify step, the rewind past the rejected drafts. Emits
+    /// (`emit`: the token and the verify step's logits it was chosen from) between one and
+    /// `room` tokens, none after a stop id; returns how many. The verify step writes
+    /// positions `pos..pos + emitted`, at most `room` of them.
+    pub fn round(
+        &mut self,
+        m: &mut dyn VerifiedSteps,
+        room: usize,
+        stop: &dyn Fn(u32) -> bool,
+        emit: &mut dyn FnMut(u32, &[f32]) -> Result<()>,
+    ) -> Result<usize> {
+        let pos = self.pos;
+        let mut input = vec![self.next];
+        while input.len() <= self.draft_len.min(room.max(1) - 1) {
             let at = pos + input.len() - 1;
             let d = argmax(&m.forward(&input[input.len() - 1..], at)?);
             input.push(d);
-            if stop(&d) {
+            if stop(d) {
                 break; // nothing after a stop is wanted
             }
         }
         m.truncate(pos)?;
         let rows = m.verify(&input, pos)?;
-        stats.rounds += 1;
-        stats.drafted += input.len() - 1;
-        // Inputs whose rows stay: those full attention chose too (and `next`).
+        self.stats.rounds += 1;
+        self.stats.drafted += input.len() - 1;
+        // Inputs whose rows stay: `next` and the drafts full attention chose too.
         let mut kept = 0;
         for (i, logits) in rows.iter().enumerate() {
             let t = argmax(logits);
-            out.logprobs.push(logprob(logits, t));
-            out.token_ids.push(t);
-            on_token(t)?;
-            kept = i + 1;
-            if input.get(i + 1) != Some(&t) || stop(&t) {
+            emit(t, logits)?;
+            (kept, self.next) = (i + 1, t);
+            if input.get(i + 1) != Some(&t) || stop(t) {
                 break;
             }
-            stats.accepted += 1;
+            self.stats.accepted += 1;
         }
-        pos += kept;
-        m.truncate(pos)?;
-        next = *out.token_ids.last().expect("a round emits a token");
+        self.pos += kept;
+        m.truncate(self.pos)?;
+        Ok(kept)
     }
-    out.decode_steps = out.token_ids.len() - 1;
-    out.decode_secs = t1.elapsed().as_secs_f64();
-    out.verified = Some(stats);
-    Ok(out)
 }
 
 #[cfg(test)]

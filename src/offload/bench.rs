@@ -23,6 +23,7 @@ use super::{trace, CpuOffloadDevice, OffloadConfig, OffloadControl, OffloadEngin
 use crate::device::cpu::stream::{Buffer, CpuDevice, MemSpace, Stream};
 use crate::device::KvElem;
 use crate::engine::sampler::argmax;
+use crate::engine::verified::{CpuSteps, Verifier};
 use crate::flags;
 use crate::kv::{ContiguousKv, KvCache};
 use crate::model::Model;
@@ -62,6 +63,10 @@ pub struct OffloadBenchArgs {
     pub sparse_budget: Vec<usize>,
     #[arg(long, default_value_t = crate::sparse::DEFAULT_PAGE_SIZE, value_parser = flags::block_size())]
     pub sparse_page_size: usize,
+    /// Verified sparse decode beside each budget (`generate --sparse-verify`): drafts per
+    /// round. Its rows time and count per token emitted: full attention's tokens.
+    #[arg(long, value_name = "DRAFTS")]
+    pub sparse_verify: Option<usize>,
     /// Needle depths scored at the context length, full attention and each budget.
     #[arg(long, value_delimiter = ',', value_parser = flags::fraction)]
     pub needle_depth: Vec<f64>,
@@ -90,6 +95,14 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
             page_size: args.sparse_page_size,
         };
         sc.check(args.block_size)?;
+    }
+    if let Some(k) = args.sparse_verify {
+        if args.sparse_budget.is_empty() {
+            return Err(crate::errors::usage(
+                "--sparse-verify checks sparse decode's tokens: add --sparse-budget",
+            ));
+        }
+        crate::engine::verified::check_draft_len(k)?;
     }
     let dtype = args.dtype.resolve(crate::device::DeviceKind::Cpu);
     let (model, tok) = Model::load_as(&path, !args.json, dtype)?;
@@ -166,6 +179,8 @@ pub struct OffloadBenchReport {
     pub min_bytes_per_step: f64,
     /// Sparse decode, one row per budget, beside the full loading above.
     pub sparse: Vec<SparseRow>,
+    /// Verified sparse decode (`--sparse-verify`), one row per budget: per token emitted.
+    pub verified: Vec<SparseRow>,
     /// The first budget's sparse ÷ full decode tokens/s (median over the rounds) and bytes
     /// moved per step.
     pub decode_speedup: Option<f64>,
@@ -196,6 +211,9 @@ pub struct SparseRow {
     /// Where the step's sparse work goes (ms a step, from the decode trace).
     pub step_parts: trace::SparseStepParts,
     pub needle_passed: Option<usize>,
+    /// Verified rows: drafts per round, and the share of drafts full attention kept.
+    pub verify: Option<usize>,
+    pub acceptance: Option<f64>,
 }
 
 /// Resets `kv` and prefills `prompt`: (seconds, the last logits).
@@ -274,6 +292,64 @@ impl<K> Decoding<K> {
         }
         Ok(t1.elapsed().as_secs_f64() / steps.max(1) as f64)
     }
+}
+
+/// `steps` tokens of verified sparse decode on from where the last round stopped (rounds
+/// cut short at `steps`): mean seconds per token.
+fn verified_round<T: KvElem>(
+    model: &Model,
+    kv: &mut OffloadEngine<CpuOffloadDevice<T>>,
+    v: &mut Verifier,
+    steps: usize,
+) -> Result<f64> {
+    let mut m = CpuSteps { model, kv };
+    let t = Instant::now();
+    let mut made = 0;
+    while made < steps {
+        made += v.round(&mut m, steps - made, &|_| false, &mut |_, _| Ok(()))?;
+    }
+    Ok(t.elapsed().as_secs_f64() / steps.max(1) as f64)
+}
+
+/// A sparse budget's row (`verify`: verified) from its engine's trace and step times, per
+/// step (token) beside full loading's `fulls` and `h2d_full` bytes over the same steps.
+fn sparse_row<T: KvElem>(
+    args: &OffloadBenchArgs,
+    sc: SparseConfig,
+    kv: &mut OffloadEngine<CpuOffloadDevice<T>>,
+    times: &[f64],
+    fulls: &[f64],
+    h2d_full: usize,
+    verify: Option<usize>,
+) -> Result<SparseRow> {
+    let steps = times.len() * args.decode_steps;
+    let timed = steps.max(1) as f64;
+    kv.set_tracing(false)?;
+    let events = kv.take_trace()?;
+    if let (Some(p), None) = (&args.trace_out, verify) {
+        trace::write_chrome_trace(&sparse_trace_path(p, sc.budget), &events)?;
+    }
+    let (bytes, _) = trace::link_bytes(&events);
+    let stats = kv.sparse_stats().unwrap_or_default();
+    let speedups: Vec<f64> = fulls.iter().zip(times).map(|(f, s)| f / s).collect();
+    let (speedup_min, speedup_max) = range(&speedups);
+    Ok(SparseRow {
+        budget: sc.budget,
+        page_size: sc.page_size,
+        decode_step_ms: median(times) * 1e3,
+        decode_speedup: median(&speedups),
+        decode_speedup_min: speedup_min,
+        decode_speedup_max: speedup_max,
+        decode_step_ms_per_round: times.iter().map(|s| s * 1e3).collect(),
+        h2d_bytes_per_step: bytes as f64 / timed,
+        bytes_per_step_ratio: bytes as f64 / h2d_full.max(1) as f64,
+        prefetch_hit_rate: stats.hit_rate(),
+        miss_runs_per_step: stats.miss_runs as f64 / timed,
+        step_parts: trace::SparseStepParts::of(&events, steps),
+        needle_passed: None,
+        verify,
+        acceptance: None,
+    })
 }
 
 /// The link that makes one layer's decode transfer (`bytes_per_layer`) take
@@ -371,16 +447,31 @@ pub fn run_bench<T: KvElem>(
         ));
     }
 
+    let mut verified = Vec::new();
+    for &(sc, _) in sparse.iter().filter(|_| args.sparse_verify.is_some()) {
+        let k = args.sparse_verify.expect("filtered");
+        let vcfg = OffloadConfig {
+            sparse: Some(sc),
+            ..cfg.clone()
+        };
+        let mut kv = OffloadEngine::<CpuOffloadDevice<T>>::on_cpu(c, vcfg)?;
+        let (_, logits) = prefill(model, &mut kv, &prompt)?;
+        let v = Verifier::new(argmax(&logits), prompt.len(), k)?;
+        verified.push((sc, kv, v));
+    }
+
     // 3. The rounds: compute alone, the link sized from it, transfer alone, full loading,
-    // each budget; decode traced.
+    // each budget (then each verified); decode traced.
     full.kv.take_trace()?;
     full.kv.set_tracing(true)?;
-    for (_, d) in &mut sparse {
-        d.kv.take_trace()?;
-        d.kv.set_tracing(true)?;
+    let kvs = sparse.iter_mut().map(|(_, d)| &mut d.kv);
+    for kv in kvs.chain(verified.iter_mut().map(|(_, kv, _)| kv)) {
+        kv.take_trace()?;
+        kv.set_tracing(true)?;
     }
     let (mut computes, mut links, mut transfers, mut fulls) = (vec![], vec![], vec![], vec![]);
     let mut sparse_steps = vec![Vec::new(); sparse.len()];
+    let mut verified_steps = vec![Vec::new(); verified.len()];
     for _ in 0..rounds {
         let step_compute = plain.round(model, steps)?;
         let gbps = sized_link(args, layers, bytes_per_layer, step_compute);
@@ -390,6 +481,10 @@ pub fn run_bench<T: KvElem>(
         for ((_, d), times) in sparse.iter_mut().zip(&mut sparse_steps) {
             d.kv.set_link_gbps(gbps);
             times.push(d.round(model, steps)?);
+        }
+        for ((_, kv, v), times) in verified.iter_mut().zip(&mut verified_steps) {
+            kv.set_link_gbps(gbps);
+            times.push(verified_round(model, kv, v, steps)?);
         }
         computes.push(step_compute);
         links.push(gbps);
@@ -405,30 +500,13 @@ pub fn run_bench<T: KvElem>(
     let timed = (rounds * steps).max(1) as f64;
     let mut rows = Vec::new();
     for ((sc, mut d), times) in sparse.into_iter().zip(sparse_steps) {
-        d.kv.set_tracing(false)?;
-        let events = d.kv.take_trace()?;
-        if let Some(p) = &args.trace_out {
-            trace::write_chrome_trace(&sparse_trace_path(p, sc.budget), &events)?;
-        }
-        let (bytes, _) = trace::link_bytes(&events);
-        let stats = d.kv.sparse_stats().unwrap_or_default();
-        let speedups: Vec<f64> = fulls.iter().zip(&times).map(|(f, s)| f / s).collect();
-        let (speedup_min, speedup_max) = range(&speedups);
-        rows.push(SparseRow {
-            budget: sc.budget,
-            page_size: sc.page_size,
-            decode_step_ms: median(&times) * 1e3,
-            decode_speedup: median(&speedups),
-            decode_speedup_min: speedup_min,
-            decode_speedup_max: speedup_max,
-            decode_step_ms_per_round: times.iter().map(|s| s * 1e3).collect(),
-            h2d_bytes_per_step: bytes as f64 / timed,
-            bytes_per_step_ratio: bytes as f64 / h2d.max(1) as f64,
-            prefetch_hit_rate: stats.hit_rate(),
-            miss_runs_per_step: stats.miss_runs as f64 / timed,
-            step_parts: trace::SparseStepParts::of(&events, rounds * steps),
-            needle_passed: None,
-        });
+        rows.push(sparse_row(args, sc, &mut d.kv, &times, &fulls, h2d, None)?);
+    }
+    let mut verified_rows = Vec::new();
+    for ((sc, mut kv, v), times) in verified.into_iter().zip(verified_steps) {
+        let mut row = sparse_row(args, sc, &mut kv, &times, &fulls, h2d, args.sparse_verify)?;
+        row.acceptance = Some(v.stats.acceptance());
+        verified_rows.push(row);
     }
     let ratios: Vec<f64> = (0..rounds)
         .map(|r| fulls[r] / computes[r].max(transfers[r]))
@@ -437,6 +515,7 @@ pub fn run_bench<T: KvElem>(
         decode_speedup: rows.first().map(|r| r.decode_speedup),
         bytes_per_step_ratio: rows.first().map(|r| r.bytes_per_step_ratio),
         sparse: rows,
+        verified: verified_rows,
         needle_full: None,
         needle_cases: 0,
         context: args.context,
@@ -462,7 +541,7 @@ pub fn run_bench<T: KvElem>(
                 ((args.context + i) / args.block_size
                     * args.block_size
                     * c.kv_dim()
-                    * 4
+                    * std::mem::size_of::<T>()
                     * 2
                     * c.num_layers) as f64
             })
@@ -520,7 +599,7 @@ impl std::fmt::Display for OffloadBenchReport {
         if !self.sparse.is_empty() || self.needle_full.is_some() {
             write!(
                 f,
-                "\n{:>8} {:>5} {:>10} {:>8} {:>13} {:>11} {:>7} {:>8} {:>12} {:>7}",
+                "\n{:>8} {:>5} {:>10} {:>8} {:>13} {:>11} {:>7} {:>8} {:>12} {:>7} {:>7}",
                 "budget",
                 "page",
                 "step_ms",
@@ -530,11 +609,12 @@ impl std::fmt::Display for OffloadBenchReport {
                 "bytes",
                 "hit_rate",
                 "miss_runs",
-                "needle"
+                "needle",
+                "kept"
             )?;
             write!(
                 f,
-                "\n{:>8} {:>5} {:>10.2} {:>8} {:>13} {:>11.2} {:>7} {:>8} {:>12} {:>7}",
+                "\n{:>8} {:>5} {:>10.2} {:>8} {:>13} {:>11.2} {:>7} {:>8} {:>12} {:>7} {:>7}",
                 "full",
                 "-",
                 self.decode_step_ms_offload,
@@ -544,14 +624,20 @@ impl std::fmt::Display for OffloadBenchReport {
                 "1.000",
                 "-",
                 "-",
-                needle(self.needle_full)
+                needle(self.needle_full),
+                "-"
             )?;
         }
-        for r in &self.sparse {
+        for r in self.sparse.iter().chain(&self.verified) {
+            // Verified rows: `<budget>v<drafts>`, per token emitted; `kept`: drafts kept.
+            let (budget, kept) = match (r.verify, r.acceptance) {
+                (Some(k), Some(a)) => (format!("{}v{k}", r.budget), format!("{:.1}%", 100.0 * a)),
+                _ => (r.budget.to_string(), "-".to_string()),
+            };
             write!(
                 f,
-                "\n{:>8} {:>5} {:>10.2} {:>7.2}x {:>13} {:>11.2} {:>7.3} {:>7.1}% {:>12.1} {:>7}",
-                r.budget,
+                "\n{:>8} {:>5} {:>10.2} {:>7.2}x {:>13} {:>11.2} {:>7.3} {:>7.1}% {:>12.1} {:>7} {:>7}",
+                budget,
                 r.page_size,
                 r.decode_step_ms,
                 r.decode_speedup,
@@ -560,7 +646,8 @@ impl std::fmt::Display for OffloadBenchReport {
                 r.bytes_per_step_ratio,
                 r.prefetch_hit_rate * 100.0,
                 r.miss_runs_per_step,
-                needle(r.needle_passed)
+                needle(r.needle_passed),
+                kept
             )?;
         }
         for r in &self.sparse {

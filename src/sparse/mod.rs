@@ -66,16 +66,12 @@ impl SparseArgs {
 
     /// Drafts per verified round (`--sparse-verify`), refused without sparse decode.
     pub fn verify(&self) -> Result<Option<usize>> {
-        let max = crate::engine::verified::MAX_DRAFT;
         match (self.sparse_verify, self.sparse_budget) {
             (None, _) => Ok(None),
             (Some(_), None) => Err(crate::errors::usage(
                 "--sparse-verify checks sparse decode's tokens: add --sparse-budget",
             )),
-            (Some(k), Some(_)) if !(1..=max).contains(&k) => Err(crate::errors::usage(format!(
-                "--sparse-verify drafts 1 to {max} tokens per round, got {k}"
-            ))),
-            (Some(k), Some(_)) => Ok(Some(k)),
+            (Some(k), Some(_)) => crate::engine::verified::check_draft_len(k).map(|()| Some(k)),
         }
     }
 }

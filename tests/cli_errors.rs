@@ -824,6 +824,64 @@ fn usage_errors_are_one_line_with_exit_2() {
             "0 is not in 1..=1000",
         ),
         (
+            vec!["bench", "offload", "--model", m, "--sparse-verify", "4"],
+            "--sparse-verify checks sparse decode's tokens: add --sparse-budget",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                m,
+                "--prompt",
+                "x",
+                "--max-tokens",
+                "4",
+                "--sparse-verify",
+                "4",
+            ],
+            "--sparse-verify checks sparse decode's tokens: add --sparse-budget",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                m,
+                "--prompt",
+                "x",
+                "--max-tokens",
+                "4",
+                "--enable-offload",
+                "--block-size",
+                "16",
+                "--sparse-budget",
+                "32",
+                "--sparse-verify",
+                "0",
+            ],
+            "--sparse-verify drafts 1 to 32 tokens per round, got 0",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                m,
+                "--prompt",
+                "x",
+                "--max-tokens",
+                "4",
+                "--enable-offload",
+                "--block-size",
+                "16",
+                "--sparse-budget",
+                "32",
+                "--sparse-verify",
+                "4",
+                "--temperature",
+                "0.7",
+            ],
+            "it needs --temperature 0",
+        ),
+        (
             vec![
                 "serve",
                 "--model",
@@ -854,6 +912,10 @@ fn usage_errors_are_one_line_with_exit_2() {
         (
             vec!["--model", m, "--num-kv-buffers", "100"],
             "100 is not in 2..=64",
+        ),
+        (
+            vec!["--model", m, "--input-len", "64", "--sparse-verify", "2"],
+            "--sparse-verify checks sparse decode's tokens: add --sparse-budget",
         ),
     ] {
         assert_error(needle, &args, expect, 2);

@@ -227,3 +227,68 @@ fn truncate_and_steps_off_the_stored_context_are_refused() {
         bits(&model.forward(&[4], 3, &mut kv).unwrap())
     );
 }
+
+/// What `generate --enable-offload --sparse-budget B --sparse-verify K` runs: a session
+/// whose decode is verified gives the resident session's tokens and log-probs; the
+/// settings it cannot honour are refused before anything is allocated.
+#[test]
+fn a_verified_session_is_the_resident_sessions_run() {
+    use strata::device::DeviceKind;
+    use strata::session::{Session, SessionConfig};
+    let model = common::load_tiny(TinySpec::qwen3(), "verified_session", 53);
+    let mut rng = StdRng::seed_from_u64(7);
+    let (len, n) = (100, 40);
+    let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
+    let base = SessionConfig {
+        kv_dtype: KvDtype::F32,
+        ..SessionConfig::new(DeviceKind::Cpu, len + n)
+    };
+    let offload = OffloadConfig {
+        num_kv_buffers: 3,
+        block_size: 16,
+        max_model_len: len + n,
+        sparse: Some(SparseConfig {
+            budget: 32,
+            page_size: 8,
+        }),
+        ..Default::default()
+    };
+    let verified = SessionConfig {
+        offload: Some(offload.clone()),
+        sparse_verify: Some(3),
+        ..base.clone()
+    };
+    let run = |cfg: SessionConfig| {
+        let mut s = Session::new(model.clone(), cfg).unwrap();
+        s.generate(&prompt, &greedy(n), &mut |_| Ok(())).unwrap()
+    };
+    let (want, got) = (run(base.clone()), run(verified.clone()));
+    assert_eq!(got.token_ids, want.token_ids);
+    assert_eq!(bits(&got.logprobs), bits(&want.logprobs));
+    let v = got.verified.expect("the session verified");
+    assert!(v.rounds > 0 && v.drafted > 0, "{v:?}");
+    // Without sparse decode there is nothing to verify; the CUDA model has no verify step.
+    for (cfg, expect) in [
+        (
+            SessionConfig {
+                offload: Some(OffloadConfig {
+                    sparse: None,
+                    ..offload
+                }),
+                ..verified.clone()
+            },
+            "add --enable-offload and --sparse-budget",
+        ),
+        (
+            SessionConfig {
+                device: DeviceKind::Cuda,
+                kv_dtype: KvDtype::Bf16,
+                ..verified
+            },
+            "CPU device only",
+        ),
+    ] {
+        let err = cfg.plan(&model.cfg).unwrap_err().to_string();
+        assert!(err.contains(expect), "{err}");
+    }
+}

@@ -101,11 +101,7 @@ pub fn run_verified(
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<GenerationOutput> {
     opts.sampling.validate()?;
-    if opts.sampling.temperature != 0.0 {
-        return Err(crate::errors::usage(
-            "--sparse-verify keeps full attention's greedy choices: it needs --temperature 0",
-        ));
-    }
+    check_sampling(&opts.sampling)?;
     check_draft_len(draft_len)?;
     let mut out = GenerationOutput {
         prompt_tokens: prompt.len(),
@@ -137,6 +133,16 @@ pub fn run_verified(
     out.decode_secs = t1.elapsed().as_secs_f64();
     out.verified = Some(v.stats);
     Ok(out)
+}
+
+/// Errors unless greedy: the drafts are checked against full attention's argmax.
+pub fn check_sampling(p: &super::SamplingParams) -> Result<()> {
+    if p.temperature != 0.0 {
+        return Err(crate::errors::usage(
+            "--sparse-verify keeps full attention's greedy choices: it needs --temperature 0",
+        ));
+    }
+    Ok(())
 }
 
 /// Errors unless `1 ..= MAX_DRAFT` drafts per round.

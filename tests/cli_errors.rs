@@ -716,6 +716,28 @@ fn usage_errors_are_one_line_with_exit_2() {
     let strata = env!("CARGO_BIN_EXE_strata");
     let m = tiny_dir("usage");
     let m = m.to_str().unwrap();
+    let generate = [
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "x",
+        "--max-tokens",
+        "4",
+    ];
+    // Verified sparse decode, its draft count (and more) to follow.
+    let verified = [
+        &generate[..],
+        &[
+            "--enable-offload",
+            "--block-size",
+            "16",
+            "--sparse-budget",
+            "32",
+            "--sparse-verify",
+        ],
+    ]
+    .concat();
     for (args, expect) in [
         (
             vec!["generate", "--model", m, "--prompt", "x", "--bogus"],
@@ -828,57 +850,15 @@ fn usage_errors_are_one_line_with_exit_2() {
             "--sparse-verify checks sparse decode's tokens: add --sparse-budget",
         ),
         (
-            vec![
-                "generate",
-                "--model",
-                m,
-                "--prompt",
-                "x",
-                "--max-tokens",
-                "4",
-                "--sparse-verify",
-                "4",
-            ],
+            [&generate[..], &["--sparse-verify", "4"]].concat(),
             "--sparse-verify checks sparse decode's tokens: add --sparse-budget",
         ),
         (
-            vec![
-                "generate",
-                "--model",
-                m,
-                "--prompt",
-                "x",
-                "--max-tokens",
-                "4",
-                "--enable-offload",
-                "--block-size",
-                "16",
-                "--sparse-budget",
-                "32",
-                "--sparse-verify",
-                "0",
-            ],
+            [&verified[..], &["0"]].concat(),
             "--sparse-verify drafts 1 to 32 tokens per round, got 0",
         ),
         (
-            vec![
-                "generate",
-                "--model",
-                m,
-                "--prompt",
-                "x",
-                "--max-tokens",
-                "4",
-                "--enable-offload",
-                "--block-size",
-                "16",
-                "--sparse-budget",
-                "32",
-                "--sparse-verify",
-                "4",
-                "--temperature",
-                "0.7",
-            ],
+            [&verified[..], &["4", "--temperature", "0.7"]].concat(),
             "it needs --temperature 0",
         ),
         (

@@ -8,24 +8,16 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{TinySpec, KV_DTYPES};
+use common::{greedy, random_prompt, TinySpec, KV_DTYPES};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::device::KvDtype;
-use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
+use strata::engine::{self, GenerationOutput};
 use strata::kv::KvCache;
 use strata::model::Model;
 use strata::offload::{CpuOffloadDevice, CpuOffloadEngine, OffloadConfig, OffloadEngine};
 
 fn tiny(spec: TinySpec, name: &str) -> Arc<Model> {
     common::load_tiny(spec, name, 21)
-}
-
-fn greedy(n: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_tokens: n,
-        sampling: SamplingParams::default(),
-        stop_ids: vec![],
-    }
 }
 
 /// Tokens and the bits of their log-probabilities.
@@ -68,12 +60,6 @@ fn offloaded(
         let out = engine::generate_with(model, &mut kv, cap, prompt, &greedy(n), &mut |_| Ok(()))?;
         Ok(run(out))
     })
-}
-
-fn random_prompt(rng: &mut StdRng, len: usize, vocab: usize) -> Vec<u32> {
-    (0..len)
-        .map(|_| rng.random_range(3..vocab as u32))
-        .collect()
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::sparse_oracle::Oracle;
-use common::{scratch_dir, TinySpec};
+use common::{bits, random_prompt, scratch_dir, TinySpec};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::device::cpu::ops::AttnHeads;
@@ -40,16 +40,6 @@ fn run(
     let cap = kv.capacity();
     let out = engine::generate_with(model, &mut kv, cap, prompt, &opts, &mut |_| Ok(())).unwrap();
     (out, kv.sparse_stats())
-}
-
-fn random_prompt(rng: &mut StdRng, len: usize, vocab: usize) -> Vec<u32> {
-    (0..len)
-        .map(|_| rng.random_range(3..vocab as u32))
-        .collect()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 #[test]

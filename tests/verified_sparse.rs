@@ -10,33 +10,15 @@ mod common;
 
 use std::sync::Arc;
 
-use common::TinySpec;
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use common::{bits, greedy, random_prompt, TinySpec};
+use rand::{rngs::StdRng, SeedableRng};
 use strata::device::KvDtype;
 use strata::engine::verified::generate_verified;
-use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
+use strata::engine::{self, GenerationOutput};
 use strata::kv::{ContiguousKv, KvCache};
 use strata::model::Model;
 use strata::offload::{CpuOffloadEngine, OffloadConfig};
 use strata::sparse::SparseConfig;
-
-fn greedy(n: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_tokens: n,
-        sampling: SamplingParams::default(),
-        stop_ids: vec![],
-    }
-}
-
-fn random_prompt(rng: &mut StdRng, len: usize, vocab: usize) -> Vec<u32> {
-    (0..len)
-        .map(|_| rng.random_range(3..vocab as u32))
-        .collect()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
 
 /// One request on an f32 offload engine: verified with `draft` drafts, or plain.
 fn offloaded(

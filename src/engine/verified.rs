@@ -233,6 +233,17 @@ mod tests {
     }
 
     impl Toy {
+        /// Full attention follows `full_rule`, the drafts `draft`.
+        fn new(draft: fn(u32, usize) -> u32) -> Self {
+            Self {
+                vocab: 11,
+                stored: 0,
+                full: full_rule,
+                draft,
+                verified: 0,
+            }
+        }
+
         fn logits(&self, t: u32) -> Vec<f32> {
             let mut l = vec![0.0; self.vocab];
             l[t as usize] = 1.0;
@@ -315,13 +326,7 @@ mod tests {
                     (1, 100, vec![]),
                 ] {
                     let o = opts(max_tokens, stops);
-                    let mut toy = Toy {
-                        vocab: 11,
-                        stored: 0,
-                        full: full_rule,
-                        draft,
-                        verified: 0,
-                    };
+                    let mut toy = Toy::new(draft);
                     let out = run_verified(cap, &prompt, &o, k, &mut toy, &mut |_| Ok(())).unwrap();
                     let want = plain(full_rule, &prompt, &o, cap);
                     assert_eq!(out.token_ids, want, "k {k}, max {max_tokens}, cap {cap}");
@@ -338,13 +343,7 @@ mod tests {
     #[test]
     fn drafts_full_attention_agrees_with_are_all_kept() {
         let o = opts(41, vec![]);
-        let mut toy = Toy {
-            vocab: 11,
-            stored: 0,
-            full: full_rule,
-            draft: full_rule,
-            verified: 0,
-        };
+        let mut toy = Toy::new(full_rule);
         let out = run_verified(1000, &[4], &o, 4, &mut toy, &mut |_| Ok(())).unwrap();
         // 40 decoded tokens in rounds of 4 drafts + a bonus.
         assert_eq!(
@@ -359,13 +358,7 @@ mod tests {
 
     #[test]
     fn sampling_and_draft_lengths_out_of_range_are_refused() {
-        let mut toy = Toy {
-            vocab: 11,
-            stored: 0,
-            full: full_rule,
-            draft: full_rule,
-            verified: 0,
-        };
+        let mut toy = Toy::new(full_rule);
         let mut o = opts(4, vec![]);
         o.sampling.temperature = 0.7;
         let err = run_verified(100, &[1], &o, 4, &mut toy, &mut |_| Ok(())).unwrap_err();

@@ -18,6 +18,27 @@ pub const KV_DTYPES: [strata::device::KvDtype; 3] = [
     strata::device::KvDtype::F16,
 ];
 
+/// Greedy decoding of `n` tokens with no stop ids: what the bit-exactness tests compare.
+pub fn greedy(n: usize) -> strata::engine::GenerateOptions {
+    strata::engine::GenerateOptions {
+        max_tokens: n,
+        sampling: strata::engine::SamplingParams::default(),
+        stop_ids: vec![],
+    }
+}
+
+/// `len` random token ids in `3..vocab` (clear of the tiny models' special ids).
+pub fn random_prompt(rng: &mut StdRng, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|_| rng.random_range(3..vocab as u32))
+        .collect()
+}
+
+/// The bits of each value: log-probs compared exactly, NaN included.
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// One request on a fresh contiguous cache of elements `kv` (`engine::generate` in any
 /// KV element): the plain run every tier is compared with.
 pub fn generate_plain(

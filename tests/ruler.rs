@@ -231,6 +231,50 @@ fn sparse_eval_scores_what_it_prints() {
     );
 }
 
+/// `--sparse-verify`: on every case and budget the verified decode is full attention's,
+/// token for token (its score too), with drafts and rounds that add up; the cells count it.
+#[test]
+fn sparse_eval_verified_decodes_are_full_attentions() {
+    let (ok, stdout, stderr) = sparse_eval(&[
+        "--task",
+        "niah_single_3,niah_multikey_1",
+        "--context",
+        "1024",
+        "--cases",
+        "1",
+        "--budget",
+        "1/8,96",
+        "--sparse-verify",
+        "3",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    for c in r["cases"].as_array().unwrap() {
+        let v = c["verified"].as_array().unwrap();
+        assert_eq!(v.len(), 2, "{c}");
+        for d in v {
+            assert_eq!(d["same_as_full"], true, "{c}");
+            assert_eq!(d["score"], c["full"]["score"], "{c}");
+            let s = &d["stats"];
+            let (rounds, drafted, accepted) = (
+                s["rounds"].as_u64().unwrap(),
+                s["drafted"].as_u64().unwrap(),
+                s["accepted"].as_u64().unwrap(),
+            );
+            // Every decoded token after the first came from a round: a kept draft or the
+            // round's own; no round drafts more than 3.
+            let steps = c["forced"][0]["steps"].as_u64().unwrap();
+            assert_eq!(rounds + accepted, steps, "{c}");
+            assert!(accepted <= drafted && drafted <= 3 * rounds, "{c}");
+        }
+    }
+    for cell in r["cells"].as_array().unwrap() {
+        assert_eq!(cell["verified_same"], cell["cases"], "{cell}");
+        assert_eq!(cell["verified_correct"], cell["full_correct"], "{cell}");
+    }
+}
+
 #[test]
 fn the_table_names_every_cell() {
     let (ok, stdout, stderr) = sparse_eval(&[

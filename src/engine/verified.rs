@@ -15,8 +15,8 @@ use anyhow::Result;
 use super::sampler::argmax;
 use super::{logprob, GenerateOptions, GenerationOutput};
 use crate::device::KvElem;
+use crate::kv::KvCache;
 use crate::model::Model;
-use crate::offload::OffloadKv;
 
 /// Longest draft: the verify step computes `K + 1` query rows, and past a few tokens the
 /// chance that every draft survives is small.
@@ -52,11 +52,11 @@ impl VerifyStats {
     }
 }
 
-/// One request of the CPU model on an offload engine with sparse decode, verified:
-/// `run_verified` over the engine's steps.
+/// One request of the CPU model on a sparse cache (the offload engine with sparse
+/// decode), verified: `run_verified` over the cache's steps.
 pub fn generate_verified<T: KvElem>(
     model: &Model,
-    kv: &mut dyn OffloadKv<T>,
+    kv: &mut dyn KvCache<T>,
     capacity: usize,
     prompt: &[u32],
     opts: &GenerateOptions,
@@ -68,10 +68,10 @@ pub fn generate_verified<T: KvElem>(
     run_verified(capacity, prompt, opts, draft_len, &mut steps, on_token)
 }
 
-/// The CPU model's steps over an offload engine.
+/// The CPU model's steps over a sparse cache.
 pub struct CpuSteps<'a, T> {
     pub model: &'a Model,
-    pub kv: &'a mut dyn OffloadKv<T>,
+    pub kv: &'a mut dyn KvCache<T>,
 }
 
 impl<T: KvElem> VerifiedSteps for CpuSteps<'_, T> {
@@ -121,14 +121,11 @@ pub fn run_verified(
     let t1 = Instant::now();
     let mut v = Verifier::new(first, prompt.len(), draft_len)?;
     let stop = |t: u32| opts.stop_ids.contains(&t);
-    while out.token_ids.len() < opts.max_tokens && !stop(v.next) && v.pos < capacity {
-        let room = (opts.max_tokens - out.token_ids.len()).min(capacity - v.pos);
-        v.round(m, room, &stop, &mut |t, logits| {
-            out.logprobs.push(logprob(logits, t));
-            out.token_ids.push(t);
-            on_token(t)
-        })?;
-    }
+    v.decode(m, opts.max_tokens - 1, capacity, &stop, &mut |t, logits| {
+        out.logprobs.push(logprob(logits, t));
+        out.token_ids.push(t);
+        on_token(t)
+    })?;
     out.decode_steps = out.token_ids.len() - 1;
     out.decode_secs = t1.elapsed().as_secs_f64();
     out.verified = Some(v.stats);
@@ -173,6 +170,24 @@ impl Verifier {
             stats: VerifyStats::default(),
             draft_len,
         })
+    }
+
+    /// Rounds until `max_new` more tokens are emitted, a stop id is, or the context
+    /// reaches `capacity` tokens (`run_loop`'s rule); returns how many were emitted.
+    pub fn decode(
+        &mut self,
+        m: &mut dyn VerifiedSteps,
+        max_new: usize,
+        capacity: usize,
+        stop: &dyn Fn(u32) -> bool,
+        emit: &mut dyn FnMut(u32, &[f32]) -> Result<()>,
+    ) -> Result<usize> {
+        let mut made = 0;
+        while made < max_new && !stop(self.next) && self.pos < capacity {
+            let room = (max_new - made).min(capacity - self.pos);
+            made += self.round(m, room, stop, emit)?;
+        }
+        Ok(made)
     }
 
     /// One round: drafts, the verify step, the rewind past the rejected drafts. Emits

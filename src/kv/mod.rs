@@ -93,6 +93,10 @@ pub unsafe trait KvCache<T> {
     fn truncate(&mut self, len: usize) -> Result<()> {
         bail!("this KV cache cannot forget stored positions (truncate to {len})")
     }
+    /// The next step attends every stored position, even a one-token step of a sparse
+    /// cache (the verify step of sparse decode's drafts; several tokens always do).
+    /// Caches that always attend everything need do nothing.
+    fn attend_all_next_step(&mut self) {}
     /// Called by the model between `begin_layer` and attention with the query of the
     /// step's last token (`[num_heads, head_dim]`), once it is queued on the compute
     /// stream (valid until the call returns). In decode, a sparse cache picks the rows to

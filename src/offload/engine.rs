@@ -68,7 +68,7 @@ pub struct OffloadEngine<D: OffloadDevice> {
     seq_len: usize,
     step: Step,
     /// The next step attends every stored position, even a one-token step under sparse
-    /// decode (`OffloadControl::attend_all_next_step`).
+    /// decode (`KvCache::attend_all_next_step`).
     attend_all: bool,
     sparse: Option<Sparse>,
 }
@@ -845,6 +845,10 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         }
     }
 
+    fn attend_all_next_step(&mut self) {
+        self.attend_all = true;
+    }
+
     fn select_rows(&mut self, layer: usize, query: Query<D::Elem>) -> Result<Option<NewRow>> {
         match (self.step, &mut self.sparse) {
             (Step::Decode { pos }, Some(_)) => self.select(layer, pos, query).map(Some),
@@ -867,9 +871,6 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
 /// What a session asks of an offload engine besides the KV seam, whatever its element type.
 pub trait OffloadControl {
     fn plan(&self) -> MemoryPlan;
-    /// The next step attends every stored position, even if it is one token under sparse
-    /// decode (the verify step of sparse decode's drafts; several tokens always do).
-    fn attend_all_next_step(&mut self);
     /// Traces every copy and layer from now on.
     fn set_tracing(&mut self, on: bool) -> Result<()>;
     /// The ops traced so far (waits for them).
@@ -886,10 +887,6 @@ impl<T, E: KvCache<T> + OffloadControl> OffloadKv<T> for E {}
 impl<D: OffloadDevice> OffloadControl for OffloadEngine<D> {
     fn plan(&self) -> MemoryPlan {
         self.plan
-    }
-
-    fn attend_all_next_step(&mut self) {
-        self.attend_all = true;
     }
 
     fn set_tracing(&mut self, on: bool) -> Result<()> {

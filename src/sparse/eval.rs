@@ -33,6 +33,7 @@ use anyhow::{bail, Result};
 use super::replay::Replay;
 use super::SparseConfig;
 use crate::device::kv_elem::KvElem;
+use crate::engine::verified::{CpuSteps, Verifier, VerifyStats};
 use crate::engine::{sampler, Sampler, SamplingParams};
 use crate::flags;
 use crate::model::{Model, Tokenizer};
@@ -111,6 +112,12 @@ pub struct SparseEvalArgs {
     /// 2K context (128 tokens) holds the sink page and a whole window.
     #[arg(long, default_value_t = 64, value_parser = flags::block_size())]
     pub block_size: usize,
+    /// Also decode each case at each budget verified (`generate --sparse-verify`): sparse
+    /// drafts of this many tokens checked by full attention. Its answers must be full
+    /// attention's (`verified_same` counts the cases where they are); `kept` is the share
+    /// of drafts full attention kept and `tok/full` the tokens per full-attention pass.
+    #[arg(long, value_name = "DRAFTS")]
+    pub sparse_verify: Option<usize>,
     /// Seeds: the tuning set, or the held-out set (run once, with the final method).
     #[arg(long, value_enum, default_value_t = SeedSet::Tune)]
     pub seed_set: SeedSet,
@@ -151,6 +158,18 @@ pub struct CaseReport {
     pub sparse: Vec<Decoded>,
     /// One per budget, in `--budget` order, on every case.
     pub forced: Vec<Forced>,
+    /// With `--sparse-verify`: one per budget, in `--budget` order, on every case.
+    pub verified: Vec<Verified>,
+}
+
+/// Verified sparse decode of a case at one budget (`--sparse-verify`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Verified {
+    pub budget: usize,
+    /// Its tokens are full attention's (verification is exact: anything else is a bug).
+    pub same_as_full: bool,
+    pub score: f64,
+    pub stats: VerifyStats,
 }
 
 /// Sparse decode fed full attention's tokens (teacher-forced) at one budget: at each of
@@ -197,6 +216,15 @@ pub struct Cell {
     pub forced_steps: usize,
     pub forced_agreed: usize,
     pub forced_mean_kl: Option<f64>,
+    /// With `--sparse-verify`, over every case: those whose verified tokens are full
+    /// attention's, the full-correct ones it got right, and its rounds (full-attention
+    /// passes), tokens decoded after the first, drafts and drafts kept.
+    pub verified_same: Option<usize>,
+    pub verified_correct: Option<usize>,
+    pub verified_rounds: usize,
+    pub verified_tokens: usize,
+    pub verified_drafted: usize,
+    pub verified_accepted: usize,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -229,6 +257,9 @@ pub fn run(args: SparseEvalArgs) -> Result<()> {
                 bail!("--budget {b} at --context {c}: {e:#}");
             }
         }
+    }
+    if let Some(k) = args.sparse_verify {
+        crate::engine::verified::check_draft_len(k)?;
     }
     let kv_dtype = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     let dtype = args.dtype.resolve(crate::device::DeviceKind::Cpu);
@@ -326,6 +357,25 @@ pub fn evaluate<T: KvElem>(
                         teacher_forced(model, &mut kv, b, &full_ids, p.ids.len(), &full_logits)
                     })
                     .collect::<Result<Vec<_>>>()?;
+                let verified = match args.sparse_verify {
+                    None => Vec::new(),
+                    Some(k) => budgets
+                        .iter()
+                        .map(|&b| {
+                            kv.rewind(p.ids.len())?;
+                            kv.set_sparse(Some(sc(b)))?;
+                            let (pos, max_new) = (p.ids.len(), p.max_new_tokens);
+                            let (ids, stats) =
+                                verified(model, &mut kv, first, pos, max_new, context, k)?;
+                            Ok(Verified {
+                                budget: b,
+                                same_as_full: ids == full_ids,
+                                score: score(Some(b), &ids)?.score,
+                                stats,
+                            })
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                };
                 let scores: Vec<String> =
                     sparse.iter().map(|d| format!("{:.2}", d.score)).collect();
                 let agreed: Vec<String> = forced
@@ -359,6 +409,7 @@ pub fn evaluate<T: KvElem>(
                     full,
                     sparse,
                     forced,
+                    verified,
                 });
             }
         }
@@ -415,6 +466,9 @@ fn cell(
         .flat_map(|r| r.full.found.iter().zip(&r.sparse[bi].found))
         .filter(|&(&full, _)| full);
     let forced = of.iter().map(|r| &r.forced[bi]);
+    let verified: Vec<&Verified> = of.iter().filter_map(|r| r.verified.get(bi)).collect();
+    let stats = |f: fn(&VerifyStats) -> usize| verified.iter().map(|v| f(&v.stats)).sum();
+    let any = !verified.is_empty();
     let forced_steps = forced.clone().map(|f| f.steps).sum::<usize>();
     let kl_sum = forced
         .clone()
@@ -437,6 +491,17 @@ fn cell(
         forced_steps,
         forced_agreed: forced.map(|f| f.agreed).sum(),
         forced_mean_kl: (forced_steps > 0).then(|| kl_sum / forced_steps as f64),
+        verified_same: any.then(|| verified.iter().filter(|v| v.same_as_full).count()),
+        verified_correct: any.then(|| {
+            right
+                .iter()
+                .filter(|r| r.verified.get(bi).is_some_and(|v| v.score == 1.0))
+                .count()
+        }),
+        verified_rounds: stats(|s| s.rounds),
+        verified_tokens: stats(|s| s.rounds + s.accepted),
+        verified_drafted: stats(|s| s.drafted),
+        verified_accepted: stats(|s| s.accepted),
     }
 }
 
@@ -462,6 +527,29 @@ fn greedy<T: KvElem>(
         pos += 1;
     }
     Ok(ids)
+}
+
+/// `greedy`, verified: rounds of up to `draft_len` sparse drafts (`kv` as it is set)
+/// checked by full attention, until the same stop. Returns the tokens and the rounds.
+fn verified<T: KvElem>(
+    model: &Model,
+    kv: &mut Replay<T>,
+    first: u32,
+    pos: usize,
+    max_new: usize,
+    context: usize,
+    draft_len: usize,
+) -> Result<(Vec<u32>, VerifyStats)> {
+    let stop = |t: u32| model.cfg.eos_token_ids.contains(&t);
+    let mut v = Verifier::new(first, pos, draft_len)?;
+    let mut ids = vec![first];
+    let mut steps = CpuSteps { model, kv };
+    let emit = &mut |t, _: &[f32]| {
+        ids.push(t);
+        Ok(())
+    };
+    v.decode(&mut steps, max_new.saturating_sub(1), context, &stop, emit)?;
+    Ok((ids, v.stats))
 }
 
 /// Feeds full attention's tokens `ids` (from the prefill's first, at `pos` on) through
@@ -503,7 +591,11 @@ impl fmt::Display for EvalReport {
             "RULER retrieval, {:?} seeds, weights {}, KV {}, block {}, page {}: sparse scored on the cases full attention gets right; values_kept: of the values full attention found (any case), those sparse found too; agree, mean_kl: sparse fed full attention's tokens (every case), the steps where it chose full attention's next token, and KL(full || sparse) per step",
             self.seed_set, self.dtype, self.kv_dtype, self.block_size, self.page_size
         )?;
-        writeln!(
+        let verified = self.cells.iter().any(|c| c.verified_same.is_some());
+        if verified {
+            writeln!(f, "verified (--sparse-verify): same: cases whose tokens are full attention's; ok: full-correct cases it got right; kept: drafts full attention kept; tok/full: tokens per full-attention pass")?;
+        }
+        write!(
             f,
             "{:<16} {:>7} {:>11} {:>5} {:>8} {:>7} {:>9} {:>10} {:>6} {:>11} {:>11} {:>8}",
             "task",
@@ -519,12 +611,20 @@ impl fmt::Display for EvalReport {
             "agree",
             "mean_kl"
         )?;
+        if verified {
+            write!(
+                f,
+                " {:>9} {:>7} {:>6} {:>8}",
+                "ver_same", "ver_ok", "kept", "tok/full"
+            )?;
+        }
+        writeln!(f)?;
         for c in &self.cells {
             let acc = c.sparse_accuracy.map_or("-".into(), |a| format!("{a:.1}"));
             let drop = c
                 .sparse_accuracy
                 .map_or("-".into(), |a| format!("{:.1}", 100.0 - a));
-            writeln!(
+            write!(
                 f,
                 "{:<16} {:>7} {:>11} {:>5} {:>8.1} {:>7} {:>9} {:>10} {:>6} {:>11} {:>11} {:>8}",
                 c.task,
@@ -540,6 +640,18 @@ impl fmt::Display for EvalReport {
                 format!("{}/{}", c.forced_agreed, c.forced_steps),
                 c.forced_mean_kl.map_or("-".into(), |k| format!("{k:.4}"))
             )?;
+            if let (Some(same), Some(ok)) = (c.verified_same, c.verified_correct) {
+                let kept = 100.0 * c.verified_accepted as f64 / c.verified_drafted.max(1) as f64;
+                write!(
+                    f,
+                    " {:>9} {:>7} {:>5.1}% {:>8.2}",
+                    format!("{same}/{}", c.cases),
+                    format!("{ok}/{}", c.full_correct),
+                    kept,
+                    c.verified_tokens as f64 / c.verified_rounds.max(1) as f64
+                )?;
+            }
+            writeln!(f)?;
         }
         Ok(())
     }
@@ -579,6 +691,7 @@ mod tests {
                     max_kl: 2.0 * mean_kl,
                 })
                 .to_vec(),
+            verified: Vec::new(),
         }
     }
 

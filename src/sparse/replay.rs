@@ -25,6 +25,8 @@ pub struct Replay<T> {
     sc: SparseConfig,
     /// Full attention instead: the slot is the layer's whole KV, as a resident cache's.
     full: bool,
+    /// The next step only attends every position (`KvCache::attend_all_next_step`).
+    attend_all: bool,
     bs: usize,
     row: usize,
     heads: AttnHeads,
@@ -48,6 +50,7 @@ impl<T: KvElem + Default> Replay<T> {
         Self {
             sc,
             full: false,
+            attend_all: false,
             bs: block_size,
             row,
             heads: AttnHeads {
@@ -109,6 +112,7 @@ fn ptr<T>(v: &mut [T]) -> DevPtr<T> {
 unsafe impl<T: KvElem + Default> KvCache<T> for Replay<T> {
     fn reset(&mut self) -> Result<()> {
         self.meta_pages.fill(0);
+        self.attend_all = false;
         Ok(())
     }
     fn capacity(&self) -> usize {
@@ -125,7 +129,8 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Replay<T> {
         if pos0 == 0 {
             self.meta_pages.fill(0); // a new prompt
         }
-        (self.pos, self.decode) = (pos0, tokens == 1 && pos0 > 0 && !self.full);
+        let all = std::mem::take(&mut self.attend_all);
+        (self.pos, self.decode) = (pos0, tokens == 1 && pos0 > 0 && !self.full && !all);
         Ok(())
     }
     fn begin_layer(&mut self, l: usize) -> Result<LayerSlot<T>> {
@@ -150,6 +155,9 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Replay<T> {
     }
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.rewind(len)
+    }
+    fn attend_all_next_step(&mut self) {
+        self.attend_all = true;
     }
     fn select_rows(&mut self, l: usize, q: Query<T>) -> Result<Option<NewRow>> {
         if !self.decode {

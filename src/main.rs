@@ -230,9 +230,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         seed: args.seed,
     };
     sampling.validate()?;
-    if args.sparse.sparse_verify.is_some() {
-        engine::verified::check_sampling(&sampling)?;
-    }
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
         sampling,

@@ -858,10 +858,6 @@ fn usage_errors_are_one_line_with_exit_2() {
             "--sparse-verify drafts 1 to 32 tokens per round, got 0",
         ),
         (
-            [&verified[..], &["4", "--temperature", "0.7"]].concat(),
-            "it needs --temperature 0",
-        ),
-        (
             vec![
                 "serve",
                 "--model",

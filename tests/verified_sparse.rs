@@ -249,6 +249,19 @@ fn a_verified_session_is_the_resident_sessions_run() {
     assert_eq!(bits(&got.logprobs), bits(&want.logprobs));
     let v = got.verified.expect("the session verified");
     assert!(v.rounds > 0 && v.drafted > 0, "{v:?}");
+    // Sampled (speculative sampling, `engine::verified`'s tests check its distribution):
+    // a seed repeats its tokens, and the run goes the whole length.
+    let mut sampled = greedy(n);
+    sampled.sampling = strata::engine::SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.95,
+        seed: 3,
+    };
+    let mut s = Session::new(model.clone(), verified.clone()).unwrap();
+    let [a, b] = [(); 2].map(|_| s.generate(&prompt, &sampled, &mut |_| Ok(())).unwrap());
+    assert_eq!(a.token_ids, b.token_ids);
+    assert_eq!(a.token_ids.len(), n);
     // Without sparse decode there is nothing to verify; the CUDA model has no verify step.
     for (cfg, expect) in [
         (

@@ -62,11 +62,41 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.temperature == 0.0 {
+        if self.params.temperature == 0.0 {
             return argmax(logits);
         }
-        // Candidates sorted by logit, cut to top-k.
+        let (idx, probs) = self.candidates(logits);
+        self.walk(&idx, &probs)
+    }
+
+    /// The distribution `sample` draws from, as (token, probability) pairs summing to 1,
+    /// most likely first (greedy: the argmax alone): what speculative sampling compares.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        if self.params.temperature == 0.0 {
+            return vec![(argmax(logits), 1.0)];
+        }
+        let (idx, probs) = self.candidates(logits);
+        let total: f32 = probs.iter().sum();
+        idx.into_iter()
+            .zip(probs.iter().map(|p| p / total))
+            .collect()
+    }
+
+    /// One token drawn from `dist` (weights need not sum to 1; none may be negative).
+    pub fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
+        let (idx, probs): (Vec<u32>, Vec<f32>) = dist.iter().copied().unzip();
+        self.walk(&idx, &probs)
+    }
+
+    /// A uniform number in [0, 1) from the sampler's stream.
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.random::<f32>()
+    }
+
+    /// Candidates sorted by logit, cut to top-k, their probabilities at the temperature,
+    /// cut to the nucleus (those kept are not renormalized: `walk` scales by their sum).
+    fn candidates(&self, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
+        let p = &self.params;
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         let k = if p.top_k == 0 {
             logits.len()
@@ -101,6 +131,11 @@ impl Sampler {
             probs.truncate(keep);
             idx.truncate(keep);
         }
+        (idx, probs)
+    }
+
+    /// Draws `idx[i]` with probability `probs[i] / sum(probs)`: one uniform number.
+    fn walk(&mut self, idx: &[u32], probs: &[f32]) -> u32 {
         let total: f32 = probs.iter().sum();
         let mut r = self.rng.random::<f32>() * total;
         for (i, &x) in probs.iter().enumerate() {

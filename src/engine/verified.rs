@@ -2,17 +2,22 @@
 //! draft, as TriForce and MagicDec do; docs/offload.md, "Verified sparse decode"). A
 //! round: `K` sparse decode steps draft tokens; the cache forgets their rows; one
 //! full-attention step over the last kept token and the drafts gives full attention's
-//! choice after each of them. The drafts full attention agrees with are kept, the first
-//! it does not is replaced by its own choice, and a round whose drafts are all kept ends
-//! with full attention's next token as a bonus. Every emitted token and log-prob comes
-//! from the verify step's logits, which are bitwise a one-token full step's (the kernels
-//! are batch-invariant): greedy output is full attention's, token for token.
+//! distribution after each of them. Drafts are kept by the speculative-sampling rule
+//! (Leviathan et al.; Chen et al.): `d` drawn from the draft's distribution `q` is kept
+//! with probability `min(1, p(d) / q(d))`, `p` full attention's; the first rejected is
+//! replaced by a draw from `max(0, p − q)` normalized, and a round whose drafts are all
+//! kept ends with a draw from full attention's next distribution. Every emitted token is
+//! then distributed as full attention's sampling would be. Greedy, `p` and `q` are their
+//! argmax alone: a draft is kept exactly when it is full attention's choice, and the
+//! output is full attention's token for token, its log-probs bit for bit (each comes from
+//! the verify step's logits, bitwise a one-token full step's: the kernels are
+//! batch-invariant).
 
 use std::time::Instant;
 
 use anyhow::Result;
 
-use super::sampler::argmax;
+use super::sampler::Sampler;
 use super::{logprob, GenerateOptions, GenerationOutput};
 use crate::device::KvElem;
 use crate::kv::KvCache;
@@ -89,9 +94,10 @@ impl<T: KvElem> VerifiedSteps for CpuSteps<'_, T> {
     }
 }
 
-/// Prefill, then verified rounds of up to `draft_len` sparse drafts, greedy; stops as
-/// `run_loop` does (at `max_tokens`, a stop id, or `capacity` tokens in the context) and
-/// emits the same tokens as a greedy full-attention run.
+/// Prefill, then verified rounds of up to `draft_len` sparse drafts, sampled as
+/// `opts.sampling` says; stops as `run_loop` does (at `max_tokens`, a stop id, or
+/// `capacity` tokens in the context). Greedy, it emits the same tokens and log-probs as a
+/// full-attention run; sampled, tokens distributed as that run's.
 pub fn run_verified(
     capacity: usize,
     prompt: &[u32],
@@ -101,7 +107,6 @@ pub fn run_verified(
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<GenerationOutput> {
     opts.sampling.validate()?;
-    check_sampling(&opts.sampling)?;
     check_draft_len(draft_len)?;
     let mut out = GenerationOutput {
         prompt_tokens: prompt.len(),
@@ -111,15 +116,16 @@ pub fn run_verified(
     if opts.max_tokens == 0 {
         return Ok(out);
     }
+    let mut sampler = Sampler::new(opts.sampling.clone());
     let t0 = Instant::now();
     let logits = m.forward(prompt, 0)?;
-    let first = argmax(&logits);
+    let first = sampler.sample(&logits);
     out.logprobs.push(logprob(&logits, first));
     out.prefill_secs = t0.elapsed().as_secs_f64();
     out.token_ids.push(first);
     on_token(first)?;
     let t1 = Instant::now();
-    let mut v = Verifier::new(first, prompt.len(), draft_len)?;
+    let mut v = Verifier::new(first, prompt.len(), draft_len, sampler)?;
     let stop = |t: u32| opts.stop_ids.contains(&t);
     v.decode(m, opts.max_tokens - 1, capacity, &stop, &mut |t, logits| {
         out.logprobs.push(logprob(logits, t));
@@ -130,16 +136,6 @@ pub fn run_verified(
     out.decode_secs = t1.elapsed().as_secs_f64();
     out.verified = Some(v.stats);
     Ok(out)
-}
-
-/// Errors unless greedy: the drafts are checked against full attention's argmax.
-pub fn check_sampling(p: &super::SamplingParams) -> Result<()> {
-    if p.temperature != 0.0 {
-        return Err(crate::errors::usage(
-            "--sparse-verify keeps full attention's greedy choices: it needs --temperature 0",
-        ));
-    }
-    Ok(())
 }
 
 /// Errors unless `1 ..= MAX_DRAFT` drafts per round.
@@ -159,16 +155,19 @@ pub struct Verifier {
     pub pos: usize,
     pub stats: VerifyStats,
     draft_len: usize,
+    /// Draws the drafts, the acceptances and the replacements, from one seeded stream.
+    sampler: Sampler,
 }
 
 impl Verifier {
-    pub fn new(next: u32, pos: usize, draft_len: usize) -> Result<Self> {
+    pub fn new(next: u32, pos: usize, draft_len: usize, sampler: Sampler) -> Result<Self> {
         check_draft_len(draft_len)?;
         Ok(Self {
             next,
             pos,
             stats: VerifyStats::default(),
             draft_len,
+            sampler,
         })
     }
 
@@ -203,10 +202,15 @@ impl Verifier {
     ) -> Result<usize> {
         let pos = self.pos;
         let mut input = vec![self.next];
+        let mut drafts = Vec::new(); // each draft's distribution, `q`
         while input.len() <= self.draft_len.min(room.max(1) - 1) {
             let at = pos + input.len() - 1;
-            let d = argmax(&m.forward(&input[input.len() - 1..], at)?);
+            let q = self
+                .sampler
+                .distribution(&m.forward(&input[input.len() - 1..], at)?);
+            let d = self.sampler.draw(&q);
             input.push(d);
+            drafts.push(q);
             if stop(d) {
                 break; // nothing after a stop is wanted
             }
@@ -214,14 +218,25 @@ impl Verifier {
         m.truncate(pos)?;
         let rows = m.verify(&input, pos)?;
         self.stats.rounds += 1;
-        self.stats.drafted += input.len() - 1;
-        // Inputs whose rows stay: `next` and the drafts full attention chose too.
+        self.stats.drafted += drafts.len();
+        // Inputs whose rows stay: `next` and the drafts kept.
         let mut kept = 0;
         for (i, logits) in rows.iter().enumerate() {
-            let t = argmax(logits);
+            let p = self.sampler.distribution(logits);
+            let (t, accepted) = match (input.get(i + 1), drafts.get(i)) {
+                (Some(&d), Some(q)) => {
+                    // `d` was drawn from `q`, so `q(d) > 0`.
+                    if self.sampler.uniform() < prob(&p, d) / prob(q, d) {
+                        (d, true)
+                    } else {
+                        (self.sampler.draw(&residual(&p, q)), false)
+                    }
+                }
+                _ => (self.sampler.draw(&p), false), // after every draft: a bonus
+            };
             emit(t, logits)?;
             (kept, self.next) = (i + 1, t);
-            if input.get(i + 1) != Some(&t) || stop(t) {
+            if !accepted || stop(t) {
                 break;
             }
             self.stats.accepted += 1;
@@ -229,6 +244,27 @@ impl Verifier {
         self.pos += kept;
         m.truncate(self.pos)?;
         Ok(kept)
+    }
+}
+
+/// `dist`'s probability of `t` (0 outside its support).
+fn prob(dist: &[(u32, f32)], t: u32) -> f32 {
+    dist.iter().find(|&&(x, _)| x == t).map_or(0.0, |&(_, p)| p)
+}
+
+/// `max(0, p − q)` over `p`'s support (unnormalized; `Sampler::draw` scales by its sum),
+/// what a rejected draft is replaced from; `p` itself if nothing is left (p ≤ q
+/// everywhere, only possible through rounding, since a rejection needs p(d) < q(d)).
+fn residual(p: &[(u32, f32)], q: &[(u32, f32)]) -> Vec<(u32, f32)> {
+    let r: Vec<(u32, f32)> = p
+        .iter()
+        .map(|&(t, pt)| (t, (pt - prob(q, t)).max(0.0)))
+        .filter(|&(_, w)| w > 0.0)
+        .collect();
+    if r.is_empty() {
+        p.to_vec()
+    } else {
+        r
     }
 }
 
@@ -372,15 +408,95 @@ mod tests {
     }
 
     #[test]
-    fn sampling_and_draft_lengths_out_of_range_are_refused() {
+    fn draft_lengths_out_of_range_are_refused() {
         let mut toy = Toy::new(full_rule);
-        let mut o = opts(4, vec![]);
-        o.sampling.temperature = 0.7;
-        let err = run_verified(100, &[1], &o, 4, &mut toy, &mut |_| Ok(())).unwrap_err();
-        assert!(err.to_string().contains("--temperature 0"), "{err}");
         let o = opts(4, vec![]);
         for k in [0, MAX_DRAFT + 1] {
-            assert!(run_verified(100, &[1], &o, k, &mut toy, &mut |_| Ok(())).is_err());
+            let err = run_verified(100, &[1], &o, k, &mut toy, &mut |_| Ok(())).unwrap_err();
+            assert!(err.to_string().contains("drafts 1 to 32"), "{err}");
         }
+    }
+
+    /// Full attention's and the drafts' next-token logits, whatever the context.
+    struct Fixed {
+        stored: usize,
+        full: Vec<f32>,
+        draft: Vec<f32>,
+    }
+
+    impl VerifiedSteps for Fixed {
+        fn forward(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<f32>> {
+            let draft = tokens.len() == 1 && pos0 > 0;
+            self.stored = pos0 + tokens.len();
+            Ok(if draft { &self.draft } else { &self.full }.clone())
+        }
+        fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<Vec<f32>>> {
+            self.stored = pos0 + tokens.len();
+            Ok(vec![self.full.clone(); tokens.len()])
+        }
+        fn truncate(&mut self, len: usize) -> Result<()> {
+            assert!(len <= self.stored);
+            self.stored = len;
+            Ok(())
+        }
+    }
+
+    /// Sampled, every emitted token is distributed as full attention's sampling: the
+    /// frequencies over many seeds match the softmax of full attention's logits (computed
+    /// here by hand), not the drafts', though drafts are both kept and rejected.
+    #[test]
+    fn sampled_tokens_follow_full_attentions_distribution() {
+        let full = vec![2.0, 1.0, 0.5, 0.0, -1.0];
+        let draft = vec![0.0, 0.5, 2.0, 1.0, 0.0];
+        let softmax = |l: &[f32], t: f32| -> Vec<f64> {
+            let e: Vec<f64> = l.iter().map(|&x| ((x / t) as f64).exp()).collect();
+            let s: f64 = e.iter().sum();
+            e.iter().map(|x| x / s).collect()
+        };
+        // (temperature, top_k, the distribution full attention samples from)
+        // Top-3 at 0.7: the drafts' top 3 (2, 3, 1) share two tokens with full attention's.
+        let mut top3 = softmax(&full[..3], 0.7);
+        top3.extend([0.0; 2]);
+        for (temperature, top_k, want) in [(1.0, 0, softmax(&full, 1.0)), (0.7, 3, top3)] {
+            let mut counts = [0usize; 5];
+            let mut stats = VerifyStats::default();
+            for seed in 0..4000 {
+                let o = GenerateOptions {
+                    max_tokens: 6,
+                    sampling: SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p: 1.0,
+                        seed,
+                    },
+                    stop_ids: vec![],
+                };
+                let mut m = Fixed {
+                    stored: 0,
+                    full: full.clone(),
+                    draft: draft.clone(),
+                };
+                let out = run_verified(100, &[0, 1], &o, 3, &mut m, &mut |_| Ok(())).unwrap();
+                for &t in &out.token_ids[1..] {
+                    counts[t as usize] += 1;
+                }
+                let s = out.verified.unwrap();
+                stats.accepted += s.accepted;
+                stats.drafted += s.drafted;
+            }
+            let n: usize = counts.iter().sum();
+            for (t, (&c, &p)) in counts.iter().zip(&want).enumerate() {
+                let f = c as f64 / n as f64;
+                // 20,000 draws: a standard error under 0.0035.
+                assert!((f - p).abs() < 0.015, "T {temperature}, top-k {top_k}: token {t} drawn {f:.4}, full attention {p:.4}: {counts:?}");
+            }
+            assert!(
+                0 < stats.accepted && stats.accepted < stats.drafted,
+                "both kept and rejected drafts: {stats:?}"
+            );
+        }
+        // The drafts alone would be far from it.
+        let q = softmax(&draft, 1.0);
+        assert!((q[2] - softmax(&full, 1.0)[2]).abs() > 0.3);
     }
 }

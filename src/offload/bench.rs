@@ -24,6 +24,7 @@ use crate::device::cpu::stream::{Buffer, CpuDevice, MemSpace, Stream};
 use crate::device::KvElem;
 use crate::engine::sampler::argmax;
 use crate::engine::verified::{CpuSteps, Verifier};
+use crate::engine::{Sampler, SamplingParams};
 use crate::flags;
 use crate::kv::{ContiguousKv, KvCache};
 use crate::model::Model;
@@ -453,7 +454,8 @@ pub fn run_bench<T: KvElem>(
         };
         let mut kv = OffloadEngine::<CpuOffloadDevice<T>>::on_cpu(c, vcfg)?;
         let (_, logits) = prefill(model, &mut kv, &prompt)?;
-        let v = Verifier::new(argmax(&logits), prompt.len(), k)?;
+        let greedy = Sampler::new(SamplingParams::default());
+        let v = Verifier::new(argmax(&logits), prompt.len(), k, greedy)?;
         verified.push((sc, kv, v));
     }
 

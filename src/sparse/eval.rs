@@ -541,7 +541,12 @@ fn verified<T: KvElem>(
     draft_len: usize,
 ) -> Result<(Vec<u32>, VerifyStats)> {
     let stop = |t: u32| model.cfg.eos_token_ids.contains(&t);
-    let mut v = Verifier::new(first, pos, draft_len)?;
+    let mut v = Verifier::new(
+        first,
+        pos,
+        draft_len,
+        Sampler::new(SamplingParams::default()),
+    )?;
     let mut ids = vec![first];
     let mut steps = CpuSteps { model, kv };
     let emit = &mut |t, _: &[f32]| {

@@ -40,11 +40,12 @@ pub struct SparseArgs {
     /// misses: on the CPU device it costs the whole speed-up.
     #[arg(long, default_value_t = DEFAULT_PAGE_SIZE, value_parser = crate::flags::block_size())]
     pub sparse_page_size: usize,
-    /// Verified sparse decode (with --sparse-budget, greedy): sparse decode drafts this
-    /// many tokens, then one step attending the whole context keeps those full attention
-    /// would choose and replaces the first it would not. The output is full attention's,
-    /// token for token, for one full load of the KV per round instead of per token
-    /// (docs/offload.md, "Verified sparse decode"). CPU device only for now.
+    /// Verified sparse decode (with --sparse-budget): sparse decode drafts this many
+    /// tokens, then one step attending the whole context keeps those full attention would
+    /// choose and replaces the first it would not (sampled: speculative sampling). Greedy,
+    /// the output is full attention's token for token; sampled, distributed as its. One
+    /// full load of the KV per round instead of per token (docs/offload.md, "Verified
+    /// sparse decode"). CPU device only for now.
     #[arg(long, value_name = "DRAFTS")]
     pub sparse_verify: Option<usize>,
 }

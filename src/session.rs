@@ -41,7 +41,8 @@ pub struct SessionConfig {
     /// CUDA: decode steps bracketed by cuProfilerStart/Stop.
     pub profile: Option<ProfileSteps>,
     /// Verified sparse decode (`engine::verified`): sparse decode drafts this many tokens
-    /// per round, full attention checks them (greedy).
+    /// per round, full attention checks them (greedy: exactly; sampled: speculative
+    /// sampling).
     pub sparse_verify: Option<usize>,
 }
 

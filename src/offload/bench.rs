@@ -72,7 +72,8 @@ pub struct OffloadBenchArgs {
     #[arg(long, value_delimiter = ',', value_parser = flags::fraction)]
     pub needle_depth: Vec<f64>,
     /// Write the decode steps' Chrome/Perfetto trace here (full loading; each sparse
-    /// budget's beside it as `<stem>.sparse-<budget>.json`).
+    /// budget's beside it as `<stem>.sparse-<budget>.json`, verified rows' as
+    /// `<stem>.verified-<budget>.json`).
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
     /// Print one JSON object instead of the table.
@@ -229,10 +230,12 @@ fn prefill<T: KvElem>(
     Ok((t0.elapsed().as_secs_f64(), logits))
 }
 
-/// Where `--trace-out PATH`'s trace of sparse budget `budget` goes: beside PATH.
-fn sparse_trace_path(path: &std::path::Path, budget: usize) -> PathBuf {
+/// Where `--trace-out PATH`'s trace of sparse budget `budget` goes: beside PATH
+/// (`<stem>.sparse-<budget>.json`; verified: `<stem>.verified-<budget>.json`).
+fn sparse_trace_path(path: &std::path::Path, budget: usize, verified: bool) -> PathBuf {
     let stem = path.file_stem().unwrap_or_default().to_string_lossy();
-    path.with_file_name(format!("{stem}.sparse-{budget}.json"))
+    let kind = if verified { "verified" } else { "sparse" };
+    path.with_file_name(format!("{stem}.{kind}-{budget}.json"))
 }
 
 /// Time to move `layers` layers of K and V (`bytes_per_layer` in all) over the link, alone.
@@ -324,8 +327,9 @@ fn sparse_row<T: KvElem>(
     let timed = steps.max(1) as f64;
     kv.set_tracing(false)?;
     let events = kv.take_trace()?;
-    if let (Some(p), None) = (&args.trace_out, verify) {
-        trace::write_chrome_trace(&sparse_trace_path(p, sc.budget), &events)?;
+    if let Some(p) = &args.trace_out {
+        let path = sparse_trace_path(p, sc.budget, verify.is_some());
+        trace::write_chrome_trace(&path, &events)?;
     }
     let (bytes, _) = trace::link_bytes(&events);
     let stats = kv.sparse_stats().unwrap_or_default();

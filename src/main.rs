@@ -341,7 +341,7 @@ fn print_result(model: &Model, tok: &Tokenizer, out: &GenerationOutput, json: bo
             v.drafted,
             v.accepted,
             100.0 * v.acceptance(),
-            out.decode_steps as f64 / v.rounds.max(1) as f64
+            v.tokens_per_round()
         );
     }
     Ok(())

@@ -46,7 +46,8 @@ pub struct VerifyStats {
     pub rounds: usize,
     /// Tokens sparse decode drafted.
     pub drafted: usize,
-    /// Drafts full attention agreed with (kept).
+    /// Drafts full attention agreed with (kept). A kept draft that is a stop id counts as
+    /// its round's own token instead, so every round emits `accepted` + 1 tokens.
     pub accepted: usize,
 }
 
@@ -54,6 +55,21 @@ impl VerifyStats {
     /// Share of the drafts kept.
     pub fn acceptance(&self) -> f64 {
         self.accepted as f64 / self.drafted.max(1) as f64
+    }
+
+    /// Tokens emitted per round, i.e. per full-attention pass.
+    pub fn tokens_per_round(&self) -> f64 {
+        (self.rounds + self.accepted) as f64 / self.rounds.max(1) as f64
+    }
+}
+
+impl std::iter::Sum for VerifyStats {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), |a, b| Self {
+            rounds: a.rounds + b.rounds,
+            drafted: a.drafted + b.drafted,
+            accepted: a.accepted + b.accepted,
+        })
     }
 }
 

@@ -217,14 +217,11 @@ pub struct Cell {
     pub forced_agreed: usize,
     pub forced_mean_kl: Option<f64>,
     /// With `--sparse-verify`, over every case: those whose verified tokens are full
-    /// attention's, the full-correct ones it got right, and its rounds (full-attention
-    /// passes), tokens decoded after the first, drafts and drafts kept.
+    /// attention's, the full-correct ones it got right, and its rounds, drafts and drafts
+    /// kept, summed.
     pub verified_same: Option<usize>,
     pub verified_correct: Option<usize>,
-    pub verified_rounds: usize,
-    pub verified_tokens: usize,
-    pub verified_drafted: usize,
-    pub verified_accepted: usize,
+    pub verified: VerifyStats,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -467,7 +464,6 @@ fn cell(
         .filter(|&(&full, _)| full);
     let forced = of.iter().map(|r| &r.forced[bi]);
     let verified: Vec<&Verified> = of.iter().filter_map(|r| r.verified.get(bi)).collect();
-    let stats = |f: fn(&VerifyStats) -> usize| verified.iter().map(|v| f(&v.stats)).sum();
     let any = !verified.is_empty();
     let forced_steps = forced.clone().map(|f| f.steps).sum::<usize>();
     let kl_sum = forced
@@ -498,10 +494,7 @@ fn cell(
                 .filter(|r| r.verified.get(bi).is_some_and(|v| v.score == 1.0))
                 .count()
         }),
-        verified_rounds: stats(|s| s.rounds),
-        verified_tokens: stats(|s| s.rounds + s.accepted),
-        verified_drafted: stats(|s| s.drafted),
-        verified_accepted: stats(|s| s.accepted),
+        verified: verified.iter().map(|v| v.stats).sum(),
     }
 }
 
@@ -646,14 +639,13 @@ impl fmt::Display for EvalReport {
                 c.forced_mean_kl.map_or("-".into(), |k| format!("{k:.4}"))
             )?;
             if let (Some(same), Some(ok)) = (c.verified_same, c.verified_correct) {
-                let kept = 100.0 * c.verified_accepted as f64 / c.verified_drafted.max(1) as f64;
                 write!(
                     f,
                     " {:>9} {:>7} {:>5.1}% {:>8.2}",
                     format!("{same}/{}", c.cases),
                     format!("{ok}/{}", c.full_correct),
-                    kept,
-                    c.verified_tokens as f64 / c.verified_rounds.max(1) as f64
+                    100.0 * c.verified.acceptance(),
+                    c.verified.tokens_per_round()
                 )?;
             }
             writeln!(f)?;

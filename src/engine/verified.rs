@@ -272,9 +272,11 @@ fn prob(dist: &[(u32, f32)], t: u32) -> f32 {
 /// what a rejected draft is replaced from; `p` itself if nothing is left (p ≤ q
 /// everywhere, only possible through rounding, since a rejection needs p(d) < q(d)).
 fn residual(p: &[(u32, f32)], q: &[(u32, f32)]) -> Vec<(u32, f32)> {
+    // A map, not `prob` per token: with no top-k cut both hold the whole vocabulary.
+    let q: std::collections::HashMap<u32, f32> = q.iter().copied().collect();
     let r: Vec<(u32, f32)> = p
         .iter()
-        .map(|&(t, pt)| (t, (pt - prob(q, t)).max(0.0)))
+        .map(|&(t, pt)| (t, (pt - q.get(&t).copied().unwrap_or(0.0)).max(0.0)))
         .filter(|&(_, w)| w > 0.0)
         .collect();
     if r.is_empty() {

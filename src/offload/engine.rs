@@ -761,20 +761,15 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         } else {
             Step::Prefill { pos: pos0, tokens }
         };
-        let pos = pos0;
-        match self.step {
-            Step::Prefill { pos: 0, .. } => {}
-            Step::Prefill { .. } if self.ahead > 0 && self.sparse.is_some() => {
+        if pos0 > 0 {
+            let all = matches!(self.step, Step::Prefill { .. });
+            if all && self.ahead > 0 && self.sparse.is_some() {
                 // The previous step's tail prefetched a sparse decode step's pages.
                 self.drain()?;
             }
-            _ => {}
-        }
-        // Layers not already prefetched during the previous step's tail.
-        if pos > 0 {
-            let all = matches!(self.step, Step::Prefill { .. });
+            // Layers not already prefetched during the previous step's tail.
             for layer in self.ahead..self.depth {
-                self.prefetch_layer(layer, pos, false, all)?;
+                self.prefetch_layer(layer, pos0, false, all)?;
             }
         }
         self.ahead = 0;

@@ -79,10 +79,8 @@ impl SessionConfig {
             if self.offload.as_ref().and_then(|o| o.sparse).is_none() {
                 bail!("--sparse-verify checks sparse decode's tokens: add --enable-offload and --sparse-budget");
             }
-            if self.device != DeviceKind::Cpu {
-                // Its verify step would run the prefill attention kernel, whose rows are
-                // not bitwise the decode kernel's: not built until they are.
-                bail!("--sparse-verify runs on the CPU device only for now (docs/offload.md, \"Verified sparse decode\")");
+            if self.profile.is_some() {
+                bail!("--profile-steps counts plain decode steps: profile without --sparse-verify");
             }
         }
         self.offload
@@ -258,7 +256,7 @@ impl Session {
         let w = CudaWeights::from_model(&*exec, &model)?;
         let gpu = CudaModel::new(exec, c.clone(), w, capacity)?;
         let offload = cfg.offload.clone().map(|o| engine(c, o)).transpose()?;
-        let caches = Caches::new(offload, None); // refused on CUDA (`SessionConfig::plan`)
+        let caches = Caches::new(offload, cfg.sparse_verify);
         Ok(Self {
             backend: Backend::Cuda(Box::new(gpu), caches),
             model,
@@ -341,6 +339,15 @@ impl Session {
         match &mut self.backend {
             Backend::Cpu(caches) => caches.run(&self.model, resident, cap, prompt, opts, on_token),
             Backend::Cuda(gpu, caches) => {
+                if let (Some(k), false, Some(kv)) =
+                    (caches.verify, resident, caches.offload.as_deref_mut())
+                {
+                    kv.reset()?;
+                    let mut steps = CudaSteps { model: gpu, kv };
+                    return engine::verified::run_verified(
+                        cap, prompt, opts, k, &mut steps, on_token,
+                    );
+                }
                 let kv = caches.pick(resident, || {
                     let kv = ResidentKv::new(gpu.exec(), c.num_layers, c.kv_dim(), cap)?;
                     Ok(Box::new(kv))
@@ -349,6 +356,28 @@ impl Session {
                 run_cuda(gpu, kv, cap, prompt, opts, profile, on_token)
             }
         }
+    }
+}
+
+/// The CUDA model's steps over a sparse cache, verified (`engine::verified`): the verify
+/// step runs every row as a one-token step would (`CudaModel::forward_rows`).
+struct CudaSteps<'a> {
+    model: &'a mut CudaModel,
+    kv: &'a mut dyn KvCache<bf16>,
+}
+
+impl engine::verified::VerifiedSteps for CudaSteps<'_> {
+    fn forward(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<f32>> {
+        self.model.forward(tokens, pos0, self.kv)
+    }
+
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<Vec<f32>>> {
+        self.kv.attend_all_next_step();
+        self.model.forward_rows(tokens, pos0, self.kv)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.kv.truncate(len)
     }
 }
 

@@ -216,7 +216,7 @@ fn truncate_and_steps_off_the_stored_context_are_refused() {
 #[test]
 fn a_verified_session_is_the_resident_sessions_run() {
     use strata::device::DeviceKind;
-    use strata::session::{Session, SessionConfig};
+    use strata::session::{ProfileSteps, Session, SessionConfig};
     let model = common::load_tiny(TinySpec::qwen3(), "verified_session", 53);
     let mut rng = StdRng::seed_from_u64(7);
     let (len, n) = (100, 40);
@@ -262,7 +262,8 @@ fn a_verified_session_is_the_resident_sessions_run() {
     let [a, b] = [(); 2].map(|_| s.generate(&prompt, &sampled, &mut |_| Ok(())).unwrap());
     assert_eq!(a.token_ids, b.token_ids);
     assert_eq!(a.token_ids.len(), n);
-    // Without sparse decode there is nothing to verify; the CUDA model has no verify step.
+    // Without sparse decode there is nothing to verify; the profiler's range counts plain
+    // decode steps.
     for (cfg, expect) in [
         (
             SessionConfig {
@@ -278,9 +279,10 @@ fn a_verified_session_is_the_resident_sessions_run() {
             SessionConfig {
                 device: DeviceKind::Cuda,
                 kv_dtype: KvDtype::Bf16,
+                profile: Some(ProfileSteps { start: 0, end: 2 }),
                 ..verified
             },
-            "CPU device only",
+            "profile without --sparse-verify",
         ),
     ] {
         let err = cfg.plan(&model.cfg).unwrap_err().to_string();

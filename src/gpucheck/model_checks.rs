@@ -309,9 +309,11 @@ pub fn offload_case(
 }
 
 /// Sparse decode on `exec`'s model with engines from `engine` (step 3's sparse rows):
-/// a budget holding the whole context is bit-for-bit full offload, and a small budget
+/// a budget holding the whole context is bit-for-bit full offload, a small budget
 /// (sink page, 3 pages and the window: pages chosen, some missed) gives the same bits
-/// under the sanitizer's delays and poison as without. (On the emulator, tests/
+/// under the sanitizer's delays and poison as without, and verified (`--sparse-verify
+/// 4`) gives full offload's bits while its drafts are rejected (the verify step's rows
+/// round as one-token steps: cuBLAS one row at a time). (On the emulator, tests/
 /// cuda_sparse.rs also checks the small budget against a resident oracle.)
 pub fn sparse_case(
     exec: Arc<dyn Exec>,
@@ -322,7 +324,7 @@ pub fn sparse_case(
     let (model, prompt, opts) = step3_request(shape, 10);
     let cap = prompt.len() + opts.max_tokens;
     let (block_size, page_size) = (16, 8);
-    let run = |budget: Option<usize>, sanitize: bool| -> Result<_> {
+    let run = |budget: Option<usize>, sanitize: bool, verify: Option<usize>| -> Result<_> {
         let scfg = SessionConfig {
             offload: Some(OffloadConfig {
                 num_kv_buffers: 3,
@@ -332,17 +334,34 @@ pub fn sparse_case(
                 sparse: budget.map(|budget| SparseConfig { budget, page_size }),
                 ..OffloadConfig::default()
             }),
+            sparse_verify: verify,
             ..SessionConfig::new(DeviceKind::Cuda, cap)
         };
         let mut s = Session::on_exec(model.clone(), scfg, exec.clone(), engine)?;
         let out = s.generate(&prompt, &opts, &mut |_| Ok(()))?;
         Ok((out, s.sparse_stats()))
     };
-    let (full, _) = run(None, false)?;
-    let (whole, _) = run(Some(cap.next_multiple_of(page_size)), false)?;
+    let (full, _) = run(None, false, None)?;
+    let (whole, _) = run(Some(cap.next_multiple_of(page_size)), false, None)?;
     let small = page_size + block_size + 3 * page_size;
-    let (sparse, stats) = run(Some(small), false)?;
-    let (sanitized, _) = run(Some(small), true)?;
+    let (sparse, stats) = run(Some(small), false, None)?;
+    let (sanitized, _) = run(Some(small), true, None)?;
+    let (verified, _) = run(Some(small), false, Some(4))?;
+    let mut verified_row = equal_row(
+        &format!("{name}: sparse {small} verified (4 drafts) = offload"),
+        &full,
+        &verified,
+    );
+    // Drafts must be rejected, or the row proves nothing the sparse rows do not.
+    match verified.verified {
+        Some(v) if v.accepted < v.drafted => {
+            verified_row.note += &format!(" {} of {} drafts kept", v.accepted, v.drafted);
+        }
+        other => {
+            verified_row.pass = false;
+            verified_row.note = format!("no draft was rejected: {other:?}");
+        }
+    }
     let mut sanitized_row = equal_row(
         &format!("{name}: sparse {small} + sanitizer"),
         &sparse,
@@ -363,6 +382,7 @@ pub fn sparse_case(
             &whole,
         ),
         sanitized_row,
+        verified_row,
     ])
 }
 

@@ -30,6 +30,9 @@ enum Gemm {
     Fast,
     /// `ops::gemm_fixed`: every output a fixed-order reduction, whatever the batch.
     BatchInvariant,
+    /// `Exec::gemm` one row at a time: each row rounds as in a one-token step, which a row
+    /// inside a taller cuBLAS GEMM need not (verified sparse decode's verify step).
+    FastRows,
 }
 
 /// How a step's attention runs.
@@ -46,6 +49,11 @@ enum StepAttn {
     /// flash-decoding kernel: the same kernel and split for a row whatever its batch, its
     /// chunk, or whether it is a decode token or a (re)computed prompt token.
     PerRow(PagedAttn, DecodeScratch),
+    /// One sequence's rows over a contiguous slot (K/V and block size filled in per
+    /// layer; every table entry 0), each through the flash-decoding kernel over the keys up
+    /// to its own position: row `r` attends as a one-token step at `pos0 + r` does (the
+    /// verify step, `CudaModel::forward_rows`).
+    DecodeRows(PagedAttn, DecodeScratch),
 }
 
 /// One forward step as every layer runs it.
@@ -233,22 +241,9 @@ impl CudaModel {
         pos0: usize,
         kv: &mut dyn KvCache<bf16>,
     ) -> Result<()> {
-        let t = tokens.len();
-        let c = self.cfg.clone();
-        if t == 0 {
-            bail!("forward called with no tokens");
-        }
-        check_ids(&c, tokens)?;
-        if pos0 + t > self.max_pos {
-            bail!(
-                "position {} is past the {} positions this CUDA model was built for",
-                pos0 + t,
-                self.max_pos
-            );
-        }
-        kv.begin_step(pos0, t)?;
-        self.ensure_acts(t)?;
-        let a = self.acts.as_ref().expect("allocated above");
+        self.begin(tokens, pos0, kv)?;
+        let (t, c) = (tokens.len(), self.cfg.clone());
+        let a = self.acts.as_ref().expect("allocated by begin");
         let exec = &self.exec;
         // Step metadata in one upload (pageable: the driver stages it before returning).
         let mut meta: Vec<i32> = tokens.iter().map(|&id| id as i32).collect();
@@ -296,6 +291,113 @@ impl CudaModel {
         self.gemm(Gemm::Fast, last, self.w.lm_head(), out, shape)?;
         self.pop();
         Ok(())
+    }
+
+    /// Checks one sequence's step of `tokens` at `pos0..`, begins it on `kv` and
+    /// allocates its activations.
+    fn begin(&mut self, tokens: &[u32], pos0: usize, kv: &mut dyn KvCache<bf16>) -> Result<()> {
+        let t = tokens.len();
+        if t == 0 {
+            bail!("forward called with no tokens");
+        }
+        check_ids(&self.cfg, tokens)?;
+        if pos0 + t > self.max_pos {
+            bail!(
+                "position {} is past the {} positions this CUDA model was built for",
+                pos0 + t,
+                self.max_pos
+            );
+        }
+        kv.begin_step(pos0, t)?;
+        self.ensure_acts(t)
+    }
+
+    /// A step of `tokens` at `pos0..` whose every row runs as a one-token step at its
+    /// position does (cuBLAS a row at a time; row `r` through the decode kernel over the
+    /// keys up to `pos0 + r`): every row's logits `[vocab]`, in order, each bitwise those
+    /// `forward` of that token alone gives after the rows before it. Verified sparse
+    /// decode's verify step, which must equal a run that decodes one token at a time.
+    pub fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<bf16>,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.begin(tokens, pos0, kv)?;
+        let (t, c) = (tokens.len(), self.cfg.clone());
+        let ctx = pos0 + t;
+        // i32 [ids: t | pos: t | ctx lens: t | tables: t × 1 block]
+        let mut meta: Vec<i32> = tokens.iter().map(|&id| id as i32).collect();
+        meta.extend((pos0..ctx).map(|p| p as i32));
+        meta.extend((pos0..ctx).map(|p| p as i32 + 1));
+        meta.extend(std::iter::repeat_n(0, t));
+        let exec = &*self.exec;
+        let meta_d = self.batch.meta.ensure(exec, meta.len())?;
+        // SAFETY: the buffer holds `meta.len()` i32.
+        unsafe { htod_i32(exec, meta_d, &meta)? };
+        let (nh, hd) = (c.num_heads, c.head_dim);
+        let splits = ctx.div_ceil(self.scratch.split_len);
+        let scratch = DecodeScratch {
+            part_o: self.batch.part_o.ensure(exec, t * nh * splits * hd)?,
+            part_ml: self.batch.part_ml.ensure(exec, t * nh * splits * 2)?,
+            split_len: self.scratch.split_len,
+            max_splits: splits,
+        };
+        let logits = self.batch.logits.ensure(exec, t * c.vocab_size)?;
+        let a = self.acts.as_ref().expect("allocated by begin");
+        let pos = meta_d.at(t);
+        let step = StepPlan {
+            rows: t,
+            pos,
+            cache_rows: pos, // a contiguous slot: row = position
+            gemm: Gemm::FastRows,
+            attn: StepAttn::DecodeRows(
+                PagedAttn {
+                    q: a.qkv,
+                    k: DevPtr::from_addr(0), // the layer's slot
+                    v: DevPtr::from_addr(0),
+                    out: a.attn,
+                    cu_seqlens: DevPtr::from_addr(0), // unused by the decode kernel
+                    ctx_lens: meta_d.at(2 * t),
+                    tables: meta_d.at(3 * t),
+                    max_blocks: 1,
+                    block_size: 0, // the layer's slot rows
+                    num_heads: nh,
+                    num_kv_heads: c.num_kv_heads,
+                    q_stride: c.q_dim() + 2 * c.kv_dim(),
+                    head_dim: hd,
+                    batch: t,
+                    max_q_len: 1,
+                    max_ctx: ctx,
+                },
+                scratch,
+            ),
+        };
+        let hn = a.hn;
+        self.embed(meta_d, t)?;
+        self.layers(&step, kv)?;
+        self.range("lm_head");
+        let shape = GemmShape {
+            m: t,
+            k: c.hidden_size,
+            n: c.vocab_size,
+        };
+        let out = GemmOut::F32(logits);
+        self.gemm(Gemm::FastRows, hn, self.w.lm_head(), out, shape)?;
+        self.pop();
+        self.download_logits(logits, t)
+    }
+
+    /// `r` rows of logits `[vocab]` at `out` (waits for the step).
+    fn download_logits(&self, out: DevPtr<f32>, r: usize) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.cfg.vocab_size;
+        let mut flat = vec![0f32; r * vocab];
+        // SAFETY: `out` holds r · vocab f32; `download` waits for the step.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(flat.as_mut_ptr() as *mut u8, flat.len() * 4);
+            self.exec.download(out.cast(), dst)?;
+        }
+        Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 
     fn range(&self, name: &str) {
@@ -359,6 +461,14 @@ impl CudaModel {
         match g {
             Gemm::Fast => self.exec.gemm(x, w, out, s),
             Gemm::BatchInvariant => self.exec.launch(&ops::gemm_fixed(x, w, out, s)),
+            Gemm::FastRows => {
+                let GemmShape { m, k, n } = s;
+                for r in 0..m {
+                    let row = GemmShape { m: 1, k, n };
+                    self.exec.gemm(x.at(r * k), w, out.at(r * n), row)?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -407,20 +517,19 @@ impl CudaModel {
         // 4. Sparse decode: the cache chooses the rows to attend from the query (a decode
         //    token's, the head of its fused row) and says where the new K/V goes; in a
         //    prefill it sees the last token's query (the first decode step's prediction).
-        let selected = match &step.attn {
-            StepAttn::Contiguous { selected, .. } => {
-                let q = Query {
-                    ptr: a.qkv.at((t - 1) * qkv_dim),
-                    len: qd,
-                };
-                match select(q)? {
-                    Some(_) if t != 1 => {
-                        bail!("sparse decode: the cache chose rows for a step of {t} tokens")
-                    }
-                    chosen => chosen.map(|NewRow(r)| (r, *selected)),
-                }
+        let chosen = match &step.attn {
+            StepAttn::PerRow(..) => None,
+            _ => select(Query {
+                ptr: a.qkv.at((t - 1) * qkv_dim),
+                len: qd,
+            })?,
+        };
+        let selected = match (chosen, &step.attn) {
+            (None, _) => None,
+            (Some(NewRow(r)), StepAttn::Contiguous { selected, .. }) if t == 1 => {
+                Some((r, *selected))
             }
-            _ => None,
+            (Some(_), _) => bail!("sparse decode: the cache chose rows for a step of {t} tokens"),
         };
         if let Some((r, at)) = selected {
             // SAFETY: `at` is the step's i32 [2].
@@ -462,6 +571,25 @@ impl CudaModel {
                 let paged = PagedAttn {
                     k: slot.k,
                     v: slot.v,
+                    ..*paged
+                };
+                for l in ops::attn_decode(&paged, scratch)? {
+                    exec.launch(&l)?;
+                }
+            }
+            StepAttn::DecodeRows(paged, scratch) => {
+                if paged.max_ctx > slot.rows {
+                    bail!(
+                        "layer {l}: {} tokens in a KV slot of {}",
+                        paged.max_ctx,
+                        slot.rows
+                    );
+                }
+                // One block of the slot's rows: key `i` is slot row `i`.
+                let paged = PagedAttn {
+                    k: slot.k,
+                    v: slot.v,
+                    block_size: slot.rows,
                     ..*paged
                 };
                 for l in ops::attn_decode(&paged, scratch)? {

@@ -45,7 +45,7 @@ pub struct SparseArgs {
     /// choose and replaces the first it would not (sampled: speculative sampling). Greedy,
     /// the output is full attention's token for token; sampled, distributed as its. One
     /// full load of the KV per round instead of per token (docs/offload.md, "Verified
-    /// sparse decode"). CPU device only for now.
+    /// sparse decode").
     #[arg(long, value_name = "DRAFTS")]
     pub sparse_verify: Option<usize>,
 }

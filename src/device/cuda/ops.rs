@@ -627,6 +627,14 @@ pub enum GemmOut {
 }
 
 impl GemmOut {
+    /// `i` elements on.
+    pub fn at(self, i: usize) -> Self {
+        match self {
+            GemmOut::Bf16(p) => GemmOut::Bf16(p.at(i)),
+            GemmOut::F32(p) => GemmOut::F32(p.at(i)),
+        }
+    }
+
     pub fn addr(self) -> u64 {
         match self {
             GemmOut::Bf16(p) => p.addr(),

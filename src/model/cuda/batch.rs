@@ -13,14 +13,15 @@ use crate::model::{check_batch, BatchSeq, PagePool, WantLogits};
 use anyhow::{bail, Result};
 use half::bf16;
 
-/// Per-step buffers of the batched forward, grown as batches grow.
+/// Per-step buffers of the batched forward and of the verify step (`forward_rows`, its
+/// own layout of `meta`), grown as steps grow.
 #[derive(Default)]
 pub(super) struct BatchBufs {
-    meta: GrowBuf<i32>, // i32 [ids: t | pos: t | cache rows: t | ctx lens: t | want: r | tables: t × max_blocks]
-    part_o: GrowBuf<f32>, // f32 [t, num_heads, splits, head_dim]
-    part_ml: GrowBuf<f32>, // f32 [t, num_heads, splits, 2]
-    last: GrowBuf<bf16>, // bf16 [r, hidden]: the rows whose logits are wanted
-    logits: GrowBuf<f32>, // f32 [r, vocab]
+    pub(super) meta: GrowBuf<i32>, // i32 [ids: t | pos: t | cache rows: t | ctx lens: t | want: r | tables: t × max_blocks]
+    pub(super) part_o: GrowBuf<f32>, // f32 [t, num_heads, splits, head_dim]
+    pub(super) part_ml: GrowBuf<f32>, // f32 [t, num_heads, splits, 2]
+    last: GrowBuf<bf16>,           // bf16 [r, hidden]: the rows whose logits are wanted
+    pub(super) logits: GrowBuf<f32>, // f32 [r, vocab]
 }
 
 /// The host side of one step's metadata, row by row.
@@ -174,12 +175,6 @@ impl CudaModel {
             shape,
         )?;
         self.pop();
-        let mut flat = vec![0f32; r * vocab];
-        // SAFETY: the logits buffer holds r · vocab f32; `download` waits for the step.
-        unsafe {
-            let dst = std::slice::from_raw_parts_mut(flat.as_mut_ptr() as *mut u8, flat.len() * 4);
-            exec.download(out.cast(), dst)?;
-        }
-        Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+        self.download_logits(out, r)
     }
 }

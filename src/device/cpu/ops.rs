@@ -884,7 +884,7 @@ const K_TILE: usize = 128; // keys per online-softmax step, at absolute multiple
 /// on how many queries a call has or how many threads run it.
 const KV_SPLIT: usize = 512;
 /// Query tokens per sequence up to which a task reads every KV head (whole K/V rows).
-const WHOLE_ROWS_MAX_TOKENS: usize = 4;
+const WHOLE_ROWS_MAX_TOKENS: usize = 8;
 const _: () = assert!(
     WHOLE_ROWS_MAX_TOKENS <= Q_TILE,
     "a decode-like sequence is one tile"

@@ -17,6 +17,7 @@ use half::bf16;
 
 use crate::device::cuda::exec::{CudaExec, Exec};
 use crate::device::{DeviceKind, Feature, KvDtype, KvElem};
+use crate::engine::verified::CacheSteps;
 use crate::engine::{self, GenerateOptions, GenerationOutput};
 use crate::kv::cuda::ResidentKv;
 use crate::kv::{ContiguousKv, KvCache};
@@ -343,7 +344,10 @@ impl Session {
                     (caches.verify, resident, caches.offload.as_deref_mut())
                 {
                     kv.reset()?;
-                    let mut steps = CudaSteps { model: gpu, kv };
+                    let mut steps = CacheSteps {
+                        model: &mut **gpu,
+                        kv,
+                    };
                     return engine::verified::run_verified(
                         cap, prompt, opts, k, &mut steps, on_token,
                     );
@@ -356,28 +360,6 @@ impl Session {
                 run_cuda(gpu, kv, cap, prompt, opts, profile, on_token)
             }
         }
-    }
-}
-
-/// The CUDA model's steps over a sparse cache, verified (`engine::verified`): the verify
-/// step runs every row as a one-token step would (`CudaModel::forward_rows`).
-struct CudaSteps<'a> {
-    model: &'a mut CudaModel,
-    kv: &'a mut dyn KvCache<bf16>,
-}
-
-impl engine::verified::VerifiedSteps for CudaSteps<'_> {
-    fn forward(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<f32>> {
-        self.model.forward(tokens, pos0, self.kv)
-    }
-
-    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<Vec<f32>>> {
-        self.kv.attend_all_next_step();
-        self.model.forward_rows(tokens, pos0, self.kv)
-    }
-
-    fn truncate(&mut self, len: usize) -> Result<()> {
-        self.kv.truncate(len)
     }
 }
 

@@ -74,7 +74,7 @@ impl std::iter::Sum for VerifyStats {
 }
 
 /// One request of the CPU model on a sparse cache (the offload engine with sparse
-/// decode), verified: `run_verified` over the cache's steps.
+/// decode), verified: `run_verified` over the cache's steps (the CUDA model's: `Session`).
 pub fn generate_verified<T: KvElem>(
     model: &Model,
     kv: &mut dyn KvCache<T>,
@@ -85,17 +85,72 @@ pub fn generate_verified<T: KvElem>(
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<GenerationOutput> {
     kv.reset()?;
-    let mut steps = CpuSteps { model, kv };
+    let mut steps = CacheSteps { model, kv };
     run_verified(capacity, prompt, opts, draft_len, &mut steps, on_token)
 }
 
-/// The CPU model's steps over a sparse cache.
-pub struct CpuSteps<'a, T> {
-    pub model: &'a Model,
+/// What a round needs of a model over a cache of `T`: a step's last logits, and every
+/// row's logits, each bitwise what a one-token step at its position gives.
+pub trait RowsModel<T> {
+    fn forward(&mut self, tokens: &[u32], pos0: usize, kv: &mut dyn KvCache<T>)
+        -> Result<Vec<f32>>;
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<T>,
+    ) -> Result<Vec<Vec<f32>>>;
+}
+
+impl<T: KvElem> RowsModel<T> for &Model {
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<T>,
+    ) -> Result<Vec<f32>> {
+        Model::forward(self, tokens, pos0, kv)
+    }
+
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<T>,
+    ) -> Result<Vec<Vec<f32>>> {
+        Model::forward_rows(self, tokens, pos0, kv)
+    }
+}
+
+/// The CUDA model in a verified round (`engine::verified`): its verify step runs every
+/// row as a one-token step would (`crate::model::cuda::CudaModel::forward_rows`).
+impl RowsModel<half::bf16> for &mut crate::model::cuda::CudaModel {
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<half::bf16>,
+    ) -> Result<Vec<f32>> {
+        crate::model::cuda::CudaModel::forward(self, tokens, pos0, kv)
+    }
+
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<half::bf16>,
+    ) -> Result<Vec<Vec<f32>>> {
+        crate::model::cuda::CudaModel::forward_rows(self, tokens, pos0, kv)
+    }
+}
+
+/// A model's steps over a sparse cache: the verify step attends every stored position.
+pub struct CacheSteps<'a, M, T> {
+    pub model: M,
     pub kv: &'a mut dyn KvCache<T>,
 }
 
-impl<T: KvElem> VerifiedSteps for CpuSteps<'_, T> {
+impl<M: RowsModel<T>, T> VerifiedSteps for CacheSteps<'_, M, T> {
     fn forward(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<f32>> {
         self.model.forward(tokens, pos0, self.kv)
     }

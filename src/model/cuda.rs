@@ -331,19 +331,9 @@ impl CudaModel {
         meta.extend((pos0..ctx).map(|p| p as i32));
         meta.extend((pos0..ctx).map(|p| p as i32 + 1));
         meta.extend(std::iter::repeat_n(0, t));
-        let exec = &*self.exec;
-        let meta_d = self.batch.meta.ensure(exec, meta.len())?;
-        // SAFETY: the buffer holds `meta.len()` i32.
-        unsafe { htod_i32(exec, meta_d, &meta)? };
-        let (nh, hd) = (c.num_heads, c.head_dim);
-        let splits = ctx.div_ceil(self.scratch.split_len);
-        let scratch = DecodeScratch {
-            part_o: self.batch.part_o.ensure(exec, t * nh * splits * hd)?,
-            part_ml: self.batch.part_ml.ensure(exec, t * nh * splits * 2)?,
-            split_len: self.scratch.split_len,
-            max_splits: splits,
-        };
-        let logits = self.batch.logits.ensure(exec, t * c.vocab_size)?;
+        let meta_d = self.upload_meta(&meta)?;
+        let scratch = self.rows_scratch(t, ctx)?;
+        let logits = self.batch.logits.ensure(&*self.exec, t * c.vocab_size)?;
         let a = self.acts.as_ref().expect("allocated by begin");
         let pos = meta_d.at(t);
         let step = StepPlan {
@@ -362,10 +352,10 @@ impl CudaModel {
                     tables: meta_d.at(3 * t),
                     max_blocks: 1,
                     block_size: 0, // the layer's slot rows
-                    num_heads: nh,
+                    num_heads: c.num_heads,
                     num_kv_heads: c.num_kv_heads,
                     q_stride: c.q_dim() + 2 * c.kv_dim(),
-                    head_dim: hd,
+                    head_dim: c.head_dim,
                     batch: t,
                     max_q_len: 1,
                     max_ctx: ctx,

@@ -23,7 +23,7 @@ use super::{trace, CpuOffloadDevice, OffloadConfig, OffloadControl, OffloadEngin
 use crate::device::cpu::stream::{Buffer, CpuDevice, MemSpace, Stream};
 use crate::device::KvElem;
 use crate::engine::sampler::argmax;
-use crate::engine::verified::{CpuSteps, Verifier};
+use crate::engine::verified::{CacheSteps, Verifier};
 use crate::engine::{Sampler, SamplingParams};
 use crate::flags;
 use crate::kv::{ContiguousKv, KvCache};
@@ -306,7 +306,7 @@ fn verified_round<T: KvElem>(
     v: &mut Verifier,
     steps: usize,
 ) -> Result<f64> {
-    let mut m = CpuSteps { model, kv };
+    let mut m = CacheSteps { model, kv };
     let t = Instant::now();
     v.decode(&mut m, steps, usize::MAX, &|_| false, &mut |_, _| Ok(()))?;
     Ok(t.elapsed().as_secs_f64() / steps.max(1) as f64)

@@ -33,7 +33,7 @@ use anyhow::{bail, Result};
 use super::replay::Replay;
 use super::SparseConfig;
 use crate::device::kv_elem::KvElem;
-use crate::engine::verified::{CpuSteps, Verifier, VerifyStats};
+use crate::engine::verified::{CacheSteps, Verifier, VerifyStats};
 use crate::engine::{sampler, Sampler, SamplingParams};
 use crate::flags;
 use crate::model::{Model, Tokenizer};
@@ -541,7 +541,7 @@ fn verified<T: KvElem>(
         Sampler::new(SamplingParams::default()),
     )?;
     let mut ids = vec![first];
-    let mut steps = CpuSteps { model, kv };
+    let mut steps = CacheSteps { model, kv };
     let emit = &mut |t, _: &[f32]| {
         ids.push(t);
         Ok(())

@@ -95,21 +95,12 @@ impl CudaModel {
         ] {
             meta.extend_from_slice(part);
         }
-        let exec = &*self.exec;
-        let meta_d = self.batch.meta.ensure(exec, meta.len())?;
-        // SAFETY: the buffer holds `meta.len()` i32.
-        unsafe { super::htod_i32(exec, meta_d, &meta)? };
+        let meta_d = self.upload_meta(&meta)?;
         let at = |i: usize| meta_d.at(i * t);
         let (ids, pos, cache_rows, ctx_lens) = (at(0), at(1), at(2), at(3));
         let (want, tables) = (at(4), meta_d.at(4 * t + r));
         let (nh, hd) = (c.num_heads, c.head_dim);
-        let splits = max_ctx.div_ceil(self.scratch.split_len);
-        let scratch = DecodeScratch {
-            part_o: self.batch.part_o.ensure(exec, t * nh * splits * hd)?,
-            part_ml: self.batch.part_ml.ensure(exec, t * nh * splits * 2)?,
-            split_len: self.scratch.split_len,
-            max_splits: splits,
-        };
+        let scratch = self.rows_scratch(t, max_ctx)?;
         let a = self.acts.as_ref().expect("allocated above");
         let step = StepPlan {
             rows: t,
@@ -145,6 +136,29 @@ impl CudaModel {
             .iter()
             .map(|s| (s.logits == WantLogits::Yes).then(|| logits.next().unwrap_or_default()))
             .collect())
+    }
+
+    /// A step's i32 metadata uploaded into the batch buffer (pageable: the driver stages
+    /// it before returning); where it is.
+    pub(super) fn upload_meta(&mut self, meta: &[i32]) -> Result<DevPtr<i32>> {
+        let exec = &*self.exec;
+        let meta_d = self.batch.meta.ensure(exec, meta.len())?;
+        // SAFETY: the buffer holds `meta.len()` i32.
+        unsafe { super::htod_i32(exec, meta_d, meta)? };
+        Ok(meta_d)
+    }
+
+    /// Flash-decoding partials for `rows` queries over at most `max_ctx` keys.
+    pub(super) fn rows_scratch(&mut self, rows: usize, max_ctx: usize) -> Result<DecodeScratch> {
+        let exec = &*self.exec;
+        let (nh, hd) = (self.cfg.num_heads, self.cfg.head_dim);
+        let splits = max_ctx.div_ceil(self.scratch.split_len);
+        Ok(DecodeScratch {
+            part_o: self.batch.part_o.ensure(exec, rows * nh * splits * hd)?,
+            part_ml: self.batch.part_ml.ensure(exec, rows * nh * splits * 2)?,
+            split_len: self.scratch.split_len,
+            max_splits: splits,
+        })
     }
 
     /// Logits `[vocab]` of the `r` rows of `a.hn` listed at `want`: gathered into one

@@ -115,7 +115,7 @@ fn small_budget_on_the_cuda_model_attends_exactly_the_oracles_rows() {
 /// `needle --device cuda --enable-offload --sparse-budget`'s path on the emulator with
 /// SmolLM2: a 384-token haystack (short: the emulator is slow), a 192-token budget (sink
 /// page, window, best pages: half the context; at 96 tokens this 135M model loses the
-/// needle on the CPU device too), the needle found.
+/// needle on the CPU device too), the needle found; verified, the resident run's bits.
 #[test]
 fn needle_with_a_sparse_budget_on_the_emulated_cuda_model() {
     use strata::device::DeviceKind;
@@ -147,7 +147,7 @@ fn needle_with_a_sparse_budget_on_the_emulated_cuda_model() {
         ..SessionConfig::new(DeviceKind::Cuda, max_len)
     };
     let engine = emulator_offload_engine;
-    let mut s = Session::on_exec(model.clone(), cfg, emu_exec(), &engine).unwrap();
+    let mut s = Session::on_exec(model.clone(), cfg.clone(), emu_exec(), &engine).unwrap();
     let opts = GenerateOptions {
         max_tokens: 16,
         sampling: SamplingParams::default(),
@@ -163,6 +163,22 @@ fn needle_with_a_sparse_budget_on_the_emulated_cuda_model() {
         "{text:?} lacks {}",
         prompt.value
     );
+    // Verified (`--sparse-verify 4`) on the real weights: the resident run's tokens and
+    // log-probs, bit for bit, with most drafts kept (as on the CPU device).
+    let verified = SessionConfig {
+        sparse_verify: Some(4),
+        ..cfg
+    };
+    let mut s = Session::on_exec(model.clone(), verified, emu_exec(), &engine).unwrap();
+    let got = s.generate(&prompt.ids, &opts, &mut |_| Ok(())).unwrap();
+    let want = s
+        .generate_resident(&prompt.ids, &opts, &mut |_| Ok(()))
+        .unwrap();
+    assert_eq!(got.token_ids, want.token_ids);
+    assert_eq!(common::bits(&got.logprobs), common::bits(&want.logprobs));
+    let v = got.verified.expect("verified stats");
+    eprintln!("verified: {v:?}");
+    assert!(v.acceptance() > 0.5, "{v:?}");
 }
 
 /// `--device cuda --sparse-verify` on the emulator: the verified session's greedy output

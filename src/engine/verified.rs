@@ -74,7 +74,8 @@ impl std::iter::Sum for VerifyStats {
 }
 
 /// One request of the CPU model on a sparse cache (the offload engine with sparse
-/// decode), verified: `run_verified` over the cache's steps (the CUDA model's: `Session`).
+/// decode), verified: `run_verified` over the cache's steps. (`Session` runs the CUDA
+/// model the same way, through `CacheSteps`.)
 pub fn generate_verified<T: KvElem>(
     model: &Model,
     kv: &mut dyn KvCache<T>,

@@ -103,6 +103,21 @@ exec "$REAL" "${args[@]}""#;
 }
 
 #[test]
+fn help_prints_cleanly() {
+    let o = Command::new("bash")
+        .args(["scripts/gpu-check.sh", "--help"])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert!(
+        o.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("--cli DIR"));
+}
+
+#[test]
 fn cli_steps_refuse_a_missing_cli_dir() {
     let o = Command::new("bash")
         .args(["scripts/gpu-check.sh", "--steps", "7"])

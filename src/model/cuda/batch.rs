@@ -17,10 +17,10 @@ use half::bf16;
 /// own layout of `meta`), grown as steps grow.
 #[derive(Default)]
 pub(super) struct BatchBufs {
-    pub(super) meta: GrowBuf<i32>, // i32 [ids: t | pos: t | cache rows: t | ctx lens: t | want: r | tables: t × max_blocks]
-    pub(super) part_o: GrowBuf<f32>, // f32 [t, num_heads, splits, head_dim]
-    pub(super) part_ml: GrowBuf<f32>, // f32 [t, num_heads, splits, 2]
-    last: GrowBuf<bf16>,           // bf16 [r, hidden]: the rows whose logits are wanted
+    meta: GrowBuf<i32>, // i32 [ids: t | pos: t | cache rows: t | ctx lens: t | want: r | tables: t × max_blocks]
+    part_o: GrowBuf<f32>, // f32 [t, num_heads, splits, head_dim]
+    part_ml: GrowBuf<f32>, // f32 [t, num_heads, splits, 2]
+    last: GrowBuf<bf16>, // bf16 [r, hidden]: the rows whose logits are wanted
     pub(super) logits: GrowBuf<f32>, // f32 [r, vocab]
 }
 

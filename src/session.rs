@@ -17,7 +17,6 @@ use half::bf16;
 
 use crate::device::cuda::exec::{CudaExec, Exec};
 use crate::device::{DeviceKind, Feature, KvDtype, KvElem};
-use crate::engine::verified::CacheSteps;
 use crate::engine::{self, GenerateOptions, GenerationOutput};
 use crate::kv::cuda::ResidentKv;
 use crate::kv::{ContiguousKv, KvCache};
@@ -189,7 +188,9 @@ impl<T: KvElem> CpuCaches for Caches<T> {
     ) -> Result<GenerationOutput> {
         let c = &model.cfg;
         if let (Some(k), false, Some(kv)) = (self.verify, resident, self.offload.as_deref_mut()) {
-            return engine::verified::generate_verified(model, kv, cap, prompt, opts, k, on_token);
+            return engine::verified::generate_verified(
+                &**model, kv, cap, prompt, opts, k, on_token,
+            );
         }
         let kv = self.pick(resident, || {
             let kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, cap);
@@ -343,13 +344,9 @@ impl Session {
                 if let (Some(k), false, Some(kv)) =
                     (caches.verify, resident, caches.offload.as_deref_mut())
                 {
-                    kv.reset()?;
-                    let mut steps = CacheSteps {
-                        model: &mut **gpu,
-                        kv,
-                    };
-                    return engine::verified::run_verified(
-                        cap, prompt, opts, k, &mut steps, on_token,
+                    let gpu: &mut CudaModel = gpu;
+                    return engine::verified::generate_verified(
+                        gpu, kv, cap, prompt, opts, k, on_token,
                     );
                 }
                 let kv = caches.pick(resident, || {

@@ -161,7 +161,7 @@ fn verified_sparse_decode_extensions_and_rewinds_are_proven_ordered() {
         let mut kv = CpuOffloadEngine::on_cpu(&model.cfg, cfg).unwrap();
         assert!(kv.order_checked());
         let cap = kv.capacity();
-        let out = generate_verified(&model, &mut kv, cap, &p, &greedy(n), 5, &mut |_| Ok(()))
+        let out = generate_verified(&*model, &mut kv, cap, &p, &greedy(n), 5, &mut |_| Ok(()))
             .unwrap_or_else(|e| panic!("{e:#}"));
         assert_eq!(out.token_ids, want.token_ids, "ring {nb}");
     }

@@ -32,7 +32,7 @@ fn offloaded(
     let cap = kv.capacity();
     let opts = greedy(n);
     let out = match draft {
-        Some(k) => generate_verified(model, &mut kv, cap, prompt, &opts, k, &mut |_| Ok(())),
+        Some(k) => generate_verified(&**model, &mut kv, cap, prompt, &opts, k, &mut |_| Ok(())),
         None => engine::generate_with(model, &mut kv, cap, prompt, &opts, &mut |_| Ok(())),
     };
     out.unwrap_or_else(|e| panic!("{e:#}"))

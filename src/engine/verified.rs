@@ -73,11 +73,11 @@ impl std::iter::Sum for VerifyStats {
     }
 }
 
-/// One request of the CPU model on a sparse cache (the offload engine with sparse
-/// decode), verified: `run_verified` over the cache's steps. (`Session` runs the CUDA
-/// model the same way, through `CacheSteps`.)
-pub fn generate_verified<T: KvElem>(
-    model: &Model,
+/// One request of a model (the CPU model, `&Model`; the CUDA model, `&mut CudaModel`) on a
+/// sparse cache (the offload engine with sparse decode), verified: `run_verified` over
+/// the cache's steps.
+pub fn generate_verified<T, M: RowsModel<T>>(
+    model: M,
     kv: &mut dyn KvCache<T>,
     capacity: usize,
     prompt: &[u32],

@@ -5,7 +5,7 @@
 //! counters after every step; the registry is read only by the handler.
 
 use std::borrow::Cow;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -16,6 +16,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use super::api::Finish;
+use super::kv_events::pub_socket::PeerStats;
 use crate::serve::scheduler::Scheduler;
 use crate::serve::EngineStats;
 
@@ -69,6 +70,10 @@ pub struct Metrics {
     /// Requests cancelled because their client went away.
     cancelled: Counter,
     kv_events_dropped: Counter,
+    kv_event_peers: Gauge,
+    kv_event_peers_refused: Counter,
+    kv_event_peers_disconnected: Counter,
+    kv_events_missed: Counter,
 }
 
 impl Metrics {
@@ -104,6 +109,10 @@ impl Metrics {
             demotion_failures: Counter::default(),
             cancelled: Counter::default(),
             kv_events_dropped: Counter::default(),
+            kv_event_peers: Gauge::default(),
+            kv_event_peers_refused: Counter::default(),
+            kv_event_peers_disconnected: Counter::default(),
+            kv_events_missed: Counter::default(),
         };
         let v = m.registry.sub_registry_with_labels(
             [
@@ -241,6 +250,26 @@ impl Metrics {
             "KV-cache events dropped because the publisher fell behind",
             m.kv_events_dropped.clone(),
         );
+        r.register(
+            "strata:kv_event_peers",
+            "Subscribers connected to the KV-event socket (handshaking or subscribed)",
+            m.kv_event_peers.clone(),
+        );
+        r.register(
+            "strata:kv_event_peers_refused",
+            "KV-event connections closed at once because the peer cap was reached",
+            m.kv_event_peers_refused.clone(),
+        );
+        r.register(
+            "strata:kv_event_peers_disconnected",
+            "KV-event peers closed for a protocol error, a handshake timeout or a stalled socket",
+            m.kv_event_peers_disconnected.clone(),
+        );
+        r.register(
+            "strata:kv_events_missed",
+            "KV-event messages subscribers missed because they fell behind",
+            m.kv_events_missed.clone(),
+        );
         m
     }
 
@@ -264,10 +293,16 @@ impl Metrics {
             .inc();
     }
 
-    /// Advances the dropped-events counter to the publisher's total.
-    pub fn kv_events_dropped(&self, total: u64) {
-        let seen = self.kv_events_dropped.get();
-        self.kv_events_dropped.inc_by(total.saturating_sub(seen));
+    /// Advances the KV-event counters to the publisher's totals (`dropped`: events the
+    /// publisher fell behind on) and its socket's (`peers`).
+    pub fn kv_events(&self, dropped: u64, peers: &PeerStats) {
+        let advance = |c: &Counter, total: u64| c.inc_by(total.saturating_sub(c.get()));
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        advance(&self.kv_events_dropped, dropped);
+        advance(&self.kv_event_peers_refused, load(&peers.refused));
+        advance(&self.kv_event_peers_disconnected, load(&peers.disconnected));
+        advance(&self.kv_events_missed, load(&peers.missed));
+        self.kv_event_peers.set(load(&peers.connected) as i64);
     }
 
     /// Sets the gauges from the scheduler and advances the counters to the engine's totals.
@@ -399,6 +434,10 @@ mod tests {
             "strata:prefix_blocks_from_disk_total ",
             "strata:num_requests_cancelled_total ",
             "strata:kv_events_dropped_total ",
+            "strata:kv_event_peers ",
+            "strata:kv_event_peers_refused_total ",
+            "strata:kv_event_peers_disconnected_total ",
+            "strata:kv_events_missed_total ",
         ] {
             assert!(text.contains(want), "{want} missing from\n{text}");
         }

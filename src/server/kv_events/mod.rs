@@ -11,6 +11,13 @@
 //! The engine thread never waits for the socket: it hands each step's events to a bounded
 //! channel (`try_send`); when the publisher thread falls behind, the batch is dropped and
 //! counted (`strata:kv_events_dropped_total`). ZMQ PUB drops for slow subscribers too.
+//!
+//! The socket is strata's own (`pub_socket` over the `zmtp` codec), not a ZMQ library's:
+//! a PUB port receives frames too, and the one that must never grow with what a peer
+//! declares or how many peers come (docs/server.md "KV-event socket").
+
+pub mod pub_socket;
+pub mod zmtp;
 
 use std::fmt;
 use std::str::FromStr;
@@ -19,12 +26,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::serve::cache_events::CacheEvent;
 use anyhow::{anyhow, Context, Result};
+use pub_socket::{Limits, PeerStats, PubSocket};
 use serde::Serialize;
 use tokio::sync::mpsc::{self, error::TrySendError};
-use zeromq::{Socket, SocketSend, ZmqMessage};
-
-use crate::serve::cache_events::CacheEvent;
 
 /// Batches (one per engine step at most) waiting for the publisher thread.
 const QUEUE_BATCHES: usize = 1024;
@@ -63,14 +69,18 @@ impl fmt::Display for ZmqEndpoint {
 }
 
 impl ZmqEndpoint {
-    /// What the socket binds: ZMQ's `*` is the unspecified address.
+    /// What the socket binds (`HOST:PORT`): ZMQ's `*` is the unspecified address.
     fn bind_address(&self) -> String {
         let host = if self.host == "*" {
             "0.0.0.0"
         } else {
             &self.host
         };
-        format!("tcp://{host}:{}", self.port)
+        if host.contains(':') {
+            format!("[{}]:{}", host.trim_matches(['[', ']']), self.port)
+        } else {
+            format!("{host}:{}", self.port)
+        }
     }
 }
 
@@ -129,6 +139,8 @@ pub struct KvEventPublisher {
     tx: Option<mpsc::Sender<Vec<CacheEvent>>>,
     thread: Option<JoinHandle<()>>,
     dropped: Arc<AtomicU64>,
+    /// What subscribers did (connected, refused, disconnected, missed messages).
+    pub peers: Arc<PeerStats>,
     /// The endpoint bound (port 0 resolved), for subscribers: `tcp://HOST:PORT`.
     pub bound: String,
     pub topic: String,
@@ -145,15 +157,20 @@ impl KvEventPublisher {
             .name("kv-events".into())
             .spawn(move || publish_loop(address, topic_bytes, block_size, rx, ready_tx))
             .context("starting the KV events thread")?;
-        let bound = ready_rx
+        let (addr, peers) = ready_rx
             .recv()
             .map_err(|_| anyhow!("the KV events thread stopped while binding"))?
             .with_context(|| format!("cannot bind --kv-events-endpoint {endpoint}"))?;
+        let host = match addr.ip() {
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            ip => ip.to_string(),
+        };
         Ok(Self {
             tx: Some(tx),
             thread: Some(thread),
             dropped: Arc::new(AtomicU64::new(0)),
-            bound,
+            peers,
+            bound: format!("tcp://{host}:{}", addr.port()),
             topic: topic.to_string(),
         })
     }
@@ -199,13 +216,16 @@ fn unix_seconds() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// The publisher thread: a current-thread runtime driving the (async) ZMQ socket.
+/// What binding found: the address bound (port 0 resolved) and the peers' counters.
+type Bound = (std::net::SocketAddr, Arc<PeerStats>);
+
+/// The publisher thread: a current-thread runtime driving the PUB socket and its peers.
 fn publish_loop(
     address: String,
     topic: Vec<u8>,
     block_size: usize,
     mut rx: mpsc::Receiver<Vec<CacheEvent>>,
-    ready: std::sync::mpsc::Sender<Result<String>>,
+    ready: std::sync::mpsc::Sender<Result<Bound>>,
 ) {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -218,32 +238,23 @@ fn publish_loop(
         }
     };
     runtime.block_on(async move {
-        let mut socket = zeromq::PubSocket::new();
-        match socket.bind(&address).await {
-            Ok(bound) => {
-                let _ = ready.send(Ok(bound.to_string()));
+        let socket = match PubSocket::bind(&address, Limits::DEFAULT).await {
+            Ok(socket) => {
+                let _ = ready.send(Ok((socket.local_addr, Arc::clone(&socket.stats))));
+                socket
             }
             Err(e) => {
                 let _ = ready.send(Err(anyhow!("{e}")));
                 return;
             }
-        }
+        };
         let mut seq: u64 = 0;
-        let mut warned = false;
         while let Some(events) = rx.recv().await {
-            let mut msg = ZmqMessage::from(topic.clone());
-            msg.push_back(seq.to_be_bytes().to_vec().into());
-            msg.push_back(encode_batch(unix_seconds(), &events, block_size).into());
+            let payload = encode_batch(unix_seconds(), &events, block_size);
+            socket.send(&[&topic, &seq.to_be_bytes(), &payload]);
             seq += 1;
-            if let Err(e) = socket.send(msg).await {
-                if !std::mem::replace(&mut warned, true) {
-                    eprintln!("strata serve: warning: publishing KV events: {e}");
-                }
-            }
         }
-        // The socket queues each message for its subscribers' writers: let them run.
-        tokio::time::sleep(LINGER).await;
-        let _ = socket.close().await;
+        socket.close(LINGER).await;
     });
 }
 
@@ -258,7 +269,14 @@ mod tests {
         assert_eq!(e.to_string(), "tcp://127.0.0.1:5557");
         assert_eq!(
             "tcp://*:0".parse::<ZmqEndpoint>().unwrap().bind_address(),
-            "tcp://0.0.0.0:0"
+            "0.0.0.0:0"
+        );
+        assert_eq!(
+            "tcp://[::1]:7"
+                .parse::<ZmqEndpoint>()
+                .unwrap()
+                .bind_address(),
+            "[::1]:7"
         );
         for bad in [
             "127.0.0.1:5557",

@@ -1,0 +1,356 @@
+//! A ZMQ PUB socket on TCP with the limits a port open to a network needs (docs/server.md
+//! "KV-event socket"), over the `zmtp` codec:
+//!
+//! - at most `max_peers` connections at once; one more takes the place of the oldest peer
+//!   still handshaking (an honest subscriber handshakes in a millisecond, so peers that
+//!   connect and say nothing cannot keep subscribers out), or is closed at once when every
+//!   peer has subscribed (both counted);
+//! - a peer has `handshake_timeout` to send its greeting and READY, or it is closed;
+//! - what a peer sends is read one capped frame at a time (`zmtp::MAX_INBOUND_FRAME`) and
+//!   its subscriptions are bounded (`zmtp::MAX_SUBSCRIPTIONS`), so no peer grows memory;
+//! - publishing never waits for a peer: each message goes into a bounded broadcast queue
+//!   (`queue` messages); a peer that falls that far behind misses messages (counted), as
+//!   ZMQ's high-water mark drops them; a peer whose socket accepts nothing for
+//!   `write_stall_timeout` is closed, so a subscriber that never reads frees its slot;
+//! - an accept error (out of descriptors) pauses accepting briefly instead of spinning.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{broadcast, oneshot, watch, Semaphore};
+
+use super::zmtp::{self, Decoder, Event, ProtocolError, Subscriptions};
+
+/// The socket's limits (`Limits::DEFAULT` in `strata serve`).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_peers: usize,
+    pub handshake_timeout: Duration,
+    pub write_stall_timeout: Duration,
+    /// Messages a peer may fall behind before it misses some.
+    pub queue: usize,
+}
+
+impl Limits {
+    pub const DEFAULT: Limits = Limits {
+        max_peers: 64,
+        handshake_timeout: Duration::from_secs(5),
+        write_stall_timeout: Duration::from_secs(30),
+        queue: 1024,
+    };
+}
+
+/// Counters of what peers did, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct PeerStats {
+    /// Peers connected now (handshaking or subscribed).
+    pub connected: AtomicU64,
+    /// Connections closed at once because `max_peers` were connected and subscribed.
+    pub refused: AtomicU64,
+    /// Peers closed for a protocol error, a handshake timeout, a stalled socket, or
+    /// while still handshaking to make room for a newer connection.
+    pub disconnected: AtomicU64,
+    /// Messages peers missed because they fell `queue` messages behind.
+    pub missed: AtomicU64,
+}
+
+/// One message, framed once for every peer, with its topic for their filters.
+struct Outbound {
+    topic: Vec<u8>,
+    bytes: Vec<u8>,
+}
+
+pub struct PubSocket {
+    tx: broadcast::Sender<Arc<Outbound>>,
+    stop: watch::Sender<bool>,
+    peers: Arc<Semaphore>,
+    max_peers: usize,
+    pub local_addr: SocketAddr,
+    pub stats: Arc<PeerStats>,
+}
+
+impl PubSocket {
+    /// Binds `addr` and starts accepting subscribers (on the current tokio runtime).
+    pub async fn bind(addr: &str, limits: Limits) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let local_addr = listener.local_addr()?;
+        let (tx, _) = broadcast::channel(limits.queue.max(1));
+        let (stop, stopped) = watch::channel(false);
+        let peers = Arc::new(Semaphore::new(limits.max_peers));
+        let stats = Arc::new(PeerStats::default());
+        tokio::spawn(accept_loop(
+            listener,
+            limits,
+            tx.clone(),
+            Arc::clone(&peers),
+            Arc::clone(&stats),
+            stopped,
+        ));
+        Ok(Self {
+            tx,
+            stop,
+            peers,
+            max_peers: limits.max_peers,
+            local_addr,
+            stats,
+        })
+    }
+
+    /// Queues one message (its frames in order; the first is the topic) for every peer
+    /// whose subscriptions match; never waits.
+    pub fn send(&self, parts: &[&[u8]]) {
+        let out = Outbound {
+            topic: parts.first().map(|t| t.to_vec()).unwrap_or_default(),
+            bytes: zmtp::message(parts),
+        };
+        // No receiver (no peer yet) is not an error: PUB drops what nobody subscribed to.
+        let _ = self.tx.send(Arc::new(out));
+    }
+
+    /// Stops accepting, gives peers up to `linger` to receive what is queued, then closes.
+    pub async fn close(self, linger: Duration) {
+        let _ = self.stop.send(true);
+        drop(self.tx);
+        // Every peer task holds a permit: all back means every peer has finished.
+        let all = u32::try_from(self.max_peers).unwrap_or(u32::MAX);
+        let _ = tokio::time::timeout(linger, self.peers.acquire_many(all)).await;
+    }
+}
+
+/// The peers still handshaking, oldest first, each with the signal that evicts it.
+#[derive(Default)]
+struct Handshaking {
+    next_id: u64,
+    peers: VecDeque<(u64, oneshot::Sender<()>)>,
+}
+
+impl Handshaking {
+    fn add(&mut self) -> (u64, oneshot::Receiver<()>) {
+        let (evict, evicted) = oneshot::channel();
+        let id = self.next_id;
+        self.next_id += 1;
+        self.peers.push_back((id, evict));
+        (id, evicted)
+    }
+
+    fn remove(&mut self, id: u64) {
+        self.peers.retain(|(p, _)| *p != id);
+    }
+
+    /// Evicts the oldest peer still handshaking; false if there is none.
+    fn evict_oldest(&mut self) -> bool {
+        while let Some((_, evict)) = self.peers.pop_front() {
+            if evict.send(()).is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    limits: Limits,
+    tx: broadcast::Sender<Arc<Outbound>>,
+    peers: Arc<Semaphore>,
+    stats: Arc<PeerStats>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let handshaking = Arc::new(Mutex::new(Handshaking::default()));
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of descriptors, or a connection reset before it was accepted: wait
+                // for descriptors to come back rather than spin.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.changed() => return,
+        };
+        let permit = match Arc::clone(&peers).try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                if !handshaking.lock().expect("not poisoned").evict_oldest() {
+                    stats.refused.fetch_add(1, Ordering::Relaxed);
+                    continue; // the stream is dropped: closed
+                }
+                // The evicted peer gives its permit back as its task ends.
+                match Arc::clone(&peers).acquire_owned().await {
+                    Ok(p) => p,
+                    Err(_) => return,
+                }
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (id, evicted) = handshaking.lock().expect("not poisoned").add();
+        let (tx, stats, handshaking) = (tx.clone(), Arc::clone(&stats), Arc::clone(&handshaking));
+        tokio::spawn(async move {
+            stats.connected.fetch_add(1, Ordering::Relaxed);
+            let done = || handshaking.lock().expect("not poisoned").remove(id);
+            let end = serve_peer(stream, limits, &tx, &stats, evicted, done).await;
+            if let Err(PeerEnd::Protocol | PeerEnd::Timeout) = end {
+                stats.disconnected.fetch_add(1, Ordering::Relaxed);
+            }
+            handshaking.lock().expect("not poisoned").remove(id);
+            stats.connected.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+        });
+    }
+}
+
+/// Why a peer's task ended early: it broke the protocol, or timed out (handshake, stalled
+/// socket) or was evicted while handshaking, all counted; or its connection failed
+/// (reset), which is not.
+enum PeerEnd {
+    Protocol,
+    Timeout,
+    Io,
+}
+
+impl From<ProtocolError> for PeerEnd {
+    fn from(_: ProtocolError) -> Self {
+        PeerEnd::Protocol
+    }
+}
+
+impl From<std::io::Error> for PeerEnd {
+    fn from(_: std::io::Error) -> Self {
+        PeerEnd::Io
+    }
+}
+
+/// Reads what the peer sends until at least one whole unit is buffered; `Ok(false)` at
+/// end of stream. Never reads past the unit the decoder wants, so `buf` stays within one
+/// capped frame.
+async fn read_some(
+    rd: &mut tokio::net::tcp::ReadHalf<'_>,
+    decoder: &Decoder,
+    buf: &mut Vec<u8>,
+) -> Result<bool, PeerEnd> {
+    let want = decoder.wanted(buf)?;
+    let mut chunk = [0u8; 4096];
+    let missing = want.saturating_sub(buf.len()).clamp(1, chunk.len());
+    // Read into `chunk`, not `buf`: this future may be dropped at the await (select!).
+    let n = rd.read(&mut chunk[..missing]).await?;
+    buf.extend_from_slice(&chunk[..n]);
+    Ok(n > 0)
+}
+
+async fn write_within(
+    wr: &mut tokio::net::tcp::WriteHalf<'_>,
+    bytes: &[u8],
+    limit: Duration,
+) -> Result<(), PeerEnd> {
+    match tokio::time::timeout(limit, wr.write_all(bytes)).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(PeerEnd::Timeout),
+    }
+}
+
+/// One subscriber: handshake under its timeout (or until `evicted`; `handshaken` is
+/// called once it is complete), then its subscriptions in and the matching messages out
+/// until it leaves, misbehaves, stalls or the socket closes.
+async fn serve_peer(
+    mut stream: TcpStream,
+    limits: Limits,
+    tx: &broadcast::Sender<Arc<Outbound>>,
+    stats: &PeerStats,
+    evicted: oneshot::Receiver<()>,
+    handshaken: impl FnOnce(),
+) -> Result<(), PeerEnd> {
+    let (mut rd, mut wr) = stream.split();
+    let mut decoder = Decoder::new();
+    let mut buf = Vec::new();
+    let handshake = async {
+        write_within(&mut wr, &zmtp::greeting(), limits.handshake_timeout).await?;
+        while !decoder.is_ready() {
+            match decoder.decode(&mut buf)? {
+                Some(Event::Greeting) => {
+                    write_within(&mut wr, &zmtp::ready(), limits.handshake_timeout).await?
+                }
+                Some(_) => {}
+                None => {
+                    if !read_some(&mut rd, &decoder, &mut buf).await? {
+                        return Err(PeerEnd::Io);
+                    }
+                }
+            }
+        }
+        Ok(())
+    };
+    tokio::select! {
+        r = tokio::time::timeout(limits.handshake_timeout, handshake) => match r {
+            Ok(r) => r?,
+            Err(_) => return Err(PeerEnd::Timeout),
+        },
+        _ = evicted => return Err(PeerEnd::Timeout),
+    }
+    handshaken();
+    let mut rx = tx.subscribe();
+    let end = stream_messages(
+        &mut rd,
+        &mut wr,
+        &mut decoder,
+        &mut buf,
+        &mut rx,
+        limits,
+        stats,
+    )
+    .await;
+    // What was queued for it and never sent is missed too.
+    stats.missed.fetch_add(rx.len() as u64, Ordering::Relaxed);
+    end
+}
+
+/// After the handshake: subscriptions in, matching messages out.
+async fn stream_messages(
+    rd: &mut tokio::net::tcp::ReadHalf<'_>,
+    wr: &mut tokio::net::tcp::WriteHalf<'_>,
+    decoder: &mut Decoder,
+    buf: &mut Vec<u8>,
+    rx: &mut broadcast::Receiver<Arc<Outbound>>,
+    limits: Limits,
+    stats: &PeerStats,
+) -> Result<(), PeerEnd> {
+    let mut subs = Subscriptions::default();
+    loop {
+        // Whatever whole units are buffered (subscriptions sent right after READY).
+        while let Some(event) = decoder.decode(buf)? {
+            match event {
+                Event::Subscribe(prefix) => subs.subscribe(prefix)?,
+                Event::Cancel(prefix) => subs.cancel(&prefix),
+                Event::Ping(context) => {
+                    write_within(wr, &zmtp::pong(&context), limits.write_stall_timeout).await?
+                }
+                Event::Greeting | Event::Ready | Event::Ignored => {}
+            }
+        }
+        tokio::select! {
+            more = read_some(rd, decoder, buf) => {
+                if !more? {
+                    return Ok(()); // the subscriber left
+                }
+            }
+            msg = rx.recv() => match msg {
+                Ok(msg) => {
+                    if subs.matches(&msg.topic) {
+                        write_within(wr, &msg.bytes, limits.write_stall_timeout).await?;
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    stats.missed.fetch_add(n, Ordering::Relaxed);
+                }
+                // The socket closed and everything queued was sent.
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            },
+        }
+    }
+}

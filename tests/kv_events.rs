@@ -10,13 +10,17 @@
 mod common;
 mod live_server;
 
+use std::io::Write;
+use std::net::TcpStream;
 use std::process::Command;
 use std::time::Duration;
 
 use live_server::Server;
 
-#[test]
-fn a_vllm_format_subscriber_sees_stored_blocks_in_order_evictions_and_the_final_clear() {
+/// Starts `strata serve` publishing KV events, lets `before_subscriber` do what it will
+/// to the event port, then runs the vLLM-format subscriber against it and checks it
+/// passes and the server stops cleanly.
+fn subscriber_passes_after(before_subscriber: impl FnOnce(&str, &Server)) {
     let model = common::require_default_model();
     let Some(python) = common::python_with("zmq, msgpack", "pip install pyzmq msgpack") else {
         return;
@@ -41,6 +45,7 @@ fn a_vllm_format_subscriber_sees_stored_blocks_in_order_evictions_and_the_final_
     let endpoint = info["kv_events"]["endpoint"].as_str().unwrap().to_string();
     assert_eq!(info["kv_events"]["topic"], "strata-test");
     assert_eq!(info["kv_cache_block_size"], 16);
+    before_subscriber(&endpoint, &server);
     let out = Command::new(&python)
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -60,4 +65,63 @@ fn a_vllm_format_subscriber_sees_stored_blocks_in_order_evictions_and_the_final_
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(server.wait_exit(Duration::from_secs(30)).success());
+}
+
+#[test]
+fn a_vllm_format_subscriber_sees_stored_blocks_in_order_evictions_and_the_final_clear() {
+    subscriber_passes_after(|_, _| {});
+}
+
+/// A ZMTP 3 greeting (NULL mechanism) as a subscriber sends it.
+fn zmtp_greeting() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xFF;
+    g[9] = 0x7F;
+    g[10] = 3;
+    g[11] = 1;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+#[test]
+fn hostile_peers_on_the_event_port_neither_kill_the_server_nor_keep_a_subscriber_out() {
+    // What aborted or starved `strata serve` when its PUB socket was the zeromq crate's:
+    // 73 bytes declaring a 2^62-byte frame, 300 silent connections held open, and
+    // subscriptions of 1 MiB each. The server must live, stay healthy and serve the
+    // subscriber that comes after them, while the silent connections are still open.
+    let mut held = Vec::new();
+    subscriber_passes_after(|endpoint, server| {
+        let addr = endpoint.strip_prefix("tcp://").unwrap();
+        let mut packet = zmtp_greeting();
+        packet.push(0x06);
+        packet.extend_from_slice(&(1u64 << 62).to_be_bytes());
+        assert_eq!(packet.len(), 73);
+        let mut bomb = TcpStream::connect(addr).unwrap();
+        bomb.write_all(&packet).unwrap();
+        for _ in 0..300 {
+            held.push(TcpStream::connect(addr).unwrap());
+        }
+        let mut flood = TcpStream::connect(addr).unwrap();
+        flood.write_all(&zmtp_greeting()).unwrap();
+        flood
+            .write_all(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB")
+            .unwrap();
+        let mut sub = vec![0x02];
+        sub.extend_from_slice(&((1u64 << 20) + 1).to_be_bytes());
+        sub.push(1);
+        sub.extend(vec![b'x'; 1 << 20]);
+        for _ in 0..16 {
+            if flood.write_all(&sub).is_err() {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(server.get("/health").status, 200);
+        let m = server.metrics();
+        assert!(m["strata:kv_event_peers"] <= 64.0, "{m:?}");
+        assert!(
+            m["strata:kv_event_peers_disconnected_total"] >= 2.0,
+            "{m:?}"
+        );
+    });
 }

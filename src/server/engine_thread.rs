@@ -337,7 +337,7 @@ impl EngineLoop {
             .observe_engine(self.engine.scheduler(), &stats, &mut self.last_stats);
         if let Some(p) = &self.kv_events {
             p.publish(self.engine.take_cache_events());
-            self.metrics.kv_events(p.dropped(), &p.peers);
+            self.metrics.kv_events_dropped(p.dropped());
         }
     }
 }

@@ -293,12 +293,17 @@ impl Metrics {
             .inc();
     }
 
-    /// Advances the KV-event counters to the publisher's totals (`dropped`: events the
-    /// publisher fell behind on) and its socket's (`peers`).
-    pub fn kv_events(&self, dropped: u64, peers: &PeerStats) {
+    /// Advances the dropped-events counter to the publisher's total.
+    pub fn kv_events_dropped(&self, total: u64) {
+        let seen = self.kv_events_dropped.get();
+        self.kv_events_dropped.inc_by(total.saturating_sub(seen));
+    }
+
+    /// Sets the KV-event socket's peer gauge and advances its counters to its totals (at
+    /// each scrape: peers come and go while the engine is idle).
+    pub fn kv_event_peers(&self, peers: &PeerStats) {
         let advance = |c: &Counter, total: u64| c.inc_by(total.saturating_sub(c.get()));
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        advance(&self.kv_events_dropped, dropped);
         advance(&self.kv_event_peers_refused, load(&peers.refused));
         advance(&self.kv_event_peers_disconnected, load(&peers.disconnected));
         advance(&self.kv_events_missed, load(&peers.missed));

@@ -207,18 +207,25 @@ fn check_args(args: &ServeArgs) -> Result<()> {
     if args.device == DeviceKind::Cuda {
         crate::device::check_available(DeviceKind::Cuda)?;
     }
-    ensure_descriptors(args.max_connections)?;
+    // The KV-event socket's peers hold descriptors too.
+    let kv_peers = if args.kv_events_endpoint.is_some() {
+        kv_events::pub_socket::Limits::DEFAULT.max_peers
+    } else {
+        0
+    };
+    ensure_descriptors(args.max_connections, kv_peers)?;
     Ok(())
 }
 
 /// File descriptors the server needs beyond its connections (model, sockets, workers).
 const SPARE_DESCRIPTORS: u64 = 128;
 
-/// Makes room for `max_connections` open sockets: raises the soft descriptor limit toward
-/// the hard one if needed, and refuses a cap the hard limit cannot hold (accepting would
-/// otherwise fail with EMFILE while the server says it listens).
-fn ensure_descriptors(max_connections: usize) -> Result<()> {
-    let need = max_connections as u64 + SPARE_DESCRIPTORS;
+/// Makes room for `max_connections` open sockets (and `kv_peers` KV-event subscribers):
+/// raises the soft descriptor limit toward the hard one if needed, and refuses a cap the
+/// hard limit cannot hold (accepting would otherwise fail with EMFILE while the server
+/// says it listens).
+fn ensure_descriptors(max_connections: usize, kv_peers: usize) -> Result<()> {
+    let need = (max_connections + kv_peers) as u64 + SPARE_DESCRIPTORS;
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -355,6 +362,7 @@ async fn serve_on(
             kv_events: kv_events.as_ref().map(|p| KvEventsInfo {
                 endpoint: p.bound.clone(),
                 topic: p.topic.clone(),
+                peers: Arc::clone(&p.peers),
             }),
         },
         metrics,

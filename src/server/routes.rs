@@ -27,6 +27,7 @@ use super::api::{
 };
 use super::engine_thread::{EngineClient, Event};
 use super::error::ApiError;
+use super::kv_events::pub_socket::PeerStats;
 use super::metrics::Metrics;
 use super::model_card::ModelCard;
 use super::text::TextStream;
@@ -53,6 +54,8 @@ pub struct KvEventsInfo {
     /// The bound endpoint, `tcp://HOST:PORT`.
     pub endpoint: String,
     pub topic: String,
+    /// The socket's peer counters, read into /metrics when it is scraped.
+    pub peers: Arc<PeerStats>,
 }
 
 /// The engine's geometry, which a router registering this server needs.
@@ -279,6 +282,9 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    if let Some(k) = &state.cfg.kv_events {
+        state.metrics.kv_event_peers(&k.peers);
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -250,3 +250,86 @@ fn the_default_mode_serves_on_after_its_model_file_is_truncated() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(server.get("/health").status, 200);
 }
+
+/// A connection that pipelines `n` requests for /metrics (several KB each, cheap to make)
+/// and never reads a byte of the answers (its receive buffer shrunk; the server's send
+/// buffer may grow to 4 MiB, so `n` must ask for far more than that for its writes to
+/// stall).
+fn pipeline_without_reading(server: &Server, n: usize) -> TcpStream {
+    use std::os::fd::AsRawFd;
+    let mut s = server.connect();
+    let small: libc::c_int = 2048;
+    // SAFETY: a valid socket and an int option of the right size.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&small as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+    s.write_all(&b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(n))
+        .unwrap();
+    s
+}
+
+#[test]
+fn clients_that_pipeline_and_never_read_lose_their_slots_after_the_timeout() {
+    let args = [
+        TINY_ARGS,
+        &["--max-connections", "2", "--header-read-timeout", "1"],
+    ]
+    .concat();
+    let server = Server::start(&tiny_with_template("pipeline", "{{ 'x' }}"), &args);
+    server.wait_held(0);
+    let _held: Vec<TcpStream> = (0..2)
+        .map(|_| pipeline_without_reading(&server, 5000))
+        .collect();
+    server.wait_held(2);
+    // Their answers (tens of MB each: far more than the buffers hold) fill the buffers,
+    // the writes stall, and after the timeout (1 s) the server closes them.
+    let start = Instant::now();
+    loop {
+        let mut s = server.connect();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let (buf, _) = read_until_closed(&mut s, Duration::from_secs(5));
+        if HttpResponse::parse(&buf).status == 200 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "clients that never read held every connection slot for 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_serving(&server);
+}
+
+#[test]
+fn clients_that_never_read_cannot_delay_shutdown_past_its_timeout() {
+    // A stall timeout far longer than the shutdown's: the shutdown's bound alone must end
+    // the connections.
+    let args = [
+        TINY_ARGS,
+        &["--header-read-timeout", "120", "--shutdown-timeout", "1"],
+    ]
+    .concat();
+    let mut server = Server::start(&tiny_with_template("pipeline_stop", "{{ 'x' }}"), &args);
+    server.wait_held(0);
+    let _held: Vec<TcpStream> = (0..4)
+        .map(|_| pipeline_without_reading(&server, 5000))
+        .collect();
+    server.wait_held(4);
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: signalling the child we spawned.
+    unsafe { libc::kill(server.pid() as libc::pid_t, libc::SIGTERM) };
+    let start = Instant::now();
+    assert!(server.wait_exit(Duration::from_secs(30)).success());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "shutdown took {:?} with --shutdown-timeout 1",
+        start.elapsed()
+    );
+}

@@ -7,11 +7,17 @@
 //!   client at the cap learns why instead of waiting in the backlog;
 //! - a connection must send a complete request head within `header_read_timeout`, whether
 //!   it is new or kept alive between requests (hyper's timer covers both), or it is closed;
+//! - a connection whose client accepts none of its response for as long (a client that
+//!   pipelines requests and never reads the answers: hyper stops reading while a response
+//!   cannot be written, so no read timer runs) is closed too (`StallLimited`);
+//! - on shutdown, connections get `shutdown_timeout` to finish; then they are dropped.
 //! - half-closed clients (a `shutdown(SHUT_WR)` after a complete request) get their answer;
-//! - on shutdown, accepting stops and each connection ends after its response in flight.
 
 use std::future::Future;
+use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -20,15 +26,19 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio::time::Sleep;
 
 /// The connection limits (`strata serve --max-connections`, `--header-read-timeout`).
 #[derive(Debug, Clone, Copy)]
 pub struct ConnLimits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    /// How long connections get to finish once shutdown starts (beyond it they are
+    /// dropped: the requests in them were cancelled at `--shutdown-timeout` already).
+    pub shutdown_timeout: Duration,
 }
 
 /// Serves `router` on `listener` until `shutdown` completes, then lets the connections in
@@ -72,7 +82,7 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let conn = http.serve_connection(
-            TokioIo::new(stream),
+            TokioIo::new(StallLimited::new(stream, limits.header_read_timeout)),
             TowerToHyperService::new(router.clone()),
         );
         let conn = graceful.watch(conn);
@@ -82,8 +92,103 @@ pub async fn serve(
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    // Past the grace (requests in flight are cancelled at its end) plus a moment for the
+    // cancelled streams to end, connections still open are dropped with the runtime.
+    let _ = tokio::time::timeout(
+        limits.shutdown_timeout + Duration::from_secs(1),
+        graceful.shutdown(),
+    )
+    .await;
     Ok(())
+}
+
+/// A socket whose writes fail (`TimedOut`) once they have made no progress for `limit`:
+/// hyper has no write timeout, and a client that stops reading would otherwise hold its
+/// connection (and its slot of `--max-connections`) for ever.
+struct StallLimited<S> {
+    inner: S,
+    limit: Duration,
+    /// Armed when a write or flush first returns `Pending`; disarmed by any progress.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl<S> StallLimited<S> {
+    fn new(inner: S, limit: Duration) -> Self {
+        Self {
+            inner,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// What a pending write or flush returns: still pending, or the stall's error.
+    fn on_pending<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        let limit = self.limit;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client accepted none of its response",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn track<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        match r {
+            Poll::Pending => self.on_pending(cx),
+            ready => {
+                self.stalled = None;
+                ready
+            }
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for StallLimited<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for StallLimited<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.track(cx, r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.track(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        self.track(cx, r)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.track(cx, r)
+    }
 }
 
 /// Answers a connection over the cap with a 503 (an OpenAI-style error) and closes it.

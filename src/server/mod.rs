@@ -410,6 +410,7 @@ async fn serve_on(
     let limits = listen::ConnLimits {
         max_connections: args.max_connections,
         header_read_timeout: Duration::from_secs(args.header_read_timeout),
+        shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
     };
     let served = listen::serve(
         listener,

@@ -553,3 +553,79 @@ fn generate_with_max_tokens_zero_succeeds_with_nothing() {
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     assert_eq!(r.stdout, "\n");
 }
+
+/// A GGUF file (v3) whose metadata is `kvs` (key, type, value bytes) and no tensors.
+fn gguf_with_metadata(path: &Path, kvs: &[(&str, u32, Vec<u8>)]) {
+    let mut f = b"GGUF".to_vec();
+    f.extend(3u32.to_le_bytes());
+    f.extend(0u64.to_le_bytes());
+    f.extend((kvs.len() as u64).to_le_bytes());
+    for (key, ty, value) in kvs {
+        f.extend((key.len() as u64).to_le_bytes());
+        f.extend(key.as_bytes());
+        f.extend(ty.to_le_bytes());
+        f.extend(value);
+    }
+    std::fs::write(path, f).unwrap();
+}
+
+/// A GGUF array value: element type, count, then the elements' bytes.
+fn gguf_array(elem: u32, n: u64, elements: Vec<u8>) -> Vec<u8> {
+    let mut v = elem.to_le_bytes().to_vec();
+    v.extend(n.to_le_bytes());
+    v.extend(elements);
+    v
+}
+
+#[test]
+fn gguf_metadata_bombs_are_refused_before_they_are_read() {
+    use std::os::unix::process::CommandExt;
+    let dir = scratch_dir("gguf_bombs");
+    const ARRAY: u32 = 9;
+    let bombs: [(&str, Vec<u8>); 3] = [
+        // 64 Mi one-byte elements: candle held each as a 32-byte value (2 GiB, 40 s).
+        ("u8", gguf_array(0, 64 << 20, vec![0; 64 << 20])),
+        // 8 Mi empty strings (8 bytes each on disk).
+        ("strings", gguf_array(8, 8 << 20, vec![0; 64 << 20])),
+        // 1 Mi arrays of 16 u8 each.
+        ("nested", {
+            let one = gguf_array(0, 16, vec![0; 16]);
+            gguf_array(ARRAY, 1 << 20, one.repeat(1 << 20))
+        }),
+    ];
+    for (name, value) in bombs {
+        let path = dir.join(format!("{name}.gguf"));
+        gguf_with_metadata(&path, &[("general.bomb", ARRAY, value)]);
+        // With the heap capped at 512 MiB: reading the metadata as candle does would
+        // abort on a failed allocation instead of answering.
+        let start = Instant::now();
+        let out = unsafe {
+            Command::new(STRATA)
+                .args(["generate", "--prompt", "hi", "--model"])
+                .arg(&path)
+                .pre_exec(|| {
+                    let lim = libc::rlimit {
+                        rlim_cur: 512 << 20,
+                        rlim_max: 512 << 20,
+                    };
+                    libc::setrlimit(libc::RLIMIT_DATA, &lim);
+                    Ok(())
+                })
+                .output()
+                .unwrap()
+        };
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{name}: {stderr}");
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains("would take"),
+            "{name}: {stderr}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{name}: {:?}",
+            start.elapsed()
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
+}

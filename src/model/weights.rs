@@ -991,15 +991,20 @@ impl GgufFile {
         }
         use std::io::Seek;
         file.rewind()?;
-        // candle's reader divides by the alignment: refuse zero before it runs.
-        if gguf_header::alignment(&mut file) == Some(0) {
+        // What candle's reader trusts, checked before it runs: its memory for the
+        // metadata, and an alignment it divides by.
+        let skimmed = gguf_header::check(&mut file)
+            .map_err(|e| anyhow::anyhow!("{}: invalid GGUF file: {e}", path.display()))?;
+        if skimmed.alignment == Some(0) {
             bail!(
                 "{}: invalid GGUF file: general.alignment is 0",
                 path.display()
             );
         }
         file.rewind()?;
-        let content = gguf_file::Content::read(&mut file).map_err(|e| {
+        // Buffered: candle reads metadata a value at a time (a syscall each, unbuffered).
+        let mut buffered = std::io::BufReader::new(&mut file);
+        let content = gguf_file::Content::read(&mut buffered).map_err(|e| {
             anyhow::anyhow!(
                 "{}: invalid GGUF file: {}",
                 path.display(),

@@ -275,3 +275,83 @@ fn bad_requests_are_errors() {
     bad.sched.prefill_chunk = 6;
     assert!(Engine::new(tiny_model("serve_engine_errors2"), bad).is_err());
 }
+
+/// Two 16-token blocks whose prefix-cache keys were equal under the 64-bit unkeyed
+/// `DefaultHasher` strata used before SHA-256, found by scripts/find-hash-collision.rs
+/// (Pollard's rho, ~2^32 hashes, 3 CPU-minutes): both hash to 0xd6af4de465a4db70.
+const COLLIDING: [[u32; 16]; 2] = [
+    [
+        1002, 1007, 1008, 1007, 1008, 1006, 1015, 1000, 1007, 1013, 1003, 1004, 1010, 1003, 1004,
+        1014,
+    ],
+    [
+        1012, 1001, 1015, 1010, 1013, 1011, 1011, 1006, 1005, 1012, 1006, 1002, 1015, 1010, 1009,
+        1007,
+    ],
+];
+
+#[test]
+fn prompts_whose_old_64_bit_keys_collide_never_share_a_cached_block() {
+    use std::hash::{Hash, Hasher};
+    // The pair is a real collision of the old key (so this test would catch its return).
+    let old_key = |tokens: &[u32]| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        None::<u64>.hash(&mut h);
+        tokens.hash(&mut h);
+        h.finish()
+    };
+    assert_ne!(COLLIDING[0], COLLIDING[1]);
+    assert_eq!(old_key(&COLLIDING[0]), old_key(&COLLIDING[1]));
+    assert_eq!(old_key(&COLLIDING[0]), 0xd6af4de465a4db70);
+
+    let dir = scratch_dir("serve_engine_collision");
+    TinySpec {
+        vocab: 1100,
+        ..TinySpec::llama()
+    }
+    .write(&dir, 7);
+    let model = Model::load(&dir, false).unwrap().0;
+    let cfg = EngineConfig {
+        sched: SchedulerConfig {
+            block_size: 16,
+            prefill_chunk: 16,
+            ..sched(40, 0)
+        },
+        ..config(40, 0, false)
+    };
+    // Each prompt: its block, then a token to compute (a hit always leaves one).
+    let prompts: Vec<Vec<u32>> = COLLIDING.iter().map(|b| [&b[..], &[5]].concat()).collect();
+    let params = [RequestParams {
+        max_tokens: 12,
+        ignore_eos: true,
+        ..Default::default()
+    }];
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            Engine::new(model.clone(), cfg.clone())
+                .unwrap()
+                .generate(std::slice::from_ref(p), &params)
+                .unwrap()
+                .remove(0)
+        })
+        .collect();
+    assert_ne!(
+        alone[0], alone[1],
+        "the two prompts must answer differently"
+    );
+    // One engine, the first prompt's block cached when the second arrives.
+    let mut e = Engine::new(model, cfg).unwrap();
+    let first = e.generate(&prompts[..1], &params).unwrap().remove(0);
+    let hits_before = e.stats().sched.prefix_hit_blocks;
+    let second = e.generate(&prompts[1..], &params).unwrap().remove(0);
+    assert_eq!(first, alone[0]);
+    assert_eq!(
+        second, alone[1],
+        "the second prompt got the first one's cached block"
+    );
+    assert_eq!(e.stats().sched.prefix_hit_blocks, hits_before);
+    // And the same prompt again does hit.
+    e.generate(&prompts[1..], &params).unwrap();
+    assert_eq!(e.stats().sched.prefix_hit_blocks, hits_before + 1);
+}

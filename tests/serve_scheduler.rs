@@ -6,7 +6,8 @@
 use std::collections::HashSet;
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use strata::serve::block_manager::{block_hash, BlockError, BlockManager};
+use strata::serve::block_key::{BlockKey, KeySeed};
+use strata::serve::block_manager::{BlockError, BlockManager};
 use strata::serve::cache_events::{CacheEvent, Medium};
 use strata::serve::residency::{Move, Residency, Tier};
 use strata::serve::scheduler::{Scheduler, SchedulerConfig, SeqId};
@@ -419,14 +420,14 @@ struct Moved {
 /// A router's view of the prefix cache, rebuilt from nothing but the cache events.
 #[derive(Default)]
 struct EventMirror {
-    gpu: HashSet<u64>,
-    disk: HashSet<u64>,
+    gpu: HashSet<BlockKey>,
+    disk: HashSet<BlockKey>,
     stored: usize,
     removed: usize,
 }
 
 impl EventMirror {
-    fn tier(&mut self, medium: Medium) -> &mut HashSet<u64> {
+    fn tier(&mut self, medium: Medium) -> &mut HashSet<BlockKey> {
         match medium {
             Medium::Gpu => &mut self.gpu,
             Medium::Disk => &mut self.disk,
@@ -436,7 +437,7 @@ impl EventMirror {
     /// Applies the events since the last step (each `Stored` block's hash must be its
     /// parent's and tokens' chained hash; nothing stored twice or removed unseen), then
     /// checks the view against what a lookup finds, for every hash a prompt can make.
-    fn sync(&mut self, s: &mut Scheduler, universe: &[u64], bs: usize, case: u64) {
+    fn sync(&mut self, s: &mut Scheduler, universe: &[BlockKey], bs: usize, case: u64) {
         for e in s.bm.take_cache_events() {
             match e {
                 CacheEvent::Stored {
@@ -449,7 +450,7 @@ impl EventMirror {
                     let mut prev = parent;
                     for (h, t) in hashes.iter().zip(tokens.chunks(bs)) {
                         assert_eq!(
-                            block_hash(prev, t),
+                            block_key(prev, t),
                             *h,
                             "case {case}: a hash is not its tokens'"
                         );
@@ -487,13 +488,18 @@ impl EventMirror {
     }
 }
 
-/// Every full block's chained hash of every prompt: all a prefix-cache entry can be.
-fn prompt_hashes(prompts: &[Vec<u32>], bs: usize) -> Vec<u64> {
+/// A block's key in a scheduler made by `Scheduler::new` (the anonymous seed).
+fn block_key(parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
+    BlockKey::chained(&KeySeed::default(), parent.as_ref(), tokens)
+}
+
+/// Every full block's chained key of every prompt: all a prefix-cache entry can be.
+fn prompt_hashes(prompts: &[Vec<u32>], bs: usize) -> Vec<BlockKey> {
     let mut all = Vec::new();
     for p in prompts {
         let mut prev = None;
         for block in p.chunks_exact(bs) {
-            let h = block_hash(prev, block);
+            let h = block_key(prev, block);
             all.push(h);
             prev = Some(h);
         }

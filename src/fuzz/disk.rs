@@ -42,6 +42,7 @@ use serde_json::Value as J;
 
 use super::mutate::{interesting, mutate_bytes, mutate_json};
 use super::{Case, ScratchDir};
+use crate::serve::block_key::BlockKey;
 use crate::serve::block_manager::DiskSlotId;
 use crate::serve::disk::index::{self, IndexEntry, INDEX_FILE, TMP_FILE};
 use crate::serve::disk::store::{
@@ -82,7 +83,8 @@ fn base_tier(salt: u64, slots: &[DiskSlotId]) -> Result<Case> {
     let mut buf = store.slot_buffer()?;
     let mut entries = Vec::new();
     for &slot in slots {
-        let key = keys.random();
+        let hash = BlockKey::from_bytes(keys.random());
+        let key = hash.wire();
         store
             .payload_mut(&mut buf)
             .copy_from_slice(&payload_for(key));
@@ -91,7 +93,7 @@ fn base_tier(salt: u64, slots: &[DiskSlotId]) -> Result<Case> {
         // pure function of (seed, index) in every process.
         let generation = 0x6e6e_0000_0000 + (salt << 8) + slot as u64;
         entries.push(IndexEntry {
-            hash: key,
+            hash,
             slot,
             key,
             generation,
@@ -284,10 +286,10 @@ fn open_and_read(
     let mut buf = tier.store.slot_buffer()?;
     let mut failed = Vec::new();
     for &(hash, slot) in &adopted {
-        match tier.store.read_slot(slot, hash, &mut buf) {
+        match tier.store.read_slot(slot, hash.wire(), &mut buf) {
             Ok(()) => assert!(
-                tier.store.payload(&buf) == payload_for(hash),
-                "slot {slot} was read as block {hash:#x} but holds other data"
+                tier.store.payload(&buf) == payload_for(hash.wire()),
+                "slot {slot} was read as block {hash} but holds other data"
             ),
             Err(e) => failed.push(format!("{e}")),
         }
@@ -389,7 +391,7 @@ fn mutate_entries(v: &mut J, rng: &mut StdRng) {
     let i = rng.random_range(0..entries.len());
     let j = rng.random_range(0..entries.len());
     let field = |e: &J, k: &str| e.get(k).cloned().unwrap_or(J::Null);
-    let (slot_j, key_j) = (field(&entries[j], "slot"), field(&entries[j], "key"));
+    let (slot_j, hash_j) = (field(&entries[j], "slot"), field(&entries[j], "hash"));
     let choice = rng.random_range(0..4);
     if choice == 0 {
         let e = entries[i].clone();
@@ -411,9 +413,10 @@ fn mutate_entries(v: &mut J, rng: &mut StdRng) {
                 o.insert("slot".into(), slot_i);
             }
         }
-        // The hash names another block than the key: a read with it must not be served.
+        // The hash names another block than the slot's key: a read with it (its 64-bit
+        // form, that other block's key) must not be served.
         _ => {
-            e.insert("hash".into(), key_j);
+            e.insert("hash".into(), hash_j);
         }
     }
 }

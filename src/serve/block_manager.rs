@@ -3,12 +3,11 @@
 //! counts, the prefix cache, and the persisted prefix blocks of the disk tier (which
 //! outlive the process). It never touches KV memory; the worker side does, through jobs.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
 
 use thiserror::Error;
 
+use super::block_key::BlockKey;
 use super::cache_events::{BlockContent, CacheEvent, CacheEventLog, Medium};
 use super::residency::{IllegalTransition, Move, Residency, Tier};
 
@@ -49,19 +48,11 @@ pub struct Block {
     pub slot: Option<SlotId>,
     /// Disk-tier slot (while spilled to disk, or loading from a persisted prefix copy).
     pub disk: Option<DiskSlotId>,
-    /// Content hash (chained with the previous block's) once the block is full, computed,
+    /// Content key (chained with the previous block's) once the block is full, computed,
     /// and registered in the prefix cache.
-    pub hash: Option<u64>,
+    pub hash: Option<BlockKey>,
     /// Its parent hash and tokens, kept (with `hash`) only while cache events are recorded.
     pub content: Option<BlockContent>,
-}
-
-/// Chained content hash of one full block: equal hashes mean equal token prefixes.
-pub fn block_hash(prev: Option<u64>, tokens: &[u32]) -> u64 {
-    let mut h = DefaultHasher::new(); // fixed keys: the same on every run
-    prev.hash(&mut h);
-    tokens.hash(&mut h);
-    h.finish()
 }
 
 pub struct BlockManager {
@@ -72,7 +63,7 @@ pub struct BlockManager {
     free_pages: VecDeque<PageId>,
     free_slots: Vec<SlotId>,
     /// Prefix cache: hash → block. Only GPU-resident blocks are handed out on a hit.
-    by_hash: HashMap<u64, LogicalId>,
+    by_hash: HashMap<BlockKey, LogicalId>,
     /// Unreferenced but cached GPU blocks, least recently released first; their pages are
     /// reclaimed (and the cache entry dropped) when free pages run out.
     evictable: VecDeque<LogicalId>,
@@ -159,12 +150,12 @@ struct DiskSlots {
     num: usize,
     free: FreeSlots,
     /// hash → slot of persisted prefix blocks, and the reverse.
-    persisted: HashMap<u64, DiskSlotId>,
-    persisted_hash: HashMap<DiskSlotId, u64>,
+    persisted: HashMap<BlockKey, DiskSlotId>,
+    persisted_hash: HashMap<DiskSlotId, BlockKey>,
     /// Persisted hashes, least recently written or hit first (evicted first).
-    lru: VecDeque<u64>,
+    lru: VecDeque<BlockKey>,
     /// Write-through jobs in flight: pinned block → (its hash, the reserved slot).
-    persisting: HashMap<LogicalId, (u64, DiskSlotId)>,
+    persisting: HashMap<LogicalId, (BlockKey, DiskSlotId)>,
     /// The persisted set changed since the index was last written.
     changed: bool,
 }
@@ -260,7 +251,7 @@ impl BlockManager {
     }
 
     /// Whether a block (being loaded from it) currently uses persisted slot `slot`.
-    fn borrowed(&self, hash: u64, slot: DiskSlotId) -> bool {
+    fn borrowed(&self, hash: BlockKey, slot: DiskSlotId) -> bool {
         self.by_hash
             .get(&hash)
             .and_then(|id| self.blocks.get(id))
@@ -372,7 +363,7 @@ impl BlockManager {
     }
 
     /// A prefix-cache hit: a GPU-resident block with this content hash.
-    pub fn lookup(&self, hash: u64) -> Option<LogicalId> {
+    pub fn lookup(&self, hash: BlockKey) -> Option<LogicalId> {
         let id = *self.by_hash.get(&hash)?;
         (self.blocks.get(&id)?.state == Residency::Gpu).then_some(id)
     }
@@ -392,8 +383,8 @@ impl BlockManager {
     pub fn register(
         &mut self,
         id: LogicalId,
-        hash: u64,
-        parent: Option<u64>,
+        hash: BlockKey,
+        parent: Option<BlockKey>,
         tokens: &[u32],
     ) -> Result<(), BlockError> {
         let recording = self.events.is_on();
@@ -610,7 +601,7 @@ impl BlockManager {
     /// persisted copies (evicting the head of a prefix chain for its tail would make the
     /// whole chain unreachable); spills reclaim persisted copies when they need room. The
     /// block is pinned (one more reference) until `finish_persist`.
-    pub fn start_persist(&mut self, id: LogicalId) -> Option<(PageId, DiskSlotId, u64)> {
+    pub fn start_persist(&mut self, id: LogicalId) -> Option<(PageId, DiskSlotId, BlockKey)> {
         let b = self.blocks.get(&id)?;
         let (Residency::Gpu, Some(page), Some(hash)) = (b.state, b.page, b.hash) else {
             return None;
@@ -662,7 +653,7 @@ impl BlockManager {
     }
 
     /// Whether a persisted copy of the block with this hash is on disk.
-    pub fn is_persisted(&self, hash: u64) -> bool {
+    pub fn is_persisted(&self, hash: BlockKey) -> bool {
         self.disk.persisted.contains_key(&hash)
     }
 
@@ -672,8 +663,8 @@ impl BlockManager {
     /// `parent` and `tokens` are as for `register`.
     pub fn acquire_persisted(
         &mut self,
-        hash: u64,
-        parent: Option<u64>,
+        hash: BlockKey,
+        parent: Option<BlockKey>,
         tokens: &[u32],
     ) -> Option<LogicalId> {
         if self.by_hash.contains_key(&hash) {
@@ -720,7 +711,7 @@ impl BlockManager {
 
     /// Takes over persisted copies from an earlier process's index: `(hash, slot)` pairs
     /// whose slots were already verified. Returns how many were adopted.
-    pub fn adopt_persisted(&mut self, entries: &[(u64, DiskSlotId)]) -> usize {
+    pub fn adopt_persisted(&mut self, entries: &[(BlockKey, DiskSlotId)]) -> usize {
         let mut n = 0;
         for &(hash, slot) in entries {
             if self.disk.persisted.contains_key(&hash) || !self.disk.free.take(slot) {
@@ -735,7 +726,7 @@ impl BlockManager {
     }
 
     /// The persisted set as `(hash, slot)` pairs, if it changed since the last call.
-    pub fn take_persisted_changes(&mut self) -> Option<Vec<(u64, DiskSlotId)>> {
+    pub fn take_persisted_changes(&mut self) -> Option<Vec<(BlockKey, DiskSlotId)>> {
         if !std::mem::take(&mut self.disk.changed) {
             return None;
         }

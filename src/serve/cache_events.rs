@@ -6,6 +6,8 @@
 //! *announced* on a tier exactly while a new request could hit it there, so a router's view
 //! equals what `Scheduler::prefix_lookup` would find.
 
+use super::block_key::BlockKey;
+
 /// A tier of cached blocks, named as vLLM's events name it. The host tier never appears:
 /// it holds preempted requests' own blocks, which no other request can hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +32,7 @@ impl Medium {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockContent {
     /// The chained hash of the block before it (`None` for a prompt's first block).
-    pub parent: Option<u64>,
+    pub parent: Option<BlockKey>,
     pub tokens: Box<[u32]>,
 }
 
@@ -41,12 +43,15 @@ pub enum CacheEvent {
     /// tokens, one full block after another.
     Stored {
         medium: Medium,
-        parent: Option<u64>,
-        hashes: Vec<u64>,
+        parent: Option<BlockKey>,
+        hashes: Vec<BlockKey>,
         tokens: Vec<u32>,
     },
     /// Blocks no longer hittable on `medium`.
-    Removed { medium: Medium, hashes: Vec<u64> },
+    Removed {
+        medium: Medium,
+        hashes: Vec<BlockKey>,
+    },
     /// Everything on the GPU is gone (the engine stopped).
     Cleared,
 }
@@ -68,7 +73,7 @@ impl CacheEventLog {
         self.on
     }
 
-    pub fn stored(&mut self, medium: Medium, hash: u64, content: &BlockContent) {
+    pub fn stored(&mut self, medium: Medium, hash: BlockKey, content: &BlockContent) {
         if !self.on {
             return;
         }
@@ -94,7 +99,7 @@ impl CacheEventLog {
         });
     }
 
-    pub fn removed(&mut self, medium: Medium, hash: u64) {
+    pub fn removed(&mut self, medium: Medium, hash: BlockKey) {
         if !self.on {
             return;
         }
@@ -119,7 +124,12 @@ impl CacheEventLog {
 mod tests {
     use super::*;
 
-    fn content(parent: Option<u64>, t: u32) -> BlockContent {
+    /// A stand-in key.
+    fn k(n: u8) -> BlockKey {
+        BlockKey::from_bytes([n; 32])
+    }
+
+    fn content(parent: Option<BlockKey>, t: u32) -> BlockContent {
         BlockContent {
             parent,
             tokens: vec![t, t].into(),
@@ -129,8 +139,8 @@ mod tests {
     #[test]
     fn nothing_is_recorded_until_a_consumer_enables_the_log() {
         let mut log = CacheEventLog::default();
-        log.stored(Medium::Gpu, 1, &content(None, 5));
-        log.removed(Medium::Gpu, 1);
+        log.stored(Medium::Gpu, k(1), &content(None, 5));
+        log.removed(Medium::Gpu, k(1));
         assert!(log.take().is_empty());
     }
 
@@ -138,39 +148,39 @@ mod tests {
     fn a_chain_merges_into_one_stored_event_and_a_break_starts_another() {
         let mut log = CacheEventLog::default();
         log.enable();
-        log.stored(Medium::Gpu, 1, &content(None, 5));
-        log.stored(Medium::Gpu, 2, &content(Some(1), 6));
-        log.stored(Medium::Disk, 3, &content(Some(2), 7)); // another tier
-        log.stored(Medium::Gpu, 9, &content(Some(8), 1)); // not the last one's child
-        log.removed(Medium::Gpu, 1);
-        log.removed(Medium::Gpu, 2);
-        log.removed(Medium::Disk, 3);
+        log.stored(Medium::Gpu, k(1), &content(None, 5));
+        log.stored(Medium::Gpu, k(2), &content(Some(k(1)), 6));
+        log.stored(Medium::Disk, k(3), &content(Some(k(2)), 7)); // another tier
+        log.stored(Medium::Gpu, k(9), &content(Some(k(8)), 1)); // not the last one's child
+        log.removed(Medium::Gpu, k(1));
+        log.removed(Medium::Gpu, k(2));
+        log.removed(Medium::Disk, k(3));
         let want = vec![
             CacheEvent::Stored {
                 medium: Medium::Gpu,
                 parent: None,
-                hashes: vec![1, 2],
+                hashes: vec![k(1), k(2)],
                 tokens: vec![5, 5, 6, 6],
             },
             CacheEvent::Stored {
                 medium: Medium::Disk,
-                parent: Some(2),
-                hashes: vec![3],
+                parent: Some(k(2)),
+                hashes: vec![k(3)],
                 tokens: vec![7, 7],
             },
             CacheEvent::Stored {
                 medium: Medium::Gpu,
-                parent: Some(8),
-                hashes: vec![9],
+                parent: Some(k(8)),
+                hashes: vec![k(9)],
                 tokens: vec![1, 1],
             },
             CacheEvent::Removed {
                 medium: Medium::Gpu,
-                hashes: vec![1, 2],
+                hashes: vec![k(1), k(2)],
             },
             CacheEvent::Removed {
                 medium: Medium::Disk,
-                hashes: vec![3],
+                hashes: vec![k(3)],
             },
         ];
         assert_eq!(log.take(), want);

@@ -13,6 +13,7 @@
 //! `strata bench serve`.
 
 pub mod bench;
+pub mod block_key;
 pub mod block_manager;
 pub mod cache_events;
 pub mod device_pages;

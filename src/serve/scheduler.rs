@@ -12,7 +12,8 @@ use std::ops::Range;
 
 use anyhow::{bail, ensure, Context, Result};
 
-use super::block_manager::{block_hash, BlockManager, LogicalId, PageId, SlotId};
+use super::block_key::{BlockKey, KeySeed};
+use super::block_manager::{BlockManager, LogicalId, PageId, SlotId};
 use super::residency::{Residency, Tier};
 use super::transfer::{BlockCopy, JobId, JobKind, Loc, TransferJob};
 
@@ -82,8 +83,8 @@ pub struct Sequence {
     pub block_ids: Vec<LogicalId>,
     /// Positions whose KV is in the blocks.
     pub num_computed: usize,
-    /// Chained hashes of the leading blocks registered in (or found in) the prefix cache.
-    hashes: Vec<u64>,
+    /// Chained keys of the leading blocks registered in (or found in) the prefix cache.
+    hashes: Vec<BlockKey>,
     job: Option<JobId>,
 }
 
@@ -193,6 +194,8 @@ pub struct Scheduler {
     /// first: the order in which they are demoted to disk when the host tier is full
     /// (the most recently preempted request resumes first, so it stays in host memory).
     host_lru: VecDeque<SeqId>,
+    /// What prefix-cache keys are chained to (the model, KV element, block size).
+    key_seed: KeySeed,
 }
 
 enum Preempted {
@@ -201,9 +204,16 @@ enum Preempted {
 }
 
 impl Scheduler {
+    /// A scheduler whose prefix-cache keys have the anonymous seed: for one model in one
+    /// process (tests, benches); `with_key_seed` when keys outlive it (the disk tier).
     pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        Self::with_key_seed(cfg, KeySeed::default())
+    }
+
+    pub fn with_key_seed(cfg: SchedulerConfig, key_seed: KeySeed) -> Result<Self> {
         cfg.validate()?;
         Ok(Self {
+            key_seed,
             bm: BlockManager::with_disk(
                 cfg.num_gpu_blocks,
                 cfg.max_cpu_offload_blocks,
@@ -518,7 +528,7 @@ impl Scheduler {
         if seq.canonical_end(chunk) < chunk || seq.tokens.len() <= chunk {
             return false; // no whole chunk to share (a lookup always leaves a token to compute)
         }
-        let first = block_hash(None, &seq.tokens[..bs]);
+        let first = BlockKey::chained(&self.key_seed, None, &seq.tokens[..bs]);
         if self.bm.lookup(first).is_some() || self.bm.is_persisted(first) {
             return false; // cached already: the lookup will take it
         }
@@ -542,7 +552,11 @@ impl Scheduler {
         let mut found = Vec::new(); // (hash, Some(GPU block) | None for a disk copy)
         let mut prev = None;
         for b in 0..limit / bs {
-            let h = block_hash(prev, &seq.tokens[b * bs..(b + 1) * bs]);
+            let h = BlockKey::chained(
+                &self.key_seed,
+                prev.as_ref(),
+                &seq.tokens[b * bs..(b + 1) * bs],
+            );
             match self.bm.lookup(h) {
                 Some(id) => found.push((h, Some(id))),
                 None if self.bm.is_persisted(h) => found.push((h, None)),
@@ -553,7 +567,7 @@ impl Scheduler {
         found.truncate(found.len() * bs / chunk * chunk / bs);
         self.stats.prefix_queried_tokens += seq.tokens.len();
         let mut hits = Vec::with_capacity(found.len());
-        let mut hashes: Vec<u64> = Vec::with_capacity(found.len());
+        let mut hashes: Vec<BlockKey> = Vec::with_capacity(found.len());
         for (b, (h, on_gpu)) in found.into_iter().enumerate() {
             if let Some(id) = on_gpu {
                 self.bm.acquire(id)?;
@@ -662,7 +676,7 @@ impl Scheduler {
     /// by construction of the tag bit alone.
     fn disk_key(&self, block: LogicalId) -> u64 {
         match self.bm.block(block).ok().and_then(|b| b.hash) {
-            Some(h) => h,
+            Some(h) => h.wire(),
             None => (1 << 63) | block as u64,
         }
     }
@@ -682,7 +696,10 @@ impl Scheduler {
                 copies.push(BlockCopy {
                     block: id,
                     src: Loc::Gpu(page),
-                    dst: Loc::Disk { slot, key: hash },
+                    dst: Loc::Disk {
+                        slot,
+                        key: hash.wire(),
+                    },
                 });
             }
         }
@@ -935,7 +952,7 @@ impl Scheduler {
             let b = seq.hashes.len();
             let parent = seq.hashes.last().copied();
             let tokens = &seq.tokens[b * bs..(b + 1) * bs];
-            let h = block_hash(parent, tokens);
+            let h = BlockKey::chained(&self.key_seed, parent.as_ref(), tokens);
             self.bm.register(seq.block_ids[b], h, parent, tokens)?;
             seq.hashes.push(h);
             self.to_persist.push(seq.block_ids[b]);

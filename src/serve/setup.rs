@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 
+use super::block_key::KeySeed;
 use super::device_pages::{DevicePages, DeviceTransfers};
 use super::disk::backend::{DiskBackend, TieredBackend};
 use super::disk::store::{SlotIo, StoreLayout};
@@ -144,7 +145,19 @@ where
             dc.check(n, block)?;
         }
     }
-    let mut sched = Scheduler::new(cfg.sched.clone())?;
+    // With a disk tier, blocks outlive the process: its fingerprint (the weights' checksum
+    // too) keys them; without one, the configuration, KV element and block size do.
+    let fingerprint = cfg
+        .disk
+        .as_ref()
+        .map(|_| super::disk::fingerprint(model, s.block_size, M::Elem::NAME));
+    let key_seed = KeySeed::new(&[
+        format!("{c:?}").as_bytes(),
+        M::Elem::NAME.as_bytes(),
+        &(s.block_size as u64).to_le_bytes(),
+        &fingerprint.unwrap_or(0).to_le_bytes(),
+    ]);
+    let mut sched = Scheduler::with_key_seed(cfg.sched.clone(), key_seed)?;
     let sizes = (s.block_size, s.num_gpu_blocks, s.max_cpu_offload_blocks);
     let check = cfg.check_order || cfg.sanitize;
     let pages = DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, check)?;
@@ -163,7 +176,7 @@ where
                 payload_bytes: block_bytes,
                 num_slots: n,
             };
-            let fp = super::disk::fingerprint(model, s.block_size, M::Elem::NAME);
+            let fp = fingerprint.expect("computed above for a disk tier");
             let wrap_io = hooks.wrap_io.unwrap_or_else(|| Box::new(|io| io));
             let mut tier = DiskTier::open(dc, layout, fp, wrap_io)?;
             let entries = tier.restore_entries();

@@ -13,18 +13,20 @@ use serde::{Deserialize, Serialize};
 
 use super::store::{SlotStamp, StoreLayout};
 use crate::safe_file::{self, Links};
+use crate::serve::block_key::BlockKey;
 use crate::serve::block_manager::DiskSlotId;
 
 pub const INDEX_FILE: &str = "strata-kv.index";
 /// Where the index is written before it is renamed over `INDEX_FILE`.
 pub const TMP_FILE: &str = "strata-kv.index.tmp";
-const VERSION: u32 = 1;
+/// 2: prefix blocks keyed by SHA-256 (`BlockKey`), not a 64-bit hash.
+const VERSION: u32 = 2;
 
-/// One persisted prefix block: its chained content hash, where it is, and the stamp the
+/// One persisted prefix block: its chained content key, where it is, and the stamp the
 /// slot must carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IndexEntry {
-    pub hash: u64,
+    pub hash: BlockKey,
     pub slot: DiskSlotId,
     pub key: u64,
     pub generation: u64,
@@ -48,10 +50,11 @@ struct IndexFile {
     entries: Vec<IndexEntry>,
 }
 
-/// Largest index a layout of `num_slots` slots can have: an entry per slot (four numbers
-/// of at most 20 digits and their keys, ~100 bytes) and the fields around them.
+/// Largest index a layout of `num_slots` slots can have: an entry per slot (a 64-digit
+/// key, three numbers of at most 20 digits and their names, ~160 bytes) and the fields
+/// around them.
 pub fn max_index_bytes(num_slots: usize) -> u64 {
-    (num_slots as u64).saturating_mul(160).saturating_add(4096)
+    (num_slots as u64).saturating_mul(256).saturating_add(4096)
 }
 
 /// Writes the index for `entries` (replacing the old one atomically).

@@ -30,6 +30,7 @@ use clap::Args;
 
 use self::index::IndexEntry;
 use self::store::{DiskStore, IoMode, SlotIo, StoreLayout};
+use super::block_key::BlockKey;
 use super::block_manager::DiskSlotId;
 use crate::errors::usage;
 use crate::flags;
@@ -141,7 +142,7 @@ pub struct DiskTier {
     pub staging_blocks: usize,
     dir: PathBuf,
     pub restore: RestoreReport,
-    index_tx: Option<Sender<Vec<(u64, DiskSlotId)>>>,
+    index_tx: Option<Sender<Vec<(BlockKey, DiskSlotId)>>>,
     index_thread: Option<JoinHandle<()>>,
 }
 
@@ -153,7 +154,7 @@ impl DiskTier {
         wrap_io: impl FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo>,
     ) -> Result<Self> {
         let store = Arc::new(DiskStore::open(&cfg.dir, layout, fingerprint, wrap_io)?);
-        let (tx, rx) = channel::<Vec<(u64, DiskSlotId)>>();
+        let (tx, rx) = channel::<Vec<(BlockKey, DiskSlotId)>>();
         let (st, dir) = (Arc::clone(&store), cfg.dir.clone());
         let thread = std::thread::Builder::new()
             .name("disk-index".into())
@@ -180,7 +181,7 @@ impl DiskTier {
 
     /// Reads the index of an earlier process and returns the entries whose slots carry
     /// exactly the stamp it names; everything else is ignored (and reported).
-    pub fn restore_entries(&mut self) -> Vec<(u64, DiskSlotId)> {
+    pub fn restore_entries(&mut self) -> Vec<(BlockKey, DiskSlotId)> {
         let s = &self.store;
         let entries = match index::read(&self.dir, s.fingerprint(), s.layout()) {
             Ok(Some(e)) => e,
@@ -202,7 +203,7 @@ impl DiskTier {
     }
 
     /// Saves the persisted set in the background (coalesced; the newest wins).
-    pub fn save_index_async(&self, persisted: Vec<(u64, DiskSlotId)>) {
+    pub fn save_index_async(&self, persisted: Vec<(BlockKey, DiskSlotId)>) {
         if let Some(tx) = &self.index_tx {
             let _ = tx.send(persisted);
         }
@@ -240,7 +241,7 @@ impl DiskTier {
     }
 }
 
-fn save_index(store: &DiskStore, dir: &Path, persisted: &[(u64, DiskSlotId)]) -> Result<()> {
+fn save_index(store: &DiskStore, dir: &Path, persisted: &[(BlockKey, DiskSlotId)]) -> Result<()> {
     store.sync_data()?; // the slots before the index that names them
     let entries: Vec<IndexEntry> = persisted
         .iter()

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::serve::block_key::BlockKey;
 use crate::serve::cache_events::CacheEvent;
 use anyhow::{anyhow, Context, Result};
 use pub_socket::{Limits, PeerStats, PubSocket};
@@ -85,12 +86,12 @@ impl ZmqEndpoint {
 }
 
 /// One event as msgpack maps it: an internally tagged enum is a map whose `type` names the
-/// variant, as msgspec's `tag=True` structs are.
+/// variant, as msgspec's `tag=True` structs are. Block keys travel in vLLM's 64-bit form.
 #[derive(Serialize)]
 #[serde(tag = "type")]
 enum WireEvent<'a> {
     BlockStored {
-        block_hashes: &'a [u64],
+        block_hashes: Vec<u64>,
         parent_block_hash: Option<u64>,
         token_ids: &'a [u32],
         block_size: usize,
@@ -99,10 +100,14 @@ enum WireEvent<'a> {
         lora_name: Option<&'a str>,
     },
     BlockRemoved {
-        block_hashes: &'a [u64],
+        block_hashes: Vec<u64>,
         medium: &'static str,
     },
     AllBlocksCleared {},
+}
+
+fn wire(keys: &[BlockKey]) -> Vec<u64> {
+    keys.iter().map(BlockKey::wire).collect()
 }
 
 /// The payload of one message: `[ts, [event, ...], data_parallel_rank]` (rank 0: one engine).
@@ -116,8 +121,8 @@ pub fn encode_batch(ts: f64, events: &[CacheEvent], block_size: usize) -> Vec<u8
                 hashes,
                 tokens,
             } => WireEvent::BlockStored {
-                block_hashes: hashes,
-                parent_block_hash: *parent,
+                block_hashes: wire(hashes),
+                parent_block_hash: parent.as_ref().map(BlockKey::wire),
                 token_ids: tokens,
                 block_size,
                 lora_id: None,
@@ -125,7 +130,7 @@ pub fn encode_batch(ts: f64, events: &[CacheEvent], block_size: usize) -> Vec<u8
                 lora_name: None,
             },
             CacheEvent::Removed { medium, hashes } => WireEvent::BlockRemoved {
-                block_hashes: hashes,
+                block_hashes: wire(hashes),
                 medium: medium.as_str(),
             },
             CacheEvent::Cleared => WireEvent::AllBlocksCleared {},
@@ -293,16 +298,22 @@ mod tests {
 
     #[test]
     fn a_batch_encodes_as_vllm_tagged_maps_inside_an_array() {
+        // Keys whose last 8 bytes (vLLM's int form) are the numbers below.
+        let k = |n: u64| {
+            let mut raw = [0xEE; 32];
+            raw[24..].copy_from_slice(&n.to_be_bytes());
+            BlockKey::from_bytes(raw)
+        };
         let events = [
             CacheEvent::Stored {
                 medium: Medium::Gpu,
-                parent: Some(7),
-                hashes: vec![u64::MAX, 9],
+                parent: Some(k(7)),
+                hashes: vec![k(u64::MAX), k(9)],
                 tokens: vec![1, 2, 3, 4],
             },
             CacheEvent::Removed {
                 medium: Medium::Disk,
-                hashes: vec![9],
+                hashes: vec![k(9)],
             },
             CacheEvent::Cleared,
         ];

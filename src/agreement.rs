@@ -254,10 +254,10 @@ pub fn run(a: AgreementArgs) -> Result<()> {
             "teacher_forced": forced,
             "greedy": greedy,
         });
-        println!("{j}");
+        crate::outln!("{j}")?;
         return Ok(());
     }
-    println!(
+    crate::outln!(
         "{} against {}: {} teacher-forced positions: top-1 agreement {:.4}, mean KL {:.3e} \
          nats (p99 {:.3e}, max {:.3e})",
         mode_name,
@@ -267,8 +267,8 @@ pub fn run(a: AgreementArgs) -> Result<()> {
         forced.mean_kl,
         forced.p99_kl,
         forced.max_kl
-    );
-    println!("greedy (chat template, {} tokens):", a.greedy_tokens);
+    )?;
+    crate::outln!("greedy (chat template, {} tokens):", a.greedy_tokens)?;
     for g in &greedy {
         let at = match g.diverged_at_p {
             Some((pr, pm)) => {
@@ -276,7 +276,7 @@ pub fn run(a: AgreementArgs) -> Result<()> {
             }
             None => String::new(),
         };
-        println!("  {}/{} tokens equal{at}: {}", g.agree, g.tokens, g.prompt);
+        crate::outln!("  {}/{} tokens equal{at}: {}", g.agree, g.tokens, g.prompt)?;
     }
     Ok(())
 }

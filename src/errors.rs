@@ -71,13 +71,17 @@ pub fn is_usage(e: &anyhow::Error) -> bool {
 }
 
 /// Prints the failure's one line on stderr and returns its exit status: 2 for a usage
-/// error, 1 for everything else.
+/// error, 1 for everything else; a closed stdout (`output::OutputClosed`) ends quietly, 0.
 pub fn report(e: &anyhow::Error) -> ExitCode {
     report_for(e, None)
 }
 
 /// As `report`; a usage error's line ends with ``(see `<command> --help`)``.
 pub fn report_for(e: &anyhow::Error, command: Option<&str>) -> ExitCode {
+    // The reader of our output went away (`| head`): nothing to say, nobody to say it to.
+    if crate::output::is_closed(e) {
+        return ExitCode::SUCCESS;
+    }
     if is_usage(e) {
         match command {
             Some(cmd) => eprintln!("{} (see `{cmd} --help`)", error_line(e)),

@@ -19,6 +19,7 @@ pub mod kv;
 pub mod model;
 pub mod needle;
 pub mod offload;
+pub mod output;
 pub mod ruler;
 pub mod safe_file;
 pub mod serve;

@@ -1,6 +1,5 @@
 //! The `strata` command line.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -14,7 +13,7 @@ use strata::model::tokenizer::StreamDecoder;
 use strata::model::{Model, Tokenizer};
 use strata::offload::OffloadConfig;
 use strata::session::ProfileSteps;
-use strata::{errors, flags, Session, SessionConfig};
+use strata::{errors, flags, output, Session, SessionConfig};
 
 #[derive(Parser)]
 #[command(
@@ -279,16 +278,13 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let mut session = Session::new(Arc::clone(&model), session_cfg)?;
 
     let mut stream = StreamDecoder::new();
-    let stdout = std::io::stdout();
     let json = args.json;
     let mut on_token = |id: u32| -> Result<()> {
         if json || opts.stop_ids.contains(&id) {
             return Ok(());
         }
         if let Some(piece) = stream.push(&tok, id)? {
-            let mut out = stdout.lock();
-            out.write_all(piece.as_bytes())?;
-            out.flush()?;
+            output::print(piece)?;
         }
         Ok(())
     };
@@ -321,9 +317,9 @@ fn print_result(model: &Model, tok: &Tokenizer, out: &GenerationOutput, json: bo
             "weights_resident_bytes": model.weights.resident_bytes(),
             "sparse_verify": out.verified,
         });
-        println!("{obj}");
+        output::println(obj)?;
     } else {
-        println!();
+        output::println("")?;
     }
     eprintln!(
         "prompt tokens: {} | generated: {} | prefill: {:.1} tok/s | decode: {:.1} tok/s | peak memory: {:.1} MiB | weights resident: {:.1} MiB",

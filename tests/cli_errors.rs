@@ -962,3 +962,102 @@ fn bench_offload_rounds_past_the_context_are_refused() {
     ];
     assert_error(strata, &args, "minus (--rounds + 1) × --decode-steps", 1);
 }
+
+/// Where a command's stdout goes in the output tests.
+enum Stdout {
+    /// A pipe whose reader has gone (`| true`, `| head` after its lines).
+    Closed,
+    /// `/dev/full`: every write fails with ENOSPC.
+    Full,
+}
+
+/// Runs `bin args` with stdout `to`; returns (exit code, stderr).
+fn run_with_stdout(bin: &str, args: &[&str], to: Stdout) -> (Option<i32>, String) {
+    use std::process::Stdio;
+    let stdout = match to {
+        Stdout::Closed => Stdio::piped(),
+        Stdout::Full => Stdio::from(std::fs::File::create("/dev/full").unwrap()),
+    };
+    let mut child = Command::new(bin)
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .stdout(stdout)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // the reader goes away before the first byte
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_closed_stdout_ends_quietly_and_a_full_one_is_one_error_line() {
+    let m = tiny_dir("output_closed");
+    let model = m.to_str().unwrap();
+    let strata = env!("CARGO_BIN_EXE_strata");
+    let needle = env!("CARGO_BIN_EXE_needle");
+    let runs: [(&str, Vec<&str>); 4] = [
+        (
+            strata,
+            vec![
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "8",
+            ],
+        ),
+        (
+            strata,
+            vec![
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "8",
+                "--json",
+            ],
+        ),
+        (
+            needle,
+            vec!["--model", model, "--input-len", "450", "--depth", "0.5"],
+        ),
+        (
+            needle,
+            vec![
+                "--model",
+                model,
+                "--input-len",
+                "450",
+                "--depth",
+                "0.5",
+                "--json",
+            ],
+        ),
+    ];
+    for (bin, args) in &runs {
+        let (code, stderr) = run_with_stdout(bin, args, Stdout::Closed);
+        assert!(!stderr.contains("panicked"), "{args:?} | true: {stderr}");
+        assert_eq!(code, Some(0), "{args:?} | true: {stderr}");
+        assert!(!stderr.contains("error"), "{args:?} | true: {stderr}");
+        let (code, stderr) = run_with_stdout(bin, args, Stdout::Full);
+        assert!(
+            !stderr.contains("panicked"),
+            "{args:?} >/dev/full: {stderr}"
+        );
+        assert_eq!(code, Some(1), "{args:?} >/dev/full: {stderr}");
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+        assert_eq!(errors.len(), 1, "{args:?} >/dev/full: {stderr}");
+        assert!(
+            errors[0].contains("writing to standard output") && errors[0].contains("No space"),
+            "{args:?} >/dev/full: {stderr}"
+        );
+    }
+}

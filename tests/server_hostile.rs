@@ -333,3 +333,58 @@ fn clients_that_never_read_cannot_delay_shutdown_past_its_timeout() {
         start.elapsed()
     );
 }
+
+#[test]
+fn serve_outlives_a_closed_stdout_and_stderr() {
+    use std::process::{Command, Stdio};
+    // `strata serve | true` (and its log's reader gone too): the listening line and every
+    // log line meet a closed pipe; the server must serve on regardless.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let model = tiny_with_template("closed_stdout", "{{ 'x' }}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("serve")
+        .arg("--model")
+        .arg(&model)
+        .args(["--max-model-len", "256", "--port", &port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let addr = format!("127.0.0.1:{port}");
+    let health = || {
+        let mut s = TcpStream::connect(&addr).ok()?;
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .ok()?;
+        let (buf, _) = read_until_closed(&mut s, Duration::from_secs(5));
+        Some(HttpResponse::parse(&buf).status)
+    };
+    let start = Instant::now();
+    while health() != Some(200) {
+        assert!(child.try_wait().unwrap().is_none(), "serve died");
+        assert!(start.elapsed() < Duration::from_secs(60), "never ready");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A request, and a shutdown, each of which logs.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    let body = json!({"model": "closed_stdout", "prompt": "hi", "max_tokens": 2}).to_string();
+    s.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let (buf, _) = read_until_closed(&mut s, Duration::from_secs(30));
+    assert_eq!(HttpResponse::parse(&buf).status, 200);
+    // SAFETY: signalling the child we spawned.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+}

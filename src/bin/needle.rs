@@ -303,7 +303,7 @@ fn run(args: Args) -> Result<bool> {
                         && report.tokens_agree == Some(true);
                 }
                 if !args.json {
-                    print_row(&report, reports.is_empty());
+                    print_row(&report, reports.is_empty())?;
                 }
                 reports.push(report);
             }
@@ -312,16 +312,16 @@ fn run(args: Args) -> Result<bool> {
     let failed = reports.iter().filter(|r| !r.passed).count();
     if args.json {
         let doc = serde_json::json!({"cases": reports, "passed": reports.len() - failed, "failed": failed});
-        println!("{doc}");
+        strata::outln!("{doc}")?;
     } else {
-        println!("{} passed, {} failed", reports.len() - failed, failed);
+        strata::outln!("{} passed, {} failed", reports.len() - failed, failed)?;
     }
     Ok(failed == 0)
 }
 
-fn print_row(r: &CaseReport, header: bool) {
+fn print_row(r: &CaseReport, header: bool) -> anyhow::Result<()> {
     if header {
-        println!(
+        strata::outln!(
             "{:>6} {:>5} {:>3} {:>4} {:>9} {:>7} {:>9} {:>8} {:>6} {:>9}  key = value -> answer",
             "input",
             "depth",
@@ -333,7 +333,7 @@ fn print_row(r: &CaseReport, header: bool) {
             "peak_MiB",
             "agree",
             "max_dlogp"
-        );
+        )?;
     }
     let agree = r.tokens_agree.map_or(
         "-".to_string(),
@@ -342,7 +342,7 @@ fn print_row(r: &CaseReport, header: bool) {
     let dlp = r
         .max_logprob_diff
         .map_or("-".to_string(), |d| format!("{d:.2e}"));
-    println!(
+    strata::outln!(
         "{:>6} {:>5.2} {:>3} {:>4} {:>9.2} {:>7.2} {:>9.1} {:>8.0} {:>6} {:>9}  {} = {} -> {:?}",
         r.input_len,
         r.depth,
@@ -357,5 +357,6 @@ fn print_row(r: &CaseReport, header: bool) {
         r.key,
         r.value,
         r.answer.trim()
-    );
+    )?;
+    Ok(())
 }

@@ -157,9 +157,9 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
         rows,
     };
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        crate::outln!("{}", serde_json::to_string(&report)?)?;
     } else {
-        println!("{report}");
+        crate::outln!("{report}")?;
     }
     Ok(())
 }

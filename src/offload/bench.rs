@@ -147,9 +147,9 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
         report
     });
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        crate::outln!("{}", serde_json::to_string(&report)?)?;
     } else {
-        println!("{report}");
+        crate::outln!("{report}")?;
     }
     Ok(())
 }

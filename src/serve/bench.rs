@@ -447,13 +447,13 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         if let Some(m) = mismatches {
             obj["compare_mismatches"] = m.into();
         }
-        println!("{obj}");
+        crate::outln!("{obj}")?;
     } else {
-        println!(
+        crate::outln!(
             "requests: {} | prompt tokens: {} | generated: {} | time: {:.2} s | throughput: {:.1} tok/s",
             a.num_seqs, st.prompt_tokens, st.generated_tokens, r.secs, throughput
-        );
-        println!(
+        )?;
+        crate::outln!(
             "gpu blocks: {} of {} (working set) | preemptions: {} | blocks stored: {} | blocks loaded: {} | recomputations: {} | prefix-hit blocks: {} | tokens computed: {}",
             sched.num_gpu_blocks,
             working_set,
@@ -463,9 +463,9 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             st.sched.recomputations,
             st.sched.prefix_hit_blocks,
             st.computed_tokens
-        );
+        )?;
         if st.disk.slots_written + st.disk.slots_read > 0 || st.restored_prefix_blocks > 0 {
-            println!(
+            crate::outln!(
                 "disk: blocks stored {} | loaded {} | prefix blocks persisted {} / from disk {} (restored {}) | write {:.2} GB/s, read {:.2} GB/s | checksum failures {} | IO errors {}",
                 st.sched.blocks_stored_disk,
                 st.sched.blocks_loaded_disk,
@@ -476,14 +476,15 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
                 st.disk.read_gbps(),
                 st.disk.checksum_failures,
                 st.disk.io_errors
-            );
+            )?;
         }
-        println!("mean time to first token: {:.3} s", r.mean_ttft_s);
+        crate::outln!("mean time to first token: {:.3} s", r.mean_ttft_s)?;
         if let Some(m) = mismatches {
-            println!(
+            crate::outln!(
                 "compare: {} of {} requests differ from the unconstrained run",
-                m, a.num_seqs
-            );
+                m,
+                a.num_seqs
+            )?;
         }
     }
     if let Some(m) = mismatches.filter(|&m| m > 0) {
@@ -572,17 +573,17 @@ fn run_table(
                 })
             })
             .collect();
-        println!(
+        crate::outln!(
             "{}",
             serde_json::json!({"working_set_blocks": working_set, "runs": rows, "mismatches": differ})
-        );
+        )?;
     } else {
-        println!("{}", runs[1].2.summary(prompts.len(), working_set));
-        println!("| configuration | GPU blocks | tok/s | × unconstrained | preemptions | stored / loaded | recomputations | tokens computed |");
-        println!("|---|---|---|---|---|---|---|---|");
+        crate::outln!("{}", runs[1].2.summary(prompts.len(), working_set))?;
+        crate::outln!("| configuration | GPU blocks | tok/s | × unconstrained | preemptions | stored / loaded | recomputations | tokens computed |")?;
+        crate::outln!("|---|---|---|---|---|---|---|---|")?;
         for (name, cfg, r) in &runs {
             let st = &r.stats;
-            println!(
+            crate::outln!(
                 "| {name} | {} | {:.1} | {:.2} | {} | {} / {} | {} | {} |",
                 cfg.num_gpu_blocks,
                 tput(r),
@@ -592,13 +593,13 @@ fn run_table(
                 st.sched.blocks_loaded,
                 st.sched.recomputations,
                 st.computed_tokens
-            );
+            )?;
         }
-        println!(
+        crate::outln!(
             "all at once / one at a time: {:.2}x | offload / recompute: {:.2}x | runs differing from the unconstrained tokens: {differ}",
             base / tput(&runs[0].2),
             tput(&runs[2].2) / tput(&runs[3].2)
-        );
+        )?;
     }
     ensure!(
         differ == 0,
@@ -709,18 +710,18 @@ fn run_tier_table(
                 })
             })
             .collect();
-        println!(
+        crate::outln!(
             "{}",
             serde_json::json!({"working_set_blocks": working_set, "runs": rows,
                 "disk_over_recompute": ratio, "mismatches": differ})
-        );
+        )?;
     } else {
-        println!("{}", runs[0].2.summary(prompts.len(), working_set));
-        println!("| configuration | GPU / host / disk blocks | tok/s | elapsed s | tokens computed | preemptions | recomputations | to host | to disk (demoted) / from disk | write-through blocks | disk write / read GB/s |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        crate::outln!("{}", runs[0].2.summary(prompts.len(), working_set))?;
+        crate::outln!("| configuration | GPU / host / disk blocks | tok/s | elapsed s | tokens computed | preemptions | recomputations | to host | to disk (demoted) / from disk | write-through blocks | disk write / read GB/s |")?;
+        crate::outln!("|---|---|---|---|---|---|---|---|---|---|---|")?;
         for (name, cfg, r) in &runs {
             let st = &r.stats;
-            println!(
+            crate::outln!(
                 "| {name} | {} / {} / {} | {:.1} | {:.1} | {} | {} | {} | {} | {} ({}) / {} | {} | {:.2} / {:.2} |",
                 cfg.num_gpu_blocks,
                 cfg.max_cpu_offload_blocks,
@@ -737,11 +738,11 @@ fn run_tier_table(
                 st.sched.prefix_blocks_persisted,
                 st.disk.write_gbps(),
                 st.disk.read_gbps(),
-            );
+            )?;
         }
-        println!(
+        crate::outln!(
             "disk tier / recompute: {ratio:.2}x | runs differing from the unconstrained tokens: {differ}"
-        );
+        )?;
     }
     ensure!(
         differ == 0,

@@ -260,7 +260,7 @@ impl Engine {
             let id = job.id;
             if let Err(e) = self.backend.submit(job) {
                 // Never started: roll back as a failure.
-                eprintln!("warning: transfer job {id} failed to start: {e:#}");
+                crate::log!("warning: transfer job {id} failed to start: {e:#}");
                 self.sched.on_job_done(id, false)?;
             }
         }

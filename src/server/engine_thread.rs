@@ -111,7 +111,7 @@ pub fn spawn(
             let r = EngineLoop::new(engine, metrics, eos, kv_events).run(rx);
             flag.store(false, Ordering::Release);
             if let Err(e) = &r {
-                eprintln!("error: the engine stopped: {e:#}");
+                crate::log!("error: the engine stopped: {e:#}");
             }
             r
         })

@@ -342,13 +342,20 @@ async fn serve_on(
     };
     let first_signal = termination(); // before anyone is told where we listen
     if announce {
-        println!("strata serve: listening on http://{addr} (model `{served_model_name}`)");
-        std::io::stdout().flush()?;
+        // For whoever waits for it; a reader that is gone (`strata serve | true`) or a
+        // full stdout changes nothing for the server.
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(
+            out,
+            "strata serve: listening on http://{addr} (model `{served_model_name}`)"
+        )
+        .and_then(|()| out.flush());
     }
     if let Some(p) = &kv_events {
-        eprintln!(
+        crate::log!(
             "strata serve: KV events on {} (topic {:?})",
-            p.bound, p.topic
+            p.bound,
+            p.topic
         );
     }
 
@@ -391,7 +398,7 @@ async fn serve_on(
                     return;
                 }
             }
-            eprintln!(
+            crate::log!(
                 "strata serve: shutting down; requests in flight get {}s to finish (a second signal cancels them)",
                 grace.as_secs()
             );
@@ -401,7 +408,7 @@ async fn serve_on(
                     _ = termination() => {}
                 }
                 if let Some(l) = state.loaded.get() {
-                    eprintln!("strata serve: cancelling the requests still in flight");
+                    crate::log!("strata serve: cancelling the requests still in flight");
                     l.engine.cancel_all();
                 }
             });
@@ -429,7 +436,7 @@ async fn serve_on(
     if let Some(l) = state.loaded.get() {
         l.engine.shutdown();
     }
-    eprintln!("strata serve: stopped");
+    crate::log!("strata serve: stopped");
     Ok(())
 }
 
@@ -480,7 +487,7 @@ fn load(
     let vocab_size = model.cfg.vocab_size;
     let engine = crate::serve::setup::engine_for(args.device, &model, &cfg)?;
     if let Some(line) = engine.disk_plan() {
-        eprintln!("strata serve: {line}");
+        crate::log!("strata serve: {line}");
     }
     let mut slot = engine_thread.lock().expect("not poisoned");
     if slot.stopping {
@@ -506,7 +513,7 @@ fn load(
         bail!("the model was loaded twice");
     }
     drop(slot);
-    eprintln!(
+    crate::log!(
         "strata serve: ready (max-model-len {max_model_len}, {} GPU blocks + {} host blocks of {} tokens, max-num-seqs {})",
         sched.num_gpu_blocks, sched.max_cpu_offload_blocks, sched.block_size, sched.max_num_seqs
     );

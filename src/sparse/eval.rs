@@ -271,9 +271,9 @@ pub fn run(args: SparseEvalArgs) -> Result<()> {
     }
     let report = crate::with_kv_elem!(kv_dtype, T => evaluate::<T>(&model, &tok, &args, &tasks)?);
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        crate::outln!("{}", serde_json::to_string(&report)?)?;
     } else {
-        print!("{report}");
+        crate::output::print(format_args!("{report}"))?;
     }
     Ok(())
 }

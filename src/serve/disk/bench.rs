@@ -129,7 +129,7 @@ pub fn run_disk_bench(a: DiskBenchArgs) -> Result<()> {
         gb / m.dd_read,
     );
     if a.json {
-        println!(
+        crate::outln!(
             "{}",
             serde_json::json!({
                 "bytes": bytes, "slot_bytes": layout.slot_bytes(),
@@ -138,9 +138,9 @@ pub fn run_disk_bench(a: DiskBenchArgs) -> Result<()> {
                 "dd_write_gbps": dw, "dd_read_gbps": dr,
                 "write_ratio": r(sw, dw), "read_ratio": r(sr, dr),
             })
-        );
+        )?;
     } else {
-        println!(
+        crate::outln!(
             "{:.2} GB in {} slots of {} B on {} ({}), {} IO threads",
             gb,
             num_slots,
@@ -148,17 +148,17 @@ pub fn run_disk_bench(a: DiskBenchArgs) -> Result<()> {
             m.fs,
             m.mode,
             a.threads
-        );
-        println!("| | store GB/s | dd direct GB/s | ratio |");
-        println!("|---|---|---|---|");
-        println!(
+        )?;
+        crate::outln!("| | store GB/s | dd direct GB/s | ratio |")?;
+        crate::outln!("|---|---|---|---|")?;
+        crate::outln!(
             "| sequential write (+fdatasync) | {sw:.2} | {dw:.2} | {:.2} |",
             r(sw, dw)
-        );
-        println!(
+        )?;
+        crate::outln!(
             "| sequential read (checksummed) | {sr:.2} | {dr:.2} | {:.2} |",
             r(sr, dr)
-        );
+        )?;
     }
     Ok(())
 }

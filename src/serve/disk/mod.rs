@@ -164,7 +164,7 @@ impl DiskTier {
                         latest = newer; // only the newest snapshot matters
                     }
                     if let Err(e) = save_index(&st, &dir, &latest) {
-                        eprintln!("warning: disk tier index not saved: {e:#}");
+                        crate::log!("warning: disk tier index not saved: {e:#}");
                     }
                 }
             })?;

@@ -136,7 +136,7 @@ fn run<T: KvElem>(ctx: usize, kernel: Kernel) {
 
 fn main() {
     // As `generate` and `bench decode` do: this thread is rayon's worker 0.
-    strata::engine::compute_on_this_thread();
+    strata::engine::compute_on_this_thread().expect("a compute pool");
     let ctx: usize = std::env::var("STRATA_BENCH_CTX")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -219,6 +219,7 @@ pub fn run(a: AgreementArgs) -> Result<()> {
          {context} tokens",
         a.greedy_tokens
     );
+    crate::engine::print_threads_note();
     eprintln!(
         "strata bench agreement: {} teacher-forced positions, then {} chat prompts × {} \
          greedy tokens, in both modes",

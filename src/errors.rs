@@ -118,6 +118,12 @@ thread_local! {
 /// crate `expect`s while deserialising a decoder): a panic becomes an error naming
 /// `what`, and prints nothing.
 pub fn contain_panic<T>(what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    quiet_catch(f).unwrap_or_else(|msg| anyhow::bail!("{what}: malformed ({msg})"))
+}
+
+/// Runs `f`; a panic inside it is caught without a word (no hook output, no backtrace)
+/// and returned as its message.
+pub fn quiet_catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| {
         let previous = std::panic::take_hook();
@@ -130,13 +136,12 @@ pub fn contain_panic<T>(what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> an
     let was = QUIET.with(|q| q.replace(true));
     let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     QUIET.with(|q| q.set(was));
-    out.unwrap_or_else(|panic| {
-        let msg = panic
+    out.map_err(|panic| {
+        panic
             .downcast_ref::<String>()
             .cloned()
             .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        anyhow::bail!("{what}: malformed ({msg})")
+            .unwrap_or_default()
     })
 }
 

@@ -26,5 +26,6 @@ pub mod serve;
 pub mod server;
 pub mod session;
 pub mod sparse;
+pub mod threads;
 
 pub use session::{Session, SessionConfig};

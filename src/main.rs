@@ -154,7 +154,9 @@ fn main() -> ExitCode {
     // Every command but `serve` runs its model on this thread (`serve` on its engine thread,
     // which makes its own pool: `server::engine_thread`).
     if !matches!(cli.command, Command::Serve(_)) {
-        strata::engine::compute_on_this_thread();
+        if let Err(e) = strata::engine::compute_on_this_thread() {
+            return errors::report(&e);
+        }
     }
     let bench = matches!(cli.command, Command::Bench(_));
     let result = match cli.command {
@@ -271,6 +273,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
+    engine::print_threads_note();
     eprintln!("{}", model.weights.describe());
     if let Some(plan) = plan {
         eprintln!("{plan}");

@@ -1061,3 +1061,63 @@ fn a_closed_stdout_ends_quietly_and_a_full_one_is_one_error_line() {
         );
     }
 }
+
+#[test]
+fn more_compute_threads_than_cores_are_capped_with_a_warning_after_the_checks() {
+    let m = tiny_dir("rayon_threads");
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["generate", "--model"])
+            .arg(&m)
+            .args(["--prompt", "hello", "--max-tokens", "4"])
+            .args(extra)
+            .env("RAYON_NUM_THREADS", "2000")
+            .output()
+            .unwrap()
+    };
+    let ok = run(&[]);
+    let stderr = String::from_utf8_lossy(&ok.stderr);
+    assert!(ok.status.success(), "{stderr}");
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("warning: RAYON_NUM_THREADS=2000 is more than the")),
+        "{stderr}"
+    );
+    // A failing run still prints only its error line.
+    let bad = run(&["--max-model-len", "99999999"]);
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success());
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+}
+
+#[test]
+fn bench_sparse_eval_flag_combinations_are_usage_errors_with_the_hint() {
+    let strata = env!("CARGO_BIN_EXE_strata");
+    for (args, expect) in [
+        (
+            &[
+                "bench",
+                "sparse-eval",
+                "--budget",
+                "1/1000",
+                "--context",
+                "2048",
+            ][..],
+            "--budget 1/1000 at --context 2048",
+        ),
+        (
+            &["bench", "sparse-eval", "--sparse-verify", "0"][..],
+            "--sparse-verify",
+        ),
+    ] {
+        assert_error(strata, args, expect, 2);
+        let out = Command::new(strata).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("(see `strata bench sparse-eval --help`)"),
+            "{stderr}"
+        );
+    }
+}

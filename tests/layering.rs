@@ -7,8 +7,8 @@ use std::path::Path;
 
 /// Modules below `device` too: they name nothing of the crate (checked below), so the
 /// bottom layer may use them (`safe_file`: the NVRTC cache's files are opened as every
-/// other file strata reads or writes).
-const LEAVES: [&str; 1] = ["safe_file"];
+/// other file strata reads or writes; `threads`: stream workers start as every thread).
+const LEAVES: [&str; 2] = ["safe_file", "threads"];
 
 /// Every `crate::<module>` a source names outside comments, `device` and `LEAVES` excepted.
 fn upward_paths(source: &str) -> Vec<String> {

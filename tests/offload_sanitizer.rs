@@ -155,7 +155,7 @@ fn a_dropped_wait_is_caught_by_the_sanitizer() {
             ..Default::default()
         };
         let dev = DroppingWait {
-            dev: CpuOffloadDevice::new(0.0, true, OFFLOAD_STREAMS),
+            dev: CpuOffloadDevice::new(0.0, true, OFFLOAD_STREAMS).unwrap(),
             dropped,
         };
         let mut kv = OffloadEngine::new(dev, c, cfg).unwrap();

@@ -233,7 +233,7 @@ fn submitted_requests_stream_their_tokens() {
     // On the server's engine thread (the one admission loop), requests joining at once.
     let e = Engine::new(model, config(60, 100, false)).unwrap();
     let metrics = Arc::new(Metrics::new("tiny"));
-    let (client, thread) = engine_thread::spawn(e, Arc::clone(&metrics), vec![], None);
+    let (client, thread) = engine_thread::spawn(e, Arc::clone(&metrics), vec![], None).unwrap();
     let rxs: Vec<_> = (0..3)
         .map(|i| {
             client

@@ -345,17 +345,19 @@ fn serve_outlives_a_closed_stdout_and_stderr() {
         .unwrap()
         .port();
     let model = tiny_with_template("closed_stdout", "{{ 'x' }}");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .arg("serve")
-        .arg("--model")
-        .arg(&model)
-        .args(["--max-model-len", "256", "--port", &port.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    drop(child.stdout.take());
-    drop(child.stderr.take());
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .arg("serve")
+            .arg("--model")
+            .arg(&model)
+            .args(["--max-model-len", "256", "--port", &port.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    drop(child.0.stdout.take());
+    drop(child.0.stderr.take());
     let addr = format!("127.0.0.1:{port}");
     let health = || {
         let mut s = TcpStream::connect(&addr).ok()?;
@@ -366,7 +368,7 @@ fn serve_outlives_a_closed_stdout_and_stderr() {
     };
     let start = Instant::now();
     while health() != Some(200) {
-        assert!(child.try_wait().unwrap().is_none(), "serve died");
+        assert!(child.0.try_wait().unwrap().is_none(), "serve died");
         assert!(start.elapsed() < Duration::from_secs(60), "never ready");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -384,7 +386,106 @@ fn serve_outlives_a_closed_stdout_and_stderr() {
     let (buf, _) = read_until_closed(&mut s, Duration::from_secs(30));
     assert_eq!(HttpResponse::parse(&buf).status, 200);
     // SAFETY: signalling the child we spawned.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    let status = child.wait().unwrap();
+    unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.0.wait().unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn chat_keeps_working_after_the_binary_is_replaced_on_disk() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::process::{Command, Stdio};
+    // An upgrade in place: the server's executable is deleted (or replaced) while it runs.
+    // Template workers are the server's own image (`/proc/self/exe`), not the file at its
+    // old path, so chat requests still render (they were 400s, with /health 200).
+    let dir = scratch_dir("replaced_binary");
+    let bin = dir.join("strata-copy");
+    std::fs::copy(env!("CARGO_BIN_EXE_strata"), &bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let model = tiny_with_template("replaced_binary_model", "{{ messages[0]['content'] }}");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = KillOnDrop(
+        Command::new(&bin)
+            .arg("serve")
+            .arg("--model")
+            .arg(&model)
+            .args(["--max-model-len", "256", "--port", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let addr = format!("127.0.0.1:{port}");
+    let ask = |path: &str, body: &str| {
+        let mut s = TcpStream::connect(&addr).ok()?;
+        s.write_all(
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .ok()?;
+        let (buf, _) = read_until_closed(&mut s, Duration::from_secs(30));
+        Some(HttpResponse::parse(&buf))
+    };
+    let start = Instant::now();
+    loop {
+        let mut s = TcpStream::connect(&addr).ok();
+        let ok = s.as_mut().is_some_and(|s| {
+            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .is_ok()
+                && HttpResponse::parse(&read_until_closed(s, Duration::from_secs(5)).0).status
+                    == 200
+        });
+        if ok {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "never ready");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::fs::remove_file(&bin).unwrap();
+    let chat = r#"{"model": "replaced_binary_model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}"#;
+    // The idle workers started before are killed, so each rendering starts a new one.
+    for _ in 0..3 {
+        kill_children(child.0.id());
+        let r = ask("/v1/chat/completions", chat).expect("an answer");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+}
+
+/// A server process ended with its test, failed or not.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Kills every child process of `pid` (its template workers).
+fn kill_children(pid: u32) {
+    let children = || -> Vec<i32> {
+        let mut all = Vec::new();
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+            let path = task.unwrap().path().join("children");
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            all.extend(
+                text.split_whitespace()
+                    .filter_map(|c| c.parse::<i32>().ok()),
+            );
+        }
+        all
+    };
+    for c in children() {
+        // SAFETY: signalling a process by id.
+        unsafe { libc::kill(c, libc::SIGKILL) };
+    }
+    // (They stay listed as zombies until the server reaps them: no waiting for that.)
+    std::thread::sleep(Duration::from_millis(50));
 }

@@ -115,7 +115,9 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     // The model runs on this thread: make it a compute thread (as `strata generate` does).
-    strata::engine::compute_on_this_thread();
+    if let Err(e) = strata::engine::compute_on_this_thread() {
+        return errors::report(&e);
+    }
     match run(args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
@@ -234,6 +236,7 @@ fn run(args: Args) -> Result<bool> {
     }
     // Checked: say what the run holds (on stderr, so `--json`'s stdout stays one object; a
     // long JSON run is otherwise silent until its end).
+    strata::engine::print_threads_note();
     eprintln!(
         "needle: {} cases (input lengths {:?} × {} depths × {} repeats)",
         args.input_len.len() * args.depth.len() * args.repeats,

@@ -125,6 +125,7 @@ pub fn run(args: DecodeBenchArgs) -> Result<()> {
     check_contexts(&args, &Model::peek_config(&path)?)?;
     // Checked: say what the next minutes do (the table comes at the end; each round
     // first reads the bandwidth probe, PROBE_PASSES × PROBE_BYTES).
+    super::print_threads_note();
     eprintln!(
         "strata bench decode: contexts {:?}, weights {}, KV {kv_dtype}, {} rounds × {} decode steps, \
          the read bandwidth probed before each round",

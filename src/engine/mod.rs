@@ -183,24 +183,64 @@ pub fn return_large_buffers_to_the_system() {
 /// a scheduler slice. Not for a thread that blocks while others compute (`serve`'s main
 /// thread): the pool would be a thread short. Call first, before anything uses rayon;
 /// after that it changes nothing.
-pub fn compute_on_this_thread() {
-    let _ = rayon::ThreadPoolBuilder::new()
+///
+/// `Err` when the pool's threads cannot start (a process or thread limit): every compute
+/// op would panic later, so the command stops with one error line instead. Called a second
+/// time (the pool exists), it is `Ok`.
+pub fn compute_on_this_thread() -> anyhow::Result<()> {
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(compute_threads())
         .use_current_thread()
-        .build_global();
+        .build_global()
+    {
+        Ok(()) => Ok(()),
+        // The only other failure is "already initialized": the pool exists.
+        Err(e) if e.to_string().contains("already") => Ok(()),
+        Err(e) => Err(crate::threads::refused("the compute pool", &e)),
+    }
 }
 
 /// `compute_on_this_thread` for a thread started after the global pool exists (`serve`'s
 /// engine thread, spawned once the model is loaded): a pool of the global pool's size with
 /// this thread as its worker 0. Every parallel op this thread starts from then on runs in
-/// it. Hold the pool as long as the thread computes. `None` if it cannot be built (no
-/// thread to spawn): the ops then run in the global pool, as before.
-pub fn compute_pool_on_this_thread() -> Option<rayon::ThreadPool> {
+/// it. Hold the pool as long as the thread computes. `Err` if its threads cannot start.
+pub fn compute_pool_on_this_thread() -> anyhow::Result<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new()
-        .num_threads(rayon::current_num_threads())
+        .num_threads(compute_threads())
         .thread_name(|i| format!("strata-compute-{i}"))
         .use_current_thread()
         .build()
-        .ok()
+        .map_err(|e| crate::threads::refused("the compute pool", &e))
+}
+
+/// Set when `compute_threads` capped `RAYON_NUM_THREADS`: the warning to print.
+static THREADS_NOTE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Compute threads: `RAYON_NUM_THREADS` when set, but never more than the cores. More
+/// threads than cores only time-slice the same cores, and every op of a step waits for its
+/// slowest thread: 2,000 ran 300× slower on two cores. Past the cores the value is capped,
+/// and `print_threads_note` says so.
+pub fn compute_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let asked = std::env::var("RAYON_NUM_THREADS").ok();
+    match asked.as_deref().map(str::trim).map(str::parse::<usize>) {
+        Some(Ok(n)) if n > cores => {
+            let _ = THREADS_NOTE.set(format!(
+                "warning: RAYON_NUM_THREADS={n} is more than the {cores} cores here; using {cores} compute threads (more only time-slice the same cores)"
+            ));
+            cores
+        }
+        Some(Ok(n)) if n > 0 => n,
+        _ => cores,
+    }
+}
+
+/// Prints the warning of a capped `RAYON_NUM_THREADS`, if any: with a command's other
+/// informational lines, after its checks (a failing command prints only its error line).
+pub fn print_threads_note() {
+    if let Some(note) = THREADS_NOTE.get() {
+        crate::log!("{note}");
+    }
 }
 
 /// Peak resident memory of this process in bytes (Linux `VmHWM`), if known.

@@ -458,7 +458,7 @@ pub fn emulator_offload_engine(
     cfg: crate::offload::OffloadConfig,
 ) -> Result<Box<dyn crate::offload::OffloadKv<half::bf16>>> {
     use crate::offload::{engine::OFFLOAD_STREAMS, CpuOffloadDevice, OffloadEngine};
-    let d = CpuOffloadDevice::<half::bf16>::new(0.0, cfg.sanitize, OFFLOAD_STREAMS);
+    let d = CpuOffloadDevice::<half::bf16>::new(0.0, cfg.sanitize, OFFLOAD_STREAMS)?;
     Ok(Box::new(OffloadEngine::new(d, model, cfg)?))
 }
 
@@ -471,6 +471,6 @@ pub fn emulator_serve_engine(
 ) -> Result<crate::serve::Engine> {
     use crate::offload::CpuOffloadDevice;
     let exec: Arc<dyn Exec> = Arc::new(EmuExec::new()?);
-    let d = CpuOffloadDevice::<half::bf16>::new(cfg.link_gbps, cfg.sanitize, 1);
+    let d = CpuOffloadDevice::<half::bf16>::new(cfg.link_gbps, cfg.sanitize, 1)?;
     crate::serve::setup::cuda_model_engine(model, cfg, exec, d)
 }

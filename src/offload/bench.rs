@@ -119,6 +119,7 @@ pub fn run(args: OffloadBenchArgs) -> Result<()> {
     let needles = needle_prompts(&tok, &args)?;
     let kv = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     // Checked: say what the next minutes do (the table comes at the end).
+    crate::engine::print_threads_note();
     eprintln!(
         "strata bench offload: context {}, weights {}, KV {kv}, {} rounds × {} decode steps, \
          {} ring slots, block {}{}{}",
@@ -241,7 +242,7 @@ fn sparse_trace_path(path: &std::path::Path, budget: usize, verified: bool) -> P
 /// Time to move `layers` layers of K and V (`bytes_per_layer` in all) over the link, alone.
 fn transfer_only_step(gbps: f64, layers: usize, bytes_per_layer: usize) -> Result<f64> {
     let dev = CpuDevice::new(gbps, false);
-    let s = Stream::new(&dev, "h2d");
+    let s = Stream::new(&dev, "h2d")?;
     let n = bytes_per_layer / 8; // f32s per K (or V): the copies move bytes
     let (h, d) = (
         Buffer::alloc(n, MemSpace::Host)?,

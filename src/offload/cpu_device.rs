@@ -40,21 +40,21 @@ pub struct CpuOffloadDevice<T> {
 
 impl<T> CpuOffloadDevice<T> {
     /// `link_gbps` 0: unthrottled.
-    pub fn new(link_gbps: f64, sanitize: bool, offload_streams: usize) -> Self {
+    pub fn new(link_gbps: f64, sanitize: bool, offload_streams: usize) -> anyhow::Result<Self> {
         let dev = CpuDevice::new(link_gbps, sanitize);
-        Self {
-            prefetch: Stream::new(&dev, "h2d-prefetch"),
-            miss: Stream::new(&dev, "h2d-miss"),
-            staging: Stream::new(&dev, "disk-staging"),
+        Ok(Self {
+            prefetch: Stream::new(&dev, "h2d-prefetch")?,
+            miss: Stream::new(&dev, "h2d-miss")?,
+            staging: Stream::new(&dev, "disk-staging")?,
             offload: (0..offload_streams)
                 .map(|i| Stream::new(&dev, &format!("d2h-offload-{i}")))
-                .collect(),
+                .collect::<anyhow::Result<_>>()?,
             dev,
             events: Vec::new(),
             mem: Allocations::default(),
             layer_start: 0.0,
             _elem: PhantomData,
-        }
+        })
     }
 
     /// The simulated link's speed from now on, once the copies queued so far are done.

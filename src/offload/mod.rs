@@ -44,7 +44,7 @@ pub type CpuOffloadEngine = OffloadEngine<CpuOffloadDevice<f32>>;
 impl<T: KvElem> OffloadEngine<CpuOffloadDevice<T>> {
     /// On a new CPU device set up from `cfg` (link throttle, sanitizer).
     pub fn on_cpu(model: &ModelConfig, cfg: OffloadConfig) -> Result<Self> {
-        let d = CpuOffloadDevice::new(cfg.link_gbps, cfg.sanitize, engine::OFFLOAD_STREAMS);
+        let d = CpuOffloadDevice::new(cfg.link_gbps, cfg.sanitize, engine::OFFLOAD_STREAMS)?;
         OffloadEngine::new(d, model, cfg)
     }
 

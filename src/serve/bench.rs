@@ -265,6 +265,7 @@ fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize, kv: Kv
         .kv_bytes(sched.block_size, kv.bytes())
         .unwrap_or(0); // checked by ensure_fits first
     let mib = |n: usize| n as f64 * block as f64 / (1u64 << 20) as f64;
+    crate::engine::print_threads_note();
     eprintln!(
         "plan: KV block {} tokens = {:.1} KiB | GPU {} blocks ({:.1} MiB) | host {} blocks ({:.1} MiB) | disk {} blocks ({:.1} MiB) | working set {} blocks",
         sched.block_size,

@@ -76,7 +76,7 @@ pub fn engine_for(device: DeviceKind, model: &Arc<Model>, cfg: &EngineConfig) ->
 /// worker threads (link throttle and sanitizer delays as configured).
 pub fn cpu_engine(model: &Arc<Model>, cfg: &EngineConfig, hooks: Hooks<'_>) -> Result<Engine> {
     crate::with_kv_elem!(cfg.kv_dtype, T => {
-        let d = CpuOffloadDevice::<T>::new(cfg.link_gbps, cfg.sanitize, 1);
+        let d = CpuOffloadDevice::<T>::new(cfg.link_gbps, cfg.sanitize, 1)?;
         on_device(model, cfg, CpuForward::<T>::new(Arc::clone(model)), d, hooks)
     })
 }

@@ -91,32 +91,54 @@ impl EngineClient {
 #[derive(Debug, Clone, Copy)]
 pub struct EngineStopped;
 
-/// Starts the engine thread. `eos` are the ids whose generation means `finish_reason: stop`;
-/// `kv_events` publishes the prefix cache's events (and `AllBlocksCleared` when it stops).
+/// Starts the engine thread and its compute pool, or says why it could not (a thread
+/// limit). `eos` are the ids whose generation means `finish_reason: stop`; `kv_events`
+/// publishes the prefix cache's events (and `AllBlocksCleared` when it stops).
 pub fn spawn(
     engine: Engine,
     metrics: Arc<Metrics>,
     eos: Vec<u32>,
     kv_events: Option<KvEventPublisher>,
-) -> (EngineClient, JoinHandle<Result<()>>) {
+) -> Result<(EngineClient, JoinHandle<Result<()>>)> {
     let (tx, rx) = channel();
     let alive = Arc::new(AtomicBool::new(true));
     let flag = Arc::clone(&alive);
-    let thread = std::thread::Builder::new()
-        .name("strata-engine".into())
-        .spawn(move || {
-            // This thread runs every step: as a compute thread, not one that sleeps while
-            // the global pool's workers compute and wake it (docs/cpu.md, "Threading").
-            let _pool = crate::engine::compute_pool_on_this_thread();
-            let r = EngineLoop::new(engine, metrics, eos, kv_events).run(rx);
-            flag.store(false, Ordering::Release);
-            if let Err(e) = &r {
-                crate::log!("error: the engine stopped: {e:#}");
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let thread = crate::threads::spawn("strata-engine", move || {
+        // However the thread ends — an error, a panic — the server must stop saying it
+        // serves (`/health`).
+        let _alive = AliveFlag(flag);
+        // This thread runs every step: as a compute thread, not one that sleeps while
+        // the pool's workers compute and wake it (docs/cpu.md, "Threading").
+        let _pool = match crate::engine::compute_pool_on_this_thread() {
+            Ok(pool) => {
+                let _ = started_tx.send(Ok(()));
+                pool
             }
-            r
-        })
-        .expect("spawning the engine thread");
-    (EngineClient { tx, alive }, thread)
+            Err(e) => {
+                let _ = started_tx.send(Err(e));
+                return Ok(());
+            }
+        };
+        let r = EngineLoop::new(engine, metrics, eos, kv_events).run(rx);
+        if let Err(e) = &r {
+            crate::log!("error: the engine stopped: {e:#}");
+        }
+        r
+    })?;
+    started_rx
+        .recv()
+        .map_err(|_| anyhow::anyhow!("the engine thread ended while starting"))??;
+    Ok((EngineClient { tx, alive }, thread))
+}
+
+/// Clears the engine's liveness flag when dropped: when its thread ends, whichever way.
+struct AliveFlag(Arc<AtomicBool>);
+
+impl Drop for AliveFlag {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// A request the engine is working on.

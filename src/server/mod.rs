@@ -8,6 +8,7 @@
 //! `model_card` the tokenizer files a framework's frontend loads.
 
 pub mod api;
+mod blocking;
 pub mod engine_thread;
 pub mod error;
 pub mod kv_events;
@@ -255,11 +256,7 @@ fn prefill_chunk(block_size: usize) -> usize {
 pub fn run(args: ServeArgs, model_path: PathBuf) -> Result<()> {
     // The weights load in the background once the port is bound (/health says when).
     check_before_bind(&args, &model_path)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = async_runtime()?;
     let engine_thread = EngineThread::default();
     let r = runtime.block_on(serve(args, model_path, Arc::clone(&engine_thread)));
     // Not `drop`, which waits for every blocking task: a model still loading is abandoned
@@ -271,6 +268,21 @@ pub fn run(args: ServeArgs, model_path: PathBuf) -> Result<()> {
             .map_err(|_| anyhow::anyhow!("the engine thread panicked"))??;
     }
     r
+}
+
+/// The HTTP side's runtime: two worker threads. tokio panics when it cannot start them
+/// (and then deadlocks unwinding, waiting for the one it did start): whether they can
+/// start is checked first, and a panic all the same is one error line too.
+fn async_runtime() -> Result<tokio::runtime::Runtime> {
+    crate::threads::probe("the async runtime", 2)?;
+    crate::errors::quiet_catch(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+    })
+    .map_err(|panic| crate::threads::refused("the async runtime", &panic))?
+    .context("starting the async runtime")
 }
 
 /// The engine thread, once the model has loaded; `stopping` once the server is shutting
@@ -286,7 +298,12 @@ struct EngineSlot {
 type EngineThread = Arc<Mutex<EngineSlot>>;
 
 async fn serve(args: ServeArgs, model_path: PathBuf, engine_thread: EngineThread) -> Result<()> {
-    let listener = TcpListener::bind((args.host.as_str(), args.port))
+    // Resolved here, not by tokio's bind, which resolves a host name on its blocking pool.
+    let addrs: Vec<std::net::SocketAddr> =
+        std::net::ToSocketAddrs::to_socket_addrs(&(args.host.as_str(), args.port))
+            .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?
+            .collect();
+    let listener = TcpListener::bind(addrs.as_slice())
         .await
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     serve_on(listener, args, model_path, engine_thread, true).await
@@ -304,10 +321,7 @@ pub fn spawn_in_process(args: ServeArgs, model_path: PathBuf) -> Result<std::net
     std::thread::Builder::new()
         .name("strata-serve".into())
         .spawn(move || -> Result<()> {
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
+            let runtime = async_runtime()?;
             runtime.block_on(async move {
                 let listener = TcpListener::from_std(listener)?;
                 serve_on(listener, args, model_path, EngineThread::default(), false).await
@@ -373,17 +387,18 @@ async fn serve_on(
             }),
         },
         metrics,
-    ));
+    )?);
 
-    // Load in the background: /health answers 503 until the engine runs.
-    let (load_failed_tx, load_failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
+    // Load in the background: /health answers 503 until the engine runs. On a thread of
+    // our own, not tokio's blocking pool, whose spawn panics when no thread can start;
+    // the loader reports success too, so a loader that dies (a panic) is a failure, not a
+    // server "still loading" for ever.
+    let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<Result<()>>();
     {
         let (state, args, slot) = (Arc::clone(&state), args.clone(), Arc::clone(&engine_thread));
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = load(&state, &args, &model_path, &slot, kv_events) {
-                let _ = load_failed_tx.send(e);
-            }
-        });
+        crate::threads::spawn("strata-load", move || {
+            let _ = loaded_tx.send(load(&state, &args, &model_path, &slot, kv_events));
+        })?;
     }
 
     let load_error = Arc::new(Mutex::new(None));
@@ -391,9 +406,18 @@ async fn serve_on(
         let (state, load_error) = (Arc::clone(&state), Arc::clone(&load_error));
         let grace = Duration::from_secs(args.shutdown_timeout);
         async move {
+            let loaded = async {
+                match loaded_rx.await {
+                    Ok(Ok(())) => std::future::pending().await,
+                    Ok(Err(e)) => e,
+                    Err(_) => anyhow::anyhow!(
+                        "loading the model failed: the loader thread died (see the log above)"
+                    ),
+                }
+            };
             tokio::select! {
                 _ = first_signal => {}
-                Ok(e) = load_failed_rx => {
+                e = loaded => {
                     *load_error.lock().expect("not poisoned") = Some(e);
                     return;
                 }
@@ -493,7 +517,8 @@ fn load(
     if slot.stopping {
         return Ok(()); // stopped while loading: nothing to start
     }
-    let (client, thread) = engine_thread::spawn(engine, Arc::clone(&state.metrics), eos, kv_events);
+    let (client, thread) =
+        engine_thread::spawn(engine, Arc::clone(&state.metrics), eos, kv_events)?;
     slot.thread = Some(thread);
     let loaded = Loaded {
         tokenizer: Arc::new(tokenizer),
@@ -513,6 +538,7 @@ fn load(
         bail!("the model was loaded twice");
     }
     drop(slot);
+    crate::engine::print_threads_note();
     crate::log!(
         "strata serve: ready (max-model-len {max_model_len}, {} GPU blocks + {} host blocks of {} tokens, max-num-seqs {})",
         sched.num_gpu_blocks, sched.max_cpu_offload_blocks, sched.block_size, sched.max_num_seqs

@@ -25,6 +25,7 @@ use super::api::{
     ChatRequest, CompletionRequest, Endpoint, Finish, Generation, GenerationFields, Prompt,
     ResponseMeta, TokenIds, Usage,
 };
+use super::blocking::BlockingPool;
 use super::engine_thread::{EngineClient, Event};
 use super::error::ApiError;
 use super::kv_events::pub_socket::PeerStats;
@@ -32,6 +33,7 @@ use super::metrics::Metrics;
 use super::model_card::ModelCard;
 use super::text::TextStream;
 use crate::model::config::GenerationDefaults;
+use crate::model::template::RendererUnavailable;
 use crate::model::Tokenizer;
 use crate::serve::RequestParams;
 
@@ -84,22 +86,23 @@ pub struct AppState {
     pub loaded: OnceLock<Loaded>,
     pub metrics: Arc<Metrics>,
     pending: AtomicUsize,
-    /// Template renderings and tokenizations running at once (each is CPU and memory in
-    /// proportion to a prompt of up to `MAX_BODY_BYTES`); admitted requests queue here.
-    tokenizers: tokio::sync::Semaphore,
+    /// Template renderings and tokenizations, one per core at once (each is CPU and memory
+    /// in proportion to a prompt of up to `MAX_BODY_BYTES`); admitted requests queue here.
+    tokenizers: BlockingPool,
 }
 
 impl AppState {
-    pub fn new(cfg: ServerConfig, metrics: Arc<Metrics>) -> Self {
-        Self {
+    /// `Err` when the tokenizing threads cannot start.
+    pub fn new(cfg: ServerConfig, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+        Ok(Self {
             cfg,
             loaded: OnceLock::new(),
             metrics,
             pending: AtomicUsize::new(0),
-            tokenizers: tokio::sync::Semaphore::new(
+            tokenizers: BlockingPool::new(
                 std::thread::available_parallelism().map_or(1, |n| n.get()),
-            ),
-        }
+            )?,
+        })
     }
 
     /// The cheap checks of a request, before it is admitted: the server is ready, the
@@ -125,14 +128,7 @@ impl AppState {
         &self,
         f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
     ) -> Result<T, ApiError> {
-        let _permit = self
-            .tokenizers
-            .acquire()
-            .await
-            .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
-        tokio::task::spawn_blocking(f)
-            .await
-            .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+        self.tokenizers.run(f).await
     }
 
     fn ready(&self) -> Result<&Loaded, ApiError> {
@@ -274,9 +270,16 @@ async fn method_not_allowed() -> ApiError {
     }
 }
 
+/// 200 "ok" only while requests can be served: the model loaded, the engine thread
+/// alive, and chat templates renderable (their workers can start).
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    match state.ready() {
-        Ok(_) => (StatusCode::OK, "ok").into_response(),
+    let renderable = || {
+        crate::model::template::worker::available().map_err(|why| {
+            ApiError::unavailable(format!("cannot render chat templates now: {why}"))
+        })
+    };
+    match state.ready().and_then(|_| renderable()) {
+        Ok(()) => (StatusCode::OK, "ok").into_response(),
         Err(e) => e.into_response(),
     }
 }
@@ -360,9 +363,12 @@ async fn chat_completions(
     let tokenizer = Arc::clone(&loaded.tokenizer);
     let prompt = state
         .tokenize(move || -> Result<Vec<u32>, ApiError> {
-            let text = tokenizer
-                .render_chat(&conversation)
-                .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))?;
+            let text = tokenizer.render_chat(&conversation).map_err(|e| match e
+                .downcast_ref::<RendererUnavailable>()
+            {
+                Some(w) => ApiError::unavailable(w.to_string()),
+                None => ApiError::bad_field("messages", format!("{e:#}")),
+            })?;
             tokenizer
                 .encode(&text, false)
                 .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))

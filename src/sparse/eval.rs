@@ -28,6 +28,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::errors::usage;
 use anyhow::{bail, Result};
 
 use super::replay::Replay;
@@ -251,12 +252,12 @@ pub fn run(args: SparseEvalArgs) -> Result<()> {
                 page_size: args.sparse_page_size,
             };
             if let Err(e) = sc.check(args.block_size) {
-                bail!("--budget {b} at --context {c}: {e:#}");
+                return Err(usage(format!("--budget {b} at --context {c}: {e:#}")));
             }
         }
     }
     if let Some(k) = args.sparse_verify {
-        crate::engine::verified::check_draft_len(k)?;
+        crate::engine::verified::check_draft_len(k).map_err(|e| usage(format!("{e:#}")))?;
     }
     let kv_dtype = args.kv.resolve(crate::device::DeviceKind::Cpu)?;
     let dtype = args.dtype.resolve(crate::device::DeviceKind::Cpu);
@@ -269,6 +270,7 @@ pub fn run(args: SparseEvalArgs) -> Result<()> {
             model.cfg.max_position_embeddings
         );
     }
+    crate::engine::print_threads_note();
     let report = crate::with_kv_elem!(kv_dtype, T => evaluate::<T>(&model, &tok, &args, &tasks)?);
     if args.json {
         crate::outln!("{}", serde_json::to_string(&report)?)?;

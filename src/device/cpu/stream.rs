@@ -363,29 +363,26 @@ pub struct OpInfo {
 }
 
 impl Stream {
-    pub fn new(dev: &Arc<CpuDevice>, name: &str) -> Self {
+    pub fn new(dev: &Arc<CpuDevice>, name: &str) -> anyhow::Result<Self> {
         let (tx, rx) = channel::<Job>();
-        let worker = std::thread::Builder::new()
-            .name(format!("stream-{name}"))
-            .spawn(move || {
-                // The link throttle sleeps after each copy: with Linux's default 50 µs
-                // timer slack every small copy would cost ~50 µs more than its bytes.
-                #[cfg(target_os = "linux")]
-                // SAFETY: sets this thread's timer slack; no pointers involved.
-                unsafe {
-                    libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong);
-                }
-                for job in rx {
-                    job();
-                }
-            })
-            .expect("spawning a stream worker thread");
-        Self {
+        let worker = crate::threads::spawn(&format!("stream-{name}"), move || {
+            // The link throttle sleeps after each copy: with Linux's default 50 µs
+            // timer slack every small copy would cost ~50 µs more than its bytes.
+            #[cfg(target_os = "linux")]
+            // SAFETY: sets this thread's timer slack; no pointers involved.
+            unsafe {
+                libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong);
+            }
+            for job in rx {
+                job();
+            }
+        })?;
+        Ok(Self {
             name: name.to_string(),
             tx: Some(tx),
             worker: Some(worker),
             dev: Arc::clone(dev),
-        }
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -601,7 +598,7 @@ mod tests {
     #[test]
     fn a_stream_runs_in_order() {
         let dev = CpuDevice::new(0.0, false);
-        let s = Stream::new(&dev, "s");
+        let s = Stream::new(&dev, "s").unwrap();
         let log = Arc::new(Mutex::new(Vec::new()));
         for i in 0..50 {
             let log = log.clone();
@@ -621,7 +618,10 @@ mod tests {
     #[test]
     fn a_wait_holds_a_copy_until_the_event_is_reached() {
         let dev = CpuDevice::new(0.0, false);
-        let (compute, copy) = (Stream::new(&dev, "compute"), Stream::new(&dev, "copy"));
+        let (compute, copy) = (
+            Stream::new(&dev, "compute").unwrap(),
+            Stream::new(&dev, "copy").unwrap(),
+        );
         let src = Buffer::alloc(4, MemSpace::Device).unwrap();
         let dst = Buffer::alloc(4, MemSpace::Host).unwrap();
         let done = Event::new();
@@ -664,7 +664,10 @@ mod tests {
     #[test]
     fn a_wait_targets_the_record_current_when_it_was_enqueued() {
         let dev = CpuDevice::new(0.0, false);
-        let (a, b) = (Stream::new(&dev, "a"), Stream::new(&dev, "b"));
+        let (a, b) = (
+            Stream::new(&dev, "a").unwrap(),
+            Stream::new(&dev, "b").unwrap(),
+        );
         let ev = Event::new();
         assert!(ev.query(), "a never-recorded event is complete");
         let hits = Arc::new(AtomicUsize::new(0));
@@ -705,7 +708,7 @@ mod tests {
     #[test]
     fn the_link_throttle_slows_host_device_copies_only() {
         let dev = CpuDevice::new(0.1, false); // 0.1 GB/s: 4 MB takes 40 ms
-        let s = Stream::new(&dev, "copy");
+        let s = Stream::new(&dev, "copy").unwrap();
         let n = 1 << 20;
         let (d1, d2, h) = (
             Buffer::alloc(n, MemSpace::Device).unwrap(),
@@ -731,7 +734,10 @@ mod tests {
     fn copies_on_the_link_at_once_share_its_bandwidth() {
         // 0.1 GB/s: the large copy takes 40 ms alone, the small one 4 ms alone.
         let dev = CpuDevice::new(0.1, false);
-        let (big, small) = (Stream::new(&dev, "big"), Stream::new(&dev, "small"));
+        let (big, small) = (
+            Stream::new(&dev, "big").unwrap(),
+            Stream::new(&dev, "small").unwrap(),
+        );
         let (n, m) = (1_000_000, 100_000); // f32s: 4 MB and 0.4 MB
         let (h, d) = (
             Buffer::alloc(n, MemSpace::Host).unwrap(),

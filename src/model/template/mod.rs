@@ -46,6 +46,20 @@ pub mod template_limits {
     pub const STACK_BYTES: usize = 256 << 20;
 }
 
+/// A template could not be rendered for a reason of the process, not of the template (no
+/// worker or thread could start: a process limit): a server says 503, and `/health` too
+/// (`worker::available`).
+#[derive(Debug)]
+pub struct RendererUnavailable(pub String);
+
+impl std::fmt::Display for RendererUnavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cannot render the chat template now: {}", self.0)
+    }
+}
+
+impl std::error::Error for RendererUnavailable {}
+
 /// Renders a chat template, the one way every template is rendered: Hugging Face's
 /// extensions (`raise_exception`, Python string methods) and a budget (instructions,
 /// output bytes, memory, time: `template_limits`). Errors are one cause naming `source`.
@@ -54,7 +68,13 @@ pub fn render_template(source: &str, template: &str, ctx: minijinja::Value) -> R
         Some(exe) => worker::render(exe, template, &ctx),
         None => render_here(template.to_string(), ctx),
     });
-    rendered.map_err(|e| anyhow::anyhow!("chat template from {source}: {e:#}"))
+    rendered.map_err(|e| {
+        if e.is::<RendererUnavailable>() {
+            e // the server's condition, kept typed for the server to say so (503)
+        } else {
+            anyhow::anyhow!("chat template from {source}: {e:#}")
+        }
+    })
 }
 
 /// Renders on a bounded thread of this process (see the module's text for what it bounds;
@@ -84,7 +104,10 @@ pub fn render_here(template: String, ctx: minijinja::Value) -> Result<String> {
             bail!("used more than {} MiB of memory", MAX_MEMORY_BYTES >> 20)
         }
         Err(crate::bounded::Exceeded::Time) => bail!("took longer than {MAX_SECONDS} s"),
-        Err(e @ crate::bounded::Exceeded::NoThread) => bail!("{e}"),
+        // The process's condition, not the template's: said so, typed.
+        Err(crate::bounded::Exceeded::NoThread) => Err(anyhow::Error::new(RendererUnavailable(
+            "no thread could be started to render it".into(),
+        ))),
     }
 }
 

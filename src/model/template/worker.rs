@@ -20,6 +20,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::template_limits::{MAX_OUTPUT_BYTES, MAX_SECONDS};
+use super::RendererUnavailable;
 
 /// The argument that makes a binary of this crate a template worker (see `serve_requests`).
 pub const WORKER_ARG: &str = "__template-worker";
@@ -33,6 +34,12 @@ const MAX_REPLY_BYTES: usize = 6 * MAX_OUTPUT_BYTES + 4096;
 
 static EXE: OnceLock<PathBuf> = OnceLock::new();
 static IDLE: Mutex<Vec<Worker>> = Mutex::new(Vec::new());
+/// Why the last rendering could not run, and when; `None` after one that ran.
+static UNAVAILABLE: Mutex<Option<(Instant, String)>> = Mutex::new(None);
+
+fn set_unavailable(why: Option<String>) {
+    *UNAVAILABLE.lock().unwrap_or_else(|p| p.into_inner()) = why.map(|w| (Instant::now(), w));
+}
 
 /// Renders every template of this process in workers started from `exe` (a binary that
 /// calls `serve_requests` when run with `WORKER_ARG`). Called once at start by binaries
@@ -56,6 +63,9 @@ struct Reply {
     rendered: std::result::Result<String, String>,
     /// The worker exits after this reply (a rendering left a parked thread behind).
     retiring: bool,
+    /// The rendering could not run at all (`RendererUnavailable`: no thread for it).
+    #[serde(default)]
+    unavailable: bool,
 }
 
 /// The worker's main loop: requests on stdin, replies on stdout, until stdin closes.
@@ -76,10 +86,19 @@ pub fn serve_requests() -> ExitCode {
         }
         let rendered = serde_json::from_slice::<Request>(&line)
             .context("malformed request")
-            .and_then(|r| super::render_here(r.template, minijinja::Value::from_serialize(&r.ctx)))
-            .map_err(|e| format!("{e:#}"));
+            .and_then(|r| super::render_here(r.template, minijinja::Value::from_serialize(&r.ctx)));
+        let unavailable = rendered
+            .as_ref()
+            .is_err_and(|e| e.is::<RendererUnavailable>());
         let retiring = crate::bounded::abandoned() > 0;
-        let reply = Reply { rendered, retiring };
+        let reply = Reply {
+            rendered: rendered.map_err(|e| match e.downcast_ref::<RendererUnavailable>() {
+                Some(r) => r.0.clone(),
+                None => format!("{e:#}"),
+            }),
+            retiring,
+            unavailable,
+        };
         let Ok(mut bytes) = serde_json::to_vec(&reply) else {
             return ExitCode::FAILURE;
         };
@@ -97,15 +116,23 @@ struct Worker {
 }
 
 impl Worker {
+    /// Starts a worker; a failure is `RendererUnavailable` (remembered for `available`).
     fn start(exe: &Path) -> Result<Self> {
-        let mut child = Command::new(exe)
+        let started = Command::new(exe)
             .arg(WORKER_ARG)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             // A dying worker's own message (e.g. a stack overflow) is reported here, once.
             .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting a template worker ({})", exe.display()))?;
+            .spawn();
+        let mut child = started.map_err(|e| {
+            let why = format!(
+                "no template worker could be started: {e} ({})",
+                exe.display()
+            );
+            set_unavailable(Some(why.clone()));
+            anyhow::Error::new(RendererUnavailable(why))
+        })?;
         let stdin = child.stdin.take().context("worker stdin")?;
         let stdout = child.stdout.take().context("worker stdout")?;
         Ok(Self {
@@ -197,7 +224,14 @@ pub(super) fn render(exe: &Path, template: &str, ctx: &minijinja::Value) -> Resu
         reply = worker.ask(&request, deadline);
     }
     match reply {
+        Ok(reply) if reply.unavailable => {
+            worker.discard();
+            let why = reply.rendered.err().unwrap_or_default();
+            set_unavailable(Some(why.clone()));
+            Err(anyhow::Error::new(RendererUnavailable(why)))
+        }
         Ok(reply) => {
+            set_unavailable(None);
             if !reply.retiring {
                 let mut idle = IDLE.lock().unwrap_or_else(|p| p.into_inner());
                 if idle.len() < MAX_IDLE {
@@ -226,6 +260,49 @@ pub(super) fn render(exe: &Path, template: &str, ctx: &minijinja::Value) -> Resu
     }
 }
 
+/// Whether templates can be rendered: `Err(why)` while workers cannot be started. After a
+/// failed start it tries again (at most once a second), so the answer recovers with the
+/// condition, not only when the next chat request comes.
+pub fn available() -> Result<(), String> {
+    let Some(exe) = exe() else {
+        return Ok(()); // rendering on a thread of this process
+    };
+    // The first call probes, so the answer is true before any request has failed.
+    static PROBED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let first = !PROBED.swap(true, std::sync::atomic::Ordering::AcqRel);
+    let failed = UNAVAILABLE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    match failed {
+        None if !first => Ok(()),
+        None => probe(exe),
+        Some((at, why)) if at.elapsed() < Duration::from_secs(1) => Err(why),
+        Some(_) => probe(exe),
+    }
+}
+
+/// A trivial rendering through a worker, as a request's would run.
+fn probe(exe: &Path) -> Result<(), String> {
+    render(exe, "ok", &minijinja::Value::UNDEFINED)
+        .map(drop)
+        .map_err(|e| match e.downcast_ref::<RendererUnavailable>() {
+            Some(r) => r.0.clone(),
+            None => format!("{e:#}"),
+        })
+}
+
+/// The executable workers run: this process's own image. On Linux `/proc/self/exe`, which
+/// names the running file even after it was replaced or deleted on disk (an upgrade in
+/// place), and keeps workers at the server's own version; elsewhere its path.
+fn own_executable() -> Option<PathBuf> {
+    let proc_exe = Path::new("/proc/self/exe");
+    if proc_exe.exists() {
+        return Some(proc_exe.to_path_buf());
+    }
+    std::env::current_exe().ok()
+}
+
 /// The first thing a binary that renders for others does: run as a template worker when
 /// started as one (returns its exit code), else render this process's templates in
 /// workers that are this executable.
@@ -233,7 +310,7 @@ pub fn enter() -> Option<ExitCode> {
     if std::env::args_os().nth(1).is_some_and(|a| a == WORKER_ARG) {
         return Some(serve_requests());
     }
-    if let Ok(exe) = std::env::current_exe() {
+    if let Some(exe) = own_executable() {
         use_workers(exe);
     }
     None

@@ -629,3 +629,41 @@ fn gguf_metadata_bombs_are_refused_before_they_are_read() {
         std::fs::remove_file(&path).unwrap();
     }
 }
+
+#[test]
+fn a_second_server_on_a_disk_dir_in_use_fails_before_it_says_it_listens() {
+    let m = tiny("disk_in_use_model");
+    let dir = scratch_dir("disk_in_use_dir");
+    let args = |port: &str| {
+        let mut a = os(&["serve", "--port", port, "--max-model-len", "64", "--model"]);
+        a.push(m.clone().into());
+        a.extend(os(&["--max-disk-offload-blocks", "16", "--disk-offload-dir"]));
+        a.push(dir.clone().into());
+        a
+    };
+    let mut first = Command::new(STRATA)
+        .args(args("0"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Its listening line, then its tier (the lock) once loaded.
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(first.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains("listening"), "{line}");
+    let slots = dir.join("strata-kv.slots");
+    let start = Instant::now();
+    while !slots.exists() {
+        assert!(start.elapsed() < Duration::from_secs(30), "no slot file");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let r = assert_error(STRATA, &args("0"), "is in use by another strata process", 1);
+    assert!(r.stdout.is_empty(), "{}", r.stdout);
+    let _ = first.kill();
+    let _ = first.wait();
+}

@@ -93,8 +93,8 @@ impl DiskTierConfig {
             payload_bytes,
             num_slots,
         }
-        .check(&self.dir)
-        .map(drop)
+        .check(&self.dir)?;
+        store::check_not_in_use(&self.dir)
     }
 }
 

@@ -331,13 +331,7 @@ impl DiskStore {
         // Never through a link, never another kind of file, never a file another name
         // shares (checked again on the handle): the slot file is truncated and overwritten.
         let lock = safe_file::open_private(&path, "the disk tier's slot file")?;
-        // SAFETY: flock on an open descriptor.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            bail!(
-                "{} is in use by another strata process (one disk tier per directory)",
-                path.display()
-            );
-        }
+        lock_exclusive(&lock, &path)?;
         let fs = fs_name(dir);
         if lock.metadata()?.len() != want {
             lock.set_len(0)?; // another layout: nothing in it can be trusted
@@ -625,6 +619,37 @@ impl DiskStore {
             io_errors: ld(&c.io_errors),
         }
     }
+}
+
+/// Takes the exclusive lock that makes a slot file one process's, or says who has it.
+fn lock_exclusive(file: &File, path: &Path) -> Result<()> {
+    // SAFETY: flock on an open descriptor.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!(
+            "{} is in use by another strata process (one disk tier per directory)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Fails if the slot file in `dir` exists and another process holds it: checked with the
+/// flags, before a server binds its port or prints that it listens (the lock itself is
+/// taken when the store opens). A file that is not there, or not a regular file, is left
+/// for `StoreLayout::check` and `open` to judge.
+pub fn check_not_in_use(dir: &Path) -> Result<()> {
+    let path = dir.join(SLOTS_FILE);
+    let Ok(f) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&path)
+    else {
+        return Ok(());
+    };
+    if !f.metadata().is_ok_and(|m| m.is_file()) {
+        return Ok(());
+    }
+    lock_exclusive(&f, &path) // released as `f` closes
 }
 
 /// The slot file reopened with `O_DIRECT` (not through a link, and only if it is still the

@@ -637,7 +637,11 @@ fn a_second_server_on_a_disk_dir_in_use_fails_before_it_says_it_listens() {
     let args = |port: &str| {
         let mut a = os(&["serve", "--port", port, "--max-model-len", "64", "--model"]);
         a.push(m.clone().into());
-        a.extend(os(&["--max-disk-offload-blocks", "16", "--disk-offload-dir"]));
+        a.extend(os(&[
+            "--max-disk-offload-blocks",
+            "16",
+            "--disk-offload-dir",
+        ]));
         a.push(dir.clone().into());
         a
     };
@@ -666,4 +670,26 @@ fn a_second_server_on_a_disk_dir_in_use_fails_before_it_says_it_listens() {
     assert!(r.stdout.is_empty(), "{}", r.stdout);
     let _ = first.kill();
     let _ = first.wait();
+}
+
+#[test]
+fn bench_offload_checks_every_trace_file_it_will_write_before_running() {
+    let m = tiny("trace_out_model");
+    let dir = scratch_dir("trace_out_dir");
+    // The sparse row's trace goes beside --trace-out: a directory sits at its name.
+    std::fs::create_dir(dir.join("t.sparse-64.json")).unwrap();
+    let mut args = os(&[
+        "bench",
+        "offload",
+        "--context",
+        "256",
+        "--sparse-budget",
+        "64",
+    ]);
+    args.extend(os(&["--decode-steps", "2", "--rounds", "1", "--model"]));
+    args.push(m.into());
+    args.push("--trace-out".into());
+    args.push(dir.join("t.json").into());
+    let r = assert_error(STRATA, &args, "t.sparse-64.json", 1);
+    assert!(r.secs < 10.0, "{} s", r.secs);
 }

@@ -89,6 +89,13 @@ pub struct OffloadBenchArgs {
 pub fn run(args: OffloadBenchArgs) -> Result<()> {
     if let Some(path) = &args.trace_out {
         trace::check_trace_out(path)?;
+        // The files beside it too, before the run (not after minutes of it).
+        for &budget in &args.sparse_budget {
+            trace::check_trace_out(&sparse_trace_path(path, budget, false))?;
+            if args.sparse_verify.is_some() {
+                trace::check_trace_out(&sparse_trace_path(path, budget, true))?;
+            }
+        }
     }
     let path = crate::model::resolve(args.model.clone())?;
     for &budget in &args.sparse_budget {

@@ -156,7 +156,6 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeight
         layers,
         final_norm: norm(&mut rng, h),
         lm_head: None,
-        conversions: Vec::new(),
     }
 }
 

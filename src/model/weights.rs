@@ -518,8 +518,6 @@ pub struct ModelWeights {
     pub layers: Vec<LayerWeights>,
     pub final_norm: Vec<f32>,    // [hidden]
     pub lm_head: Option<Weight>, // [vocab, hidden]; None = tied to `embed`
-    /// Tensors converted at load to a format with a kernel, e.g. "12 × Q5_K → Q6_K".
-    pub conversions: Vec<String>,
 }
 
 impl ModelWeights {
@@ -637,9 +635,6 @@ impl ModelWeights {
             mib(self.bytes()),
             parts.join(", ")
         );
-        if !self.conversions.is_empty() {
-            line += &format!("; converted at load: {}", self.conversions.join(", "));
-        }
         let repacked = self.repacked_bytes();
         if repacked > 0 {
             line += &format!(
@@ -664,10 +659,6 @@ trait TensorSource {
     /// The stored shape (outermost dim first), read from the header without loading data.
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
     fn load(&mut self, name: &str) -> Result<Loaded>;
-    /// Conversions made so far, e.g. "12 × Q5_K → Q6_K".
-    fn conversions(&self) -> Vec<String> {
-        Vec::new()
-    }
 }
 
 /// `[outer dims.., inner]` as a matrix of `inner`-wide rows (a vector is one row).
@@ -840,7 +831,6 @@ fn build(
         layers,
         final_norm,
         lm_head,
-        conversions: src.conversions(),
     })
 }
 
@@ -1099,29 +1089,28 @@ struct GgufSource<'a> {
     unpermute: bool,
     num_heads: usize,
     num_kv_heads: usize,
-    /// (from, to) → tensors converted.
-    converted: Vec<((GgmlDType, Format), usize)>,
 }
 
-/// The format a GGUF type is computed in: itself where a kernel exists, else the nearest
-/// with one (more bits, never fewer), converted once at load.
-fn kernel_format(t: GgmlDType) -> (Format, bool) {
+/// The format a GGUF type is computed in: itself (every type candle-core reads has a
+/// kernel; Q8_1 and Q8_K, llama.cpp's intermediate types, are not read by candle).
+fn kernel_format(t: GgmlDType) -> Result<Format> {
     use GgmlDType as G;
-    match t {
-        G::F32 => (Format::F32, false),
-        G::F16 => (Format::F16, false),
-        G::BF16 => (Format::Bf16, false),
-        G::Q4_0 => (Format::Q4_0, false),
-        G::Q4_1 => (Format::Q4_1, false),
-        G::Q5_0 => (Format::Q5_0, false),
-        G::Q5_1 => (Format::Q5_1, false),
-        G::Q8_0 => (Format::Q8_0, false),
-        G::Q4K => (Format::Q4K, false),
-        G::Q6K => (Format::Q6K, false),
-        G::Q2K | G::Q3K => (Format::Q4K, true),
-        G::Q5K => (Format::Q6K, true),
-        G::Q8_1 | G::Q8K => (Format::Q8_0, true),
-    }
+    Ok(match t {
+        G::F32 => Format::F32,
+        G::F16 => Format::F16,
+        G::BF16 => Format::Bf16,
+        G::Q4_0 => Format::Q4_0,
+        G::Q4_1 => Format::Q4_1,
+        G::Q5_0 => Format::Q5_0,
+        G::Q5_1 => Format::Q5_1,
+        G::Q8_0 => Format::Q8_0,
+        G::Q2K => Format::Q2K,
+        G::Q3K => Format::Q3K,
+        G::Q4K => Format::Q4K,
+        G::Q5K => Format::Q5K,
+        G::Q6K => Format::Q6K,
+        G::Q8_1 | G::Q8K => bail!("tensors of type {t:?} are not supported"),
+    })
 }
 
 impl TensorSource for GgufSource<'_> {
@@ -1146,41 +1135,20 @@ impl TensorSource for GgufSource<'_> {
         let info = &g.content.tensor_infos[name];
         let shape = info.shape.dims().to_vec();
         let mat = mat_shape(&shape);
-        let (format, convert) = kernel_format(info.ggml_dtype);
+        let format = kernel_format(info.ggml_dtype)?;
         let candle_err = |e| anyhow::anyhow!("{}: {}", g.path.display(), errors::candle(e));
-        let weight = if self.dtype == WeightDtype::F32 || format == Format::F32 || convert {
-            // Through candle's dequantizer: the f32 reference mode, f32 tensors, and the
-            // source of a conversion.
+        let weight = if self.dtype == WeightDtype::F32 || format == Format::F32 {
+            // Through candle's dequantizer: the f32 reference mode, and f32 tensors.
             let qt = g
                 .content
                 .tensor(&mut g.file, name, &candle_core::Device::Cpu)
                 .map_err(candle_err)?;
-            let t = qt
+            let data = qt
                 .dequantize(&candle_core::Device::Cpu)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
                 .map_err(errors::candle)?;
-            if convert && self.dtype != WeightDtype::F32 {
-                if !mat.in_features.is_multiple_of(format.block_elems()) {
-                    bail!(
-                        "rows of {} values cannot be converted to {format}",
-                        mat.in_features
-                    );
-                }
-                let q = candle_core::quantized::QTensor::quantize(&t, format.ggml())
-                    .map_err(errors::candle)?;
-                let bytes = q.data().map_err(errors::candle)?.into_owned();
-                let key = (info.ggml_dtype, format);
-                match self.converted.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, n)) => *n += 1,
-                    None => self.converted.push((key, 1)),
-                }
-                Weight::stored(format, Bytes::Owned(bytes), mat)?
-            } else {
-                let data = t
-                    .flatten_all()
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .map_err(errors::candle)?;
-                Weight::f32(data, mat)
-            }
+            Weight::f32(data, mat)
         } else {
             // In place: `check_tensor_layout` proved the range lies inside the file.
             let start = (g.content.tensor_data_offset + info.offset) as usize;
@@ -1208,13 +1176,6 @@ impl TensorSource for GgufSource<'_> {
             None => weight,
         };
         Ok(Loaded { shape, weight })
-    }
-
-    fn conversions(&self) -> Vec<String> {
-        self.converted
-            .iter()
-            .map(|((from, to), n)| format!("{n} × {from:?} → {to}"))
-            .collect()
     }
 }
 
@@ -1246,7 +1207,6 @@ pub fn load_gguf(
         num_kv_heads: cfg.num_kv_heads,
         gguf,
         dtype,
-        converted: Vec::new(),
     };
     build(cfg, &mut src, &GGUF_NAMES, progress)
 }
@@ -1268,7 +1228,7 @@ mod tests {
         }
     }
 
-    const FORMATS: [(Format, GgmlDType); 9] = [
+    const FORMATS: [(Format, GgmlDType); 12] = [
         (Format::Bf16, GgmlDType::BF16),
         (Format::F16, GgmlDType::F16),
         (Format::Q4_0, GgmlDType::Q4_0),
@@ -1276,7 +1236,10 @@ mod tests {
         (Format::Q5_0, GgmlDType::Q5_0),
         (Format::Q5_1, GgmlDType::Q5_1),
         (Format::Q8_0, GgmlDType::Q8_0),
+        (Format::Q2K, GgmlDType::Q2K),
+        (Format::Q3K, GgmlDType::Q3K),
         (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q5K, GgmlDType::Q5K),
         (Format::Q6K, GgmlDType::Q6K),
     ];
 

@@ -578,6 +578,90 @@ impl Chunks for Q4K {
     }
 }
 
+/// Q2_K: chunk `i` lies in half `i / 8`, 32-value group `j = (i % 8) / 2` (bits `2j` of
+/// the half's 32 bytes), sub-block `i % 2` (its first or last 16 bytes) (`quant::q2_k`).
+struct Q2K;
+impl Chunks for Q2K {
+    const ELEMS: usize = 256;
+    const BYTES: usize = 84;
+    #[inline(always)]
+    unsafe fn chunk<V: Lanes>(b: *const u8, i: usize) -> V::F {
+        unsafe {
+            let (d, dmin) = (half_at(b, 80), half_at(b, 82));
+            let (h, j, s) = (i / 8, (i % 8) / 2, i % 2);
+            let sc = *b.add(8 * h + 2 * j + s);
+            let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+            let q = V::and(
+                V::shr(
+                    V::u8s(b.add(16 + 32 * h + 16 * s)),
+                    V::splat_i(2 * j as i32),
+                ),
+                V::splat_i(3),
+            );
+            V::sub(V::mul(V::splat(dl), V::to_f(q)), V::splat(ml))
+        }
+    }
+}
+
+/// Q3_K: Q2_K's 2-bit layout (after a 32-byte `hmask`), minus 4 where the value's high
+/// bit (bit `4h + j` of `hmask[16s..16s + 16]`) is clear (`quant::q3_k`).
+struct Q3K;
+impl Chunks for Q3K {
+    const ELEMS: usize = 256;
+    const BYTES: usize = 110;
+    #[inline(always)]
+    unsafe fn chunk<V: Lanes>(b: *const u8, i: usize) -> V::F {
+        unsafe {
+            let d = half_at(b, 108);
+            let (h, j, s) = (i / 8, (i % 8) / 2, i % 2);
+            let scales = quant::q3_k_scales(std::slice::from_raw_parts(b.add(96), 12));
+            let dl = d * (scales[8 * h + 2 * j + s] as f32 - 32.0);
+            let q = V::and(
+                V::shr(
+                    V::u8s(b.add(32 + 32 * h + 16 * s)),
+                    V::splat_i(2 * j as i32),
+                ),
+                V::splat_i(3),
+            );
+            let high = V::and(
+                V::shr(V::u8s(b.add(16 * s)), V::splat_i((4 * h + j) as i32)),
+                V::splat_i(1),
+            );
+            // q − 4·(1 − high) = q + 4·high − 4
+            let q = V::sub_i(V::or(q, V::shl(high, V::splat_i(2))), V::splat_i(4));
+            V::mul(V::splat(dl), V::to_f(q))
+        }
+    }
+}
+
+/// Q5_K: Q4_K's layout after a 32-byte `qh` whose bit `2·group + high` of byte `l` is the
+/// fifth bit of value `l` of the group's low (high) 32 (`quant::q5_k`).
+struct Q5K;
+impl Chunks for Q5K {
+    const ELEMS: usize = 256;
+    const BYTES: usize = 176;
+    #[inline(always)]
+    unsafe fn chunk<V: Lanes>(b: *const u8, i: usize) -> V::F {
+        unsafe {
+            let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+            let (group, within) = (i / 4, i % 4);
+            let high = within >= 2;
+            let l0 = 16 * (within % 2);
+            let scales = std::slice::from_raw_parts(b.add(4), 12);
+            let (sc, mn) = quant::scale_min_k4(2 * group + high as usize, scales);
+            let (d1, m1) = (d * sc as f32, dmin * mn as f32);
+            let low4 = nibbles::<V>(b.add(48 + 32 * group + l0), high);
+            let bit = (2 * group + high as usize) as i32;
+            let fifth = V::and(
+                V::shr(V::u8s(b.add(16 + l0)), V::splat_i(bit)),
+                V::splat_i(1),
+            );
+            let q = V::or(low4, V::shl(fifth, V::splat_i(4)));
+            V::sub(V::mul(V::splat(d1), V::to_f(q)), V::splat(m1))
+        }
+    }
+}
+
 /// Q6_K: chunk `i` lies in 128-value half `i / 8`; within it, 32-value quarter `g` takes
 /// the low (g < 2) or high nibbles of `ql[32·(g % 2)..]` and bits `2g..2g + 2` of `qh`,
 /// each 16 values with their own scale (`quant::q6_k`).
@@ -704,7 +788,10 @@ unsafe fn block_with<V: Lanes, const R: usize, const C: usize>(
             Format::Q5_0 => lanes_of::<V, Q5_0, R, C>(xs, ws, k / Q5_0::ELEMS),
             Format::Q5_1 => lanes_of::<V, Q5_1, R, C>(xs, ws, k / Q5_1::ELEMS),
             Format::Q8_0 => lanes_of::<V, Q8_0, R, C>(xs, ws, k / Q8_0::ELEMS),
+            Format::Q2K => lanes_of::<V, Q2K, R, C>(xs, ws, k / Q2K::ELEMS),
+            Format::Q3K => lanes_of::<V, Q3K, R, C>(xs, ws, k / Q3K::ELEMS),
             Format::Q4K => lanes_of::<V, Q4K, R, C>(xs, ws, k / Q4K::ELEMS),
+            Format::Q5K => lanes_of::<V, Q5K, R, C>(xs, ws, k / Q5K::ELEMS),
             Format::Q6K => lanes_of::<V, Q6K, R, C>(xs, ws, k / Q6K::ELEMS),
             Format::Bf16 => lanes_of::<V, Bf16, R, C>(xs, ws, body / LANES),
             Format::F16 => lanes_of::<V, F16, R, C>(xs, ws, body / LANES),
@@ -832,7 +919,7 @@ mod tests {
         for f in [F::Q4_0, F::Q4_1, F::Q5_0, F::Q5_1, F::Q8_0] {
             v.extend([(f, 32), (f, 96)]);
         }
-        for f in [F::Q4K, F::Q6K] {
+        for f in [F::Q2K, F::Q3K, F::Q4K, F::Q5K, F::Q6K] {
             v.extend([(f, 256), (f, 768)]);
         }
         for f in [F::Bf16, F::F16, F::F32] {

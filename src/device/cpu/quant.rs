@@ -25,7 +25,10 @@ pub enum Format {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -42,7 +45,10 @@ impl Format {
             Format::Q5_0 => G::Q5_0,
             Format::Q5_1 => G::Q5_1,
             Format::Q8_0 => G::Q8_0,
+            Format::Q2K => G::Q2K,
+            Format::Q3K => G::Q3K,
             Format::Q4K => G::Q4K,
+            Format::Q5K => G::Q5K,
             Format::Q6K => G::Q6K,
         }
     }
@@ -57,7 +63,7 @@ impl Format {
         match self {
             Format::F32 | Format::Bf16 | Format::F16 => 1,
             Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::Q8_0 => 32,
-            Format::Q4K | Format::Q6K => QK_K,
+            Format::Q2K | Format::Q3K | Format::Q4K | Format::Q5K | Format::Q6K => QK_K,
         }
     }
 
@@ -71,7 +77,10 @@ impl Format {
             Format::Q5_0 => 22,
             Format::Q5_1 => 24,
             Format::Q8_0 => 34,
+            Format::Q2K => 84,
+            Format::Q3K => 110,
             Format::Q4K => 144,
+            Format::Q5K => 176,
             Format::Q6K => 210,
         }
     }
@@ -92,7 +101,10 @@ impl Format {
             Format::Q5_0 => "Q5_0",
             Format::Q5_1 => "Q5_1",
             Format::Q8_0 => "Q8_0",
+            Format::Q2K => "Q2_K",
+            Format::Q3K => "Q3_K",
             Format::Q4K => "Q4_K",
+            Format::Q5K => "Q5_K",
             Format::Q6K => "Q6_K",
         }
     }
@@ -164,7 +176,10 @@ pub fn dequantize_generic(format: Format, bytes: &[u8], out: &mut [f32]) {
                 Format::Q5_0 => blocks.for_each(|(x, y)| q5_0(x, y.try_into().unwrap())),
                 Format::Q5_1 => blocks.for_each(|(x, y)| q5_1(x, y.try_into().unwrap())),
                 Format::Q8_0 => blocks.for_each(|(x, y)| q8_0(x, y.try_into().unwrap())),
+                Format::Q2K => blocks.for_each(|(x, y)| q2_k(x, y.try_into().unwrap())),
+                Format::Q3K => blocks.for_each(|(x, y)| q3_k(x, y.try_into().unwrap())),
                 Format::Q4K => blocks.for_each(|(x, y)| q4_k(x, y.try_into().unwrap())),
+                Format::Q5K => blocks.for_each(|(x, y)| q5_k(x, y.try_into().unwrap())),
                 Format::Q6K => blocks.for_each(|(x, y)| q6_k(x, y.try_into().unwrap())),
                 Format::F32 | Format::Bf16 | Format::F16 => unreachable!(),
             }
@@ -249,6 +264,82 @@ pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// `scales: [u8; 16], qs: [u8; 64], d: f16, dmin: f16`: 16 sub-blocks of 16, each
+/// `d·(scale & 15) · q − dmin·(scale >> 4)` with 2-bit `q`. Half `h` (128 values) reads
+/// `qs[32h..32h + 32]`, its 32-value group `j` at bits `2j..2j + 2`, the group's first 16
+/// values from the first 16 bytes (sub-block `8h + 2j`), the next 16 from the rest.
+#[inline(always)]
+fn q2_k(x: &[u8], y: &mut [f32; QK_K]) {
+    let (d, dmin) = (half_at(x, 80), half_at(x, 82));
+    for v in 0..QK_K {
+        let (h, j, s, i) = (v / 128, (v % 128) / 32, (v % 32) / 16, v % 16);
+        let sc = x[8 * h + 2 * j + s];
+        let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+        let q = (x[16 + 32 * h + 16 * s + i] >> (2 * j)) & 3;
+        y[v] = dl * q as f32 - ml;
+    }
+}
+
+/// Q3_K's 16 six-bit scales (each − 32 when used) from its 12 packed bytes.
+#[inline(always)]
+pub(super) fn q3_k_scales(packed: &[u8]) -> [i8; 16] {
+    const KMASK1: u32 = 0x0303_0303;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    let word = |i: usize| u32::from_le_bytes(packed[4 * i..4 * i + 4].try_into().unwrap());
+    let (a0, a1, tmp) = (word(0), word(1), word(2));
+    let aux = [
+        (a0 & KMASK2) | ((tmp & KMASK1) << 4),
+        (a1 & KMASK2) | (((tmp >> 2) & KMASK1) << 4),
+        ((a0 >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4),
+        ((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4),
+    ];
+    let mut out = [0i8; 16];
+    for (o, b) in out.iter_mut().zip(aux.iter().flat_map(|w| w.to_le_bytes())) {
+        *o = b as i8;
+    }
+    out
+}
+
+/// `hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12], d: f16`: 16 sub-blocks of 16, each
+/// `d·(scale − 32) · (q − 4·(1 − hbit))` with 2-bit `q` laid out as Q2_K's and the high
+/// bit of value `v` at bit `4h + j` of `hmask[v % 32]`.
+#[inline(always)]
+fn q3_k(x: &[u8], y: &mut [f32; QK_K]) {
+    let d = half_at(x, 108);
+    let scales = q3_k_scales(&x[96..108]);
+    for v in 0..QK_K {
+        let (h, j, s, i) = (v / 128, (v % 128) / 32, (v % 32) / 16, v % 16);
+        let dl = d * (scales[8 * h + 2 * j + s] as f32 - 32.0);
+        let q = ((x[32 + 32 * h + 16 * s + i] >> (2 * j)) & 3) as i8;
+        let high = x[16 * s + i] & (1 << (4 * h + j)) != 0;
+        y[v] = dl * (q - if high { 0 } else { 4 }) as f32;
+    }
+}
+
+/// `d: f16, dmin: f16, scales: [u8; 12], qh: [u8; 32], qs: [u8; 128]`: Q4_K's layout with
+/// a fifth bit: value `l` of 64-value group `g`'s low (high) half has it at bit `2g`
+/// (`2g + 1`) of `qh[l]`.
+#[inline(always)]
+fn q5_k(x: &[u8], y: &mut [f32; QK_K]) {
+    let (d, dmin) = (half_at(x, 0), half_at(x, 2));
+    let scales = &x[4..16];
+    let qh = &x[16..48];
+    for g in 0..4 {
+        let ql = &x[48 + 32 * g..48 + 32 * g + 32];
+        let (s1, m1) = scale_min_k4(2 * g, scales);
+        let (s2, m2) = scale_min_k4(2 * g + 1, scales);
+        let (d1, m1) = (d * s1 as f32, dmin * m1 as f32);
+        let (d2, m2) = (d * s2 as f32, dmin * m2 as f32);
+        let y = &mut y[g * 64..g * 64 + 64];
+        for l in 0..32 {
+            let lo = (ql[l] & 0xF) | (((qh[l] >> (2 * g)) & 1) << 4);
+            let hi = (ql[l] >> 4) | (((qh[l] >> (2 * g + 1)) & 1) << 4);
+            y[l] = d1 * lo as f32 - m1;
+            y[l + 32] = d2 * hi as f32 - m2;
+        }
+    }
+}
+
 /// `d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]`: 8 sub-blocks of 32, each
 /// `d·scale · nibble − dmin·min`; a 64-value chunk takes 32 bytes' low then high nibbles.
 #[inline(always)]
@@ -301,7 +392,7 @@ mod tests {
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    const ALL: [Format; 10] = [
+    const ALL: [Format; 13] = [
         Format::F32,
         Format::Bf16,
         Format::F16,
@@ -310,7 +401,10 @@ mod tests {
         Format::Q5_0,
         Format::Q5_1,
         Format::Q8_0,
+        Format::Q2K,
+        Format::Q3K,
         Format::Q4K,
+        Format::Q5K,
         Format::Q6K,
     ];
 

@@ -271,12 +271,12 @@ pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 #[inline(always)]
 fn q2_k(x: &[u8], y: &mut [f32; QK_K]) {
     let (d, dmin) = (half_at(x, 80), half_at(x, 82));
-    for v in 0..QK_K {
+    for (v, out) in y.iter_mut().enumerate() {
         let (h, j, s, i) = (v / 128, (v % 128) / 32, (v % 32) / 16, v % 16);
         let sc = x[8 * h + 2 * j + s];
         let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
         let q = (x[16 + 32 * h + 16 * s + i] >> (2 * j)) & 3;
-        y[v] = dl * q as f32 - ml;
+        *out = dl * q as f32 - ml;
     }
 }
 
@@ -307,12 +307,12 @@ pub(super) fn q3_k_scales(packed: &[u8]) -> [i8; 16] {
 fn q3_k(x: &[u8], y: &mut [f32; QK_K]) {
     let d = half_at(x, 108);
     let scales = q3_k_scales(&x[96..108]);
-    for v in 0..QK_K {
+    for (v, out) in y.iter_mut().enumerate() {
         let (h, j, s, i) = (v / 128, (v % 128) / 32, (v % 32) / 16, v % 16);
         let dl = d * (scales[8 * h + 2 * j + s] as f32 - 32.0);
         let q = ((x[32 + 32 * h + 16 * s + i] >> (2 * j)) & 3) as i8;
         let high = x[16 * s + i] & (1 << (4 * h + j)) != 0;
-        y[v] = dl * (q - if high { 0 } else { 4 }) as f32;
+        *out = dl * (q - if high { 0 } else { 4 }) as f32;
     }
 }
 

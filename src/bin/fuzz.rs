@@ -22,7 +22,7 @@ use strata::fuzz::{self, Outcome, Target};
 #[derive(Parser)]
 #[command(
     name = "fuzz",
-    about = "Structure-aware fuzzing of strata's model, tokenizer and template loaders, its HTTP server and its disk tier's files"
+    about = "Structure-aware fuzzing of strata's model, tokenizer and template loaders, its HTTP server, KV-event socket and disk tier's files, and its command lines"
 )]
 struct Args {
     /// Cases per target (stops early if --minutes runs out).
@@ -31,7 +31,7 @@ struct Args {
     /// Wall-clock budget for the whole run, split evenly between the targets.
     #[arg(long)]
     minutes: Option<f64>,
-    /// Targets to run (comma-separated): gguf, safetensors, tokenizer, template, http, disk, flags [default: all]
+    /// Targets to run (comma-separated): gguf, gguf-meta, safetensors, tokenizer, template, http, http-pipelined, kv-events, disk, flags [default: all]
     #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
     /// Base seed; each target's seed is derived from it (printed with the results).
@@ -107,6 +107,7 @@ fn worker(args: &Args) -> Result<bool> {
         bail!("a worker runs exactly one --target");
     };
     std::panic::set_hook(Box::new(|_| {})); // panics are reported by the protocol
+    fuzz::count_panics(); // ...and those of the servers' own threads, by their targets
     let seed = target_seed(args.seed, target);
     let base = fuzz::base_corpus(target);
     let deadline = args
@@ -181,7 +182,7 @@ fn supervise(args: &Args) -> Result<bool> {
         .minutes
         .map(|m| Duration::from_secs_f64(m * 60.0 / targets.len() as f64));
     let mut all_ok = true;
-    println!("target       seed                 executions  accepted  findings  time");
+    println!("target           seed                 executions  accepted  findings  time");
     for &t in &targets {
         let started = Instant::now();
         let mut tally = Tally::default();
@@ -260,7 +261,7 @@ fn supervise(args: &Args) -> Result<bool> {
             next = i + 1;
         }
         println!(
-            "{:<12} {:<20} {:>10}  {:>8}  {:>8}  {:.0} s",
+            "{:<16} {:<20} {:>10}  {:>8}  {:>8}  {:.0} s",
             t.name(),
             target_seed(args.seed, t),
             tally.executions,

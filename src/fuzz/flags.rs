@@ -5,7 +5,10 @@
 //! `A:B` pairs of those).
 //!
 //! A case is one command line (`argv`: NUL-separated, the binary's name first; `{model}`
-//! stands for the fuzzer's tiny GGUF model, `{dir}` for the case's own scratch directory).
+//! stands for the fuzzer's tiny GGUF model, `{dir}` for the case's own scratch directory),
+//! with environment variables strata reads (`env`: NUL-separated `NAME=value`) and where
+//! stdout goes (`stdout`: `closed`, a pipe nobody reads, or `full`, `/dev/full`; a pipe
+//! the fuzzer reads when absent).
 //! The base command lines are cheap runs of every subcommand on the tiny model; the flags
 //! a mutation may set are read from the binary's own `--help`, so a new flag is fuzzed
 //! the day it is added. Contract checked after each run (a breach is a panic, which the
@@ -14,6 +17,8 @@
 //! - a failure (1 or 2) prints exactly one line on stderr, `error: …`: every flag is
 //!   checked before anything is printed, so nothing precedes the error (`needle`'s
 //!   verdict that a case failed, 1 with its table on stdout and no error line, aside);
+//!   with stdout closed or full, a run ends quietly with 0 (as `head` expects) or with
+//!   one `error:` line, the last on stderr, after whatever it printed before writing;
 //! - nothing prints a panic;
 //! - peak memory stays under `MAX_RSS_BYTES`;
 //! - `strata serve`, once it says it is listening, stops with status 0 on SIGTERM;
@@ -66,6 +71,65 @@ const NOT_FUZZED: &[&str] = &[
     "kv-events-topic",
     "text",
 ];
+
+/// Environment variables strata reads, with values at their edges (`{model}`, `{dir}` as
+/// in command lines). `STRATA_MODEL` matters when a mutation drops `--model`.
+const ENV: &[(&str, &[&str])] = &[
+    (
+        "RAYON_NUM_THREADS",
+        &[
+            "0",
+            "1",
+            "2",
+            "3",
+            "2000",
+            "-1",
+            "abc",
+            "",
+            "1e3",
+            "99999999999999999999",
+        ],
+    ),
+    (
+        "STRATA_MODEL",
+        &[
+            "{model}",
+            "/nonexistent",
+            "{dir}",
+            "/dev/null",
+            "",
+            "/proc/self/mem",
+        ],
+    ),
+    ("STRATA_CHECK_ORDER", &["1", "0", "yes"]),
+    ("STRATA_SANITIZE", &["1", "0", ""]),
+    (
+        "STRATA_KERNEL_CACHE",
+        &["{dir}/kernels", "/nonexistent/x", "", "/dev/null"],
+    ),
+    ("STRATA_CUDA_LIBS", &["/nonexistent", "{dir}", "", ":::"]),
+];
+
+/// Where a run's stdout goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stdout {
+    /// A pipe the fuzzer reads (the contract looks at what it says).
+    Read,
+    /// A pipe whose reading end is closed: writes fail with EPIPE.
+    Closed,
+    /// `/dev/full`: writes fail with ENOSPC.
+    Full,
+}
+
+impl Stdout {
+    fn of(case: &Case) -> Self {
+        match case.get("stdout") {
+            Some(b"closed") => Stdout::Closed,
+            Some(b"full") => Stdout::Full,
+            _ => Stdout::Read,
+        }
+    }
+}
 
 /// The base command lines: each an accepted, cheap run on the tiny model.
 pub fn flags_cases() -> Vec<Case> {
@@ -282,8 +346,29 @@ fn edge_value_simple(rng: &mut StdRng) -> String {
     }
 }
 
-/// One stacked change of a command line.
+/// One stacked change of a command line, its environment or its stdout.
 pub fn mutate_flags(case: &mut Case, rng: &mut StdRng) {
+    match rng.random_range(0..20) {
+        0..3 => {
+            let (name, values) = ENV[rng.random_range(0..ENV.len())];
+            let mut env: Vec<String> = split(case.get("env").unwrap_or_default())
+                .into_iter()
+                .filter(|kv| !kv.is_empty() && !kv.starts_with(&format!("{name}=")))
+                .collect();
+            env.push(format!(
+                "{name}={}",
+                values[rng.random_range(0..values.len())]
+            ));
+            case.set("env", join(&env));
+            return;
+        }
+        3 => {
+            let to: &[u8] = [&b"closed"[..], b"full", b"read"][rng.random_range(0..3)];
+            case.set("stdout", to.to_vec());
+            return;
+        }
+        _ => {}
+    }
     let mut argv = split(case.get("argv").unwrap_or_default());
     let flags = flags_of(&command_words(&argv));
     let fuzzed: Vec<&Flag> = flags
@@ -470,28 +555,51 @@ pub fn run_flags(case: &Case) -> Result<()> {
     let dir = ScratchDir::new()?;
     let model = tiny_model()?.display().to_string();
     let here = dir.path().display().to_string();
-    let args: Vec<String> = args
+    let fill = |a: &str| a.replace("{model}", &model).replace("{dir}", &here);
+    let args: Vec<String> = args.iter().map(|a| fill(a)).collect();
+    let env: Vec<(String, String)> = split(case.get("env").unwrap_or_default())
         .iter()
-        .map(|a| a.replace("{model}", &model).replace("{dir}", &here))
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), fill(v)))
         .collect();
-    check_command(&bin, &args, dir.path())
+    let mut stdout = Stdout::of(case);
+    if args.first().is_some_and(|a| a == "serve") {
+        // The server is seen ready by its listening line (tests/server_hostile.rs runs it
+        // with stdout closed).
+        stdout = Stdout::Read;
+    }
+    check_command(&bin, &args, &env, stdout, dir.path())
 }
 
-/// Runs `program args` in `cwd` and checks the contract (module doc): a breach panics,
-/// a clean failure is `Err` with its one line.
-pub fn check_command(program: &Path, args: &[String], cwd: &Path) -> Result<()> {
+/// Runs `program args` in `cwd` with `env` added and stdout sent to `stdout`, and checks
+/// the contract (module doc): a breach panics, a clean failure is `Err` with its line.
+pub fn check_command(
+    program: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    stdout: Stdout,
+    cwd: &Path,
+) -> Result<()> {
     use std::os::unix::process::CommandExt;
-    let mut child = Command::new(program)
-        .args(args)
+    let mut cmd = Command::new(program);
+    cmd.args(args)
         .process_group(0) // so a stop reaches the workers it started too
         .current_dir(cwd)
         .env_remove("STRATA_MODEL")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
+        .stderr(Stdio::piped());
+    match stdout {
+        Stdout::Read => cmd.stdout(Stdio::piped()),
+        Stdout::Closed => cmd.stdout(closed_pipe()?),
+        Stdout::Full => cmd.stdout(std::fs::OpenOptions::new().write(true).open("/dev/full")?),
+    };
+    let mut child = cmd.spawn()?;
     let pid = child.id() as libc::pid_t;
-    let out = drain(child.stdout.take().context("stdout")?);
+    let out = match child.stdout.take() {
+        Some(s) => drain(s),
+        None => Arc::new(Mutex::new(Vec::new())),
+    };
     let err = drain(child.stderr.take().context("stderr")?);
     let started = Instant::now();
     let serving = args.first().is_some_and(|a| a == "serve");
@@ -533,9 +641,9 @@ pub fn check_command(program: &Path, args: &[String], cwd: &Path) -> Result<()> 
         std::thread::sleep(Duration::from_millis(1));
     }
     drop(child); // already reaped: dropping a Child neither waits nor kills
-    let (stdout, stderr) = (text(&out), text(&err));
+    let (printed, stderr) = (text(&out), text(&err));
     assert!(
-        !stderr.contains("panicked") && !stdout.contains("panicked"),
+        !stderr.contains("panicked") && !printed.contains("panicked"),
         "a panic: {args:?}: {stderr}"
     );
     assert!(
@@ -557,22 +665,48 @@ pub fn check_command(program: &Path, args: &[String], cwd: &Path) -> Result<()> 
         // `needle`'s verdict that a case failed (docs/errors.md): a run that completed,
         // its table on stdout, no error line (the tiny model finds no needle).
         1 if program.ends_with("needle")
-            && !stdout.is_empty()
+            && !printed.is_empty()
             && !stderr.lines().any(|l| l.starts_with("error: ")) =>
         {
             Ok(())
         }
         code @ (1 | 2) => {
             let lines: Vec<&str> = stderr.lines().collect();
+            let errors = lines.iter().filter(|l| l.starts_with("error: ")).count();
+            // Output that fails mid-run follows what the run printed before it.
+            let ok = if stdout != Stdout::Read {
+                errors == 1 && lines.last().is_some_and(|l| l.starts_with("error: "))
+            } else {
+                lines.len() == 1 && errors == 1
+            };
             assert!(
-                lines.len() == 1 && lines[0].starts_with("error: "),
+                ok,
                 "exit {code} must print one `error:` line, printed {}: {args:?}: {stderr}",
                 lines.len()
             );
-            bail!("exit {code}: {}", lines[0])
+            bail!("exit {code}: {}", lines[lines.len() - 1])
         }
         code => panic!("exit status {code}: {args:?}: {stderr}"),
     }
+}
+
+/// The writing end of a pipe whose reading end is already closed.
+fn closed_pipe() -> Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: pipe2 fills two descriptors, which we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: both descriptors are ours and open; each is owned once.
+    let (read, write) = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
+    drop(read);
+    Ok(write)
 }
 
 #[cfg(test)]
@@ -593,8 +727,14 @@ mod tests {
     }
 
     fn sh(script: &str) -> std::thread::Result<Result<()>> {
+        sh_to(script, Stdout::Read)
+    }
+
+    fn sh_to(script: &str, stdout: Stdout) -> std::thread::Result<Result<()>> {
         let args = ["-c".to_string(), script.to_string()];
-        std::panic::catch_unwind(|| check_command(Path::new("/bin/sh"), &args, Path::new("/")))
+        std::panic::catch_unwind(|| {
+            check_command(Path::new("/bin/sh"), &args, &[], stdout, Path::new("/"))
+        })
     }
 
     #[test]
@@ -616,6 +756,23 @@ mod tests {
         ] {
             assert!(sh(bad).is_err(), "{bad}: not a finding");
         }
+    }
+
+    #[test]
+    fn a_full_stdout_makes_writes_fail_and_allows_lines_before_the_error() {
+        // (A closed pipe would kill the shell with SIGPIPE; Rust binaries ignore it.)
+        let script = "printf 'text\\n' 2>/dev/null || { echo 'plan: 1 MiB' >&2; echo 'error: writing: x' >&2; exit 1; }";
+        assert!(matches!(sh_to(script, Stdout::Full), Ok(Err(_))));
+        // With stdout read, a line before the error is still a breach.
+        let printed_then_failed = "echo 'plan: 1 MiB' >&2; echo 'error: x' >&2; exit 1";
+        assert!(sh_to(printed_then_failed, Stdout::Read).is_err());
+        assert!(matches!(
+            sh_to(printed_then_failed, Stdout::Full),
+            Ok(Err(_))
+        ));
+        // Two error lines are a breach either way.
+        let twice = "echo 'error: a' >&2; echo 'error: b' >&2; exit 1";
+        assert!(sh_to(twice, Stdout::Full).is_err());
     }
 
     #[test]

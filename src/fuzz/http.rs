@@ -11,7 +11,14 @@
 //! - a 4xx/5xx the server itself writes is an OpenAI error object (the HTTP parser's own
 //!   refusals of unparseable heads, 400/414/431/505 with an empty body, aside);
 //! - no 500 (an engine step failing on some input) and no answer slower than the limits;
-//! - `/health` still answers 200 after the case.
+//! - `/health` still answers 200 after the case (so no case keeps a connection slot: the
+//!   server allows 8), and no task of the server panicked.
+//!
+//! The `http-pipelined` target (`run_pipelined`) sends several of those requests back to
+//! back on one keep-alive connection, then either reads every answer or closes without
+//! reading any (`no_read`). Besides each answer's contract: answers are whole and in
+//! order, and a pipeline of valid requests is answered in full (a shorter run of answers
+//! must end in an error or a `Connection: close`).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -60,6 +67,9 @@ fn start_server() -> Result<SocketAddr> {
         "4",
         "--max-pending-requests",
         "64",
+        // Few, so a connection slot never given back shows within a few cases.
+        "--max-connections",
+        "8",
         "--header-read-timeout",
         "1",
         "--body-read-timeout",
@@ -360,6 +370,7 @@ fn framing_complete(request: &[u8]) -> bool {
 /// Runs one case and checks the contract (a breach panics: a finding).
 pub fn run_http(case: &Case) -> Result<()> {
     let addr = server();
+    let panics_before = super::panics_seen();
     let request = case.get("request").unwrap_or_default();
     let head_complete = request.windows(4).any(|w| w == b"\r\n\r\n");
     // A client that stops mid-head or mid-body says so by closing its side: the read
@@ -374,38 +385,286 @@ pub fn run_http(case: &Case) -> Result<()> {
     if answer.received == 0 {
         assert!(!head_complete, "a complete request head got no answer");
     } else {
-        let status = answer.status;
-        assert!((100..600).contains(&status), "no status line in the answer");
-        assert!(
-            status != 500,
-            "500: {}",
-            String::from_utf8_lossy(&answer.body)
-        );
-        if status >= 400 {
-            let parser_refusal = answer.body.is_empty() && matches!(status, 400 | 414 | 431 | 505);
-            if !parser_refusal {
-                let v: J = serde_json::from_slice(&answer.body).unwrap_or_else(|_| {
-                    panic!(
-                        "{status} without a JSON error: {:?}",
-                        String::from_utf8_lossy(&answer.body)
-                    )
-                });
-                assert!(
-                    v["error"]["message"].is_string()
-                        && v["error"]["code"].as_u64() == Some(status as u64),
-                    "{status} is not an OpenAI error object: {v}"
-                );
-            }
+        check_answer(answer.status, &answer.body);
+    }
+    check_health(addr);
+    assert!(
+        super::panics_seen() == panics_before,
+        "a task of the server panicked: {}",
+        super::last_panic()
+    );
+    Ok(())
+}
+
+/// One answer's contract: a status line, no 500, and a 4xx/5xx the server itself writes
+/// is an OpenAI error object (the HTTP parser's own refusals of unparseable heads, with
+/// an empty body, aside).
+fn check_answer(status: u16, body: &[u8]) {
+    assert!((100..600).contains(&status), "no status line in the answer");
+    assert!(status != 500, "500: {}", String::from_utf8_lossy(body));
+    if status >= 400 {
+        let parser_refusal = body.is_empty() && matches!(status, 400 | 414 | 431 | 505);
+        if !parser_refusal {
+            let v: J = serde_json::from_slice(body).unwrap_or_else(|_| {
+                panic!(
+                    "{status} without a JSON error: {:?}",
+                    String::from_utf8_lossy(body)
+                )
+            });
+            assert!(
+                v["error"]["message"].is_string()
+                    && v["error"]["code"].as_u64() == Some(status as u64),
+                "{status} is not an OpenAI error object: {v}"
+            );
         }
     }
-    let health = exchange(addr, GET_HEALTH, false).expect("health after a case");
-    assert_eq!(health.status, 200, "the server stopped answering /health");
+}
+
+/// `/health` answers 200 after a case. A connection the case left behind may hold its
+/// slot a moment longer (a generation finishing for a client that left): a 503 is
+/// retried for a while; a slot never given back makes it permanent.
+fn check_health(addr: SocketAddr) {
+    let start = Instant::now();
+    loop {
+        let health = exchange(addr, GET_HEALTH, false).expect("health after a case");
+        if health.status == 200 {
+            return;
+        }
+        assert!(
+            health.status == 503 && start.elapsed() < ANSWER_WITHIN,
+            "the server stopped answering /health ({})",
+            health.status
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// pipelined requests
+
+/// The base requests without `Connection: close`: valid keep-alive requests, each of which
+/// must be answered wherever it stands in a pipeline.
+fn keep_alive_requests() -> &'static [Vec<u8>] {
+    static R: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
+    R.get_or_init(|| {
+        http_cases()
+            .iter()
+            .filter_map(|c| c.get("request"))
+            .map(|r| {
+                String::from_utf8_lossy(r)
+                    .replace("Connection: close\r\n", "")
+                    .into_bytes()
+            })
+            .collect()
+    })
+}
+
+/// The requests of a pipelined case, in order (`request0`, `request1`, ...).
+fn pipeline(case: &Case) -> Vec<Vec<u8>> {
+    (0..)
+        .map_while(|i| case.get(&format!("request{i}")).map(<[u8]>::to_vec))
+        .collect()
+}
+
+fn pipeline_case(requests: &[Vec<u8>]) -> Case {
+    let mut c = Case::default();
+    for (i, r) in requests.iter().enumerate() {
+        c.set(&format!("request{i}"), r.clone());
+    }
+    c
+}
+
+/// Pipelines of the base requests: cheap ones, generations, streams, and both mixed.
+pub fn pipelined_cases() -> Vec<Case> {
+    let r = keep_alive_requests();
+    // Indices into `http_cases()`: chats 0-2, completions 3-5, health, models, metrics, card.
+    [
+        &[6usize, 7, 8][..],
+        &[0, 4, 6],
+        &[3, 1, 9, 2],
+        &[5, 5, 8, 7, 6],
+    ]
+    .iter()
+    .map(|idx| pipeline_case(&idx.iter().map(|&i| r[i].clone()).collect::<Vec<_>>()))
+    .collect()
+}
+
+/// Most requests in one pipeline.
+const MAX_PIPELINE: usize = 64;
+
+pub fn mutate_pipelined(case: &mut Case, rng: &mut StdRng) {
+    let mut requests = pipeline(case);
+    let no_read = case.get("no_read").is_some();
+    let n = requests.len();
+    match rng.random_range(0..10) {
+        0..5 if n > 0 => {
+            // One request changed as the `http` target changes it.
+            let at = rng.random_range(0..n);
+            let mut one = Case::default();
+            one.set("request", std::mem::take(&mut requests[at]));
+            mutate_http(&mut one, rng);
+            requests[at] = one.get("request").unwrap_or_default().to_vec();
+        }
+        5 => {
+            let good = keep_alive_requests();
+            let at = rng.random_range(0..=n);
+            requests.insert(at, good[rng.random_range(0..good.len())].clone());
+        }
+        6 if n > 1 => {
+            requests.remove(rng.random_range(0..n));
+        }
+        7 if n > 0 => {
+            // The same request many times over.
+            let at = rng.random_range(0..n);
+            let times = rng.random_range(2..=MAX_PIPELINE / 2);
+            let again = vec![requests[at].clone(); times];
+            requests.splice(at..at, again);
+        }
+        8 if n > 1 => {
+            let (a, b) = (rng.random_range(0..n), rng.random_range(0..n));
+            requests.swap(a, b);
+        }
+        _ => {
+            let mut c = pipeline_case(&requests);
+            if !no_read {
+                c.set("no_read", Vec::new());
+            }
+            *case = c;
+            return;
+        }
+    }
+    requests.truncate(MAX_PIPELINE);
+    let mut c = pipeline_case(&requests);
+    if no_read {
+        c.set("no_read", Vec::new());
+    }
+    *case = c;
+}
+
+/// Runs one pipelined case and checks the contract (module doc).
+pub fn run_pipelined(case: &Case) -> Result<()> {
+    let addr = server();
+    let panics_before = super::panics_seen();
+    let requests = pipeline(case);
+    let mut s = TcpStream::connect(addr).context("connecting")?;
+    s.set_read_timeout(Some(ANSWER_WITHIN))?;
+    // The server may answer and close before reading all of it (a refusal).
+    let _ = s.write_all(&requests.concat());
+    if case.get("no_read").is_some() {
+        drop(s);
+    } else {
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let received = read_until_closed(&mut s)
+            .unwrap_or_else(|e| panic!("the server did not finish the pipeline: {e}"));
+        check_pipeline(&requests, &received);
+    }
+    check_health(addr);
+    assert!(
+        super::panics_seen() == panics_before,
+        "a task of the server panicked: {}",
+        super::last_panic()
+    );
     Ok(())
+}
+
+/// Everything the server sends until it closes (a reset counts as closed).
+fn read_until_closed(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let start = Instant::now();
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 16 << 10];
+    loop {
+        match s.read(&mut chunk) {
+            Ok(0) => return Ok(out),
+            Ok(n) => out.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(out),
+            Err(e) => return Err(e),
+        }
+        if start.elapsed() > ANSWER_WITHIN {
+            return Err(std::io::Error::other("still open"));
+        }
+    }
+}
+
+/// The length of the whole answer at the front of `buf`: an interim `1xx` is its head.
+fn answer_len(buf: &[u8]) -> Option<usize> {
+    let interim = buf.starts_with(b"HTTP/1.1 1") || buf.starts_with(b"HTTP/1.0 1");
+    match buf.windows(4).position(|w| w == b"\r\n\r\n") {
+        Some(end) if interim => Some(end + 4),
+        _ => complete(buf),
+    }
+}
+
+/// The answers to a pipeline: whole, each within its contract, and as many as the
+/// requests where every request was a valid keep-alive one.
+fn check_pipeline(requests: &[Vec<u8>], received: &[u8]) {
+    let mut rest = received;
+    // (status, whether its head says the connection closes)
+    let mut answers: Vec<(u16, bool)> = Vec::new();
+    while !rest.is_empty() {
+        let len = answer_len(rest).unwrap_or_else(|| {
+            panic!(
+                "a cut answer after {} whole ones: {:?}",
+                answers.len(),
+                String::from_utf8_lossy(&rest[..rest.len().min(200)])
+            )
+        });
+        let (answer, tail) = rest.split_at(len);
+        let head_end = answer
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .unwrap_or(0);
+        let head = String::from_utf8_lossy(&answer[..head_end]).to_ascii_lowercase();
+        let status = head
+            .strip_prefix("http/1.1 ")
+            .or_else(|| head.strip_prefix("http/1.0 "))
+            .and_then(|l| l.get(..3))
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        check_answer(status, &answer[head_end + 4..]);
+        if status >= 200 {
+            answers.push((status, head.contains("\r\nconnection: close")));
+        }
+        rest = tail;
+    }
+    let good = keep_alive_requests();
+    let valid = requests.iter().take_while(|r| good.contains(r)).count();
+    let answered_all_so_far = answers
+        .iter()
+        .take(valid)
+        .all(|&(st, close)| st < 400 && !close);
+    assert!(
+        answers.len() >= valid || !answered_all_so_far,
+        "{} of the pipeline's first {valid} valid requests answered, the last without an \
+         error or a close",
+        answers.len()
+    );
 }
 
 #[cfg(test)]
 mod tests {
-    use super::framing_complete;
+    use super::{check_pipeline, framing_complete, keep_alive_requests};
+
+    #[test]
+    fn a_valid_pipeline_answered_short_without_a_reason_is_a_breach() {
+        let good = keep_alive_requests();
+        let three = [good[6].clone(), good[7].clone(), good[8].clone()];
+        let ok = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
+        let closed = "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}";
+        let interim = "HTTP/1.1 100 Continue\r\n\r\n";
+        check_pipeline(&three, ok.repeat(3).as_bytes());
+        check_pipeline(&three, format!("{interim}{ok}{closed}").as_bytes());
+        for bad in [ok.repeat(2), format!("{ok}{}", &ok[..ok.len() - 1])] {
+            let r = std::panic::catch_unwind(|| check_pipeline(&three, bad.as_bytes()));
+            assert!(r.is_err(), "{bad:?} passed");
+        }
+        // A mutated request in the middle excuses what follows it.
+        let mutated = [
+            good[6].clone(),
+            b"BREW / HTTP/1.1\r\n\r\n".to_vec(),
+            good[8].clone(),
+        ];
+        check_pipeline(&mutated, ok.as_bytes());
+    }
 
     #[test]
     fn framing_is_complete_only_with_the_whole_announced_body() {

@@ -1,21 +1,29 @@
 //! A structure-aware mutation fuzzer for strata's untrusted inputs, on stable Rust (the
 //! `fuzz` binary drives it; `tests/fuzz_corpus.rs` replays its findings).
 //!
-//! Six targets, each a function from a `Case` (a few named files) to a `Result`:
+//! Ten targets, each a function from a `Case` (a few named files) to a `Result`:
 //! - `gguf`: a GGUF file through the reader, our config/tokenizer building from its
 //!   metadata, the weight loader, then a chat-template rendering and a short generation;
+//! - `gguf-meta`: a GGUF header alone, metadata bombs above all, through what is read
+//!   before any tensor, within a memory budget a small multiple of the file (`gguf_meta`);
 //! - `safetensors`: a Hugging Face directory (config.json, model.safetensors) the same way;
 //! - `tokenizer`: tokenizer.json, tokenizer_config.json, generation_config.json and
 //!   chat_template.jinja beside a fixed valid model;
 //! - `template`: a chat template rendered through `render_template`;
 //! - `http`: raw HTTP/1.1 requests against a live server in this process (`http`), the
 //!   contract (an answer, OpenAI error objects, no 500, still healthy) checked after each;
+//! - `http-pipelined`: several requests back to back on one connection, answers read or
+//!   not (`http`): every answer whole and in order, a valid pipeline answered in full;
+//! - `kv-events`: what a peer of the KV-event port sends, against a live ZMQ PUB socket
+//!   (`kv_events`): the server's answer well-formed, the peer closed when it leaves, an
+//!   honest subscriber served throughout;
 //! - `disk`: the disk tier's index and slot file as a restart finds them (`disk`), the
 //!   contract (reads return exactly what was written, nothing written through a link,
 //!   no FIFO waited on) checked after each;
 //! - `flags`: the `strata` and `needle` binaries run with flags at the edges of their
 //!   ranges (`flags`), the CLI contract (exit 0/1/2, one error line, no signal, no hang,
-//!   bounded memory) checked after each.
+//!   bounded memory) checked after each, also with environment variables (`RAYON_NUM_THREADS`,
+//!   `STRATA_*`) set and with stdout a closed pipe or a full disk.
 //!
 //! Case `i` of a run is a pure function of (target, seed, i): a base input (tiny models
 //! built here, `corpus`) changed by a stack of mutations (`mutate`) drawn from a generator
@@ -27,8 +35,10 @@
 pub mod corpus;
 pub mod disk;
 pub mod flags;
+pub mod gguf_meta;
 pub mod gguf_writer;
 pub mod http;
+pub mod kv_events;
 pub mod mutate;
 
 use std::path::{Path, PathBuf};
@@ -58,15 +68,21 @@ pub enum Target {
     Http,
     Disk,
     Flags,
+    GgufMeta,
+    HttpPipelined,
+    KvEvents,
 }
 
 impl Target {
-    pub const ALL: [Target; 7] = [
+    pub const ALL: [Target; 10] = [
         Target::Gguf,
+        Target::GgufMeta,
         Target::Safetensors,
         Target::Tokenizer,
         Target::Template,
         Target::Http,
+        Target::HttpPipelined,
+        Target::KvEvents,
         Target::Disk,
         Target::Flags,
     ];
@@ -80,6 +96,9 @@ impl Target {
             Target::Http => "http",
             Target::Disk => "disk",
             Target::Flags => "flags",
+            Target::GgufMeta => "gguf-meta",
+            Target::HttpPipelined => "http-pipelined",
+            Target::KvEvents => "kv-events",
         }
     }
 
@@ -162,6 +181,9 @@ pub fn base_corpus(target: Target) -> Vec<Case> {
         Target::Http => http::http_cases(),
         Target::Disk => disk::disk_cases(),
         Target::Flags => flags::flags_cases(),
+        Target::GgufMeta => gguf_meta::gguf_meta_cases(),
+        Target::HttpPipelined => http::pipelined_cases(),
+        Target::KvEvents => kv_events::kv_events_cases(),
     }
 }
 
@@ -190,6 +212,36 @@ impl Outcome {
     }
 }
 
+static PANICS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static LAST_PANIC: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+/// Counts every panic of the process from now on and keeps the last one's message (then
+/// calls the hook that was there). The servers under test run their code on threads of
+/// their own, where a runtime catches a panic and it shows only as a closed connection:
+/// the `http` and `kv-events` targets compare the count before and after a case.
+pub fn count_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if let Ok(mut last) = LAST_PANIC.try_lock() {
+                *last = info.to_string();
+            }
+            previous(info);
+        }));
+    });
+}
+
+/// Panics counted since `count_panics`.
+pub(crate) fn panics_seen() -> u64 {
+    PANICS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+pub(crate) fn last_panic() -> String {
+    LAST_PANIC.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
 /// Runs one case under `CASE_LIMITS`, catching panics.
 pub fn run_case_bounded(target: Target, case: &Case) -> Outcome {
     let case = case.clone();
@@ -210,6 +262,9 @@ pub fn run_case(target: Target, case: &Case) -> Result<()> {
         Target::Http => http::run_http(case),
         Target::Disk => disk::run_disk(case),
         Target::Flags => flags::run_flags(case),
+        Target::GgufMeta => gguf_meta::run_gguf_meta(case),
+        Target::HttpPipelined => http::run_pipelined(case),
+        Target::KvEvents => kv_events::run_kv_events(case),
         Target::Template => {
             let text = String::from_utf8_lossy(case.get("template").unwrap_or_default());
             tokenizer::render_template("fuzz case", &text, corpus::template_context())?;
@@ -242,7 +297,7 @@ pub fn run_case(target: Target, case: &Case) -> Result<()> {
     }
 }
 
-fn exercise_tokenizer(tok: &Tokenizer) -> Result<Vec<u32>> {
+pub(crate) fn exercise_tokenizer(tok: &Tokenizer) -> Result<Vec<u32>> {
     let ids = tok.encode("Hello, world! 12345 héllo 🦀", true)?;
     tok.decode(&ids, true)?;
     if tok.has_chat_template() {

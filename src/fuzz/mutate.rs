@@ -72,6 +72,9 @@ pub fn mutate(target: Target, pick: &Case, base: &[Case], rng: &mut StdRng) -> C
             Target::Http => super::http::mutate_http(&mut case, rng),
             Target::Disk => super::disk::mutate_disk(&mut case, rng),
             Target::Flags => super::flags::mutate_flags(&mut case, rng),
+            Target::GgufMeta => super::gguf_meta::mutate_gguf_meta(&mut case, rng),
+            Target::HttpPipelined => super::http::mutate_pipelined(&mut case, rng),
+            Target::KvEvents => super::kv_events::mutate_kv_events(&mut case, rng),
             Target::Template => {
                 let other = &base[rng.random_range(0..base.len())];
                 let text = mutate_text(case.get("template").unwrap_or_default(), other, rng);

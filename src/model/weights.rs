@@ -611,7 +611,7 @@ impl ModelWeights {
             )
     }
 
-    /// The load line: bytes held per format, and any conversion.
+    /// The load line: bytes held per format, and any repacking.
     pub fn describe(&self) -> String {
         let mut by: Vec<(Format, usize)> = Vec::new();
         for (f, b) in self.matrices().flat_map(Weight::formats) {
@@ -979,31 +979,9 @@ impl GgufFile {
         if file.read_exact(&mut magic).is_err() || &magic != b"GGUF" {
             bail!("{}: not a GGUF file (bad magic)", path.display());
         }
-        use std::io::Seek;
-        file.rewind()?;
-        // What candle's reader trusts, checked before it runs: its memory for the
-        // metadata, and an alignment it divides by.
-        let skimmed = gguf_header::check(&mut file)
-            .map_err(|e| anyhow::anyhow!("{}: invalid GGUF file: {e}", path.display()))?;
-        if skimmed.alignment == Some(0) {
-            bail!(
-                "{}: invalid GGUF file: general.alignment is 0",
-                path.display()
-            );
-        }
-        file.rewind()?;
-        // Buffered: candle reads metadata a value at a time (a syscall each, unbuffered).
-        let mut buffered = std::io::BufReader::new(&mut file);
-        let content = gguf_file::Content::read(&mut buffered).map_err(|e| {
-            anyhow::anyhow!(
-                "{}: invalid GGUF file: {}",
-                path.display(),
-                errors::candle(e)
-            )
-        })?;
         let len = file.metadata()?.len();
-        check_tensor_layout(&content, len)
-            .with_context(|| format!("{}: invalid GGUF file", path.display()))?;
+        let content = read_gguf_header(&mut file, len)
+            .map_err(|e| anyhow::anyhow!("{}: invalid GGUF file: {e:#}", path.display()))?;
         // Truncation underneath is survivable (`mapped`).
         let map = ModelMap::map(&file).with_context(|| format!("mapping {}", path.display()))?;
         Ok(Self {
@@ -1013,6 +991,27 @@ impl GgufFile {
             path: path.to_path_buf(),
         })
     }
+}
+
+/// A GGUF file's header (metadata and tensor table) from `reader` (the whole file,
+/// `len` bytes), as `GgufFile::open` reads it: skimmed first for what candle's reader
+/// trusts (`gguf_header`), then read by candle, then the tensor table checked against the
+/// file's size. Errors say what is wrong, without the file's name.
+pub fn read_gguf_header<R: std::io::Read + std::io::Seek>(
+    reader: &mut R,
+    len: u64,
+) -> Result<gguf_file::Content> {
+    reader.rewind()?;
+    let skimmed = gguf_header::check(&mut *reader).map_err(|e| anyhow::anyhow!(e))?;
+    if skimmed.alignment == Some(0) {
+        bail!("general.alignment is 0");
+    }
+    reader.rewind()?;
+    // Buffered: candle reads metadata a value at a time (a syscall each, unbuffered).
+    let content = gguf_file::Content::read(&mut std::io::BufReader::new(&mut *reader))
+        .map_err(errors::candle)?;
+    check_tensor_layout(&content, len)?;
+    Ok(content)
 }
 
 /// Every tensor's data lies inside the file, starts at a multiple of the alignment and

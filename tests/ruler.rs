@@ -329,16 +329,18 @@ fn bad_flags_are_one_line_errors() {
         (&["--cases", "0"][..], 2, "--cases"),
         (&["--context", "0"][..], 2, "--context"),
         (&["--seed-set", "test"][..], 2, "invalid value"),
-        // 1/16 of 1K is 64 tokens: less than the sink page and a 64-token window.
+        // 1/16 of 1K is 64 tokens: less than the sink page and a 64-token window. Flags
+        // that do not fit together are usage errors (2, with the help hint); a context
+        // past the model's is the model's to refuse (1).
         (
             &["--context", "1024", "--budget", "1/16"][..],
-            1,
+            2,
             "--budget 1/16 at --context 1024",
         ),
         (&["--context", "9000"][..], 1, "exceeds the model's context"),
         (
             &["--sparse-page-size", "48"][..],
-            1,
+            2,
             "must divide --block-size",
         ),
     ] {

@@ -38,7 +38,17 @@ pub struct GenerationFields {
     /// Add the prompt's and the output's token ids to the response (vLLM's extension, for
     /// frameworks that speak token ids: `prompt_token_ids`, `token_ids`).
     pub return_token_ids: Option<bool>,
+    /// Log-probabilities: an integer 0–20 on completions, `true` (with `top_logprobs`
+    /// 0–20) on chat. Not computed yet: asking for them is a 400 saying so, never a
+    /// silent `null` (docs/server.md "Not supported").
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    /// Completions: the prompt echoed before the output (with its logprobs).
+    pub echo: Option<Value>,
 }
+
+/// Most log-probabilities a token may carry (vLLM's and OpenAI's cap).
+pub const MAX_LOGPROBS: u64 = 20;
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -205,6 +215,68 @@ pub struct Generation {
 }
 
 impl GenerationFields {
+    /// The log-probability fields for `endpoint`: out of range or of the wrong shape is a
+    /// 400 naming the field; asked for in range, a 400 saying they are not supported yet.
+    pub fn check_logprobs(&self, endpoint: Endpoint) -> Result<(), ApiError> {
+        let asked = |v: &Option<Value>| !matches!(v, None | Some(Value::Null | Value::Bool(false)));
+        let in_range = |v: &Value| v.as_u64().is_some_and(|n| n <= MAX_LOGPROBS);
+        let range = |field: &'static str| {
+            ApiError::bad_field(
+                field,
+                format!("{field} must be an integer from 0 to {MAX_LOGPROBS}"),
+            )
+        };
+        match (endpoint, &self.logprobs) {
+            (_, None | Some(Value::Null | Value::Bool(false))) => {}
+            (Endpoint::Chat, Some(Value::Bool(true))) => {}
+            (Endpoint::Chat, Some(_)) => {
+                return Err(ApiError::bad_field(
+                    "logprobs",
+                    "logprobs must be a boolean on chat completions (top_logprobs sets how many)",
+                ))
+            }
+            (Endpoint::Completion, Some(v)) if in_range(v) => {}
+            (Endpoint::Completion, Some(_)) => return Err(range("logprobs")),
+        }
+        if let Some(v) = self.top_logprobs.as_ref().filter(|v| !v.is_null()) {
+            if endpoint == Endpoint::Completion {
+                return Err(ApiError::bad_field(
+                    "top_logprobs",
+                    "top_logprobs is a chat field; completions take an integer logprobs",
+                ));
+            }
+            if !in_range(v) {
+                return Err(range("top_logprobs"));
+            }
+            if !asked(&self.logprobs) && v.as_u64() != Some(0) {
+                return Err(ApiError::bad_field(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ));
+            }
+        }
+        match (&self.echo, endpoint) {
+            (None | Some(Value::Null | Value::Bool(false)), _) => {}
+            (Some(Value::Bool(true)), Endpoint::Completion) => {
+                return Err(ApiError::bad_field(
+                    "echo",
+                    "echo (the prompt with its logprobs) is not supported yet",
+                ))
+            }
+            (Some(Value::Bool(true)), Endpoint::Chat) => {
+                return Err(ApiError::bad_field("echo", "echo is a completions field"))
+            }
+            (Some(_), _) => return Err(ApiError::bad_field("echo", "echo must be a boolean")),
+        }
+        if asked(&self.logprobs) {
+            return Err(ApiError::bad_field(
+                "logprobs",
+                "log-probabilities are not supported yet: this server would answer null",
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks every field; defaults come from the model's generation config.
     pub fn validate(
         &self,
@@ -476,6 +548,75 @@ mod tests {
         let f: GenerationFields =
             serde_json::from_value(v).map_err(|e| ApiError::bad_request(e.to_string()))?;
         f.validate(&GenerationDefaults::default(), 7)
+    }
+
+    #[test]
+    fn logprob_fields_are_refused_by_name_never_answered_null() {
+        use Endpoint::{Chat, Completion};
+        let check = |v: Value, e: Endpoint| {
+            let f: GenerationFields = serde_json::from_value(v).unwrap();
+            f.check_logprobs(e).err().and_then(|e| e.param)
+        };
+        for (v, e) in [
+            (json!({"model": "m"}), Completion),
+            (
+                json!({"model": "m", "logprobs": null, "echo": false}),
+                Completion,
+            ),
+            (
+                json!({"model": "m", "logprobs": false, "top_logprobs": 0}),
+                Chat,
+            ),
+        ] {
+            assert_eq!(check(v.clone(), e), None, "{v}");
+        }
+        for (v, e, param) in [
+            // Asked for in range: not supported yet.
+            (json!({"model": "m", "logprobs": 5}), Completion, "logprobs"),
+            (json!({"model": "m", "logprobs": 0}), Completion, "logprobs"),
+            (
+                json!({"model": "m", "logprobs": true, "top_logprobs": 5}),
+                Chat,
+                "logprobs",
+            ),
+            (json!({"model": "m", "echo": true}), Completion, "echo"),
+            // Out of range or of the wrong shape.
+            (
+                json!({"model": "m", "logprobs": 21}),
+                Completion,
+                "logprobs",
+            ),
+            (
+                json!({"model": "m", "logprobs": -1}),
+                Completion,
+                "logprobs",
+            ),
+            (
+                json!({"model": "m", "logprobs": true}),
+                Completion,
+                "logprobs",
+            ),
+            (json!({"model": "m", "logprobs": 3}), Chat, "logprobs"),
+            (
+                json!({"model": "m", "logprobs": true, "top_logprobs": 21}),
+                Chat,
+                "top_logprobs",
+            ),
+            (
+                json!({"model": "m", "top_logprobs": 3}),
+                Chat,
+                "top_logprobs",
+            ),
+            (
+                json!({"model": "m", "top_logprobs": 3}),
+                Completion,
+                "top_logprobs",
+            ),
+            (json!({"model": "m", "echo": true}), Chat, "echo"),
+            (json!({"model": "m", "echo": "yes"}), Completion, "echo"),
+        ] {
+            assert_eq!(check(v.clone(), e), Some(param), "{v}");
+        }
     }
 
     #[test]

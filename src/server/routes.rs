@@ -106,8 +106,12 @@ impl AppState {
     }
 
     /// The cheap checks of a request, before it is admitted: the server is ready, the
-    /// model is the one served, the sampling fields are valid.
-    fn check(&self, fields: &GenerationFields) -> Result<(&Loaded, Generation), ApiError> {
+    /// model is the one served, the sampling and log-probability fields are valid.
+    fn check(
+        &self,
+        fields: &GenerationFields,
+        endpoint: Endpoint,
+    ) -> Result<(&Loaded, Generation), ApiError> {
         let loaded = self.ready()?;
         if fields.model != self.cfg.served_model_name {
             return Err(ApiError {
@@ -118,6 +122,7 @@ impl AppState {
                 ))
             });
         }
+        fields.check_logprobs(endpoint)?;
         let gen = fields.validate(&loaded.defaults, rand::random())?;
         Ok((loaded, gen))
     }
@@ -358,7 +363,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let req: ChatRequest = parse_body(body)?;
     let conversation = req.conversation()?;
-    let (loaded, gen) = state.check(&req.fields)?;
+    let (loaded, gen) = state.check(&req.fields, Endpoint::Chat)?;
     let admitted = state.admit()?;
     let tokenizer = Arc::clone(&loaded.tokenizer);
     let prompt = state
@@ -382,7 +387,7 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
-    let (loaded, gen) = state.check(&req.fields)?;
+    let (loaded, gen) = state.check(&req.fields, Endpoint::Completion)?;
     let parsed = Prompt::parse(&req.prompt, loaded.vocab_size)?;
     let admitted = state.admit()?;
     let prompt = match parsed {

@@ -388,11 +388,7 @@ pub fn run_http(case: &Case) -> Result<()> {
         check_answer(answer.status, &answer.body);
     }
     check_health(addr);
-    assert!(
-        super::panics_seen() == panics_before,
-        "a task of the server panicked: {}",
-        super::last_panic()
-    );
+    super::assert_no_panic_since(panics_before);
     Ok(())
 }
 
@@ -554,35 +550,13 @@ pub fn run_pipelined(case: &Case) -> Result<()> {
         drop(s);
     } else {
         let _ = s.shutdown(std::net::Shutdown::Write);
-        let received = read_until_closed(&mut s)
+        let received = super::read_until_closed(&mut s, ANSWER_WITHIN)
             .unwrap_or_else(|e| panic!("the server did not finish the pipeline: {e}"));
         check_pipeline(&requests, &received);
     }
     check_health(addr);
-    assert!(
-        super::panics_seen() == panics_before,
-        "a task of the server panicked: {}",
-        super::last_panic()
-    );
+    super::assert_no_panic_since(panics_before);
     Ok(())
-}
-
-/// Everything the server sends until it closes (a reset counts as closed).
-fn read_until_closed(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
-    let start = Instant::now();
-    let mut out = Vec::new();
-    let mut chunk = [0u8; 16 << 10];
-    loop {
-        match s.read(&mut chunk) {
-            Ok(0) => return Ok(out),
-            Ok(n) => out.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(out),
-            Err(e) => return Err(e),
-        }
-        if start.elapsed() > ANSWER_WITHIN {
-            return Err(std::io::Error::other("still open"));
-        }
-    }
 }
 
 /// The length of the whole answer at the front of `buf`: an interim `1xx` is its head.

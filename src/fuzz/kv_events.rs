@@ -231,7 +231,7 @@ pub fn run_kv_events(case: &Case) -> Result<()> {
         drop(peer);
     } else {
         let _ = peer.shutdown(std::net::Shutdown::Write);
-        let answer = read_until_closed(&mut peer)
+        let answer = super::read_until_closed(&mut peer, CLOSE_WITHIN)
             .unwrap_or_else(|e| panic!("the server kept a peer that had left: {e}"));
         check_answer(&answer);
     }
@@ -256,11 +256,7 @@ pub fn run_kv_events(case: &Case) -> Result<()> {
         );
         std::thread::sleep(Duration::from_micros(200));
     }
-    assert!(
-        super::panics_seen() == panics_before,
-        "a task of the socket panicked: {}",
-        super::last_panic()
-    );
+    super::assert_no_panic_since(panics_before);
     Ok(())
 }
 
@@ -280,25 +276,6 @@ fn reset(stream: &TcpStream) {
             (&linger as *const libc::linger).cast(),
             std::mem::size_of::<libc::linger>() as libc::socklen_t,
         );
-    }
-}
-
-/// Everything the server sends until it closes (a reset counts as closed).
-fn read_until_closed(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
-    s.set_read_timeout(Some(CLOSE_WITHIN))?;
-    let start = Instant::now();
-    let mut out = Vec::new();
-    let mut chunk = [0u8; 16 << 10];
-    loop {
-        match s.read(&mut chunk) {
-            Ok(0) => return Ok(out),
-            Ok(n) => out.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(out),
-            Err(e) => return Err(e),
-        }
-        if start.elapsed() > CLOSE_WITHIN {
-            return Err(std::io::Error::other("still open"));
-        }
     }
 }
 

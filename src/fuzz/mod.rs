@@ -218,7 +218,8 @@ static LAST_PANIC: std::sync::Mutex<String> = std::sync::Mutex::new(String::new(
 /// Counts every panic of the process from now on and keeps the last one's message (then
 /// calls the hook that was there). The servers under test run their code on threads of
 /// their own, where a runtime catches a panic and it shows only as a closed connection:
-/// the `http` and `kv-events` targets compare the count before and after a case.
+/// the server targets compare the count before and after a case
+/// (`assert_no_panic_since`).
 pub fn count_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -238,8 +239,38 @@ pub(crate) fn panics_seen() -> u64 {
     PANICS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-pub(crate) fn last_panic() -> String {
-    LAST_PANIC.lock().unwrap_or_else(|e| e.into_inner()).clone()
+/// Panics if a panic was counted since `before` (`panics_seen`): the server under test
+/// caught one on a thread of its own.
+pub(crate) fn assert_no_panic_since(before: u64) {
+    assert!(
+        panics_seen() == before,
+        "a task of the server panicked: {}",
+        LAST_PANIC.lock().unwrap_or_else(|e| e.into_inner())
+    );
+}
+
+/// Everything the peer sends until it closes (a reset counts as closed), or an error if it
+/// is still open after `within`.
+pub(crate) fn read_until_closed(
+    s: &mut std::net::TcpStream,
+    within: Duration,
+) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    s.set_read_timeout(Some(within))?;
+    let start = std::time::Instant::now();
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 16 << 10];
+    loop {
+        match s.read(&mut chunk) {
+            Ok(0) => return Ok(out),
+            Ok(n) => out.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(out),
+            Err(e) => return Err(e),
+        }
+        if start.elapsed() > within {
+            return Err(std::io::Error::other("still open"));
+        }
+    }
 }
 
 /// Runs one case under `CASE_LIMITS`, catching panics.

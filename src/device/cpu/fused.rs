@@ -462,6 +462,18 @@ unsafe fn nibbles<V: Lanes>(qs: *const u8, high: bool) -> V::I {
     }
 }
 
+/// Bits `shift..` of the lane bytes at `p`, under `mask` (the K-quants' 2-bit values and
+/// high bits).
+#[inline(always)]
+unsafe fn bits<V: Lanes>(p: *const u8, shift: usize, mask: i32) -> V::I {
+    unsafe {
+        V::and(
+            V::shr(V::u8s(p), V::splat_i(shift as i32)),
+            V::splat_i(mask),
+        )
+    }
+}
+
 /// The fifth bits of a Q5 block's chunk `i` from `qh`, at bit 4 (`quant::q5_0`'s `h0`/`h1`).
 #[inline(always)]
 unsafe fn fifth_bits<V: Lanes>(qh: u32, i: usize) -> V::I {
@@ -591,13 +603,7 @@ impl Chunks for Q2K {
             let (h, j, s) = (i / 8, (i % 8) / 2, i % 2);
             let sc = *b.add(8 * h + 2 * j + s);
             let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
-            let q = V::and(
-                V::shr(
-                    V::u8s(b.add(16 + 32 * h + 16 * s)),
-                    V::splat_i(2 * j as i32),
-                ),
-                V::splat_i(3),
-            );
+            let q = bits::<V>(b.add(16 + 32 * h + 16 * s), 2 * j, 3);
             V::sub(V::mul(V::splat(dl), V::to_f(q)), V::splat(ml))
         }
     }
@@ -616,17 +622,8 @@ impl Chunks for Q3K {
             let (h, j, s) = (i / 8, (i % 8) / 2, i % 2);
             let scales = quant::q3_k_scales(std::slice::from_raw_parts(b.add(96), 12));
             let dl = d * (scales[8 * h + 2 * j + s] as f32 - 32.0);
-            let q = V::and(
-                V::shr(
-                    V::u8s(b.add(32 + 32 * h + 16 * s)),
-                    V::splat_i(2 * j as i32),
-                ),
-                V::splat_i(3),
-            );
-            let high = V::and(
-                V::shr(V::u8s(b.add(16 * s)), V::splat_i((4 * h + j) as i32)),
-                V::splat_i(1),
-            );
+            let q = bits::<V>(b.add(32 + 32 * h + 16 * s), 2 * j, 3);
+            let high = bits::<V>(b.add(16 * s), 4 * h + j, 1);
             // q − 4·(1 − high) = q + 4·high − 4
             let q = V::sub_i(V::or(q, V::shl(high, V::splat_i(2))), V::splat_i(4));
             V::mul(V::splat(dl), V::to_f(q))
@@ -651,11 +648,7 @@ impl Chunks for Q5K {
             let (sc, mn) = quant::scale_min_k4(2 * group + high as usize, scales);
             let (d1, m1) = (d * sc as f32, dmin * mn as f32);
             let low4 = nibbles::<V>(b.add(48 + 32 * group + l0), high);
-            let bit = (2 * group + high as usize) as i32;
-            let fifth = V::and(
-                V::shr(V::u8s(b.add(16 + l0)), V::splat_i(bit)),
-                V::splat_i(1),
-            );
+            let fifth = bits::<V>(b.add(16 + l0), 2 * group + high as usize, 1);
             let q = V::or(low4, V::shl(fifth, V::splat_i(4)));
             V::sub(V::mul(V::splat(d1), V::to_f(q)), V::splat(m1))
         }

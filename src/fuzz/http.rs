@@ -304,6 +304,7 @@ fn exchange(addr: SocketAddr, request: &[u8], half_close: bool) -> Result<Answer
             Ok(0) => break,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
             Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionReset) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => {
                 anyhow::bail!("no answer within {:?}: {e}", start.elapsed())
             }

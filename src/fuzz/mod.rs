@@ -265,6 +265,8 @@ pub(crate) fn read_until_closed(
             Ok(0) => return Ok(out),
             Ok(n) => out.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(out),
+            // A signal (a debugger attaching) interrupted the wait: not the server's doing.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
         if start.elapsed() > within {

@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{scratch_dir, TinySpec};
+use common::{free_port, scratch_dir, TinySpec};
 use live_server::{HttpResponse, Server};
 use serde_json::json;
 
@@ -339,11 +339,7 @@ fn serve_outlives_a_closed_stdout_and_stderr() {
     use std::process::{Command, Stdio};
     // `strata serve | true` (and its log's reader gone too): the listening line and every
     // log line meet a closed pipe; the server must serve on regardless.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let model = tiny_with_template("closed_stdout", "{{ 'x' }}");
     let mut child = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_strata"))
@@ -403,11 +399,7 @@ fn chat_keeps_working_after_the_binary_is_replaced_on_disk() {
     std::fs::copy(env!("CARGO_BIN_EXE_strata"), &bin).unwrap();
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
     let model = tiny_with_template("replaced_binary_model", "{{ messages[0]['content'] }}");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let child = KillOnDrop(
         Command::new(&bin)
             .arg("serve")

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::TinySpec;
+use common::{free_port, TinySpec};
 
 const NOBODY: &str = "65534";
 
@@ -75,14 +75,6 @@ fn request(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, Stri
     let status = text.split_whitespace().nth(1)?.parse().ok()?;
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
     Some((status, body))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Runs the server as nobody under `--nproc n` and checks the contract; returns what it

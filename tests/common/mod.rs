@@ -57,6 +57,15 @@ pub fn generate_plain(
     })
 }
 
+/// A TCP port free on the loopback a moment ago (for a server started as a process).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// A fresh directory under the target dir, removed first if it exists.
 pub fn scratch_dir(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);

@@ -177,7 +177,7 @@ fn serve<T: KvElem>(model: &Model, seqs: &mut [Seq], rng: &mut StdRng) {
                 pos0: r.start,
                 pages: &seqs[i].pages,
                 logits: if r.end >= seqs[i].prompt_len {
-                    WantLogits::Yes
+                    WantLogits::Last
                 } else {
                     WantLogits::No
                 },
@@ -329,7 +329,7 @@ fn a_batch_with_a_bad_page_table_is_an_error_not_a_panic() {
         tokens,
         pos0,
         pages,
-        logits: WantLogits::Yes,
+        logits: WantLogits::Last,
     };
     // Too few pages for the positions, a page outside the pool, no tokens, a bad token.
     for bad in [

@@ -245,7 +245,7 @@ fn submitted_requests_stream_their_tokens() {
         let mut got = Vec::new();
         while let Some(ev) = rx.blocking_recv() {
             match ev {
-                Event::Token(t) => got.push(t),
+                Event::Token(t, _) => got.push(t),
                 Event::Done(_) => break,
                 other => panic!("{other:?}"),
             }

@@ -116,24 +116,46 @@ fn malformed_requests_get_openai_errors_and_the_server_keeps_serving() {
         assert_eq!(r.status, 400, "{body} -> {}", r.text());
         r.expect_error(400);
     }
-    // Log-probabilities are not computed yet: asked for, a 400 naming the field, never a
-    // 200 with `"logprobs": null` (a harness would read that as a missing score).
+    // Log-probability fields out of range or of the wrong shape: a 400 naming the field,
+    // never a 200 that drops them (a harness would read that as a missing score).
     for (path, body, param) in [
         (
             comp,
-            json!({"model": m, "prompt": "x", "logprobs": 5}),
+            json!({"model": m, "prompt": "x", "logprobs": 21}),
             "logprobs",
         ),
         (
             comp,
-            json!({"model": m, "prompt": "x", "echo": true, "max_tokens": 1}),
+            json!({"model": m, "prompt": "x", "logprobs": true}),
+            "logprobs",
+        ),
+        (
+            comp,
+            json!({"model": m, "prompt": "x", "echo": "yes", "max_tokens": 1}),
             "echo",
+        ),
+        (
+            comp,
+            json!({"model": m, "prompt": "x", "max_tokens": 0, "logprobs": 1}),
+            "max_tokens",
         ),
         (
             chat,
             json!({"model": m, "messages": [{"role": "user", "content": "hi"}],
-                   "logprobs": true, "top_logprobs": 3}),
-            "logprobs",
+                   "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            chat,
+            json!({"model": m, "messages": [{"role": "user", "content": "hi"}],
+                   "top_logprobs": 3}),
+            "top_logprobs",
+        ),
+        (
+            chat,
+            json!({"model": m, "messages": [{"role": "user", "content": "hi"}],
+                   "echo": true}),
+            "echo",
         ),
     ] {
         let r = server.post_json(path, &body);

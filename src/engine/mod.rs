@@ -1,6 +1,7 @@
 //! Generation for one request: prefill the prompt, then decode token by token.
 
 pub mod bench;
+pub mod logprobs;
 pub mod sampler;
 pub mod verified;
 
@@ -38,9 +39,7 @@ pub struct GenerationOutput {
 
 /// `log softmax(logits)[id]`, in f64 so it is exact enough to compare runs.
 pub fn logprob(logits: &[f32], id: u32) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
-    (logits[id as usize] as f64 - max - sum.ln()) as f32
+    logprobs::token_logprob(logits, id, 0, 1.0).logprob
 }
 
 impl GenerationOutput {

@@ -61,6 +61,11 @@ impl Sampler {
         Self { params, rng }
     }
 
+    /// The temperature it samples at (0: greedy).
+    pub fn temperature(&self) -> f32 {
+        self.params.temperature
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature == 0.0 {
             return argmax(logits);

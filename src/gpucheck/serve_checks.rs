@@ -130,7 +130,7 @@ impl Seq {
             pos0: self.done,
             pages: &self.pages[..end.div_ceil(BLOCK)],
             logits: if end == self.tokens.len() {
-                WantLogits::Yes
+                WantLogits::Last
             } else {
                 WantLogits::No
             },

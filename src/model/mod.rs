@@ -36,14 +36,29 @@ pub struct BatchSeq<'a> {
     pub pos0: usize,
     /// Page of each of its blocks, covering positions `0..pos0 + tokens.len()`.
     pub pages: &'a [u32],
-    /// Whether the logits of its last token are wanted.
+    /// Which of its rows' logits are wanted.
     pub logits: WantLogits,
 }
 
+/// Which rows of a sequence's call give logits: the forward answers `[rows, vocab]`,
+/// row-major — none, its last token's (`[1, vocab]`: the next token's distribution), or
+/// every token's in order (prompt log-probabilities: row `j` scores token `j + 1`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WantLogits {
-    Yes,
+    Last,
+    Every,
     No,
+}
+
+impl WantLogits {
+    /// The call's rows (of `tokens` tokens) whose logits are wanted, as offsets.
+    pub fn rows(self, tokens: usize) -> std::ops::Range<usize> {
+        match self {
+            WantLogits::No => 0..0,
+            WantLogits::Last => tokens.saturating_sub(1)..tokens,
+            WantLogits::Every => 0..tokens,
+        }
+    }
 }
 
 /// Every layer's K and V page pools, `[num_pages, block_size, kv_heads, head_dim]` each,
@@ -292,8 +307,8 @@ impl Model {
 
     /// One forward over a batch of sequences (decode rows and prefill chunks alike), each
     /// storing its new K/V into and attending over its own pages; the weights are read once
-    /// for the whole batch. Returns the last token's logits `[vocab]` of each sequence that
-    /// wants them. Every kernel is batch-invariant, so each sequence's logits are bitwise
+    /// for the whole batch. Returns the logits `[rows, vocab]` each sequence asked for
+    /// (`WantLogits`; `None` for none). Every kernel is batch-invariant, so each sequence's logits are bitwise
     /// those of `forward` over a contiguous cache, whatever else is in the batch.
     pub fn forward_batch<T: KvElem>(
         &self,
@@ -324,13 +339,15 @@ impl Model {
         let rows: Vec<usize> = attn_seqs
             .iter()
             .zip(seqs)
-            .filter(|(_, s)| s.logits == WantLogits::Yes)
-            .map(|(a, _)| a.row0 + a.tokens - 1)
+            .flat_map(|(a, s)| s.logits.rows(a.tokens).map(move |r| a.row0 + r))
             .collect();
         let mut logits = self.head(&a, &rows).into_iter();
         Ok(seqs
             .iter()
-            .map(|s| (s.logits == WantLogits::Yes).then(|| logits.next().unwrap_or_default()))
+            .map(|s| {
+                let n = s.logits.rows(s.tokens.len()).len();
+                (n > 0).then(|| logits.by_ref().take(n).flatten().collect())
+            })
             .collect())
     }
 

@@ -302,6 +302,47 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The bytes token `id` stands for (log-probabilities report them, as a piece of a
+    /// character may be all a token holds): an added token's text as written; a
+    /// byte-level BPE token's characters mapped back through GPT-2's byte table; a
+    /// SentencePiece token with `▁` as a space and `<0xHH>` as its byte. Empty for an id
+    /// outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        if let Some(added) = self.inner.get_added_tokens_decoder().get(&id) {
+            return added.content.as_bytes().to_vec();
+        }
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        if self.byte_level() {
+            if let Some(bytes) = piece.chars().map(byte_level_byte).collect() {
+                return bytes;
+            }
+        }
+        let hex = piece
+            .strip_prefix("<0x")
+            .and_then(|h| h.strip_suffix('>'))
+            .filter(|h| h.len() == 2);
+        match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            Some(b) => vec![b],
+            None => piece.replace('\u{2581}', " ").into_bytes(),
+        }
+    }
+
+    /// Whether tokens are GPT-2 byte-level strings (its decoder or pre-tokenizer says so).
+    fn byte_level(&self) -> bool {
+        let says = |v: Option<String>| v.is_some_and(|s| s.contains("\"ByteLevel\""));
+        says(
+            self.inner
+                .get_decoder()
+                .and_then(|d| serde_json::to_string(d).ok()),
+        ) || says(
+            self.inner
+                .get_pre_tokenizer()
+                .and_then(|p| serde_json::to_string(p).ok()),
+        )
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.inner
             .decode(ids, skip_special)
@@ -393,6 +434,17 @@ pub use super::template::render_template;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+}
+
+/// GPT-2's byte-level alphabet read backwards: the printable Latin-1 bytes stand for
+/// themselves, the other 68 bytes for U+0100 onwards, in byte order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    match u32::from(c) {
+        n @ 0..=255 if printable(n as u8) => Some(n as u8),
+        n @ 256..=323 => (0..=255u8).filter(|&b| !printable(b)).nth(n as usize - 256),
+        _ => None,
+    }
 }
 
 /// Turns a growing list of token ids into text pieces as soon as they are complete UTF-8,

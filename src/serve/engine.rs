@@ -12,10 +12,11 @@ use super::cache_events::CacheEvent;
 use super::disk::store::{DiskStats, SlotIo};
 use super::disk::{DiskTier, DiskTierConfig};
 use super::runner::BatchRunner;
-use super::scheduler::{SchedStats, Scheduler, SchedulerConfig, SeqId, Sequence};
+use super::scheduler::{SchedStats, ScheduledSeq, Scheduler, SchedulerConfig, SeqId, Sequence};
 use super::setup::{self, Hooks};
 use super::transfer::TransferBackend;
 use crate::device::KvDtype;
+use crate::engine::logprobs::{token_logprob, TokenLogprob};
 use crate::engine::{Sampler, SamplingParams};
 use crate::model::{Model, ModelConfig};
 
@@ -42,6 +43,32 @@ pub struct RequestParams {
     pub sampling: SamplingParams,
     /// Run to `max_tokens` even past an end-of-sequence token (for benchmarks).
     pub ignore_eos: bool,
+    /// Record each sampled token's log-probability with this many alternatives
+    /// (`crate::engine::logprobs`); `None`: none.
+    pub logprobs: Option<usize>,
+    /// Record each prompt token's log-probability (the first's excepted: nothing
+    /// predicts it) with this many alternatives; the prompt then bypasses the prefix cache.
+    pub prompt_logprobs: Option<usize>,
+}
+
+/// The log-probabilities recorded for a request since they were last taken
+/// (`Engine::take_logprobs`).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct NewLogprobs {
+    /// The prompt's tokens from the second on: given once, when the prompt is computed.
+    pub prompt: Option<Vec<TokenLogprob>>,
+    /// The tokens sampled since the last call, in order.
+    pub sampled: Vec<TokenLogprob>,
+}
+
+/// What a request asked to record, and what is recorded and not yet taken.
+struct LogprobLedger {
+    sampled_top: Option<usize>,
+    prompt_top: Option<usize>,
+    /// Prompt position `i + 1`'s entry at `i`; complete at `prompt_len - 1` entries.
+    prompt: Vec<TokenLogprob>,
+    prompt_taken: bool,
+    sampled: Vec<TokenLogprob>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -69,6 +96,8 @@ pub struct Engine {
     /// Log-probability of every sampled token, per request: a bitwise fingerprint of the
     /// logits that token equality alone would not give.
     logprobs: HashMap<SeqId, Vec<f32>>,
+    /// The log-probabilities requests asked for (`RequestParams::logprobs`).
+    ledgers: HashMap<SeqId, LogprobLedger>,
     streams: HashMap<SeqId, Sender<u32>>,
     stats: EngineStats,
     idle_rounds: usize,
@@ -124,6 +153,7 @@ impl Engine {
             backend,
             samplers: HashMap::new(),
             logprobs: HashMap::new(),
+            ledgers: HashMap::new(),
             streams: HashMap::new(),
             stats,
             idle_rounds: 0,
@@ -192,7 +222,63 @@ impl Engine {
         let id = self.sched.add(prompt, params.max_tokens, stop)?;
         self.samplers
             .insert(id, Sampler::new(params.sampling.clone()));
+        if params.logprobs.is_some() || params.prompt_logprobs.is_some() {
+            if params.prompt_logprobs.is_some() {
+                self.sched.want_prompt_rows(id)?;
+            }
+            self.ledgers.insert(
+                id,
+                LogprobLedger {
+                    sampled_top: params.logprobs,
+                    prompt_top: params.prompt_logprobs,
+                    prompt: Vec::new(),
+                    prompt_taken: false,
+                    sampled: Vec::new(),
+                },
+            );
+        }
         Ok(id)
+    }
+
+    /// The log-probabilities recorded for `id` since the last call (what
+    /// `RequestParams::logprobs` and `prompt_logprobs` asked for).
+    pub fn take_logprobs(&mut self, id: SeqId) -> NewLogprobs {
+        let Some(l) = self.ledgers.get_mut(&id) else {
+            return NewLogprobs::default();
+        };
+        let prompt_len = self.sched.seq(id).map_or(0, |s| s.prompt_len);
+        let prompt_done = l.prompt_top.is_some() && l.prompt.len() + 1 >= prompt_len;
+        NewLogprobs {
+            prompt: (prompt_done && !std::mem::replace(&mut l.prompt_taken, true))
+                .then(|| std::mem::take(&mut l.prompt)),
+            sampled: std::mem::take(&mut l.sampled),
+        }
+    }
+
+    /// Records the prompt log-probabilities a prompt chunk's rows give: row `j` (at
+    /// position `p`) scores the prompt token at `p + 1`. A replayed chunk (recomputation)
+    /// finds its positions recorded already.
+    fn record_prompt_rows(&mut self, call: &ScheduledSeq, logits: &[f32]) -> Result<()> {
+        let (Some(l), Some(seq)) = (self.ledgers.get_mut(&call.seq), self.sched.seq(call.seq))
+        else {
+            return Ok(());
+        };
+        let Some(top) = l.prompt_top else {
+            return Ok(());
+        };
+        let vocab = self.model.vocab_size;
+        let t = self
+            .samplers
+            .get(&call.seq)
+            .context("request without a sampler")?
+            .temperature();
+        for (j, row) in logits.chunks_exact(vocab).enumerate() {
+            let next = call.pos0 + j + 1;
+            if next == l.prompt.len() + 1 && next < seq.prompt_len {
+                l.prompt.push(token_logprob(row, seq.tokens[next], top, t));
+            }
+        }
+        Ok(())
     }
 
     /// Queues a request and returns a receiver of its tokens as they are produced; the
@@ -232,6 +318,7 @@ impl Engine {
         self.samplers.remove(&id);
         self.streams.remove(&id);
         self.logprobs.remove(&id);
+        self.ledgers.remove(&id);
     }
 
     fn complete_jobs(&mut self, wait: bool) -> Result<()> {
@@ -272,18 +359,33 @@ impl Engine {
             self.stats.forward_calls += 1;
             self.runner.forward(&plan.batch)?
         };
+        let vocab = self.model.vocab_size;
         for (call, logits) in plan.batch.iter().zip(all_logits) {
             self.stats.computed_tokens += call.tokens.len();
-            let tok = if let Some(logits) = logits {
+            let logits = logits.unwrap_or_default(); // [rows, vocab]: `call.want_logits()`
+            if call.prompt_rows {
+                self.record_prompt_rows(call, &logits)?;
+            }
+            let tok = if call.sample {
+                let logits = logits
+                    .get(logits.len().saturating_sub(vocab)..)
+                    .filter(|l| l.len() == vocab)
+                    .context("a sampling call without its last row's logits")?;
                 let s = self
                     .samplers
                     .get_mut(&call.seq)
                     .context("request without a sampler")?;
-                let t = s.sample(&logits);
+                let t = s.sample(logits);
                 self.logprobs
                     .entry(call.seq)
                     .or_default()
-                    .push(crate::engine::logprob(&logits, t));
+                    .push(crate::engine::logprob(logits, t));
+                if let Some(l) = self.ledgers.get_mut(&call.seq) {
+                    if let Some(top) = l.sampled_top {
+                        l.sampled
+                            .push(token_logprob(logits, t, top, s.temperature()));
+                    }
+                }
                 Some(t)
             } else {
                 None

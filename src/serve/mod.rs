@@ -25,5 +25,5 @@ pub mod scheduler;
 pub mod setup;
 pub mod transfer;
 
-pub use engine::{Engine, EngineConfig, EngineStats, RequestParams};
+pub use engine::{Engine, EngineConfig, EngineStats, NewLogprobs, RequestParams};
 pub use scheduler::SchedulerConfig;

@@ -12,14 +12,15 @@ use super::device_pages::{lock, SharedPages};
 use super::scheduler::ScheduledSeq;
 use crate::device::KvElem;
 use crate::model::cuda::CudaModel;
-use crate::model::{BatchSeq, Model, PagePool, WantLogits};
+use crate::model::{BatchSeq, Model, PagePool};
 use crate::offload::device::OffloadDevice;
 
 /// One batched forward per engine step over every scheduled sequence's pages. The kernels
 /// are batch-invariant, so each sequence's logits do not depend on the batch.
 pub trait BatchRunner: Send {
-    /// One forward over all `calls`; the logits `[vocab]` of each call's last token, for
-    /// the calls that sample (`None` for replayed calls of a recomputation).
+    /// One forward over all `calls`; the logits `[rows, vocab]` of each call's rows that
+    /// `ScheduledSeq::want_logits` names (`None` for none: replayed calls of a
+    /// recomputation, prompt chunks before the last).
     fn forward(&mut self, calls: &[ScheduledSeq]) -> Result<Vec<Option<Vec<f32>>>>;
 }
 
@@ -31,11 +32,7 @@ pub fn batch_seqs(calls: &[ScheduledSeq]) -> Vec<BatchSeq<'_>> {
             tokens: &c.tokens,
             pos0: c.pos0,
             pages: &c.block_table,
-            logits: if c.sample {
-                WantLogits::Yes
-            } else {
-                WantLogits::No
-            },
+            logits: c.want_logits(),
         })
         .collect()
 }

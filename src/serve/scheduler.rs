@@ -16,6 +16,7 @@ use super::block_key::{BlockKey, KeySeed};
 use super::block_manager::{BlockManager, LogicalId, PageId, SlotId};
 use super::residency::{Residency, Tier};
 use super::transfer::{BlockCopy, JobId, JobKind, Loc, TransferJob};
+use crate::model::WantLogits;
 
 pub type SeqId = u64;
 
@@ -86,6 +87,9 @@ pub struct Sequence {
     /// Chained keys of the leading blocks registered in (or found in) the prefix cache.
     hashes: Vec<BlockKey>,
     job: Option<JobId>,
+    /// Every prompt row's logits are wanted (prompt log-probabilities): the prompt is
+    /// computed in full, never taken from the prefix cache, as vLLM does.
+    prompt_rows: bool,
 }
 
 impl Sequence {
@@ -123,6 +127,19 @@ pub struct ScheduledSeq {
     /// Whether the call computes the last known token (so its logits give a new one);
     /// replayed calls of a recomputation do not sample.
     pub sample: bool,
+    /// A prompt chunk of a sequence that wants every prompt row's logits.
+    pub prompt_rows: bool,
+}
+
+impl ScheduledSeq {
+    /// Which rows' logits the call needs.
+    pub fn want_logits(&self) -> WantLogits {
+        match (self.prompt_rows, self.sample) {
+            (true, _) => WantLogits::Every,
+            (false, true) => WantLogits::Last,
+            (false, false) => WantLogits::No,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -269,6 +286,7 @@ impl Scheduler {
                 num_computed: 0,
                 hashes: Vec::new(),
                 job: None,
+                prompt_rows: false,
             },
         );
         if max_tokens == 0 {
@@ -528,6 +546,9 @@ impl Scheduler {
         if seq.canonical_end(chunk) < chunk || seq.tokens.len() <= chunk {
             return false; // no whole chunk to share (a lookup always leaves a token to compute)
         }
+        if seq.prompt_rows {
+            return false; // it takes nothing from the cache
+        }
         let first = BlockKey::chained(&self.key_seed, None, &seq.tokens[..bs]);
         if self.bm.lookup(first).is_some() || self.bm.is_persisted(first) {
             return false; // cached already: the lookup will take it
@@ -540,14 +561,32 @@ impl Scheduler {
         })
     }
 
+    /// Asks for the logits of every prompt row of a request not yet started (prompt
+    /// log-probabilities): its prompt is then computed in full, bypassing the prefix cache.
+    pub fn want_prompt_rows(&mut self, id: SeqId) -> Result<()> {
+        let seq = self
+            .seqs
+            .get_mut(&id)
+            .with_context(|| format!("unknown sequence {id}"))?;
+        ensure!(
+            seq.num_computed == 0 && seq.block_ids.is_empty(),
+            "sequence {id} has started"
+        );
+        seq.prompt_rows = true;
+        Ok(())
+    }
+
     /// Takes references to cached blocks of the sequence's canonical prompt prefix,
     /// whole chunks only, and always leaving at least one token to compute.
     fn prefix_lookup(&mut self, sid: SeqId) -> Result<()> {
         let (bs, chunk) = (self.cfg.block_size, self.cfg.prefill_chunk);
         let seq = &self.seqs[&sid];
-        let limit = seq
-            .canonical_end(chunk)
-            .min((seq.tokens.len() - 1) / chunk * chunk);
+        let limit = if seq.prompt_rows {
+            0 // every prompt row must be computed
+        } else {
+            seq.canonical_end(chunk)
+                .min((seq.tokens.len() - 1) / chunk * chunk)
+        };
         // A hit is a GPU-resident block, or a persisted disk copy (loaded on admission).
         let mut found = Vec::new(); // (hash, Some(GPU block) | None for a disk copy)
         let mut prev = None;
@@ -619,6 +658,7 @@ impl Scheduler {
             seq: sid,
             pos0: range.start,
             sample: range.end == seq.tokens.len(),
+            prompt_rows: seq.prompt_rows && range.start < seq.prompt_len,
             tokens: seq.tokens[range].to_vec(),
             block_table,
         })

@@ -39,8 +39,7 @@ pub struct GenerationFields {
     /// frameworks that speak token ids: `prompt_token_ids`, `token_ids`).
     pub return_token_ids: Option<bool>,
     /// Log-probabilities: an integer 0–20 on completions, `true` (with `top_logprobs`
-    /// 0–20) on chat. Not computed yet: asking for them is a 400 saying so, never a
-    /// silent `null` (docs/server.md "Not supported").
+    /// 0–20) on chat (`check_logprobs`).
     pub logprobs: Option<Value>,
     pub top_logprobs: Option<Value>,
     /// Completions: the prompt echoed before the output (with its logprobs).
@@ -212,31 +211,55 @@ pub struct Generation {
     pub include_usage: bool,
     pub ignore_eos: bool,
     pub return_token_ids: bool,
+    pub logprobs: LogprobsAsk,
+}
+
+/// The log-probabilities a request asked for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogprobsAsk {
+    /// Of each output token, with this many alternatives (completions `logprobs: N`; chat
+    /// `logprobs: true` with `top_logprobs: N`).
+    pub top: Option<usize>,
+    /// Completions `echo`: the prompt comes back before the output, with its tokens'
+    /// log-probabilities when `top` is set.
+    pub echo: bool,
+}
+
+impl LogprobsAsk {
+    /// Alternatives per prompt token, when the prompt's log-probabilities are wanted.
+    pub fn prompt(&self) -> Option<usize> {
+        self.top.filter(|_| self.echo)
+    }
 }
 
 impl GenerationFields {
-    /// The log-probability fields for `endpoint`: out of range or of the wrong shape is a
-    /// 400 naming the field; asked for in range, a 400 saying they are not supported yet.
-    pub fn check_logprobs(&self, endpoint: Endpoint) -> Result<(), ApiError> {
-        let asked = |v: &Option<Value>| !matches!(v, None | Some(Value::Null | Value::Bool(false)));
-        let in_range = |v: &Value| v.as_u64().is_some_and(|n| n <= MAX_LOGPROBS);
+    /// The log-probability fields for `endpoint`; out of range or of the wrong shape is a
+    /// 400 naming the field.
+    pub fn check_logprobs(&self, endpoint: Endpoint) -> Result<LogprobsAsk, ApiError> {
+        let count = |v: &Value| {
+            v.as_u64()
+                .filter(|&n| n <= MAX_LOGPROBS)
+                .map(|n| n as usize)
+        };
         let range = |field: &'static str| {
             ApiError::bad_field(
                 field,
                 format!("{field} must be an integer from 0 to {MAX_LOGPROBS}"),
             )
         };
+        let mut ask = LogprobsAsk::default();
         match (endpoint, &self.logprobs) {
             (_, None | Some(Value::Null | Value::Bool(false))) => {}
-            (Endpoint::Chat, Some(Value::Bool(true))) => {}
+            (Endpoint::Chat, Some(Value::Bool(true))) => ask.top = Some(0),
             (Endpoint::Chat, Some(_)) => {
                 return Err(ApiError::bad_field(
                     "logprobs",
                     "logprobs must be a boolean on chat completions (top_logprobs sets how many)",
                 ))
             }
-            (Endpoint::Completion, Some(v)) if in_range(v) => {}
-            (Endpoint::Completion, Some(_)) => return Err(range("logprobs")),
+            (Endpoint::Completion, Some(v)) => {
+                ask.top = Some(count(v).ok_or_else(|| range("logprobs"))?)
+            }
         }
         if let Some(v) = self.top_logprobs.as_ref().filter(|v| !v.is_null()) {
             if endpoint == Endpoint::Completion {
@@ -245,44 +268,38 @@ impl GenerationFields {
                     "top_logprobs is a chat field; completions take an integer logprobs",
                 ));
             }
-            if !in_range(v) {
-                return Err(range("top_logprobs"));
-            }
-            if !asked(&self.logprobs) && v.as_u64() != Some(0) {
-                return Err(ApiError::bad_field(
-                    "top_logprobs",
-                    "top_logprobs needs logprobs: true",
-                ));
+            let n = count(v).ok_or_else(|| range("top_logprobs"))?;
+            match &mut ask.top {
+                Some(top) => *top = n,
+                None if n == 0 => {}
+                None => {
+                    return Err(ApiError::bad_field(
+                        "top_logprobs",
+                        "top_logprobs needs logprobs: true",
+                    ))
+                }
             }
         }
         match (&self.echo, endpoint) {
             (None | Some(Value::Null | Value::Bool(false)), _) => {}
-            (Some(Value::Bool(true)), Endpoint::Completion) => {
-                return Err(ApiError::bad_field(
-                    "echo",
-                    "echo (the prompt with its logprobs) is not supported yet",
-                ))
-            }
+            (Some(Value::Bool(true)), Endpoint::Completion) => ask.echo = true,
             (Some(Value::Bool(true)), Endpoint::Chat) => {
                 return Err(ApiError::bad_field("echo", "echo is a completions field"))
             }
             (Some(_), _) => return Err(ApiError::bad_field("echo", "echo must be a boolean")),
         }
-        if asked(&self.logprobs) {
-            return Err(ApiError::bad_field(
-                "logprobs",
-                "log-probabilities are not supported yet: this server would answer null",
-            ));
-        }
-        Ok(())
+        Ok(ask)
     }
 
-    /// Checks every field; defaults come from the model's generation config.
+    /// Checks every field for `endpoint`; defaults come from the model's generation
+    /// config.
     pub fn validate(
         &self,
+        endpoint: Endpoint,
         defaults: &GenerationDefaults,
         random_seed: u64,
     ) -> Result<Generation, ApiError> {
+        let logprobs = self.check_logprobs(endpoint)?;
         if let Some(n) = self.n {
             if n != 1 {
                 return Err(ApiError::bad_field(
@@ -292,10 +309,10 @@ impl GenerationFields {
             }
         }
         let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
-            Some(0) => {
+            Some(0) if !logprobs.echo => {
                 return Err(ApiError::bad_field(
                     "max_tokens",
-                    "max_tokens must be at least 1",
+                    "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
                 ))
             }
             Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
@@ -369,6 +386,7 @@ impl GenerationFields {
             include_usage,
             ignore_eos: self.ignore_eos,
             return_token_ids: self.return_token_ids.unwrap_or(false),
+            logprobs,
         })
     }
 }
@@ -451,19 +469,27 @@ impl TokenIds<'_> {
 }
 
 impl ResponseMeta {
-    /// The non-streamed response.
-    pub fn full(&self, text: &str, finish: Finish, usage: Usage, ids: Option<TokenIds>) -> Value {
+    /// The non-streamed response; `logprobs` in the endpoint's shape (`super::logprobs`),
+    /// `null` when not asked for.
+    pub fn full(
+        &self,
+        text: &str,
+        finish: Finish,
+        usage: Usage,
+        ids: Option<TokenIds>,
+        logprobs: Option<Value>,
+    ) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish.as_str(),
             }),
             Endpoint::Completion => json!({
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish.as_str(),
             }),
         };
@@ -486,7 +512,8 @@ impl ResponseMeta {
 
     /// One streamed chunk: the role goes only in the first chat delta (`first`), the
     /// finish reason only in the last. `with_usage` adds `"usage": null`, as OpenAI does on
-    /// every chunk before the usage chunk when `include_usage` is set.
+    /// every chunk before the usage chunk when `include_usage` is set. `logprobs`: those
+    /// of the chunk's tokens.
     pub fn chunk(
         &self,
         text: &str,
@@ -494,6 +521,7 @@ impl ResponseMeta {
         finish: Option<Finish>,
         with_usage: bool,
         ids: Option<TokenIds>,
+        logprobs: Option<Value>,
     ) -> Value {
         let reason = finish.map(Finish::as_str);
         let choice = match self.endpoint {
@@ -503,10 +531,10 @@ impl ResponseMeta {
                     (false, Some(_)) if text.is_empty() => json!({}),
                     (false, _) => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
             }
             Endpoint::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason})
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason})
             }
         };
         let mut v = self.chunk_frame(vec![choice]);
@@ -547,39 +575,64 @@ mod tests {
     fn fields(v: Value) -> Result<Generation, ApiError> {
         let f: GenerationFields =
             serde_json::from_value(v).map_err(|e| ApiError::bad_request(e.to_string()))?;
-        f.validate(&GenerationDefaults::default(), 7)
+        f.validate(Endpoint::Completion, &GenerationDefaults::default(), 7)
     }
 
     #[test]
-    fn logprob_fields_are_refused_by_name_never_answered_null() {
+    fn logprob_fields_are_read_or_refused_by_name() {
         use Endpoint::{Chat, Completion};
-        let check = |v: Value, e: Endpoint| {
-            let f: GenerationFields = serde_json::from_value(v).unwrap();
-            f.check_logprobs(e).err().and_then(|e| e.param)
-        };
-        for (v, e) in [
-            (json!({"model": "m"}), Completion),
+        let f = |v: &Value| serde_json::from_value::<GenerationFields>(v.clone()).unwrap();
+        let check = |v: Value, e: Endpoint| f(&v).check_logprobs(e).err().and_then(|e| e.param);
+        let ask = |top, echo| LogprobsAsk { top, echo };
+        for (v, e, want) in [
+            (json!({"model": "m"}), Completion, ask(None, false)),
             (
                 json!({"model": "m", "logprobs": null, "echo": false}),
                 Completion,
+                ask(None, false),
             ),
             (
                 json!({"model": "m", "logprobs": false, "top_logprobs": 0}),
                 Chat,
+                ask(None, false),
+            ),
+            (
+                json!({"model": "m", "logprobs": 5}),
+                Completion,
+                ask(Some(5), false),
+            ),
+            (
+                json!({"model": "m", "logprobs": 0}),
+                Completion,
+                ask(Some(0), false),
+            ),
+            (
+                json!({"model": "m", "logprobs": 1, "echo": true}),
+                Completion,
+                ask(Some(1), true),
+            ),
+            (
+                json!({"model": "m", "echo": true}),
+                Completion,
+                ask(None, true),
+            ),
+            (
+                json!({"model": "m", "logprobs": true}),
+                Chat,
+                ask(Some(0), false),
+            ),
+            (
+                json!({"model": "m", "logprobs": true, "top_logprobs": 20}),
+                Chat,
+                ask(Some(20), false),
             ),
         ] {
-            assert_eq!(check(v.clone(), e), None, "{v}");
+            assert_eq!(f(&v).check_logprobs(e).unwrap(), want, "{v}");
         }
+        assert_eq!(ask(Some(2), true).prompt(), Some(2));
+        assert_eq!(ask(Some(2), false).prompt(), None);
+        assert_eq!(ask(None, true).prompt(), None);
         for (v, e, param) in [
-            // Asked for in range: not supported yet.
-            (json!({"model": "m", "logprobs": 5}), Completion, "logprobs"),
-            (json!({"model": "m", "logprobs": 0}), Completion, "logprobs"),
-            (
-                json!({"model": "m", "logprobs": true, "top_logprobs": 5}),
-                Chat,
-                "logprobs",
-            ),
-            (json!({"model": "m", "echo": true}), Completion, "echo"),
             // Out of range or of the wrong shape.
             (
                 json!({"model": "m", "logprobs": 21}),
@@ -617,6 +670,15 @@ mod tests {
         ] {
             assert_eq!(check(v.clone(), e), Some(param), "{v}");
         }
+        // max_tokens 0 asks for the prompt alone: only with echo.
+        let zero = |echo| {
+            f(&json!({"model": "m", "max_tokens": 0, "echo": echo, "logprobs": 1}))
+                .validate(Completion, &GenerationDefaults::default(), 7)
+                .map(|g| g.max_tokens)
+                .map_err(|e| e.param)
+        };
+        assert_eq!(zero(true), Ok(Some(0)));
+        assert_eq!(zero(false), Err(Some("max_tokens")));
     }
 
     #[test]
@@ -659,12 +721,12 @@ mod tests {
             created: 1,
             model: "m".into(),
         };
-        let first = meta.chunk("", true, None, false, None);
+        let first = meta.chunk("", true, None, false, None, None);
         assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
         assert!(first["choices"][0]["finish_reason"].is_null());
-        let mid = meta.chunk("hi", false, None, false, None);
+        let mid = meta.chunk("hi", false, None, false, None, None);
         assert!(mid["choices"][0]["delta"].get("role").is_none());
-        let last = meta.chunk("", false, Some(Finish::Length), true, None);
+        let last = meta.chunk("", false, Some(Finish::Length), true, None, None);
         assert_eq!(last["choices"][0]["finish_reason"], "length");
         assert_eq!(last["choices"][0]["delta"], json!({}));
         assert!(last["usage"].is_null() && last.get("usage").is_some());
@@ -687,13 +749,13 @@ mod tests {
             created: 1,
             model: "m".into(),
         };
-        let v = meta.full("x", Finish::Stop, usage, Some(ids(Some(&[1, 2]))));
+        let v = meta.full("x", Finish::Stop, usage, Some(ids(Some(&[1, 2]))), None);
         assert_eq!(v["choices"][0]["token_ids"], json!([7, 8]));
         assert_eq!(v["choices"][0]["prompt_token_ids"], json!([1, 2]));
-        let later = meta.chunk("x", false, None, false, Some(ids(None)));
+        let later = meta.chunk("x", false, None, false, Some(ids(None)), None);
         assert!(later["choices"][0].get("prompt_token_ids").is_none());
         meta.endpoint = Endpoint::Chat;
-        let v = meta.chunk("", true, None, false, Some(ids(Some(&[1, 2]))));
+        let v = meta.chunk("", true, None, false, Some(ids(Some(&[1, 2]))), None);
         assert_eq!(v["prompt_token_ids"], json!([1, 2]));
         assert_eq!(v["choices"][0]["token_ids"], json!([7, 8]));
     }

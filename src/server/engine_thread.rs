@@ -19,14 +19,19 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use super::api::Finish;
 use super::kv_events::KvEventPublisher;
 use super::metrics::Metrics;
+use crate::engine::logprobs::TokenLogprob;
 use crate::serve::cache_events::CacheEvent;
 use crate::serve::scheduler::{SeqId, SeqStatus};
 use crate::serve::{Engine, EngineStats, RequestParams};
 
 /// What a request hears from the engine.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    Token(u32),
+    /// The prompt's log-probabilities (its tokens from the second on), when asked for:
+    /// before the first token.
+    PromptLogprobs(Vec<TokenLogprob>),
+    /// A generated token, with its log-probability when asked for.
+    Token(u32, Option<TokenLogprob>),
     /// The last event of a request that ran.
     Done(Finish),
     /// The engine refused the request (a bad request; the last event).
@@ -318,15 +323,20 @@ impl EngineLoop {
             let Some(seq) = self.engine.scheduler().seq(id) else {
                 continue;
             };
-            let out = seq.output();
-            for &t in &out[a.sent..] {
+            let new = seq.output()[a.sent..].to_vec();
+            let logprobs = self.engine.take_logprobs(id);
+            if let Some(prompt) = logprobs.prompt {
+                let _ = a.events.send(Event::PromptLogprobs(prompt));
+            }
+            let mut sampled = logprobs.sampled.into_iter();
+            for &t in &new {
                 let since = a.last_token.unwrap_or(a.arrived);
                 self.metrics
                     .token(a.last_token.is_none(), (now - since).as_secs_f64());
                 a.last_token = Some(now);
-                let _ = a.events.send(Event::Token(t));
+                let _ = a.events.send(Event::Token(t, sampled.next()));
             }
-            a.sent = out.len();
+            a.sent += new.len();
         }
         for &id in finished {
             let Some(a) = self.active.remove(&id) else {

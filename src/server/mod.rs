@@ -13,6 +13,7 @@ pub mod engine_thread;
 pub mod error;
 pub mod kv_events;
 pub mod listen;
+pub mod logprobs;
 pub mod metrics;
 pub mod model_card;
 pub mod routes;

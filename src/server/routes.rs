@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -18,7 +19,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
 use serde::de::DeserializeOwned;
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::api::{
@@ -29,9 +30,11 @@ use super::blocking::BlockingPool;
 use super::engine_thread::{EngineClient, Event};
 use super::error::ApiError;
 use super::kv_events::pub_socket::PeerStats;
+use super::logprobs::{self, Scored};
 use super::metrics::Metrics;
 use super::model_card::ModelCard;
 use super::text::TextStream;
+use crate::engine::logprobs::TokenLogprob;
 use crate::model::config::GenerationDefaults;
 use crate::model::template::RendererUnavailable;
 use crate::model::Tokenizer;
@@ -122,8 +125,7 @@ impl AppState {
                 ))
             });
         }
-        fields.check_logprobs(endpoint)?;
-        let gen = fields.validate(&loaded.defaults, rand::random())?;
+        let gen = fields.validate(endpoint, &loaded.defaults, rand::random())?;
         Ok((loaded, gen))
     }
 
@@ -379,7 +381,7 @@ async fn chat_completions(
                 .map_err(|e| ApiError::bad_field("messages", format!("{e:#}")))
         })
         .await?;
-    generate(state, admitted, Endpoint::Chat, gen, prompt).await
+    generate(state, admitted, Endpoint::Chat, gen, prompt, None).await
 }
 
 async fn completions(
@@ -390,38 +392,58 @@ async fn completions(
     let (loaded, gen) = state.check(&req.fields, Endpoint::Completion)?;
     let parsed = Prompt::parse(&req.prompt, loaded.vocab_size)?;
     let admitted = state.admit()?;
-    let prompt = match parsed {
-        Prompt::Tokens(ids) => ids,
-        Prompt::Text(text) => {
-            let tokenizer = Arc::clone(&loaded.tokenizer);
-            state
-                .tokenize(move || {
-                    tokenizer
-                        .encode(&text, true)
-                        .map_err(|e| ApiError::bad_field("prompt", format!("{e:#}")))
-                })
-                .await?
-        }
-    };
-    generate(state, admitted, Endpoint::Completion, gen, prompt).await
+    let echo = gen.logprobs.echo;
+    let tokenizer = Arc::clone(&loaded.tokenizer);
+    // The prompt's ids, and its text when echoed: as given, or decoded from the ids.
+    let (prompt, echoed) = state
+        .tokenize(move || {
+            let bad = |e: anyhow::Error| ApiError::bad_field("prompt", format!("{e:#}"));
+            match parsed {
+                Prompt::Tokens(ids) => {
+                    let text = if echo {
+                        Some(tokenizer.decode(&ids, false).map_err(bad)?)
+                    } else {
+                        None
+                    };
+                    Ok((ids, text))
+                }
+                Prompt::Text(text) => {
+                    let ids = tokenizer.encode(&text, true).map_err(bad)?;
+                    Ok((ids, echo.then_some(text)))
+                }
+            }
+        })
+        .await?;
+    generate(state, admitted, Endpoint::Completion, gen, prompt, echoed).await
 }
 
 /// Checks the prompt against the context, submits the admitted request, and answers.
+/// `echoed`: the prompt's text, when the response starts with it (completions `echo`).
 async fn generate(
     state: Arc<AppState>,
     admitted: Admitted,
     endpoint: Endpoint,
     gen: Generation,
     prompt: Vec<u32>,
+    echoed: Option<String>,
 ) -> Result<Response, ApiError> {
     let loaded = state.ready()?;
     let max_tokens = context_budget(&gen, prompt.len(), loaded.max_model_len)?;
+    // The prompt alone (`max_tokens: 0` with echo) is a prefill whose one sampled token
+    // the response leaves out.
+    let prompt_only = max_tokens == 0;
     let params = RequestParams {
-        max_tokens,
+        max_tokens: max_tokens.max(1),
         sampling: gen.sampling.clone(),
         ignore_eos: gen.ignore_eos,
+        logprobs: gen.logprobs.top,
+        prompt_logprobs: gen.logprobs.prompt(),
     };
     let prompt_ids = gen.return_token_ids.then(|| prompt.clone());
+    let echo = echoed.map(|text| Echo {
+        text,
+        ids: gen.logprobs.prompt().map(|_| prompt.clone()),
+    });
     let prompt_tokens = prompt.len();
     let events = loaded
         .engine
@@ -437,25 +459,45 @@ async fn generate(
     let run = Run {
         events,
         text,
+        tokenizer: Arc::clone(&loaded.tokenizer),
+        endpoint,
         prompt_tokens,
+        prompt_only,
         output_ids: Vec::new(),
-        sent_ids: 0,
+        output_logprobs: gen.logprobs.top.map(|_| Vec::new()),
+        sent: 0,
         prompt_ids,
+        echo,
+        prompt_logprobs: None,
+        text_offset: 0,
         _admitted: admitted,
     };
     if gen.stream {
         Ok(stream_response(run, meta, gen).into_response())
     } else {
-        let (text, finish, usage, run) = run.collect().await?;
+        let (text, finish, usage, mut run) = run.collect().await?;
         // The weights read zeros from the point a mapped model file shrank (`mapped`).
         if crate::model::mapped::changed() {
             return Err(state.ready().err().unwrap_or_else(|| {
                 ApiError::unavailable("the model file changed while it was mapped")
             }));
         }
-        let body = meta.full(&text, finish, usage, run.all_ids());
+        let echoed = run.take_echo();
+        let logprobs = run.logprobs(echoed.as_ref(), 0..run.output_ids.len());
+        let text = match &echoed {
+            Some(e) => format!("{}{text}", e.text),
+            None => text,
+        };
+        let body = meta.full(&text, finish, usage, run.all_ids(), logprobs);
         Ok(Json(body).into_response())
     }
+}
+
+/// The prompt at the head of a completions response (`echo`).
+struct Echo {
+    text: String,
+    /// Its ids, when its log-probabilities are asked for.
+    ids: Option<Vec<u32>>,
 }
 
 /// `max_tokens` within the context: the prompt plus the output must fit `max_model_len`.
@@ -498,13 +540,25 @@ fn response_id(endpoint: Endpoint) -> String {
 struct Run {
     events: UnboundedReceiver<Event>,
     text: TextStream,
+    tokenizer: Arc<Tokenizer>,
+    endpoint: Endpoint,
     prompt_tokens: usize,
+    /// `max_tokens: 0`: the engine's one token is not part of the response.
+    prompt_only: bool,
     /// Every token the engine generated for the response (its `completion_tokens`).
     output_ids: Vec<u32>,
+    /// Their log-probabilities, when asked for (as long as `output_ids`).
+    output_logprobs: Option<Vec<TokenLogprob>>,
     /// Of `output_ids`, those already sent in a chunk.
-    sent_ids: usize,
+    sent: usize,
     /// `Some` when the client asked for token ids (`return_token_ids`).
     prompt_ids: Option<Vec<u32>>,
+    /// The prompt to put at the head of the response (`echo`), until it is.
+    echo: Option<Echo>,
+    /// The prompt's log-probabilities from its second token on, when echo asks for them.
+    prompt_logprobs: Option<Vec<TokenLogprob>>,
+    /// Characters of the response's text before the next scored token (`text_offset`).
+    text_offset: usize,
     _admitted: Admitted,
 }
 
@@ -531,46 +585,101 @@ impl Run {
         })
     }
 
-    /// The output ids not sent yet (for the next chunk), if asked for; the prompt's ride
-    /// with the first chunk.
-    fn new_ids(&mut self, first: bool) -> Option<TokenIds<'_>> {
+    /// The output tokens not sent yet (for the next chunk), now counted as sent.
+    fn take_new(&mut self) -> Range<usize> {
+        let from = std::mem::replace(&mut self.sent, self.output_ids.len());
+        from..self.sent
+    }
+
+    /// The ids of the output tokens in `range`, if asked for; the prompt's ride with the
+    /// first chunk.
+    fn ids(&self, first: bool, range: Range<usize>) -> Option<TokenIds<'_>> {
         let prompt = self.prompt_ids.as_deref()?;
-        let from = std::mem::replace(&mut self.sent_ids, self.output_ids.len());
         Some(TokenIds {
             prompt: first.then_some(prompt),
-            output: &self.output_ids[from..],
+            output: &self.output_ids[range],
         })
     }
 
-    /// Whether a chunk is due even without new text: token ids were asked for and some
-    /// are unsent (a client speaking token ids wants each one as it comes).
-    fn ids_pending(&self) -> bool {
-        self.prompt_ids.is_some() && self.sent_ids < self.output_ids.len()
+    /// Whether a chunk is due even without new text: token ids or log-probabilities were
+    /// asked for and some are unsent (a client reading them wants each as it comes).
+    fn tokens_pending(&self) -> bool {
+        (self.prompt_ids.is_some() || self.output_logprobs.is_some())
+            && self.sent < self.output_ids.len()
+    }
+
+    /// The prompt to echo, once.
+    fn take_echo(&mut self) -> Option<Echo> {
+        self.echo.take()
+    }
+
+    /// The log-probabilities of `echo`'s prompt (if it asks for them) and of the output
+    /// tokens in `range`, in the endpoint's shape; `None` when not asked for, or for a
+    /// chunk with no token.
+    fn logprobs(&mut self, echo: Option<&Echo>, range: Range<usize>) -> Option<Value> {
+        let output = self.output_logprobs.as_ref()?;
+        let prompt_ids = echo.and_then(|e| e.ids.as_deref()).unwrap_or_default();
+        if range.is_empty() && prompt_ids.is_empty() {
+            return None;
+        }
+        let tok = &self.tokenizer;
+        Some(match self.endpoint {
+            Endpoint::Chat => logprobs::chat(tok, &output[range].iter().collect::<Vec<_>>()),
+            Endpoint::Completion => {
+                let prompt_lps = self.prompt_logprobs.as_deref().unwrap_or_default();
+                let mut scored: Vec<Scored> = Vec::with_capacity(prompt_ids.len() + range.len());
+                for (i, &id) in prompt_ids.iter().enumerate() {
+                    // Position 0 has no log-probability; position i's is entry i - 1.
+                    scored.push((id, i.checked_sub(1).and_then(|j| prompt_lps.get(j))));
+                }
+                scored.extend(range.map(|i| (self.output_ids[i], Some(&output[i]))));
+                let (v, next) = logprobs::completion(tok, &scored, self.text_offset);
+                self.text_offset = next;
+                v
+            }
+        })
     }
 
     /// Waits for the next piece of text or the end. After a stop string the event channel
     /// is closed, which cancels the request in the engine at its next step.
     async fn next(&mut self) -> Result<Step, ApiError> {
-        match self.events.recv().await {
-            Some(Event::Token(id)) => {
-                self.output_ids.push(id);
-                let r = self
-                    .text
-                    .push(id)
-                    .map_err(|e| ApiError::internal(format!("{e:#}")))?;
-                if r.stopped {
-                    self.events.close();
-                    Ok(Step::End(r.text, Finish::Stop))
-                } else {
-                    Ok(Step::Text(r.text))
+        loop {
+            let (id, logprob) = match self.events.recv().await {
+                Some(Event::PromptLogprobs(lps)) => {
+                    self.prompt_logprobs = Some(lps);
+                    continue;
                 }
+                Some(Event::Token(..)) if self.prompt_only => continue,
+                Some(Event::Token(id, logprob)) => (id, logprob),
+                Some(Event::Done(finish)) => return Ok(Step::End(self.text.finish(), finish)),
+                Some(Event::Refused(msg)) => return Err(ApiError::bad_request(msg)),
+                Some(Event::Failed(msg)) => return Err(ApiError::internal(msg)),
+                None => {
+                    return Err(ApiError::unavailable(
+                        "the engine stopped before the request finished",
+                    ))
+                }
+            };
+            self.output_ids.push(id);
+            match (&mut self.output_logprobs, logprob) {
+                (Some(all), Some(lp)) => all.push(lp),
+                (Some(_), None) => {
+                    return Err(ApiError::internal(
+                        "a token came without the log-probability asked for",
+                    ))
+                }
+                (None, _) => {}
             }
-            Some(Event::Done(finish)) => Ok(Step::End(self.text.finish(), finish)),
-            Some(Event::Refused(msg)) => Err(ApiError::bad_request(msg)),
-            Some(Event::Failed(msg)) => Err(ApiError::internal(msg)),
-            None => Err(ApiError::unavailable(
-                "the engine stopped before the request finished",
-            )),
+            let r = self
+                .text
+                .push(id)
+                .map_err(|e| ApiError::internal(format!("{e:#}")))?;
+            return Ok(if r.stopped {
+                self.events.close();
+                Step::End(r.text, Finish::Stop)
+            } else {
+                Step::Text(r.text)
+            });
         }
     }
 
@@ -599,7 +708,7 @@ fn sse_json(v: &serde_json::Value) -> SseEvent {
 /// the first one the prompt's too. Dropping the stream (client gone) drops the event
 /// receiver, which cancels the request.
 fn stream_response(
-    mut run: Run,
+    run: Run,
     meta: ResponseMeta,
     gen: Generation,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
@@ -613,25 +722,40 @@ fn stream_response(
         ended: bool,
     }
     impl S {
+        /// A chunk with `text` and the tokens since the last chunk (the first completions
+        /// chunk starts with the echoed prompt).
         fn push_chunk(&mut self, text: &str, finish: Option<Finish>) {
             let first = std::mem::replace(&mut self.prompt_ids_due, false);
-            let ids = self.run.new_ids(first);
+            let echo = self.run.take_echo();
+            let range = self.run.take_new();
+            let logprobs = self.run.logprobs(echo.as_ref(), range.clone());
+            let text = match &echo {
+                Some(e) => format!("{}{text}", e.text),
+                None => text.to_string(),
+            };
+            let ids = self.run.ids(first, range);
             let chunk = self
                 .meta
-                .chunk(text, false, finish, self.include_usage, ids);
+                .chunk(&text, false, finish, self.include_usage, ids, logprobs);
             self.queue.push_back(sse_json(&chunk));
+        }
+
+        /// Whether `text` (maybe empty) makes a chunk.
+        fn due(&self, text: &str) -> bool {
+            !text.is_empty() || self.run.tokens_pending() || self.run.echo.is_some()
         }
     }
     let mut queue = VecDeque::new();
     let chat = meta.endpoint == Endpoint::Chat;
     if chat {
-        let ids = run.new_ids(true);
+        let ids = run.ids(true, 0..0);
         queue.push_back(sse_json(&meta.chunk(
             "",
             true,
             None,
             gen.include_usage,
             ids,
+            None,
         )));
     }
     let init = S {
@@ -651,10 +775,10 @@ fn stream_response(
                 return None;
             }
             match s.run.next().await {
-                Ok(Step::Text(t)) if t.is_empty() && !s.run.ids_pending() => {}
+                Ok(Step::Text(t)) if !s.due(&t) => {}
                 Ok(Step::Text(t)) => s.push_chunk(&t, None),
                 Ok(Step::End(t, finish)) => {
-                    if !t.is_empty() || s.run.ids_pending() {
+                    if s.due(&t) {
                         s.push_chunk(&t, None);
                     }
                     s.push_chunk("", Some(finish));
@@ -690,6 +814,7 @@ mod tests {
             include_usage: false,
             ignore_eos: false,
             return_token_ids: false,
+            logprobs: Default::default(),
         }
     }
 

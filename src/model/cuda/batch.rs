@@ -9,7 +9,7 @@ use super::{CudaModel, Gemm, StepAttn, StepPlan};
 use crate::device::cuda::exec::GrowBuf;
 use crate::device::cuda::ops::{self, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::DevPtr;
-use crate::model::{check_batch, BatchSeq, PagePool, WantLogits};
+use crate::model::{check_batch, BatchSeq, PagePool};
 use anyhow::{bail, Result};
 use half::bf16;
 
@@ -31,7 +31,7 @@ struct RowMeta {
     pos: Vec<i32>,
     cache_rows: Vec<i32>, // pool row of the token's K/V: page · block_size + pos % block_size
     ctx_lens: Vec<i32>,   // keys the row attends: its position + 1
-    want: Vec<i32>,       // rows whose logits are wanted (each a sequence's last)
+    want: Vec<i32>,       // rows whose logits are wanted (`WantLogits::rows`), in order
     tables: Vec<i32>,     // [rows, max_blocks]: the row's sequence's pages, 0-padded
 }
 
@@ -51,9 +51,9 @@ impl RowMeta {
                 m.tables
                     .extend(std::iter::repeat_n(0, max_blocks - s.pages.len()));
             }
-            if s.logits == WantLogits::Yes {
-                m.want.push(m.ids.len() as i32 - 1);
-            }
+            let row0 = m.ids.len() - s.tokens.len();
+            m.want
+                .extend(s.logits.rows(s.tokens.len()).map(|r| (row0 + r) as i32));
         }
         (m, max_blocks)
     }
@@ -61,7 +61,7 @@ impl RowMeta {
 
 impl CudaModel {
     /// One forward over a batch of sequences (decode rows and prefill chunks alike) over
-    /// `pool`'s pages; the last token's logits `[vocab]` of each sequence that wants them.
+    /// `pool`'s pages; the logits `[rows, vocab]` each sequence asked for (`WantLogits`).
     /// Each sequence's logits are bitwise the same whatever else is in the batch.
     pub fn forward_batch(
         &mut self,
@@ -134,7 +134,10 @@ impl CudaModel {
         let mut logits = self.head_rows(want, r)?.into_iter();
         Ok(seqs
             .iter()
-            .map(|s| (s.logits == WantLogits::Yes).then(|| logits.next().unwrap_or_default()))
+            .map(|s| {
+                let n = s.logits.rows(s.tokens.len()).len();
+                (n > 0).then(|| logits.by_ref().take(n).flatten().collect())
+            })
             .collect())
     }
 

@@ -20,6 +20,7 @@ pub mod model;
 pub mod needle;
 pub mod offload;
 pub mod output;
+pub mod perplexity;
 pub mod ruler;
 pub mod safe_file;
 pub mod serve;

@@ -32,6 +32,9 @@ enum Command {
     Generate(GenerateArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(strata::server::ServeArgs),
+    /// A text file's perplexity under the model, by llama-perplexity's method
+    /// (non-overlapping windows of --ctx tokens, the second half of each scored).
+    Perplexity(strata::perplexity::PerplexityArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -144,6 +147,7 @@ fn main() -> ExitCode {
     let command = match &cli.command {
         Command::Generate(_) => "strata generate",
         Command::Serve(_) => "strata serve",
+        Command::Perplexity(_) => "strata perplexity",
         Command::Bench(BenchCommand::Offload(_)) => "strata bench offload",
         Command::Bench(BenchCommand::Serve(_)) => "strata bench serve",
         Command::Bench(BenchCommand::Disk(_)) => "strata bench disk",
@@ -164,6 +168,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => {
             strata::model::resolve(args.model.clone()).and_then(|m| strata::server::run(args, m))
         }
+        Command::Perplexity(args) => strata::perplexity::run(args),
         Command::Bench(BenchCommand::Offload(args)) => strata::offload::bench::run(args),
         Command::Bench(BenchCommand::Serve(args)) => strata::serve::bench::run_serve(args),
         Command::Bench(BenchCommand::Disk(args)) => {
@@ -312,6 +317,7 @@ fn print_result(model: &Model, tok: &Tokenizer, out: &GenerationOutput, json: bo
         let obj = serde_json::json!({
             "text": text,
             "token_ids": out.token_ids,
+            "logprobs": out.logprobs,
             "prompt_tokens": out.prompt_tokens,
             "prefill_tokens_per_s": out.prefill_tokens_per_s(),
             "decode_tokens_per_s": out.decode_tokens_per_s(),

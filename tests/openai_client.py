@@ -107,6 +107,41 @@ def test_completions(args, client):
           f"completion stream finish reasons {reasons}")
 
 
+def test_logprobs(args, client):
+    """Both endpoints' log-probabilities as the client parses them: greedy, equal to the
+    plain CLI run's (`generate --json` "logprobs", the same backend: bitwise); the top
+    alternatives sorted, the chosen token the most likely; echo scores the prompt."""
+    prompt, n = "The three primary colors are", 6
+    ref = cli_generate(args, prompt, n, chat=False)
+    r = client.completions.create(model=args.model, prompt=prompt, max_tokens=n, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    check(lp is not None and lp.token_logprobs == ref["logprobs"],
+          f"completion logprobs {lp and lp.token_logprobs} != CLI {ref['logprobs']}")
+    check(lp is not None and "".join(lp.tokens) == r.choices[0].text, "tokens spell the text")
+    for lps, top in zip(lp.token_logprobs, lp.top_logprobs):
+        check(len(top) == 3 and max(top.values()) == lps, f"greedy token is the top one: {top}")
+    e = client.completions.create(model=args.model, prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=1)
+    elp = e.choices[0].logprobs
+    check(e.choices[0].text == prompt and elp.token_logprobs[0] is None
+          and all(x is not None and x <= 0 for x in elp.token_logprobs[1:])
+          and len(elp.tokens) == ref["prompt_tokens"], f"echo: {e.choices[0]}")
+    ref = cli_generate(args, prompt, n, chat=True)
+    c = chat_once(client, args.model, prompt, n, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    check([t.logprob for t in content] == ref["logprobs"],
+          f"chat logprobs {[t.logprob for t in content]} != CLI {ref['logprobs']}")
+    for t in content:
+        alts = [a.logprob for a in t.top_logprobs]
+        check(len(alts) == 2 and alts == sorted(alts, reverse=True) and alts[0] == t.logprob
+              and bytes(t.bytes).decode("utf-8", "replace") == t.token, f"chat entry {t}")
+    streamed = [t.logprob for ch in chat_once(client, args.model, prompt, n, logprobs=True,
+                                               stream=True)
+                if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    check(streamed == ref["logprobs"], f"streamed chat logprobs {streamed}")
+
+
 def test_stop_strings(args, client, pieces):
     """A stop string made of the end of one streamed piece and the start of the next:
     it is split across tokens. The text stops right before it."""
@@ -198,6 +233,7 @@ def main():
     pieces = test_chat(args, client)
     test_stop_strings(args, client, pieces)
     test_completions(args, client)
+    test_logprobs(args, client)
     test_errors(args, client)
     test_concurrent(args, client)
     if FAILURES:

@@ -150,6 +150,7 @@ pub fn flags_cases() -> Vec<Case> {
         "strata bench disk --dir {dir}/disk --size-mib 1".into(),
         "strata bench decode --model {model} --context 16 --decode-steps 2 --rounds 1".into(),
         "strata bench agreement --model {model} --positions 8 --greedy-tokens 2".into(),
+        "strata perplexity {dir}/text.txt --model {model} --ctx 8".into(),
         "needle --model {model} --input-len 600 --depth 0.5".into(),
     ]
     .iter()
@@ -553,6 +554,11 @@ pub fn run_flags(case: &Case) -> Result<()> {
     let (bin, args) = argv.split_first().context("empty command line")?;
     let bin = binary(bin)?;
     let dir = ScratchDir::new()?;
+    // A text for `strata perplexity` to score.
+    std::fs::write(
+        dir.path().join("text.txt"),
+        "the cat sat on the mat. ".repeat(40),
+    )?;
     let model = tiny_model()?.display().to_string();
     let here = dir.path().display().to_string();
     let fill = |a: &str| a.replace("{model}", &model).replace("{dir}", &here);

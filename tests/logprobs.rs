@@ -99,39 +99,13 @@ fn engine(model: &Arc<Model>, gpu_blocks: usize, cpu_blocks: usize) -> Engine {
     Engine::new(Arc::clone(model), cfg).unwrap()
 }
 
-/// Runs the requests together; each one's output tokens and the log-probabilities
-/// recorded for it (prompt, sampled), collected as the server collects them: after every
-/// step.
+/// Runs the requests together: each one's output tokens and log-probabilities.
 fn run(
     e: &mut Engine,
     prompts: &[Vec<u32>],
     params: &[RequestParams],
 ) -> Vec<(Vec<u32>, NewLogprobs)> {
-    let ids: Vec<_> = prompts
-        .iter()
-        .zip(params)
-        .map(|(p, r)| e.add_request(p.clone(), r).unwrap())
-        .collect();
-    let mut got: Vec<NewLogprobs> = vec![NewLogprobs::default(); ids.len()];
-    let mut collect = |e: &mut Engine| {
-        for (i, &id) in ids.iter().enumerate() {
-            let new = e.take_logprobs(id);
-            if let Some(p) = new.prompt {
-                assert!(got[i].prompt.is_none(), "prompt logprobs given twice");
-                got[i].prompt = Some(p);
-            }
-            got[i].sampled.extend(new.sampled);
-        }
-    };
-    while e.has_unfinished() {
-        e.step().unwrap();
-        collect(e);
-    }
-    e.drain_transfers().unwrap();
-    ids.iter()
-        .zip(got)
-        .map(|(&id, lp)| (e.take_finished(id).unwrap().output().to_vec(), lp))
-        .collect()
+    e.generate_recorded(prompts, params).unwrap()
 }
 
 fn with_logprobs(mut params: Vec<RequestParams>, temperature: f32) -> Vec<RequestParams> {

@@ -11,6 +11,8 @@
 //! - `disk_case`: the same with a two-block host tier over a disk tier: spills and loads
 //!   bitwise; a new engine on the directory reuses the persisted prefix blocks, bitwise;
 //!   after every slot's payload is corrupted, none is used and the tokens still match.
+//! - `prompt_logprobs_case`: prompt log-probabilities (every prompt row's logits) bitwise
+//!   those of one-row twins ending at each probed row, and batched = alone.
 
 use std::sync::Arc;
 
@@ -33,6 +35,7 @@ use crate::model::{BatchSeq, Model, PagePool, WantLogits};
 use crate::serve::{Engine, EngineConfig, RequestParams, SchedulerConfig};
 
 const BLOCK: usize = 4;
+const PREFILL_CHUNK: usize = 8;
 const RMS_TOL: f32 = 0.03;
 const MAX_TOL: f32 = 0.08;
 
@@ -252,7 +255,7 @@ fn sched(gpu: usize, cpu: usize) -> SchedulerConfig {
         max_disk_offload_blocks: 0,
         max_num_seqs: 16,
         max_num_batched_tokens: 16,
-        prefill_chunk: 8,
+        prefill_chunk: PREFILL_CHUNK,
     }
 }
 
@@ -450,6 +453,7 @@ pub fn serve_check() -> Result<Vec<CheckRow>> {
         rows.push(batch_invariance_case(exec, name, shape)?);
         let gpu = |m: &Arc<Model>, c: &EngineConfig| crate::serve::setup::gpu_engine(m, c);
         rows.extend(serve_case(&gpu, name, shape, false)?);
+        rows.push(prompt_logprobs_case(&gpu, name, shape)?);
         let dir = std::env::temp_dir().join(format!("strata-gpucheck-disk-{}", std::process::id()));
         rows.extend(disk_case(&gpu, name, shape, &dir)?);
         let _ = std::fs::remove_dir_all(&dir);
@@ -463,5 +467,90 @@ pub fn serve_check_emulated() -> Result<Vec<CheckRow>> {
     let mut rows = vec![batch_invariance_case(exec, "tiny", Shape::tiny())?];
     let emu = super::emu::emulator_serve_engine;
     rows.extend(serve_case(&emu, "tiny", Shape::tiny(), true)?);
+    rows.push(prompt_logprobs_case(&emu, "tiny", Shape::tiny())?);
     Ok(rows)
+}
+
+/// Prompt log-probabilities on the serving path (every prompt row's logits,
+/// `WantLogits::Every`): at each probed position, the alternatives scored from a prompt
+/// row equal, bitwise, those a request whose prompt ends at that row samples from
+/// (`WantLogits::Last`): the rows are the right ones, in order, whatever the chunking; and
+/// the requests batched give what each gives alone.
+pub fn prompt_logprobs_case(
+    make: &ServeEngineFactory<'_>,
+    name: &str,
+    shape: Shape,
+) -> Result<CheckRow> {
+    let (model, prompts, _, _) = workload(shape);
+    const TOP: usize = 4;
+    let ask = |prompt_logprobs| RequestParams {
+        max_tokens: 1,
+        logprobs: Some(TOP),
+        prompt_logprobs,
+        ..Default::default()
+    };
+    let full = &prompts[0];
+    // Rows inside the first prefill chunk, at its end and past it, and the last.
+    let ends: Vec<usize> = [
+        2,
+        PREFILL_CHUNK,
+        PREFILL_CHUNK + 1,
+        full.len() - 1,
+        full.len(),
+    ]
+    .into_iter()
+    .filter(|&j| j >= 2 && j <= full.len())
+    .collect();
+    let mut batch = vec![full.clone()];
+    batch.extend(ends.iter().map(|&j| full[..j].to_vec()));
+    let params: Vec<RequestParams> = std::iter::once(ask(Some(TOP)))
+        .chain(ends.iter().map(|_| ask(None)))
+        .collect();
+    let blocks = batch.iter().map(|p| (p.len() + 1).div_ceil(BLOCK)).sum();
+    let cfg = EngineConfig {
+        sched: sched(blocks, 0),
+        link_gbps: 0.0,
+        sanitize: false,
+        check_order: crate::device::order::on_by_default(),
+        disk: None,
+        kv_dtype: KvDtype::Bf16,
+    };
+    let alone: Vec<_> = batch
+        .iter()
+        .zip(&params)
+        .map(|(p, r)| {
+            let mut e = make(&model, &cfg)?;
+            Ok(
+                e.generate_recorded(std::slice::from_ref(p), std::slice::from_ref(r))?
+                    .remove(0),
+            )
+        })
+        .collect::<Result<_>>()?;
+    let together = make(&model, &cfg)?.generate_recorded(&batch, &params)?;
+    let prompt = alone[0].1.prompt.clone().unwrap_or_default();
+    let mut wrong = Vec::new();
+    for (k, &j) in ends.iter().enumerate() {
+        // The request ending at row j - 1 samples from it; the full prompt's entry j - 1
+        // scores position j from the same row (the last row: the full request's sample).
+        let sampled = alone[k + 1].1.sampled.first().map(|t| &t.top);
+        let scored = match prompt.get(j - 1) {
+            Some(e) => Some(&e.top),
+            None => alone[0].1.sampled.first().map(|t| &t.top),
+        };
+        if sampled.is_none() || sampled != scored {
+            wrong.push(j);
+        }
+    }
+    let batched_same = together == alone;
+    Ok(CheckRow {
+        name: format!("{name}: prompt logprobs, every prompt row"),
+        shape: format!("{}-token prompt, rows ending {ends:?}", full.len()),
+        max_abs_err: 0.0,
+        tolerance: "bitwise".into(),
+        pass: prompt.len() + 1 == full.len() && wrong.is_empty() && batched_same,
+        note: format!(
+            "{} prompt entries; rows differing from their one-row twin: {wrong:?}; batched = alone: {batched_same}",
+            prompt.len()
+        ),
+    })
 }

@@ -469,6 +469,51 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Runs a batch of requests to completion (one `RequestParams` per prompt); each one's
+    /// new tokens and the log-probabilities recorded for it, taken after every step as the
+    /// server takes them.
+    pub fn generate_recorded(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &[RequestParams],
+    ) -> Result<Vec<(Vec<u32>, NewLogprobs)>> {
+        if params.len() != prompts.len() {
+            bail!("give one RequestParams per prompt");
+        }
+        let ids = prompts
+            .iter()
+            .zip(params)
+            .map(|(p, r)| self.add_request(p.clone(), r))
+            .collect::<Result<Vec<_>>>()?;
+        let mut got = vec![NewLogprobs::default(); ids.len()];
+        let mut take = |e: &mut Self| -> Result<()> {
+            for (g, &id) in got.iter_mut().zip(&ids) {
+                let new = e.take_logprobs(id);
+                if let Some(p) = new.prompt {
+                    if g.prompt.replace(p).is_some() {
+                        bail!("request {id}'s prompt log-probabilities given twice");
+                    }
+                }
+                g.sampled.extend(new.sampled);
+            }
+            Ok(())
+        };
+        while self.has_unfinished() {
+            self.step()?;
+            take(self)?;
+        }
+        self.drain_transfers()?;
+        ids.iter()
+            .zip(got)
+            .map(|(&id, lp)| {
+                let s = self.take_finished(id).context("request did not finish")?;
+                Ok((s.output().to_vec(), lp))
+            })
+            .collect()
+    }
+}
+
 /// Wall-clock helper for benchmarks.
 pub fn timed<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, f64)> {
     let t = Instant::now();

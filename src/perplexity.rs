@@ -192,8 +192,9 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         bar.inc(1);
     })?;
     bar.finish_and_clear();
+    // Through `output`: a closed or full stdout is an error line, not a panic.
     if a.json {
-        println!("{}", serde_json::to_string(&r)?);
+        crate::output::println(serde_json::to_string(&r)?)?;
     } else {
         let running: Vec<String> = r
             .running
@@ -201,11 +202,11 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
             .enumerate()
             .map(|(i, p)| format!("[{}]{p:.4}", i + 1))
             .collect();
-        println!("{}", running.join(","));
-        println!(
+        crate::output::println(running.join(","))?;
+        crate::output::println(format!(
             "Final estimate: PPL = {:.4} +/- {:.5} ({} tokens scored in {} windows of {})",
             r.ppl, r.ppl_error, r.scored, r.windows, r.ctx
-        );
+        ))?;
     }
     Ok(())
 }

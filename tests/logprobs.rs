@@ -10,7 +10,7 @@ mod live_server;
 
 use std::sync::Arc;
 
-use common::{scratch_dir, serve_requests, TinySpec};
+use common::{scratch_dir, serve_config, serve_requests, TinySpec};
 use live_server::Server;
 use serde_json::{json, Value};
 use strata::device::KvDtype;
@@ -18,7 +18,7 @@ use strata::engine::logprobs::TokenLogprob;
 use strata::engine::SamplingParams;
 use strata::kv::ContiguousKv;
 use strata::model::Model;
-use strata::serve::{Engine, EngineConfig, NewLogprobs, RequestParams, SchedulerConfig};
+use strata::serve::{Engine, NewLogprobs, RequestParams};
 
 /// `log softmax(row / t)` in f64, written independently of the engine's.
 fn log_softmax(row: &[f32], t: f64) -> Vec<f64> {
@@ -80,22 +80,7 @@ fn tiny_model(name: &str) -> Arc<Model> {
 }
 
 fn engine(model: &Arc<Model>, gpu_blocks: usize, cpu_blocks: usize) -> Engine {
-    let cfg = EngineConfig {
-        sched: SchedulerConfig {
-            block_size: 4,
-            num_gpu_blocks: gpu_blocks,
-            max_cpu_offload_blocks: cpu_blocks,
-            max_disk_offload_blocks: 0,
-            max_num_seqs: 16,
-            max_num_batched_tokens: 16,
-            prefill_chunk: 8,
-        },
-        link_gbps: 0.0,
-        sanitize: false,
-        check_order: strata::device::order::on_by_default(),
-        disk: None,
-        kv_dtype: KvDtype::F32,
-    };
+    let cfg = serve_config(KvDtype::F32, gpu_blocks, cpu_blocks, false);
     Engine::new(Arc::clone(model), cfg).unwrap()
 }
 

@@ -7,7 +7,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{scratch_dir, serve_requests as requests, TinySpec, KV_DTYPES};
+use common::{
+    scratch_dir, serve_config as config_kv, serve_requests as requests, serve_sched as sched,
+    TinySpec, KV_DTYPES,
+};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::device::KvDtype;
 use strata::engine::{GenerateOptions, SamplingParams};
@@ -23,31 +26,8 @@ fn tiny_model(name: &str) -> Arc<Model> {
     Model::load(&dir, false).unwrap().0
 }
 
-fn sched(gpu: usize, cpu: usize) -> SchedulerConfig {
-    SchedulerConfig {
-        block_size: 4,
-        num_gpu_blocks: gpu,
-        max_cpu_offload_blocks: cpu,
-        max_disk_offload_blocks: 0,
-        max_num_seqs: 16,
-        max_num_batched_tokens: 16, // few requests join per step, so later ones hit the prefix cache
-        prefill_chunk: 8,
-    }
-}
-
 fn config(gpu: usize, cpu: usize, sanitize: bool) -> EngineConfig {
     config_kv(KvDtype::F32, gpu, cpu, sanitize)
-}
-
-fn config_kv(kv_dtype: KvDtype, gpu: usize, cpu: usize, sanitize: bool) -> EngineConfig {
-    EngineConfig {
-        sched: sched(gpu, cpu),
-        link_gbps: 0.0,
-        sanitize,
-        check_order: strata::device::order::on_by_default(),
-        disk: None,
-        kv_dtype,
-    }
 }
 
 fn working_set(p: &[Vec<u32>], r: &[RequestParams]) -> usize {

@@ -396,6 +396,37 @@ pub fn python_with(modules: &str, install: &str) -> Option<String> {
     None
 }
 
+/// The serving engine's scheduler in the tests: blocks of 4 tokens, prefill chunks of 8,
+/// `gpu` device blocks and `cpu` host blocks (0: preemption recomputes).
+pub fn serve_sched(gpu: usize, cpu: usize) -> strata::serve::SchedulerConfig {
+    strata::serve::SchedulerConfig {
+        block_size: 4,
+        num_gpu_blocks: gpu,
+        max_cpu_offload_blocks: cpu,
+        max_disk_offload_blocks: 0,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 16, // few requests join per step, so later ones hit the prefix cache
+        prefill_chunk: 8,
+    }
+}
+
+/// A serving engine's configuration around `serve_sched`, without a disk tier.
+pub fn serve_config(
+    kv_dtype: strata::device::KvDtype,
+    gpu: usize,
+    cpu: usize,
+    sanitize: bool,
+) -> strata::serve::EngineConfig {
+    strata::serve::EngineConfig {
+        sched: serve_sched(gpu, cpu),
+        link_gbps: 0.0,
+        sanitize,
+        check_order: strata::device::order::on_by_default(),
+        disk: None,
+        kv_dtype,
+    }
+}
+
 /// `n` serving requests for a tiny model (ids 3..300): prompts of 5..70 tokens that share
 /// their first `shared` tokens, 5..40 new tokens each, run past end-of-sequence.
 pub fn serve_requests(

@@ -268,10 +268,29 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
 }
 
 pub fn gguf_cases() -> Vec<Case> {
-    ["llama", "qwen3"]
+    // The tiny Llama again with a SentencePiece tokenizer (`llama`: byte tokens `<0xHH>`,
+    // `▁` for a space, no merges listed: they are derived from the vocabulary).
+    let mut spm = gguf_doc("llama");
+    let mut pieces: Vec<String> = vocab()[..3].to_vec();
+    pieces.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+    pieces.extend(["\u{2581}", "h", "\u{2581}h"].map(String::from));
+    debug_assert_eq!(pieces.len(), TINY_VOCAB);
+    spm.metadata.retain(|(k, _)| k != "tokenizer.ggml.merges");
+    for (k, v) in spm.metadata.iter_mut() {
+        match k.as_str() {
+            "tokenizer.ggml.model" => *v = Value::String("llama".into()),
+            "tokenizer.ggml.tokens" => {
+                *v = Value::Array(pieces.iter().map(|p| Value::String(p.clone())).collect())
+            }
+            _ => {}
+        }
+    }
+    spm.metadata
+        .push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(true)));
+    [gguf_doc("llama"), gguf_doc("qwen3"), spm]
         .into_iter()
-        .map(|arch| Case {
-            files: vec![("model.gguf".into(), gguf_doc(arch).to_bytes())],
+        .map(|doc| Case {
+            files: vec![("model.gguf".into(), doc.to_bytes())],
         })
         .collect()
 }

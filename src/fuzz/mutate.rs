@@ -48,8 +48,9 @@ const FLOATS: [f64; 10] = [
     f64::NAN,
 ];
 
-const STRINGS: [&str; 10] = [
+const STRINGS: [&str; 11] = [
     "",
+    "llama",
     "a\nb\r\u{1b}[31m",
     "\u{202e}llama",
     "yarn",

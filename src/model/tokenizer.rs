@@ -12,9 +12,15 @@ use anyhow::{bail, Context, Result};
 use super::{config, files};
 use candle_core::quantized::gguf_file::Value;
 use tokenizers::{
-    decoders::byte_level::ByteLevel as ByteLevelDecoder,
+    decoders::{
+        byte_fallback::ByteFallback, byte_level::ByteLevel as ByteLevelDecoder, fuse::Fuse,
+        sequence::Sequence as DecoderSequence, strip::Strip, DecoderWrapper,
+    },
     models::bpe::BPE,
-    normalizers::unicode::NFC,
+    normalizers::{
+        prepend::Prepend, replace::Replace, unicode::NFC, NormalizerWrapper,
+        Sequence as NormalizerSequence,
+    },
     pre_tokenizers::{
         byte_level::ByteLevel, digits::Digits, sequence::Sequence, split::Split,
         split::SplitPattern, PreTokenizerWrapper,
@@ -92,18 +98,13 @@ fn gguf_u32(md: &HashMap<String, Value>, key: &str) -> Option<u32> {
 }
 
 impl Tokenizer {
-    /// Builds the tokenizer a GGUF file describes (BPE `gpt2` models only).
+    /// Builds the tokenizer a GGUF file describes: byte-level BPE (`gpt2`) or SentencePiece
+    /// BPE (`llama`).
     pub fn from_gguf(md: &HashMap<String, Value>) -> Result<Self> {
         let model = md
             .get("tokenizer.ggml.model")
             .and_then(|v| v.to_string().ok())
             .map(String::as_str);
-        if model != Some("gpt2") {
-            bail!(
-                "unsupported GGUF tokenizer model {:?} (supported: gpt2 byte-level BPE)",
-                model.unwrap_or("none")
-            );
-        }
         let tokens = gguf_strings(md, "tokenizer.ggml.tokens")?;
         if tokens.is_empty() {
             bail!("GGUF tokenizer.ggml.tokens is empty: the model has no vocabulary");
@@ -111,47 +112,6 @@ impl Tokenizer {
         if u32::try_from(tokens.len()).is_err() {
             bail!("GGUF tokenizer.ggml.tokens has more than 2^32 entries");
         }
-        let merges: Vec<(String, String)> = gguf_strings(md, "tokenizer.ggml.merges")?
-            .into_iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .context("malformed GGUF merge entry")
-            })
-            .collect::<Result<_>>()?;
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| anyhow::anyhow!("building BPE from GGUF: {e}"))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-
-        let pre = md
-            .get("tokenizer.ggml.pre")
-            .and_then(|v| v.to_string().ok())
-            .map(String::as_str)
-            .unwrap_or("default");
-        let pre_tokenizer: PreTokenizerWrapper = match pre {
-            // SmolLM2's tokenizer.json: Digits(individual) then ByteLevel(add_prefix_space=false).
-            "smollm" => {
-                Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into()
-            }
-            "qwen2" => {
-                inner.with_normalizer(Some(NFC)).map_err(|e| anyhow::anyhow!("{e}"))?;
-                regex_then_bytelevel(REGEX_QWEN2)?
-            }
-            "llama-bpe" | "llama3" | "smaug-bpe" => regex_then_bytelevel(REGEX_LLAMA3)?,
-            other => bail!("unsupported GGUF tokenizer pre-tokenizer `{other}` (supported: smollm, qwen2, llama-bpe)"),
-        };
-        inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
-        inner.with_post_processor(Some(ByteLevelProcessor::new(false, false, false)));
-
-        // Control tokens (type 3) are matched whole in text and skipped when decoding.
         let types = md
             .get("tokenizer.ggml.token_type")
             .and_then(|v| v.to_vec().ok());
@@ -163,16 +123,56 @@ impl Tokenizer {
                     tokens.len()
                 );
             }
-            let specials: Vec<AddedToken> = types
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| matches!(t, Value::I32(3) | Value::U32(3)))
-                .map(|(i, _)| AddedToken::from(tokens[i].clone(), true))
-                .collect();
-            inner
-                .add_special_tokens(specials)
-                .map_err(|e| anyhow::anyhow!("adding special tokens: {e}"))?;
         }
+        let of_type = |want: i64| -> Vec<usize> {
+            types
+                .map(|t| {
+                    t.iter()
+                        .enumerate()
+                        .filter(|(_, v)| match v {
+                            Value::I32(x) => *x as i64 == want,
+                            Value::U32(x) => *x as i64 == want,
+                            _ => false,
+                        })
+                        .map(|(i, _)| i)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut inner = match model {
+            Some("gpt2") => byte_level_bpe(md, &tokens)?,
+            Some("llama") => {
+                let add_prefix = md
+                    .get("tokenizer.ggml.add_space_prefix")
+                    .and_then(|v| v.to_bool().ok())
+                    .unwrap_or(true);
+                let (inner, vocab) = sentencepiece_bpe(&tokens, add_prefix)?;
+                // User-defined tokens (type 4: newline and tab runs, markup) are matched whole
+                // before the model, as llama.cpp and transformers do.
+                let user: Vec<AddedToken> = of_type(4)
+                    .into_iter()
+                    .filter(|&i| vocab.contains_key(&tokens[i]))
+                    .map(|i| AddedToken::from(tokens[i].clone(), false).normalized(false))
+                    .collect();
+                let mut inner = inner;
+                inner
+                    .add_tokens(user)
+                    .map_err(|e| anyhow::anyhow!("adding user-defined tokens: {e}"))?;
+                inner
+            }
+            other => bail!(
+                "unsupported GGUF tokenizer model {:?} (supported: gpt2 byte-level BPE, llama SentencePiece BPE)",
+                other.unwrap_or("none")
+            ),
+        };
+        // Control tokens (type 3) are matched whole in text and skipped when decoding.
+        let specials: Vec<AddedToken> = of_type(3)
+            .into_iter()
+            .map(|i| AddedToken::from(tokens[i].clone(), true))
+            .collect();
+        inner
+            .add_special_tokens(specials)
+            .map_err(|e| anyhow::anyhow!("adding special tokens: {e}"))?;
         let bos_id = gguf_u32(md, "tokenizer.ggml.bos_token_id");
         let eos_id = gguf_u32(md, "tokenizer.ggml.eos_token_id");
         let add_bos = md
@@ -195,7 +195,6 @@ impl Tokenizer {
             inner,
         })
     }
-
     /// Loads `tokenizer.json`, `tokenizer_config.json` (or `chat_template.jinja`) and
     /// `generation_config.json` from a Hugging Face model directory. Token ids they name
     /// must lie below `vocab_size` (the model's).
@@ -436,6 +435,130 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// Byte-level BPE (`tokenizer.ggml.model = gpt2`) with the merges the file lists and the
+/// pre-tokenizer its `pre` names.
+fn byte_level_bpe(md: &HashMap<String, Value>, tokens: &[String]) -> Result<tokenizers::Tokenizer> {
+    let merges: Vec<(String, String)> = gguf_strings(md, "tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .context("malformed GGUF merge entry")
+        })
+        .collect::<Result<_>>()?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| anyhow::anyhow!("building BPE from GGUF: {e}"))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+
+    let pre = md
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.to_string().ok())
+        .map(String::as_str)
+        .unwrap_or("default");
+    let pre_tokenizer: PreTokenizerWrapper = match pre {
+        // SmolLM2's tokenizer.json: Digits(individual) then ByteLevel(add_prefix_space=false).
+        "smollm" => {
+            Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into()
+        }
+        "qwen2" => {
+            inner.with_normalizer(Some(NFC)).map_err(|e| anyhow::anyhow!("{e}"))?;
+            regex_then_bytelevel(REGEX_QWEN2)?
+        }
+        "llama-bpe" | "llama3" | "smaug-bpe" => regex_then_bytelevel(REGEX_LLAMA3)?,
+        other => bail!("unsupported GGUF tokenizer pre-tokenizer `{other}` (supported: smollm, qwen2, llama-bpe)"),
+    };
+    inner.with_pre_tokenizer(Some(pre_tokenizer));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    inner.with_post_processor(Some(ByteLevelProcessor::new(false, false, false)));
+    Ok(inner)
+}
+
+/// Longest piece (in characters) that merges are derived for: SentencePiece's pieces are
+/// short (its default limit is 16; Gemma's whitespace runs reach 31), and a hostile file's
+/// megabyte-long token must not cost quadratic work.
+const MAX_MERGED_PIECE_CHARS: usize = 128;
+
+/// SentencePiece BPE (`tokenizer.ggml.model = llama`: Gemma, Llama 2, Mistral), built as
+/// transformers' GGUF loader builds Gemma's: the merges, which the file does not list, are
+/// every split of a token into two tokens,
+/// ranked by the token's position (earlier first; in a split, the longer left piece
+/// first); a space is written `▁` (and one is prepended when the file's
+/// `add_space_prefix` says so), unknown characters fall back to `<0xHH>` byte tokens, and
+/// decoding undoes both. Gemma's runs of spaces are user-defined tokens written with real
+/// spaces, matched whole before the model (llama.cpp's way; transformers respells them
+/// with `▁` and reaches the same ids). Returns the tokenizer and its vocabulary.
+fn sentencepiece_bpe(
+    tokens: &[String],
+    add_prefix: bool,
+) -> Result<(tokenizers::Tokenizer, tokenizers::models::bpe::Vocab)> {
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let mut merges = Vec::new();
+    for t in tokens {
+        let chars: Vec<(usize, char)> = t.char_indices().collect();
+        if chars.len() < 2 || chars.len() > MAX_MERGED_PIECE_CHARS {
+            continue;
+        }
+        let mut local: Vec<(&str, &str)> = chars[1..]
+            .iter()
+            .map(|&(at, _)| t.split_at(at))
+            .filter(|(l, r)| vocab.contains_key(*l) && vocab.contains_key(*r))
+            .collect();
+        // transformers: within a token by (left id, right id); across tokens by the
+        // token's position, then the longer left piece, then the longer right piece.
+        local.sort_by_key(|(l, r)| (vocab[*l], vocab[*r]));
+        local.sort_by_key(|(l, r)| {
+            (
+                std::cmp::Reverse(l.chars().count()),
+                std::cmp::Reverse(r.chars().count()),
+            )
+        });
+        merges.extend(
+            local
+                .into_iter()
+                .map(|(l, r)| (l.to_string(), r.to_string())),
+        );
+    }
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab.clone(), merges)
+        .byte_fallback(true)
+        .fuse_unk(true)
+        .unk_token("<unk>".into())
+        .build()
+        .map_err(|e| anyhow::anyhow!("building SentencePiece BPE from GGUF: {e}"))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let space = Replace::new(" ", "\u{2581}").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let normalizer: NormalizerWrapper = if add_prefix {
+        NormalizerSequence::new(vec![Prepend::new("\u{2581}".into()).into(), space.into()]).into()
+    } else {
+        space.into()
+    };
+    inner
+        .with_normalizer(Some(normalizer))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let unspace = Replace::new("\u{2581}", " ").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        unspace.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if add_prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok((inner, vocab))
+}
+
 /// GPT-2's byte-level alphabet read backwards: the printable Latin-1 bytes stand for
 /// themselves, the other 68 bytes for U+0100 onwards, in byte order.
 fn byte_level_byte(c: char) -> Option<u8> {
@@ -485,6 +608,48 @@ impl Default for StreamDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A SentencePiece BPE vocabulary as Llama 2's GGUF files write one (`llama`, with a
+    /// space prefix): SentencePiece's own rules say "Hello world" is `▁Hello ▁world`, an
+    /// unknown character falls back to its UTF-8 bytes, and decoding drops the prefix.
+    #[test]
+    fn sentencepiece_with_a_space_prefix_splits_and_decodes_as_sentencepiece_does() {
+        let s = |x: &str| Value::String(x.into());
+        let mut tokens = vec!["<unk>", "<s>", "</s>"];
+        let bytes: Vec<String> = (0..=255u8).map(|b| format!("<0x{b:02X}>")).collect();
+        tokens.extend(bytes.iter().map(String::as_str));
+        // Merge ranks follow the order: ll, llo, He, Hello, ▁Hello, or, ld, orld, ▁w, ▁world.
+        let words = [
+            "▁", "H", "e", "l", "o", "w", "r", "d", "ll", "llo", "He", "Hello", "▁Hello", "or",
+            "ld", "orld", "▁w", "▁world",
+        ];
+        tokens.extend(words);
+        // SentencePiece's types: unknown 2, control 3, byte 6, normal 1.
+        let types = [2, 3, 3].into_iter().chain([6; 256]).chain([1; 18]);
+        let md = HashMap::from([
+            ("tokenizer.ggml.model".into(), s("llama")),
+            (
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(tokens.iter().map(|t| s(t)).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type".into(),
+                Value::Array(types.map(Value::I32).collect()),
+            ),
+            ("tokenizer.ggml.bos_token_id".into(), Value::U32(1)),
+            ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+        ]);
+        let tok = Tokenizer::from_gguf(&md).unwrap();
+        let id = |t: &str| tokens.iter().position(|x| *x == t).unwrap() as u32;
+        let ids = tok.encode("Hello world", true).unwrap();
+        assert_eq!(ids, [1, id("▁Hello"), id("▁world")]);
+        assert_eq!(tok.decode(&ids, true).unwrap(), "Hello world");
+        // "é" is not in the vocabulary: its two UTF-8 bytes, and back.
+        let ids = tok.encode("é", false).unwrap();
+        assert_eq!(ids, [id("▁"), id("<0xC3>"), id("<0xA9>")]);
+        assert_eq!(tok.decode(&ids, true).unwrap(), "é");
+        assert_eq!(tok.token_bytes(id("▁world")), b" world");
+    }
 
     /// A four-letter byte-level vocabulary with a BOS that GGUF says to add.
     fn bos_gguf() -> HashMap<String, Value> {

@@ -33,16 +33,21 @@ fn gemma_tokenizer() -> Option<Tokenizer> {
     Some(Tokenizer::from_gguf(&content.metadata).unwrap())
 }
 
+/// transformers' tokenizer on the same file (tests/data/gemma3/README.md).
+fn hf_reference() -> Value {
+    let p = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/gemma3/hf_reference.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
 #[test]
 fn gemma3_tokenizer_matches_transformers_on_every_recorded_string() {
     let Some(tok) = gemma_tokenizer() else {
         return;
     };
-    let p = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/gemma3/hf_reference.json"
-    );
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    let reference = hf_reference();
     let cases = reference["tokenizer_cases"].as_array().unwrap();
     assert_eq!(cases.len(), 40);
     let mut wrong = Vec::new();
@@ -78,11 +83,7 @@ fn gemma3_prompts_tokenize_as_transformers_and_token_bytes_spell_them() {
     let Some(tok) = gemma_tokenizer() else {
         return;
     };
-    let p = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/gemma3/hf_reference.json"
-    );
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    let reference = hf_reference();
     for case in reference["prompts"].as_array().unwrap() {
         let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone()).unwrap();
         let text = case["text"].as_str().unwrap();

@@ -1,13 +1,14 @@
 //! `strata perplexity FILE`: a text's perplexity under the model, by llama.cpp's
-//! `llama-perplexity` method, so the two numbers compare (docs/perplexity.md):
+//! `llama-perplexity` method, so the two numbers compare (docs/evaluation.md):
 //!
 //! - the whole text (one trailing newline dropped, as llama.cpp reads `-f`) is tokenized
 //!   once, with the model's BOS if it adds one;
 //! - it is cut into `floor(tokens / ctx)` non-overlapping windows of `--ctx` tokens (the
 //!   rest is unused); each window runs from an empty cache at positions `0..ctx`, its first
 //!   token replaced by BOS when the model adds one;
-//! - in each window the positions `ctx/2 .. ctx-1` are scored — the second half, each
-//!   token predicted with at least `ctx/2` tokens of context — as the negative
+//! - in each window the tokens at `ctx/2 + 1 .. ctx` are scored (from the rows
+//!   `ctx/2 .. ctx-2`) — the second half, each token predicted with more than `ctx/2`
+//!   tokens of context — as the negative
 //!   log-likelihood `-log softmax(logits)[next]`;
 //! - PPL = exp(mean NLL); its error is PPL × the standard error of the mean NLL,
 //!   `sqrt((mean(nll²) − mean(nll)²) / (n − 1))`, as llama.cpp prints it.

@@ -438,6 +438,60 @@ impl Engine {
         prompts: &[Vec<u32>],
         params: &[RequestParams],
     ) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
+        let ids = self.run_all(prompts, params, &mut |_, _| Ok(()))?;
+        ids.iter()
+            .map(|&id| {
+                let s = self
+                    .sched
+                    .remove_finished(id)
+                    .context("request did not finish")?;
+                Ok((
+                    s.output().to_vec(),
+                    self.logprobs.remove(&id).unwrap_or_default(),
+                ))
+            })
+            .collect()
+    }
+
+    /// As `generate`, with the log-probabilities each request recorded
+    /// (`RequestParams::logprobs`, `prompt_logprobs`), taken after every step as the
+    /// server takes them.
+    pub fn generate_recorded(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &[RequestParams],
+    ) -> Result<Vec<(Vec<u32>, NewLogprobs)>> {
+        let mut got = vec![NewLogprobs::default(); prompts.len()];
+        let ids = self.run_all(prompts, params, &mut |e, ids| {
+            for (g, &id) in got.iter_mut().zip(ids) {
+                let new = e.take_logprobs(id);
+                if let Some(p) = new.prompt {
+                    if g.prompt.replace(p).is_some() {
+                        bail!("request {id}'s prompt log-probabilities given twice");
+                    }
+                }
+                g.sampled.extend(new.sampled);
+            }
+            Ok(())
+        })?;
+        ids.iter()
+            .zip(got)
+            .map(|(&id, lp)| {
+                let s = self.take_finished(id).context("request did not finish")?;
+                Ok((s.output().to_vec(), lp))
+            })
+            .collect()
+    }
+
+    /// Queues the requests (one `RequestParams`, or one per prompt) and steps until every
+    /// one has finished, calling `after_step` with their ids after each step; waits for
+    /// the transfers in flight. Their ids, in order.
+    fn run_all(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &[RequestParams],
+        after_step: &mut dyn FnMut(&mut Self, &[SeqId]) -> Result<()>,
+    ) -> Result<Vec<SeqId>> {
         if params.len() != prompts.len() && params.len() != 1 {
             bail!(
                 "give one RequestParams, or one per prompt ({} prompts, {} params)",
@@ -452,65 +506,10 @@ impl Engine {
             .collect::<Result<Vec<_>>>()?;
         while self.has_unfinished() {
             self.step()?;
+            after_step(self, &ids)?;
         }
         self.drain_transfers()?;
-        ids.iter()
-            .map(|&id| {
-                let s = self
-                    .sched
-                    .remove_finished(id)
-                    .context("request did not finish")?;
-                Ok((
-                    s.output().to_vec(),
-                    self.logprobs.remove(&id).unwrap_or_default(),
-                ))
-            })
-            .collect()
-    }
-}
-
-impl Engine {
-    /// Runs a batch of requests to completion (one `RequestParams` per prompt); each one's
-    /// new tokens and the log-probabilities recorded for it, taken after every step as the
-    /// server takes them.
-    pub fn generate_recorded(
-        &mut self,
-        prompts: &[Vec<u32>],
-        params: &[RequestParams],
-    ) -> Result<Vec<(Vec<u32>, NewLogprobs)>> {
-        if params.len() != prompts.len() {
-            bail!("give one RequestParams per prompt");
-        }
-        let ids = prompts
-            .iter()
-            .zip(params)
-            .map(|(p, r)| self.add_request(p.clone(), r))
-            .collect::<Result<Vec<_>>>()?;
-        let mut got = vec![NewLogprobs::default(); ids.len()];
-        let mut take = |e: &mut Self| -> Result<()> {
-            for (g, &id) in got.iter_mut().zip(&ids) {
-                let new = e.take_logprobs(id);
-                if let Some(p) = new.prompt {
-                    if g.prompt.replace(p).is_some() {
-                        bail!("request {id}'s prompt log-probabilities given twice");
-                    }
-                }
-                g.sampled.extend(new.sampled);
-            }
-            Ok(())
-        };
-        while self.has_unfinished() {
-            self.step()?;
-            take(self)?;
-        }
-        self.drain_transfers()?;
-        ids.iter()
-            .zip(got)
-            .map(|(&id, lp)| {
-                let s = self.take_finished(id).context("request did not finish")?;
-                Ok((s.output().to_vec(), lp))
-            })
-            .collect()
+        Ok(ids)
     }
 }
 

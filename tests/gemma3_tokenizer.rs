@@ -8,38 +8,14 @@
 
 mod common;
 
-use serde_json::Value;
 use strata::model::Tokenizer;
 
 fn gemma_tokenizer() -> Option<Tokenizer> {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/gemma-3-270m-q4_k_m.gguf");
-    if !path.exists() {
-        let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-        assert!(
-            !ci,
-            "{} is missing (CI=true): run models/fetch-gemma3.sh",
-            path.display()
-        );
-        eprintln!(
-            "\n**** SKIPPED: {} is missing; run models/fetch-gemma3.sh ****\n",
-            path.display()
-        );
-        return None;
-    }
+    let path = common::gemma3_model()?;
     let mut f = std::fs::File::open(&path).unwrap();
     let len = f.metadata().unwrap().len();
     let content = strata::model::weights::read_gguf_header(&mut f, len).unwrap();
     Some(Tokenizer::from_gguf(&content.metadata).unwrap())
-}
-
-/// transformers' tokenizer on the same file (tests/data/gemma3/README.md).
-fn hf_reference() -> Value {
-    let p = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/gemma3/hf_reference.json"
-    );
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
 #[test]
@@ -47,7 +23,7 @@ fn gemma3_tokenizer_matches_transformers_on_every_recorded_string() {
     let Some(tok) = gemma_tokenizer() else {
         return;
     };
-    let reference = hf_reference();
+    let reference = common::gemma3_reference();
     let cases = reference["tokenizer_cases"].as_array().unwrap();
     assert_eq!(cases.len(), 40);
     let mut wrong = Vec::new();
@@ -83,11 +59,11 @@ fn gemma3_prompts_tokenize_as_transformers_and_token_bytes_spell_them() {
     let Some(tok) = gemma_tokenizer() else {
         return;
     };
-    let reference = hf_reference();
+    let reference = common::gemma3_reference();
     for case in reference["prompts"].as_array().unwrap() {
         let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone()).unwrap();
         let text = case["text"].as_str().unwrap();
-        let special = case["add_special_tokens"] != Value::Bool(false);
+        let special = case["add_special_tokens"] != serde_json::Value::Bool(false);
         let got = tok.encode(text, special).unwrap();
         assert_eq!(got, ids, "{text:?}");
         let bytes: Vec<u8> = ids[1..]
@@ -97,4 +73,41 @@ fn gemma3_prompts_tokenize_as_transformers_and_token_bytes_spell_them() {
         let spelled = String::from_utf8(bytes).unwrap();
         assert!(text.ends_with(&spelled), "{text:?} vs {spelled:?}");
     }
+}
+
+/// The GGUF carries no chat template: the built-in Gemma 3 template renders the recorded
+/// chat prompt to transformers' ids (its render of the published template), and a turn's
+/// end stops generation as the end of text does.
+#[test]
+fn builtin_chat_template_renders_transformers_chat_prompt() {
+    let Some(tok) = gemma_tokenizer() else {
+        return;
+    };
+    let reference = common::gemma3_reference();
+    let chat = reference["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "chat_2plus2")
+        .unwrap();
+    let want: Vec<u32> = serde_json::from_value(chat["prompt_ids"].clone()).unwrap();
+    let text = tok.apply_chat_template("What is 2+2?").unwrap();
+    assert_eq!(text, chat["text"].as_str().unwrap());
+    assert_eq!(tok.encode(&text, false).unwrap(), want);
+    assert_eq!(tok.eos_token_ids, [1, 106]); // <eos>, <end_of_turn>
+                                             // A system message is folded into the first user turn, as the published template does.
+    let messages = [
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("assistant", "Hello"),
+        ("user", "Bye"),
+    ]
+    .map(|(role, content)| strata::model::tokenizer::ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    });
+    assert_eq!(
+        tok.render_chat(&messages).unwrap(),
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    );
 }

@@ -192,3 +192,61 @@ fn bad_settings_are_refused() {
     let r = offloaded(&model, KvDtype::Bf16, cfg, &[5; 40], 4);
     assert!(r.unwrap_err().to_string().contains("offload KV is full"));
 }
+
+/// A tiny Gemma 3 (five windowed layers to a full one, in memory, random weights).
+fn tiny_gemma3(window: usize) -> Arc<Model> {
+    let shape = strata::model::random::Shape::tiny_gemma3(window);
+    let cfg = shape.config();
+    let w = strata::model::random::random_weights(&cfg, 23, 1.0);
+    Arc::new(Model::new(cfg, w))
+}
+
+/// Sliding-window layers keep only the blocks their window reaches, in a ring that wraps
+/// many times over a long run: tokens and log-prob bits still equal the resident run, in
+/// every KV element, across ring sizes and block sizes (windows of 1, under a block,
+/// across blocks), under the sanitizer too (stale rows outside the window are NaN).
+#[test]
+fn sliding_window_layers_match_resident_with_bounded_host_kv() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for window in [1, 7, 20, 64] {
+        let model = tiny_gemma3(window);
+        for &len in &[1usize, 37, 100] {
+            let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
+            let n = 40;
+            for kv in KV_DTYPES {
+                let want = plain(&model, kv, &prompt, n);
+                for (nb, bs, sanitize) in [
+                    (2, 4, true),
+                    (3, 16, false),
+                    (4, 32, true),
+                    (8, 1024, false),
+                ] {
+                    let cfg = OffloadConfig {
+                        sanitize,
+                        ..offload_cfg(nb, bs, len + n)
+                    };
+                    let got = offloaded(&model, kv, cfg, &prompt, n).unwrap();
+                    assert_eq!(
+                        got, want,
+                        "window {window} {kv}: prompt {len}, num_kv_buffers {nb}, block_size {bs}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The plan counts a windowed layer's ring, not the context: 5 windowed layers of 6 hold
+/// ⌈(20 − 1) / 4⌉ + 1 = 6 blocks each instead of the context's 35.
+#[test]
+fn memory_plan_counts_window_rings() {
+    let model = tiny_gemma3(20);
+    let cfg = offload_cfg(2, 4, 140);
+    let plan = cfg.plan_for(&model.cfg, 4).unwrap();
+    let block = 2 * 4 * model.cfg.kv_dim() * 4; // K and V, 4 tokens, f32
+    assert_eq!((plan.windowed_layers, plan.window_blocks), (5, 6));
+    assert_eq!(plan.host_kv_bytes, (35 + 5 * 6) * block);
+    assert!(plan
+        .to_string()
+        .contains("5 sliding-window layers hold 6 blocks each"));
+}

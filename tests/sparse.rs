@@ -190,11 +190,11 @@ fn bound_and_selection_vs_brute_force<T: From32>() {
     let mut rng = StdRng::seed_from_u64(9);
     let (mut dominated_cases, mut tighter) = (0, 0);
     for case in 0..300 {
-        let heads = AttnHeads {
-            num_heads: [1, 4, 6][case % 3],
-            num_kv_heads: [1, 2, 3][case % 3],
-            head_dim: [8, 16, 5][case % 3],
-        };
+        let heads = AttnHeads::causal(
+            [1, 4, 6][case % 3],
+            [1, 2, 3][case % 3],
+            [8, 16, 5][case % 3],
+        );
         let (row, hd) = (heads.num_kv_heads * heads.head_dim, heads.head_dim);
         let group = heads.num_heads / heads.num_kv_heads;
         // Pages past 16 tokens need a second mask row.

@@ -847,11 +847,7 @@ fn check_page_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result
 /// mapping changes the bounds) and pages of more than one mask row.
 fn check_head_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (pages, page_size, (nh, nkv), hd) = z.pick((2048, 32, (32, 8), 128), (37, 20, (6, 2), 64));
-    let heads = ops::AttnHeads {
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: hd,
-    };
+    let heads = ops::AttnHeads::causal(nh, nkv, hd);
     let row = nkv * hd;
     let (q, _) = rand_bf16(rng, nh * hd, 2.0); // [num_heads, head_dim]
     let keys = as_bf16(&coarse_keys(rng, pages * page_size * row));

@@ -14,10 +14,42 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: per-head RMSNorm of q and k, no bias.
     Qwen3,
+    /// Gemma 3: Qwen3's q/k norms plus a scaled embedding, norms around both sublayers
+    /// ("sandwich"), GeGLU, and five sliding-window layers to every full one.
+    Gemma3,
 }
 
-/// RoPE frequency scaling (only the Llama-3 style is used by supported models).
-#[derive(Debug, Clone, PartialEq)]
+/// How one layer attends, which decides what KV it keeps: the one per-layer question
+/// every part that holds KV asks (docs/architecture.md "Layer kinds"). A third kind, a
+/// fixed-size recurrent state (linear attention, SSM), is sketched there.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LayerKind {
+    /// Attends every earlier position: its KV grows with the context.
+    Full,
+    /// Attends the last `size` positions, the query's own included (`p - size < k <= p`),
+    /// with its own RoPE.
+    Window(Window),
+}
+
+/// A sliding-window layer's window and RoPE.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Window {
+    pub size: usize,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+}
+
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpAct {
+    /// SwiGLU (Llama, Qwen).
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// RoPE frequency scaling.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RopeScaling {
     None,
     /// Llama 3.x "llama3" scaling of the low frequencies.
@@ -105,6 +137,18 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Bias on the q/k/v projections (Qwen2-style checkpoints of the Llama family).
     pub attention_bias: bool,
+    /// Each layer's attention kind, `[num_layers]`; `rope_theta` / `rope_scaling` are
+    /// the full layers' RoPE, a window carries its own.
+    pub layer_kinds: Vec<LayerKind>,
+    /// Multiplies each embedding row (Gemma: √hidden in f32); not the tied LM head.
+    pub embed_scale: Option<f32>,
+    /// Gemma: an RMSNorm on the attention output and on the MLP output, each before its
+    /// residual add.
+    pub sandwich_norms: bool,
+    pub mlp_act: MlpAct,
+    /// Attention scores are `q·k × attn_scale`: 1/√head_dim, or Gemma's
+    /// `query_pre_attn_scalar^-½`.
+    pub attn_scale: f32,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// Default sampling (from `generation_config.json`; greedy when absent).
@@ -190,6 +234,37 @@ pub fn json_token_ids(key: &str, v: Option<&Value>) -> Result<Vec<u32>> {
 }
 
 impl ModelConfig {
+    /// Every layer full attention: the kinds of a Llama / Qwen model.
+    pub fn all_full(num_layers: usize) -> Vec<LayerKind> {
+        vec![LayerKind::Full; num_layers]
+    }
+
+    /// The usual score scale, 1/√head_dim (in f32, as the attention kernels always formed it).
+    pub fn default_attn_scale(head_dim: usize) -> f32 {
+        1.0 / (head_dim as f32).sqrt()
+    }
+
+    /// Layer `l`'s attention window, `None` for a full layer.
+    pub fn window(&self, l: usize) -> Option<usize> {
+        match self.layer_kinds[l] {
+            LayerKind::Full => None,
+            LayerKind::Window(w) => Some(w.size),
+        }
+    }
+
+    /// Layer `l`'s RoPE: the full layers' or its window's.
+    pub fn layer_rope(&self, l: usize) -> (f32, RopeScaling) {
+        match self.layer_kinds[l] {
+            LayerKind::Full => (self.rope_theta, self.rope_scaling),
+            LayerKind::Window(w) => (w.rope_theta, w.rope_scaling),
+        }
+    }
+
+    /// Whether every layer attends the whole context (no windows).
+    pub fn all_layers_full(&self) -> bool {
+        self.layer_kinds.iter().all(|k| *k == LayerKind::Full)
+    }
+
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
     }
@@ -265,6 +340,38 @@ impl ModelConfig {
             );
         }
         self.rope_scaling.validate()?;
+        if self.layer_kinds.len() != self.num_layers {
+            bail!(
+                "invalid model config: {} layer kinds for {} layers",
+                self.layer_kinds.len(),
+                self.num_layers
+            );
+        }
+        for kind in &self.layer_kinds {
+            if let LayerKind::Window(w) = kind {
+                if !(1..=MAX_CONTEXT).contains(&w.size) {
+                    bail!(
+                        "invalid model config: sliding window must be in 1..={MAX_CONTEXT}, got {}",
+                        w.size
+                    );
+                }
+                if !(w.rope_theta.is_finite() && w.rope_theta > 0.0) {
+                    bail!(
+                        "invalid model config: the sliding-window layers' rope_theta must be a finite number > 0, got {}",
+                        w.rope_theta
+                    );
+                }
+                w.rope_scaling.validate()?;
+            }
+        }
+        for (key, x) in [
+            ("the attention scale", Some(self.attn_scale)),
+            ("the embedding scale", self.embed_scale),
+        ] {
+            if let Some(x) = x.filter(|x| !(x.is_finite() && *x > 0.0)) {
+                bail!("invalid model config: {key} must be a finite number > 0, got {x}");
+            }
+        }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!(
                 "invalid model config: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
@@ -327,8 +434,9 @@ impl ModelConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "gemma3" => Arch::Gemma3,
             other => {
-                bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen2, qwen3)")
+                bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen2, qwen3, gemma3)")
             }
         };
         let num = |key: &str| -> Result<Option<f64>> {
@@ -398,11 +506,32 @@ impl ModelConfig {
                 bail!("GGUF {key} {id} is outside the vocabulary ({vocab_size} tokens)");
             }
         }
+        let num_layers = need_count("block_count")?;
+        let gemma = arch == Arch::Gemma3;
+        let layer_kinds = if gemma {
+            // Neither the window pattern nor the local layers' RoPE base is in the file:
+            // llama.cpp and transformers hardcode them for Gemma 3 (docs/gemma3/architecture.md §5, §6).
+            let window = Window {
+                size: need_count("attention.sliding_window")?,
+                rope_theta: 10_000.0,
+                rope_scaling: RopeScaling::None,
+            };
+            gemma3_layer_kinds(num_layers.min(limits::MAX_LAYERS), window)
+        } else {
+            ModelConfig::all_full(num_layers.min(limits::MAX_LAYERS))
+        };
+        // Gemma 3 scales queries by query_pre_attn_scalar^-½, not in the GGUF: head_dim
+        // for every size but the 27B (62 layers), where it is hidden / heads (llama.cpp).
+        let attn_scale = if gemma && num_layers == 62 {
+            ModelConfig::default_attn_scale(hidden_size.checked_div(num_heads).unwrap_or(1))
+        } else {
+            ModelConfig::default_attn_scale(head_dim)
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size: need_count("feed_forward_length")?,
-            num_layers: need_count("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -412,9 +541,18 @@ impl ModelConfig {
             rope_scaling: scaling,
             max_position_embeddings: count("context_length")?.unwrap_or(2048),
             tie_word_embeddings: false, // decided by the loader: no `output.weight` means tied
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             // llama.cpp's qwen2 always carries `attn_{q,k,v}.bias`; its llama and qwen3 never do.
             attention_bias: arch == Arch::Qwen2,
+            layer_kinds,
+            embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
+            sandwich_norms: gemma,
+            mlp_act: if gemma {
+                MlpAct::GeluTanh
+            } else {
+                MlpAct::Silu
+            },
+            attn_scale,
             bos_token_id: u32_key("tokenizer.ggml.bos_token_id"),
             eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
             generation: GenerationDefaults::default(),
@@ -422,6 +560,20 @@ impl ModelConfig {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// Gemma 3's layers: every sixth (5, 11, 17, ...) full, the others windowed (transformers'
+/// `sliding_window_pattern` 6, llama.cpp's `set_swa_pattern(6)`).
+pub fn gemma3_layer_kinds(num_layers: usize, window: Window) -> Vec<LayerKind> {
+    (0..num_layers)
+        .map(|i| {
+            if (i + 1) % 6 == 0 {
+                LayerKind::Full
+            } else {
+                LayerKind::Window(window)
+            }
+        })
+        .collect()
 }
 
 /// `config.json` as transformers 4.x and 5.x write it (5.x may nest RoPE settings
@@ -534,6 +686,11 @@ impl HfConfig {
             qk_norm: arch == Arch::Qwen3,
             // Qwen2's q/k/v projections always have a bias (its configs have no key for it).
             attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
+            layer_kinds: ModelConfig::all_full(self.num_hidden_layers.min(limits::MAX_LAYERS)),
+            embed_scale: None,
+            sandwich_norms: false,
+            mlp_act: MlpAct::Silu,
+            attn_scale: ModelConfig::default_attn_scale(head_dim),
             bos_token_id,
             eos_token_ids,
             generation: GenerationDefaults::default(),
@@ -568,13 +725,14 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling> {
     })
 }
 
-/// Inverse frequencies for RoPE, `head_dim / 2` of them, after any scaling.
-pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
+/// Inverse frequencies for layer `l`'s RoPE, `head_dim / 2` of them, after any scaling.
+pub fn rope_inv_freq(cfg: &ModelConfig, l: usize) -> Vec<f32> {
+    let (theta, scaling) = cfg.layer_rope(l);
     let half = cfg.head_dim / 2;
     let base: Vec<f64> = (0..half)
-        .map(|i| 1.0 / (cfg.rope_theta as f64).powf(2.0 * i as f64 / cfg.head_dim as f64))
+        .map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / cfg.head_dim as f64))
         .collect();
-    let scaled: Vec<f64> = match cfg.rope_scaling {
+    let scaled: Vec<f64> = match scaling {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.iter().map(|f| f / factor as f64).collect(),
         RopeScaling::Llama3 {

@@ -122,6 +122,13 @@ impl CudaModel {
     ) -> Result<Self> {
         // The attention kernels are instantiated for these head dims only.
         ops::check_head_dim(cfg.head_dim)?;
+        // The CUDA kernels have no window mask, scaled embedding, sandwich norms or GeGLU yet.
+        if cfg.arch == config::Arch::Gemma3 || !cfg.all_layers_full() {
+            bail!(
+                "the CUDA device does not run {:?} models yet (sliding-window layers); use --device cpu",
+                cfg.arch
+            );
+        }
         if w.layers.len() != cfg.num_layers {
             bail!(
                 "weights have {} layers, config {}",
@@ -129,7 +136,7 @@ impl CudaModel {
                 cfg.num_layers
             );
         }
-        let (cos_h, sin_h) = rope_tables(&config::rope_inv_freq(&cfg), 0, max_pos);
+        let (cos_h, sin_h) = rope_tables(&config::rope_inv_freq(&cfg, 0), 0, max_pos);
         let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
         let (cos_b, cos) = exec.upload(&f32_bytes(&cos_h))?;
         let (sin_b, sin) = exec.upload(&f32_bytes(&sin_h))?;

@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
 use crate::device::KvElem;
 use crate::kv::{KvCache, LayerKv, NewRow, Query};
-pub use config::{Arch, ModelConfig};
+pub use config::{Arch, LayerKind, MlpAct, ModelConfig};
 use op_times::{timed, Op};
 pub use tokenizer::Tokenizer;
 use weights::{ModelWeights, WeightDtype};
@@ -111,7 +111,10 @@ pub fn check_ids(cfg: &ModelConfig, tokens: &[u32]) -> Result<()> {
 pub struct Model {
     pub cfg: ModelConfig,
     pub weights: ModelWeights,
-    inv_freq: Vec<f32>, // [head_dim / 2]
+    /// The distinct RoPEs' inverse frequencies, `[head_dim / 2]` each (full layers', a
+    /// window's), and which one each layer uses.
+    inv_freq: Vec<Vec<f32>>,
+    layer_rope: Vec<usize>,
 }
 
 /// The default model, downloaded by `models/fetch.sh`.
@@ -179,11 +182,20 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
 
 impl Model {
     pub fn new(cfg: ModelConfig, weights: ModelWeights) -> Self {
-        let inv_freq = config::rope_inv_freq(&cfg);
+        let (mut inv_freq, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());
+        for l in 0..cfg.num_layers {
+            let f = config::rope_inv_freq(&cfg, l);
+            let i = inv_freq.iter().position(|g| *g == f).unwrap_or_else(|| {
+                inv_freq.push(f);
+                inv_freq.len() - 1
+            });
+            layer_rope.push(i);
+        }
         Self {
             cfg,
             weights,
             inv_freq,
+            layer_rope,
         }
     }
 
@@ -399,6 +411,9 @@ impl Model {
         let (w, h) = (&self.weights, self.cfg.hidden_size);
         for (row, &id) in a.x.chunks_exact_mut(h).zip(tokens) {
             w.embed.row_f32(id as usize, row);
+            if let Some(s) = self.cfg.embed_scale {
+                row.iter_mut().for_each(|x| *x *= s);
+            }
         }
         ops::rms_norm(
             &a.x,
@@ -406,7 +421,11 @@ impl Model {
             self.cfg.rms_norm_eps,
             &mut a.hn,
         );
-        (a.cos, a.sin) = ops::rope_tables_at(&self.inv_freq, positions);
+        a.rope = self
+            .inv_freq
+            .iter()
+            .map(|f| ops::rope_tables_at(f, positions))
+            .collect();
     }
 
     /// One decoder layer: reads `a.hn` (normalised input), updates the residual `a.x`, and
@@ -448,15 +467,16 @@ impl Model {
                 eps,
             );
         }
-        // 3. RoPE on q and k.
+        // 3. RoPE on q and k (the layer's own: a window may have its own base).
+        let (cos, sin) = &a.rope[self.layer_rope[l]];
         ops::rope(
             &mut a.qkv,
             t,
             cfg.num_heads,
             cfg.head_dim,
             qkv_dim,
-            &a.cos,
-            &a.sin,
+            cos,
+            sin,
         );
         ops::rope(
             &mut a.qkv[qd..],
@@ -464,8 +484,8 @@ impl Model {
             cfg.num_kv_heads,
             cfg.head_dim,
             qkv_dim,
-            &a.cos,
-            &a.sin,
+            cos,
+            sin,
         );
         for (dst, src) in a.q.chunks_exact_mut(qd).zip(a.qkv.chunks_exact(qkv_dim)) {
             dst.copy_from_slice(&src[..qd]);
@@ -475,7 +495,7 @@ impl Model {
         timed(Op::Attention, || -> Result<()> {
             let last_query = &a.q[(t - 1) * qd..t * qd];
             match select(last_query)? {
-                None => self.store_and_attend(a, kv, seqs),
+                None => self.store_and_attend(l, a, kv, seqs),
                 Some(new_row) => {
                     if seqs.len() != 1 || t != 1 {
                         bail!("sparse decode attends one sequence's one new token, got {} sequences of {t} rows", seqs.len());
@@ -486,15 +506,18 @@ impl Model {
                         pos0: new_row.0,
                         kv: ContiguousRows { row: kvd },
                     };
-                    self.store_and_attend(a, kv, &[seq]);
+                    self.store_and_attend(l, a, kv, &[seq]);
                 }
             }
             Ok(())
         })?;
-        // 5. Output projection, residual add, post-attention norm.
+        // 5. Output projection, (Gemma: its norm,) residual add, the MLP's input norm.
         timed(Op::OutProj, || {
             ops::linear_weight(&a.attn, &lw.wo, None, &mut a.proj, t)
         });
+        if let Some((post_attn, _)) = &lw.post_norms {
+            ops::rms_norm_in_place(&mut a.proj, post_attn, eps);
+        }
         ops::add_rms_norm(&mut a.x, &a.proj, &lw.mlp_norm, eps, &mut a.hn);
         // 6. MLP in row chunks; the residual add is fused with the next block's norm.
         let w = &self.weights;
@@ -512,7 +535,11 @@ impl Model {
                     n,
                 )
             });
-            ops::silu_mul(&a.gu[..n * 2 * inter], inter, &mut a.act[..n * inter]);
+            let (gu, act) = (&a.gu[..n * 2 * inter], &mut a.act[..n * inter]);
+            match cfg.mlp_act {
+                MlpAct::Silu => ops::silu_mul(gu, inter, act),
+                MlpAct::GeluTanh => ops::gelu_tanh_mul(gu, inter, act),
+            }
             timed(Op::Down, || {
                 ops::linear_weight(
                     &a.act[..n * inter],
@@ -522,6 +549,9 @@ impl Model {
                     n,
                 )
             });
+            if let Some((_, post_mlp)) = &lw.post_norms {
+                ops::rms_norm_in_place(&mut a.proj[rows.clone()], post_mlp, eps);
+            }
             ops::add_rms_norm(
                 &mut a.x[rows.clone()],
                 &a.proj[rows.clone()],
@@ -537,6 +567,7 @@ impl Model {
     /// queries over its keys into `a.attn`.
     fn store_and_attend<T: KvElem, L: KvLayout>(
         &self,
+        l: usize,
         a: &mut Activations,
         mut kv: LayerKv<'_, T>,
         seqs: &[AttnSeq<L>],
@@ -555,9 +586,9 @@ impl Model {
             }
         }
         let heads = AttnHeads {
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
+            scale: cfg.attn_scale,
+            window: cfg.window(l),
+            ..AttnHeads::causal(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         };
         ops::attention_batch(&a.q, kv.read(), &mut a.attn, heads, seqs);
     }
@@ -590,8 +621,8 @@ struct Activations {
     proj: Vec<f32>, // [t, hidden]
     gu: Vec<f32>,   // [chunk, gate | up]
     act: Vec<f32>,  // [chunk, inter]
-    cos: Vec<f32>,  // [t, head_dim / 2]
-    sin: Vec<f32>,  // [t, head_dim / 2]
+    /// (cos, sin) `[t, head_dim / 2]` each, per distinct RoPE (`Model::inv_freq`).
+    rope: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
 impl Activations {
@@ -609,8 +640,7 @@ impl Activations {
             proj: vec![0.0; t * h],
             gu: vec![0.0; chunk * 2 * inter],
             act: vec![0.0; chunk * inter],
-            cos: Vec::new(),
-            sin: Vec::new(),
+            rope: Vec::new(),
         }
     }
 }

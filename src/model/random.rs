@@ -2,7 +2,7 @@
 //! shape and no checkpoint (CUDA vs CPU logits, offload benchmarks). Every weight is
 //! rounded to bf16 so the f32 CPU path and the bf16 CUDA path start from the same values.
 
-use super::config::{Arch, GenerationDefaults, ModelConfig, RopeScaling};
+use super::config::{Arch, GenerationDefaults, MlpAct, ModelConfig, RopeScaling};
 use super::weights::{LayerWeights, MatShape, ModelWeights, Weight};
 use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -22,6 +22,10 @@ pub struct Shape {
     pub qk_gain: f32,
     /// Qwen2 style instead of Qwen3: bias on the q/k/v projections, no q/k norm.
     pub qkv_bias: bool,
+    /// Gemma 3 style instead: this sliding window on five layers of every six (the
+    /// sixth full), the local layers' RoPE base 10,000, scaled embedding, sandwich norms,
+    /// GeGLU.
+    pub gemma_window: Option<usize>,
 }
 
 impl Shape {
@@ -38,6 +42,7 @@ impl Shape {
             max_pos: 4096,
             qk_gain: 1.0,
             qkv_bias: false,
+            gemma_window: None,
         }
     }
 
@@ -55,12 +60,36 @@ impl Shape {
             max_pos: 40960,
             qk_gain: 1.0,
             qkv_bias: false,
+            gemma_window: None,
+        }
+    }
+
+    /// A tiny Gemma 3: six layers (0–4 windowed, 5 full) with a window of `window`.
+    pub fn tiny_gemma3(window: usize) -> Self {
+        Self {
+            layers: 6,
+            gemma_window: Some(window),
+            ..Self::tiny()
         }
     }
 
     pub fn config(&self) -> ModelConfig {
+        let gemma = self.gemma_window.is_some();
+        let layer_kinds = match self.gemma_window {
+            Some(size) => super::config::gemma3_layer_kinds(
+                self.layers,
+                super::config::Window {
+                    size,
+                    rope_theta: 10_000.0,
+                    rope_scaling: RopeScaling::None,
+                },
+            ),
+            None => ModelConfig::all_full(self.layers),
+        };
         ModelConfig {
-            arch: if self.qkv_bias {
+            arch: if gemma {
+                Arch::Gemma3
+            } else if self.qkv_bias {
                 Arch::Qwen2
             } else {
                 Arch::Qwen3
@@ -79,6 +108,15 @@ impl Shape {
             tie_word_embeddings: true,
             qk_norm: !self.qkv_bias,
             attention_bias: self.qkv_bias,
+            layer_kinds,
+            embed_scale: gemma.then(|| (self.hidden as f32).sqrt()),
+            sandwich_norms: gemma,
+            mlp_act: if gemma {
+                MlpAct::GeluTanh
+            } else {
+                MlpAct::Silu
+            },
+            attn_scale: ModelConfig::default_attn_scale(self.head_dim),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
             generation: GenerationDefaults::default(),
@@ -141,6 +179,9 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeight
                 .then(|| scaled(norm(&mut rng, cfg.head_dim), qk_gain)),
             wo: mat(uniform(&mut rng, h * qd, s(qd)), h, qd),
             mlp_norm: norm(&mut rng, h),
+            post_norms: cfg
+                .sandwich_norms
+                .then(|| (norm(&mut rng, h), norm(&mut rng, h))),
             w_gate_up: mat(uniform(&mut rng, 2 * inter * h, s(h)), 2 * inter, h),
             w_down: mat(uniform(&mut rng, h * inter, s(inter)), h, inter),
         })

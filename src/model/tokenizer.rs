@@ -97,6 +97,18 @@ fn gguf_u32(md: &HashMap<String, Value>, key: &str) -> Option<u32> {
     })
 }
 
+/// The chat template of an architecture whose GGUF files usually carry none (base-model
+/// conversions): Gemma 3's published template (google/gemma-3-*-it `chat_template`).
+fn builtin_chat_template(arch: Option<&str>) -> Option<ChatTemplate> {
+    match arch? {
+        "gemma3" => Some(ChatTemplate {
+            source: "strata's built-in Gemma 3 template (the GGUF has none)".into(),
+            text: include_str!("template/gemma3.jinja").into(),
+        }),
+        _ => None,
+    }
+}
+
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes: byte-level BPE (`gpt2`) or SentencePiece
     /// BPE (`llama`).
@@ -180,18 +192,29 @@ impl Tokenizer {
             .and_then(|v| v.to_bool().ok())
             .unwrap_or(false);
         let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
+        let arch = md
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str);
+        let chat_template = md
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok())
+            .map(|text| ChatTemplate {
+                source: "GGUF tokenizer.chat_template".into(),
+                text: text.clone(),
+            })
+            .or_else(|| builtin_chat_template(arch));
+        // A turn ends generation as the end of text does (llama.cpp's end-of-generation
+        // tokens): Gemma's instruction-tuned models end their turn with <end_of_turn>.
+        let end_of_turn = ["<end_of_turn>"]
+            .iter()
+            .filter_map(|t| inner.token_to_id(t));
         Ok(Self {
-            chat_template: md
-                .get("tokenizer.chat_template")
-                .and_then(|v| v.to_string().ok())
-                .map(|text| ChatTemplate {
-                    source: "GGUF tokenizer.chat_template".into(),
-                    text: text.clone(),
-                }),
+            chat_template,
             bos_token: name(bos_id),
             eos_token: name(eos_id),
             add_bos: if add_bos { bos_id } else { None },
-            eos_token_ids: eos_id.into_iter().collect(),
+            eos_token_ids: eos_id.into_iter().chain(end_of_turn).collect(),
             inner,
         })
     }

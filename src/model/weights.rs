@@ -511,6 +511,8 @@ pub struct LayerWeights {
     pub mlp_norm: Vec<f32>,       // [hidden]
     pub w_gate_up: Weight,        // [2 * inter, hidden]  rows: gate, then up
     pub w_down: Weight,           // [hidden, inter]
+    /// Gemma's sandwich norms on the attention and MLP outputs, `[hidden]` each.
+    pub post_norms: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 pub struct ModelWeights {
@@ -542,6 +544,7 @@ impl ModelWeights {
             [&l.attn_norm, &l.mlp_norm]
                 .into_iter()
                 .chain([&l.bqkv, &l.q_norm, &l.k_norm].into_iter().flatten())
+                .chain(l.post_norms.iter().flat_map(|(a, m)| [a, m]))
         }))
     }
 
@@ -721,6 +724,8 @@ const GGUF_NAMES: Names = Names {
             "k_norm" => "attn_k_norm.weight",
             "attn_norm" => "attn_norm.weight",
             "mlp_norm" => "ffn_norm.weight",
+            "post_attn_norm" => "post_attention_norm.weight",
+            "post_mlp_norm" => "post_ffw_norm.weight",
             "gate" => "ffn_gate.weight",
             "up" => "ffn_up.weight",
             "down" => "ffn_down.weight",
@@ -752,7 +757,7 @@ fn build(
             cfg.num_layers
         );
     }
-    let per_layer = 9 + 2 * cfg.qk_norm as usize;
+    let per_layer = 9 + 2 * cfg.qk_norm as usize + 2 * cfg.sandwich_norms as usize;
     let bar = progress_bar(progress, (cfg.num_layers * per_layer + 3) as u64);
     let has_lm_head = src.has(names.lm_head);
     let mut get = |name: &str, shape: &[usize]| -> Result<Weight> {
@@ -796,6 +801,11 @@ fn build(
         };
         let attn_norm = vector("attn_norm", h)?;
         let mlp_norm = vector("mlp_norm", h)?;
+        let post_norms = if cfg.sandwich_norms {
+            Some((vector("post_attn_norm", h)?, vector("post_mlp_norm", h)?))
+        } else {
+            None
+        };
         let wqkv = Weight::concat(vec![
             get(&n("q"), &[q, h])?,
             get(&n("k"), &[kv, h])?,
@@ -815,6 +825,7 @@ fn build(
             mlp_norm,
             w_gate_up,
             w_down: get(&n("down"), &[h, inter])?,
+            post_norms,
         });
     }
     let final_norm = get(names.final_norm, &[h])?.to_f32();

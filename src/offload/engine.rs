@@ -56,7 +56,12 @@ pub struct OffloadEngine<D: OffloadDevice> {
     num_layers: usize,
     row: usize, // kv_dim: elements per token per layer, in K (and in V)
     depth: usize,
-    host: KvMem,      // [num_layers, num_cpu_blocks, block_size, row]
+    host: KvMem, // per layer [host_blocks[l], block_size, row], from host_base[l]
+    host_base: Vec<usize>,
+    /// Host blocks of each layer: `num_cpu_blocks`, or a sliding-window layer's ring.
+    host_blocks: Vec<usize>,
+    /// Each layer's sliding window (`None`: full attention).
+    window: Vec<Option<usize>>,
     ring: Vec<KvMem>, // num_kv_buffers × [slot_tokens, row]
     dbuf: KvMem,      // [num_layers, block_size, row]: each layer's partial last block
     slots: Vec<SlotEvents>,
@@ -112,7 +117,18 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                 v: d.alloc(space, elems)?,
             })
         };
-        let host = pair(Space::Host, l * plan.num_cpu_blocks * bs * row)?;
+        let host_blocks: Vec<usize> = (0..l)
+            .map(|i| super::host_blocks(model, i, plan.num_cpu_blocks, bs))
+            .collect();
+        let host_base: Vec<usize> = host_blocks
+            .iter()
+            .scan(0, |at, &n| {
+                let base = *at;
+                *at += n * bs * row;
+                Some(base)
+            })
+            .collect();
+        let host = pair(Space::Host, host_blocks.iter().sum::<usize>() * bs * row)?;
         let ring = (0..n)
             .map(|_| pair(Space::Device, plan.slot_tokens * row))
             .collect::<Result<Vec<_>>>()?;
@@ -132,11 +148,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                 let max_pages = plan.num_cpu_blocks * bs / sc.page_size;
                 Some(Sparse {
                     cfg: sc,
-                    heads: AttnHeads {
-                        num_heads: model.num_heads,
-                        num_kv_heads: model.num_kv_heads,
-                        head_dim: model.head_dim,
-                    },
+                    heads: AttnHeads::causal(model.num_heads, model.num_kv_heads, model.head_dim),
                     bounds: d.alloc(Space::Device, l * max_pages * sc.meta_rows() * row)?,
                     max_pages,
                     loaded: vec![Vec::new(); l],
@@ -156,6 +168,9 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             num_layers: l,
             row,
             host,
+            host_base,
+            host_blocks,
+            window: (0..l).map(|i| model.window(i)).collect(),
             ring,
             dbuf,
             slots,
@@ -198,9 +213,58 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             .declare(StreamRole::Compute, "layer-compute", layer, &acc)
     }
 
-    /// Layer `layer`'s host blocks from `block` on.
+    /// Where the sequence's block `block` of layer `layer` lives in host memory (a
+    /// sliding-window layer's ring wraps).
     fn host_at(&self, layer: usize, block: usize) -> usize {
-        (layer * self.plan.num_cpu_blocks + block) * self.cfg.block_size * self.row
+        let n = self.host_blocks[layer];
+        self.host_base[layer] + block % n * self.cfg.block_size * self.row
+    }
+
+    /// Layer `layer`'s host blocks `blocks` as runs `(first block, blocks)` contiguous in
+    /// host memory: one run, unless a window's ring wraps inside.
+    fn host_runs(&self, layer: usize, blocks: std::ops::Range<usize>) -> Vec<(usize, usize)> {
+        let n = self.host_blocks[layer];
+        let mut runs = Vec::new();
+        let mut b = blocks.start;
+        while b < blocks.end {
+            let len = (blocks.end - b).min(n - b % n);
+            runs.push((b, len));
+            b += len;
+        }
+        runs
+    }
+
+    /// The first block a step at `pos` attends in layer `layer`: 0, or where a sliding
+    /// window reaches back to.
+    fn first_block(&self, layer: usize, pos: usize) -> usize {
+        self.window[layer].map_or(0, |w| (pos + 1).saturating_sub(w) / self.cfg.block_size)
+    }
+
+    /// Whether sparse decode selects this layer's rows (full attention layers only: a
+    /// window is attended exactly).
+    fn sparse_layer(&self, layer: usize) -> bool {
+        self.sparse.is_some() && self.window[layer].is_none()
+    }
+
+    /// Queues the copies of layer `layer`'s blocks `blocks` between the host and slot
+    /// `s` (at their positions' rows), on `st`: host to slot if `to_slot`, else back.
+    fn copy_blocks(
+        &mut self,
+        st: StreamRole,
+        names: [&'static str; 2],
+        layer: usize,
+        s: usize,
+        blocks: std::ops::Range<usize>,
+        to_slot: bool,
+    ) -> Result<()> {
+        let rows = self.cfg.block_size * self.row;
+        for (b, n) in self.host_runs(layer, blocks) {
+            let host = (self.host, self.host_at(layer, b));
+            let slot = (self.ring[s], b * rows);
+            let (src, dst) = if to_slot { (host, slot) } else { (slot, host) };
+            self.copy_kv(st, names, layer, src, dst, n * rows)?;
+        }
+        Ok(())
     }
 
     fn dbuf_at(&self, layer: usize) -> usize {
@@ -232,6 +296,9 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         first: usize,
         tokens: usize,
     ) -> Result<()> {
+        if !self.sparse_layer(layer) {
+            return Ok(());
+        }
         let Some(sp) = &self.sparse else {
             return Ok(());
         };
@@ -379,7 +446,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         self.wait_released(p, s, after)?;
         self.d.wait(p, self.layer_stored[layer], "layer-stored")?;
         let names = ["h2d-k", "h2d-v"];
-        let sparse = self.sparse.as_mut().filter(|_| !all);
+        let sparse_layer = self.sparse_layer(layer);
+        let sparse = self.sparse.as_mut().filter(|_| !all && sparse_layer);
         if let Some(sp) = sparse {
             // The pages this layer ranked best last step (its query is not known yet), a
             // margin beyond its choice included: runs contiguous in host memory, one copy
@@ -396,9 +464,9 @@ impl<D: OffloadDevice> OffloadEngine<D> {
                 .collect();
             self.copy_kv_runs(p, names, layer, (self.host, self.ring[s]), &copies)?;
         } else {
-            let len = pos / self.cfg.block_size * self.cfg.block_size * self.row;
-            let src = (self.host, self.host_at(layer, 0));
-            self.copy_kv(p, names, layer, src, (self.ring[s], 0), len)?;
+            // The full blocks before `pos` (a window's: only those it reaches).
+            let blocks = self.first_block(layer, pos)..pos / self.cfg.block_size;
+            self.copy_blocks(p, names, layer, s, blocks, true)?;
         }
         self.d.record(p, self.slots[s].ready)
     }
@@ -447,9 +515,9 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             .wait(o, self.slots[s].compute_done, "slot-compute-done")?;
         let (first, full) = (pos / bs * bs, end / bs * bs);
         let slot = self.ring[s];
-        let host = (self.host, self.host_at(layer, first / bs));
-        let len = (full - first) * row;
-        self.copy_kv(o, ["d2h-k", "d2h-v"], layer, (slot, first * row), host, len)?;
+        // The blocks the step filled (a window's: only those later steps reach).
+        let blocks = (first / bs).max(self.first_block(layer, end))..full / bs;
+        self.copy_blocks(o, ["d2h-k", "d2h-v"], layer, s, blocks, false)?;
         let from = pos.max(full);
         let dbuf = (self.dbuf, self.dbuf_at(layer) + from % bs * row);
         let names = ["slot-to-dbuf-k", "slot-to-dbuf-v"];
@@ -476,7 +544,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let dbuf = (self.dbuf, self.dbuf_at(layer) + r * self.row);
         let names = ["slot-to-dbuf-k", "slot-to-dbuf-v"];
         // Sparse: the new token sits after the compacted rows, not at its position.
-        let new_row = match &mut self.sparse {
+        let sparse_layer = self.sparse_layer(layer);
+        let new_row = match self.sparse.as_mut().filter(|_| sparse_layer) {
             Some(sp) => {
                 if !std::mem::take(&mut sp.selected) {
                     bail!("sparse decode: layer {layer} attended without selecting its rows (the model must call select_rows)");
@@ -674,7 +743,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         if self.cfg.sanitize {
             let c = StreamRole::Compute;
             let whole = |mem, len| Span { mem, off: 0, len };
-            let host = self.host_at(self.num_layers, 0);
+            let host = self.host_blocks.iter().sum::<usize>() * self.cfg.block_size * self.row;
             let dbuf = self.dbuf_at(self.num_layers);
             for (m, len) in [(self.host, host), (self.dbuf, dbuf)] {
                 self.d.poison(c, whole(m.k, len))?;
@@ -703,10 +772,19 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         if len == self.seq_len {
             return Ok(());
         }
-        self.drain()?;
         let (bs, row, c) = (self.cfg.block_size, self.row, StreamRole::Compute);
         let (block, r) = (len / bs, len % bs);
         let flushed = block < self.seq_len / bs;
+        // A window's ring has overwritten blocks before its last few: a rewind must find
+        // the blocks its window reaches (and the one it restores) still there.
+        for layer in 0..self.num_layers {
+            let written = self.seq_len / bs; // blocks flushed so far
+            let oldest_kept = written.saturating_sub(self.host_blocks[layer]);
+            if self.first_block(layer, len) < oldest_kept {
+                bail!("offload engine: cannot rewind {} tokens to {len}: layer {layer}'s sliding-window blocks before block {oldest_kept} are overwritten", self.seq_len - len);
+            }
+        }
+        self.drain()?;
         for layer in 0..self.num_layers {
             if flushed {
                 let src = (self.host, self.host_at(layer, block));
@@ -715,15 +793,20 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
                 self.copy_kv(c, names, layer, src, dst, r * row)?;
             }
             if self.cfg.sanitize {
-                // Nothing may read the forgotten rows: the host blocks' and the buffer's.
-                let host = self.host_at(layer, block) + r * row;
-                let stored = self.host_at(layer, self.seq_len.div_ceil(bs));
+                // Nothing may read the forgotten rows: the host blocks' and the buffer's
+                // (a window's ring: only the buffer's, its blocks wrap).
+                let block_at = |b: usize| self.host_base[layer] + b * bs * row;
+                let host = block_at(block) + r * row;
+                let stored = match self.window[layer] {
+                    None => block_at(self.seq_len.div_ceil(bs)),
+                    Some(_) => host,
+                };
                 let dbuf = self.dbuf_at(layer) + r * row;
                 for (m, off, len) in [
                     (self.host, host, stored.saturating_sub(host)),
                     (self.dbuf, dbuf, (bs - r) * row),
                 ] {
-                    for mem in [m.k, m.v] {
+                    for mem in [m.k, m.v].into_iter().filter(|_| len > 0) {
                         self.d.poison(c, Span { mem, off, len })?;
                     }
                 }
@@ -796,7 +879,8 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
                 // Append the partial block so the attention sees one contiguous context
                 // (sparse: after the compacted pages, once `select` has moved the
                 // prefetched pages there: a margin page may sit where the window goes).
-                match &mut self.sparse {
+                let sparse_layer = self.sparse_layer(layer);
+                match self.sparse.as_mut().filter(|_| sparse_layer) {
                     None => self.append_window(layer, s, pos, pos - r(pos))?,
                     Some(sp) => sp.selected = false,
                 }
@@ -845,6 +929,9 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
     }
 
     fn select_rows(&mut self, layer: usize, query: Query<D::Elem>) -> Result<Option<NewRow>> {
+        if !self.sparse_layer(layer) {
+            return Ok(None);
+        }
         match (self.step, &mut self.sparse) {
             (Step::Decode { pos }, Some(_)) => self.select(layer, pos, query).map(Some),
             // The prompt's last token's query, scored once this layer's keys are stored.

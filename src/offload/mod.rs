@@ -91,6 +91,23 @@ impl Default for OffloadConfig {
     }
 }
 
+/// Host KV blocks layer `l` keeps for a context of `num_cpu_blocks` blocks: all of them for
+/// a full-attention layer; for a sliding-window layer a ring (the sequence's block `b` at
+/// `b % n`) of the blocks its window can reach — `⌈(window − 1) / block_size⌉` full blocks
+/// before the one filling in the decode buffer — plus one, so that a rewind inside the
+/// last block (sparse decode's rejected drafts) still finds its window.
+pub fn host_blocks(
+    model: &ModelConfig,
+    l: usize,
+    num_cpu_blocks: usize,
+    block_size: usize,
+) -> usize {
+    match model.window(l) {
+        None => num_cpu_blocks,
+        Some(w) => ((w - 1).div_ceil(block_size) + 1).min(num_cpu_blocks),
+    }
+}
+
 /// Bytes the engine will allocate, printed before it does.
 #[derive(Debug, Clone, Copy)]
 pub struct MemoryPlan {
@@ -99,6 +116,9 @@ pub struct MemoryPlan {
     pub ring_bytes: usize,
     pub decode_buffer_bytes: usize,
     pub host_kv_bytes: usize,
+    /// Sliding-window layers and the host blocks each keeps (0, 0 without windows).
+    pub windowed_layers: usize,
+    pub window_blocks: usize,
     /// Sparse decode's metadata on the device: page bounds (min and max of K per layer,
     /// page and channel) and one layer's per-head scores (f32 `[pages, num_heads]`, the
     /// CUDA device's download buffer).
@@ -110,13 +130,21 @@ impl std::fmt::Display for MemoryPlan {
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         write!(
             f,
-            "offload memory plan: device ring {:.1} MiB ({} tokens per slot), decode buffer {:.1} MiB, host KV {:.1} MiB ({} blocks per layer)",
+            "offload memory plan: device ring {:.1} MiB ({} tokens per slot), decode buffer {:.1} MiB, host KV {:.1} MiB ({} blocks per layer",
             mib(self.ring_bytes),
             self.slot_tokens,
             mib(self.decode_buffer_bytes),
             mib(self.host_kv_bytes),
             self.num_cpu_blocks
         )?;
+        if self.windowed_layers > 0 {
+            write!(
+                f,
+                "; {} sliding-window layers hold {} blocks each, their window",
+                self.windowed_layers, self.window_blocks
+            )?;
+        }
+        write!(f, ")")?;
         if self.page_bounds_bytes > 0 {
             write!(
                 f,
@@ -172,7 +200,16 @@ impl OffloadConfig {
         let decode_buffer_bytes = model
             .kv_bytes(self.block_size, elem_bytes)
             .ok_or_else(too_large)?;
-        let host_kv_bytes = mul(decode_buffer_bytes, num_cpu_blocks)?;
+        let total_host_blocks: usize = (0..model.num_layers)
+            .map(|l| host_blocks(model, l, num_cpu_blocks, self.block_size))
+            .sum();
+        let block_bytes = model
+            .kv_layer_bytes(self.block_size, elem_bytes)
+            .ok_or_else(too_large)?;
+        let host_kv_bytes = mul(block_bytes, total_host_blocks)?;
+        let windowed: Vec<usize> = (0..model.num_layers)
+            .filter(|&l| model.window(l).is_some())
+            .collect();
         let slot_bytes = model
             .kv_layer_bytes(slot_tokens, elem_bytes)
             .ok_or_else(too_large)?;
@@ -207,6 +244,12 @@ impl OffloadConfig {
             ring_bytes,
             decode_buffer_bytes,
             host_kv_bytes,
+            windowed_layers: windowed.len(),
+            window_blocks: windowed
+                .iter()
+                .map(|&l| host_blocks(model, l, num_cpu_blocks, self.block_size))
+                .max()
+                .unwrap_or(0),
             page_bounds_bytes,
         })
     }

@@ -23,6 +23,7 @@ impl ModelCard {
             Arch::Llama => ("LlamaForCausalLM", "llama"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+            Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         };
         let config = json!({
             "architectures": [architecture],

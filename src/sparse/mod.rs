@@ -494,7 +494,7 @@ pub fn page_scores(
         };
         pages
     ];
-    let scale = 1.0 / (h.head_dim as f32).sqrt();
+    let scale = h.scale;
     let mut e = vec![0.0f32; pages]; // one head's exp((bound − max) · scale)
     let mut order: Vec<u64> = Vec::with_capacity(pages); // sort keys, page in the low bits
     for head in 0..n {

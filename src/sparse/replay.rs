@@ -53,11 +53,7 @@ impl<T: KvElem + Default> Replay<T> {
             attend_all: false,
             bs: block_size,
             row,
-            heads: AttnHeads {
-                num_heads: c.num_heads,
-                num_kv_heads: c.num_kv_heads,
-                head_dim: c.head_dim,
-            },
+            heads: AttnHeads::causal(c.num_heads, c.num_kv_heads, c.head_dim),
             k: (0..c.num_layers).map(|_| zeros()).collect(),
             v: (0..c.num_layers).map(|_| zeros()).collect(),
             meta: vec![Vec::new(); c.num_layers],

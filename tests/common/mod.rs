@@ -377,6 +377,35 @@ pub fn require_default_model() -> PathBuf {
     p
 }
 
+/// Gemma 3 270M (`models/fetch-gemma3.sh`), or `None` after a loud skip message; a panic
+/// under `CI=true`, where `.ci/run` must have fetched it.
+pub fn gemma3_model() -> Option<PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/gemma-3-270m-q4_k_m.gguf");
+    if path.exists() {
+        return Some(path);
+    }
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    assert!(
+        !ci,
+        "{} is missing (CI=true): run models/fetch-gemma3.sh",
+        path.display()
+    );
+    eprintln!(
+        "\n**** SKIPPED: {} is missing; run models/fetch-gemma3.sh ****\n",
+        path.display()
+    );
+    None
+}
+
+/// transformers' tokenizer and forward on the Gemma 3 file (tests/data/gemma3/README.md).
+pub fn gemma3_reference() -> serde_json::Value {
+    let p = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/gemma3/hf_reference.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
 /// The Python interpreter the Python-driven tests use (`$STRATA_TEST_PYTHON`, else
 /// `python3`), if it imports `modules`. Otherwise `None` after a loud skip message, or a
 /// panic under `CI=true`, where `.ci/run` must have installed them (`install` says how).

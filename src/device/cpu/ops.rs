@@ -740,6 +740,49 @@ pub fn silu_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
     }
 }
 
+/// `out[t, i] = gelu_tanh(gu[t, i]) * gu[t, inter + i]` (GeGLU; `gu` as for `silu_mul`),
+/// GELU's tanh approximation as PyTorch's `gelu(approximate="tanh")` computes it.
+pub fn gelu_tanh_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
+    let f = |(o, gu): (&mut [f32], &[f32])| {
+        let (g, u) = gu.split_at(inter);
+        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+            *o = gelu_tanh(*g) * u;
+        }
+    };
+    if serial(out.len()) {
+        out.chunks_mut(inter).zip(gu.chunks(2 * inter)).for_each(f);
+    } else {
+        out.par_chunks_mut(inter)
+            .zip(gu.par_chunks(2 * inter))
+            .for_each(f);
+    }
+}
+
+/// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`.
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// RMSNorm of each `w.len()`-wide row of `x`, in place (Gemma's norms on a sublayer's
+/// output before the residual add).
+pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let dim = w.len();
+    let f = |x: &mut [f32]| {
+        let mut tmp = vec![0.0f32; dim];
+        for x in x.chunks_exact_mut(dim) {
+            rms_norm_row(x, w, eps, &mut tmp);
+            x.copy_from_slice(&tmp);
+        }
+    };
+    if serial(x.len()) {
+        x.chunks_mut(dim * 16).for_each(f);
+    } else {
+        x.par_chunks_mut(dim * 16).for_each(f);
+    }
+}
+
 /// Per-head RMSNorm (Qwen3 q/k norm) on `x[tokens, heads, head_dim]` with row stride `row_stride`.
 pub fn head_rms_norm(
     x: &mut [f32],
@@ -824,12 +867,35 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
-/// Head layout of an attention call (the part every sequence of a batch shares).
+/// Head layout and mask of an attention call (the part every sequence of a batch shares).
 #[derive(Clone, Copy, Debug)]
 pub struct AttnHeads {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Scores are `q·k × scale`.
+    pub scale: f32,
+    /// A sliding window: the query at `p` sees keys `p - window < k <= p` (`None`: all `k <= p`).
+    pub window: Option<usize>,
+}
+
+impl AttnHeads {
+    /// Plain causal attention scaled by 1/√head_dim.
+    pub fn causal(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
+        }
+    }
+
+    /// The first key the query at `pos` sees.
+    #[inline(always)]
+    pub fn first_key(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
 }
 
 /// Where a position's K/V row (`[kv_heads, head_dim]`) starts in a layer's K and V buffers.
@@ -906,11 +972,7 @@ impl AttnShape {
     /// This one sequence over a contiguous cache as `attention_batch` / `attention_with`
     /// take it: the heads, and the sequence.
     pub fn batch_of_one(self) -> (AttnHeads, AttnSeq<ContiguousRows>) {
-        let heads = AttnHeads {
-            num_heads: self.num_heads,
-            num_kv_heads: self.num_kv_heads,
-            head_dim: self.head_dim,
-        };
+        let heads = AttnHeads::causal(self.num_heads, self.num_kv_heads, self.head_dim);
         let seq = AttnSeq {
             row0: 0,
             tokens: self.tokens,
@@ -975,16 +1037,19 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
         ng: usize,
         t0: usize, // first query of the tile, relative to the sequence
         nq: usize,
-        parts: usize,
+        parts: usize, // partitions with keys the tile sees, from `first_task` on
         first_task: usize,
     }
-    // Partitions of a query tile of `nq` tokens from `t0`: its last query sees them all.
-    let partitions = |s: &AttnSeq<L>, t0: usize, nq: usize| (s.pos0 + t0 + nq).div_ceil(KV_SPLIT);
+    // Partitions of a query tile of `nq` tokens from `t0`: its last query sees the last,
+    // its first query's window (if any) starts in the first.
+    let partitions = |s: &AttnSeq<L>, t0: usize, nq: usize| {
+        h.first_key(s.pos0 + t0) / KV_SPLIT..(s.pos0 + t0 + nq).div_ceil(KV_SPLIT)
+    };
     // Decode-like calls only (one query tile a sequence): a prefill tile reuses each K/V
     // row for its 32 queries (the stream matters less), and all heads × 32 queries of a
     // large model outgrow L2.
     let decode_like = seqs.iter().all(|s| s.tokens <= WHOLE_ROWS_MAX_TOKENS);
-    let whole_row_tasks: usize = seqs.iter().map(|s| partitions(s, 0, s.tokens)).sum();
+    let whole_row_tasks: usize = seqs.iter().map(|s| partitions(s, 0, s.tokens).len()).sum();
     let ng = if decode_like && whole_row_tasks >= rayon::current_num_threads() {
         h.num_kv_heads
     } else {
@@ -1004,10 +1069,10 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
                     ng,
                     t0,
                     nq,
-                    parts,
+                    parts: parts.len(),
                     first_task: tasks.len(),
                 });
-                tasks.extend((0..parts).map(|p| (item, p)));
+                tasks.extend(parts.map(|p| (item, p)));
             }
         }
     }
@@ -1111,7 +1176,7 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     let g_rows = nq * group; // rows of one KV head
     let rows = kv_heads.len() * g_rows;
     let q_stride = h.num_heads * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = h.scale;
     // qg[rows, hd], pre-scaled.
     let mut qg = vec![0.0f32; rows * hd];
     for (g, kvh) in kv_heads.clone().enumerate() {
@@ -1144,7 +1209,14 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
     // them (4K f16 decode attention, one thread: 272–283 → 228–229 µs a layer hot, 400–408
     // → 334–339 from memory, with this and the order of `next`; docs/cpu.md).
     let share = |rows: usize, g: usize| g * rows / nh..(g + 1) * rows / nh;
-    let mut kb = ks;
+    // Query `i`'s visible keys in the tile from `kb` of `kn` keys, as tile offsets: its
+    // window's first key (0 without one) up to itself (causal).
+    let visible = |i: usize, kb: usize, kn: usize| {
+        let p = s.pos0 + t0 + i;
+        h.first_key(p).saturating_sub(kb).min(kn)..(p + 1).saturating_sub(kb).min(kn)
+    };
+    // Tiles (at absolute multiples of K_TILE) before the tile's first window see nothing.
+    let mut kb = ks.max(h.first_key(s.pos0 + t0) / K_TILE * K_TILE);
     while kb < ke {
         let kn = K_TILE.min(ke - kb);
         let fetched = kb..key_end.min(kb + kn + KV_CHUNK);
@@ -1178,13 +1250,12 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
         // Online softmax per row: sc becomes this tile's probabilities.
         for g in 0..kv_heads.len() {
             for i in 0..nq {
-                // Causal: query at position p sees keys <= p.
-                let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);
-                if visible == 0 {
+                let seen = visible(i, kb, kn);
+                if seen.is_empty() {
                     continue;
                 }
                 for r in (g * nq + i) * group..(g * nq + i + 1) * group {
-                    let row = &mut sc[r * K_TILE..r * K_TILE + visible];
+                    let row = &mut sc[r * K_TILE + seen.start..r * K_TILE + seen.end];
                     let m_new = m[r].max(kern.row_max(row));
                     let corr = exp_nonpos(m[r] - m_new);
                     let sum = kern.exp_sum(row, m_new);
@@ -1210,14 +1281,15 @@ fn attend_part<K: DotKernel, T: KvElem, L: KvLayout>(
             for g in 0..kv_heads.len() {
                 let mut ahead = &next[share(next.len(), g)]; // for the head's first call
                 for i in 0..nq {
-                    let visible = (s.pos0 + t0 + i + 1).saturating_sub(kb).min(kn);
-                    if visible <= c0 {
+                    let seen = visible(i, kb, kn);
+                    let keys = c0.max(seen.start)..c1.min(seen.end);
+                    if keys.is_empty() {
                         continue;
                     }
                     let rows = (g * nq + i) * group..(g * nq + i + 1) * group;
                     let acc = &mut o[rows.start * hd..rows.end * hd];
-                    let ps = &sc[rows.start * K_TILE + c0..];
-                    let vs = tile_v.columns(head(g)).range(c0..c1.min(visible));
+                    let ps = &sc[rows.start * K_TILE + keys.start..];
+                    let vs = tile_v.columns(head(g)).range(keys);
                     kern.accumulate_rows(ps, K_TILE, vs, acc, ahead);
                     ahead = &[];
                 }
@@ -1345,16 +1417,86 @@ mod tests {
         assert_eq!(bits(&out[3 * n..4 * n]), bits(&all[3 * n..4 * n]));
     }
 
+    /// A sliding window: each query at `p` attends exactly keys `p - w < k <= p` (an f64
+    /// masked softmax, at the boundary sizes 1, a tile, a partition, and past the context),
+    /// with a score scale other than 1/√head_dim, and chunking changes no bit.
+    #[test]
+    fn windowed_attention_matches_a_masked_reference_and_ignores_chunking() {
+        let mut rng = StdRng::seed_from_u64(12);
+        let (nh, nkv, hd, total) = (4, 1, 16, 1300);
+        let (qd, row) = (nh * hd, nkv * hd);
+        let q = rand_vec(&mut rng, total * qd);
+        let k = rand_vec(&mut rng, total * row);
+        let v = rand_vec(&mut rng, total * row);
+        for w in [1, 5, 128, 129, 512, 700, 5000] {
+            let heads = AttnHeads {
+                scale: 0.3,
+                window: Some(w),
+                ..AttnHeads::causal(nh, nkv, hd)
+            };
+            let run = |pos0: usize, len: usize| {
+                let mut out = vec![0.0; len * qd];
+                let seq = AttnSeq {
+                    row0: 0,
+                    tokens: len,
+                    pos0,
+                    kv: ContiguousRows { row },
+                };
+                let qs = &q[pos0 * qd..(pos0 + len) * qd];
+                attention_batch(qs, KvRows::from_slices(&k, &v), &mut out, heads, &[seq]);
+                out
+            };
+            let whole = run(0, total);
+            for p in [0, 1, w.saturating_sub(1), w, w + 1, 777, total - 1] {
+                let p = p.min(total - 1);
+                for h in 0..nh {
+                    let qv = &q[(p * nh + h) * hd..][..hd];
+                    let keys = (p + 1).saturating_sub(w)..p + 1;
+                    let sc: Vec<f64> = keys
+                        .clone()
+                        .map(|j| {
+                            let kr = &k[j * row..][..hd];
+                            qv.iter()
+                                .zip(kr)
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>()
+                                * 0.3
+                        })
+                        .collect();
+                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
+                    for d in 0..hd {
+                        let want: f64 = keys
+                            .clone()
+                            .zip(&sc)
+                            .map(|(j, s)| (s - mx).exp() / sum * v[j * row + d] as f64)
+                            .sum();
+                        let got = whole[(p * nh + h) * hd + d] as f64;
+                        assert!(
+                            (got - want).abs() < 1e-5,
+                            "w {w} p {p} h {h}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+            let mut pos = 0;
+            for len in [1, 37, 200, 300, 161, 1, 600] {
+                assert_eq!(
+                    bits(&run(pos, len)),
+                    bits(&whole[pos * qd..(pos + len) * qd]),
+                    "w {w}: chunk at {pos}"
+                );
+                pos += len;
+            }
+        }
+    }
+
     #[test]
     fn attention_rows_do_not_depend_on_chunking_batching_or_pages() {
         let mut rng = StdRng::seed_from_u64(9);
         let (nh, nkv, hd, total, bs) = (6, 2, 16, 700, 4);
         let row = nkv * hd;
-        let heads = AttnHeads {
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-        };
+        let heads = AttnHeads::causal(nh, nkv, hd);
         let q = rand_vec(&mut rng, total * nh * hd);
         let k = rand_vec(&mut rng, total * row);
         let v = rand_vec(&mut rng, total * row);

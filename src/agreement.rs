@@ -96,7 +96,7 @@ impl<'a> Side<'a> {
     fn stepper(self, cap: usize) -> Step<'a> {
         let (m, c) = (self.model, &self.model.cfg);
         crate::with_kv_elem!(self.kv, T => {
-            let mut kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, cap);
+            let mut kv = ContiguousKv::<T>::for_model(c, cap);
             Box::new(move |tokens: &[u32], pos0: usize| m.forward(tokens, pos0, &mut kv))
         })
     }

@@ -117,7 +117,7 @@ pub fn measure(
             window[0] = b;
         }
         crate::with_kv_elem!(kv, T => {
-            let mut cache = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, ctx);
+            let mut cache = ContiguousKv::<T>::for_model(c, ctx);
             // The first half is context only; then rows `first..ctx-1` each score the next
             // token, a bounded number of rows of logits at a time.
             model.forward(&window[..first], 0, &mut cache)?;

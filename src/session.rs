@@ -193,7 +193,7 @@ impl<T: KvElem> CpuCaches for Caches<T> {
             );
         }
         let kv = self.pick(resident, || {
-            let kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, cap);
+            let kv = ContiguousKv::<T>::for_model(c, cap);
             Ok(Box::new(kv))
         })?;
         engine::generate_with(model, kv, cap, prompt, opts, on_token)

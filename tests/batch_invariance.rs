@@ -54,6 +54,7 @@ unsafe impl<T: KvElem> KvCache<T> for Pool<T> {
             k: ptr(&mut self.k[layer]),
             v: ptr(&mut self.v[layer]),
             rows: self.pages * BLOCK,
+            ring: false,
         })
     }
     fn end_layer(&mut self, _layer: usize) -> anyhow::Result<()> {

@@ -193,14 +193,6 @@ fn bad_settings_are_refused() {
     assert!(r.unwrap_err().to_string().contains("offload KV is full"));
 }
 
-/// A tiny Gemma 3 (five windowed layers to a full one, in memory, random weights).
-fn tiny_gemma3(window: usize) -> Arc<Model> {
-    let shape = strata::model::random::Shape::tiny_gemma3(window);
-    let cfg = shape.config();
-    let w = strata::model::random::random_weights(&cfg, 23, 1.0);
-    Arc::new(Model::new(cfg, w))
-}
-
 /// Sliding-window layers keep only the blocks their window reaches, in a ring that wraps
 /// many times over a long run: tokens and log-prob bits still equal the resident run, in
 /// every KV element, across ring sizes and block sizes (windows of 1, under a block,
@@ -209,7 +201,7 @@ fn tiny_gemma3(window: usize) -> Arc<Model> {
 fn sliding_window_layers_match_resident_with_bounded_host_kv() {
     let mut rng = StdRng::seed_from_u64(5);
     for window in [1, 7, 20, 64] {
-        let model = tiny_gemma3(window);
+        let model = common::tiny_gemma3(window);
         for &len in &[1usize, 37, 100] {
             let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
             let n = 40;
@@ -240,7 +232,7 @@ fn sliding_window_layers_match_resident_with_bounded_host_kv() {
 /// ⌈(20 − 1) / 4⌉ + 1 = 6 blocks each instead of the context's 35.
 #[test]
 fn memory_plan_counts_window_rings() {
-    let model = tiny_gemma3(20);
+    let model = common::tiny_gemma3(20);
     let cfg = offload_cfg(2, 4, 140);
     let plan = cfg.plan_for(&model.cfg, 4).unwrap();
     let block = 2 * 4 * model.cfg.kv_dim() * 4; // K and V, 4 tokens, f32

@@ -335,3 +335,52 @@ fn prompts_whose_old_64_bit_keys_collide_never_share_a_cached_block() {
     e.generate(&prompts[1..], &params).unwrap();
     assert_eq!(e.stats().sched.prefix_hit_blocks, hits_before + 1);
 }
+
+/// A sliding-window model (tiny Gemma 3, window 12: prompts and outputs cross it many
+/// times) served under preemption to host memory, to disk, and by recomputation: every
+/// request's tokens and log-prob bits equal `engine::generate`'s over a cache that keeps
+/// every position, in every KV element.
+#[test]
+fn sliding_window_model_under_preemption_matches_generate_bitwise() {
+    let model = common::tiny_gemma3(12);
+    let (prompts, params) = requests(17, 8, 8);
+    let ws = working_set(&prompts, &params);
+    for kv in KV_DTYPES {
+        let want: Vec<(Vec<u32>, Vec<u32>)> = prompts
+            .iter()
+            .zip(&params)
+            .map(|(p, r)| {
+                let out = common::generate_plain(
+                    &model,
+                    kv,
+                    p,
+                    &common::greedy(r.max_tokens),
+                    p.len() + r.max_tokens,
+                );
+                (out.token_ids, bits(&out.logprobs))
+            })
+            .collect();
+        let disk = scratch_dir("serve_window_disk");
+        for (cpu, on_disk) in [(0, false), (1000, false), (4, true)] {
+            let mut cfg = config_kv(kv, ws / 3, cpu, false);
+            if on_disk {
+                cfg.sched.max_disk_offload_blocks = 1000;
+                cfg.disk = Some(strata::serve::disk::DiskTierConfig {
+                    dir: disk.clone(),
+                    io_threads: 2,
+                });
+            }
+            let mut e = Engine::new(model.clone(), cfg).unwrap();
+            let got = e.generate_with_logprobs(&prompts, &params).unwrap();
+            let st = e.stats().sched;
+            assert!(st.preemptions >= 3, "{kv} cpu {cpu} disk {on_disk}: {st:?}");
+            for (i, ((t, lp), (wt, wlp))) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    (t, &bits(lp)),
+                    (wt, wlp),
+                    "{kv} cpu {cpu} disk {on_disk}: request {i}"
+                );
+            }
+        }
+    }
+}

@@ -192,7 +192,7 @@ fn bench_context<T: KvElem>(
         .map(|_| rng.random_range(low..c.vocab_size as u32))
         .collect();
     let steps = args.decode_steps;
-    let mut kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, context + steps);
+    let mut kv = ContiguousKv::<T>::for_model(c, context + steps);
     let t0 = Instant::now();
     let first = model.forward(&prompt, 0, &mut kv)?;
     let prefill_s = t0.elapsed().as_secs_f64();

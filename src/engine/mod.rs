@@ -92,7 +92,7 @@ pub fn generate(
     let cfg = &model.cfg;
     check_prompt(prompt, max_model_len)?;
     let capacity = request_len(prompt.len(), opts.max_tokens, max_model_len);
-    let mut kv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity);
+    let mut kv = ContiguousKv::<f32>::for_model(cfg, capacity);
     generate_with(model, &mut kv, capacity, prompt, opts, on_token)
 }
 

@@ -83,6 +83,7 @@ unsafe impl KvCache<bf16> for ExecPool {
             k: self.k[layer],
             v: self.v[layer],
             rows: self.capacity(),
+            ring: false,
         })
     }
     fn end_layer(&mut self, _layer: usize) -> Result<()> {

@@ -65,6 +65,7 @@ unsafe impl KvCache<bf16> for ResidentKv {
             k: self.k[layer],
             v: self.v[layer],
             rows: self.capacity,
+            ring: false,
         })
     }
 

@@ -23,6 +23,10 @@ pub struct LayerSlot<T> {
     pub k: DevPtr<T>,
     pub v: DevPtr<T>,
     pub rows: usize,
+    /// The rows are a sliding-window layer's ring: position `p` lives at row `p % rows`
+    /// (one sequence's step only; `KvCache::max_step_tokens` keeps a step inside it).
+    /// Otherwise the sequence's layout (by position, or its pages) places it.
+    pub ring: bool,
 }
 
 impl<T> Clone for LayerSlot<T> {
@@ -107,7 +111,18 @@ pub unsafe trait KvCache<T> {
     fn select_rows(&mut self, _layer: usize, _query: Query<T>) -> Result<Option<NewRow>> {
         Ok(None)
     }
+    /// The most tokens one step may add: a sliding-window ring holds its window and one
+    /// step's new rows. `Model::forward` cuts a longer step (a long prompt) into steps of
+    /// at most this many, with bitwise the same logits (every kernel is row- and
+    /// chunk-invariant).
+    fn max_step_tokens(&self) -> usize {
+        usize::MAX
+    }
 }
+
+/// Rows a resident sliding-window layer's ring adds past its window: the longest step
+/// over such a cache (a longer prompt is prefilled in steps of this many).
+pub const RING_STEP_TOKENS: usize = 256;
 
 /// One layer's K and V memory on the CPU device, `[rows, kv_dim]` elements `T` each, as
 /// the model stores into it. It holds raw pointers and hands out one row-sized slice at a
@@ -175,11 +190,18 @@ impl<'a, T: KvElem> LayerKv<'a, T> {
 /// A contiguous per-sequence cache in CPU memory: `num_layers × [capacity, kv_dim]`
 /// elements `T` for K and for V, grown as positions are used. Everything is resident and
 /// the calling thread is the compute stream, so `begin_layer`/`end_layer` wait for nothing.
+///
+/// `for_model` keeps a sliding-window layer in a ring of `window − 1 + RING_STEP_TOKENS`
+/// rows instead (position `p` at row `p % rows`), so its KV never outgrows its window.
 pub struct ContiguousKv<T = f32> {
     row: usize, // kv_heads * head_dim
     capacity: usize,
     k: Vec<Vec<T>>, // [num_layers][rows * row]
     v: Vec<Vec<T>>,
+    /// Per layer: the ring's rows and the window (a windowed layer of `for_model`).
+    ring: Vec<Option<(usize, usize)>>,
+    /// Positions stored (what a rewind must find a ring's window in).
+    stored: usize,
 }
 
 impl ContiguousKv<f32> {
@@ -192,13 +214,29 @@ impl ContiguousKv<f32> {
 
 impl<T: KvElem> ContiguousKv<T> {
     /// Room for `capacity` tokens per layer in elements `T`.
+    /// Every layer keeps every position: the reference the rings are checked against.
     pub fn of(num_layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
         Self {
             row: kv_heads * head_dim,
             capacity,
             k: vec![Vec::new(); num_layers],
             v: vec![Vec::new(); num_layers],
+            ring: vec![None; num_layers],
+            stored: 0,
         }
+    }
+
+    /// Room for `capacity` tokens of `cfg`'s model: a full layer keeps every position, a
+    /// sliding-window layer a ring of its window plus one step (`RING_STEP_TOKENS`).
+    pub fn for_model(cfg: &crate::model::ModelConfig, capacity: usize) -> Self {
+        let mut kv = Self::of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity);
+        for (l, ring) in kv.ring.iter_mut().enumerate() {
+            *ring = cfg
+                .window(l)
+                .map(|w| (w - 1 + RING_STEP_TOKENS, w))
+                .filter(|&(rows, _)| rows < capacity);
+        }
+        kv
     }
 
     /// Bytes currently held.
@@ -211,6 +249,7 @@ impl<T: KvElem> ContiguousKv<T> {
 // SAFETY: the buffers are this cache's alone and only grow in `begin_step`, between steps.
 unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
     fn reset(&mut self) -> Result<()> {
+        self.stored = 0;
         Ok(())
     }
 
@@ -226,12 +265,23 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
                 self.capacity
             );
         }
-        let need = end * self.row;
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            if buf.len() < need {
-                // Grow geometrically so decode does not reallocate every step.
-                let target = need.max(buf.len() * 2).min(self.capacity * self.row);
-                buf.resize(target, T::default());
+        if tokens > self.max_step_tokens() {
+            bail!(
+                "a step of {tokens} tokens overruns a sliding-window ring (at most {})",
+                self.max_step_tokens()
+            );
+        }
+        self.stored = end;
+        for (l, ring) in self.ring.iter().enumerate() {
+            // A ring stops growing at its rows: positions past them wrap.
+            let cap = ring.map_or(self.capacity, |(rows, _)| rows) * self.row;
+            let need = (end * self.row).min(cap);
+            for buf in [&mut self.k[l], &mut self.v[l]] {
+                if buf.len() < need {
+                    // Grow geometrically so decode does not reallocate every step.
+                    let target = need.max(buf.len() * 2).min(cap);
+                    buf.resize(target, T::default());
+                }
             }
         }
         Ok(())
@@ -243,6 +293,8 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
             k: DevPtr::from_addr(k.as_mut_ptr() as u64),
             v: DevPtr::from_addr(v.as_mut_ptr() as u64),
             rows: k.len() / self.row.max(1),
+            // Until it has grown to its rows, a ring's positions sit at their own rows.
+            ring: self.ring[layer].is_some_and(|(rows, _)| k.len() == rows * self.row),
         })
     }
 
@@ -250,7 +302,27 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
         Ok(())
     }
 
-    fn truncate(&mut self, _len: usize) -> Result<()> {
-        Ok(()) // rows are addressed by position: the next step overwrites from `len`
+    /// Rows are addressed by position: the next step overwrites from `len`. A ring keeps
+    /// `RING_STEP_TOKENS` rows past its window, so a rewind of up to that many tokens
+    /// still finds the window (sparse decode rewinds a few drafts).
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        let back = self.stored.saturating_sub(len);
+        if back > self.max_step_tokens() {
+            bail!(
+                "cannot rewind {back} tokens: a sliding-window ring keeps {} tokens past its window",
+                self.max_step_tokens()
+            );
+        }
+        self.stored = self.stored.min(len);
+        Ok(())
+    }
+
+    fn max_step_tokens(&self) -> usize {
+        self.ring
+            .iter()
+            .flatten()
+            .map(|&(rows, window)| rows + 1 - window)
+            .min()
+            .unwrap_or(usize::MAX)
     }
 }

@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
-use crate::device::cpu::ops::{self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows};
+use crate::device::cpu::ops::{
+    self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows, RingRows,
+};
 use crate::device::KvElem;
 use crate::kv::{KvCache, LayerKv, NewRow, Query};
 pub use config::{Arch, LayerKind, MlpAct, ModelConfig};
@@ -274,8 +276,33 @@ impl Model {
         pos0: usize,
         kv: &mut dyn KvCache<T>,
     ) -> Result<Vec<f32>> {
-        let a = self.step(tokens, pos0, kv)?;
-        Ok(self.head(&a, &[tokens.len() - 1]).remove(0))
+        let (a, t) = self.steps(tokens, pos0, kv, |_, _| {})?;
+        Ok(self.head(&a, &[t - 1]).remove(0))
+    }
+
+    /// `step` over `tokens` in steps of at most `kv.max_step_tokens()` (one, unless a
+    /// sliding-window ring bounds them), calling `each` with every step's activations and
+    /// tokens; returns the last step's.
+    fn steps<T: KvElem>(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<T>,
+        mut each: impl FnMut(&Activations, usize),
+    ) -> Result<(Activations, usize)> {
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        let n = kv.max_step_tokens().max(1);
+        let mut chunks = tokens.chunks(n).enumerate().peekable();
+        loop {
+            let (i, chunk) = chunks.next().expect("at least one chunk");
+            let a = self.step(chunk, pos0 + i * n, kv)?;
+            each(&a, chunk.len());
+            if chunks.peek().is_none() {
+                return Ok((a, chunk.len()));
+            }
+        }
     }
 
     /// `forward`, returning the logits `[vocab]` of every token, in order: sparse decode's
@@ -287,9 +314,11 @@ impl Model {
         pos0: usize,
         kv: &mut dyn KvCache<T>,
     ) -> Result<Vec<Vec<f32>>> {
-        let a = self.step(tokens, pos0, kv)?;
-        let rows: Vec<usize> = (0..tokens.len()).collect();
-        Ok(self.head(&a, &rows))
+        let mut logits = Vec::with_capacity(tokens.len());
+        self.steps(tokens, pos0, kv, |a, t| {
+            logits.extend(self.head(a, &(0..t).collect::<Vec<_>>()))
+        })?;
+        Ok(logits)
     }
 
     /// One sequence's step over `kv`: the activations after the final norm.
@@ -384,6 +413,34 @@ impl Model {
         self.embed(tokens, positions, &mut a);
         for l in 0..self.cfg.num_layers {
             let slot = kv.begin_layer(l)?;
+            if slot.ring {
+                // A ring addresses by position modulo its rows, whatever the layout.
+                let (Some(w), [s]) = (self.cfg.window(l), seqs) else {
+                    bail!("layer {l}: a ring slot needs a sliding-window layer and one sequence");
+                };
+                if slot.rows + 1 < w + s.tokens {
+                    bail!(
+                        "layer {l}: a step of {} tokens overruns its ring of {} rows (window {w})",
+                        s.tokens,
+                        slot.rows
+                    );
+                }
+                let ring = [AttnSeq {
+                    row0: s.row0,
+                    tokens: s.tokens,
+                    pos0: s.pos0,
+                    kv: RingRows {
+                        row: kvd,
+                        rows: slot.rows,
+                    },
+                }];
+                // SAFETY: as below.
+                let lkv = unsafe { LayerKv::from_slot(slot, kvd) };
+                let mut select = |_: &[f32]| Ok(None); // sparse caches never hand out rings
+                self.layer(l, &mut a, lkv, &ring, &mut select)?;
+                kv.end_layer(l)?;
+                continue;
+            }
             if slot.rows * kvd < need {
                 bail!(
                     "layer {l}: the step addresses {} KV rows, its slot holds {}",

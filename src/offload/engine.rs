@@ -893,6 +893,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
             k: self.d.ptr(self.ring[s].k),
             v: self.d.ptr(self.ring[s].v),
             rows: self.plan.slot_tokens,
+            ring: false,
         })
     }
 

@@ -312,6 +312,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for DevicePages<D> {
             k: self.d.ptr(p.k),
             v: self.d.ptr(p.v),
             rows: self.capacity(),
+            ring: false,
         })
     }
 

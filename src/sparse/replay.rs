@@ -137,6 +137,7 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Replay<T> {
         };
         Ok(LayerSlot {
             rows: k.len() / self.row,
+            ring: false,
             k: ptr(k),
             v: ptr(v),
         })

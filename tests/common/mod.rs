@@ -377,6 +377,14 @@ pub fn require_default_model() -> PathBuf {
     p
 }
 
+/// A tiny Gemma 3 in memory (random weights): five layers with a sliding window of
+/// `window` to one full layer, the local layers' own RoPE base, sandwich norms, GeGLU.
+pub fn tiny_gemma3(window: usize) -> std::sync::Arc<strata::model::Model> {
+    let cfg = strata::model::random::Shape::tiny_gemma3(window).config();
+    let w = strata::model::random::random_weights(&cfg, 23, 1.0);
+    std::sync::Arc::new(strata::model::Model::new(cfg, w))
+}
+
 /// Gemma 3 270M (`models/fetch-gemma3.sh`), or `None` after a loud skip message; a panic
 /// under `CI=true`, where `.ci/run` must have fetched it.
 pub fn gemma3_model() -> Option<PathBuf> {

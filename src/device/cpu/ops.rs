@@ -916,6 +916,21 @@ impl KvLayout for ContiguousRows {
     }
 }
 
+/// A sliding-window layer's ring `[rows, kv_heads, head_dim]`: position `p` at row
+/// `p % rows` (rows past the window hold newer or older positions, which the mask skips).
+#[derive(Clone, Copy, Debug)]
+pub struct RingRows {
+    pub row: usize, // kv_heads * head_dim
+    pub rows: usize,
+}
+
+impl KvLayout for RingRows {
+    #[inline(always)]
+    fn row_offset(&self, pos: usize) -> usize {
+        pos % self.rows * self.row
+    }
+}
+
 /// A page pool `[num_pages, block_size, kv_heads, head_dim]` read through one sequence's
 /// block table: position `p` lives in page `pages[p / block_size]`, slot `p % block_size`.
 #[derive(Clone, Copy, Debug)]

@@ -416,7 +416,31 @@ impl ModelConfig {
 
     /// Parses a Hugging Face `config.json` text.
     pub fn from_hf_json(text: &str) -> Result<Self> {
-        let raw: HfConfig = serde_json::from_str(text).context("malformed config.json")?;
+        let mut v: Value = serde_json::from_str(text).context("malformed config.json")?;
+        // Gemma 3's multimodal checkpoints nest the text model in `text_config`; its
+        // token ids and tying may sit at the top.
+        let multimodal = v["architectures"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x == "Gemma3ForConditionalGeneration"));
+        if multimodal {
+            let mut text = v["text_config"].take();
+            let Some(t) = text.as_object_mut() else {
+                bail!("Gemma3ForConditionalGeneration config.json has no text_config object");
+            };
+            for key in ["bos_token_id", "eos_token_id", "tie_word_embeddings"] {
+                if !t.contains_key(key) {
+                    if let Some(x) = v.get(key) {
+                        t.insert(key.into(), x.clone());
+                    }
+                }
+            }
+            t.insert(
+                "architectures".into(),
+                serde_json::json!(["Gemma3ForCausalLM"]),
+            );
+            v = text;
+        }
+        let raw: HfConfig = serde_json::from_value(v).context("malformed config.json")?;
         raw.into_config()
     }
 
@@ -562,6 +586,14 @@ impl ModelConfig {
     }
 }
 
+/// What a Gemma 3 config.json sets beyond the Llama keys.
+struct GemmaParts {
+    kinds: Vec<LayerKind>,
+    rope_theta: f32,
+    rope_scaling: RopeScaling,
+    attn_scale: f32,
+}
+
 /// Gemma 3's layers: every sixth (5, 11, 17, ...) full, the others windowed (transformers'
 /// `sliding_window_pattern` 6, llama.cpp's `set_swa_pattern(6)`).
 pub fn gemma3_layer_kinds(num_layers: usize, window: Window) -> Vec<LayerKind> {
@@ -600,9 +632,116 @@ struct HfConfig {
     sliding_window: Option<usize>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
+    // Gemma 3
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    rope_local_base_freq: Option<f64>,
+    query_pre_attn_scalar: Option<f64>,
+    attn_logit_softcapping: Option<Value>,
+    final_logit_softcapping: Option<Value>,
+    hidden_activation: Option<String>,
+    use_bidirectional_attention: Option<bool>,
 }
 
 impl HfConfig {
+    /// Gemma 3's text model (`Gemma3ForCausalLM`, `gemma3_text`; the text part of
+    /// `Gemma3ForConditionalGeneration`): transformers' `Gemma3TextConfig` defaults where a
+    /// key is absent; what the forward pass does not compute (softcaps, bidirectional
+    /// attention, another activation) is refused by name.
+    fn gemma3_config(&self, head_dim: usize) -> Result<GemmaParts> {
+        for (key, v) in [
+            ("attn_logit_softcapping", &self.attn_logit_softcapping),
+            ("final_logit_softcapping", &self.final_logit_softcapping),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                bail!("unsupported Gemma 3 config: {key} is set (no softcapping is implemented)");
+            }
+        }
+        if self.use_bidirectional_attention == Some(true) {
+            bail!("unsupported Gemma 3 config: use_bidirectional_attention is true");
+        }
+        if let Some(act) = self
+            .hidden_activation
+            .as_deref()
+            .filter(|a| *a != "gelu_pytorch_tanh")
+        {
+            bail!("unsupported Gemma 3 config: hidden_activation {act:?} (supported: gelu_pytorch_tanh)");
+        }
+        // transformers 5.x: rope_parameters per layer type; 4.x: rope_theta + rope_scaling
+        // (global layers only) and rope_local_base_freq.
+        let per_type = |t: &str| {
+            self.rope_parameters
+                .as_ref()
+                .and_then(|p| p.get(t))
+                .filter(|p| p.is_object())
+        };
+        let theta = |p: Option<&Value>| p.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64);
+        let (full, local) = (per_type("full_attention"), per_type("sliding_attention"));
+        let global_theta = self.rope_theta.or(theta(full)).unwrap_or(1_000_000.0);
+        let global_scaling = match self
+            .rope_scaling
+            .as_ref()
+            .filter(|v| v.is_object())
+            .or(full)
+        {
+            None => RopeScaling::None,
+            Some(s) => parse_rope_scaling(s)?,
+        };
+        let window = Window {
+            size: self.sliding_window.unwrap_or(4096),
+            rope_theta: self
+                .rope_local_base_freq
+                .or(theta(local))
+                .unwrap_or(10_000.0) as f32,
+            rope_scaling: match local {
+                None => RopeScaling::None,
+                Some(s) => parse_rope_scaling(s)?,
+            },
+        };
+        let layers = self.num_hidden_layers.min(limits::MAX_LAYERS);
+        let kinds = match &self.layer_types {
+            Some(types) => {
+                if types.len() != self.num_hidden_layers {
+                    bail!(
+                        "layer_types names {} layers, num_hidden_layers is {}",
+                        types.len(),
+                        self.num_hidden_layers
+                    );
+                }
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        "full_attention" => Ok(LayerKind::Full),
+                        "sliding_attention" => Ok(LayerKind::Window(window)),
+                        other => bail!("unsupported layer type {other:?} (supported: full_attention, sliding_attention)"),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+            None => {
+                let pattern = self.sliding_window_pattern.unwrap_or(6).max(1);
+                (0..layers)
+                    .map(|i| {
+                        if (i + 1) % pattern == 0 {
+                            LayerKind::Full
+                        } else {
+                            LayerKind::Window(window)
+                        }
+                    })
+                    .collect()
+            }
+        };
+        let scalar = self.query_pre_attn_scalar.unwrap_or(head_dim as f64);
+        if !(scalar.is_finite() && scalar > 0.0) {
+            bail!("query_pre_attn_scalar must be a finite number > 0, got {scalar}");
+        }
+        Ok(GemmaParts {
+            kinds,
+            rope_theta: global_theta as f32,
+            rope_scaling: global_scaling,
+            attn_scale: (1.0 / scalar.sqrt()) as f32,
+        })
+    }
+
     fn into_config(self) -> Result<ModelConfig> {
         let names = self.architectures.clone().unwrap_or_default();
         let arch = names
@@ -611,12 +750,14 @@ impl HfConfig {
                 "LlamaForCausalLM" | "MistralForCausalLM" => Some(Arch::Llama),
                 "Qwen2ForCausalLM" => Some(Arch::Qwen2),
                 "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+                "Gemma3ForCausalLM" => Some(Arch::Gemma3),
                 _ => None,
             })
             .or(match self.model_type.as_deref() {
                 Some("llama") | Some("mistral") if names.is_empty() => Some(Arch::Llama),
                 Some("qwen2") if names.is_empty() => Some(Arch::Qwen2),
                 Some("qwen3") if names.is_empty() => Some(Arch::Qwen3),
+                Some("gemma3_text") if names.is_empty() => Some(Arch::Gemma3),
                 _ => None,
             });
         let Some(arch) = arch else {
@@ -625,7 +766,7 @@ impl HfConfig {
             } else {
                 names.join(", ")
             };
-            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)");
+            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model)");
         };
         // Qwen2/Qwen3 apply `sliding_window` only when `use_sliding_window` is set; the
         // forward pass is full causal attention, so such a config would compute wrong logits.
@@ -666,6 +807,10 @@ impl HfConfig {
             .first()
             .copied();
         let eos_token_ids = json_token_ids("eos_token_id", self.eos_token_id.as_ref())?;
+        let gemma = match arch {
+            Arch::Gemma3 => Some(self.gemma3_config(head_dim)?),
+            _ => None,
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size: self.hidden_size,
@@ -676,21 +821,31 @@ impl HfConfig {
             head_dim,
             vocab_size: self.vocab_size,
             rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
-            rope_theta: rope_theta as f32,
-            rope_scaling,
+            rope_theta: gemma.as_ref().map_or(rope_theta as f32, |g| g.rope_theta),
+            rope_scaling: gemma.as_ref().map_or(rope_scaling, |g| g.rope_scaling),
             max_position_embeddings: self
                 .max_position_embeddings
-                .unwrap_or(2048)
+                .unwrap_or(if gemma.is_some() { 131_072 } else { 2048 })
                 .min(window.unwrap_or(usize::MAX)),
-            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
-            qk_norm: arch == Arch::Qwen3,
+            // Gemma ties its head unless the config says otherwise.
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(gemma.is_some()),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             // Qwen2's q/k/v projections always have a bias (its configs have no key for it).
             attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
-            layer_kinds: ModelConfig::all_full(self.num_hidden_layers.min(limits::MAX_LAYERS)),
-            embed_scale: None,
-            sandwich_norms: false,
-            mlp_act: MlpAct::Silu,
-            attn_scale: ModelConfig::default_attn_scale(head_dim),
+            embed_scale: gemma.as_ref().map(|_| (self.hidden_size as f32).sqrt()),
+            sandwich_norms: gemma.is_some(),
+            mlp_act: if gemma.is_some() {
+                MlpAct::GeluTanh
+            } else {
+                MlpAct::Silu
+            },
+            attn_scale: gemma
+                .as_ref()
+                .map_or(ModelConfig::default_attn_scale(head_dim), |g| g.attn_scale),
+            layer_kinds: match gemma {
+                Some(g) => g.kinds,
+                None => ModelConfig::all_full(self.num_hidden_layers.min(limits::MAX_LAYERS)),
+            },
             bos_token_id,
             eos_token_ids,
             generation: GenerationDefaults::default(),
@@ -824,6 +979,66 @@ mod tests {
             qwen2_json("").replace(r#""sliding_window": 32768"#, r#""sliding_window": 256"#);
         let c = ModelConfig::from_hf_json(&small_window).unwrap();
         assert_eq!(c.max_position_embeddings, 512);
+    }
+
+    /// Gemma 3 as transformers 4.x wrote it (rope_theta, rope_local_base_freq, rope_scaling
+    /// for the global layers, sliding_window_pattern) and as 5.x writes it (rope_parameters
+    /// per layer type, layer_types), and nested in a multimodal config: one configuration.
+    #[test]
+    fn gemma3_configs_of_every_layout_agree() {
+        let common = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+            "vocab_size": 300, "sliding_window": 8, "query_pre_attn_scalar": 24,
+            "eos_token_id": [1, 106]"#;
+        let v4 = format!(
+            r#"{{"architectures": ["Gemma3ForCausalLM"], {common}, "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+            "rope_scaling": {{"rope_type": "linear", "factor": 8.0}}}}"#
+        );
+        let v5 = format!(
+            r#"{{"model_type": "gemma3_text", {common}, "layer_types": ["sliding_attention",
+            "sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+            "full_attention", "sliding_attention"], "rope_parameters": {{
+            "full_attention": {{"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+            "sliding_attention": {{"rope_type": "default", "rope_theta": 10000.0}}}}}}"#
+        );
+        let text = format!(
+            r#"{{"model_type": "gemma3_text", {common}, "rope_theta": 1000000.0,
+            "rope_scaling": {{"rope_type": "linear", "factor": 8.0}}}}"#
+        );
+        // The multimodal config keeps its eos ids at the top, outside text_config.
+        let mm = format!(
+            r#"{{"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+            "text_config": {}}}"#,
+            text.replace(r#""eos_token_id": [1, 106]"#, r#""bos_token_id": 2"#)
+        );
+        let configs: Vec<ModelConfig> = [v4, v5, mm]
+            .iter()
+            .map(|j| ModelConfig::from_hf_json(j).unwrap())
+            .collect();
+        for c in &configs {
+            assert_eq!(c.arch, Arch::Gemma3);
+            assert_eq!(c.window(0), Some(8));
+            assert_eq!(c.window(5), None);
+            assert_eq!(c.window(6), Some(8));
+            assert_eq!(c.layer_rope(5), (1e6, RopeScaling::Linear { factor: 8.0 }));
+            assert_eq!(c.layer_rope(0), (1e4, RopeScaling::None));
+            assert_eq!(c.attn_scale, (1.0 / 24f64.sqrt()) as f32); // as transformers rounds it
+            assert_eq!(c.eos_token_ids, [1, 106]);
+            assert!(c.tie_word_embeddings && c.sandwich_norms && c.qk_norm);
+            assert_eq!(c.embed_scale, Some(8.0));
+        }
+        // What the forward pass does not compute is refused by name.
+        for (key, value) in [
+            ("final_logit_softcapping", "30.0"),
+            ("attn_logit_softcapping", "50.0"),
+            ("use_bidirectional_attention", "true"),
+            ("hidden_activation", r#""gelu""#),
+        ] {
+            let j = format!(r#"{{"model_type": "gemma3_text", {common}, "{key}": {value}}}"#);
+            let err = ModelConfig::from_hf_json(&j).unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
     }
 
     #[test]

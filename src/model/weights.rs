@@ -675,65 +675,80 @@ fn mat_shape(shape: &[usize]) -> MatShape {
 
 /// Tensor names of one checkpoint family.
 struct Names {
-    embed: &'static str,
-    final_norm: &'static str,
-    lm_head: &'static str,
-    layer: fn(usize, &str) -> String,
+    embed: String,
+    final_norm: String,
+    lm_head: String,
+    layer: Box<dyn Fn(usize, &str) -> String>,
+    /// Added to every norm weight as read: Gemma's Hugging Face checkpoints store `w` for a
+    /// norm that scales by `1 + w` (its GGUF converter adds the 1 itself).
+    norm_offset: f32,
 }
 
-const HF_NAMES: Names = Names {
-    embed: "model.embed_tokens.weight",
-    final_norm: "model.norm.weight",
-    lm_head: "lm_head.weight",
-    layer: |i, part| {
-        let p = match part {
-            "q" => "self_attn.q_proj.weight",
-            "k" => "self_attn.k_proj.weight",
-            "v" => "self_attn.v_proj.weight",
-            "q_bias" => "self_attn.q_proj.bias",
-            "k_bias" => "self_attn.k_proj.bias",
-            "v_bias" => "self_attn.v_proj.bias",
-            "o" => "self_attn.o_proj.weight",
-            "q_norm" => "self_attn.q_norm.weight",
-            "k_norm" => "self_attn.k_norm.weight",
-            "attn_norm" => "input_layernorm.weight",
-            "mlp_norm" => "post_attention_layernorm.weight",
-            "gate" => "mlp.gate_proj.weight",
-            "up" => "mlp.up_proj.weight",
-            "down" => "mlp.down_proj.weight",
-            _ => unreachable!("unknown weight part {part}"),
-        };
-        format!("model.layers.{i}.{p}")
-    },
-};
+/// A Hugging Face checkpoint's names under `prefix` (`model.`, or a multimodal Gemma 3's
+/// `model.language_model.` / `language_model.model.`); Gemma 3 names its norms its own way.
+fn hf_names(prefix: &str, head: &str, gemma: bool) -> Names {
+    let prefix = prefix.to_string();
+    Names {
+        embed: format!("{prefix}embed_tokens.weight"),
+        final_norm: format!("{prefix}norm.weight"),
+        lm_head: head.to_string(),
+        layer: Box::new(move |i, part| {
+            let p = match part {
+                "q" => "self_attn.q_proj.weight",
+                "k" => "self_attn.k_proj.weight",
+                "v" => "self_attn.v_proj.weight",
+                "q_bias" => "self_attn.q_proj.bias",
+                "k_bias" => "self_attn.k_proj.bias",
+                "v_bias" => "self_attn.v_proj.bias",
+                "o" => "self_attn.o_proj.weight",
+                "q_norm" => "self_attn.q_norm.weight",
+                "k_norm" => "self_attn.k_norm.weight",
+                "attn_norm" => "input_layernorm.weight",
+                "mlp_norm" if gemma => "pre_feedforward_layernorm.weight",
+                "mlp_norm" => "post_attention_layernorm.weight",
+                "post_attn_norm" => "post_attention_layernorm.weight",
+                "post_mlp_norm" => "post_feedforward_layernorm.weight",
+                "gate" => "mlp.gate_proj.weight",
+                "up" => "mlp.up_proj.weight",
+                "down" => "mlp.down_proj.weight",
+                _ => unreachable!("unknown weight part {part}"),
+            };
+            format!("{prefix}layers.{i}.{p}")
+        }),
+        norm_offset: if gemma { 1.0 } else { 0.0 },
+    }
+}
 
-const GGUF_NAMES: Names = Names {
-    embed: "token_embd.weight",
-    final_norm: "output_norm.weight",
-    lm_head: "output.weight",
-    layer: |i, part| {
-        let p = match part {
-            "q" => "attn_q.weight",
-            "k" => "attn_k.weight",
-            "v" => "attn_v.weight",
-            "q_bias" => "attn_q.bias",
-            "k_bias" => "attn_k.bias",
-            "v_bias" => "attn_v.bias",
-            "o" => "attn_output.weight",
-            "q_norm" => "attn_q_norm.weight",
-            "k_norm" => "attn_k_norm.weight",
-            "attn_norm" => "attn_norm.weight",
-            "mlp_norm" => "ffn_norm.weight",
-            "post_attn_norm" => "post_attention_norm.weight",
-            "post_mlp_norm" => "post_ffw_norm.weight",
-            "gate" => "ffn_gate.weight",
-            "up" => "ffn_up.weight",
-            "down" => "ffn_down.weight",
-            _ => unreachable!("unknown weight part {part}"),
-        };
-        format!("blk.{i}.{p}")
-    },
-};
+fn gguf_names() -> Names {
+    Names {
+        embed: "token_embd.weight".into(),
+        final_norm: "output_norm.weight".into(),
+        lm_head: "output.weight".into(),
+        layer: Box::new(|i, part| {
+            let p = match part {
+                "q" => "attn_q.weight",
+                "k" => "attn_k.weight",
+                "v" => "attn_v.weight",
+                "q_bias" => "attn_q.bias",
+                "k_bias" => "attn_k.bias",
+                "v_bias" => "attn_v.bias",
+                "o" => "attn_output.weight",
+                "q_norm" => "attn_q_norm.weight",
+                "k_norm" => "attn_k_norm.weight",
+                "attn_norm" => "attn_norm.weight",
+                "mlp_norm" => "ffn_norm.weight",
+                "post_attn_norm" => "post_attention_norm.weight",
+                "post_mlp_norm" => "post_ffw_norm.weight",
+                "gate" => "ffn_gate.weight",
+                "up" => "ffn_up.weight",
+                "down" => "ffn_down.weight",
+                _ => unreachable!("unknown weight part {part}"),
+            };
+            format!("blk.{i}.{p}")
+        }),
+        norm_offset: 0.0,
+    }
+}
 
 /// Loads and checks every tensor the config calls for, fusing as it goes.
 fn build(
@@ -759,7 +774,7 @@ fn build(
     }
     let per_layer = 9 + 2 * cfg.qk_norm as usize + 2 * cfg.sandwich_norms as usize;
     let bar = progress_bar(progress, (cfg.num_layers * per_layer + 3) as u64);
-    let has_lm_head = src.has(names.lm_head);
+    let has_lm_head = src.has(&names.lm_head);
     let mut get = |name: &str, shape: &[usize]| -> Result<Weight> {
         let Some(got) = src.shape(name) else {
             bail!("missing tensor `{name}` in the weights");
@@ -778,31 +793,38 @@ fn build(
         bar.inc(1);
         Ok(loaded.weight)
     };
-    let embed = get(names.embed, &[cfg.vocab_size, h])?;
+    let embed = get(&names.embed, &[cfg.vocab_size, h])?;
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
         let n = |p: &str| (names.layer)(i, p);
-        let mut vector = |p: &str, len: usize| get(&n(p), &[len]).map(|w| w.to_f32());
+        // A vector as stored, plus `offset` (a norm's `norm_offset`).
+        let mut vector = |p: &str, len: usize, offset: f32| {
+            get(&n(p), &[len]).map(|w| w.to_f32().into_iter().map(|x| x + offset).collect())
+        };
+        let off = names.norm_offset;
         let bqkv = if cfg.attention_bias {
-            let mut b = vector("q_bias", q)?;
-            b.extend(vector("k_bias", kv)?);
-            b.extend(vector("v_bias", kv)?);
+            let mut b: Vec<f32> = vector("q_bias", q, 0.0)?;
+            b.extend(vector("k_bias", kv, 0.0)?);
+            b.extend(vector("v_bias", kv, 0.0)?);
             Some(b)
         } else {
             None
         };
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
-                Some(vector("q_norm", cfg.head_dim)?),
-                Some(vector("k_norm", cfg.head_dim)?),
+                Some(vector("q_norm", cfg.head_dim, off)?),
+                Some(vector("k_norm", cfg.head_dim, off)?),
             )
         } else {
             (None, None)
         };
-        let attn_norm = vector("attn_norm", h)?;
-        let mlp_norm = vector("mlp_norm", h)?;
+        let attn_norm = vector("attn_norm", h, off)?;
+        let mlp_norm = vector("mlp_norm", h, off)?;
         let post_norms = if cfg.sandwich_norms {
-            Some((vector("post_attn_norm", h)?, vector("post_mlp_norm", h)?))
+            Some((
+                vector("post_attn_norm", h, off)?,
+                vector("post_mlp_norm", h, off)?,
+            ))
         } else {
             None
         };
@@ -828,10 +850,14 @@ fn build(
             post_norms,
         });
     }
-    let final_norm = get(names.final_norm, &[h])?.to_f32();
+    let final_norm = get(&names.final_norm, &[h])?
+        .to_f32()
+        .into_iter()
+        .map(|x| x + names.norm_offset)
+        .collect();
     // A checkpoint without an lm_head ties it to the embedding, whatever the config says.
     let lm_head = if !cfg.tie_word_embeddings && has_lm_head {
-        Some(get(names.lm_head, &[cfg.vocab_size, h])?)
+        Some(get(&names.lm_head, &[cfg.vocab_size, h])?)
     } else {
         cfg.tie_word_embeddings = true;
         None
@@ -1202,7 +1228,17 @@ fn unpermuted_source_row(dst: usize, head_dim: usize) -> usize {
 /// Loads weights from a Hugging Face directory; `cfg.tie_word_embeddings` is settled here.
 pub fn load_safetensors(dir: &Path, cfg: &mut ModelConfig, progress: bool) -> Result<ModelWeights> {
     let mut src = SafetensorsSource::open(dir)?;
-    build(cfg, &mut src, &HF_NAMES, progress)
+    // Gemma 3's multimodal checkpoints keep the text model under another prefix.
+    let (prefix, head) = [
+        ("model.", "lm_head.weight"),
+        ("model.language_model.", "lm_head.weight"),
+        ("language_model.model.", "language_model.lm_head.weight"),
+    ]
+    .into_iter()
+    .find(|(p, _)| src.has(&format!("{p}embed_tokens.weight")))
+    .unwrap_or(("model.", "lm_head.weight"));
+    let names = hf_names(prefix, head, cfg.arch == Arch::Gemma3);
+    build(cfg, &mut src, &names, progress)
 }
 
 pub fn load_gguf(
@@ -1218,7 +1254,7 @@ pub fn load_gguf(
         gguf,
         dtype,
     };
-    build(cfg, &mut src, &GGUF_NAMES, progress)
+    build(cfg, &mut src, &gguf_names(), progress)
 }
 
 #[cfg(test)]

@@ -964,6 +964,12 @@ const K_TILE: usize = 128; // keys per online-softmax step, at absolute multiple
 /// partials of a query are merged in partition order. Fixed, so the bits never depend
 /// on how many queries a call has or how many threads run it.
 const KV_SPLIT: usize = 512;
+/// Partials (`Partial`) one wave of an attention call holds at most (one item beyond);
+/// the unit tests use small waves, so their references check the wave boundaries.
+#[cfg(not(test))]
+const WAVE_PARTIAL_BYTES: usize = 64 << 20;
+#[cfg(test)]
+const WAVE_PARTIAL_BYTES: usize = 1 << 16;
 /// Query tokens per sequence up to which a task reads every KV head (whole K/V rows).
 const WHOLE_ROWS_MAX_TOKENS: usize = 8;
 const _: () = assert!(
@@ -1091,57 +1097,74 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
             }
         }
     }
-    let partials: Vec<Partial> = tasks
-        .par_iter()
-        .map(|&(it, p)| {
-            let it = items[it];
-            let s = &seqs[it.seq];
-            let key_end = s.pos0 + it.t0 + it.nq; // exclusive: the tile's last query sees keys < key_end
-            let (ks, ke) = (p * KV_SPLIT, ((p + 1) * KV_SPLIT).min(key_end));
-            let heads = it.g0..it.g0 + it.ng;
-            attend_part(kern, q, kv, h, s, heads, it.t0, it.nq, ks, ke)
-        })
-        .collect();
-    // Merge each query row's partials in partition order and normalise into `out`.
+    // Items in waves whose partials stay within `WAVE_PARTIAL_BYTES` (a long prefill has
+    // tiles × partitions of them: 16K tokens of a head_dim-256 model held ~1.5 GB at once).
+    // Each task and each merge is the same computation whatever the wave: no bit changes.
     let dst_ptr = SyncPtr(out.as_mut_ptr());
-    items.par_iter().for_each(|it| {
-        let parts = &partials[it.first_task..it.first_task + it.parts];
-        let row0 = seqs[it.seq].row0 + it.t0;
-        for g in 0..it.ng {
-            for i in 0..it.nq {
-                for j in 0..group {
-                    let r = (g * it.nq + i) * group + j;
-                    let m = parts
-                        .iter()
-                        .map(|p| p.m[r])
-                        .fold(f32::NEG_INFINITY, f32::max);
-                    let head = (it.g0 + g) * group + j;
-                    // SAFETY: this item alone writes heads of KV heads g0..g0 + ng of its
-                    // rows; `out` is [rows, num_heads, head_dim] and the row is inside it.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            dst_ptr.at((row0 + i) * row_stride + head * hd),
-                            hd,
-                        )
-                    };
-                    dst.fill(0.0);
-                    let mut l = 0.0;
-                    for p in parts {
-                        if p.m[r] == f32::NEG_INFINITY {
-                            continue;
+    let mut first = 0;
+    while first < items.len() {
+        let mut end = first;
+        let mut bytes = 0;
+        while end < items.len() && (end == first || bytes < WAVE_PARTIAL_BYTES) {
+            let it = &items[end];
+            bytes += it.parts * it.ng * it.nq * group * (hd + 2) * 4;
+            end += 1;
+        }
+        let wave = &items[first..end];
+        let t0 = wave[0].first_task;
+        let t1 = wave[wave.len() - 1].first_task + wave[wave.len() - 1].parts;
+        let partials: Vec<Partial> = tasks[t0..t1]
+            .par_iter()
+            .map(|&(it, p)| {
+                let it = items[it];
+                let s = &seqs[it.seq];
+                let key_end = s.pos0 + it.t0 + it.nq; // exclusive: the tile's last query sees keys < key_end
+                let (ks, ke) = (p * KV_SPLIT, ((p + 1) * KV_SPLIT).min(key_end));
+                let heads = it.g0..it.g0 + it.ng;
+                attend_part(kern, q, kv, h, s, heads, it.t0, it.nq, ks, ke)
+            })
+            .collect();
+        // Merge each query row's partials in partition order and normalise into `out`.
+        wave.par_iter().for_each(|it| {
+            let parts = &partials[it.first_task - t0..it.first_task - t0 + it.parts];
+            let row0 = seqs[it.seq].row0 + it.t0;
+            for g in 0..it.ng {
+                for i in 0..it.nq {
+                    for j in 0..group {
+                        let r = (g * it.nq + i) * group + j;
+                        let m = parts
+                            .iter()
+                            .map(|p| p.m[r])
+                            .fold(f32::NEG_INFINITY, f32::max);
+                        let head = (it.g0 + g) * group + j;
+                        // SAFETY: this item alone writes heads of KV heads g0..g0 + ng of its
+                        // rows; `out` is [rows, num_heads, head_dim] and the row is inside it.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                dst_ptr.at((row0 + i) * row_stride + head * hd),
+                                hd,
+                            )
+                        };
+                        dst.fill(0.0);
+                        let mut l = 0.0;
+                        for p in parts {
+                            if p.m[r] == f32::NEG_INFINITY {
+                                continue;
+                            }
+                            let w = (p.m[r] - m).exp();
+                            l += p.l[r] * w;
+                            for (d, o) in dst.iter_mut().zip(&p.o[r * hd..(r + 1) * hd]) {
+                                *d += o * w;
+                            }
                         }
-                        let w = (p.m[r] - m).exp();
-                        l += p.l[r] * w;
-                        for (d, o) in dst.iter_mut().zip(&p.o[r * hd..(r + 1) * hd]) {
-                            *d += o * w;
-                        }
+                        let inv = 1.0 / l;
+                        dst.iter_mut().for_each(|d| *d *= inv);
                     }
-                    let inv = 1.0 / l;
-                    dst.iter_mut().for_each(|d| *d *= inv);
                 }
             }
-        }
-    });
+        });
+        first = end;
+    }
 }
 
 /// `k`, `v` = the K and V slices `cols` of the rows at `positions`.

@@ -673,12 +673,15 @@ fn mat_shape(shape: &[usize]) -> MatShape {
     }
 }
 
+/// A layer's tensor name from its index and part (`"q"`, `"mlp_norm"`, ...).
+type LayerName = Box<dyn Fn(usize, &str) -> String>;
+
 /// Tensor names of one checkpoint family.
 struct Names {
     embed: String,
     final_norm: String,
     lm_head: String,
-    layer: Box<dyn Fn(usize, &str) -> String>,
+    layer: LayerName,
     /// Added to every norm weight as read: Gemma's Hugging Face checkpoints store `w` for a
     /// norm that scales by `1 + w` (its GGUF converter adds the 1 itself).
     norm_offset: f32,

@@ -10,7 +10,10 @@ use strata::model::Model;
 use strata::needle::{Case, NeedleKind};
 
 fn needle(args: &[&str]) -> (bool, String, String) {
-    let model = common::require_default_model();
+    needle_on(&common::require_default_model(), args)
+}
+
+fn needle_on(model: &std::path::Path, args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_needle"))
         .arg("--model")
         .arg(model)
@@ -179,5 +182,32 @@ fn sparse_budget_finds_the_needle() {
         let hit = c["sparse_hit_rate"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&hit), "{c}");
     }
+    assert!(ok, "{stderr}");
+}
+
+/// Gemma 3 270M's real weights at 8K tokens, 16 times its 512-token window: found in the
+/// middle, and with `--enable-offload` (full layers offloaded, windowed layers holding
+/// their window's ring) token for token and log-prob for log-prob the resident run (whose
+/// windowed layers hold their ring too).
+#[test]
+fn gemma3_finds_the_needle_at_8k_with_and_without_offload() {
+    let Some(model) = common::gemma3_model() else {
+        return;
+    };
+    let args = [
+        "--input-len",
+        "8192",
+        "--depth",
+        "0.5",
+        "--compare-offload",
+        "--json",
+    ];
+    let (ok, stdout, stderr) = needle_on(&model, &args);
+    let v: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout} {stderr}"));
+    let c = &v["cases"][0];
+    assert_eq!(c["passed"], true, "{c}");
+    assert_eq!(c["tokens_agree"], true, "{c}");
+    assert_eq!(c["max_logprob_diff"], 0.0, "{c}");
     assert!(ok, "{stderr}");
 }

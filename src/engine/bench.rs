@@ -197,10 +197,14 @@ fn bench_context<T: KvElem>(
     let first = model.forward(&prompt, 0, &mut kv)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let weight_bytes = model.weights.decode_read_bytes() as u64;
-    // Step at position p attends over p + 1 rows of K and V in every layer (elements T).
+    // Step at position p attends over p + 1 rows of K and V in a full layer, at most its
+    // window in a windowed one (elements T).
     let mean_rows = context as f64 + (steps as f64 + 1.0) / 2.0;
-    let row_bytes = 2 * c.num_layers * c.kv_dim() * std::mem::size_of::<T>();
-    let kv_bytes = (mean_rows * row_bytes as f64) as u64;
+    let rows: f64 = (0..c.num_layers)
+        .map(|l| c.window(l).map_or(mean_rows, |w| mean_rows.min(w as f64)))
+        .sum();
+    let row_bytes = 2 * c.kv_dim() * std::mem::size_of::<T>();
+    let kv_bytes = (rows * row_bytes as f64) as u64;
     let gbps = |tokens_per_s: f64| (weight_bytes + kv_bytes) as f64 * tokens_per_s / 1e9;
     let mut per_round = Vec::with_capacity(args.rounds);
     let mut probes = Vec::with_capacity(args.rounds);

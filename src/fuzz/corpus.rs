@@ -185,7 +185,8 @@ fn q8_0(values: &[f32]) -> Vec<u8> {
 }
 
 pub fn gguf_doc(arch: &str) -> GgufDoc {
-    let qwen3 = arch == "qwen3";
+    let gemma3 = arch == "gemma3";
+    let qwen3 = arch == "qwen3" || gemma3; // q/k norms, explicit head size
     let s = |x: &str| Value::String(x.to_string());
     let u = |x: usize| Value::U32(x as u32);
     let k = |key: &str| format!("{arch}.{key}");
@@ -232,7 +233,11 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
         metadata.push((k("rope.scaling.type"), s("linear")));
         metadata.push((k("rope.scaling.factor"), Value::F32(2.0)));
     }
-    let tensors = hf_tensors(qwen3, !qwen3)
+    if gemma3 {
+        // A window shorter than the fuzz prompts, so the mask and the rings are exercised.
+        metadata.push((k("attention.sliding_window"), u(4)));
+    }
+    let mut tensors: Vec<GgufTensor> = hf_tensors(qwen3, !qwen3)
         .into_iter()
         .map(|(name, shape, values)| {
             let name = gguf_name(&name);
@@ -259,6 +264,20 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
             }
         })
         .collect();
+    if gemma3 {
+        // Gemma's norms after each sublayer.
+        for i in 0..LAYERS {
+            for part in ["post_attention_norm", "post_ffw_norm"] {
+                tensors.push(GgufTensor {
+                    name: format!("blk.{i}.{part}.weight"),
+                    dims: vec![HIDDEN as u64],
+                    ggml_type: GGML_F32,
+                    data: (0..HIDDEN).flat_map(|_| 1f32.to_le_bytes()).collect(),
+                    offset: None,
+                });
+            }
+        }
+    }
     GgufDoc {
         version: 3,
         metadata,
@@ -287,12 +306,17 @@ pub fn gguf_cases() -> Vec<Case> {
     }
     spm.metadata
         .push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(true)));
-    [gguf_doc("llama"), gguf_doc("qwen3"), spm]
-        .into_iter()
-        .map(|doc| Case {
-            files: vec![("model.gguf".into(), doc.to_bytes())],
-        })
-        .collect()
+    [
+        gguf_doc("llama"),
+        gguf_doc("qwen3"),
+        gguf_doc("gemma3"),
+        spm,
+    ]
+    .into_iter()
+    .map(|doc| Case {
+        files: vec![("model.gguf".into(), doc.to_bytes())],
+    })
+    .collect()
 }
 
 fn config_json(qwen3: bool) -> serde_json::Value {

@@ -30,9 +30,9 @@ fn memory_budget(file_len: usize) -> usize {
     (192 << 20) + 16 * file_len
 }
 
-/// The base files: both tiny models' metadata, without tensors.
+/// The base files: the tiny models' metadata, without tensors.
 pub fn gguf_meta_cases() -> Vec<Case> {
-    ["llama", "qwen3"]
+    ["llama", "qwen3", "gemma3"]
         .iter()
         .map(|arch| {
             let mut doc = corpus::gguf_doc(arch);
@@ -252,10 +252,10 @@ pub fn mutate_gguf_meta(case: &mut Case, rng: &mut StdRng) {
     case.set("model.gguf", bytes);
 }
 
-fn gguf_meta_docs() -> &'static [GgufDoc; 2] {
-    static DOCS: std::sync::OnceLock<[GgufDoc; 2]> = std::sync::OnceLock::new();
+fn gguf_meta_docs() -> &'static [GgufDoc; 3] {
+    static DOCS: std::sync::OnceLock<[GgufDoc; 3]> = std::sync::OnceLock::new();
     DOCS.get_or_init(|| {
-        ["llama", "qwen3"].map(|arch| {
+        ["llama", "qwen3", "gemma3"].map(|arch| {
             let mut doc = corpus::gguf_doc(arch);
             doc.tensors.clear();
             doc

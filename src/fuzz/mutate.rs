@@ -48,9 +48,10 @@ const FLOATS: [f64; 10] = [
     f64::NAN,
 ];
 
-const STRINGS: [&str; 11] = [
+const STRINGS: [&str; 12] = [
     "",
     "llama",
+    "gemma3",
     "a\nb\r\u{1b}[31m",
     "\u{202e}llama",
     "yarn",
@@ -130,9 +131,9 @@ pub fn mutate_bytes(data: &mut Vec<u8>, rng: &mut StdRng) {
 // ---------------------------------------------------------------------------------------
 // GGUF
 
-fn gguf_docs() -> &'static [GgufDoc; 2] {
-    static DOCS: OnceLock<[GgufDoc; 2]> = OnceLock::new();
-    DOCS.get_or_init(|| [corpus::gguf_doc("llama"), corpus::gguf_doc("qwen3")])
+fn gguf_docs() -> &'static [GgufDoc; 3] {
+    static DOCS: OnceLock<[GgufDoc; 3]> = OnceLock::new();
+    DOCS.get_or_init(|| ["llama", "qwen3", "gemma3"].map(corpus::gguf_doc))
 }
 
 /// Structural mutations happen on the document; once serialised, later rounds mutate bytes.

@@ -20,7 +20,7 @@ use crate::device::cpu::ops::{
     self, AttnHeads, AttnSeq, ContiguousRows, KvLayout, PagedRows, RingRows,
 };
 use crate::device::KvElem;
-use crate::kv::{KvCache, LayerKv, NewRow, Query};
+use crate::kv::{KvCache, LayerKv, LayerSlot, NewRow, Query};
 pub use config::{Arch, LayerKind, MlpAct, ModelConfig};
 use op_times::{timed, Op};
 pub use tokenizer::Tokenizer;
@@ -425,42 +425,51 @@ impl Model {
                         slot.rows
                     );
                 }
+                let ring = RingRows {
+                    row: kvd,
+                    rows: slot.rows,
+                };
                 let ring = [AttnSeq {
                     row0: s.row0,
                     tokens: s.tokens,
                     pos0: s.pos0,
-                    kv: RingRows {
-                        row: kvd,
-                        rows: slot.rows,
-                    },
+                    kv: ring,
                 }];
-                // SAFETY: as below.
-                let lkv = unsafe { LayerKv::from_slot(slot, kvd) };
-                let mut select = |_: &[f32]| Ok(None); // sparse caches never hand out rings
-                self.layer(l, &mut a, lkv, &ring, &mut select)?;
-                kv.end_layer(l)?;
-                continue;
+                self.layer_on_slot(l, &mut a, slot, &ring, kv)?;
+            } else {
+                if slot.rows * kvd < need {
+                    bail!(
+                        "layer {l}: the step addresses {} KV rows, its slot holds {}",
+                        need / kvd,
+                        slot.rows
+                    );
+                }
+                self.layer_on_slot(l, &mut a, slot, seqs, kv)?;
             }
-            if slot.rows * kvd < need {
-                bail!(
-                    "layer {l}: the step addresses {} KV rows, its slot holds {}",
-                    need / kvd,
-                    slot.rows
-                );
-            }
-            // SAFETY: the slot is this (compute) thread's until `end_layer` below, which
-            // is called after the layer's work has run.
-            let lkv = unsafe { LayerKv::from_slot(slot, kvd) };
-            // A sparse cache scores pages with the query in its own element, as the CUDA
-            // model hands it over: rounded like the keys it is scored against.
-            let mut select = |q: &[f32]| {
-                let q: Vec<T> = q.iter().map(|&x| T::from_f32(x)).collect(); // [heads, head_dim]
-                kv.select_rows(l, Query::from(&q[..]))
-            };
-            self.layer(l, &mut a, lkv, seqs, &mut select)?;
-            kv.end_layer(l)?;
         }
         Ok(a)
+    }
+
+    /// Layer `l` on the slot `begin_layer` gave, then `end_layer`.
+    fn layer_on_slot<T: KvElem, L: KvLayout>(
+        &self,
+        l: usize,
+        a: &mut Activations,
+        slot: LayerSlot<T>,
+        seqs: &[AttnSeq<L>],
+        kv: &mut dyn KvCache<T>,
+    ) -> Result<()> {
+        // SAFETY: the slot is this (compute) thread's until `end_layer` below, which is
+        // called after the layer's work has run.
+        let lkv = unsafe { LayerKv::from_slot(slot, self.cfg.kv_dim()) };
+        // A sparse cache scores pages with the query in its own element, as the CUDA model
+        // hands it over: rounded like the keys it is scored against.
+        let mut select = |q: &[f32]| {
+            let q: Vec<T> = q.iter().map(|&x| T::from_f32(x)).collect(); // [heads, head_dim]
+            kv.select_rows(l, Query::from(&q[..]))
+        };
+        self.layer(l, a, lkv, seqs, &mut select)?;
+        kv.end_layer(l)
     }
 
     /// Embedding gather and the first layer's input norm; `positions[t]` of each row.

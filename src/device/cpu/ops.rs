@@ -725,28 +725,22 @@ pub fn rope_tables_at(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f
 
 /// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]`, with `gu` = `[tokens, 2 * inter]` (gate, up).
 pub fn silu_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
-    let f = |(o, gu): (&mut [f32], &[f32])| {
-        let (g, u) = gu.split_at(inter);
-        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-            *o = g / (1.0 + exp_fast(-g)) * u;
-        }
-    };
-    if serial(out.len()) {
-        out.chunks_mut(inter).zip(gu.chunks(2 * inter)).for_each(f);
-    } else {
-        out.par_chunks_mut(inter)
-            .zip(gu.par_chunks(2 * inter))
-            .for_each(f);
-    }
+    gated_mul(gu, inter, out, |g| g / (1.0 + exp_fast(-g)));
 }
 
 /// `out[t, i] = gelu_tanh(gu[t, i]) * gu[t, inter + i]` (GeGLU; `gu` as for `silu_mul`),
 /// GELU's tanh approximation as PyTorch's `gelu(approximate="tanh")` computes it.
 pub fn gelu_tanh_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
+    gated_mul(gu, inter, out, gelu_tanh);
+}
+
+/// `out[t, i] = act(gu[t, i]) * gu[t, inter + i]`: a gated MLP's activation.
+#[inline(always)]
+fn gated_mul(gu: &[f32], inter: usize, out: &mut [f32], act: impl Fn(f32) -> f32 + Sync) {
     let f = |(o, gu): (&mut [f32], &[f32])| {
         let (g, u) = gu.split_at(inter);
         for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-            *o = gelu_tanh(*g) * u;
+            *o = act(*g) * u;
         }
     };
     if serial(out.len()) {

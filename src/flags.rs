@@ -229,7 +229,8 @@ mod tests {
 /// the measurements).
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct WeightDtypeArg {
-    /// How the CPU holds the weights: q8 (as stored; Q4_0/Q4_1/Q8_0 rows repacked, each
+    /// How the CPU holds the weights: q8 (as stored; rows of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the
+    /// Q4_K/Q5_K/Q6_K K-quants repacked, each
     /// matmul's input quantised to 15 bits per block of 32 for integer dots: the fastest,
     /// within ~1e-6 nats of the reference, not bitwise), stored (as in the file, widened in
     /// registers: bitwise the f32 reference) or f32 (widened at load: the reference, 4-6x

@@ -76,7 +76,7 @@ impl WeightRows for Q8Matrix {
 
 /// `linear` in the q8 mode: every row of a batch (sizes 1 to 33, so every register block
 /// and edge) is bitwise the row computed alone, for each integer format and for a format
-/// without an integer kernel (Q4_K: the f32 path); the rows repacked (53 = 6 groups of 8
+/// without an integer kernel (Q3_K: the f32 path); the rows repacked (53 = 6 groups of 8
 /// and a padded one) give the same bits as the rows as stored; and a q8 result is within
 /// the 8-bit activation error of the f32 path's.
 #[test]
@@ -86,7 +86,12 @@ fn a_q8_linear_row_is_the_same_alone_and_in_any_batch() {
         (Format::Q4_0, 96),
         (Format::Q4_1, 576),
         (Format::Q8_0, 160),
+        (Format::Q5_0, 96),
+        (Format::Q5_1, 576),
         (Format::Q4K, 256),
+        (Format::Q5K, 512),
+        (Format::Q6K, 768),
+        (Format::Q3K, 256),
     ] {
         let n = 53;
         let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -145,8 +150,8 @@ fn a_q8_linear_row_is_the_same_alone_and_in_any_batch() {
     }
 }
 
-/// A tiny Llama with Q4_0, Q4_1 and Q8_0 matrices (and Q4_K ones, which take the f32
-/// path), loaded in the q8 mode: the prompt's last logits and the greedy decode logits are
+/// A tiny Llama with Q4_0, Q4_1, Q8_0 and Q4_K matrices (and Q3_K ones, which take the
+/// f32 path), loaded in the q8 mode: the prompt's last logits and the greedy decode logits are
 /// bitwise the same whether the prompt is prefilled at once, in chunks, or a token at a
 /// time (each a different batch of rows through every `linear`).
 #[test]
@@ -164,6 +169,12 @@ fn q8_logits_do_not_depend_on_how_the_prompt_is_batched() {
             GgmlDType::Q8_0
         } else if n.contains("attn_output") {
             GgmlDType::Q4K
+        } else if n.contains("attn_k") {
+            GgmlDType::Q6K
+        } else if n.contains("ffn_up") {
+            GgmlDType::Q5_0
+        } else if n.contains("output.weight") {
+            GgmlDType::Q3K
         } else {
             GgmlDType::Q4_1
         }

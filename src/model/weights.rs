@@ -29,7 +29,8 @@ pub enum WeightDtype {
     Stored,
     /// Widened once to f32 at load: the reference mode.
     F32,
-    /// As stored, and (CPU) every matmul on Q4_0/Q4_1/Q8_0 rows quantises its input
+    /// As stored, and (CPU) every matmul on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K
+    /// rows quantises its input
     /// activations per block of 32 (two 8-bit planes, 15 bits) and runs integer dot
     /// products on rows repacked at load: faster, still batch-invariant, but NOT bitwise
     /// equal to `stored` (agreement is measured, docs/cpu.md).
@@ -131,7 +132,7 @@ enum Segment {
         format: Format,
         bytes: Bytes,
     },
-    /// Q4_0/Q4_1/Q8_0 rows repacked at load for the `q8` mode's integer kernels (owned; the
+    /// Rows of a format with an integer kernel repacked at load for the `q8` mode (owned; the
     /// same values: `packed.rs`).
     Packed(Packed),
 }
@@ -364,7 +365,7 @@ impl Weight {
         }
     }
 
-    /// Repacks every Q4_0/Q4_1/Q8_0 segment for the `q8` mode's integer kernels (`packed.rs`)
+    /// Repacks every segment of a format with an integer kernel (`packed::supports`)
     /// and releases the mapped pages the repack read. Memory: the copy (the stored size);
     /// the file's pages leave this process. Other segments stay as they are.
     pub fn repack_for_q8(&mut self) {
@@ -587,7 +588,7 @@ impl ModelWeights {
     }
 
     /// The `q8` mode: inputs quantised to two 8-bit planes (`ActivationMode::Q8`) and every
-    /// Q4_0/Q4_1/Q8_0 matrix repacked for the integer kernels (`Weight::repack_for_q8`).
+    /// matrix of a format with an integer kernel repacked for it (`Weight::repack_for_q8`).
     pub fn to_q8_mode(&mut self) {
         self.set_activations(ActivationMode::Q8);
         for w in self.matrices_mut() {

@@ -158,7 +158,7 @@ const Q8_PAR_ROWS: usize = 16;
 /// `linear_weight`'s `ActivationMode::Q8` path: `x[m, k]` quantised once (each row alone, so
 /// its blocks never depend on the batch), then each tile of weight rows through the best
 /// integer kernel this CPU has (`q8.rs`; all give the portable kernel's bits). A tile that
-/// is not one run of Q4_0/Q4_1/Q8_0 rows takes the f32 path: which path a row takes depends
+/// is not one run of rows repacked for an integer kernel (`packed::supports`) takes the f32 path: which path a row takes depends
 /// on the weight alone, never on `m`.
 fn linear_q8<W: WeightRows>(x: &[f32], w: &W, out: &mut [f32], m: usize) {
     let (_, k) = w.out_in();
@@ -177,7 +177,10 @@ fn linear_q8<W: WeightRows>(x: &[f32], w: &W, out: &mut [f32], m: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         if let Some(kern) = q8::Vnni::detect() {
-            return q8_tiles::<_, _, 8, 4, 2>(kern, &xq, w, out, m);
+            // Repacked groups 8 input rows at a time: a K-quant block's unpacking (high
+            // bits, sub-scales) is shared by more rows. Gemma 3 270M Q4_K_M prefill at 4K,
+            // Xeon, 2 threads: 355–370 tok/s with 2, 377–395 with 4, 394–404 with 8.
+            return q8_tiles::<_, _, 8, 4, 8>(kern, &xq, w, out, m);
         }
         if let Some(kern) = q8::Avx2::detect() {
             return q8_tiles::<_, _, 4, 3, 2>(kern, &xq, w, out, m);

@@ -1,28 +1,40 @@
-//! Integer dot products of quantised activations (two 8-bit planes) with Q4_0, Q4_1 and
-//! Q8_0 weight rows: the `--dtype q8` mode's `linear` (llama.cpp's scheme, Q8_1-style
-//! blocks, per-block integer dots, one float multiply-add per block, with a second plane).
+//! Integer dot products of quantised activations (two 8-bit planes) with weight rows in
+//! Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K: the `--dtype q8` mode's `linear`
+//! (llama.cpp's scheme, Q8_1-style blocks, per-block integer dots, one float multiply-add
+//! per block, with a second plane).
 //!
 //! **Activations.** An input row is cut into blocks of 32; each block `x` becomes a step
 //! `d = max|x| / 32258` and integers `q = round_ties_even(x · 32258 / max|x|)` in
 //! `[-32258, 32258]` (`32258 = 127 · 254`: about 15 bits), stored as two signed-byte
 //! planes `q = 254 · qs + ql` (`qs`, `ql` in `[-127, 127]`) so that the byte-dot
-//! instructions take them; and `ds = d · Σq` (Q4_1's min term needs the block's sum).
+//! instructions take them; and `ds = d · Σq` (the min terms need the block's sum).
 //! Exact IEEE operations in one written order, so every kernel sees the same bytes. Unlike
 //! llama.cpp's one 8-bit plane (`d = max|x| / 127`), the second plane makes the rounding of
 //! the activations 254× finer: one plane moved greedy decoding off the f32 reference at
 //! near-ties (docs/cpu.md, "Accuracy"); a byte dot more per block costs little where decode
 //! is bound by reading the weights.
 //!
-//! **The one reduction order** of a dot `x · w` over `nb` blocks, for weight values `v`
-//! (Q4_0: nibble − 8; Q4_1: nibble; Q8_0: the byte), weight scale `dw` and Q4_1 min `mw`:
+//! **Weights as integer blocks.** Every format is read as 32-value blocks ([`IntBlock`]):
+//! integer values `v`, two integer sub-scales `s` (one per 16 values), a float scale `dw` and
+//! a float min `mw`. Q4_0: `v` = nibble − 8; Q4_1: nibble, `mw` its min; Q5_0 / Q5_1: the
+//! same with the fifth bit (− 16 for Q5_0); Q8_0: the byte; all with `s = (1, 1)` and `dw`
+//! their f16 scale. The K-quants' super-blocks of 256 are 8 such blocks: Q4_K / Q5_K `v` =
+//! the 4- / 5-bit value, `s` = the block's 6-bit scale (both halves), `dw` = the super-block's
+//! `d`, `mw = −(dmin · min)` (exact in f32: an 11-bit times a 6-bit integer); Q6_K `v` = the
+//! 6-bit value − 32, `s` = its two 16-value halves' signed 8-bit scales, `dw` = `d`. The
+//! integer scales stay integers: `dw · sc` is not representable in f16 and a product per
+//! block in f32 would be one more rounding; `s · Σ v·q` is exact in i32.
+//!
+//! **The one reduction order** of a dot `x · w` over `nb` blocks:
 //!
 //! ```text
 //! acc[0..4] = 0, mins = 0
 //! for b in 0..nb:
-//!     p[l]   = 254 · Σ_{i ∈ I_l} v[i]·qs[i] + Σ_{i ∈ I_l} v[i]·ql[i]
-//!              I_l = 4l..4l+4 and 16+4l..16+4l+4    (4 exact i32 lane sums)
+//!     p[l]   = s[0] · (254 · Σ_{i ∈ A_l} v[i]·qs[i] + Σ_{i ∈ A_l} v[i]·ql[i])
+//!            + s[1] · (254 · Σ_{i ∈ B_l} v[i]·qs[i] + Σ_{i ∈ B_l} v[i]·ql[i])
+//!              A_l = 4l..4l+4, B_l = 16+4l..16+4l+4    (4 exact i32 lane sums)
 //!     acc[l] = fma(dw·d, p[l] as f32, acc[l])       (l = 0..4)
-//!     mins   = fma(mw, ds, mins)                    (Q4_1 only)
+//!     mins   = fma(mw, ds, mins)                    (Q4_1, Q5_1, Q4_K, Q5_K)
 //! result = ((acc0 + acc2) + (acc1 + acc3)) + mins
 //! ```
 //!
@@ -33,9 +45,10 @@
 //! byte dots, conversions and multiply-adds (it was 4 with 8 lanes of four products).
 //!
 //! The integer part is exact whatever instructions compute it (no product or partial sum
-//! can overflow: see the kernels); `p as f32` is exact below 2^24 (4-bit weights: |p| ≤
-//! 8 · 15 · 127 · 255) and rounds to nearest even above (Q8_0's |p| ≤ 8 · 128 · 127 · 255),
-//! which every kernel's conversion does alike. The float part is a fixed sequence per output, so
+//! can overflow: |p| ≤ 8 · 128 · 32258 for Q8_0, 8 · 31 · 32258 · 63 for Q5_K, 2 · 4 · 32 ·
+//! 32258 · 128 for Q6_K, all below 2^31); `p as f32` is exact below 2^24 (Q4_0 … Q5_1) and
+//! rounds to nearest even above (Q8_0, the K-quants), which every kernel's conversion does
+//! alike. The float part is a fixed sequence per output, so
 //! the portable, AVX2 and AVX-512 VNNI kernels agree bitwise (tests check it) and a row's
 //! result never depends on the batch size or on the rows it is batched with. It is *not*
 //! the f32 path's result: the activations lost bits. Tolerance against the f32 reference
@@ -43,8 +56,8 @@
 
 use half::f16;
 
-use super::packed::{PackedGroup, PACK};
-use super::quant::Format;
+use super::packed::{self, PackedGroup, PACK};
+use super::quant::{scale_min_k4, Format};
 
 /// Values per activation block (and per weight block of every format this file reads).
 pub const QK: usize = 32;
@@ -83,9 +96,125 @@ impl Q8Block {
     }
 }
 
-/// Whether `linear` can take the integer path on rows of `format`.
+/// Whether `linear` can take the integer path on rows of `format` (repacked: `packed.rs`).
 pub fn supports(format: Format) -> bool {
-    matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
+    packed::supports(format)
+}
+
+/// Whether the format's blocks carry a min term (`mw`).
+pub const fn has_min(format: Format) -> bool {
+    matches!(
+        format,
+        Format::Q4_1 | Format::Q5_1 | Format::Q4K | Format::Q5K
+    )
+}
+
+/// One 32-value weight block as the integer kernels compute with it (the module's order).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct IntBlock {
+    /// The integer values, in `[-128, 127]` (`[0, 31]` where unsigned).
+    pub v: [i32; QK],
+    /// The integer scales of values 0–15 and 16–31.
+    pub s: [i32; 2],
+    /// The float scale.
+    pub dw: f32,
+    /// The float min (0 where the format has none).
+    pub mw: f32,
+}
+
+impl IntBlock {
+    pub const ZERO: Self = Self {
+        v: [0; QK],
+        s: [0; 2],
+        dw: 0.0,
+        mw: 0.0,
+    };
+}
+
+/// 32-value blocks in one stored block of `format` (a K-quant's super-block holds 8).
+pub const fn blocks_per_unit(format: Format) -> usize {
+    format.block_elems() / QK
+}
+
+/// The integer blocks of one stored block `x` of `format` (`out`: `blocks_per_unit`).
+pub fn int_blocks(format: Format, x: &[u8], out: &mut [IntBlock]) {
+    assert!(supports(format), "q8 dot: no integer kernel for {format}");
+    assert_eq!(
+        x.len(),
+        format.block_bytes(),
+        "int_blocks: not one {format} block"
+    );
+    assert_eq!(out.len(), blocks_per_unit(format), "int_blocks: out");
+    let o = &mut out[0];
+    match format {
+        Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => {
+            // d, [m], [qh], nibbles (quant.rs's layouts).
+            let (m, qh, qs) = match format {
+                Format::Q4_0 => (None, None, 2),
+                Format::Q4_1 => (Some(2), None, 4),
+                Format::Q5_0 => (None, Some(2), 6),
+                _ => (Some(2), Some(4), 8),
+            };
+            let high = qh.map_or(0, |at| {
+                u32::from_le_bytes([x[at], x[at + 1], x[at + 2], x[at + 3]])
+            });
+            let off = match format {
+                Format::Q4_0 => 8,
+                Format::Q5_0 => 16,
+                _ => 0,
+            };
+            for j in 0..16 {
+                let fifth = |i: usize| (((high >> i) & 1) << 4) as i32;
+                o.v[j] = (x[qs + j] & 0x0F) as i32 + fifth(j) - off;
+                o.v[j + 16] = (x[qs + j] >> 4) as i32 + fifth(j + 16) - off;
+            }
+            o.s = [1, 1];
+            o.dw = half_at(x, 0);
+            o.mw = m.map_or(0.0, |at| half_at(x, at));
+        }
+        Format::Q8_0 => {
+            for (v, &b) in o.v.iter_mut().zip(&x[2..34]) {
+                *v = b as i8 as i32;
+            }
+            o.s = [1, 1];
+            o.dw = half_at(x, 0);
+            o.mw = 0.0;
+        }
+        Format::Q4K | Format::Q5K => {
+            let (d, dmin) = (half_at(x, 0), half_at(x, 2));
+            let (qs, qh) = if format == Format::Q5K {
+                (48, Some(16))
+            } else {
+                (16, None)
+            };
+            for (b, o) in out.iter_mut().enumerate() {
+                let (sc, mn) = scale_min_k4(b, &x[4..16]);
+                for (i, v) in o.v.iter_mut().enumerate() {
+                    let low = (x[qs + 32 * (b / 2) + i] >> (4 * (b % 2))) & 0x0F;
+                    let fifth = qh.map_or(0, |at| ((x[at + i] >> b) & 1) << 4);
+                    *v = (low | fifth) as i32;
+                }
+                o.s = [sc as i32; 2];
+                o.dw = d;
+                o.mw = -(dmin * mn as f32);
+            }
+        }
+        Format::Q6K => {
+            let d = half_at(x, 208);
+            for (b, o) in out.iter_mut().enumerate() {
+                let (k, t) = (b / 4, b % 4);
+                for (i, v) in o.v.iter_mut().enumerate() {
+                    let low = (x[64 * k + 32 * (t % 2) + i] >> (4 * (t / 2))) & 0x0F;
+                    let high = (x[128 + 32 * k + i] >> (2 * t)) & 3;
+                    *v = (low | (high << 4)) as i32 - 32;
+                }
+                o.s = [x[192 + 2 * b] as i8 as i32, x[193 + 2 * b] as i8 as i32];
+                o.dw = d;
+                o.mw = 0.0;
+            }
+        }
+        _ => unreachable!("checked above"),
+    }
 }
 
 /// Quantises `x[k]` (k a multiple of 32) into `out[k / 32]`: per block, the module's
@@ -187,8 +316,9 @@ fn check<const R: usize, const C: usize>(
 ) -> usize {
     assert!(supports(format), "q8 dot: no integer kernel for {format}");
     let nb = if R > 0 { xs[0].len() } else { 0 };
+    let row = format.row_bytes(nb * QK);
     assert!(
-        xs.iter().all(|x| x.len() == nb) && ws.iter().all(|w| w.len() == nb * format.block_bytes()),
+        xs.iter().all(|x| x.len() == nb) && ws.iter().all(|w| Some(w.len()) == row),
         "q8 dot: rows of different lengths"
     );
     nb
@@ -201,60 +331,42 @@ fn check_packed<const R: usize>(xs: &[&[Q8Block]; R], g: PackedGroup<'_>) -> usi
         "q8 dot: no integer kernel for {}",
         g.format
     );
+    let units = g.nb * QK / g.format.block_elems();
     assert!(
-        xs.iter().all(|x| x.len() == g.nb) && g.data.len() == g.nb * PACK * g.format.block_bytes(),
+        (g.nb * QK).is_multiple_of(g.format.block_elems())
+            && xs.iter().all(|x| x.len() == g.nb)
+            && g.data.len() == units * PACK * packed::unit_bytes(g.format),
         "q8 dot: rows of different lengths"
     );
     g.nb
 }
 
-/// Stored bytes of the largest block read here (Q8_0's).
-const MAX_BLOCK: usize = 34;
+/// Stored bytes of the largest block read here (Q6_K's).
+const MAX_BLOCK: usize = 210;
 
-/// The reference dot of `x` with one weight row of `format`, whose block `b` `block(b, out)`
-/// writes as stored: the order above, lane by lane.
-fn reference_dot(format: Format, x: &[Q8Block], mut block: impl FnMut(usize, &mut [u8])) -> f32 {
+/// The reference dot of `x` with one weight row of `format`, whose stored block (unit) `u`
+/// `unit(u, out)` writes: the order above, lane by lane.
+fn reference_dot(format: Format, x: &[Q8Block], mut unit: impl FnMut(usize, &mut [u8])) -> f32 {
     let mut buf = [0u8; MAX_BLOCK];
     let wb = &mut buf[..format.block_bytes()];
+    let per = blocks_per_unit(format);
+    let mut blocks = [IntBlock::ZERO; packed::K_BLOCKS];
     let (mut acc, mut mins) = ([0.0f32; LANES], 0.0f32);
-    for (b, x) in x.iter().enumerate() {
-        block(b, wb);
-        let mut v = [0i32; QK]; // the block's weight values
-        let (dw, mw) = match format {
-            Format::Q4_0 | Format::Q4_1 => {
-                let (off, at) = if format == Format::Q4_0 {
-                    (8, 2)
-                } else {
-                    (0, 4)
-                };
-                for j in 0..16 {
-                    v[j] = (wb[at + j] & 0x0F) as i32 - off;
-                    v[j + 16] = (wb[at + j] >> 4) as i32 - off;
-                }
-                let mw = if format == Format::Q4_1 {
-                    half_at(wb, 2)
-                } else {
-                    0.0
-                };
-                (half_at(wb, 0), mw)
+    for (u, xu) in x.chunks_exact(per).enumerate() {
+        unit(u, wb);
+        int_blocks(format, wb, &mut blocks[..per]);
+        for (w, x) in blocks.iter().zip(xu) {
+            let mut p = [0i32; LANES];
+            for (i, v) in w.v.iter().enumerate() {
+                p[lane_of(i)] += w.s[i / (QK / 2)] * v * x.level(i);
             }
-            _ => {
-                for j in 0..QK {
-                    v[j] = wb[2 + j] as i8 as i32;
-                }
-                (half_at(wb, 0), 0.0)
+            let s = w.dw * x.d;
+            for (a, p) in acc.iter_mut().zip(p) {
+                *a = s.mul_add(p as f32, *a);
             }
-        };
-        let s = dw * x.d;
-        let mut p = [0i32; LANES];
-        for (i, v) in v.iter().enumerate() {
-            p[lane_of(i)] += v * x.level(i);
-        }
-        for (a, p) in acc.iter_mut().zip(p) {
-            *a = s.mul_add(p as f32, *a);
-        }
-        if format == Format::Q4_1 {
-            mins = mw.mul_add(x.ds, mins);
+            if has_min(format) {
+                mins = w.mw.mul_add(x.ds, mins);
+            }
         }
     }
     finish(&acc, mins)
@@ -275,8 +387,8 @@ impl Q8Dot for Portable {
         let bb = format.block_bytes();
         std::array::from_fn(|r| {
             std::array::from_fn(|c| {
-                reference_dot(format, xs[r], |b, out| {
-                    out.copy_from_slice(&ws[c][b * bb..(b + 1) * bb])
+                reference_dot(format, xs[r], |u, out| {
+                    out.copy_from_slice(&ws[c][u * bb..(u + 1) * bb])
                 })
             })
         })
@@ -289,7 +401,7 @@ impl Q8Dot for Portable {
     ) -> [[f32; PACK]; R] {
         check_packed(xs, g);
         std::array::from_fn(|r| {
-            std::array::from_fn(|c| reference_dot(g.format, xs[r], |b, out| g.block(c, b, out)))
+            std::array::from_fn(|c| reference_dot(g.format, xs[r], |u, out| g.block(c, u, out)))
         })
     }
 }
@@ -300,9 +412,12 @@ pub use x86::{Avx2, Vnni};
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{
-        check, check_packed, finish, Format, PackedGroup, Q8Block, Q8Dot, LANES, PACK, PLANE, QK,
+        check, check_packed, finish, has_min, Format, PackedGroup, Portable, Q8Block, Q8Dot, LANES,
+        PACK, PLANE, QK,
     };
-    use crate::device::cpu::packed::{q4_row_at, q8_half_at, qs_offset};
+    use crate::device::cpu::packed::{
+        k_parts, q4_row_at, q8_half_at, qh_offset, qs_offset, unit_bytes, K_BLOCKS, MINS_AT,
+    };
     use std::arch::x86_64::*;
 
     /// AVX2 (+ FMA, F16C), detected at run time: `maddubs` then `madd` for the lane sums.
@@ -486,8 +601,70 @@ mod x86 {
     impl Fmt for Q80 {
         const FORMAT: Format = Format::Q8_0;
     }
+    struct Q50;
+    impl Fmt for Q50 {
+        const FORMAT: Format = Format::Q5_0;
+    }
+    struct Q51;
+    impl Fmt for Q51 {
+        const FORMAT: Format = Format::Q5_1;
+    }
+    struct Q4k;
+    impl Fmt for Q4k {
+        const FORMAT: Format = Format::Q4K;
+    }
+    struct Q5k;
+    impl Fmt for Q5k {
+        const FORMAT: Format = Format::Q5K;
+    }
+    struct Q6k;
+    impl Fmt for Q6k {
+        const FORMAT: Format = Format::Q6K;
+    }
 
-    /// `block_with` for `format` (one of the three `supports` accepts).
+    /// What a 32-value format's unsigned values lose to be its values (Q4_0: nibble − 8).
+    const fn offset(format: Format) -> i8 {
+        match format {
+            Format::Q4_0 => 8,
+            Format::Q5_0 => 16,
+            _ => 0,
+        }
+    }
+
+    /// Whether a 32-value format has a fifth bit (`qh`).
+    const fn five_bit(format: Format) -> bool {
+        matches!(format, Format::Q5_0 | Format::Q5_1)
+    }
+
+    /// 0x10 in byte `i` where bit `i` of `bits` is set (two rows' 16-bit `qh` halves, as
+    /// `packed.rs` keeps them), else 0.
+    #[inline(always)]
+    unsafe fn fifth_bits(bits: u32) -> __m256i {
+        // SAFETY: inlined into AVX2 kernels (their contract).
+        unsafe {
+            // Byte i takes byte i / 8 of `bits` (shuffles stay in their 128-bit lane: the
+            // upper lane's indices 2, 3 are its own copy's bytes 2, 3), then tests bit i % 8.
+            #[rustfmt::skip]
+            let spread = _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+            );
+            let v = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), spread);
+            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+            let on = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+            _mm256_and_si256(on, _mm256_set1_epi8(0x10))
+        }
+    }
+
+    /// Whether rows of `format` *as stored* have a SIMD kernel here. The others (Q5_0, Q5_1
+    /// and the K-quants) are met as stored only where a matrix was not repacked (tests): the
+    /// model repacks every matrix of the q8 mode at load, so their production path is the
+    /// repacked kernels, and as stored they take the portable reference (same bits).
+    const fn stored_kernel(format: Format) -> bool {
+        matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
+    }
+
+    /// `block_with` for `format` (one of `stored_kernel`'s).
     ///
     /// # Safety
     /// As `block_with`.
@@ -597,16 +774,17 @@ mod x86 {
         }
     }
 
-    /// `mins` (a Q4_1 group's 8 rows) plus each row's min times `ds`: `fma(m, ds, mins)`.
+    /// `mins` (a Q4_1 or Q5_1 group's 8 rows) plus each row's min times `ds`:
+    /// `fma(m, ds, mins)`.
     ///
     /// # Safety
-    /// `p` is a Q4_1 group block (`m[8]` f16 after the scales); AVX2, FMA and F16C are
+    /// `p` is a Q4_1 or Q5_1 group block (`m[8]` f16 after the scales); AVX2, FMA and F16C are
     /// present.
     #[inline(always)]
     unsafe fn add_mins(p: *const u8, ds: f32, mins: __m256) -> __m256 {
         // SAFETY: the caller's contract.
         unsafe {
-            let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * PACK).cast()));
+            let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(MINS_AT).cast()));
             _mm256_fmadd_ps(m8, _mm256_set1_ps(ds), mins)
         }
     }
@@ -626,7 +804,12 @@ mod x86 {
             match g.format {
                 Format::Q4_0 => packed_with::<M, Q40, R>(xs, g, prefetch),
                 Format::Q4_1 => packed_with::<M, Q41, R>(xs, g, prefetch),
-                _ => packed_with::<M, Q80, R>(xs, g, prefetch),
+                Format::Q5_0 => packed_with::<M, Q50, R>(xs, g, prefetch),
+                Format::Q5_1 => packed_with::<M, Q51, R>(xs, g, prefetch),
+                Format::Q8_0 => packed_with::<M, Q80, R>(xs, g, prefetch),
+                Format::Q4K => packed_k::<M, Q4k, R>(xs, g, prefetch),
+                Format::Q5K => packed_k::<M, Q5k, R>(xs, g, prefetch),
+                _ => packed_k::<M, Q6k, R>(xs, g, prefetch),
             }
         }
     }
@@ -676,6 +859,14 @@ mod x86 {
                         let v = _mm256_loadu_si256(p.add(qs + q4_row_at(2 * k)).cast());
                         wk[0] = _mm256_and_si256(v, low);
                         wk[1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                        if five_bit(format) {
+                            // Rows 2k, 2k + 1's qh_lo (then qh_hi): one u32 each.
+                            let qh = p.add(qh_offset(format) + 4 * k);
+                            let lo = qh.cast::<u32>().read_unaligned();
+                            let hi = qh.add(2 * PACK).cast::<u32>().read_unaligned();
+                            wk[0] = _mm256_or_si256(wk[0], fifth_bits(lo));
+                            wk[1] = _mm256_or_si256(wk[1], fifth_bits(hi));
+                        }
                     }
                 }
                 for r in 0..R {
@@ -685,9 +876,9 @@ mod x86 {
                     // dw · d, each of the group's rows.
                     let s8 = _mm256_mul_ps(d8, _mm256_set1_ps(x.d));
                     // Q4_0's values are nibble − 8: Σ (n − 8)·x = Σ n·x − 8·Σ x, lane by
-                    // lane, exact in i32 (|8·Σ x| ≤ 8·8·32258).
-                    let eight = if format == Format::Q4_0 {
-                        let e = _mm256_set1_epi8(8);
+                    // lane, exact in i32 (|8·Σ x| ≤ 8·8·32258); Q5_0's − 16 alike.
+                    let eight = if offset(format) != 0 {
+                        let e = _mm256_set1_epi8(offset(format));
                         M::levels2([e, e], xv, xl)
                     } else {
                         _mm256_setzero_si256()
@@ -710,7 +901,7 @@ mod x86 {
                         let s = _mm256_permutevar8x32_ps(s8, pick[k]);
                         acc[r][k] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(lanes), acc[r][k]);
                     }
-                    if format == Format::Q4_1 {
+                    if has_min(format) {
                         mins[r] = add_mins(p, x.ds, mins[r]);
                     }
                 }
@@ -783,6 +974,15 @@ mod x86 {
                         let v = _mm512_loadu_si512(p.add(qs + q4_row_at(4 * k)).cast());
                         wk[0] = _mm512_and_si512(v, low);
                         wk[1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                        if five_bit(format) {
+                            // Rows 4k..4k + 4's qh_lo (then qh_hi) are the byte masks.
+                            let qh = p.add(qh_offset(format) + 8 * k);
+                            let lo = qh.cast::<u64>().read_unaligned();
+                            let hi = qh.add(2 * PACK).cast::<u64>().read_unaligned();
+                            let sixteen = _mm512_set1_epi8(0x10);
+                            wk[0] = _mm512_or_si512(wk[0], _mm512_maskz_mov_epi8(lo, sixteen));
+                            wk[1] = _mm512_or_si512(wk[1], _mm512_maskz_mov_epi8(hi, sixteen));
+                        }
                     }
                 }
                 for r in 0..R {
@@ -791,9 +991,9 @@ mod x86 {
                     let xl = [half_x4(&x.ql, 0), half_x4(&x.ql, 1)];
                     // dw · d, each of the group's rows (lanes 0..8).
                     let s8 = _mm512_castps256_ps512(_mm256_mul_ps(d8, _mm256_set1_ps(x.d)));
-                    // Q4_0: Σ (n − 8)·x = Σ n·x − 8·Σ x, as in `packed_with`.
-                    let eight = if format == Format::Q4_0 {
-                        let e = _mm512_set1_epi8(8);
+                    // Q4_0: Σ (n − 8)·x = Σ n·x − 8·Σ x, as in `packed_with` (Q5_0: 16).
+                    let eight = if offset(format) != 0 {
+                        let e = _mm512_set1_epi8(offset(format));
                         levels_512([e, e], xv, xl)
                     } else {
                         _mm512_setzero_si512()
@@ -809,7 +1009,7 @@ mod x86 {
                         let s = _mm512_permutexvar_ps(pick[k], s8);
                         acc[r][k] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(lanes), acc[r][k]);
                     }
-                    if format == Format::Q4_1 {
+                    if has_min(format) {
                         mins[r] = add_mins(p, x.ds, mins[r]);
                     }
                 }
@@ -825,6 +1025,297 @@ mod x86 {
                 }
             }
             out
+        }
+    }
+
+    /// Whether block `t` of a K-quant group unit starts new high bits (`packed.rs`), and
+    /// which 128-value chunk's: Q5_K's serve the whole super-block (loaded at `t` = 0),
+    /// Q6_K's the chunk `t` is in (at `t` = 0 and 4).
+    #[inline(always)]
+    fn k_high_bits_due(format: Format, t: usize) -> Option<usize> {
+        match format {
+            Format::Q5K if t == 0 => Some(0),
+            Format::Q6K if t.is_multiple_of(4) => Some(t / 4),
+            _ => None,
+        }
+    }
+
+    /// `R` rows × one repacked K-quant group (`packed.rs`) in the canonical order, on 256-bit
+    /// registers (two rows each, as `packed_with`): per super-block the 8 rows' `d` (and
+    /// `dmin`) are converted once; per block, its nibbles (with Q5_K's fifth and Q6_K's
+    /// two high bits), its sub-scales widened to each row's four i32 lanes and multiplied
+    /// into the lane sums (Q6_K: each half's by its own scale), then the one multiply-add.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are present (and whatever `M` needs); lengths are checked here.
+    #[inline(always)]
+    unsafe fn packed_k<M: MulSum, F: Fmt, const R: usize>(
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+        prefetch: bool,
+    ) -> [[f32; PACK]; R] {
+        /// Registers a group block's rows take: rows `2k` and `2k + 1` in register `k`.
+        const REGS: usize = PACK / 2;
+        let format = F::FORMAT;
+        let nb = check_packed(xs, g);
+        let gub = PACK * unit_bytes(format);
+        let parts = k_parts(format);
+        let six = format == Format::Q6K;
+        // SAFETY: the features are the caller's contract; every pointer is inside group
+        // unit `u < nb / 8` (checked to be `gub` bytes each) or activation block `8u + t`.
+        unsafe {
+            let pick: [__m256i; REGS] = std::array::from_fn(|k| {
+                let (lo, hi) = (2 * k as i32, 2 * k as i32 + 1);
+                _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)
+            });
+            let mut acc = [[_mm256_setzero_ps(); REGS]; R];
+            let mut mins = [_mm256_setzero_ps(); R];
+            let low = _mm256_set1_epi8(0x0F);
+            let mut qh = [[_mm256_setzero_si256(); REGS]; 2]; // [half][register]
+            for u in 0..nb / K_BLOCKS {
+                let p = g.data.as_ptr().add(u * gub);
+                let d8 = group_scales(p, gub, prefetch);
+                let dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(MINS_AT).cast()));
+                for t in 0..K_BLOCKS {
+                    if let Some(chunk) = k_high_bits_due(format, t) {
+                        for (h, qh) in qh.iter_mut().enumerate() {
+                            for (k, q) in qh.iter_mut().enumerate() {
+                                let at = parts.qh + ((2 * chunk + h) * PACK + 2 * k) * 16;
+                                *q = _mm256_loadu_si256(p.add(at).cast());
+                            }
+                        }
+                    }
+                    let mut w = [[_mm256_setzero_si256(); 2]; REGS];
+                    for (k, wk) in w.iter_mut().enumerate() {
+                        let at = parts.qs + t * PACK * 16 + q4_row_at(2 * k);
+                        let v = _mm256_loadu_si256(p.add(at).cast());
+                        wk[0] = _mm256_and_si256(v, low);
+                        wk[1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                        for (h, wh) in wk.iter_mut().enumerate() {
+                            if format == Format::Q5K {
+                                let bit = _mm256_set1_epi8((1u8 << t) as i8);
+                                let on = _mm256_cmpeq_epi8(_mm256_and_si256(qh[h][k], bit), bit);
+                                let fifth = _mm256_and_si256(on, _mm256_set1_epi8(0x10));
+                                *wh = _mm256_or_si256(*wh, fifth);
+                            } else if six {
+                                let shift = _mm_cvtsi32_si128(2 * (t % 4) as i32);
+                                let two = _mm256_and_si256(
+                                    _mm256_srl_epi16(qh[h][k], shift),
+                                    _mm256_set1_epi8(3),
+                                );
+                                *wh = _mm256_or_si256(*wh, _mm256_slli_epi16::<4>(two));
+                            }
+                        }
+                    }
+                    // The block's sub-scales, row r's in its register's lanes: [half][k].
+                    let halves = if six { 2 } else { 1 };
+                    let mut sc = [[_mm256_setzero_si256(); REGS]; 2];
+                    for (h, sc) in sc.iter_mut().enumerate().take(halves) {
+                        let v = _mm_loadl_epi64(p.add(parts.sc + (halves * t + h) * PACK).cast());
+                        let s8 = if six {
+                            _mm256_cvtepi8_epi32(v)
+                        } else {
+                            _mm256_cvtepu8_epi32(v)
+                        };
+                        for (k, sc) in sc.iter_mut().enumerate() {
+                            *sc = _mm256_permutevar8x32_epi32(s8, pick[k]);
+                        }
+                    }
+                    // The block's mins as dmin · m (mw = −dmin · m: subtracted below).
+                    let m8 = if has_min(format) {
+                        let v = _mm_loadl_epi64(p.add(parts.mins + t * PACK).cast());
+                        _mm256_mul_ps(dmin8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    for r in 0..R {
+                        let x = &*xs[r].as_ptr().add(u * K_BLOCKS + t);
+                        let xv = [half_x2(&x.qs, 0), half_x2(&x.qs, 1)];
+                        let xl = [half_x2(&x.ql, 0), half_x2(&x.ql, 1)];
+                        let s8 = _mm256_mul_ps(d8, _mm256_set1_ps(x.d));
+                        // Q6_K's values are q − 32: per half, Σ q·x − 32·Σ x.
+                        let e32 = if six {
+                            let e = _mm256_set1_epi8(32);
+                            [M::levels(e, xv[0], xl[0]), M::levels(e, xv[1], xl[1])]
+                        } else {
+                            [_mm256_setzero_si256(); 2]
+                        };
+                        for (k, wk) in w.iter().enumerate() {
+                            let lanes = if six {
+                                let a = _mm256_sub_epi32(M::levels(wk[0], xv[0], xl[0]), e32[0]);
+                                let b = _mm256_sub_epi32(M::levels(wk[1], xv[1], xl[1]), e32[1]);
+                                _mm256_add_epi32(
+                                    _mm256_mullo_epi32(a, sc[0][k]),
+                                    _mm256_mullo_epi32(b, sc[1][k]),
+                                )
+                            } else {
+                                _mm256_mullo_epi32(M::levels2(*wk, xv, xl), sc[0][k])
+                            };
+                            let s = _mm256_permutevar8x32_ps(s8, pick[k]);
+                            acc[r][k] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(lanes), acc[r][k]);
+                        }
+                        if has_min(format) {
+                            // fma(−dmin·m, ds, mins), one rounding as the reference's.
+                            mins[r] = _mm256_fnmadd_ps(m8, _mm256_set1_ps(x.ds), mins[r]);
+                        }
+                    }
+                }
+            }
+            let mut out = [[0.0f32; PACK]; R];
+            for r in 0..R {
+                let m = std::mem::transmute::<__m256, [f32; 8]>(mins[r]);
+                for k in 0..REGS {
+                    let a = std::mem::transmute::<__m256, [[f32; LANES]; 2]>(acc[r][k]);
+                    out[r][2 * k] = finish(&a[0], m[2 * k]);
+                    out[r][2 * k + 1] = finish(&a[1], m[2 * k + 1]);
+                }
+            }
+            out
+        }
+    }
+
+    /// `packed_k` on 512-bit registers, for the VNNI kernel: four rows a register, as
+    /// `packed_with_512`; the same lanes, so the same bits.
+    ///
+    /// # Safety
+    /// AVX-512F, BW, VNNI, F16C and FMA are present; lengths are checked here.
+    #[inline(always)]
+    unsafe fn packed_k_512<F: Fmt, const R: usize>(
+        xs: &[&[Q8Block]; R],
+        g: PackedGroup<'_>,
+        prefetch: bool,
+    ) -> [[f32; PACK]; R] {
+        /// Registers a group block's rows take: rows `4k..4k + 4` in register `k`.
+        const REGS: usize = PACK / 4;
+        let format = F::FORMAT;
+        let nb = check_packed(xs, g);
+        let gub = PACK * unit_bytes(format);
+        let parts = k_parts(format);
+        let six = format == Format::Q6K;
+        // SAFETY: the features are the caller's contract; every pointer is inside group
+        // unit `u < nb / 8` (checked to be `gub` bytes each) or activation block `8u + t`.
+        unsafe {
+            let pick: [__m512i; REGS] = std::array::from_fn(|k| {
+                let r = |j: i32| 4 * k as i32 + j;
+                #[rustfmt::skip]
+                let v = _mm512_setr_epi32(
+                    r(0), r(0), r(0), r(0), r(1), r(1), r(1), r(1),
+                    r(2), r(2), r(2), r(2), r(3), r(3), r(3), r(3),
+                );
+                v
+            });
+            let mut acc = [[_mm512_setzero_ps(); REGS]; R];
+            let mut mins = [_mm256_setzero_ps(); R];
+            let low = _mm512_set1_epi8(0x0F);
+            let mut qh = [[_mm512_setzero_si512(); REGS]; 2]; // [half][register]
+            for u in 0..nb / K_BLOCKS {
+                let p = g.data.as_ptr().add(u * gub);
+                let d8 = group_scales(p, gub, prefetch);
+                let dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(MINS_AT).cast()));
+                for t in 0..K_BLOCKS {
+                    if let Some(chunk) = k_high_bits_due(format, t) {
+                        for (h, qh) in qh.iter_mut().enumerate() {
+                            for (k, q) in qh.iter_mut().enumerate() {
+                                let at = parts.qh + ((2 * chunk + h) * PACK + 4 * k) * 16;
+                                *q = _mm512_loadu_si512(p.add(at).cast());
+                            }
+                        }
+                    }
+                    let mut w = [[_mm512_setzero_si512(); 2]; REGS];
+                    for (k, wk) in w.iter_mut().enumerate() {
+                        let at = parts.qs + t * PACK * 16 + q4_row_at(4 * k);
+                        let v = _mm512_loadu_si512(p.add(at).cast());
+                        wk[0] = _mm512_and_si512(v, low);
+                        wk[1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                        for (h, wh) in wk.iter_mut().enumerate() {
+                            if format == Format::Q5K {
+                                let bit = _mm512_set1_epi8((1u8 << t) as i8);
+                                let on = _mm512_test_epi8_mask(qh[h][k], bit);
+                                let fifth = _mm512_maskz_mov_epi8(on, _mm512_set1_epi8(0x10));
+                                *wh = _mm512_or_si512(*wh, fifth);
+                            } else if six {
+                                let shift = _mm_cvtsi32_si128(2 * (t % 4) as i32);
+                                let two = _mm512_and_si512(
+                                    _mm512_srl_epi16(qh[h][k], shift),
+                                    _mm512_set1_epi8(3),
+                                );
+                                *wh = _mm512_or_si512(*wh, _mm512_slli_epi16::<4>(two));
+                            }
+                        }
+                    }
+                    let halves = if six { 2 } else { 1 };
+                    let mut sc = [[_mm512_setzero_si512(); REGS]; 2];
+                    for (h, sc) in sc.iter_mut().enumerate().take(halves) {
+                        let v = _mm_loadl_epi64(p.add(parts.sc + (halves * t + h) * PACK).cast());
+                        let s8 = if six {
+                            _mm256_cvtepi8_epi32(v)
+                        } else {
+                            _mm256_cvtepu8_epi32(v)
+                        };
+                        for (k, sc) in sc.iter_mut().enumerate() {
+                            *sc = _mm512_permutexvar_epi32(pick[k], _mm512_castsi256_si512(s8));
+                        }
+                    }
+                    let m8 = if has_min(format) {
+                        let v = _mm_loadl_epi64(p.add(parts.mins + t * PACK).cast());
+                        _mm256_mul_ps(dmin8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    for r in 0..R {
+                        let x = &*xs[r].as_ptr().add(u * K_BLOCKS + t);
+                        let xv = [half_x4(&x.qs, 0), half_x4(&x.qs, 1)];
+                        let xl = [half_x4(&x.ql, 0), half_x4(&x.ql, 1)];
+                        let s8 = _mm512_castps256_ps512(_mm256_mul_ps(d8, _mm256_set1_ps(x.d)));
+                        let e32 = if six {
+                            let e = _mm512_set1_epi8(32);
+                            [level_512(e, xv[0], xl[0]), level_512(e, xv[1], xl[1])]
+                        } else {
+                            [_mm512_setzero_si512(); 2]
+                        };
+                        for (k, wk) in w.iter().enumerate() {
+                            let lanes = if six {
+                                let a = _mm512_sub_epi32(level_512(wk[0], xv[0], xl[0]), e32[0]);
+                                let b = _mm512_sub_epi32(level_512(wk[1], xv[1], xl[1]), e32[1]);
+                                _mm512_add_epi32(
+                                    _mm512_mullo_epi32(a, sc[0][k]),
+                                    _mm512_mullo_epi32(b, sc[1][k]),
+                                )
+                            } else {
+                                _mm512_mullo_epi32(levels_512(*wk, xv, xl), sc[0][k])
+                            };
+                            let s = _mm512_permutexvar_ps(pick[k], s8);
+                            acc[r][k] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(lanes), acc[r][k]);
+                        }
+                        if has_min(format) {
+                            mins[r] = _mm256_fnmadd_ps(m8, _mm256_set1_ps(x.ds), mins[r]);
+                        }
+                    }
+                }
+            }
+            let mut out = [[0.0f32; PACK]; R];
+            for r in 0..R {
+                let m = std::mem::transmute::<__m256, [f32; 8]>(mins[r]);
+                for k in 0..REGS {
+                    let a = std::mem::transmute::<__m512, [[f32; LANES]; 4]>(acc[r][k]);
+                    for (j, a) in a.iter().enumerate() {
+                        out[r][4 * k + j] = finish(a, m[4 * k + j]);
+                    }
+                }
+            }
+            out
+        }
+    }
+
+    /// One register's lane sums against an activation block's two planes, as its levels,
+    /// on 512-bit registers (`MulSum::levels` with `vpdpbusd`).
+    #[inline(always)]
+    unsafe fn level_512(u: __m512i, qs: __m512i, ql: __m512i) -> __m512i {
+        // SAFETY: inlined only into the 512-bit kernels (AVX-512F and VNNI, their contract).
+        unsafe {
+            let coarse = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, qs);
+            let coarse = _mm512_mullo_epi32(coarse, _mm512_set1_epi32(PLANE));
+            _mm512_dpbusd_epi32(coarse, u, ql)
         }
     }
 
@@ -876,7 +1367,12 @@ mod x86 {
             match g.format {
                 Format::Q4_0 => packed_with_512::<Q40, R>(xs, g, prefetch),
                 Format::Q4_1 => packed_with_512::<Q41, R>(xs, g, prefetch),
-                _ => packed_with_512::<Q80, R>(xs, g, prefetch),
+                Format::Q5_0 => packed_with_512::<Q50, R>(xs, g, prefetch),
+                Format::Q5_1 => packed_with_512::<Q51, R>(xs, g, prefetch),
+                Format::Q8_0 => packed_with_512::<Q80, R>(xs, g, prefetch),
+                Format::Q4K => packed_k_512::<Q4k, R>(xs, g, prefetch),
+                Format::Q5K => packed_k_512::<Q5k, R>(xs, g, prefetch),
+                _ => packed_k_512::<Q6k, R>(xs, g, prefetch),
             }
         }
     }
@@ -909,6 +1405,9 @@ mod x86 {
             xs: &[&[Q8Block]; R],
             ws: &[&[u8]; C],
         ) -> [[f32; C]; R] {
+            if !stored_kernel(format) {
+                return Portable.q8_block(format, xs, ws);
+            }
             // SAFETY: an `Avx2` exists only once AVX2, FMA and F16C were detected.
             unsafe { avx2_block(format, xs, ws) }
         }
@@ -932,6 +1431,9 @@ mod x86 {
             xs: &[&[Q8Block]; R],
             ws: &[&[u8]; C],
         ) -> [[f32; C]; R] {
+            if !stored_kernel(format) {
+                return Portable.q8_block(format, xs, ws);
+            }
             // SAFETY: a `Vnni` exists only once its features were detected.
             unsafe { vnni_block(format, xs, ws) }
         }
@@ -956,7 +1458,26 @@ mod tests {
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    const FORMATS: [Format; 3] = [Format::Q4_0, Format::Q4_1, Format::Q8_0];
+    const FORMATS: [Format; 8] = [
+        Format::Q4_0,
+        Format::Q4_1,
+        Format::Q5_0,
+        Format::Q5_1,
+        Format::Q8_0,
+        Format::Q4K,
+        Format::Q5K,
+        Format::Q6K,
+    ];
+
+    /// Row lengths (in 32-value blocks) to test `format` at: 1, 3 and 18 stored blocks of
+    /// the 32-value formats, 1 and 3 super-blocks of the K-quants.
+    fn block_counts(format: Format) -> &'static [usize] {
+        if blocks_per_unit(format) == 1 {
+            &[1, 3, 18]
+        } else {
+            &[8, 24]
+        }
+    }
 
     /// `n` rows of `k` values in `format`, by candle's quantizer.
     fn stored(values: &[f32], format: Format, n: usize, k: usize) -> Vec<u8> {
@@ -972,22 +1493,35 @@ mod tests {
     }
 
     /// Blocks whose bytes are the extremes the kernels must not overflow or saturate on:
-    /// every nibble 15 (or 0), every Q8_0 byte −128 (or 127), next to activations ±127.
+    /// every value bit set (or clear), Q8_0 bytes −128 (or 127), the largest K-quant
+    /// sub-scales (Q6_K's −128), next to activations ±127. `nb` blocks of 32 a row.
     fn extreme_rows(format: Format, c: usize, nb: usize, rng: &mut StdRng) -> Vec<u8> {
         let bb = format.block_bytes();
-        let mut out = vec![0u8; c * nb * bb];
+        let units = nb / blocks_per_unit(format);
+        let mut out = vec![0u8; c * units * bb];
         for (i, blk) in out.chunks_exact_mut(bb).enumerate() {
             let d = f16::from_f32(rng.random_range(0.5..2.0)).to_le_bytes();
-            blk[..2].copy_from_slice(&d);
-            let (at, fill) = match format {
-                Format::Q4_0 => (2, if i.is_multiple_of(2) { 0xFF } else { 0x00 }),
-                Format::Q4_1 => {
-                    blk[2..4].copy_from_slice(&f16::from_f32(-1.5).to_le_bytes());
-                    (4, if i.is_multiple_of(2) { 0xFF } else { 0x00 })
+            let even = i.is_multiple_of(2);
+            match format {
+                Format::Q8_0 => blk[2..].fill(if even { 0x80 } else { 0x7F }),
+                Format::Q6K => {
+                    blk[..192].fill(if even { 0xFF } else { 0x00 });
+                    blk[192..208].fill(0x80);
                 }
-                _ => (2, if i.is_multiple_of(2) { 0x80 } else { 0x7F }),
-            };
-            blk[at..].fill(fill);
+                _ => blk.fill(if even { 0xFF } else { 0x00 }),
+            }
+            match format {
+                Format::Q4_1 | Format::Q5_1 => {
+                    blk[2..4].copy_from_slice(&f16::from_f32(-1.5).to_le_bytes())
+                }
+                Format::Q4K | Format::Q5K => {
+                    blk[2..4].copy_from_slice(&f16::from_f32(1.5).to_le_bytes());
+                    blk[4..16].fill(0xFF); // scales and mins 63
+                }
+                _ => {}
+            }
+            let at = if format == Format::Q6K { 208 } else { 0 };
+            blk[at..at + 2].copy_from_slice(&d);
         }
         out
     }
@@ -1023,7 +1557,7 @@ mod tests {
         what: &str,
     ) {
         let nb = xs[0].len();
-        let rb = nb * format.block_bytes();
+        let rb = format.row_bytes(nb * QK).unwrap();
         let xr: [&[Q8Block]; R] = std::array::from_fn(|r| xs[r].as_slice());
         let wr: [&[u8]; C] = std::array::from_fn(|c| &ws[c * rb..(c + 1) * rb]);
         let want = Portable.q8_block(format, &xr, &wr);
@@ -1054,7 +1588,7 @@ mod tests {
     fn every_integer_kernel_gives_the_portable_bits() {
         let mut rng = StdRng::seed_from_u64(41);
         for format in FORMATS {
-            for nb in [1, 3, 18] {
+            for &nb in block_counts(format) {
                 let k = nb * QK;
                 let w: Vec<f32> = (0..4 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let ws = stored(&w, format, 4, k);
@@ -1101,7 +1635,7 @@ mod tests {
     /// the rows as stored.
     fn check_packed<const R: usize>(format: Format, xs: &[Vec<Q8Block>], ws: &[u8], what: &str) {
         let nb = xs[0].len();
-        let rb = nb * format.block_bytes();
+        let rb = format.row_bytes(nb * QK).unwrap();
         let n = ws.len() / rb;
         let p = Packed::pack(format, ws, n, nb * QK);
         let xr: [&[Q8Block]; R] = std::array::from_fn(|r| xs[r].as_slice());
@@ -1150,7 +1684,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(53);
         let n = 13;
         for format in FORMATS {
-            for nb in [1, 3, 18] {
+            for &nb in block_counts(format) {
                 let k = nb * QK;
                 let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let ws = stored(&w, format, n, k);
@@ -1181,6 +1715,42 @@ mod tests {
                 check_packed_shapes(format, &ext, &ew, &format!("extremes, nb {nb}"));
                 let fine = vec![extreme_levels(k); 4];
                 check_packed_shapes(format, &fine, &ew, &format!("fine extremes, nb {nb}"));
+            }
+        }
+    }
+
+    /// The integer blocks are the format's values: `dw · s · v + mw` (in f64) is what the
+    /// dequantizer (checked bitwise against candle's) gives, value for value, on random
+    /// blocks and on the extremes.
+    #[test]
+    fn integer_blocks_are_the_dequantized_values() {
+        let mut rng = StdRng::seed_from_u64(61);
+        for format in FORMATS {
+            let nb = 3 * blocks_per_unit(format);
+            let k = nb * QK;
+            let w: Vec<f32> = (0..2 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut rows = stored(&w, format, 2, k);
+            rows.extend(extreme_rows(format, 2, nb, &mut rng));
+            let mut deq = vec![0.0f32; rows.len() / format.block_bytes() * format.block_elems()];
+            super::super::quant::dequantize_generic(format, &rows, &mut deq);
+            let mut blocks = vec![IntBlock::ZERO; blocks_per_unit(format)];
+            let per = format.block_elems();
+            for (u, unit) in rows.chunks_exact(format.block_bytes()).enumerate() {
+                int_blocks(format, unit, &mut blocks);
+                for (b, blk) in blocks.iter().enumerate() {
+                    for (i, &v) in blk.v.iter().enumerate() {
+                        let s = blk.s[i / 16] as f64;
+                        let scaled = blk.dw as f64 * s * v as f64;
+                        let got = scaled + blk.mw as f64;
+                        let want = deq[u * per + b * QK + i] as f64;
+                        // The dequantizer rounds its product and its difference in f32.
+                        let tol = 2.0 * f32::EPSILON as f64 * (scaled.abs() + blk.mw.abs() as f64);
+                        assert!(
+                            (got - want).abs() <= tol,
+                            "{format} unit {u} block {b} value {i}: {got} vs {want}"
+                        );
+                    }
+                }
             }
         }
     }
@@ -1334,7 +1904,7 @@ mod tests {
     fn integer_dots_are_within_the_activation_rounding_of_the_f32_dot() {
         let mut rng = StdRng::seed_from_u64(47);
         for format in FORMATS {
-            let (n, k) = (16, 576);
+            let (n, k) = (16, 768);
             let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let ws = stored(&w, format, n, k);
             let rb = format.row_bytes(k).unwrap();

@@ -67,8 +67,8 @@ pub enum ActivationMode {
     #[default]
     F32,
     /// Quantised per block of 32 (two 8-bit planes), then integer dots (`q8.rs`) with the weight
-    /// rows stored as Q4_0, Q4_1 or Q8_0 (other rows take the f32 path). Batch-invariant,
-    /// not bitwise the f32 result.
+    /// rows in a format with an integer kernel (`packed::supports`; other rows take the f32
+    /// path). Batch-invariant, not bitwise the f32 result.
     Q8,
 }
 

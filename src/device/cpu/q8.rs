@@ -291,7 +291,7 @@ fn half_at(b: &[u8], at: usize) -> f32 {
 }
 
 /// `R × C` integer dots `xs[r] · ws[c]`: quantised activation rows (`nb` blocks each)
-/// against stored weight rows of one supported format (`nb` blocks each).
+/// against stored weight rows of one supported format (`nb` blocks of 32 values each).
 pub trait Q8Dot: Copy + Send + Sync {
     fn q8_block<const R: usize, const C: usize>(
         self,

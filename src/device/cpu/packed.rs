@@ -55,19 +55,21 @@ const QK: usize = 32;
 /// 32-value blocks in a K-quant super-block.
 pub const K_BLOCKS: usize = 8;
 
-/// Whether `format`'s rows can be repacked (the formats with an integer kernel).
+/// The formats whose rows can be repacked: those with an integer kernel.
+pub const FORMATS: [Format; 8] = [
+    Format::Q4_0,
+    Format::Q4_1,
+    Format::Q5_0,
+    Format::Q5_1,
+    Format::Q8_0,
+    Format::Q4K,
+    Format::Q5K,
+    Format::Q6K,
+];
+
+/// Whether `format`'s rows can be repacked (one of `FORMATS`).
 pub fn supports(format: Format) -> bool {
-    matches!(
-        format,
-        Format::Q4_0
-            | Format::Q4_1
-            | Format::Q5_0
-            | Format::Q5_1
-            | Format::Q8_0
-            | Format::Q4K
-            | Format::Q5K
-            | Format::Q6K
-    )
+    FORMATS.contains(&format)
 }
 
 /// Bytes one row's unit takes in a group unit: the stored block size, but for Q4_K and
@@ -495,16 +497,7 @@ mod tests {
     #[test]
     fn a_repacked_row_unpacks_to_its_stored_bytes() {
         let mut rng = StdRng::seed_from_u64(5);
-        for format in [
-            Format::Q4_0,
-            Format::Q4_1,
-            Format::Q5_0,
-            Format::Q5_1,
-            Format::Q8_0,
-            Format::Q4K,
-            Format::Q5K,
-            Format::Q6K,
-        ] {
+        for format in FORMATS {
             for (rows, units) in [(1, 1), (8, 3), (13, 2), (24, 18)] {
                 let cols = units * format.block_elems();
                 let rb = format.row_bytes(cols).unwrap();

@@ -1453,21 +1453,10 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::cpu::packed::Packed;
+    use crate::device::cpu::packed::{Packed, FORMATS};
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
-
-    const FORMATS: [Format; 8] = [
-        Format::Q4_0,
-        Format::Q4_1,
-        Format::Q5_0,
-        Format::Q5_1,
-        Format::Q8_0,
-        Format::Q4K,
-        Format::Q5K,
-        Format::Q6K,
-    ];
 
     /// Row lengths (in 32-value blocks) to test `format` at: 1, 3 and 18 stored blocks of
     /// the 32-value formats, 1 and 3 super-blocks of the K-quants.

@@ -1050,9 +1050,58 @@ pub fn read_gguf_header<R: std::io::Read + std::io::Seek>(
     reader.rewind()?;
     // Buffered: candle reads metadata a value at a time (a syscall each, unbuffered).
     let content = gguf_file::Content::read(&mut std::io::BufReader::new(&mut *reader))
-        .map_err(errors::candle)?;
+        .map_err(errors::candle)
+        .map_err(name_unread_type)?;
     check_tensor_layout(&content, len)?;
     Ok(content)
+}
+
+/// candle's "unknown dtype for tensor N" (N: the GGML type id) as a sentence a user can act
+/// on: the type's name, what strata reads, and why such a tensor may be in a file they made
+/// as another type (llama-quantize's fallback for rows that are not whole super-blocks).
+fn name_unread_type(e: anyhow::Error) -> anyhow::Error {
+    const PREFIX: &str = "unknown dtype for tensor ";
+    let msg = e.to_string();
+    let Some(id) = msg
+        .find(PREFIX)
+        .and_then(|at| msg[at + PREFIX.len()..].split_whitespace().next())
+        .and_then(|n| n.parse::<u32>().ok())
+    else {
+        return e;
+    };
+    // ggml.h's numbering (the types candle reads are not in this list: they never get here).
+    let name = match id {
+        4 | 5 => "Q4_2/Q4_3 (removed from GGML)",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => return e, // not a GGML type: candle's words say it
+    };
+    let fallback = if id == 20 {
+        " (llama-quantize writes IQ4_NL for the rows of a Q2_K, Q3_K or IQ4_XS file that are \
+         not whole 256-value super-blocks)"
+    } else {
+        ""
+    };
+    anyhow::anyhow!(
+        "a tensor has type {name} (GGML type {id}), which strata does not read{fallback}; it reads \
+         F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: \
+         use a file of one of those (e.g. Q4_K_M)"
+    )
 }
 
 /// Every tensor's data lies inside the file, starts at a multiple of the alignment and
@@ -1268,6 +1317,30 @@ mod tests {
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    /// A GGUF whose one tensor has GGML type 20 (IQ4_NL): the error names the type and what
+    /// is read instead of candle's "unknown dtype for tensor 20".
+    #[test]
+    fn an_unread_tensor_type_is_named() {
+        let mut f = Vec::new();
+        f.extend(b"GGUF");
+        f.extend(3u32.to_le_bytes());
+        f.extend(1u64.to_le_bytes()); // tensors
+        f.extend(0u64.to_le_bytes()); // metadata
+        f.extend(1u64.to_le_bytes());
+        f.extend(b"w");
+        f.extend(1u32.to_le_bytes()); // dimensions
+        f.extend(32u64.to_le_bytes());
+        f.extend(20u32.to_le_bytes()); // IQ4_NL
+        f.extend(0u64.to_le_bytes()); // offset
+        f.resize(f.len().next_multiple_of(32) + 18, 0);
+        let len = f.len() as u64;
+        let err = read_gguf_header(&mut std::io::Cursor::new(f), len).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("IQ4_NL (GGML type 20)"), "{msg}");
+        assert!(msg.contains("Q4_K, Q5_K and Q6_K"), "{msg}");
+        assert!(!msg.contains('\n'), "{msg}");
+    }
 
     #[test]
     fn weight_dtype_names_are_the_flag_values() {

@@ -230,13 +230,13 @@ pub const fn q8_half_at(c: usize, h: usize) -> usize {
 
 /// Where stored block bytes of a 32-value format keep `d`, `m`, `qh` and the nibbles (or
 /// Q8_0's bytes); `None` where the format has no such part.
-struct Stored32 {
-    m: Option<usize>,
-    qh: Option<usize>,
-    qs: usize,
+pub(super) struct Stored32 {
+    pub m: Option<usize>,
+    pub qh: Option<usize>,
+    pub qs: usize,
 }
 
-const fn stored32(format: Format) -> Stored32 {
+pub(super) const fn stored32(format: Format) -> Stored32 {
     match format {
         Format::Q4_1 => Stored32 {
             m: Some(2),
@@ -321,7 +321,7 @@ fn take(format: Format, c: usize, gb: &[u8], blk: &mut [u8]) {
 /// Q5_K keep block `2c`'s in the low nibbles of 32 bytes at `qs + 32c` and block `2c + 1`'s
 /// in their high ones; Q6_K per 128 values (`qs + 64k`) its blocks `t` = 0, 1 in the low
 /// nibbles of the first and second 32 bytes, `t` = 2, 3 in the high ones.
-const fn k_nibble_at(format: Format, b: usize, i: usize) -> (usize, u32) {
+pub(super) const fn k_nibble_at(format: Format, b: usize, i: usize) -> (usize, u32) {
     match format {
         Format::Q6K => {
             let (k, t) = (b / 4, b % 4);
@@ -331,8 +331,8 @@ const fn k_nibble_at(format: Format, b: usize, i: usize) -> (usize, u32) {
     }
 }
 
-/// Stored offsets of a K-quant's `qs`, `qh` and scales.
-const fn k_stored(format: Format) -> (usize, usize, usize) {
+/// Stored offsets of a K-quant's `qs`, `qh` and scales (`d`, `dmin` at 0, 2; Q6_K's `d` at 208).
+pub(super) const fn k_stored(format: Format) -> (usize, usize, usize) {
     match format {
         Format::Q4K => (16, 0, 4),
         Format::Q5K => (48, 16, 4),

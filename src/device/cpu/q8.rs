@@ -109,6 +109,16 @@ pub const fn has_min(format: Format) -> bool {
     )
 }
 
+/// What a 32-value format's unsigned stored values lose to be its values (Q4_0: nibble − 8,
+/// Q5_0: − 16); the kernels subtract it as `offset · Σ x`.
+pub const fn value_offset(format: Format) -> i8 {
+    match format {
+        Format::Q4_0 => 8,
+        Format::Q5_0 => 16,
+        _ => 0,
+    }
+}
+
 /// One 32-value weight block as the integer kernels compute with it (the module's order).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct IntBlock {
@@ -148,29 +158,19 @@ pub fn int_blocks(format: Format, x: &[u8], out: &mut [IntBlock]) {
     let o = &mut out[0];
     match format {
         Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => {
-            // d, [m], [qh], nibbles (quant.rs's layouts).
-            let (m, qh, qs) = match format {
-                Format::Q4_0 => (None, None, 2),
-                Format::Q4_1 => (Some(2), None, 4),
-                Format::Q5_0 => (None, Some(2), 6),
-                _ => (Some(2), Some(4), 8),
-            };
-            let high = qh.map_or(0, |at| {
-                u32::from_le_bytes([x[at], x[at + 1], x[at + 2], x[at + 3]])
+            let at = packed::stored32(format);
+            let high = at.qh.map_or(0, |h| {
+                u32::from_le_bytes([x[h], x[h + 1], x[h + 2], x[h + 3]])
             });
-            let off = match format {
-                Format::Q4_0 => 8,
-                Format::Q5_0 => 16,
-                _ => 0,
-            };
-            for j in 0..16 {
-                let fifth = |i: usize| (((high >> i) & 1) << 4) as i32;
-                o.v[j] = (x[qs + j] & 0x0F) as i32 + fifth(j) - off;
-                o.v[j + 16] = (x[qs + j] >> 4) as i32 + fifth(j + 16) - off;
+            let off = value_offset(format) as i32;
+            let fifth = |i: usize| (((high >> i) & 1) << 4) as i32;
+            for (j, &q) in x[at.qs..at.qs + 16].iter().enumerate() {
+                o.v[j] = (q & 0x0F) as i32 + fifth(j) - off;
+                o.v[j + 16] = (q >> 4) as i32 + fifth(j + 16) - off;
             }
             o.s = [1, 1];
             o.dw = half_at(x, 0);
-            o.mw = m.map_or(0.0, |at| half_at(x, at));
+            o.mw = at.m.map_or(0.0, |m| half_at(x, m));
         }
         Format::Q8_0 => {
             for (v, &b) in o.v.iter_mut().zip(&x[2..34]) {
@@ -180,37 +180,37 @@ pub fn int_blocks(format: Format, x: &[u8], out: &mut [IntBlock]) {
             o.dw = half_at(x, 0);
             o.mw = 0.0;
         }
-        Format::Q4K | Format::Q5K => {
-            let (d, dmin) = (half_at(x, 0), half_at(x, 2));
-            let (qs, qh) = if format == Format::Q5K {
-                (48, Some(16))
+        Format::Q4K | Format::Q5K | Format::Q6K => {
+            let (qs, qh, sc) = packed::k_stored(format);
+            let six = format == Format::Q6K;
+            let (d, dmin) = if six {
+                (half_at(x, 208), 0.0)
             } else {
-                (16, None)
+                (half_at(x, 0), half_at(x, 2))
             };
             for (b, o) in out.iter_mut().enumerate() {
-                let (sc, mn) = scale_min_k4(b, &x[4..16]);
                 for (i, v) in o.v.iter_mut().enumerate() {
-                    let low = (x[qs + 32 * (b / 2) + i] >> (4 * (b % 2))) & 0x0F;
-                    let fifth = qh.map_or(0, |at| ((x[at + i] >> b) & 1) << 4);
-                    *v = (low | fifth) as i32;
+                    let (at, shift) = packed::k_nibble_at(format, b, i);
+                    let low = ((x[qs + at] >> shift) & 0x0F) as i32;
+                    *v = match format {
+                        // Q6_K: two high bits of 128 values' chunk b / 4, block b % 4.
+                        Format::Q6K => {
+                            let high = (x[qh + 32 * (b / 4) + i] >> (2 * (b % 4))) & 3;
+                            (low | (high << 4) as i32) - 32
+                        }
+                        Format::Q5K => low | (((x[qh + i] >> b) & 1) << 4) as i32,
+                        _ => low,
+                    };
                 }
-                o.s = [sc as i32; 2];
                 o.dw = d;
-                o.mw = -(dmin * mn as f32);
-            }
-        }
-        Format::Q6K => {
-            let d = half_at(x, 208);
-            for (b, o) in out.iter_mut().enumerate() {
-                let (k, t) = (b / 4, b % 4);
-                for (i, v) in o.v.iter_mut().enumerate() {
-                    let low = (x[64 * k + 32 * (t % 2) + i] >> (4 * (t / 2))) & 0x0F;
-                    let high = (x[128 + 32 * k + i] >> (2 * t)) & 3;
-                    *v = (low | (high << 4)) as i32 - 32;
+                if six {
+                    o.s = [x[sc + 2 * b] as i8 as i32, x[sc + 2 * b + 1] as i8 as i32];
+                    o.mw = 0.0;
+                } else {
+                    let (s, m) = scale_min_k4(b, &x[sc..sc + 12]);
+                    o.s = [s as i32; 2];
+                    o.mw = -(dmin * m as f32);
                 }
-                o.s = [x[192 + 2 * b] as i8 as i32, x[193 + 2 * b] as i8 as i32];
-                o.dw = d;
-                o.mw = 0.0;
             }
         }
         _ => unreachable!("checked above"),
@@ -412,8 +412,8 @@ pub use x86::{Avx2, Vnni};
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{
-        check, check_packed, finish, has_min, Format, PackedGroup, Portable, Q8Block, Q8Dot, LANES,
-        PACK, PLANE, QK,
+        check, check_packed, finish, has_min, value_offset, Format, PackedGroup, Portable, Q8Block,
+        Q8Dot, LANES, PACK, PLANE, QK,
     };
     use crate::device::cpu::packed::{
         k_parts, q4_row_at, q8_half_at, qh_offset, qs_offset, unit_bytes, K_BLOCKS, MINS_AT,
@@ -620,15 +620,6 @@ mod x86 {
     struct Q6k;
     impl Fmt for Q6k {
         const FORMAT: Format = Format::Q6K;
-    }
-
-    /// What a 32-value format's unsigned values lose to be its values (Q4_0: nibble − 8).
-    const fn offset(format: Format) -> i8 {
-        match format {
-            Format::Q4_0 => 8,
-            Format::Q5_0 => 16,
-            _ => 0,
-        }
     }
 
     /// Whether a 32-value format has a fifth bit (`qh`).
@@ -877,8 +868,8 @@ mod x86 {
                     let s8 = _mm256_mul_ps(d8, _mm256_set1_ps(x.d));
                     // Q4_0's values are nibble − 8: Σ (n − 8)·x = Σ n·x − 8·Σ x, lane by
                     // lane, exact in i32 (|8·Σ x| ≤ 8·8·32258); Q5_0's − 16 alike.
-                    let eight = if offset(format) != 0 {
-                        let e = _mm256_set1_epi8(offset(format));
+                    let eight = if value_offset(format) != 0 {
+                        let e = _mm256_set1_epi8(value_offset(format));
                         M::levels2([e, e], xv, xl)
                     } else {
                         _mm256_setzero_si256()
@@ -992,8 +983,8 @@ mod x86 {
                     // dw · d, each of the group's rows (lanes 0..8).
                     let s8 = _mm512_castps256_ps512(_mm256_mul_ps(d8, _mm256_set1_ps(x.d)));
                     // Q4_0: Σ (n − 8)·x = Σ n·x − 8·Σ x, as in `packed_with` (Q5_0: 16).
-                    let eight = if offset(format) != 0 {
-                        let e = _mm512_set1_epi8(offset(format));
+                    let eight = if value_offset(format) != 0 {
+                        let e = _mm512_set1_epi8(value_offset(format));
                         levels_512([e, e], xv, xl)
                     } else {
                         _mm512_setzero_si512()
@@ -1075,7 +1066,11 @@ mod x86 {
             for u in 0..nb / K_BLOCKS {
                 let p = g.data.as_ptr().add(u * gub);
                 let d8 = group_scales(p, gub, prefetch);
-                let dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(MINS_AT).cast()));
+                let dmin8 = if has_min(format) {
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(MINS_AT).cast()))
+                } else {
+                    _mm256_setzero_ps() // Q6_K: no mins
+                };
                 for t in 0..K_BLOCKS {
                     if let Some(chunk) = k_high_bits_due(format, t) {
                         for (h, qh) in qh.iter_mut().enumerate() {
@@ -1211,7 +1206,11 @@ mod x86 {
             for u in 0..nb / K_BLOCKS {
                 let p = g.data.as_ptr().add(u * gub);
                 let d8 = group_scales(p, gub, prefetch);
-                let dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(MINS_AT).cast()));
+                let dmin8 = if has_min(format) {
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(MINS_AT).cast()))
+                } else {
+                    _mm256_setzero_ps() // Q6_K: no mins
+                };
                 for t in 0..K_BLOCKS {
                     if let Some(chunk) = k_high_bits_due(format, t) {
                         for (h, qh) in qh.iter_mut().enumerate() {

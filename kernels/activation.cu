@@ -1,6 +1,7 @@
-// SwiGLU activation: out = silu(gate) * up, gate and up side by side in one GEMM output.
+// Gated MLP activations, gate and up side by side in one GEMM output.
 #include "common.cuh"
 
+// SwiGLU: out = silu(gate) * up.
 extern "C" __global__ void silu_mul(
     const bf16* __restrict__ gu,  // [tokens, 2 * inter]: gate then up
     bf16* __restrict__ out,       // [tokens, inter]
@@ -11,4 +12,19 @@ extern "C" __global__ void silu_mul(
     const float g = bf16_to_f32(gu[t * 2 * inter + j]);
     const float u = bf16_to_f32(gu[t * 2 * inter + inter + j]);
     out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * u);
+}
+
+// GeGLU (Gemma): out = gelu_tanh(gate) * up, GELU's tanh approximation as in
+// `ops::gelu_tanh`.
+extern "C" __global__ void gelu_tanh_mul(
+    const bf16* __restrict__ gu,  // [tokens, 2 * inter]: gate then up
+    bf16* __restrict__ out,       // [tokens, inter]
+    int tokens, int inter) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)tokens * inter) return;
+    const long long t = i / inter, j = i % inter;
+    const float g = bf16_to_f32(gu[t * 2 * inter + j]);
+    const float u = bf16_to_f32(gu[t * 2 * inter + inter + j]);
+    const float c = 0.7978846f * (g + 0.044715f * g * g * g);  // √(2/π) (x + 0.044715 x³)
+    out[i] = f32_to_bf16(0.5f * g * (1.0f + tanhf(c)) * u);
 }

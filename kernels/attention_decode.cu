@@ -1,10 +1,17 @@
 // Decode attention, flash-decoding: one query per sequence, so parallelism comes from
 // splitting the key range into `split_len` chunks, one block each (partial m, l, o in
-// f32), then a second kernel merges the splits. GQA; K/V read through a block table (a
-// contiguous ring slot = one block per sequence). bf16 in and out.
+// f32), then a second kernel merges the splits. GQA; an optional sliding window (`window`
+// > 0: the query sees its last `window` keys, so splits wholly before them are neither
+// run nor merged); K/V read through a block table (a contiguous slot = one block per
+// sequence; a ring slot = a table of zeros, key p at row p % block_size). bf16 in and out.
 #include "common.cuh"
 
 #define WARPS 4
+
+// The first key the query at position ctx − 1 sees (key 0 without a window).
+__device__ __forceinline__ int first_key(int ctx, int window) {
+    return window > 0 ? max(0, ctx - window) : 0;
+}
 
 // Launch: grid (num_heads, max_splits, batch), block 128. Heads vary fastest so the
 // `group` heads that read the same KV head run side by side and share it through L2.
@@ -18,7 +25,7 @@ __device__ void attn_decode(
     const int* __restrict__ context_lens,  // [batch]
     const int* __restrict__ block_tables,  // [batch, max_blocks]
     int max_blocks, int block_size, int num_heads, int num_kv_heads, int q_stride,
-    int split_len, int max_splits, float scale) {
+    int split_len, int max_splits, int window, float scale) {
     constexpr int DPL = HD / 32;
     __shared__ float qs[HD];
     __shared__ float wm[WARPS], wl[WARPS];
@@ -26,9 +33,10 @@ __device__ void attn_decode(
 
     const int h = blockIdx.x, s = blockIdx.y, b = blockIdx.z;
     const int ctx = context_lens[b];
-    const int k_begin = s * split_len;
-    if (k_begin >= ctx) return;  // the reduce kernel only reads splits that exist
-    const int k_end = min(ctx, k_begin + split_len);
+    const int split0 = s * split_len;
+    const int k_begin = max(split0, first_key(ctx, window));
+    const int k_end = min(ctx, split0 + split_len);
+    if (k_begin >= k_end) return;  // the reduce kernel reads only the splits that run
     const int kvh = h / (num_heads / num_kv_heads);
     const int kv_dim = num_kv_heads * HD;
     const int* table = block_tables + (long long)b * max_blocks;
@@ -108,14 +116,15 @@ __device__ void attn_decode(
         const bf16* q, const bf16* k_cache, const bf16* v_cache, float* part_o,            \
         float* part_ml, const int* context_lens, const int* block_tables, int max_blocks,  \
         int block_size, int num_heads, int num_kv_heads, int q_stride, int split_len,      \
-        int max_splits, float scale) {                                                     \
+        int max_splits, int window, float scale) {                                         \
         attn_decode<HD>(q, k_cache, v_cache, part_o, part_ml, context_lens, block_tables,  \
                         max_blocks, block_size, num_heads, num_kv_heads, q_stride,         \
-                        split_len, max_splits, scale);                                     \
+                        split_len, max_splits, window, scale);                             \
     }
 INSTANTIATE(64)
 INSTANTIATE(96)
 INSTANTIATE(128)
+INSTANTIATE(256)
 
 // Merge the splits: out = Σ o_s e^{m_s − M} / Σ l_s e^{m_s − M}.
 // Launch: grid (num_heads, batch), block 128.
@@ -124,19 +133,21 @@ extern "C" __global__ void attn_decode_reduce(
     const float* __restrict__ part_ml,     // [batch, num_heads, max_splits, 2]
     bf16* __restrict__ out,                // [batch, num_heads × head_dim]
     const int* __restrict__ context_lens,  // [batch]
-    int num_heads, int head_dim, int split_len, int max_splits) {
+    int num_heads, int head_dim, int split_len, int max_splits, int window) {
     const int h = blockIdx.x, b = blockIdx.y;
-    const int splits = (context_lens[b] + split_len - 1) / split_len;
+    const int ctx = context_lens[b];
+    const int splits = (ctx + split_len - 1) / split_len;
+    const int s0 = first_key(ctx, window) / split_len;  // the first split attn_decode ran
     const long long base = ((long long)b * num_heads + h) * max_splits;
     float mx = -INFINITY;
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
+    for (int s = s0; s < splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
     float l = 0.0f;
-    for (int s = 0; s < splits; ++s)
+    for (int s = s0; s < splits; ++s)
         l += part_ml[(base + s) * 2 + 1] * __expf(part_ml[(base + s) * 2] - mx);
     const float inv = 1.0f / l;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s < splits; ++s)
+        for (int s = s0; s < splits; ++s)
             acc += part_o[(base + s) * head_dim + d] * __expf(part_ml[(base + s) * 2] - mx);
         out[((long long)b * num_heads + h) * head_dim + d] = f32_to_bf16(acc * inv);
     }

@@ -1,11 +1,12 @@
-// Embedding gather: one block per token copies its table row.
+// Embedding gather: one block per token copies its table row, times `scale` (Gemma's
+// √hidden; 1 elsewhere, which leaves every value as stored).
 #include "common.cuh"
 
 extern "C" __global__ void embedding_gather(
     const bf16* __restrict__ table,  // [vocab, dim]
     const int* __restrict__ ids,     // [tokens]
     bf16* __restrict__ out,          // [tokens, dim]
-    int vocab, int dim) {
+    int vocab, int dim, float scale) {
     const int t = blockIdx.x;
     const int id = ids[t];
     bf16* dst = out + (long long)t * dim;
@@ -15,5 +16,6 @@ extern "C" __global__ void embedding_gather(
         return;
     }
     const bf16* src = table + (long long)id * dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        dst[i] = f32_to_bf16(bf16_to_f32(src[i]) * scale);
 }

@@ -1,5 +1,5 @@
-// RMSNorm family, one block per row, f32 accumulation: plain, fused residual add, and
-// per-head (Qwen3 q/k norm).
+// RMSNorm family, one block per row, f32 accumulation: plain, fused residual add (of a
+// plain or, Gemma's sandwich norms, a normed delta), and per-head (q/k norm).
 #include "common.cuh"
 
 extern "C" __global__ void rms_norm(
@@ -39,6 +39,37 @@ extern "C" __global__ void add_rms_norm(
     }
     const float scale = rsqrtf(block_sum(ss) / dim + eps);
     // Each thread reads back only the elements it wrote, so no barrier is needed.
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        orow[i] = f32_to_bf16(bf16_to_f32(xr[i]) * scale * bf16_to_f32(w[i]));
+}
+
+// Gemma's sandwich: x += rms_norm(delta) * w_delta (the sublayer output normed before the
+// residual add, rounded to bf16 as a stored activation would be); out = rms_norm(x) * w.
+extern "C" __global__ void norm_add_rms_norm(
+    bf16* __restrict__ x,              // [rows, dim], updated in place
+    const bf16* __restrict__ delta,    // [rows, dim]
+    const bf16* __restrict__ w_delta,  // [dim]
+    const bf16* __restrict__ w,        // [dim]
+    bf16* __restrict__ out,            // [rows, dim]
+    int dim, float eps) {
+    bf16* xr = x + (long long)blockIdx.x * dim;
+    const bf16* dr = delta + (long long)blockIdx.x * dim;
+    bf16* orow = out + (long long)blockIdx.x * dim;
+    float ssd = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = bf16_to_f32(dr[i]);
+        ssd += v * v;
+    }
+    const float scale_d = rsqrtf(block_sum(ssd) / dim + eps);
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float d = bf16_to_f32(f32_to_bf16(bf16_to_f32(dr[i]) * scale_d * bf16_to_f32(w_delta[i])));
+        bf16 s = f32_to_bf16(bf16_to_f32(xr[i]) + d);
+        xr[i] = s;
+        float v = bf16_to_f32(s);
+        ss += v * v;
+    }
+    const float scale = rsqrtf(block_sum(ss) / dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         orow[i] = f32_to_bf16(bf16_to_f32(xr[i]) * scale * bf16_to_f32(w[i]));
 }

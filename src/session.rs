@@ -350,7 +350,7 @@ impl Session {
                     );
                 }
                 let kv = caches.pick(resident, || {
-                    let kv = ResidentKv::new(gpu.exec(), c.num_layers, c.kv_dim(), cap)?;
+                    let kv = ResidentKv::for_model(gpu.exec(), c, cap)?;
                     Ok(Box::new(kv))
                 })?;
                 let profile = if resident { None } else { self.cfg.profile };

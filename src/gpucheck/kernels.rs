@@ -93,6 +93,33 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
         ("gemm_fixed (batch-invariant)", check_gemm_fixed),
         ("page_bounds (sparse)", check_page_bounds),
         ("head_bounds (sparse)", check_head_bounds),
+        ("embedding_gather (scaled)", |exec, r, z| {
+            check_embedding_scaled(exec, r, z, 25.3)
+        }),
+        ("gelu_tanh_mul", check_gelu_tanh_mul),
+        ("norm_add_rms_norm", check_norm_add_rms_norm),
+        ("kv_store (ring)", check_kv_store_ring),
+        ("attn_prefill_hd256", |exec, r, z| {
+            check_prefill(exec, r, z, heads(z, 256), 256)
+        }),
+        ("attn_decode_hd256", |exec, r, z| {
+            check_decode(exec, r, z, heads(z, 256), 256, 16)
+        }),
+        ("attn_prefill_hd64 (unaligned chunks)", |exec, r, z| {
+            check_window(exec, r, z, 64, Attn::Prefill, None, Layout::Paged(16))
+        }),
+        ("attn_prefill_hd64 (window)", |exec, r, z| {
+            check_window(exec, r, z, 64, Attn::Prefill, Some(37), Layout::Paged(16))
+        }),
+        ("attn_prefill_hd256 (window, ring)", |exec, r, z| {
+            check_window(exec, r, z, 256, Attn::Prefill, Some(37), Layout::Ring)
+        }),
+        ("attn_decode_hd128 (window)", |exec, r, z| {
+            check_window(exec, r, z, 128, Attn::Decode, Some(300), Layout::Paged(16))
+        }),
+        ("attn_decode_hd256 (window, ring)", |exec, r, z| {
+            check_window(exec, r, z, 256, Attn::Decode, Some(300), Layout::Ring)
+        }),
     ];
     let mut rows = Vec::new();
     for (i, (name, f)) in checks.into_iter().enumerate() {
@@ -115,6 +142,7 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
 fn heads(z: CheckSizes, head_dim: usize) -> (usize, usize) {
     match head_dim {
         128 => z.pick((32, 8), (8, 2)),
+        256 => z.pick((8, 4), (4, 2)), // Gemma 3 4B's 8/4
         _ => z.pick((9, 3), (6, 2)),
     }
 }
@@ -248,6 +276,16 @@ fn compare(name: &str, shape: String, got: &[f32], want: &[f32], atol: f32, rtol
 }
 
 fn check_embedding(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    check_embedding_scaled(exec, rng, z, 1.0)
+}
+
+/// Scale 1 copies rows exactly; another (Gemma's √hidden) rounds each product to bf16.
+fn check_embedding_scaled(
+    exec: &dyn Exec,
+    rng: &mut StdRng,
+    z: CheckSizes,
+    scale: f32,
+) -> Result<CheckRow> {
     let (vocab, dim, tokens) = z.pick((1000, 2560, 37), (100, 320, 7));
     let (tb, tf) = rand_bf16(rng, vocab * dim, 1.0); // [vocab, dim]
     let mut ids: Vec<i32> = (0..tokens)
@@ -257,17 +295,21 @@ fn check_embedding(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<C
     let mut m = Mem::new(exec);
     let (table, ids_d) = (m.upload(&tb)?, m.upload(&ids)?);
     let out = m.zeros::<u16>(tokens * dim)?; // [tokens, dim]
-    exec.launch(&kernels::embedding(table, ids_d, out, tokens, vocab, dim))?;
+    exec.launch(&kernels::embedding(
+        table, ids_d, out, tokens, vocab, dim, scale,
+    ))?;
     let got = m.bf16(out, tokens * dim)?;
     let mut want = vec![0.0; tokens * dim];
     twins::embedding_gather(&tf, &ids, dim, &mut want);
+    want.iter_mut().for_each(|x| *x *= scale);
+    let rtol = if scale == 1.0 { 0.0 } else { 1e-2 };
     Ok(compare(
         "embedding_gather",
-        format!("vocab {vocab}, [{tokens}, {dim}]"),
+        format!("vocab {vocab}, [{tokens}, {dim}], × {scale}"),
         &got,
         &want,
         0.0,
-        0.0,
+        rtol,
     ))
 }
 
@@ -434,17 +476,87 @@ fn check_silu_mul(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Ch
     ))
 }
 
+fn check_gelu_tanh_mul(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, inter) = z.pick((37, 10240), (5, 320)); // Gemma 3 4B's inter
+    let (gb, gf) = rand_bf16(rng, tokens * 2 * inter, 4.0); // [tokens, gate | up]
+    let mut m = Mem::new(exec);
+    let g_d = m.upload(&gb)?;
+    let out = m.zeros::<u16>(tokens * inter)?; // [tokens, inter]
+    exec.launch(&kernels::gelu_tanh_mul(g_d, out, tokens, inter))?;
+    let got = m.bf16(out, tokens * inter)?;
+    let mut want = vec![0.0; tokens * inter];
+    ops::gelu_tanh_mul(&gf, inter, &mut want);
+    Ok(compare(
+        "gelu_tanh_mul",
+        format!("[{tokens}, 2 × {inter}]"),
+        &got,
+        &want,
+        1e-2,
+        1e-2,
+    ))
+}
+
+/// Gemma's sandwich: the delta normed by its own weights before the residual add.
+fn check_norm_add_rms_norm(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let ((rows, dim), eps) = (norm_rows(z), 1e-6f32);
+    let (xb, xf) = rand_bf16(rng, rows * dim, 2.0); // [rows, dim] residual
+    let (db, df) = rand_bf16(rng, rows * dim, 8.0); // [rows, dim] delta (its scale normed away)
+    let (wdb, wdf) = rand_bf16(rng, dim, 1.5); // [dim] the delta's norm
+    let (wb, wf) = rand_bf16(rng, dim, 1.5); // [dim] the next block's norm
+    let mut m = Mem::new(exec);
+    let (x_d, d_d) = (m.upload(&xb)?, m.upload(&db)?);
+    let (wd_d, w_d) = (m.upload(&wdb)?, m.upload(&wb)?);
+    let out = m.zeros::<u16>(rows * dim)?;
+    exec.launch(&kernels::norm_add_rms_norm(
+        x_d, d_d, wd_d, w_d, out, rows, dim, eps,
+    ))?;
+    let mut got = m.bf16(x_d, rows * dim)?; // the residual, then the normed output
+    got.extend(m.bf16(out, rows * dim)?);
+    let mut normed = df;
+    ops::rms_norm_in_place(&mut normed, &wdf, eps);
+    let (mut xw, mut want) = (xf, vec![0.0; rows * dim]);
+    ops::add_rms_norm(&mut xw, &normed, &wf, eps, &mut want);
+    xw.extend(want);
+    Ok(compare(
+        "norm_add_rms_norm",
+        format!("[{rows}, {dim}] (+ residual)"),
+        &got,
+        &xw,
+        2e-2,
+        1e-2,
+    ))
+}
+
 fn check_kv_store(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
-    let (tokens, nh, nkv, hd) = qkv(z);
-    let (stride, kv_dim) = ((nh + 2 * nkv) * hd, nkv * hd);
-    let n_slots = z.pick(256, 32);
-    let (qkvb, qkvf) = rand_bf16(rng, tokens * stride, 1.0); // [tokens, stride]
+    let (tokens, n_slots) = (qkv(z).0, z.pick(256, 32));
     let mut perm: Vec<i32> = (0..n_slots as i32).collect();
     for i in (1..perm.len()).rev() {
         perm.swap(i, rng.random_range(0..=i));
     }
     let mut slots = perm[..tokens].to_vec(); // [tokens], distinct
     slots[3] = -1; // padding
+    kv_store_case(exec, rng, z, slots, n_slots, None)
+}
+
+/// A sliding-window ring: positions past its rows wrap (one step's rows stay distinct).
+fn check_kv_store_ring(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, rows) = (qkv(z).0, z.pick(256, 32));
+    let pos0 = rng.random_range(rows..5 * rows) as i32;
+    let slots: Vec<i32> = (pos0..pos0 + tokens as i32).collect(); // positions
+    kv_store_case(exec, rng, z, slots, rows, Some(rows))
+}
+
+fn kv_store_case(
+    exec: &dyn Exec,
+    rng: &mut StdRng,
+    z: CheckSizes,
+    slots: Vec<i32>,
+    n_slots: usize,
+    ring: Option<usize>,
+) -> Result<CheckRow> {
+    let (tokens, nh, nkv, hd) = qkv(z);
+    let (stride, kv_dim) = ((nh + 2 * nkv) * hd, nkv * hd);
+    let (qkvb, qkvf) = rand_bf16(rng, tokens * stride, 1.0); // [tokens, stride]
     let mut m = Mem::new(exec);
     let qkv_d = m.upload(&qkvb)?;
     // K and V are views into the fused QKV rows.
@@ -453,7 +565,7 @@ fn check_kv_store(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Ch
     let kc = m.zeros::<u16>(n_slots * kv_dim)?; // [n_slots, kv_dim]
     let vc = m.zeros::<u16>(n_slots * kv_dim)?;
     exec.launch(&kernels::kv_store(
-        k_view, v_view, kc, vc, s_d, tokens, kv_dim, stride,
+        k_view, v_view, kc, vc, s_d, tokens, kv_dim, stride, ring,
     ))?;
     let mut got = m.bf16(kc, n_slots * kv_dim)?;
     got.extend(m.bf16(vc, n_slots * kv_dim)?);
@@ -464,13 +576,15 @@ fn check_kv_store(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Ch
         stride,
         kv_dim,
         &slots,
+        ring,
         &mut kw,
         &mut vw,
     );
     kw.extend(vw);
+    let what = if ring.is_some() { "ring rows" } else { "slots" };
     Ok(compare(
         "kv_store",
-        format!("{tokens} tokens → {n_slots} slots × {kv_dim}"),
+        format!("{tokens} tokens → {n_slots} {what} × {kv_dim}"),
         &got,
         &kw,
         0.0,
@@ -615,6 +729,8 @@ fn check_prefill(
         batch: q_lens.len(),
         max_q_len: max_of(&q_lens),
         max_ctx: max_of(&ctx),
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
     };
     exec.launch(&kernels::attn_prefill(&a))?;
     let got = m.bf16(a.out, total_q * nh * hd)?;
@@ -638,7 +754,128 @@ fn twin_shape(a: &PagedAttn) -> twins::PagedShape {
         head_dim: a.head_dim,
         block_size: a.block_size,
         max_blocks: a.max_blocks,
+        scale: a.scale,
+        window: a.window,
     }
+}
+
+#[derive(Clone, Copy)]
+enum Attn {
+    Prefill,
+    Decode,
+}
+
+#[derive(Clone, Copy)]
+enum Layout {
+    /// Scattered blocks of this many tokens.
+    Paged(usize),
+    /// Each sequence's keys in a ring of its window plus its step (`window − 1 + q_len`
+    /// rows; key p at row p % rows): a block table whose row `b` repeats block `b`.
+    Ring,
+}
+
+/// Sliding windows and query runs that start off a multiple of 4 (a warp's four queries
+/// then straddle a key tile's start, and the later ones must still see that tile), with
+/// a score scale other than 1/√head_dim; a tighter tolerance than the plain checks, so
+/// that one key missed or taken too many shows. Prefill: chunks after a prefix at
+/// positions ≡ 1 mod 4, a window shorter than the context and not a tile multiple.
+/// Decode: contexts over several splits, the window starting past the first (the
+/// scratch holds NaN, as stale memory might: a split before the window is neither run
+/// nor merged).
+fn check_window(
+    exec: &dyn Exec,
+    rng: &mut StdRng,
+    z: CheckSizes,
+    hd: usize,
+    attn: Attn,
+    window: Option<usize>,
+    layout: Layout,
+) -> Result<CheckRow> {
+    let (nh, nkv) = heads(z, hd);
+    let (q_lens, ctx): (Vec<i32>, Vec<i32>) = match attn {
+        Attn::Prefill => {
+            let (q, c) = z.pick(([100, 37, 1], [357, 302, 20]), ([40, 3, 20], [101, 70, 20]));
+            (q.to_vec(), c.to_vec())
+        }
+        Attn::Decode => (vec![1; 3], z.pick([1, 700, 5000], [1, 300, 1100]).to_vec()),
+    };
+    let batch = ctx.len();
+    let max_q = max_of(&q_lens);
+    let (tables, max_blocks, block_size, n_slots) = match layout {
+        Layout::Paged(bs) => {
+            let (t, mb, n) = block_tables(rng, &ctx, bs);
+            (t, mb, bs, n)
+        }
+        Layout::Ring => {
+            let rows = window.expect("a ring holds a window") - 1 + max_q;
+            let mb = max_of(&ctx).div_ceil(rows);
+            let t: Vec<i32> = (0..batch as i32).flat_map(|b| vec![b; mb]).collect();
+            (t, mb, rows, batch * rows)
+        }
+    };
+    let cu: Vec<i32> = std::iter::once(0)
+        .chain(q_lens.iter().scan(0, |a, &l| {
+            *a += l;
+            Some(*a)
+        }))
+        .collect(); // [batch + 1]
+    let total_q = cu[batch] as usize;
+    let kv_dim = nkv * hd;
+    let (qb, qf) = rand_bf16(rng, total_q * nh * hd, 1.0); // [total_q, nh × hd]
+    let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0); // [n_slots, kv_dim]
+    let (vb, vf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
+    let mut m = Mem::new(exec);
+    let a = PagedAttn {
+        q: m.upload(&qb)?,
+        k: m.upload(&kb)?,
+        v: m.upload(&vb)?,
+        out: m.zeros::<u16>(total_q * nh * hd)?,
+        cu_seqlens: m.upload(&cu)?, // not read by the decode kernels
+        ctx_lens: m.upload(&ctx)?,
+        tables: m.upload(&tables)?, // [batch, max_blocks]
+        max_blocks,
+        block_size,
+        num_heads: nh,
+        num_kv_heads: nkv,
+        q_stride: nh * hd,
+        head_dim: hd,
+        batch,
+        max_q_len: max_q,
+        max_ctx: max_of(&ctx),
+        scale: 1.3 / (hd as f32).sqrt(),
+        window,
+    };
+    match attn {
+        Attn::Prefill => exec.launch(&kernels::attn_prefill(&a))?,
+        Attn::Decode => {
+            let (split_len, max_splits) = (512, max_of(&ctx).div_ceil(512));
+            let parts = batch * nh * max_splits;
+            let scratch = DecodeScratch {
+                part_o: m.upload(&vec![f32::NAN; parts * hd])?,
+                part_ml: m.upload(&vec![f32::NAN; parts * 2])?,
+                split_len,
+                max_splits,
+            };
+            for l in kernels::attn_decode(&a, &scratch)? {
+                exec.launch(&l)?;
+            }
+        }
+    }
+    let got = m.bf16(a.out, total_q * nh * hd)?;
+    let mut want = vec![0.0; total_q * nh * hd];
+    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, twin_shape(&a), &mut want);
+    let what = match attn {
+        Attn::Prefill => "prefill",
+        Attn::Decode => "decode",
+    };
+    Ok(compare(
+        &format!("attn_{what}_hd{hd}"),
+        format!("q {q_lens:?} ctx {ctx:?} window {window:?} block {block_size}"),
+        &got,
+        &want,
+        2e-3,
+        2e-2,
+    ))
 }
 
 /// `block_size` 0: the contiguous ring-slot layout (one block per sequence).
@@ -683,6 +920,8 @@ fn check_decode(
         batch,
         max_q_len: 1,
         max_ctx: max_of(&ctx),
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
     };
     let scratch = DecodeScratch {
         part_o: m.zeros::<f32>(batch * nh * max_splits * hd)?,

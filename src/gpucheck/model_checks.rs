@@ -99,7 +99,7 @@ pub fn compare_loaded(
     let w = CudaWeights::from_model(&*exec, model)?;
     let cap = prompt.len() + decode + 1;
     let mut gpu = CudaModel::new(exec.clone(), cfg.clone(), w, cap)?;
-    let mut gkv = ResidentKv::new(&*exec, cfg.num_layers, cfg.kv_dim(), cap)?;
+    let mut gkv = ResidentKv::for_model(&*exec, cfg, cap)?;
     let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
     let mut steps = Vec::new();
     let (mut tokens, mut pos) = (prompt.to_vec(), 0);
@@ -170,6 +170,20 @@ fn logits_check_on(exec: Arc<dyn Exec>) -> Vec<CheckRow> {
     let cases: Vec<(&str, Shape, usize, usize)> = vec![
         ("tiny qwen3 (hd 64)", Shape::tiny(), 700, 4),
         ("qwen3-4b layer (hd 128)", big, 96, 3),
+        // Windows shorter than the prompt; 300 tokens wrap the resident rings (39 + 256
+        // rows) and prefill in two steps.
+        (
+            "tiny gemma3 (hd 64, window 40)",
+            Shape::tiny_gemma3(40),
+            300,
+            4,
+        ),
+        (
+            "gemma3-shaped (hd 256, window 40)",
+            Shape::gemma3_hd256(40),
+            300,
+            4,
+        ),
     ];
     cases
         .into_iter()
@@ -229,13 +243,14 @@ pub fn offload_check() -> Result<Vec<CheckRow>> {
     Ok(rows)
 }
 
-fn offload_shapes() -> [(&'static str, Shape); 2] {
+fn offload_shapes() -> [(&'static str, Shape); 3] {
     let mut two = Shape::qwen3_4b();
     two.layers = 3;
     two.vocab = 4096;
     [
         ("tiny qwen3", Shape::tiny()),
         ("qwen3-4b-shaped, 3 layers", two),
+        ("gemma3-shaped (hd 256), window 24", Shape::gemma3_hd256(24)),
     ]
 }
 

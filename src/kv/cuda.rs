@@ -3,33 +3,67 @@
 
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
-use crate::kv::{KvCache, LayerSlot};
+use crate::kv::{KvCache, LayerSlot, WindowRings};
+use crate::model::ModelConfig;
 use anyhow::{bail, Result};
 use half::bf16;
 
-/// `num_layers × [capacity, kv_dim]` bf16 for K and V, allocated up front.
+/// Per layer bf16 `[rows, kv_dim]` for K and V, allocated up front: `capacity` rows, or a
+/// sliding-window layer's ring (`WindowRings`: its window and one step, position `p` at
+/// row `p % rows`), so a windowed layer's KV never outgrows its window.
 pub struct ResidentKv {
     capacity: usize,
     bytes: usize,
-    _bufs: Vec<Buf>,      // 2 × num_layers × bf16 [capacity, kv_dim]
+    rings: WindowRings,
+    _bufs: Vec<Buf>,      // 2 × num_layers × bf16 [rows, kv_dim]
     k: Vec<DevPtr<bf16>>, // [num_layers]
     v: Vec<DevPtr<bf16>>,
+    rows: Vec<usize>, // [num_layers]
 }
 
 impl ResidentKv {
-    /// On `exec`'s stream (the model's compute stream).
+    /// Room for `capacity` tokens of `cfg`'s model on `exec`'s stream (the model's
+    /// compute stream).
+    pub fn for_model(exec: &dyn Exec, cfg: &ModelConfig, capacity: usize) -> Result<Self> {
+        Self::with_rings(
+            exec,
+            cfg.kv_dim(),
+            capacity,
+            WindowRings::for_model(cfg, capacity),
+        )
+    }
+
+    /// Every one of `num_layers` layers keeps every position.
     pub fn new(exec: &dyn Exec, num_layers: usize, kv_dim: usize, capacity: usize) -> Result<Self> {
-        let (mut bufs, mut ptrs) = (Vec::new(), Vec::new());
-        for _ in 0..2 * num_layers {
-            let (b, p) = exec.alloc(capacity * kv_dim * 2)?;
-            bufs.push(b);
-            ptrs.push(p.cast());
+        Self::with_rings(exec, kv_dim, capacity, WindowRings::none(num_layers))
+    }
+
+    fn with_rings(
+        exec: &dyn Exec,
+        kv_dim: usize,
+        capacity: usize,
+        rings: WindowRings,
+    ) -> Result<Self> {
+        let num_layers = rings.layers();
+        let rows: Vec<usize> = (0..num_layers)
+            .map(|l| rings.rows(l).unwrap_or(capacity))
+            .collect();
+        let (mut bufs, mut k, mut v, mut bytes) = (Vec::new(), Vec::new(), Vec::new(), 0);
+        for &r in &rows {
+            for ptrs in [&mut k, &mut v] {
+                let (b, p) = exec.alloc(r * kv_dim * 2)?;
+                bufs.push(b);
+                ptrs.push(p.cast());
+                bytes += r * kv_dim * 2;
+            }
         }
         Ok(Self {
             capacity,
-            bytes: 2 * num_layers * capacity * kv_dim * 2,
-            k: ptrs[..num_layers].to_vec(),
-            v: ptrs[num_layers..].to_vec(),
+            bytes,
+            rings,
+            k,
+            v,
+            rows,
             _bufs: bufs,
         })
     }
@@ -42,6 +76,7 @@ impl ResidentKv {
 // SAFETY: the memory is this cache's; the model's stream is the only one that touches it.
 unsafe impl KvCache<bf16> for ResidentKv {
     fn reset(&mut self) -> Result<()> {
+        self.rings.reset();
         Ok(())
     }
 
@@ -57,15 +92,15 @@ unsafe impl KvCache<bf16> for ResidentKv {
                 self.capacity
             );
         }
-        Ok(())
+        self.rings.begin_step(pos0, pos0 + tokens)
     }
 
     fn begin_layer(&mut self, layer: usize) -> Result<LayerSlot<bf16>> {
         Ok(LayerSlot {
             k: self.k[layer],
             v: self.v[layer],
-            rows: self.capacity,
-            ring: false,
+            rows: self.rows[layer],
+            ring: self.rings.rows(layer).is_some(),
         })
     }
 
@@ -73,7 +108,13 @@ unsafe impl KvCache<bf16> for ResidentKv {
         Ok(())
     }
 
-    fn truncate(&mut self, _len: usize) -> Result<()> {
-        Ok(()) // rows are addressed by position: the next step overwrites from `len`
+    /// Rows are addressed by position: the next step overwrites from `len` (a ring's
+    /// rewind: `WindowRings::truncate`).
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.rings.truncate(len)
+    }
+
+    fn max_step_tokens(&self) -> usize {
+        self.rings.max_step_tokens()
     }
 }

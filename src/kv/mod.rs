@@ -124,6 +124,94 @@ pub unsafe trait KvCache<T> {
 /// over such a cache (a longer prompt is prefilled in steps of this many).
 pub const RING_STEP_TOKENS: usize = 256;
 
+/// Which layers of a resident cache keep a sliding-window ring instead of every position,
+/// and so how long a step and how deep a rewind may be: the geometry the CPU's
+/// `ContiguousKv` and the CUDA device's `ResidentKv` share. A ring of
+/// `window − 1 + RING_STEP_TOKENS` rows holds position `p` at row `p % rows`.
+#[derive(Clone, Debug)]
+pub struct WindowRings {
+    /// Per layer: the ring's rows and the window (`None`: every position kept).
+    ring: Vec<Option<(usize, usize)>>,
+    /// Positions stored (what a rewind must find a ring's window in).
+    stored: usize,
+}
+
+impl WindowRings {
+    /// Every layer keeps every position.
+    pub fn none(num_layers: usize) -> Self {
+        Self {
+            ring: vec![None; num_layers],
+            stored: 0,
+        }
+    }
+
+    /// A ring for each sliding-window layer of `cfg` whose ring is smaller than
+    /// `capacity` (a window as long as the context gains nothing from one).
+    pub fn for_model(cfg: &crate::model::ModelConfig, capacity: usize) -> Self {
+        Self {
+            ring: (0..cfg.num_layers)
+                .map(|l| {
+                    cfg.window(l)
+                        .map(|w| (w - 1 + RING_STEP_TOKENS, w))
+                        .filter(|&(rows, _)| rows < capacity)
+                })
+                .collect(),
+            stored: 0,
+        }
+    }
+
+    pub fn layers(&self) -> usize {
+        self.ring.len()
+    }
+
+    /// Layer `layer`'s ring rows (`None`: not a ring).
+    pub fn rows(&self, layer: usize) -> Option<usize> {
+        self.ring[layer].map(|(rows, _)| rows)
+    }
+
+    /// The longest step every ring keeps its window through.
+    pub fn max_step_tokens(&self) -> usize {
+        self.ring
+            .iter()
+            .flatten()
+            .map(|&(rows, window)| rows + 1 - window)
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+
+    /// A step over `pos0..end` begins: refused when longer than a ring allows.
+    pub fn begin_step(&mut self, pos0: usize, end: usize) -> Result<()> {
+        let tokens = end - pos0;
+        if tokens > self.max_step_tokens() {
+            bail!(
+                "a step of {tokens} tokens overruns a sliding-window ring (at most {})",
+                self.max_step_tokens()
+            );
+        }
+        self.stored = end;
+        Ok(())
+    }
+
+    /// Forgets positions `len..`. A ring keeps `RING_STEP_TOKENS` rows past its window,
+    /// so a rewind of up to that many tokens still finds the window (sparse decode rewinds
+    /// a few drafts); a deeper one is refused.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        let back = self.stored.saturating_sub(len);
+        if back > self.max_step_tokens() {
+            bail!(
+                "cannot rewind {back} tokens: a sliding-window ring keeps {} tokens past its window",
+                self.max_step_tokens()
+            );
+        }
+        self.stored = self.stored.min(len);
+        Ok(())
+    }
+
+    pub fn reset(&mut self) {
+        self.stored = 0;
+    }
+}
+
 /// One layer's K and V memory on the CPU device, `[rows, kv_dim]` elements `T` each, as
 /// the model stores into it. It holds raw pointers and hands out one row-sized slice at a
 /// time, never a reference spanning rows that another stream may be writing (the serving
@@ -198,10 +286,8 @@ pub struct ContiguousKv<T = f32> {
     capacity: usize,
     k: Vec<Vec<T>>, // [num_layers][rows * row]
     v: Vec<Vec<T>>,
-    /// Per layer: the ring's rows and the window (a windowed layer of `for_model`).
-    ring: Vec<Option<(usize, usize)>>,
-    /// Positions stored (what a rewind must find a ring's window in).
-    stored: usize,
+    /// The sliding-window layers' rings (`for_model`; none in `of`).
+    rings: WindowRings,
 }
 
 impl ContiguousKv<f32> {
@@ -221,22 +307,17 @@ impl<T: KvElem> ContiguousKv<T> {
             capacity,
             k: vec![Vec::new(); num_layers],
             v: vec![Vec::new(); num_layers],
-            ring: vec![None; num_layers],
-            stored: 0,
+            rings: WindowRings::none(num_layers),
         }
     }
 
     /// Room for `capacity` tokens of `cfg`'s model: a full layer keeps every position, a
     /// sliding-window layer a ring of its window plus one step (`RING_STEP_TOKENS`).
     pub fn for_model(cfg: &crate::model::ModelConfig, capacity: usize) -> Self {
-        let mut kv = Self::of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity);
-        for (l, ring) in kv.ring.iter_mut().enumerate() {
-            *ring = cfg
-                .window(l)
-                .map(|w| (w - 1 + RING_STEP_TOKENS, w))
-                .filter(|&(rows, _)| rows < capacity);
+        Self {
+            rings: WindowRings::for_model(cfg, capacity),
+            ..Self::of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity)
         }
-        kv
     }
 
     /// Bytes currently held.
@@ -249,7 +330,7 @@ impl<T: KvElem> ContiguousKv<T> {
 // SAFETY: the buffers are this cache's alone and only grow in `begin_step`, between steps.
 unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
     fn reset(&mut self) -> Result<()> {
-        self.stored = 0;
+        self.rings.reset();
         Ok(())
     }
 
@@ -265,16 +346,10 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
                 self.capacity
             );
         }
-        if tokens > self.max_step_tokens() {
-            bail!(
-                "a step of {tokens} tokens overruns a sliding-window ring (at most {})",
-                self.max_step_tokens()
-            );
-        }
-        self.stored = end;
-        for (l, ring) in self.ring.iter().enumerate() {
+        self.rings.begin_step(pos0, end)?;
+        for l in 0..self.k.len() {
             // A ring stops growing at its rows: positions past them wrap.
-            let cap = ring.map_or(self.capacity, |(rows, _)| rows) * self.row;
+            let cap = self.rings.rows(l).unwrap_or(self.capacity) * self.row;
             let need = (end * self.row).min(cap);
             for buf in [&mut self.k[l], &mut self.v[l]] {
                 if buf.len() < need {
@@ -294,7 +369,7 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
             v: DevPtr::from_addr(v.as_mut_ptr() as u64),
             rows: k.len() / self.row.max(1),
             // Until it has grown to its rows, a ring's positions sit at their own rows.
-            ring: self.ring[layer].is_some_and(|(rows, _)| k.len() == rows * self.row),
+            ring: self.rings.rows(layer) == Some(k.len() / self.row.max(1)),
         })
     }
 
@@ -302,27 +377,13 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
         Ok(())
     }
 
-    /// Rows are addressed by position: the next step overwrites from `len`. A ring keeps
-    /// `RING_STEP_TOKENS` rows past its window, so a rewind of up to that many tokens
-    /// still finds the window (sparse decode rewinds a few drafts).
+    /// Rows are addressed by position: the next step overwrites from `len` (a ring's
+    /// rewind: `WindowRings::truncate`).
     fn truncate(&mut self, len: usize) -> Result<()> {
-        let back = self.stored.saturating_sub(len);
-        if back > self.max_step_tokens() {
-            bail!(
-                "cannot rewind {back} tokens: a sliding-window ring keeps {} tokens past its window",
-                self.max_step_tokens()
-            );
-        }
-        self.stored = self.stored.min(len);
-        Ok(())
+        self.rings.truncate(len)
     }
 
     fn max_step_tokens(&self) -> usize {
-        self.ring
-            .iter()
-            .flatten()
-            .map(|&(rows, window)| rows + 1 - window)
-            .min()
-            .unwrap_or(usize::MAX)
+        self.rings.max_step_tokens()
     }
 }

@@ -12,6 +12,7 @@ use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::cuda::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::DevPtr;
 use crate::kv::{KvCache, LayerSlot, NewRow, Query};
+use crate::model::config::MlpAct;
 use crate::model::{check_ids, config, ModelConfig};
 use anyhow::{bail, Result};
 use half::bf16;
@@ -83,9 +84,14 @@ pub struct CudaModel {
     exec: Arc<dyn Exec>,
     pub w: CudaWeights,
     max_pos: usize,
-    _bufs: Vec<Buf>,  // RoPE tables f32 [max_pos, head_dim / 2] ×2, decode scratch
-    cos: DevPtr<f32>, // [max_pos, head_dim / 2]
-    sin: DevPtr<f32>,
+    _bufs: Vec<Buf>, // RoPE tables, decode scratch, the ring table
+    /// (cos, sin) f32 `[max_pos, head_dim / 2]` each, per distinct RoPE (a sliding-window
+    /// layer may have its own base), and each layer's.
+    rope: Vec<(DevPtr<f32>, DevPtr<f32>)>,
+    layer_rope: Vec<usize>,
+    /// i32 [max_pos] zeros: the block table of a ring slot (every block is the slot, so
+    /// key p is row p % rows), shared by every row of a step (stride 0).
+    ring_table: DevPtr<i32>,
     scratch: DecodeScratch,
     acts: Option<Acts>,
     /// The batched forward's per-step buffers (`batch`).
@@ -122,13 +128,6 @@ impl CudaModel {
     ) -> Result<Self> {
         // The attention kernels are instantiated for these head dims only.
         ops::check_head_dim(cfg.head_dim)?;
-        // The CUDA kernels have no window mask, scaled embedding, sandwich norms or GeGLU yet.
-        if cfg.arch == config::Arch::Gemma3 || !cfg.all_layers_full() {
-            bail!(
-                "the CUDA device does not run {:?} models yet (sliding-window layers); use --device cpu",
-                cfg.arch
-            );
-        }
         if w.layers.len() != cfg.num_layers {
             bail!(
                 "weights have {} layers, config {}",
@@ -136,18 +135,37 @@ impl CudaModel {
                 cfg.num_layers
             );
         }
-        let (cos_h, sin_h) = rope_tables(&config::rope_inv_freq(&cfg, 0), 0, max_pos);
         let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
-        let (cos_b, cos) = exec.upload(&f32_bytes(&cos_h))?;
-        let (sin_b, sin) = exec.upload(&f32_bytes(&sin_h))?;
+        let mut bufs = Vec::new();
+        let (mut freqs, mut rope, mut layer_rope) =
+            (Vec::<Vec<f32>>::new(), Vec::new(), Vec::new());
+        for l in 0..cfg.num_layers {
+            let f = config::rope_inv_freq(&cfg, l);
+            let i = match freqs.iter().position(|g| *g == f) {
+                Some(i) => i,
+                None => {
+                    let (cos_h, sin_h) = rope_tables(&f, 0, max_pos);
+                    let (cos_b, cos) = exec.upload(&f32_bytes(&cos_h))?;
+                    let (sin_b, sin) = exec.upload(&f32_bytes(&sin_h))?;
+                    bufs.extend([cos_b, sin_b]);
+                    rope.push((cos.cast(), sin.cast()));
+                    freqs.push(f);
+                    freqs.len() - 1
+                }
+            };
+            layer_rope.push(i);
+        }
+        let (zb, ring_table) = exec.upload(&vec![0u8; 4 * max_pos])?;
         let max_splits = max_pos.div_ceil(SPLIT_LEN);
         let nh = cfg.num_heads;
         let (po_b, part_o) = alloc::<f32>(&*exec, nh * max_splits * cfg.head_dim)?;
         let (pm_b, part_ml) = alloc::<f32>(&*exec, nh * max_splits * 2)?;
+        bufs.extend([zb, po_b, pm_b]);
         Ok(Self {
-            _bufs: vec![cos_b, sin_b, po_b, pm_b],
-            cos: cos.cast(),
-            sin: sin.cast(),
+            _bufs: bufs,
+            rope,
+            layer_rope,
+            ring_table: ring_table.cast(),
             scratch: DecodeScratch {
                 part_o,
                 part_ml,
@@ -219,8 +237,8 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Enqueues one step (tokens at positions `pos0..`) and returns the last token's
-    /// logits `[vocab]` (the only synchronisation of the step).
+    /// Enqueues the tokens at positions `pos0..` and returns the last token's logits
+    /// `[vocab]` (the only synchronisation).
     pub fn forward(
         &mut self,
         tokens: &[u32],
@@ -241,8 +259,44 @@ impl CudaModel {
         Ok(logits)
     }
 
-    /// Everything of `forward` but the download: the host returns once the step is queued.
+    /// Everything of `forward` but the download: the host returns once the work is queued.
+    /// Steps of at most `kv.max_step_tokens()` (one, unless a sliding-window ring bounds
+    /// them), as `Model::forward` takes them.
     pub fn enqueue(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<bf16>,
+    ) -> Result<()> {
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        let n = kv.max_step_tokens().max(1);
+        let mut t = 0;
+        for (i, chunk) in tokens.chunks(n).enumerate() {
+            self.enqueue_step(chunk, pos0 + i * n, kv)?;
+            t = chunk.len();
+        }
+        let (c, a) = (
+            &self.cfg,
+            self.acts.as_ref().expect("allocated by the step"),
+        );
+        self.range("lm_head");
+        let h = c.hidden_size;
+        let shape = GemmShape {
+            m: 1,
+            k: h,
+            n: c.vocab_size,
+        };
+        let last = a.hn.at((t - 1) * h);
+        let out = GemmOut::F32(a.logits);
+        self.gemm(Gemm::Fast, last, self.w.lm_head(), out, shape)?;
+        self.pop();
+        Ok(())
+    }
+
+    /// One step: its tokens through every layer, the final norm in `a.hn`.
+    fn enqueue_step(
         &mut self,
         tokens: &[u32],
         pos0: usize,
@@ -280,24 +334,13 @@ impl CudaModel {
                     num_heads: c.num_heads,
                     num_kv_heads: c.num_kv_heads,
                     q_stride: c.q_dim() + 2 * c.kv_dim(),
+                    scale: c.attn_scale,
+                    window: None, // the layer's
                 },
             },
         };
         self.embed(ids, t)?;
-        self.layers(&step, kv)?;
-        let a = self.acts.as_ref().expect("allocated above");
-        self.range("lm_head");
-        let h = c.hidden_size;
-        let shape = GemmShape {
-            m: 1,
-            k: h,
-            n: c.vocab_size,
-        };
-        let last = a.hn.at((t - 1) * h);
-        let out = GemmOut::F32(a.logits);
-        self.gemm(Gemm::Fast, last, self.w.lm_head(), out, shape)?;
-        self.pop();
-        Ok(())
+        self.layers(&step, kv)
     }
 
     /// Checks one sequence's step of `tokens` at `pos0..`, begins it on `kv` and
@@ -325,6 +368,24 @@ impl CudaModel {
     /// `forward` of that token alone gives after the rows before it. Verified sparse
     /// decode's verify step, which must equal a run that decodes one token at a time.
     pub fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut dyn KvCache<bf16>,
+    ) -> Result<Vec<Vec<f32>>> {
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        let n = kv.max_step_tokens().max(1);
+        let mut logits = Vec::with_capacity(tokens.len());
+        for (i, chunk) in tokens.chunks(n).enumerate() {
+            logits.extend(self.forward_rows_step(chunk, pos0 + i * n, kv)?);
+        }
+        Ok(logits)
+    }
+
+    /// `forward_rows` of one step.
+    fn forward_rows_step(
         &mut self,
         tokens: &[u32],
         pos0: usize,
@@ -366,6 +427,8 @@ impl CudaModel {
                     batch: t,
                     max_q_len: 1,
                     max_ctx: ctx,
+                    scale: c.attn_scale,
+                    window: None, // the layer's
                 },
                 scratch,
             ),
@@ -424,8 +487,9 @@ impl CudaModel {
         let h = c.hidden_size;
         self.range("embed");
         let table = self.w.embed.ptr;
+        let scale = c.embed_scale.unwrap_or(1.0);
         self.exec
-            .launch(&ops::embedding(table, ids, a.x, t, c.vocab_size, h))?;
+            .launch(&ops::embedding(table, ids, a.x, t, c.vocab_size, h, scale))?;
         let norm = self.w.layers[0].attn_norm.ptr;
         let eps = c.rms_norm_eps;
         self.exec
@@ -500,7 +564,7 @@ impl CudaModel {
         if let Some(b) = &lw.bqkv {
             exec.launch(&ops::add_bias(a.qkv, b.ptr, t, qkv_dim))?;
         }
-        // 2. Qwen3: per-head RMSNorm of q and k before RoPE.
+        // 2. Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE.
         if let Some((qn, kn)) = &lw.qk_norm {
             exec.launch(&ops::head_rms_norm(a.qkv, qn.ptr, t, nh, hd, qkv_dim, eps))?;
             let k_heads = a.qkv.at(qd);
@@ -508,8 +572,9 @@ impl CudaModel {
                 k_heads, kn.ptr, t, nkv, hd, qkv_dim, eps,
             ))?;
         }
-        // 3. RoPE on q and k together (adjacent heads in the fused row).
-        let (cos, sin, pos) = (self.cos, self.sin, step.pos);
+        // 3. RoPE on q and k together (adjacent heads in the fused row), the layer's own
+        //    (a window may have its own base).
+        let ((cos, sin), pos) = (self.rope[self.layer_rope[l]], step.pos);
         exec.launch(&ops::rope(a.qkv, pos, cos, sin, t, nh + nkv, hd, qkv_dim))?;
         // 4. Sparse decode: the cache chooses the rows to attend from the query (a decode
         //    token's, the head of its fused row) and says where the new K/V goes; in a
@@ -532,24 +597,30 @@ impl CudaModel {
             // SAFETY: `at` is the step's i32 [2].
             unsafe { htod_i32(exec, at, &[r as i32, r as i32 + 1])? };
         }
-        // 5. Store the new K/V at their cache rows, attend.
+        // 5. Store the new K/V at their cache rows (a ring's: position modulo its rows),
+        //    attend (a sliding-window layer: its window).
         let (kp, vp) = (a.qkv.at(qd), a.qkv.at(qd + kvd));
         let slots = selected.map_or(step.cache_rows, |(_, at)| at);
+        let ring = slot.ring.then_some(slot.rows);
         exec.launch(&ops::kv_store(
-            kp, vp, slot.k, slot.v, slots, t, kvd, qkv_dim,
+            kp, vp, slot.k, slot.v, slots, t, kvd, qkv_dim, ring,
         ))?;
+        let window = c.window(l);
         match &step.attn {
             StepAttn::Contiguous { args, .. } => {
                 let mut args = AttnArgs {
                     k: slot.k,
                     v: slot.v,
                     capacity: slot.rows,
+                    window,
                     ..*args
                 };
                 if let Some((r, at)) = selected {
                     (args.ctx_len, args.ctx) = (at.at(1), r + 1);
                 }
-                if args.ctx > slot.rows {
+                if ring.is_some() {
+                    args.table = self.ring_table; // ctx ≤ max_pos entries
+                } else if args.ctx > slot.rows {
                     bail!(
                         "layer {l}: {} tokens in a KV slot of {}",
                         args.ctx,
@@ -568,6 +639,7 @@ impl CudaModel {
                 let paged = PagedAttn {
                     k: slot.k,
                     v: slot.v,
+                    window,
                     ..*paged
                 };
                 for l in ops::attn_decode(&paged, scratch)? {
@@ -575,36 +647,38 @@ impl CudaModel {
                 }
             }
             StepAttn::DecodeRows(paged, scratch) => {
-                if paged.max_ctx > slot.rows {
+                if ring.is_none() && paged.max_ctx > slot.rows {
                     bail!(
                         "layer {l}: {} tokens in a KV slot of {}",
                         paged.max_ctx,
                         slot.rows
                     );
                 }
-                // One block of the slot's rows: key `i` is slot row `i`.
-                let paged = PagedAttn {
+                // One block of the slot's rows: key `i` is slot row `i` (a ring's: every
+                // row's table the ring table).
+                let mut paged = PagedAttn {
                     k: slot.k,
                     v: slot.v,
                     block_size: slot.rows,
+                    window,
                     ..*paged
                 };
+                if ring.is_some() {
+                    (paged.tables, paged.max_blocks) = (self.ring_table, 0);
+                }
                 for l in ops::attn_decode(&paged, scratch)? {
                     exec.launch(&l)?;
                 }
             }
         }
-        // 6. Output projection, residual add, post-attention norm.
+        // 6. Output projection, (Gemma: its norm,) residual add, the MLP's input norm.
         linear(a.attn, lw.wo.ptr, a.proj, shape(t, qd, h))?;
-        exec.launch(&ops::add_rms_norm(
-            a.x,
-            a.proj,
-            lw.mlp_norm.ptr,
-            a.hn,
-            t,
-            h,
-            eps,
-        ))?;
+        let post = lw.post_norms.as_ref().map(|(at, mlp)| (at.ptr, mlp.ptr));
+        let add_norm = |x, d, post: Option<DevPtr<bf16>>, w, out, n| match post {
+            None => exec.launch(&ops::add_rms_norm(x, d, w, out, n, h, eps)),
+            Some(wd) => exec.launch(&ops::norm_add_rms_norm(x, d, wd, w, out, n, h, eps)),
+        };
+        add_norm(a.x, a.proj, post.map(|p| p.0), lw.mlp_norm.ptr, a.hn, t)?;
         self.pop();
         // 7. MLP in row chunks; the residual add is fused with the next block's norm.
         self.range("mlp");
@@ -617,10 +691,13 @@ impl CudaModel {
             let n = a.chunk.min(t - r0);
             let row = |p: DevPtr<bf16>| p.at(r0 * h);
             linear(row(a.hn), lw.w_gate_up.ptr, a.gu, shape(n, h, 2 * inter))?;
-            exec.launch(&ops::silu_mul(a.gu, a.act, n, inter))?;
+            exec.launch(&match c.mlp_act {
+                MlpAct::Silu => ops::silu_mul(a.gu, a.act, n, inter),
+                MlpAct::GeluTanh => ops::gelu_tanh_mul(a.gu, a.act, n, inter),
+            })?;
             linear(a.act, lw.w_down.ptr, row(a.proj), shape(n, inter, h))?;
             let (x, d, out) = (row(a.x), row(a.proj), row(a.hn));
-            exec.launch(&ops::add_rms_norm(x, d, next_norm, out, n, h, eps))?;
+            add_norm(x, d, post.map(|p| p.1), next_norm, out, n)?;
         }
         self.pop();
         Ok(())

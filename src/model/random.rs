@@ -26,6 +26,9 @@ pub struct Shape {
     /// sixth full), the local layers' RoPE base 10,000, scaled embedding, sandwich norms,
     /// GeGLU.
     pub gemma_window: Option<usize>,
+    /// Scores scaled by 1/√this instead of 1/√head_dim (Gemma's `query_pre_attn_scalar`;
+    /// Gemma 3 27B's is hidden / heads).
+    pub query_pre_attn_scalar: Option<usize>,
 }
 
 impl Shape {
@@ -43,6 +46,7 @@ impl Shape {
             qk_gain: 1.0,
             qkv_bias: false,
             gemma_window: None,
+            query_pre_attn_scalar: None,
         }
     }
 
@@ -61,6 +65,7 @@ impl Shape {
             qk_gain: 1.0,
             qkv_bias: false,
             gemma_window: None,
+            query_pre_attn_scalar: None,
         }
     }
 
@@ -70,6 +75,19 @@ impl Shape {
             layers: 6,
             gemma_window: Some(window),
             ..Self::tiny()
+        }
+    }
+
+    /// A small Gemma 3 at its real head_dim (256) and attention layout (GQA, 4 heads),
+    /// scores scaled as 27B's are (not by 1/√head_dim): six layers, 0–4 windowed.
+    pub fn gemma3_hd256(window: usize) -> Self {
+        Self {
+            hidden: 256,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 256,
+            query_pre_attn_scalar: Some(128),
+            ..Self::tiny_gemma3(window)
         }
     }
 
@@ -116,7 +134,9 @@ impl Shape {
             } else {
                 MlpAct::Silu
             },
-            attn_scale: ModelConfig::default_attn_scale(self.head_dim),
+            attn_scale: ModelConfig::default_attn_scale(
+                self.query_pre_attn_scalar.unwrap_or(self.head_dim),
+            ),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
             generation: GenerationDefaults::default(),

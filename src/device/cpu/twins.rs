@@ -1,7 +1,8 @@
 //! CPU twins of the CUDA kernels that have no counterpart in `ops`: same semantics, f32,
 //! written for clarity. `scripts/gpu-check.sh` compares each kernel against its twin.
 
-use super::ops::{self, AttnShape};
+use super::ops::{self, AttnHeads, AttnShape};
+use super::rows::KvRows;
 
 pub use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
 
@@ -18,19 +19,23 @@ pub fn embedding_gather(table: &[f32], ids: &[i32], dim: usize, out: &mut [f32])
 }
 
 /// Twin of `kv_store`: copies token `t`'s first `kv_dim` values of `k`/`v` (rows
-/// `src_stride` apart) to cache row `slots[t]`; a negative slot is skipped.
+/// `src_stride` apart) to cache row `slots[t]` (`slots[t] % rows` in a ring of
+/// `Some(rows)`); a negative slot is skipped.
 /// `k`, `v`: `[tokens, src_stride]`; caches `[num_slots, kv_dim]`.
+#[allow(clippy::too_many_arguments)]
 pub fn kv_store(
     k: &[f32],
     v: &[f32],
     src_stride: usize,
     kv_dim: usize,
     slots: &[i32],
+    ring: Option<usize>,
     k_cache: &mut [f32],
     v_cache: &mut [f32],
 ) {
     for (t, &s) in slots.iter().enumerate() {
         let Ok(s) = usize::try_from(s) else { continue };
+        let s = ring.map_or(s, |rows| s % rows);
         k_cache[s * kv_dim..(s + 1) * kv_dim].copy_from_slice(&k[t * src_stride..][..kv_dim]);
         v_cache[s * kv_dim..(s + 1) * kv_dim].copy_from_slice(&v[t * src_stride..][..kv_dim]);
     }
@@ -111,10 +116,13 @@ pub struct PagedShape {
     pub head_dim: usize,
     pub block_size: usize,
     pub max_blocks: usize, // columns of the block table
+    pub scale: f32,
+    pub window: Option<usize>,
 }
 
 /// Twin of `attn_prefill_hd*` and `attn_decode_hd*` + `attn_decode_reduce`: causal GQA
-/// attention for a batch, K/V read through block tables. Sequence `b` has queries
+/// attention (scaled by `s.scale`, within `s.window`) for a batch, K/V read through block
+/// tables. Sequence `b` has queries
 /// `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` (the last tokens of its `context_lens[b]` keys).
 /// `q[total_q, num_heads, head_dim]`; caches `[slots, num_kv_heads, head_dim]`;
 /// `block_tables[batch, max_blocks]`; `out[total_q, num_heads, head_dim]`.
@@ -152,12 +160,18 @@ pub fn paged_attention(
             num_kv_heads: s.num_kv_heads,
             head_dim: s.head_dim,
         };
-        ops::attention(
+        let (heads, seq) = shape.batch_of_one();
+        let heads = AttnHeads {
+            scale: s.scale,
+            window: s.window,
+            ..heads
+        };
+        ops::attention_batch(
             &q[q0 * q_dim..q1 * q_dim],
-            &k,
-            &v,
+            KvRows::from_slices(&k, &v),
             &mut out[q0 * q_dim..q1 * q_dim],
-            shape,
+            heads,
+            &[seq],
         );
     }
 }
@@ -189,7 +203,7 @@ mod tests {
         let k = [1.0, 2.0, 0.0, 3.0, 4.0, 0.0]; // [2 tokens, stride 3], kv_dim 2
         let v = [5.0, 6.0, 0.0, 7.0, 8.0, 0.0];
         let (mut kc, mut vc) = (vec![0.0; 8], vec![0.0; 8]); // [4 slots, 2]
-        kv_store(&k, &v, 3, 2, &[3, -1], &mut kc, &mut vc);
+        kv_store(&k, &v, 3, 2, &[3, -1], None, &mut kc, &mut vc);
         assert_eq!(kc, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0]);
         assert_eq!(vc, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 6.0]);
     }
@@ -241,6 +255,8 @@ mod tests {
             head_dim: hd,
             block_size: bs,
             max_blocks: 4,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: None,
         };
         let slots = 8 * bs;
         let rnd = |rng: &mut StdRng, n| {

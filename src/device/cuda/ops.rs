@@ -102,16 +102,17 @@ pub struct Launch {
 
 /// Every kernel the runtime may launch: (file, function names), one entry per
 /// `extern "C" __global__` function of `kernels/*.cu` (the `INSTANTIATE(HD)` macros expand
-/// to `_hd64`, `_hd96` and `_hd128`). The single list both the CUDA loader and the
-/// emulator read.
+/// to `_hd64`, `_hd96`, `_hd128` and `_hd256`). The single list both the CUDA loader and
+/// the emulator read.
 pub const KERNELS: &[(&str, &[&str])] = &[
-    ("activation.cu", &["silu_mul"]),
+    ("activation.cu", &["silu_mul", "gelu_tanh_mul"]),
     (
         "attention_decode.cu",
         &[
             "attn_decode_hd64",
             "attn_decode_hd96",
             "attn_decode_hd128",
+            "attn_decode_hd256",
             "attn_decode_reduce",
         ],
     ),
@@ -121,6 +122,7 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "attn_prefill_hd64",
             "attn_prefill_hd96",
             "attn_prefill_hd128",
+            "attn_prefill_hd256",
         ],
     ),
     ("bias.cu", &["add_bias"]),
@@ -130,7 +132,15 @@ pub const KERNELS: &[(&str, &[&str])] = &[
         &["gemm_fixed_bm4", "gemm_fixed_bm16", "gemm_fixed_bm64"],
     ),
     ("kv_store.cu", &["kv_store"]),
-    ("norm.cu", &["rms_norm", "add_rms_norm", "head_rms_norm"]),
+    (
+        "norm.cu",
+        &[
+            "rms_norm",
+            "add_rms_norm",
+            "norm_add_rms_norm",
+            "head_rms_norm",
+        ],
+    ),
     ("rope.cu", &["rope_neox"]),
     ("sampling.cu", &["argmax", "sample"]),
     ("sparse.cu", &["page_bounds", "head_bounds"]),
@@ -147,16 +157,25 @@ pub fn is_listed(file: &str, func: &str) -> bool {
 pub fn check_head_dim(head_dim: usize) -> Result<()> {
     if !HEAD_DIMS.contains(&head_dim) {
         bail!(
-            "the CUDA attention kernels support head_dim 64, 96 and 128, this model has {head_dim}"
+            "the CUDA attention kernels support head_dim 64, 96, 128 and 256, this model has {head_dim}"
         );
     }
     Ok(())
 }
 
 /// The attention kernels' instantiations (`INSTANTIATE(HD)` in the .cu files). A head dim
-/// must be a multiple of 32 (one lane per 32 dims); 256 would exceed 48 KiB of static
-/// shared memory in the prefill kernel.
-pub const HEAD_DIMS: [usize; 3] = [64, 96, 128];
+/// must be a multiple of 32 (one lane per 32 dims) and fit the prefill kernel's 48 KiB of
+/// static shared memory (at 256 with fewer queries per block and one staging tile).
+pub const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
+
+/// Queries per block of `attn_prefill_hd{head_dim}` (its `INSTANTIATE` line's BQ).
+pub fn prefill_queries_per_block(head_dim: usize) -> usize {
+    if head_dim > 128 {
+        8
+    } else {
+        16
+    }
+}
 
 /// Threads per block for the element-wise kernels.
 pub(super) const EW: u32 = 256;
@@ -192,8 +211,9 @@ pub(super) fn launch(file: &'static str, func: &str, cfg: LaunchConfig, args: Ve
     }
 }
 
-/// embedding.cu `embedding_gather(table, ids, out, vocab, dim)`: `out[t] = table[ids[t]]`
-/// (a zero row for an id outside the vocabulary), one block per token.
+/// embedding.cu `embedding_gather(table, ids, out, vocab, dim, scale)`:
+/// `out[t] = table[ids[t]] · scale` (a zero row for an id outside the vocabulary), one
+/// block per token.
 pub fn embedding(
     table: DevPtr<bf16>, // bf16 [vocab, dim]
     ids: DevPtr<i32>,    // i32 [tokens]
@@ -201,8 +221,9 @@ pub fn embedding(
     tokens: usize,
     vocab: usize,
     dim: usize,
+    scale: f32,
 ) -> Launch {
-    let args = vec![arg(table), arg(ids), arg(out), i(vocab), i(dim)];
+    let args = vec![arg(table), arg(ids), arg(out), i(vocab), i(dim), F32(scale)];
     launch("embedding.cu", "embedding_gather", rows(tokens, EW), args)
 }
 
@@ -233,6 +254,32 @@ pub fn add_rms_norm(
 ) -> Launch {
     let args = vec![arg(x), arg(delta), arg(w), arg(out), i(dim), F32(eps)];
     launch("norm.cu", "add_rms_norm", rows(n_rows, EW), args)
+}
+
+/// norm.cu `norm_add_rms_norm(x, delta, w_delta, w, out, dim, eps)` (Gemma's sandwich
+/// norms): `x += rms_norm(delta) * w_delta` (the normed delta and `x` stored in bf16), then
+/// `out = rms_norm(x) * w`, one block per row.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_add_rms_norm(
+    x: DevPtr<bf16>,       // bf16 [n_rows, dim], updated in place
+    delta: DevPtr<bf16>,   // bf16 [n_rows, dim]
+    w_delta: DevPtr<bf16>, // bf16 [dim]
+    w: DevPtr<bf16>,       // bf16 [dim]
+    out: DevPtr<bf16>,     // bf16 [n_rows, dim]
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+) -> Launch {
+    let args = vec![
+        arg(x),
+        arg(delta),
+        arg(w_delta),
+        arg(w),
+        arg(out),
+        i(dim),
+        F32(eps),
+    ];
+    launch("norm.cu", "norm_add_rms_norm", rows(n_rows, EW), args)
 }
 
 /// norm.cu `head_rms_norm(x, w, tokens, heads, head_dim, row_stride, eps)`, in place on
@@ -299,6 +346,23 @@ pub fn silu_mul(
     launch("activation.cu", "silu_mul", grid1(tokens * inter, EW), args)
 }
 
+/// activation.cu `gelu_tanh_mul(gu, out, tokens, inter)` (GeGLU):
+/// `out[t, j] = gelu_tanh(gu[t, j]) * gu[t, inter + j]`.
+pub fn gelu_tanh_mul(
+    gu: DevPtr<bf16>,  // bf16 [tokens, 2 × inter]: gate then up
+    out: DevPtr<bf16>, // bf16 [tokens, inter]
+    tokens: usize,
+    inter: usize,
+) -> Launch {
+    let args = vec![arg(gu), arg(out), i(tokens), i(inter)];
+    launch(
+        "activation.cu",
+        "gelu_tanh_mul",
+        grid1(tokens * inter, EW),
+        args,
+    )
+}
+
 /// bias.cu `add_bias(x, b, rows, n)`: `x[t, j] += b[j]` in place.
 pub fn add_bias(
     x: DevPtr<bf16>, // bf16 [rows, n]
@@ -310,8 +374,9 @@ pub fn add_bias(
     launch("bias.cu", "add_bias", grid1(rows * n, EW), args)
 }
 
-/// kv_store.cu `kv_store(k, v, k_cache, v_cache, slots, tokens, kv_dim, src_stride)`:
-/// rows `k[t]`, `v[t]` (strided inside fused QKV) to cache rows `slots[t]` (−1: skipped).
+/// kv_store.cu `kv_store(k, v, k_cache, v_cache, slots, tokens, kv_dim, src_stride,
+/// ring_rows)`: rows `k[t]`, `v[t]` (strided inside fused QKV) to cache rows `slots[t]`
+/// (−1: skipped), or `slots[t] % rows` in a ring of `ring: Some(rows)`.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_store(
     k: DevPtr<bf16>,       // bf16 [tokens, src_stride]: kv_dim used
@@ -322,6 +387,7 @@ pub fn kv_store(
     tokens: usize,
     kv_dim: usize,
     src_stride: usize,
+    ring: Option<usize>,
 ) -> Launch {
     let args = vec![
         arg(k),
@@ -332,6 +398,7 @@ pub fn kv_store(
         i(tokens),
         i(kv_dim),
         i(src_stride),
+        i(ring.unwrap_or(0)),
     ];
     launch("kv_store.cu", "kv_store", grid1(tokens * kv_dim, EW), args)
 }
@@ -393,10 +460,12 @@ pub struct PagedAttn {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub q_stride: usize,
-    pub head_dim: usize, // 64 or 128: picks the kernel instantiation
+    pub head_dim: usize, // picks the kernel instantiation (`HEAD_DIMS`)
     pub batch: usize,
     pub max_q_len: usize, // longest query run (host copy, sizes the prefill grid)
     pub max_ctx: usize,   // longest context (host copy, sizes the decode grid)
+    pub scale: f32,       // score scale (`ModelConfig::attn_scale`)
+    pub window: Option<usize>, // a sliding-window layer's window (`ModelConfig::window`)
 }
 
 impl PagedAttn {
@@ -416,8 +485,9 @@ impl PagedAttn {
         ]
     }
 
-    fn scale(&self) -> KArg {
-        F32(1.0 / (self.head_dim as f32).sqrt())
+    /// (window, scale): the last two arguments of both kernels (window 0: none).
+    fn mask(&self) -> [KArg; 2] {
+        [i(self.window.unwrap_or(0)), F32(self.scale)]
     }
 }
 
@@ -439,6 +509,8 @@ pub struct AttnArgs {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub q_stride: usize,
+    pub scale: f32,
+    pub window: Option<usize>,
 }
 
 impl AttnArgs {
@@ -461,6 +533,8 @@ impl AttnArgs {
             batch: 1,
             max_q_len: self.tokens,
             max_ctx: self.ctx,
+            scale: self.scale,
+            window: self.window,
         }
     }
 }
@@ -475,10 +549,11 @@ pub struct DecodeScratch {
     pub max_splits: usize,
 }
 
-/// attention_prefill.cu `attn_prefill_hd{64,128}(q, k_cache, v_cache, out, cu_seqlens_q,
-/// context_lens, block_tables, max_blocks, block_size, num_heads, num_kv_heads, q_stride,
-/// scale)`: causal flash attention; grid (⌈max_q_len / 16⌉, num_heads, batch), 128
-/// threads (blocks past a sequence's queries return at once).
+/// attention_prefill.cu `attn_prefill_hd{64,96,128,256}(q, k_cache, v_cache, out,
+/// cu_seqlens_q, context_lens, block_tables, max_blocks, block_size, num_heads,
+/// num_kv_heads, q_stride, window, scale)`: causal flash attention; grid
+/// (⌈max_q_len / BQ⌉, num_heads, batch) with BQ `prefill_queries_per_block`, 128 threads
+/// (blocks past a sequence's queries return at once).
 pub fn attn_prefill(a: &PagedAttn) -> Launch {
     let mut args = a.qkv().to_vec();
     args.extend([
@@ -488,10 +563,11 @@ pub fn attn_prefill(a: &PagedAttn) -> Launch {
         arg(a.tables),
     ]);
     args.extend(a.shape());
-    args.push(a.scale());
+    args.extend(a.mask());
+    let bq = prefill_queries_per_block(a.head_dim) as u32;
     let cfg = LaunchConfig {
         grid_dim: (
-            (a.max_q_len as u32).div_ceil(16),
+            (a.max_q_len as u32).div_ceil(bq),
             a.num_heads as u32,
             a.batch as u32,
         ),
@@ -502,13 +578,14 @@ pub fn attn_prefill(a: &PagedAttn) -> Launch {
     launch("attention_prefill.cu", &func, cfg, args)
 }
 
-/// attention_decode.cu: `attn_decode_hd{64,128}(q, k_cache, v_cache, part_o, part_ml,
-/// context_lens, block_tables, max_blocks, block_size, num_heads, num_kv_heads, q_stride,
-/// split_len, max_splits, scale)`, one query per sequence split over `split_len` keys per
-/// block, grid (num_heads, ⌈max_ctx / split_len⌉, batch); then `attn_decode_reduce(part_o,
-/// part_ml, out, context_lens, num_heads, head_dim, split_len, max_splits)` merging the
-/// splits, grid (num_heads, batch). Both 128 threads. Partials are laid out with stride
-/// `max_splits`; only the splits the longest context needs are launched.
+/// attention_decode.cu: `attn_decode_hd{64,96,128,256}(q, k_cache, v_cache, part_o,
+/// part_ml, context_lens, block_tables, max_blocks, block_size, num_heads, num_kv_heads,
+/// q_stride, split_len, max_splits, window, scale)`, one query per sequence split over
+/// `split_len` keys per block, grid (num_heads, ⌈max_ctx / split_len⌉, batch); then
+/// `attn_decode_reduce(part_o, part_ml, out, context_lens, num_heads, head_dim, split_len,
+/// max_splits, window)` merging the splits, grid (num_heads, batch). Both 128 threads.
+/// Partials are laid out with stride `max_splits`; only the splits the longest context
+/// needs are launched (a window's: those before it return at once and are not merged).
 pub fn attn_decode(a: &PagedAttn, s: &DecodeScratch) -> Result<[Launch; 2]> {
     let splits = a.max_ctx.div_ceil(s.split_len);
     if splits > s.max_splits {
@@ -526,7 +603,8 @@ pub fn attn_decode(a: &PagedAttn, s: &DecodeScratch) -> Result<[Launch; 2]> {
         arg(a.tables),
     ]);
     args.extend(a.shape());
-    args.extend([i(s.split_len), i(s.max_splits), a.scale()]);
+    args.extend([i(s.split_len), i(s.max_splits)]);
+    args.extend(a.mask());
     let block = (128, 1, 1);
     let cfg = LaunchConfig {
         grid_dim: (a.num_heads as u32, splits as u32, a.batch as u32),
@@ -543,6 +621,7 @@ pub fn attn_decode(a: &PagedAttn, s: &DecodeScratch) -> Result<[Launch; 2]> {
         i(a.head_dim),
         i(s.split_len),
         i(s.max_splits),
+        i(a.window.unwrap_or(0)),
     ];
     let reduce_cfg = LaunchConfig {
         grid_dim: (a.num_heads as u32, a.batch as u32, 1),
@@ -733,11 +812,13 @@ mod tests {
     use crate::device::cuda::nvrtc::SOURCES;
 
     /// The `extern "C" __global__` functions of one `.cu` source; a name built with
-    /// `##HD` inside `INSTANTIATE(HD)` is expanded for each `INSTANTIATE(<n>)` line.
+    /// `##HD` inside `INSTANTIATE(HD, ...)` is expanded for each `INSTANTIATE(<n>, ...)`
+    /// line (the head dim is the first argument).
     fn global_functions(src: &str) -> Vec<String> {
         let instantiations: Vec<&str> = src
             .lines()
             .filter_map(|l| l.trim().strip_prefix("INSTANTIATE(")?.strip_suffix(')'))
+            .filter_map(|args| args.split(',').next())
             .filter(|n| n.chars().all(|c| c.is_ascii_digit()))
             .collect();
         let mut names = Vec::new();
@@ -803,13 +884,15 @@ mod tests {
             DevPtr::from_addr(n << 12)
         }
         let mut launches = vec![
-            embedding(p(1), p(2), p(3), 7, 100, 64),
+            embedding(p(1), p(2), p(3), 7, 100, 64, 1.0),
             rms_norm(p(1), p(2), p(3), 5, 64, 1e-6),
             add_rms_norm(p(1), p(2), p(3), p(4), 5, 64, 1e-6),
+            norm_add_rms_norm(p(1), p(2), p(3), p(4), p(5), 5, 64, 1e-6),
             head_rms_norm(p(1), p(2), 5, 4, 64, 384, 1e-6),
             rope(p(1), p(2), p(3), p(4), 5, 6, 64, 384),
             silu_mul(p(1), p(2), 5, 96),
-            kv_store(p(1), p(2), p(3), p(4), p(5), 5, 128, 384),
+            gelu_tanh_mul(p(1), p(2), 5, 96),
+            kv_store(p(1), p(2), p(3), p(4), p(5), 5, 128, 384, None),
             argmax(p(1), p(2), 2, 1000),
             sample(p(1), p(2), p(3), 2, 1000, 0.7, 50, 0.9),
         ];
@@ -835,6 +918,8 @@ mod tests {
                 num_heads: 8,
                 num_kv_heads: 2,
                 q_stride: 12 * hd,
+                scale: 0.125,
+                window: None,
             }
             .paged(hd);
             launches.push(attn_prefill(&a));
@@ -844,7 +929,8 @@ mod tests {
             assert!(is_listed(l.file, &l.func), "{} of {}", l.func, l.file);
         }
         // Three splits of 512 for 1,500 keys; too many for the scratch is an error.
-        assert_eq!(launches[11].cfg.grid_dim, (8, 3, 1));
+        assert_eq!(launches[13].func, "attn_decode_hd64");
+        assert_eq!(launches[13].cfg.grid_dim, (8, 3, 1));
         let mut long = AttnArgs {
             q: DevPtr::from_addr(0),
             k: DevPtr::from_addr(0),
@@ -859,16 +945,19 @@ mod tests {
             num_heads: 8,
             num_kv_heads: 2,
             q_stride: 768,
+            scale: 0.125,
+            window: None,
         };
         assert!(attn_decode(&long.paged(64), &scratch).is_err());
         long.ctx = 2048;
         assert!(attn_decode(&long.paged(64), &scratch).is_ok());
         assert!(check_head_dim(80).is_err() && check_head_dim(96).is_ok());
-        assert!(check_head_dim(256).is_err() && check_head_dim(128).is_ok());
+        assert!(check_head_dim(256).is_ok() && check_head_dim(512).is_err());
     }
 
-    /// The contiguous form is the paged one with one block of `capacity` tokens, and the
-    /// prefill grid covers its queries in tiles of 16.
+    /// The contiguous form is the paged one with one block of `capacity` tokens, the
+    /// prefill grid covers its queries in tiles of 16 (8 at head_dim 256), and the window
+    /// and scale are the last arguments.
     #[test]
     fn contiguous_attention_is_one_block() {
         let a = AttnArgs {
@@ -885,18 +974,20 @@ mod tests {
             num_heads: 9,
             num_kv_heads: 3,
             q_stride: 960,
+            scale: 0.0625,
+            window: Some(512),
         };
         let l = attn_prefill(&a.paged(64));
         assert_eq!(l.func, "attn_prefill_hd64");
         assert_eq!(l.cfg.grid_dim, (3, 9, 1));
         assert_eq!(l.cfg.block_dim, (128, 1, 1));
-        let scale = 1.0 / 8.0;
         let want = [1, 2, 3, 4, 5, 6, 7].map(KArg::Ptr).to_vec();
         let want: Vec<KArg> = want
             .into_iter()
-            .chain([1, 300, 9, 3, 960].map(KArg::I32))
-            .chain([F32(scale)])
+            .chain([1, 300, 9, 3, 960, 512].map(KArg::I32))
+            .chain([F32(0.0625)])
             .collect();
         assert_eq!(l.args, want);
+        assert_eq!(attn_prefill(&a.paged(256)).cfg.grid_dim, (5, 9, 1));
     }
 }

@@ -125,6 +125,8 @@ impl CudaModel {
                     batch: t,
                     max_q_len: 1,
                     max_ctx,
+                    scale: c.attn_scale,
+                    window: None, // the layer's
                 },
                 scratch,
             ),
@@ -177,8 +179,9 @@ impl CudaModel {
         let out = self.batch.logits.ensure(exec, r * vocab)?;
         let a = self.acts.as_ref().expect("allocated by forward_batch");
         self.range("lm_head");
-        // The embedding gather, with the activations as its table: last[i] = hn[want[i]].
-        exec.launch(&ops::embedding(a.hn, want, last, r, a.rows, h))?;
+        // The embedding gather, with the activations as its table: last[i] = hn[want[i]]
+        // (scale 1: an exact copy).
+        exec.launch(&ops::embedding(a.hn, want, last, r, a.rows, h, 1.0))?;
         let shape = GemmShape {
             m: r,
             k: h,

@@ -44,11 +44,14 @@ pub struct LayerOf<T> {
     pub attn_norm: T,            // [hidden]
     pub wqkv: T,                 // [q_dim + 2 kv_dim, hidden]
     pub bqkv: Option<T>,         // [q_dim + 2 kv_dim] (Qwen2-style bias)
-    pub qk_norm: Option<(T, T)>, // [head_dim] each (Qwen3)
+    pub qk_norm: Option<(T, T)>, // [head_dim] each (Qwen3, Gemma 3)
     pub wo: T,                   // [hidden, q_dim]
-    pub mlp_norm: T,             // [hidden]
-    pub w_gate_up: T,            // [2 inter, hidden]
-    pub w_down: T,               // [hidden, inter]
+    /// Gemma 3's norms of the attention and MLP outputs before their residual adds,
+    /// [hidden] each.
+    pub post_norms: Option<(T, T)>,
+    pub mlp_norm: T,  // [hidden]
+    pub w_gate_up: T, // [2 inter, hidden]
+    pub w_down: T,    // [hidden, inter]
 }
 
 pub type LayerW = LayerOf<Tensor>;
@@ -77,6 +80,10 @@ pub fn convert_each<T>(
             (Some(q), Some(k)) => Some((sink(&bf16(q))?, sink(&bf16(k))?)),
             _ => None,
         };
+        let post_norms = match &l.post_norms {
+            Some((a, m)) => Some((sink(&bf16(a))?, sink(&bf16(m))?)),
+            None => None,
+        };
         let mlp_norm = sink(&bf16(&l.mlp_norm))?;
         layers.push(LayerOf {
             attn_norm,
@@ -84,6 +91,7 @@ pub fn convert_each<T>(
             bqkv,
             qk_norm,
             wo: sink(&l.wo.to_bf16_bits())?,
+            post_norms,
             mlp_norm,
             w_gate_up: sink(&l.w_gate_up.to_bf16_bits())?,
             w_down: sink(&l.w_down.to_bf16_bits())?,
@@ -170,12 +178,20 @@ impl CudaWeights {
                 None
             },
             wo: gen(h * qd, 0.0, s(qd))?,
+            post_norms: if cfg.sandwich_norms {
+                Some((gen(h, 1.0, 0.1)?, gen(h, 1.0, 0.1)?))
+            } else {
+                None
+            },
             mlp_norm: gen(h, 1.0, 0.1)?,
             w_gate_up: gen(2 * inter * h, 0.0, s(h))?,
             w_down: gen(h * inter, 0.0, s(inter))?,
         });
         let bias = if cfg.attention_bias { qd + 2 * kvd } else { 0 };
-        let layer_bytes = 2 * (2 * h + (qd + 2 * kvd) * h + bias + 2 * hd + h * qd + 3 * inter * h);
+        let post = if cfg.sandwich_norms { 2 * h } else { 0 };
+        let qk = if cfg.qk_norm { 2 * hd } else { 0 };
+        let layer_bytes =
+            2 * (2 * h + (qd + 2 * kvd) * h + bias + qk + post + h * qd + 3 * inter * h);
         Ok(Self {
             embed: gen(cfg.vocab_size * h, 0.0, 1.0)?,
             layers: vec![layer; cfg.num_layers],

@@ -33,12 +33,17 @@ fn sparse_rows_of_gpu_check_step_3_pass_on_the_emulator() {
     let mut deep = Shape::tiny();
     deep.layers = 6;
     let mut rows = Vec::new();
-    for (name, shape) in [("tiny", Shape::tiny()), ("tiny, 6 layers", deep)] {
+    // Gemma 3: the full layer selects pages, the windowed ones attend their 24 tokens.
+    for (name, shape) in [
+        ("tiny", Shape::tiny()),
+        ("tiny, 6 layers", deep),
+        ("tiny gemma3, window 24", Shape::tiny_gemma3(24)),
+    ] {
         let engine = emulator_offload_engine;
         rows.extend(sparse_case(emu_exec(), &engine, name, shape).unwrap());
     }
     eprint!("{}", format_table(&rows));
-    assert_eq!(rows.len(), 6);
+    assert_eq!(rows.len(), 9);
     let failed: Vec<_> = rows.iter().filter(|r| !r.pass).collect();
     assert!(failed.is_empty(), "failed: {failed:#?}");
 }

@@ -60,6 +60,31 @@ fn smollm2_on_the_emulator_matches_the_cpu_model() {
     }
 }
 
+/// The real Gemma 3 270M (Q4_K_M; head_dim 256, one KV head, 18 layers of which 15
+/// windowed, 262K vocabulary) through the real kernels: a ~980-token prompt (past the
+/// 512-token windows; the resident rings of 767 rows wrap; prefill in 256-token steps)
+/// and 3 decode steps against the f32 CPU model, bf16 weights as for SmolLM2 (5%), the
+/// same greedy token at every step.
+#[test]
+fn gemma3_270m_on_the_emulator_matches_the_cpu_model() {
+    let Some(path) = common::gemma3_model() else {
+        return;
+    };
+    let (model, tok) = strata::model::Model::load(&path, false).unwrap();
+    let text = "The Moon is Earth's only natural satellite. It orbits at an average \
+        distance of 384,400 km and always shows the same face to Earth. "
+        .repeat(28);
+    let prompt = tok.encode(&text, true).unwrap();
+    eprintln!("{} prompt tokens", prompt.len());
+    let x = emu_exec();
+    let steps = strata::gpucheck::model_checks::compare_loaded(x, &model, &prompt, 3).unwrap();
+    for s in &steps {
+        eprintln!("{s:?}");
+        assert!(s.rel_rms < 0.05 && s.rel_max < 0.05, "{s:?}");
+        assert_eq!(s.argmax_cpu, s.argmax_cuda, "{s:?}");
+    }
+}
+
 /// head_dim 128 and a grouped-query ratio of 4, one layer.
 #[test]
 fn head_dim_128_layer_on_the_emulator_matches_the_cpu_model() {
@@ -383,22 +408,35 @@ fn guard_page_stops_an_overrun() {
 /// haystack, the needle found, identical tokens and log-probs with offload.
 #[test]
 fn needle_session_on_the_emulator_finds_it_with_and_without_offload() {
+    needle_on_the_emulator(&common::require_default_model(), 256);
+}
+
+/// Gemma 3 270M: a 600-token haystack, past its 512-token windows.
+#[test]
+fn gemma3_needle_session_on_the_emulator_finds_it_with_and_without_offload() {
+    if let Some(path) = common::gemma3_model() {
+        needle_on_the_emulator(&path, 600);
+    }
+}
+
+/// `needle --device cuda`'s session on `path` with an `input_len`-token haystack: found,
+/// and offload's tokens and log-probs equal resident's bit for bit.
+fn needle_on_the_emulator(path: &std::path::Path, input_len: usize) {
     use strata::device::DeviceKind;
     use strata::engine::{GenerateOptions, SamplingParams};
     use strata::needle::{answer_found, Case, NeedleKind};
     use strata::offload::OffloadConfig;
     use strata::{Session, SessionConfig};
 
-    let path = common::require_default_model();
-    let (model, tok) = strata::model::Model::load(&path, false).unwrap();
+    let (model, tok) = strata::model::Model::load(path, false).unwrap();
     let case = Case {
-        input_len: 256,
+        input_len,
         depth: 0.5,
         kind: NeedleKind::MagicNumber,
         seed: 0,
     };
     let prompt = case.build(&tok).unwrap();
-    let max_len = 256 + 32;
+    let max_len = input_len + 32;
     let cfg = SessionConfig {
         offload: Some(OffloadConfig {
             num_kv_buffers: 4,

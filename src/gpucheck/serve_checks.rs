@@ -353,12 +353,41 @@ pub fn serve_case(
         .map(|((g, _), (w, _))| g.iter().zip(w).take_while(|(a, b)| a == b).count())
         .sum();
     let total: usize = cpu_out.iter().map(|(t, _)| t.len()).sum();
+    // Where a request's tokens part, the CPU's own choice must have been a near-tie (bf16
+    // activations move logits by a few percent: step 2's tolerance).
+    let mut ties = Vec::new();
+    for (r, ((g, _), (w, _))) in want.iter().zip(&cpu_out).enumerate() {
+        if let Some(i) = g.iter().zip(w).position(|(a, b)| a != b) {
+            let gap = near_tie_gap(&model, &prompts[r], &w[..i], w[i], g[i])?;
+            ties.push(gap);
+        }
+    }
+    let pass = ties.iter().all(|&gap| gap <= NEAR_TIE);
     row(
         "greedy tokens vs CPU engine",
-        same == total,
-        format!("{same} of {total} tokens equal before the first difference"),
+        pass,
+        format!(
+            "{same} of {total} tokens equal before the first difference; where they part, \
+             the CPU's top-2 gap / max |logit|: {ties:.4?} (near-tie ≤ {NEAR_TIE})"
+        ),
     );
     Ok(rows)
+}
+
+/// A difference between the CUDA and CPU engines' greedy tokens is a near-tie when the
+/// f32 CPU model's logits of the two tokens differ by at most this fraction of its
+/// largest |logit| (bf16 activations move logits by ~1–3% of their spread).
+const NEAR_TIE: f32 = 0.02;
+
+/// The f32 CPU model's logit of `want` minus that of `got` after `prompt` + `before`,
+/// over its largest |logit|.
+fn near_tie_gap(model: &Model, prompt: &[u32], before: &[u32], want: u32, got: u32) -> Result<f32> {
+    let c = &model.cfg;
+    let tokens: Vec<u32> = prompt.iter().chain(before).copied().collect();
+    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, tokens.len());
+    let l = model.forward(&tokens, 0, &mut kv)?;
+    let max = l.iter().fold(0f32, |a, x| a.max(x.abs())).max(1e-30);
+    Ok((l[want as usize] - l[got as usize]) / max)
 }
 
 /// The disk tier under the engine `make` builds, in `dir` (emptied first): see the module
@@ -442,13 +471,18 @@ fn corrupt_every_payload(dir: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// Step 6 on the GPU: a tiny Qwen3 and a Qwen3-4B-shaped 3-layer model (vocab 4,096).
+/// Step 6 on the GPU: a tiny Qwen3, a Qwen3-4B-shaped 3-layer model (vocab 4,096) and a
+/// Gemma-3-shaped one (head_dim 256, windows of 24 tokens: shorter than most requests).
 pub fn serve_check() -> Result<Vec<CheckRow>> {
     let mut four_b = Shape::qwen3_4b();
     four_b.layers = 3;
     four_b.vocab = 4096;
     let mut rows = Vec::new();
-    for (name, shape) in [("tiny qwen3", Shape::tiny()), ("qwen3-4b-shaped", four_b)] {
+    for (name, shape) in [
+        ("tiny qwen3", Shape::tiny()),
+        ("qwen3-4b-shaped", four_b),
+        ("gemma3-shaped", Shape::gemma3_hd256(24)),
+    ] {
         let dev = Arc::new(CudaDevice::new(0)?);
         let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), dev.new_stream()?)?);
         rows.push(batch_invariance_case(exec, name, shape)?);
@@ -462,13 +496,20 @@ pub fn serve_check() -> Result<Vec<CheckRow>> {
     Ok(rows)
 }
 
-/// Step 6 on the kernel emulator (the tiny model; KV pages on the CPU device in bf16).
+/// Step 6 on the kernel emulator (a tiny Qwen3 and a tiny Gemma 3 with windows of 16
+/// tokens; KV pages on the CPU device in bf16).
 pub fn serve_check_emulated() -> Result<Vec<CheckRow>> {
     let exec: Arc<dyn Exec> = Arc::new(super::emu::EmuExec::new()?);
-    let mut rows = vec![batch_invariance_case(exec, "tiny", Shape::tiny())?];
     let emu = super::emu::emulator_serve_engine;
-    rows.extend(serve_case(&emu, "tiny", Shape::tiny(), true)?);
-    rows.push(prompt_logprobs_case(&emu, "tiny", Shape::tiny())?);
+    let mut rows = Vec::new();
+    for (name, shape) in [
+        ("tiny", Shape::tiny()),
+        ("tiny gemma3", Shape::tiny_gemma3(16)),
+    ] {
+        rows.push(batch_invariance_case(exec.clone(), name, shape)?);
+        rows.extend(serve_case(&emu, name, shape, true)?);
+        rows.push(prompt_logprobs_case(&emu, name, shape)?);
+    }
     Ok(rows)
 }
 

@@ -429,6 +429,42 @@ fn small_budget_attends_exactly_the_oracles_rows() {
     }
 }
 
+/// Gemma 3's layer kinds: the full-attention layer selects, the windowed ones attend their
+/// window exactly, in the engine and in the oracle (`bench sparse-eval`'s `Replay`) alike.
+#[test]
+fn small_budget_on_sliding_window_layers_attends_exactly_the_oracles_rows() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let model = common::tiny_gemma3(24);
+    let c = &model.cfg;
+    let prompt = random_prompt(&mut rng, 150, c.vocab_size);
+    let (n, cap, bs) = (40, 200, 16);
+    let sc = SparseConfig {
+        budget: 48,
+        page_size: 8,
+    };
+    let cfg = OffloadConfig {
+        num_kv_buffers: 2,
+        block_size: bs,
+        max_model_len: cap,
+        sparse: Some(sc),
+        ..Default::default()
+    };
+    let (got, stats) = run(&model, cfg, &prompt, n);
+    assert!(stats.unwrap().miss_pages > 0, "the full layer selects");
+    let mut oracle = Oracle::<f32>::new(c, sc, bs, cap);
+    let want = engine::generate_with(
+        &model,
+        &mut oracle,
+        cap,
+        &prompt,
+        &common::greedy(n),
+        &mut |_| Ok(()),
+    )
+    .unwrap();
+    assert_eq!(got.token_ids, want.token_ids);
+    assert_eq!(bits(&got.logprobs), bits(&want.logprobs));
+}
+
 /// The first decode step's prefetch comes from the prompt's last token's query: the
 /// prefill ranks each layer's pages with it once their bounds exist. Driven by hand so that
 /// the first decode query *is* that query: then the prediction holds every chosen page and

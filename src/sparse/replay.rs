@@ -5,6 +5,8 @@
 //! `rank_pages`, `choose`), exactly as the offload engine chooses them, minus prefetch,
 //! prediction and misses, which change which copies run but never which rows are attended
 //! (`tests/sparse.rs` and `tests/cuda_sparse.rs` check the engine against it, bit for bit).
+//! As in the engine, only full-attention layers select: a sliding-window layer attends its
+//! window exactly, from its own rows.
 //!
 //! Why it exists beside the engine: one prefill can be decoded several ways. Decode only
 //! writes positions at and after the prompt's end, so `rewind` to the prompt length and a
@@ -30,6 +32,8 @@ pub struct Replay<T> {
     bs: usize,
     row: usize,
     heads: AttnHeads,
+    /// Per layer: a sliding-window layer, which never selects.
+    windowed: Vec<bool>,
     k: Vec<Vec<T>>, // [layers][cap · row]
     v: Vec<Vec<T>>,
     /// Per layer: page metadata of its first `meta_pages[l]` pages (`page_bounds`), kept
@@ -54,6 +58,7 @@ impl<T: KvElem + Default> Replay<T> {
             bs: block_size,
             row,
             heads: AttnHeads::causal(c.num_heads, c.num_kv_heads, c.head_dim),
+            windowed: (0..c.num_layers).map(|l| c.window(l).is_some()).collect(),
             k: (0..c.num_layers).map(|_| zeros()).collect(),
             v: (0..c.num_layers).map(|_| zeros()).collect(),
             meta: vec![Vec::new(); c.num_layers],
@@ -99,6 +104,14 @@ impl<T: KvElem + Default> Replay<T> {
     }
 }
 
+impl<T> Replay<T> {
+    /// Whether layer `l` attends selected rows this step: a sparse decode step, and a
+    /// full-attention layer.
+    fn selects(&self, l: usize) -> bool {
+        self.decode && !self.windowed[l]
+    }
+}
+
 fn ptr<T>(v: &mut [T]) -> DevPtr<T> {
     DevPtr::from_addr(v.as_mut_ptr() as u64)
 }
@@ -130,7 +143,7 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Replay<T> {
         Ok(())
     }
     fn begin_layer(&mut self, l: usize) -> Result<LayerSlot<T>> {
-        let (k, v) = if self.decode {
+        let (k, v) = if self.selects(l) {
             (&mut self.scratch.0, &mut self.scratch.1)
         } else {
             (&mut self.k[l], &mut self.v[l])
@@ -143,7 +156,7 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Replay<T> {
         })
     }
     fn end_layer(&mut self, l: usize) -> Result<()> {
-        if self.decode {
+        if self.selects(l) {
             let (r, p) = (self.new_row * self.row, self.pos * self.row);
             self.k[l][p..p + self.row].copy_from_slice(&self.scratch.0[r..r + self.row]);
             self.v[l][p..p + self.row].copy_from_slice(&self.scratch.1[r..r + self.row]);
@@ -157,7 +170,7 @@ unsafe impl<T: KvElem + Default> KvCache<T> for Replay<T> {
         self.attend_all = true;
     }
     fn select_rows(&mut self, l: usize, q: Query<T>) -> Result<Option<NewRow>> {
-        if !self.decode {
+        if !self.selects(l) {
             return Ok(None);
         }
         let (row, ps, rows) = (self.row, self.sc.page_size, self.sc.meta_rows());

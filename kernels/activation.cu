@@ -1,17 +1,24 @@
 // Gated MLP activations, gate and up side by side in one GEMM output.
 #include "common.cuh"
 
-// SwiGLU: out = silu(gate) * up.
-extern "C" __global__ void silu_mul(
-    const bf16* __restrict__ gu,  // [tokens, 2 * inter]: gate then up
-    bf16* __restrict__ out,       // [tokens, inter]
-    int tokens, int inter) {
+// out[t, j] = act(gate[t, j]) * up[t, j], one thread per output.
+template <typename Act>
+__device__ __forceinline__ void gated(
+    const bf16* __restrict__ gu, bf16* __restrict__ out, int tokens, int inter, Act act) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)tokens * inter) return;
     const long long t = i / inter, j = i % inter;
     const float g = bf16_to_f32(gu[t * 2 * inter + j]);
     const float u = bf16_to_f32(gu[t * 2 * inter + inter + j]);
-    out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * u);
+    out[i] = f32_to_bf16(act(g) * u);
+}
+
+// SwiGLU: out = silu(gate) * up.
+extern "C" __global__ void silu_mul(
+    const bf16* __restrict__ gu,  // [tokens, 2 * inter]: gate then up
+    bf16* __restrict__ out,       // [tokens, inter]
+    int tokens, int inter) {
+    gated(gu, out, tokens, inter, [](float g) { return g / (1.0f + __expf(-g)); });
 }
 
 // GeGLU (Gemma): out = gelu_tanh(gate) * up, GELU's tanh approximation as in
@@ -20,11 +27,8 @@ extern "C" __global__ void gelu_tanh_mul(
     const bf16* __restrict__ gu,  // [tokens, 2 * inter]: gate then up
     bf16* __restrict__ out,       // [tokens, inter]
     int tokens, int inter) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)tokens * inter) return;
-    const long long t = i / inter, j = i % inter;
-    const float g = bf16_to_f32(gu[t * 2 * inter + j]);
-    const float u = bf16_to_f32(gu[t * 2 * inter + inter + j]);
-    const float c = 0.7978846f * (g + 0.044715f * g * g * g);  // √(2/π) (x + 0.044715 x³)
-    out[i] = f32_to_bf16(0.5f * g * (1.0f + tanhf(c)) * u);
+    gated(gu, out, tokens, inter, [](float g) {
+        const float c = 0.7978846f * (g + 0.044715f * g * g * g);  // √(2/π) (x + 0.044715 x³)
+        return 0.5f * g * (1.0f + tanhf(c));
+    });
 }

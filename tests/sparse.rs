@@ -391,11 +391,19 @@ fn bad_sparse_settings_are_clear_errors() {
     }
 }
 
+/// The engine's rows are the oracle's (`Replay`, also `bench sparse-eval`'s), bit for bit:
+/// a tiny Qwen3 at two ring, block and page sizes, and a tiny Gemma 3 (windows of 24),
+/// whose full-attention layer selects while the windowed ones attend their window exactly.
 #[test]
 fn small_budget_attends_exactly_the_oracles_rows() {
     let mut rng = StdRng::seed_from_u64(6);
-    for (nb, bs, page, budget) in [(2, 16, 8, 48), (4, 32, 4, 64)] {
-        let model = tiny(TinySpec::qwen3(), "sparse_oracle");
+    let qwen3 = tiny(TinySpec::qwen3(), "sparse_oracle");
+    let gemma3 = common::tiny_gemma3(24);
+    for (model, nb, bs, page, budget) in [
+        (&qwen3, 2, 16, 8, 48),
+        (&qwen3, 4, 32, 4, 64),
+        (&gemma3, 2, 16, 8, 48),
+    ] {
         let c = &model.cfg;
         let prompt = random_prompt(&mut rng, 150, c.vocab_size);
         let (n, cap) = (40, 200);
@@ -410,59 +418,16 @@ fn small_budget_attends_exactly_the_oracles_rows() {
             sparse: Some(sc),
             ..Default::default()
         };
-        let (got, stats) = run(&model, cfg, &prompt, n);
+        let (got, stats) = run(model, cfg, &prompt, n);
         assert!(stats.unwrap().miss_pages > 0, "the miss path runs");
         let mut oracle = Oracle::<f32>::new(c, sc, bs, cap);
-        let opts = GenerateOptions {
-            max_tokens: n,
-            sampling: SamplingParams::default(),
-            stop_ids: vec![],
-        };
-        let want = engine::generate_with(&model, &mut oracle, cap, &prompt, &opts, &mut |_| Ok(()))
+        let opts = common::greedy(n);
+        let want = engine::generate_with(model, &mut oracle, cap, &prompt, &opts, &mut |_| Ok(()))
             .unwrap();
-        assert_eq!(got.token_ids, want.token_ids, "ring {nb} block {bs}");
-        assert_eq!(
-            bits(&got.logprobs),
-            bits(&want.logprobs),
-            "ring {nb} block {bs}"
-        );
+        let what = format!("{:?}, ring {nb} block {bs}", c.arch);
+        assert_eq!(got.token_ids, want.token_ids, "{what}");
+        assert_eq!(bits(&got.logprobs), bits(&want.logprobs), "{what}");
     }
-}
-
-/// Gemma 3's layer kinds: the full-attention layer selects, the windowed ones attend their
-/// window exactly, in the engine and in the oracle (`bench sparse-eval`'s `Replay`) alike.
-#[test]
-fn small_budget_on_sliding_window_layers_attends_exactly_the_oracles_rows() {
-    let mut rng = StdRng::seed_from_u64(7);
-    let model = common::tiny_gemma3(24);
-    let c = &model.cfg;
-    let prompt = random_prompt(&mut rng, 150, c.vocab_size);
-    let (n, cap, bs) = (40, 200, 16);
-    let sc = SparseConfig {
-        budget: 48,
-        page_size: 8,
-    };
-    let cfg = OffloadConfig {
-        num_kv_buffers: 2,
-        block_size: bs,
-        max_model_len: cap,
-        sparse: Some(sc),
-        ..Default::default()
-    };
-    let (got, stats) = run(&model, cfg, &prompt, n);
-    assert!(stats.unwrap().miss_pages > 0, "the full layer selects");
-    let mut oracle = Oracle::<f32>::new(c, sc, bs, cap);
-    let want = engine::generate_with(
-        &model,
-        &mut oracle,
-        cap,
-        &prompt,
-        &common::greedy(n),
-        &mut |_| Ok(()),
-    )
-    .unwrap();
-    assert_eq!(got.token_ids, want.token_ids);
-    assert_eq!(bits(&got.logprobs), bits(&want.logprobs));
 }
 
 /// The first decode step's prefetch comes from the prompt's last token's query: the

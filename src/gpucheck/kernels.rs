@@ -12,6 +12,7 @@ use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{Buf, CudaExec, Exec};
 use crate::device::cuda::ops::{self as kernels, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::DevPtr;
+use crate::model::config::MlpAct;
 use anyhow::{bail, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
@@ -66,7 +67,9 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
         ("add_rms_norm", check_add_rms_norm),
         ("head_rms_norm", check_head_rms_norm),
         ("rope_neox", check_rope),
-        ("silu_mul", check_silu_mul),
+        ("silu_mul", |exec, r, z| {
+            check_gated(exec, r, z, MlpAct::Silu)
+        }),
         ("kv_store", check_kv_store),
         ("argmax", check_argmax),
         ("sample", check_sample),
@@ -96,7 +99,9 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
         ("embedding_gather (scaled)", |exec, r, z| {
             check_embedding_scaled(exec, r, z, 25.3)
         }),
-        ("gelu_tanh_mul", check_gelu_tanh_mul),
+        ("gelu_tanh_mul", |exec, r, z| {
+            check_gated(exec, r, z, MlpAct::GeluTanh)
+        }),
         ("norm_add_rms_norm", check_norm_add_rms_norm),
         ("kv_store (ring)", check_kv_store_ring),
         ("attn_prefill_hd256", |exec, r, z| {
@@ -456,38 +461,26 @@ fn check_add_bias(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Ch
     ))
 }
 
-fn check_silu_mul(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
-    let (tokens, inter) = z.pick((37, 9728), (5, 320));
+/// SwiGLU or GeGLU (at Qwen3-4B's and Gemma 3 4B's intermediate sizes).
+fn check_gated(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes, act: MlpAct) -> Result<CheckRow> {
+    let (name, inter) = match act {
+        MlpAct::Silu => ("silu_mul", 9728),
+        MlpAct::GeluTanh => ("gelu_tanh_mul", 10240),
+    };
+    let (tokens, inter) = z.pick((37, inter), (5, 320));
     let (gb, gf) = rand_bf16(rng, tokens * 2 * inter, 4.0); // [tokens, gate | up]
     let mut m = Mem::new(exec);
     let g_d = m.upload(&gb)?;
     let out = m.zeros::<u16>(tokens * inter)?; // [tokens, inter]
-    exec.launch(&kernels::silu_mul(g_d, out, tokens, inter))?;
+    exec.launch(&kernels::gated_mul(act, g_d, out, tokens, inter))?;
     let got = m.bf16(out, tokens * inter)?;
     let mut want = vec![0.0; tokens * inter];
-    ops::silu_mul(&gf, inter, &mut want);
+    match act {
+        MlpAct::Silu => ops::silu_mul(&gf, inter, &mut want),
+        MlpAct::GeluTanh => ops::gelu_tanh_mul(&gf, inter, &mut want),
+    }
     Ok(compare(
-        "silu_mul",
-        format!("[{tokens}, 2 × {inter}]"),
-        &got,
-        &want,
-        1e-2,
-        1e-2,
-    ))
-}
-
-fn check_gelu_tanh_mul(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
-    let (tokens, inter) = z.pick((37, 10240), (5, 320)); // Gemma 3 4B's inter
-    let (gb, gf) = rand_bf16(rng, tokens * 2 * inter, 4.0); // [tokens, gate | up]
-    let mut m = Mem::new(exec);
-    let g_d = m.upload(&gb)?;
-    let out = m.zeros::<u16>(tokens * inter)?; // [tokens, inter]
-    exec.launch(&kernels::gelu_tanh_mul(g_d, out, tokens, inter))?;
-    let got = m.bf16(out, tokens * inter)?;
-    let mut want = vec![0.0; tokens * inter];
-    ops::gelu_tanh_mul(&gf, inter, &mut want);
-    Ok(compare(
-        "gelu_tanh_mul",
+        name,
         format!("[{tokens}, 2 × {inter}]"),
         &got,
         &want,
@@ -685,65 +678,88 @@ fn max_of(v: &[i32]) -> usize {
     v.iter().copied().max().unwrap_or(0) as usize
 }
 
+/// Prefill: a fresh prompt, a chunk after a prefix (263 tokens; Small 73), and a one-token
+/// tail; several query tiles (16) and key tiles (64) each; scattered blocks of 16.
 fn check_prefill(
     exec: &dyn Exec,
     rng: &mut StdRng,
     z: CheckSizes,
-    (nh, nkv): (usize, usize),
+    heads: (usize, usize),
     hd: usize,
 ) -> Result<CheckRow> {
-    // A fresh prompt, a chunk after a prefix (263 tokens; Small 73), and a one-token tail;
-    // several query tiles (16) and key tiles (64) each.
     let (q_lens, ctx) = z.pick(
         ([100i32, 37, 1], [100i32, 300, 20]),
         ([20, 17, 1], [20, 90, 5]),
     );
-    let block_size = 16usize;
-    let cu: Vec<i32> = std::iter::once(0)
-        .chain(q_lens.iter().scan(0, |a, &l| {
-            *a += l;
-            Some(*a)
-        }))
-        .collect(); // [batch + 1]
-    let total_q = cu[q_lens.len()] as usize;
-    let (tables, max_blocks, n_slots) = block_tables(rng, &ctx, block_size);
-    let kv_dim = nkv * hd;
-    let (qb, qf) = rand_bf16(rng, total_q * nh * hd, 1.0); // [total_q, nh × hd]
-    let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0); // [n_slots, kv_dim]
-    let (vb, vf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
-    let mut m = Mem::new(exec);
-    let a = PagedAttn {
-        q: m.upload(&qb)?,
-        k: m.upload(&kb)?,
-        v: m.upload(&vb)?,
-        out: m.zeros::<u16>(total_q * nh * hd)?,
-        cu_seqlens: m.upload(&cu)?,
-        ctx_lens: m.upload(&ctx)?,
-        tables: m.upload(&tables)?, // [batch, max_blocks]
-        max_blocks,
-        block_size,
-        num_heads: nh,
-        num_kv_heads: nkv,
-        q_stride: nh * hd,
-        head_dim: hd,
-        batch: q_lens.len(),
-        max_q_len: max_of(&q_lens),
-        max_ctx: max_of(&ctx),
-        scale: 1.0 / (hd as f32).sqrt(),
+    let case = AttnCase {
+        attn: Attn::Prefill,
+        q_lens: q_lens.to_vec(),
+        ctx: ctx.to_vec(),
+        layout: Layout::Paged(16),
         window: None,
+        scale: 1.0 / (hd as f32).sqrt(),
+        tol: (2e-2, 2e-2),
     };
-    exec.launch(&kernels::attn_prefill(&a))?;
-    let got = m.bf16(a.out, total_q * nh * hd)?;
-    let mut want = vec![0.0; total_q * nh * hd];
-    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, twin_shape(&a), &mut want);
-    Ok(compare(
-        &format!("attn_prefill_hd{hd}"),
-        format!("q {q_lens:?} ctx {ctx:?} {nh}/{nkv} heads"),
-        &got,
-        &want,
-        2e-2,
-        2e-2,
-    ))
+    attn_check(exec, rng, heads, hd, case)
+}
+
+/// Decode: one key, and contexts over several 512-key splits (the last one partial), in
+/// scattered blocks of `block_size`, or (0) the contiguous layout of one block per sequence.
+fn check_decode(
+    exec: &dyn Exec,
+    rng: &mut StdRng,
+    z: CheckSizes,
+    heads: (usize, usize),
+    hd: usize,
+    block_size: usize,
+) -> Result<CheckRow> {
+    let case = AttnCase {
+        attn: Attn::Decode,
+        q_lens: vec![1; 3],
+        ctx: z.pick([1i32, 700, 5000], [1, 300, 1100]).to_vec(),
+        layout: match block_size {
+            0 => Layout::Contiguous,
+            bs => Layout::Paged(bs),
+        },
+        window: None,
+        scale: 1.0 / (hd as f32).sqrt(),
+        tol: (2e-2, 2e-2),
+    };
+    attn_check(exec, rng, heads, hd, case)
+}
+
+/// Sliding windows and query runs that start off a multiple of 4 (a warp's four queries
+/// then straddle a key tile's start, and the later ones must still see that tile), with
+/// a score scale other than 1/√head_dim; a tighter tolerance than the plain checks, so
+/// that one key missed or taken too many shows. Prefill: chunks after a prefix at
+/// positions ≡ 1 mod 4, a window shorter than the context and not a tile multiple.
+/// Decode: contexts over several splits, the window starting past the first.
+fn check_window(
+    exec: &dyn Exec,
+    rng: &mut StdRng,
+    z: CheckSizes,
+    hd: usize,
+    attn: Attn,
+    window: Option<usize>,
+    layout: Layout,
+) -> Result<CheckRow> {
+    let (q_lens, ctx): (Vec<i32>, Vec<i32>) = match attn {
+        Attn::Prefill => {
+            let (q, c) = z.pick(([100, 37, 1], [357, 302, 20]), ([40, 3, 20], [101, 70, 20]));
+            (q.to_vec(), c.to_vec())
+        }
+        Attn::Decode => (vec![1; 3], z.pick([1, 700, 5000], [1, 300, 1100]).to_vec()),
+    };
+    let case = AttnCase {
+        attn,
+        q_lens,
+        ctx,
+        layout,
+        window,
+        scale: 1.3 / (hd as f32).sqrt(),
+        tol: (2e-3, 2e-2),
+    };
+    attn_check(exec, rng, heads(z, hd), hd, case)
 }
 
 /// The CPU twin's view of a launch's attention shape.
@@ -769,40 +785,52 @@ enum Attn {
 enum Layout {
     /// Scattered blocks of this many tokens.
     Paged(usize),
+    /// One block per sequence, as long as the longest context (a contiguous slot).
+    Contiguous,
     /// Each sequence's keys in a ring of its window plus its step (`window − 1 + q_len`
     /// rows; key p at row p % rows): a block table whose row `b` repeats block `b`.
     Ring,
 }
 
-/// Sliding windows and query runs that start off a multiple of 4 (a warp's four queries
-/// then straddle a key tile's start, and the later ones must still see that tile), with
-/// a score scale other than 1/√head_dim; a tighter tolerance than the plain checks, so
-/// that one key missed or taken too many shows. Prefill: chunks after a prefix at
-/// positions ≡ 1 mod 4, a window shorter than the context and not a tile multiple.
-/// Decode: contexts over several splits, the window starting past the first (the
-/// scratch holds NaN, as stale memory might: a split before the window is neither run
-/// nor merged).
-fn check_window(
+/// One attention launch over random bf16 q, K and V.
+struct AttnCase {
+    attn: Attn,
+    q_lens: Vec<i32>, // [batch] new tokens (decode: 1 each)
+    ctx: Vec<i32>,    // [batch] keys, new tokens included
+    layout: Layout,
+    window: Option<usize>,
+    scale: f32,
+    tol: (f32, f32), // (atol, rtol)
+}
+
+/// Runs `case` through the builders' launch and compares with the CPU twin. Decode's
+/// split scratch holds NaN, as stale memory might: a split the reduce should not merge
+/// (one wholly before a window) poisons the output if it is merged.
+fn attn_check(
     exec: &dyn Exec,
     rng: &mut StdRng,
-    z: CheckSizes,
+    (nh, nkv): (usize, usize),
     hd: usize,
-    attn: Attn,
-    window: Option<usize>,
-    layout: Layout,
+    case: AttnCase,
 ) -> Result<CheckRow> {
-    let (nh, nkv) = heads(z, hd);
-    let (q_lens, ctx): (Vec<i32>, Vec<i32>) = match attn {
-        Attn::Prefill => {
-            let (q, c) = z.pick(([100, 37, 1], [357, 302, 20]), ([40, 3, 20], [101, 70, 20]));
-            (q.to_vec(), c.to_vec())
-        }
-        Attn::Decode => (vec![1; 3], z.pick([1, 700, 5000], [1, 300, 1100]).to_vec()),
-    };
+    let AttnCase {
+        attn,
+        q_lens,
+        ctx,
+        layout,
+        window,
+        scale,
+        tol,
+    } = case;
     let batch = ctx.len();
     let max_q = max_of(&q_lens);
     let (tables, max_blocks, block_size, n_slots) = match layout {
         Layout::Paged(bs) => {
+            let (t, mb, n) = block_tables(rng, &ctx, bs);
+            (t, mb, bs, n)
+        }
+        Layout::Contiguous => {
+            let bs = max_of(&ctx);
             let (t, mb, n) = block_tables(rng, &ctx, bs);
             (t, mb, bs, n)
         }
@@ -842,11 +870,14 @@ fn check_window(
         batch,
         max_q_len: max_q,
         max_ctx: max_of(&ctx),
-        scale: 1.3 / (hd as f32).sqrt(),
+        scale,
         window,
     };
-    match attn {
-        Attn::Prefill => exec.launch(&kernels::attn_prefill(&a))?,
+    let what = match attn {
+        Attn::Prefill => {
+            exec.launch(&kernels::attn_prefill(&a))?;
+            "prefill"
+        }
         Attn::Decode => {
             let (split_len, max_splits) = (512, max_of(&ctx).div_ceil(512));
             let parts = batch * nh * max_splits;
@@ -859,89 +890,20 @@ fn check_window(
             for l in kernels::attn_decode(&a, &scratch)? {
                 exec.launch(&l)?;
             }
+            "decode"
         }
-    }
+    };
     let got = m.bf16(a.out, total_q * nh * hd)?;
     let mut want = vec![0.0; total_q * nh * hd];
     twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, twin_shape(&a), &mut want);
-    let what = match attn {
-        Attn::Prefill => "prefill",
-        Attn::Decode => "decode",
-    };
+    let window = window.map_or(String::new(), |w| format!(", window {w}"));
     Ok(compare(
         &format!("attn_{what}_hd{hd}"),
-        format!("q {q_lens:?} ctx {ctx:?} window {window:?} block {block_size}"),
+        format!("q {q_lens:?} ctx {ctx:?} {nh}/{nkv} heads{window}, block {block_size}"),
         &got,
         &want,
-        2e-3,
-        2e-2,
-    ))
-}
-
-/// `block_size` 0: the contiguous ring-slot layout (one block per sequence).
-fn check_decode(
-    exec: &dyn Exec,
-    rng: &mut StdRng,
-    z: CheckSizes,
-    (nh, nkv): (usize, usize),
-    hd: usize,
-    block_size: usize,
-) -> Result<CheckRow> {
-    // One key, and contexts over several 512-key splits (the last one partial).
-    let ctx = z.pick([1i32, 700, 5000], [1, 300, 1100]);
-    let batch = ctx.len();
-    let block_size = if block_size == 0 {
-        max_of(&ctx)
-    } else {
-        block_size
-    };
-    let (tables, max_blocks, n_slots) = block_tables(rng, &ctx, block_size);
-    let (split_len, kv_dim) = (512usize, nkv * hd);
-    let max_splits = max_of(&ctx).div_ceil(split_len);
-    let (qb, qf) = rand_bf16(rng, batch * nh * hd, 1.0); // [batch, nh × hd]
-    let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0); // [n_slots, kv_dim]
-    let (vb, vf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
-    let cu: Vec<i32> = (0..=batch as i32).collect(); // one query per sequence (the twin's)
-    let mut m = Mem::new(exec);
-    let a = PagedAttn {
-        q: m.upload(&qb)?,
-        k: m.upload(&kb)?,
-        v: m.upload(&vb)?,
-        out: m.zeros::<u16>(batch * nh * hd)?,
-        cu_seqlens: m.upload(&cu)?, // not read by the decode kernels
-        ctx_lens: m.upload(&ctx)?,
-        tables: m.upload(&tables)?, // [batch, max_blocks]
-        max_blocks,
-        block_size,
-        num_heads: nh,
-        num_kv_heads: nkv,
-        q_stride: nh * hd,
-        head_dim: hd,
-        batch,
-        max_q_len: 1,
-        max_ctx: max_of(&ctx),
-        scale: 1.0 / (hd as f32).sqrt(),
-        window: None,
-    };
-    let scratch = DecodeScratch {
-        part_o: m.zeros::<f32>(batch * nh * max_splits * hd)?,
-        part_ml: m.zeros::<f32>(batch * nh * max_splits * 2)?,
-        split_len,
-        max_splits,
-    };
-    for l in kernels::attn_decode(&a, &scratch)? {
-        exec.launch(&l)?;
-    }
-    let got = m.bf16(a.out, batch * nh * hd)?;
-    let mut want = vec![0.0; batch * nh * hd];
-    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, twin_shape(&a), &mut want);
-    Ok(compare(
-        &format!("attn_decode_hd{hd}"),
-        format!("ctx {ctx:?} {nh}/{nkv} heads, block {block_size}"),
-        &got,
-        &want,
-        2e-2,
-        2e-2,
+        tol.0,
+        tol.1,
     ))
 }
 

@@ -12,7 +12,6 @@ use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::cuda::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::DevPtr;
 use crate::kv::{KvCache, LayerSlot, NewRow, Query};
-use crate::model::config::MlpAct;
 use crate::model::{check_ids, config, ModelConfig};
 use anyhow::{bail, Result};
 use half::bf16;
@@ -691,10 +690,7 @@ impl CudaModel {
             let n = a.chunk.min(t - r0);
             let row = |p: DevPtr<bf16>| p.at(r0 * h);
             linear(row(a.hn), lw.w_gate_up.ptr, a.gu, shape(n, h, 2 * inter))?;
-            exec.launch(&match c.mlp_act {
-                MlpAct::Silu => ops::silu_mul(a.gu, a.act, n, inter),
-                MlpAct::GeluTanh => ops::gelu_tanh_mul(a.gu, a.act, n, inter),
-            })?;
+            exec.launch(&ops::gated_mul(c.mlp_act, a.gu, a.act, n, inter))?;
             linear(a.act, lw.w_down.ptr, row(a.proj), shape(n, inter, h))?;
             let (x, d, out) = (row(a.x), row(a.proj), row(a.hn));
             add_norm(x, d, post.map(|p| p.1), next_norm, out, n)?;

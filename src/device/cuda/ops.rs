@@ -14,6 +14,7 @@
 
 use super::context::CudaDevice;
 use crate::device::DevPtr;
+use crate::model::config::MlpAct;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{self, CudaBlas};
 use cudarc::driver::{
@@ -334,33 +335,21 @@ pub fn rope(
     launch("rope.cu", "rope_neox", cfg, args)
 }
 
-/// activation.cu `silu_mul(gu, out, tokens, inter)`:
-/// `out[t, j] = silu(gu[t, j]) * gu[t, inter + j]`.
-pub fn silu_mul(
+/// activation.cu `silu_mul(gu, out, tokens, inter)` (SwiGLU) or `gelu_tanh_mul(...)`
+/// (GeGLU), as `act` says: `out[t, j] = act(gu[t, j]) * gu[t, inter + j]`.
+pub fn gated_mul(
+    act: MlpAct,
     gu: DevPtr<bf16>,  // bf16 [tokens, 2 × inter]: gate then up
     out: DevPtr<bf16>, // bf16 [tokens, inter]
     tokens: usize,
     inter: usize,
 ) -> Launch {
+    let func = match act {
+        MlpAct::Silu => "silu_mul",
+        MlpAct::GeluTanh => "gelu_tanh_mul",
+    };
     let args = vec![arg(gu), arg(out), i(tokens), i(inter)];
-    launch("activation.cu", "silu_mul", grid1(tokens * inter, EW), args)
-}
-
-/// activation.cu `gelu_tanh_mul(gu, out, tokens, inter)` (GeGLU):
-/// `out[t, j] = gelu_tanh(gu[t, j]) * gu[t, inter + j]`.
-pub fn gelu_tanh_mul(
-    gu: DevPtr<bf16>,  // bf16 [tokens, 2 × inter]: gate then up
-    out: DevPtr<bf16>, // bf16 [tokens, inter]
-    tokens: usize,
-    inter: usize,
-) -> Launch {
-    let args = vec![arg(gu), arg(out), i(tokens), i(inter)];
-    launch(
-        "activation.cu",
-        "gelu_tanh_mul",
-        grid1(tokens * inter, EW),
-        args,
-    )
+    launch("activation.cu", func, grid1(tokens * inter, EW), args)
 }
 
 /// bias.cu `add_bias(x, b, rows, n)`: `x[t, j] += b[j]` in place.
@@ -890,8 +879,8 @@ mod tests {
             norm_add_rms_norm(p(1), p(2), p(3), p(4), p(5), 5, 64, 1e-6),
             head_rms_norm(p(1), p(2), 5, 4, 64, 384, 1e-6),
             rope(p(1), p(2), p(3), p(4), 5, 6, 64, 384),
-            silu_mul(p(1), p(2), 5, 96),
-            gelu_tanh_mul(p(1), p(2), 5, 96),
+            gated_mul(MlpAct::Silu, p(1), p(2), 5, 96),
+            gated_mul(MlpAct::GeluTanh, p(1), p(2), 5, 96),
             kv_store(p(1), p(2), p(3), p(4), p(5), 5, 128, 384, None),
             argmax(p(1), p(2), 2, 1000),
             sample(p(1), p(2), p(3), 2, 1000, 0.7, 50, 0.9),

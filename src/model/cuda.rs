@@ -673,9 +673,8 @@ impl CudaModel {
         // 6. Output projection, (Gemma: its norm,) residual add, the MLP's input norm.
         linear(a.attn, lw.wo.ptr, a.proj, shape(t, qd, h))?;
         let post = lw.post_norms.as_ref().map(|(at, mlp)| (at.ptr, mlp.ptr));
-        let add_norm = |x, d, post: Option<DevPtr<bf16>>, w, out, n| match post {
-            None => exec.launch(&ops::add_rms_norm(x, d, w, out, n, h, eps)),
-            Some(wd) => exec.launch(&ops::norm_add_rms_norm(x, d, wd, w, out, n, h, eps)),
+        let add_norm = |x, d, post: Option<DevPtr<bf16>>, w, out, n| {
+            exec.launch(&ops::add_rms_norm(x, d, post, w, out, n, h, eps))
         };
         add_norm(a.x, a.proj, post.map(|p| p.0), lw.mlp_norm.ptr, a.hn, t)?;
         self.pop();

@@ -243,44 +243,26 @@ pub fn rms_norm(
 }
 
 /// norm.cu `add_rms_norm(x, delta, w, out, dim, eps)`: `x += delta` (stored in bf16),
-/// then `out = rms_norm(x) * w`, one block per row.
-pub fn add_rms_norm(
-    x: DevPtr<bf16>,     // bf16 [n_rows, dim], updated in place
-    delta: DevPtr<bf16>, // bf16 [n_rows, dim]
-    w: DevPtr<bf16>,     // bf16 [dim]
-    out: DevPtr<bf16>,   // bf16 [n_rows, dim]
-    n_rows: usize,
-    dim: usize,
-    eps: f32,
-) -> Launch {
-    let args = vec![arg(x), arg(delta), arg(w), arg(out), i(dim), F32(eps)];
-    launch("norm.cu", "add_rms_norm", rows(n_rows, EW), args)
-}
-
-/// norm.cu `norm_add_rms_norm(x, delta, w_delta, w, out, dim, eps)` (Gemma's sandwich
-/// norms): `x += rms_norm(delta) * w_delta` (the normed delta and `x` stored in bf16), then
-/// `out = rms_norm(x) * w`, one block per row.
+/// then `out = rms_norm(x) * w`, one block per row; with `delta_norm: Some(w_delta)`
+/// (Gemma's sandwich norms) `norm_add_rms_norm(x, delta, w_delta, w, out, dim, eps)`:
+/// `x += rms_norm(delta) * w_delta` (the normed delta rounded to bf16) instead.
 #[allow(clippy::too_many_arguments)]
-pub fn norm_add_rms_norm(
-    x: DevPtr<bf16>,       // bf16 [n_rows, dim], updated in place
-    delta: DevPtr<bf16>,   // bf16 [n_rows, dim]
-    w_delta: DevPtr<bf16>, // bf16 [dim]
-    w: DevPtr<bf16>,       // bf16 [dim]
-    out: DevPtr<bf16>,     // bf16 [n_rows, dim]
+pub fn add_rms_norm(
+    x: DevPtr<bf16>,                  // bf16 [n_rows, dim], updated in place
+    delta: DevPtr<bf16>,              // bf16 [n_rows, dim]
+    delta_norm: Option<DevPtr<bf16>>, // bf16 [dim]
+    w: DevPtr<bf16>,                  // bf16 [dim]
+    out: DevPtr<bf16>,                // bf16 [n_rows, dim]
     n_rows: usize,
     dim: usize,
     eps: f32,
 ) -> Launch {
-    let args = vec![
-        arg(x),
-        arg(delta),
-        arg(w_delta),
-        arg(w),
-        arg(out),
-        i(dim),
-        F32(eps),
-    ];
-    launch("norm.cu", "norm_add_rms_norm", rows(n_rows, EW), args)
+    let (func, mut args) = match delta_norm {
+        None => ("add_rms_norm", vec![arg(x), arg(delta)]),
+        Some(wd) => ("norm_add_rms_norm", vec![arg(x), arg(delta), arg(wd)]),
+    };
+    args.extend([arg(w), arg(out), i(dim), F32(eps)]);
+    launch("norm.cu", func, rows(n_rows, EW), args)
 }
 
 /// norm.cu `head_rms_norm(x, w, tokens, heads, head_dim, row_stride, eps)`, in place on
@@ -875,8 +857,8 @@ mod tests {
         let mut launches = vec![
             embedding(p(1), p(2), p(3), 7, 100, 64, 1.0),
             rms_norm(p(1), p(2), p(3), 5, 64, 1e-6),
-            add_rms_norm(p(1), p(2), p(3), p(4), 5, 64, 1e-6),
-            norm_add_rms_norm(p(1), p(2), p(3), p(4), p(5), 5, 64, 1e-6),
+            add_rms_norm(p(1), p(2), None, p(3), p(4), 5, 64, 1e-6),
+            add_rms_norm(p(1), p(2), Some(p(3)), p(4), p(5), 5, 64, 1e-6),
             head_rms_norm(p(1), p(2), 5, 4, 64, 384, 1e-6),
             rope(p(1), p(2), p(3), p(4), 5, 6, 64, 384),
             gated_mul(MlpAct::Silu, p(1), p(2), 5, 96),

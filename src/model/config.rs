@@ -880,6 +880,21 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling> {
     })
 }
 
+/// Each distinct RoPE of `cfg`'s layers once (`rope_inv_freq`), and the index of each
+/// layer's: a sliding-window layer may have its own base, the rest share one.
+pub fn distinct_ropes(cfg: &ModelConfig) -> (Vec<Vec<f32>>, Vec<usize>) {
+    let (mut inv_freq, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());
+    for l in 0..cfg.num_layers {
+        let f = rope_inv_freq(cfg, l);
+        let i = inv_freq.iter().position(|g| *g == f).unwrap_or_else(|| {
+            inv_freq.push(f);
+            inv_freq.len() - 1
+        });
+        layer_rope.push(i);
+    }
+    (inv_freq, layer_rope)
+}
+
 /// Inverse frequencies for layer `l`'s RoPE, `head_dim / 2` of them, after any scaling.
 pub fn rope_inv_freq(cfg: &ModelConfig, l: usize) -> Vec<f32> {
     let (theta, scaling) = cfg.layer_rope(l);

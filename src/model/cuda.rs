@@ -135,24 +135,14 @@ impl CudaModel {
             );
         }
         let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
-        let mut bufs = Vec::new();
-        let (mut freqs, mut rope, mut layer_rope) =
-            (Vec::<Vec<f32>>::new(), Vec::new(), Vec::new());
-        for l in 0..cfg.num_layers {
-            let f = config::rope_inv_freq(&cfg, l);
-            let i = match freqs.iter().position(|g| *g == f) {
-                Some(i) => i,
-                None => {
-                    let (cos_h, sin_h) = rope_tables(&f, 0, max_pos);
-                    let (cos_b, cos) = exec.upload(&f32_bytes(&cos_h))?;
-                    let (sin_b, sin) = exec.upload(&f32_bytes(&sin_h))?;
-                    bufs.extend([cos_b, sin_b]);
-                    rope.push((cos.cast(), sin.cast()));
-                    freqs.push(f);
-                    freqs.len() - 1
-                }
-            };
-            layer_rope.push(i);
+        let (mut bufs, mut rope) = (Vec::new(), Vec::new());
+        let (inv_freq, layer_rope) = config::distinct_ropes(&cfg);
+        for f in &inv_freq {
+            let (cos_h, sin_h) = rope_tables(f, 0, max_pos);
+            let (cos_b, cos) = exec.upload(&f32_bytes(&cos_h))?;
+            let (sin_b, sin) = exec.upload(&f32_bytes(&sin_h))?;
+            bufs.extend([cos_b, sin_b]);
+            rope.push((cos.cast(), sin.cast()));
         }
         let (zb, ring_table) = exec.upload(&vec![0u8; 4 * max_pos])?;
         let max_splits = max_pos.div_ceil(SPLIT_LEN);

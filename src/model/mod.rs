@@ -184,15 +184,7 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
 
 impl Model {
     pub fn new(cfg: ModelConfig, weights: ModelWeights) -> Self {
-        let (mut inv_freq, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());
-        for l in 0..cfg.num_layers {
-            let f = config::rope_inv_freq(&cfg, l);
-            let i = inv_freq.iter().position(|g| *g == f).unwrap_or_else(|| {
-                inv_freq.push(f);
-                inv_freq.len() - 1
-            });
-            layer_rope.push(i);
-        }
+        let (inv_freq, layer_rope) = config::distinct_ropes(&cfg);
         Self {
             cfg,
             weights,

@@ -20,6 +20,15 @@ use anyhow::Result;
 /// the agreement and speed numbers; f32 stays the reference, `--kv-dtype f32`).
 pub const CPU_KV_DTYPE: KvDtype = KvDtype::F16;
 
+/// A gated MLP's activation, `act(gate) * up`; each device has one kernel per kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpAct {
+    /// SwiGLU (Llama, Qwen).
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceKind {

@@ -12,7 +12,7 @@ use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{Buf, CudaExec, Exec};
 use crate::device::cuda::ops::{self as kernels, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::DevPtr;
-use crate::model::config::MlpAct;
+use crate::device::MlpAct;
 use anyhow::{bail, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
@@ -501,10 +501,7 @@ fn check_gated(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes, act: MlpAct) ->
     exec.launch(&kernels::gated_mul(act, g_d, out, tokens, inter))?;
     let got = m.bf16(out, tokens * inter)?;
     let mut want = vec![0.0; tokens * inter];
-    match act {
-        MlpAct::Silu => ops::silu_mul(&gf, inter, &mut want),
-        MlpAct::GeluTanh => ops::gelu_tanh_mul(&gf, inter, &mut want),
-    }
+    ops::gated_act(act, &gf, inter, &mut want);
     Ok(compare(
         name,
         format!("[{tokens}, 2 × {inter}]"),

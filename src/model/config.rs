@@ -39,14 +39,9 @@ pub struct Window {
     pub rope_scaling: RopeScaling,
 }
 
-/// The MLP's gate activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MlpAct {
-    /// SwiGLU (Llama, Qwen).
-    Silu,
-    /// GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`).
-    GeluTanh,
-}
+/// The MLP's gate activation: a device-level kind (each device's kernels pick by it), named
+/// here too because a config chooses it.
+pub use crate::device::MlpAct;
 
 /// RoPE frequency scaling.
 #[derive(Debug, Clone, Copy, PartialEq)]

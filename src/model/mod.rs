@@ -594,10 +594,7 @@ impl Model {
                 )
             });
             let (gu, act) = (&a.gu[..n * 2 * inter], &mut a.act[..n * inter]);
-            match cfg.mlp_act {
-                MlpAct::Silu => ops::silu_mul(gu, inter, act),
-                MlpAct::GeluTanh => ops::gelu_tanh_mul(gu, inter, act),
-            }
+            ops::gated_act(cfg.mlp_act, gu, inter, act);
             timed(Op::Down, || {
                 ops::linear_weight(
                     &a.act[..n * inter],

@@ -12,6 +12,7 @@ use super::packed::{PackedRows, PACK};
 use super::q8;
 use super::rows::KvRows;
 use crate::device::kv_elem::KvElem;
+use crate::device::MlpAct;
 
 /// Weight rows per parallel task of `linear` (a multiple of every kernel's `NR`): the tile
 /// (≤ 24 × k floats) stays in L2 while every input row streams past it. Tasks split only
@@ -724,6 +725,15 @@ pub fn rope_tables_at(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f
         }
     }
     (cos, sin)
+}
+
+/// `out[t, i] = act(gu[t, i]) * gu[t, inter + i]` for the given activation (the CUDA
+/// builder `gated_mul` picks its kernel by the same kind).
+pub fn gated_act(act: MlpAct, gu: &[f32], inter: usize, out: &mut [f32]) {
+    match act {
+        MlpAct::Silu => silu_mul(gu, inter, out),
+        MlpAct::GeluTanh => gelu_tanh_mul(gu, inter, out),
+    }
 }
 
 /// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]`, with `gu` = `[tokens, 2 * inter]` (gate, up).

@@ -14,7 +14,7 @@
 
 use super::context::CudaDevice;
 use crate::device::DevPtr;
-use crate::model::config::MlpAct;
+use crate::device::MlpAct;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{self, CudaBlas};
 use cudarc::driver::{

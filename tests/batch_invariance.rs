@@ -177,6 +177,7 @@ fn serve<T: KvElem>(model: &Model, seqs: &mut [Seq], rng: &mut StdRng) {
                 tokens: &seqs[i].tokens[r.clone()],
                 pos0: r.start,
                 pages: &seqs[i].pages,
+                window_pages: &[],
                 logits: if r.end >= seqs[i].prompt_len {
                     WantLogits::Last
                 } else {
@@ -330,6 +331,7 @@ fn a_batch_with_a_bad_page_table_is_an_error_not_a_panic() {
         tokens,
         pos0,
         pages,
+        window_pages: &[],
         logits: WantLogits::Last,
     };
     // Too few pages for the positions, a page outside the pool, no tokens, a bad token.

@@ -339,7 +339,9 @@ fn prompts_whose_old_64_bit_keys_collide_never_share_a_cached_block() {
 /// A sliding-window model (tiny Gemma 3, window 12: prompts and outputs cross it many
 /// times) served under preemption to host memory, to disk, and by recomputation: every
 /// request's tokens and log-prob bits equal `engine::generate`'s over a cache that keeps
-/// every position, in every KV element.
+/// every position, in every KV element. The windowed layers' pages come from their own
+/// pool, freed as windows move on; with 2 sequences at a time that pool is a third of the
+/// full layers' pages.
 #[test]
 fn sliding_window_model_under_preemption_matches_generate_bitwise() {
     let model = common::tiny_gemma3(12);
@@ -361,8 +363,18 @@ fn sliding_window_model_under_preemption_matches_generate_bitwise() {
             })
             .collect();
         let disk = scratch_dir("serve_window_disk");
-        for (cpu, on_disk) in [(0, false), (1000, false), (4, true)] {
+        for (cpu, on_disk, seqs) in [
+            (0, false, 16),
+            (1000, false, 16),
+            (4, true, 16),
+            (1000, false, 2),
+        ] {
             let mut cfg = config_kv(kv, ws / 3, cpu, false);
+            cfg.sched.max_num_seqs = seqs;
+            let pool = strata::serve::scheduler::window_pool_pages(&cfg.sched, 12);
+            if seqs == 2 {
+                assert!(pool * 3 <= cfg.sched.num_gpu_blocks, "{pool} of {}", ws / 3);
+            }
             if on_disk {
                 cfg.sched.max_disk_offload_blocks = 1000;
                 cfg.disk = Some(strata::serve::disk::DiskTierConfig {
@@ -373,7 +385,12 @@ fn sliding_window_model_under_preemption_matches_generate_bitwise() {
             let mut e = Engine::new(model.clone(), cfg).unwrap();
             let got = e.generate_with_logprobs(&prompts, &params).unwrap();
             let st = e.stats().sched;
-            assert!(st.preemptions >= 3, "{kv} cpu {cpu} disk {on_disk}: {st:?}");
+            // (Two sequences at a time fit the pages: that case is about the small pool.)
+            assert!(
+                st.preemptions >= 3 || seqs == 2,
+                "{kv} cpu {cpu} disk {on_disk}: {st:?}"
+            );
+            assert!(st.window_releases > 0, "{st:?}");
             for (i, ((t, lp), (wt, wlp))) in got.iter().zip(&want).enumerate() {
                 assert_eq!(
                     (t, &bits(lp)),

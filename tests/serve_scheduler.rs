@@ -7,10 +7,10 @@ use std::collections::HashSet;
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::serve::block_key::{BlockKey, KeySeed};
-use strata::serve::block_manager::{BlockError, BlockManager};
+use strata::serve::block_manager::{BlockError, BlockManager, GpuPages, Hold};
 use strata::serve::cache_events::{CacheEvent, Medium};
 use strata::serve::residency::{Move, Residency, Tier};
-use strata::serve::scheduler::{Scheduler, SchedulerConfig, SeqId};
+use strata::serve::scheduler::{window_pool_pages, Scheduler, SchedulerConfig, SeqId};
 use strata::serve::transfer::{JobKind, Loc, SimBackend, TransferBackend, TransferJob};
 
 /// The token a simulated model "samples" for sequence `seq` at output position `i`.
@@ -128,7 +128,7 @@ fn illegal_block_moves_are_errors_and_change_nothing() {
         Err(BlockError::Illegal(_))
     ));
     assert!(matches!(
-        bm.release(ids[0]),
+        bm.release(ids[0], Hold::Windowed),
         Err(BlockError::ReleaseInFlight { .. })
     ));
     bm.check(&[&ids]).unwrap();
@@ -180,7 +180,7 @@ fn failed_jobs_roll_back_without_half_moved_blocks() {
     ));
     assert!(more.iter().all(|&i| bm.state(i).unwrap() == Residency::Gpu));
     for &i in ids.iter().chain(&more) {
-        bm.release(i).unwrap();
+        bm.release(i, Hold::Windowed).unwrap();
     }
     assert_eq!((bm.available_pages(), bm.free_slots()), (3, 2));
     bm.check(&[]).unwrap();
@@ -196,7 +196,7 @@ fn a_loaded_back_block_resolves_to_its_new_page() {
     bm.finish_store(a, true).unwrap();
     let c = bm.allocate(1).unwrap()[0];
     assert_eq!(bm.resolve(c).unwrap(), old, "the freed page is reused");
-    bm.release(b).unwrap();
+    bm.release(b, Hold::Windowed).unwrap();
     let moves = bm.start_load(&[a]).unwrap();
     assert!(matches!(bm.resolve(a), Err(BlockError::NotResident { .. })));
     bm.finish_load(a, true).unwrap();
@@ -351,13 +351,15 @@ fn a_page_under_an_in_flight_store_is_not_reused() {
                 .iter()
                 .flat_map(|j| j.copies.iter())
                 .map(|c| match c.src {
-                    Loc::Gpu(p) => p,
+                    Loc::Gpu(p) => p.page,
                     _ => unreachable!(),
                 })
                 .collect();
             for j in plan.jobs.iter().filter(|j| j.kind == JobKind::Load) {
                 for c in &j.copies {
-                    let Loc::Gpu(p) = c.dst else { unreachable!() };
+                    let Loc::Gpu(GpuPages { page: p, .. }) = c.dst else {
+                        unreachable!()
+                    };
                     assert!(!busy.contains(&p), "load into page {p} under a store");
                 }
             }
@@ -415,6 +417,8 @@ struct Moved {
     persisted: usize,
     events_stored: usize,
     events_removed: usize,
+    /// Block-steps where a held, resident block had let its window page go.
+    window_dropped: usize,
 }
 
 /// A router's view of the prefix cache, rebuilt from nothing but the cache events.
@@ -514,8 +518,10 @@ fn prompt_hashes(prompts: &[Vec<u32>], bs: usize) -> Vec<BlockKey> {
 /// page / host slot / disk slot, every scheduled block resident, and the host LRU naming
 /// exactly the host-resident requests, and the cache events rebuild exactly the blocks a
 /// lookup finds on each tier (`EventMirror`); at the end every request has exactly its
-/// expected tokens and every page and slot is free.
-fn property_run(tiers: Tiers, cases: u64) -> Moved {
+/// expected tokens and every page and slot is free. `windowed`: a sliding-window model
+/// (random window) with a window pool of random size, so window pages run short too; the
+/// check then also verifies every block's window references against its holders' windows.
+fn property_run(tiers: Tiers, cases: u64, windowed: bool) -> Moved {
     let mut moved = Moved::default();
     for case in 0..cases {
         let mut rng = StdRng::seed_from_u64(1000 + case);
@@ -537,7 +543,16 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
             max_num_batched_tokens: chunk * rng.random_range(1..4),
             prefill_chunk: chunk,
         };
+        let window = windowed.then(|| {
+            let w = rng.random_range(1..=max_len + 2);
+            let per_seq = (w - 1 + chunk).div_ceil(bs) + 1;
+            let most = window_pool_pages(&c, w);
+            (w, rng.random_range(per_seq.min(most)..=most))
+        });
         let mut s = Scheduler::new(c).unwrap();
+        if let Some((w, pages)) = window {
+            s.use_window_pool(w, pages).unwrap();
+        }
         s.bm.record_cache_events();
         let mut mirror = EventMirror::default();
         let mut b = SimBackend::new(
@@ -573,6 +588,15 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
             });
             step(&mut s, &mut b);
             mirror.sync(&mut s, &universe, bs, case);
+            for &(id, _) in &ids {
+                for &block in s.seq(id).map_or(&[][..], |q| &q.block_ids[..]) {
+                    let b = s.bm.block(block).unwrap();
+                    let pool = s.bm.num_window_pages().is_some();
+                    if pool && b.state == Residency::Gpu && b.win_page.is_none() {
+                        moved.window_dropped += 1;
+                    }
+                }
+            }
             t += 1;
         }
         assert!(
@@ -599,8 +623,9 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
         let bm = &s.bm;
         assert_eq!(
             bm.available_pages(),
-            bm.num_pages(),
-            "case {case}: pages leaked"
+            bm.num_pages()
+                .min(bm.num_window_pages().unwrap_or(usize::MAX)),
+            "case {case}: pages (or window pages) leaked"
         );
         assert_eq!(
             bm.free_slots(),
@@ -612,6 +637,9 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
             bm.num_disk_slots(),
             "case {case}: disk slots leaked"
         );
+        if let Some((_, pages)) = window {
+            assert_eq!(bm.num_window_pages(), Some(pages));
+        }
         let st = &s.stats;
         moved.stored += st.blocks_stored;
         moved.to_disk += st.blocks_stored_disk;
@@ -625,8 +653,9 @@ fn property_run(tiers: Tiers, cases: u64) -> Moved {
 
 #[test]
 fn property_two_tiers_random_arrivals_lengths_capacities_and_completion_orders() {
-    let m = property_run(Tiers::Host, 60);
+    let m = property_run(Tiers::Host, 60, false);
     assert!(m.stored > 0, "{m:?}");
+    assert_eq!(m.window_dropped, 0, "{m:?}");
     assert!(m.events_stored > 0 && m.events_removed > 0, "{m:?}");
     assert_eq!(
         m.to_disk + m.from_disk + m.demoted + m.persisted,
@@ -637,7 +666,7 @@ fn property_two_tiers_random_arrivals_lengths_capacities_and_completion_orders()
 
 #[test]
 fn property_three_tiers_with_demotions_and_faults_in_random_orders() {
-    let m = property_run(Tiers::HostAndDisk, 120);
+    let m = property_run(Tiers::HostAndDisk, 120, false);
     assert!(m.events_stored > 0 && m.events_removed > 0, "{m:?}");
     assert!(
         m.to_disk > 0 && m.from_disk > 0 && m.persisted > 0,
@@ -647,6 +676,23 @@ fn property_three_tiers_with_demotions_and_faults_in_random_orders() {
         m.demoted > 0 && m.demotion_failures > 0,
         "demotions (and failed ones) were not exercised: {m:?}"
     );
+}
+
+/// A sliding-window model with a window pool (random windows, random pool sizes down to
+/// one sequence's window): everything the two property tests check, and every block's
+/// window references equal its holders whose window reaches it, each holder letting go of
+/// a block as soon as its window moves past (`Scheduler::check`); blocks do drop their
+/// window pages while held.
+#[test]
+fn property_window_pool_frees_blocks_out_of_every_window_across_all_tiers() {
+    for tiers in [Tiers::Host, Tiers::HostAndDisk] {
+        let m = property_run(tiers, 80, true);
+        assert!(m.window_dropped > 0, "{tiers:?}: {m:?}");
+        assert!(m.stored > 0 && m.events_stored > 0, "{tiers:?}: {m:?}");
+        if tiers == Tiers::HostAndDisk {
+            assert!(m.to_disk > 0 && m.from_disk > 0 && m.persisted > 0, "{m:?}");
+        }
+    }
 }
 
 #[test]

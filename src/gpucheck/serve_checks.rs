@@ -133,6 +133,7 @@ impl Seq {
             tokens: &self.tokens[self.done..end],
             pos0: self.done,
             pages: &self.pages[..end.div_ceil(BLOCK)],
+            window_pages: &[],
             logits: if end == self.tokens.len() {
                 WantLogits::Last
             } else {

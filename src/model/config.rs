@@ -247,6 +247,11 @@ impl ModelConfig {
         }
     }
 
+    /// The widest sliding window of any layer (`None`: every layer attends everything).
+    pub fn widest_window(&self) -> Option<usize> {
+        (0..self.num_layers).filter_map(|l| self.window(l)).max()
+    }
+
     /// Layer `l`'s RoPE: the full layers' or its window's.
     pub fn layer_rope(&self, l: usize) -> (f32, RopeScaling) {
         match self.layer_kinds[l] {

@@ -63,6 +63,15 @@ struct StepPlan {
     cache_rows: DevPtr<i32>, // i32 [rows] slot row each new token's K/V is stored at
     gemm: Gemm,
     attn: StepAttn,
+    /// The sliding-window layers' rows over a window pool (the batched forward's), if any.
+    window: Option<WindowRows>,
+}
+
+/// A batched step's addresses in a window pool, for the sliding-window layers.
+#[derive(Clone, Copy)]
+struct WindowRows {
+    cache_rows: DevPtr<i32>, // i32 [rows] window-pool row of each new token's K/V
+    tables: DevPtr<i32>,     // i32 [rows, max_blocks] the row's window pages
 }
 
 mod batch;
@@ -306,6 +315,7 @@ impl CudaModel {
             rows: t,
             pos,
             cache_rows: pos, // one sequence in a contiguous slot: row = position
+            window: None,
             gemm: Gemm::Fast,
             attn: StepAttn::Contiguous {
                 selected: a.meta.at(2 * t + 4),
@@ -397,6 +407,7 @@ impl CudaModel {
             rows: t,
             pos,
             cache_rows: pos, // a contiguous slot: row = position
+            window: None,
             gemm: Gemm::FastRows,
             attn: StepAttn::DecodeRows(
                 PagedAttn {
@@ -589,12 +600,14 @@ impl CudaModel {
         // 5. Store the new K/V at their cache rows (a ring's: position modulo its rows),
         //    attend (a sliding-window layer: its window).
         let (kp, vp) = (a.qkv.at(qd), a.qkv.at(qd + kvd));
+        let window = c.window(l);
+        let pool_rows = step.window.filter(|_| window.is_some());
         let slots = selected.map_or(step.cache_rows, |(_, at)| at);
+        let slots = pool_rows.map_or(slots, |w| w.cache_rows);
         let ring = slot.ring.then_some(slot.rows);
         exec.launch(&ops::kv_store(
             kp, vp, slot.k, slot.v, slots, t, kvd, qkv_dim, ring,
         ))?;
-        let window = c.window(l);
         match &step.attn {
             StepAttn::Contiguous { args, .. } => {
                 let mut args = AttnArgs {
@@ -628,6 +641,7 @@ impl CudaModel {
                 let paged = PagedAttn {
                     k: slot.k,
                     v: slot.v,
+                    tables: pool_rows.map_or(paged.tables, |w| w.tables),
                     window,
                     ..*paged
                 };

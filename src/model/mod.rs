@@ -38,6 +38,10 @@ pub struct BatchSeq<'a> {
     pub pos0: usize,
     /// Page of each of its blocks, covering positions `0..pos0 + tokens.len()`.
     pub pages: &'a [u32],
+    /// With a window pool (`PagePool::num_window_pages`), the sliding-window layers' page
+    /// of each block (blocks before the call's window name the pool's null page, never
+    /// read); empty without one: those layers use `pages`.
+    pub window_pages: &'a [u32],
     /// Which of its rows' logits are wanted.
     pub logits: WantLogits,
 }
@@ -65,37 +69,52 @@ impl WantLogits {
 
 /// Every layer's K and V page pools, `[num_pages, block_size, kv_heads, head_dim]` each,
 /// through the KV seam: `begin_layer` returns the whole pool of a layer, and each
-/// sequence's block table says which pages are its.
+/// sequence's block table says which pages are its. With a window pool the sliding-window
+/// layers' pools are `[num_window_pages, ...]`, addressed by `BatchSeq::window_pages`.
 pub trait PagePool<T = f32>: KvCache<T> {
     fn block_size(&self) -> usize;
     fn num_pages(&self) -> usize;
+    /// Pages of the sliding-window layers' own pool (its null page included), if any.
+    fn num_window_pages(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Errors unless every sequence of a batched forward has tokens inside the vocabulary and
-/// pages (of `block_size` tokens, inside a pool of `num_pages`) covering its positions.
-pub fn check_batch(
+/// pages (of the pool's block size, inside its pools) covering its positions.
+pub fn check_batch<T>(
     cfg: &ModelConfig,
     seqs: &[BatchSeq<'_>],
-    block_size: usize,
-    num_pages: usize,
+    pool: &dyn PagePool<T>,
 ) -> Result<()> {
     if seqs.is_empty() {
         bail!("forward_batch called with no sequences");
     }
+    let block_size = pool.block_size();
+    let window = pool.num_window_pages();
     for (i, s) in seqs.iter().enumerate() {
         if s.tokens.is_empty() {
             bail!("sequence {i} of the batch has no tokens");
         }
         check_ids(cfg, s.tokens)?;
         let end = s.pos0 + s.tokens.len();
-        if s.pages.len() * block_size < end {
-            bail!(
-                "sequence {i}: {} pages of {block_size} do not cover {end} positions",
-                s.pages.len()
-            );
-        }
-        if let Some(&p) = s.pages.iter().find(|&&p| p as usize >= num_pages) {
-            bail!("sequence {i}: page {p} is outside the pool ({num_pages} pages)");
+        let tables = [(s.pages, Some(pool.num_pages())), (s.window_pages, window)];
+        for (table, num_pages) in tables {
+            let Some(num_pages) = num_pages else {
+                if !table.is_empty() {
+                    bail!("sequence {i}: window pages for a pool without a window pool");
+                }
+                continue;
+            };
+            if table.len() * block_size < end {
+                bail!(
+                    "sequence {i}: {} pages of {block_size} do not cover {end} positions",
+                    table.len()
+                );
+            }
+            if let Some(&p) = table.iter().find(|&&p| p as usize >= num_pages) {
+                bail!("sequence {i}: page {p} is outside its pool ({num_pages} pages)");
+            }
         }
     }
     Ok(())
@@ -335,7 +354,7 @@ impl Model {
             },
         };
         let positions: Vec<usize> = (pos0..pos0 + t).collect();
-        self.run_layers(tokens, &positions, &[seq], kv)
+        self.run_layers(tokens, &positions, &[seq], None, kv)
     }
 
     /// One forward over a batch of sequences (decode rows and prefill chunks alike), each
@@ -350,25 +369,31 @@ impl Model {
     ) -> Result<Vec<Option<Vec<f32>>>> {
         let cfg = &self.cfg;
         let bs = pool.block_size();
-        check_batch(cfg, seqs, bs, pool.num_pages())?;
-        let mut attn_seqs = Vec::with_capacity(seqs.len());
+        check_batch(cfg, seqs, pool)?;
+        let window_pool = pool.num_window_pages().is_some();
+        let (mut attn_seqs, mut window_seqs) = (Vec::new(), Vec::new());
         let (mut tokens, mut positions) = (Vec::new(), Vec::new());
         for s in seqs {
             let end = s.pos0 + s.tokens.len();
-            attn_seqs.push(AttnSeq {
+            let on = |pages| AttnSeq {
                 row0: tokens.len(),
                 tokens: s.tokens.len(),
                 pos0: s.pos0,
                 kv: PagedRows {
-                    pages: s.pages,
+                    pages,
                     block_size: bs,
                     row: cfg.kv_dim(),
                 },
-            });
+            };
+            attn_seqs.push(on(s.pages));
+            if window_pool {
+                window_seqs.push(on(s.window_pages));
+            }
             tokens.extend_from_slice(s.tokens);
             positions.extend(s.pos0..end);
         }
-        let a = self.run_layers(&tokens, &positions, &attn_seqs, pool)?;
+        let window_seqs = window_pool.then_some(&window_seqs[..]);
+        let a = self.run_layers(&tokens, &positions, &attn_seqs, window_seqs, pool)?;
         let rows: Vec<usize> = attn_seqs
             .iter()
             .zip(seqs)
@@ -386,24 +411,31 @@ impl Model {
 
     /// Embedding, then every layer over the KV seam: layer `l` pulls its K/V from `kv`,
     /// runs here (the CPU device's compute stream is the calling thread) and hands the
-    /// slot back. Returns the activations, the final norm in `hn`.
+    /// slot back. Returns the activations, the final norm in `hn`. `window_seqs`: the same
+    /// sequences over a window pool's pages, for the sliding-window layers.
     fn run_layers<T: KvElem, L: KvLayout>(
         &self,
         tokens: &[u32],
         positions: &[usize],
-        seqs: &[AttnSeq<L>],
+        full_seqs: &[AttnSeq<L>],
+        window_seqs: Option<&[AttnSeq<L>]>,
         kv: &mut dyn KvCache<T>,
     ) -> Result<Activations> {
         let kvd = self.cfg.kv_dim();
         // Elements of K (and of V) the step addresses: its last row's end, in any sequence.
-        let need = seqs
-            .iter()
-            .map(|s| s.kv.row_offset(s.pos0 + s.tokens - 1) + kvd)
-            .max()
-            .unwrap_or(0);
+        let need = |seqs: &[AttnSeq<L>]| {
+            seqs.iter()
+                .map(|s| s.kv.row_offset(s.pos0 + s.tokens - 1) + kvd)
+                .max()
+                .unwrap_or(0)
+        };
         let mut a = Activations::new(&self.cfg, tokens.len());
         self.embed(tokens, positions, &mut a);
         for l in 0..self.cfg.num_layers {
+            let seqs = match (window_seqs, self.cfg.window(l)) {
+                (Some(w), Some(_)) => w,
+                _ => full_seqs,
+            };
             let slot = kv.begin_layer(l)?;
             if slot.ring {
                 // A ring addresses by position modulo its rows, whatever the layout.
@@ -429,6 +461,7 @@ impl Model {
                 }];
                 self.layer_on_slot(l, &mut a, slot, &ring, kv)?;
             } else {
+                let need = need(seqs);
                 if slot.rows * kvd < need {
                     bail!(
                         "layer {l}: the step addresses {} KV rows, its slot holds {}",

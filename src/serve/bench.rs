@@ -271,13 +271,20 @@ fn print_plan(model: &Model, sched: &SchedulerConfig, working_set: usize, kv: Kv
         sched.block_size,
         block as f64 / 1024.0,
         sched.num_gpu_blocks,
-        mib(sched.num_gpu_blocks),
+        super::setup::device_kv_bytes(&model.cfg, sched, kv.bytes()).unwrap_or(0) as f64
+            / (1u64 << 20) as f64,
         sched.max_cpu_offload_blocks,
         mib(sched.max_cpu_offload_blocks),
         sched.max_disk_offload_blocks,
         mib(sched.max_disk_offload_blocks),
         working_set
     );
+    if model.cfg.widest_window().is_some() {
+        eprintln!(
+            "plan: {}",
+            super::setup::kv_plan(&model.cfg, sched, kv.bytes())
+        );
+    }
 }
 
 /// The checks of `bench serve` that need no model: the flags against each other (usage

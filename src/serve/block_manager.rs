@@ -20,6 +20,26 @@ pub type SlotId = u32;
 /// An index into the disk tier's slot file (`serve::disk::store`).
 pub type DiskSlotId = u32;
 
+/// Where a block's KV is on the device: its page of the full-attention layers' pool and,
+/// with a window pool, its page of the sliding-window layers' pool (`None` once no holder's
+/// window reaches the block: those layers never read it again). Without a window pool
+/// every layer uses `page` and `win` is `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuPages {
+    pub page: PageId,
+    pub win: Option<PageId>,
+}
+
+/// What one holder of a block holds: with a window pool, a holder whose sliding window
+/// still reaches the block holds its windowed layers' KV too (`Windowed`); once the
+/// window has moved past, the block alone (`BlockOnly`). Without a window pool every hold
+/// is `Windowed` (and costs nothing more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    Windowed,
+    BlockOnly,
+}
+
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum BlockError {
     #[error("out of GPU pages: {need} needed, {free} free")]
@@ -34,6 +54,10 @@ pub enum BlockError {
     NotResident { id: LogicalId, state: Residency },
     #[error("block {0} has no references to release")]
     NotReferenced(LogicalId),
+    #[error("block {0} has no windowed-layer KV to hold (no holder's window reached it)")]
+    NoWindow(LogicalId),
+    #[error("block {0} has no window reference to release")]
+    NoWindowRef(LogicalId),
     #[error("block {id} is released while {state:?}: a copy is in flight")]
     ReleaseInFlight { id: LogicalId, state: Residency },
     #[error(transparent)]
@@ -48,6 +72,13 @@ pub struct Block {
     pub slot: Option<SlotId>,
     /// Disk-tier slot (while spilled to disk, or loading from a persisted prefix copy).
     pub disk: Option<DiskSlotId>,
+    /// The window pool's page (while on the device and `win`).
+    pub win_page: Option<PageId>,
+    /// Whether the block still has its windowed layers' KV (in `win_page` on the device,
+    /// or in its lower-tier slot); dropped once no holder's window reaches it.
+    pub win: bool,
+    /// Holders whose window reaches the block (`Hold::Windowed`), at most `refs`.
+    pub win_refs: u32,
     /// Content key (chained with the previous block's) once the block is full, computed,
     /// and registered in the prefix cache.
     pub hash: Option<BlockKey>,
@@ -68,8 +99,21 @@ pub struct BlockManager {
     /// reclaimed (and the cache entry dropped) when free pages run out.
     evictable: VecDeque<LogicalId>,
     disk: DiskSlots,
+    /// The sliding-window layers' own page pool (`None`: every layer uses `pages`).
+    win: Option<WindowPool>,
     /// Blocks entering and leaving the prefix cache, per tier (off unless enabled).
     events: CacheEventLog,
+}
+
+/// The sliding-window layers' pages: a block holds one while some holder's window reaches
+/// it (vLLM's hybrid allocator frees a sliding-window group's blocks the same way). A
+/// cached block whose window page no window reaches keeps it while the pool has room
+/// (`idle`, least recently released first), so a later prefix hit ending there still finds
+/// its window; the pool reclaims idle pages first.
+struct WindowPool {
+    num: usize,
+    free: Vec<PageId>,
+    idle: VecDeque<LogicalId>,
 }
 
 /// The free disk slots, kept lazily: memory grows with the slots in use, not with the
@@ -181,8 +225,32 @@ impl BlockManager {
                 free: FreeSlots::new(num_disk_slots),
                 ..Default::default()
             },
+            win: None,
             events: CacheEventLog::default(),
         }
+    }
+
+    /// Gives the sliding-window layers a pool of their own, `num` pages (the page past the
+    /// last, `null_window_page`, is never handed out: a block table names it for blocks
+    /// before a window, whose rows the kernels never read).
+    pub fn with_window_pool(mut self, num: usize) -> Self {
+        assert!(num < PageId::MAX as usize, "{num} window pages");
+        self.win = Some(WindowPool {
+            num,
+            free: (0..num as PageId).rev().collect(),
+            idle: VecDeque::new(),
+        });
+        self
+    }
+
+    /// Pages of the window pool, if there is one.
+    pub fn num_window_pages(&self) -> Option<usize> {
+        self.win.as_ref().map(|w| w.num)
+    }
+
+    /// The window pool's table entry for a block before a sequence's window.
+    pub fn null_window_page(&self) -> Option<PageId> {
+        self.win.as_ref().map(|w| w.num as PageId)
     }
 
     /// Starts recording prefix-cache events (`take_cache_events`).
@@ -221,9 +289,33 @@ impl BlockManager {
         self.num_slots
     }
 
-    /// Pages that can be handed out now (free or held only by the prefix cache).
+    /// Blocks that can be handed out now: pages free or held only by the prefix cache (and
+    /// as many window pages, free or idle, with a window pool).
     pub fn available_pages(&self) -> usize {
-        self.free_pages.len() + self.evictable.len()
+        let pages = self.free_pages.len() + self.evictable.len();
+        match &self.win {
+            Some(w) => pages.min(w.free.len() + w.idle.len()),
+            None => pages,
+        }
+    }
+
+    /// Whether loading `loads` back and allocating `new` blocks can get their pages now:
+    /// a page each, and a window page for each new block and each load that brings its
+    /// windowed layers' KV back.
+    pub fn can_load_and_allocate(&self, loads: &[LogicalId], new: usize) -> bool {
+        let wins = loads
+            .iter()
+            .filter(|id| self.blocks.get(id).is_some_and(|b| b.win))
+            .count();
+        self.free_pages.len() + self.evictable.len() >= loads.len() + new
+            && self.available_window_pages() >= wins + new
+    }
+
+    /// Window pages that can be handed out now (free or idle); `usize::MAX` without a pool.
+    fn available_window_pages(&self) -> usize {
+        self.win
+            .as_ref()
+            .map_or(usize::MAX, |w| w.free.len() + w.idle.len())
     }
 
     pub fn free_slots(&self) -> usize {
@@ -287,12 +379,22 @@ impl BlockManager {
         }
     }
 
-    /// Pages that will come free when in-flight stores complete.
-    pub fn pages_being_stored(&self) -> usize {
-        self.blocks
-            .values()
-            .filter(|b| matches!(b.state, Residency::MovingToCpu | Residency::MovingToSsd))
-            .count()
+    /// Blocks that can be handed out once the in-flight stores complete (their pages, and
+    /// window pages, come free then).
+    pub fn pages_after_stores(&self) -> usize {
+        let storing = || {
+            self.blocks
+                .values()
+                .filter(|b| matches!(b.state, Residency::MovingToCpu | Residency::MovingToSsd))
+        };
+        let pages = self.free_pages.len() + self.evictable.len() + storing().count();
+        match &self.win {
+            Some(w) => {
+                let wins = storing().filter(|b| b.win_page.is_some()).count();
+                pages.min(w.free.len() + w.idle.len() + wins)
+            }
+            None => pages,
+        }
     }
 
     pub fn block(&self, id: LogicalId) -> Result<&Block, BlockError> {
@@ -307,13 +409,22 @@ impl BlockManager {
         Ok(self.block(id)?.state)
     }
 
-    /// The resolver: the physical page of a GPU-resident block, and nothing else.
-    pub fn resolve(&self, id: LogicalId) -> Result<PageId, BlockError> {
+    /// The resolver: the physical pages of a GPU-resident block, and nothing else.
+    pub fn resolve(&self, id: LogicalId) -> Result<GpuPages, BlockError> {
         let b = self.block(id)?;
         match (b.state, b.page) {
-            (Residency::Gpu, Some(p)) => Ok(p),
+            (Residency::Gpu, Some(page)) => Ok(GpuPages {
+                page,
+                win: b.win_page,
+            }),
             (state, _) => Err(BlockError::NotResident { id, state }),
         }
+    }
+
+    /// Whether a block's windowed layers' KV is on the device (always, without a window
+    /// pool): a prefix hit may end only where every block its window reaches has it.
+    pub fn has_window(&self, id: LogicalId) -> bool {
+        self.win.is_none() || self.blocks.get(&id).is_some_and(|b| b.win_page.is_some())
     }
 
     /// Takes a page: a free one, else the least recently used cached block's.
@@ -322,6 +433,7 @@ impl BlockManager {
             return Some(p);
         }
         let id = self.evictable.pop_front()?;
+        self.drop_window(id);
         let b = self.blocks.remove(&id).expect("evictable blocks exist");
         if let Some(h) = b.hash {
             if self.by_hash.get(&h) == Some(&id) {
@@ -332,7 +444,65 @@ impl BlockManager {
         b.page
     }
 
-    /// New GPU blocks with one reference each, all or nothing.
+    /// Takes a window page (`None` without a pool): a free one, else the least recently
+    /// idle block's, whose windowed layers' KV is then gone.
+    fn take_window_page(&mut self) -> Option<PageId> {
+        let w = self.win.as_mut()?;
+        if let Some(p) = w.free.pop() {
+            return Some(p);
+        }
+        let id = w.idle.pop_front().expect("counted by available_pages");
+        let b = self.blocks.get_mut(&id).expect("idle blocks exist");
+        b.win = false;
+        b.win_page.take()
+    }
+
+    /// Frees a block's window page, if it has one (idle or not); its windowed layers' KV
+    /// is gone.
+    fn drop_window(&mut self, id: LogicalId) {
+        let Some(b) = self.blocks.get_mut(&id) else {
+            return;
+        };
+        let page = b.win_page.take();
+        b.win &= !b.state.holds_page(); // in a lower tier, the copy there stays valid
+        if let (Some(w), Some(p)) = (self.win.as_mut(), page) {
+            w.idle.retain(|&i| i != id);
+            w.free.push(p);
+        }
+    }
+
+    /// The last window reference of `id` went: a cached block's window page idles (a later
+    /// hit may want it), anyone else's is freed at once.
+    fn window_unreferenced(&mut self, id: LogicalId) {
+        let b = &self.blocks[&id];
+        if !b.state.is_settled() {
+            return; // a copy is in flight over its pages: `settled_window` decides after
+        }
+        if b.win_page.is_none() {
+            // Off the device: its lower-tier copy need not come back with it.
+            let b = self.blocks.get_mut(&id).expect("exists");
+            b.win &= b.state.holds_page();
+            return;
+        }
+        let cached = b.hash.is_some_and(|h| self.by_hash.get(&h) == Some(&id));
+        if cached && b.state == Residency::Gpu {
+            self.win.as_mut().expect("a window page").idle.push_back(id);
+        } else {
+            self.drop_window(id);
+        }
+    }
+
+    /// After a copy over a block finished: a window page no holder references idles or
+    /// goes (it was kept while the copy was in flight).
+    fn settled_window(&mut self, id: LogicalId) {
+        let idle = |w: &WindowPool| w.idle.contains(&id);
+        let b = &self.blocks[&id];
+        if b.win_refs == 0 && b.win_page.is_some() && !self.win.as_ref().is_some_and(idle) {
+            self.window_unreferenced(id);
+        }
+    }
+
+    /// New GPU blocks with one (windowed) reference each, all or nothing.
     pub fn allocate(&mut self, n: usize) -> Result<Vec<LogicalId>, BlockError> {
         if self.available_pages() < n {
             return Err(BlockError::NoPages {
@@ -343,6 +513,7 @@ impl BlockManager {
         let mut ids = Vec::with_capacity(n);
         for _ in 0..n {
             let page = self.take_page().expect("counted above");
+            let win_page = self.take_window_page();
             let id = self.next_id;
             self.next_id = self.next_id.wrapping_add(1);
             self.blocks.insert(
@@ -353,6 +524,9 @@ impl BlockManager {
                     page: Some(page),
                     slot: None,
                     disk: None,
+                    win_page,
+                    win: true,
+                    win_refs: 1,
                     hash: None,
                     content: None,
                 },
@@ -368,12 +542,38 @@ impl BlockManager {
         (self.blocks.get(&id)?.state == Residency::Gpu).then_some(id)
     }
 
-    /// Takes one more reference to an existing block (a prefix-cache hit).
-    pub fn acquire(&mut self, id: LogicalId) -> Result<(), BlockError> {
+    /// Takes one more reference to an existing block (a prefix-cache hit); `Windowed`
+    /// needs the block's windowed layers' KV to be there.
+    pub fn acquire(&mut self, id: LogicalId, hold: Hold) -> Result<(), BlockError> {
+        let windowed = hold == Hold::Windowed;
         let b = self.block_mut(id)?;
+        if windowed && !b.win {
+            return Err(BlockError::NoWindow(id));
+        }
         b.refs += 1;
-        if b.refs == 1 {
+        if windowed {
+            b.win_refs += 1;
+        }
+        let (first, first_win) = (b.refs == 1, windowed && b.win_refs == 1);
+        if first {
             self.evictable.retain(|&e| e != id);
+        }
+        if let (true, Some(w)) = (first_win, self.win.as_mut()) {
+            w.idle.retain(|&e| e != id);
+        }
+        Ok(())
+    }
+
+    /// Drops a holder's window reference (its window has moved past the block); it keeps
+    /// the block (`Hold::BlockOnly` from now on).
+    pub fn release_window(&mut self, id: LogicalId) -> Result<(), BlockError> {
+        let b = self.block_mut(id)?;
+        if b.win_refs == 0 {
+            return Err(BlockError::NoWindowRef(id));
+        }
+        b.win_refs -= 1;
+        if b.win_refs == 0 {
+            self.window_unreferenced(id);
         }
         Ok(())
     }
@@ -404,17 +604,28 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Drops one reference. The last one frees the block, except that a cached GPU block
-    /// stays (evictable) so a later request with the same prefix can reuse it.
-    pub fn release(&mut self, id: LogicalId) -> Result<(), BlockError> {
+    /// Drops one reference, held as `hold`. The last one frees the block, except that a
+    /// cached GPU block stays (evictable) so a later request with the same prefix can
+    /// reuse it.
+    pub fn release(&mut self, id: LogicalId, hold: Hold) -> Result<(), BlockError> {
         let b = self.block_mut(id)?;
         if b.refs == 0 {
             return Err(BlockError::NotReferenced(id));
+        }
+        if hold == Hold::Windowed && b.win_refs == 0 {
+            return Err(BlockError::NoWindowRef(id));
         }
         if b.refs == 1 && !b.state.is_settled() {
             return Err(BlockError::ReleaseInFlight { id, state: b.state });
         }
         b.refs -= 1;
+        if hold == Hold::Windowed {
+            b.win_refs -= 1;
+            if b.win_refs == 0 {
+                self.window_unreferenced(id);
+            }
+        }
+        let b = &self.blocks[&id];
         if b.refs > 0 {
             return Ok(());
         }
@@ -424,6 +635,7 @@ impl BlockManager {
             self.evictable.push_back(id);
             return Ok(());
         }
+        self.drop_window(id);
         let b = self.blocks.remove(&id).expect("looked up above");
         if let Some(h) = b.hash {
             if self.by_hash.get(&h) == Some(&id) {
@@ -444,8 +656,12 @@ impl BlockManager {
         let b = self.block_mut(id)?;
         let state = b.state;
         let page = b.page.take_if(|_| !state.holds_page());
+        let win_page = b.win_page.take_if(|_| !state.holds_page());
         let slot = b.slot.take_if(|_| !state.holds_host_slot());
         let disk = b.disk.take_if(|_| !state.holds_disk_slot());
+        if let (Some(w), Some(p)) = (self.win.as_mut(), win_page) {
+            w.free.push(p);
+        }
         self.free_pages.extend(page);
         self.free_slots.extend(slot);
         if let Some(d) = disk {
@@ -460,7 +676,7 @@ impl BlockManager {
         &mut self,
         ids: &[LogicalId],
         tier: Tier,
-    ) -> Result<Vec<(LogicalId, PageId, SlotId)>, BlockError> {
+    ) -> Result<Vec<(LogicalId, GpuPages, SlotId)>, BlockError> {
         let need = ids.len();
         match tier {
             Tier::Cpu if self.free_slots.len() < need => {
@@ -486,6 +702,9 @@ impl BlockManager {
                 let h = self.blocks[&id].hash.expect("cached blocks have a hash");
                 self.events.removed(Medium::Gpu, h);
             }
+            if self.blocks[&id].win_refs == 0 {
+                self.drop_window(id); // no window reaches it: not worth the copy
+            }
             let slot = match tier {
                 Tier::Cpu => self.free_slots.pop(),
                 Tier::Ssd => self.take_disk_slot(),
@@ -497,7 +716,15 @@ impl BlockManager {
                 Tier::Cpu => b.slot = Some(slot),
                 Tier::Ssd => b.disk = Some(slot),
             }
-            out.push((id, b.page.expect("a GPU block has a page"), slot));
+            let page = b.page.expect("a GPU block has a page");
+            out.push((
+                id,
+                GpuPages {
+                    page,
+                    win: b.win_page,
+                },
+                slot,
+            ));
         }
         Ok(out)
     }
@@ -512,6 +739,7 @@ impl BlockManager {
             Move::StoreFailed
         })?;
         self.settle(id)?;
+        self.settled_window(id);
         self.announce_on_gpu(id); // back on the GPU after a failed store
         Ok(())
     }
@@ -556,24 +784,30 @@ impl BlockManager {
     pub fn start_load(
         &mut self,
         ids: &[LogicalId],
-    ) -> Result<Vec<(LogicalId, SlotId, PageId)>, BlockError> {
-        if self.available_pages() < ids.len() {
+    ) -> Result<Vec<(LogicalId, SlotId, GpuPages)>, BlockError> {
+        for &id in ids {
+            self.block(id)?.state.apply(Move::StartLoad)?;
+        }
+        if !self.can_load_and_allocate(ids, 0) {
             return Err(BlockError::NoPages {
                 need: ids.len(),
                 free: self.available_pages(),
             });
         }
-        for &id in ids {
-            self.block(id)?.state.apply(Move::StartLoad)?;
-        }
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
             let page = self.take_page().expect("counted above");
+            let win = if self.blocks[&id].win {
+                self.take_window_page()
+            } else {
+                None
+            };
             let b = self.blocks.get_mut(&id).expect("checked above");
             b.state = b.state.apply(Move::StartLoad)?;
             b.page = Some(page);
+            b.win_page = win;
             let slot = b.slot.or(b.disk).expect("an offloaded block has a slot");
-            out.push((id, slot, page));
+            out.push((id, slot, GpuPages { page, win }));
         }
         Ok(out)
     }
@@ -590,6 +824,7 @@ impl BlockManager {
             self.forget_persisted(d);
         }
         self.settle(id)?;
+        self.settled_window(id);
         self.announce_on_gpu(id);
         Ok(())
     }
@@ -600,20 +835,28 @@ impl BlockManager {
     /// is not persisted yet and a disk slot is free. Write-throughs never evict other
     /// persisted copies (evicting the head of a prefix chain for its tail would make the
     /// whole chain unreachable); spills reclaim persisted copies when they need room. The
-    /// block is pinned (one more reference) until `finish_persist`.
-    pub fn start_persist(&mut self, id: LogicalId) -> Option<(PageId, DiskSlotId, BlockKey)> {
+    /// block is pinned (one more windowed reference) until `finish_persist`; a block whose
+    /// windowed layers' KV is gone is not persisted (a hit on the copy must find it whole).
+    pub fn start_persist(&mut self, id: LogicalId) -> Option<(GpuPages, DiskSlotId, BlockKey)> {
         let b = self.blocks.get(&id)?;
         let (Residency::Gpu, Some(page), Some(hash)) = (b.state, b.page, b.hash) else {
             return None;
+        };
+        if !b.win {
+            return None;
+        }
+        let pages = GpuPages {
+            page,
+            win: b.win_page,
         };
         let d = &self.disk;
         if d.persisted.contains_key(&hash) || d.persisting.values().any(|&(h, _)| h == hash) {
             return None;
         }
         let slot = self.disk.free.pop()?;
-        self.acquire(id).ok()?;
+        self.acquire(id, Hold::Windowed).ok()?;
         self.disk.persisting.insert(id, (hash, slot));
-        Some((page, slot, hash))
+        Some((pages, slot, hash))
     }
 
     /// A write-through finished: the copy is persisted (and the index must be rewritten),
@@ -635,7 +878,7 @@ impl BlockManager {
         } else {
             self.disk.free.push(slot);
         }
-        self.release(id)
+        self.release(id, Hold::Windowed)
     }
 
     /// Whether the block is pinned by its write-through to disk.
@@ -652,6 +895,12 @@ impl BlockManager {
         })
     }
 
+    /// Whether a lookup of `hash` can take a persisted copy: one is on disk and no block
+    /// of this hash exists (one being copied back, say).
+    pub fn persisted_hit(&self, hash: BlockKey) -> bool {
+        !self.by_hash.contains_key(&hash) && self.disk.persisted.contains_key(&hash)
+    }
+
     /// Whether a persisted copy of the block with this hash is on disk.
     pub fn is_persisted(&self, hash: BlockKey) -> bool {
         self.disk.persisted.contains_key(&hash)
@@ -660,12 +909,14 @@ impl BlockManager {
     /// A prefix-cache hit on disk: a new block with one reference, in the `Ssd` state over
     /// the persisted copy's slot (which it borrows: loading it back leaves the copy
     /// persisted). `None` if no copy, or if a block with this hash exists already.
-    /// `parent` and `tokens` are as for `register`.
+    /// `parent` and `tokens` are as for `register`; with `Hold::BlockOnly` its windowed
+    /// layers' KV is not loaded.
     pub fn acquire_persisted(
         &mut self,
         hash: BlockKey,
         parent: Option<BlockKey>,
         tokens: &[u32],
+        hold: Hold,
     ) -> Option<LogicalId> {
         if self.by_hash.contains_key(&hash) {
             return None;
@@ -685,6 +936,9 @@ impl BlockManager {
                 page: None,
                 slot: None,
                 disk: Some(slot),
+                win_page: None,
+                win: hold == Hold::Windowed,
+                win_refs: u32::from(hold == Hold::Windowed),
                 hash: Some(hash),
                 content: self.events.is_on().then(|| BlockContent {
                     parent,
@@ -832,7 +1086,68 @@ impl BlockManager {
                 self.num_slots
             ));
         }
+        self.check_window()?;
         self.check_disk(disk_owner)
+    }
+
+    /// The window pool: each page free or owned by one block; a block on the device has
+    /// one exactly while it keeps its windowed layers' KV (`win`); window references at
+    /// most the references; the idle list is exactly the settled blocks with a page and no
+    /// window reference.
+    fn check_window(&self) -> Result<(), String> {
+        let Some(w) = &self.win else {
+            return match self.blocks.iter().find(|(_, b)| b.win_page.is_some()) {
+                Some((id, _)) => Err(format!("block {id} has a window page and there is no pool")),
+                None => Ok(()),
+            };
+        };
+        let mut owner = vec![None; w.num];
+        for (&id, b) in &self.blocks {
+            if b.win_refs > b.refs {
+                return Err(format!(
+                    "block {id}: {} window refs > {} refs",
+                    b.win_refs, b.refs
+                ));
+            }
+            if b.win_refs > 0 && !b.win {
+                return Err(format!("block {id}: window refs without its window KV"));
+            }
+            if b.state.holds_page() && b.win != b.win_page.is_some() {
+                return Err(format!(
+                    "block {id}: win {} with window page {:?}",
+                    b.win, b.win_page
+                ));
+            }
+            if !b.state.holds_page() && b.win_page.is_some() {
+                return Err(format!("block {id}: {:?} with a window page", b.state));
+            }
+            let idle = b.win_page.is_some() && b.win_refs == 0 && b.state.is_settled();
+            if idle != w.idle.contains(&id) {
+                return Err(format!("block {id}: idle {idle} but listed {}", !idle));
+            }
+            if let Some(p) = b.win_page {
+                let o = owner
+                    .get_mut(p as usize)
+                    .ok_or(format!("window page {p} out of range"))?;
+                if let Some(other) = o.replace(id) {
+                    return Err(format!("window page {p} owned by blocks {other} and {id}"));
+                }
+            }
+        }
+        for &p in &w.free {
+            if owner.get(p as usize).is_none_or(|o| o.is_some()) {
+                return Err(format!("free window page {p} is owned or out of range"));
+            }
+        }
+        let owned = owner.iter().flatten().count();
+        if owned + w.free.len() != w.num {
+            return Err(format!(
+                "window pages leaked: {owned} owned + {} free != {}",
+                w.free.len(),
+                w.num
+            ));
+        }
+        Ok(())
     }
 
     /// Disk slots: each one free, or owned by exactly one block, persisted copy or

@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{bail, Result};
 
+use super::block_manager::GpuPages;
 use super::residency::Tier;
 use super::transfer::{Completion, JobId, JobKind, Loc, TransferBackend, TransferJob};
 use crate::device::order::Access;
@@ -41,8 +42,9 @@ struct Pair {
 /// Where a whole block (every layer, K and V) is, for a copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Place {
-    /// A page of the device tier.
-    Gpu(u32),
+    /// Pages of the device tier (a window page for the sliding-window layers when there
+    /// is a window pool; without one, those layers are not copied).
+    Gpu(GpuPages),
     /// A slot of the host tier.
     Host(u32),
     /// Block `index` of a host staging allocation laid out `[blocks][layers][K | V][block_size,
@@ -55,38 +57,63 @@ pub struct DevicePages<D: OffloadDevice> {
     d: Checked<D>,
     block_size: usize,
     page: usize,     // elements of one block of one layer, K or V: block_size · kv_dim
-    gpu: Vec<Pair>,  // [num_layers], device
+    gpu: Vec<Pair>,  // [num_layers], device: [num_gpu_blocks | window pages + 1, page] each
     host: Vec<Pair>, // [num_layers], host (pinned on CUDA)
     num_gpu_blocks: usize,
+    window: Option<WindowLayers>,
     num_cpu_blocks: usize,
     pending: Vec<(JobId, EventId)>, // host-tier jobs, in submit order
     free_events: Vec<EventId>,
     compute_done: EventId, // recorded on the compute stream before each job's copies
 }
 
+/// The sliding-window layers' own device pool (`BlockManager::with_window_pool`): which
+/// layers use it, and its pages; page `pages` is the null page block tables name for
+/// blocks before a window (allocated, never written, never read: the kernels skip keys
+/// before a query's window).
+#[derive(Debug, Clone)]
+pub struct WindowLayers {
+    pub layers: Vec<bool>, // [num_layers]
+    pub pages: usize,
+}
+
 impl<D: OffloadDevice> DevicePages<D> {
     /// `check_order`: under the stream-ordering checker (`crate::device::order`).
+    /// `window`: the sliding-window layers' own pool, if any.
     pub fn new(
         d: D,
         num_layers: usize,
         kv_dim: usize,
         (block_size, num_gpu_blocks, num_cpu_blocks): (usize, usize, usize),
+        window: Option<WindowLayers>,
         check_order: bool,
     ) -> Result<Self> {
+        if let Some(w) = &window {
+            if w.layers.len() != num_layers {
+                bail!(
+                    "window layers name {} of {num_layers} layers",
+                    w.layers.len()
+                );
+            }
+        }
         let mut d = Checked::new(d, check_order);
         let page = block_size * kv_dim;
-        let mut tier = |space, blocks: usize| -> Result<Vec<Pair>> {
+        let device_blocks = |l: usize| match &window {
+            Some(w) if w.layers[l] => w.pages + 1,
+            _ => num_gpu_blocks,
+        };
+        let mut tier = |space, blocks: &dyn Fn(usize) -> usize| -> Result<Vec<Pair>> {
             (0..num_layers)
-                .map(|_| {
+                .map(|l| {
                     Ok(Pair {
-                        k: d.alloc(space, blocks * page)?,
-                        v: d.alloc(space, blocks * page)?,
+                        k: d.alloc(space, blocks(l) * page)?,
+                        v: d.alloc(space, blocks(l) * page)?,
                     })
                 })
                 .collect()
         };
-        let gpu = tier(Space::Device, num_gpu_blocks)?;
-        let host = tier(Space::Host, num_cpu_blocks)?;
+        let gpu = tier(Space::Device, &device_blocks)?;
+        let host = tier(Space::Host, &|_| num_cpu_blocks)?;
         let compute_done = d.new_event()?;
         Ok(Self {
             d,
@@ -96,6 +123,7 @@ impl<D: OffloadDevice> DevicePages<D> {
             host,
             num_gpu_blocks,
             num_cpu_blocks,
+            window,
             pending: Vec::new(),
             free_events: Vec::new(),
             compute_done,
@@ -121,28 +149,55 @@ impl<D: OffloadDevice> DevicePages<D> {
         self.num_cpu_blocks
     }
 
-    /// Layer `layer`'s K (`v` false) or V of a block at `place`, checked against the tier.
-    fn span(&self, place: Place, layer: usize, v: bool) -> Result<Span> {
+    /// Whether layer `l` keeps its pages in the window pool.
+    fn in_window_pool(&self, l: usize) -> bool {
+        self.window.as_ref().is_some_and(|w| w.layers[l])
+    }
+
+    /// Pages of layer `l`'s device pool.
+    fn device_pages(&self, l: usize) -> usize {
+        match &self.window {
+            Some(w) if w.layers[l] => w.pages + 1,
+            _ => self.num_gpu_blocks,
+        }
+    }
+
+    /// Layer `layer`'s device page of a block on the device: its window page in a
+    /// window-pool layer (`None` when the block has none: the layer is not copied).
+    fn device_page(&self, pages: GpuPages, layer: usize) -> Option<u32> {
+        if self.in_window_pool(layer) {
+            pages.win
+        } else {
+            Some(pages.page)
+        }
+    }
+
+    /// Layer `layer`'s K (`v` false) or V of a block at `place`, checked against the tier;
+    /// `None` for a window-pool layer of a block without a window page.
+    fn span(&self, place: Place, layer: usize, v: bool) -> Result<Option<Span>> {
         let (pair, idx, blocks) = match place {
-            Place::Gpu(p) => (self.gpu[layer], p as usize, self.num_gpu_blocks),
+            Place::Gpu(pages) => match self.device_page(pages, layer) {
+                Some(p) => (self.gpu[layer], p as usize, self.device_pages(layer)),
+                None => return Ok(None),
+            },
             Place::Host(s) => (self.host[layer], s as usize, self.num_cpu_blocks),
             Place::Staging { mem, index } => {
                 let off = index * self.block_elems() + (2 * layer + usize::from(v)) * self.page;
-                return Ok(Span {
+                return Ok(Some(Span {
                     mem,
                     off,
                     len: self.page,
-                });
+                }));
             }
         };
         if idx >= blocks {
-            bail!("{place:?} is outside its tier of {blocks} blocks");
+            bail!("{place:?} is outside layer {layer}'s pool of {blocks} blocks");
         }
-        Ok(Span {
+        Ok(Some(Span {
             mem: if v { pair.v } else { pair.k },
             off: idx * self.page,
             len: self.page,
-        })
+        }))
     }
 
     /// The device tier or host tier block a job's end names.
@@ -156,14 +211,19 @@ impl<D: OffloadDevice> DevicePages<D> {
         })
     }
 
-    /// The copies of whole blocks `(src, dst)`, every layer, K and V, checked before any is
-    /// queued (so a bad job moves nothing).
+    /// The copies of whole blocks `(src, dst)`, every layer, K and V (a window-pool layer
+    /// only where the device end has a window page), checked before any is queued (so a
+    /// bad job moves nothing).
     fn block_copies(&self, blocks: &[(Place, Place)]) -> Result<Vec<(usize, Span, Span)>> {
         let mut copies = Vec::with_capacity(blocks.len() * 2 * self.gpu.len());
         for &(src, dst) in blocks {
             for layer in 0..self.gpu.len() {
                 for v in [false, true] {
-                    copies.push((layer, self.span(src, layer, v)?, self.span(dst, layer, v)?));
+                    if let (Some(s), Some(d)) =
+                        (self.span(src, layer, v)?, self.span(dst, layer, v)?)
+                    {
+                        copies.push((layer, s, d));
+                    }
                 }
             }
         }
@@ -233,23 +293,42 @@ impl<D: OffloadDevice> DevicePages<D> {
 
     /// Declares one forward over `seqs` on the compute stream: each reads the pages of its
     /// blocks before the one holding `pos0` and writes that block and the later ones, in
-    /// every layer, K and V (what the batched forward's kernels touch).
+    /// every layer, K and V (what the batched forward's kernels touch; a window-pool layer
+    /// its window table's pages, the null page not at all).
     pub fn declare_forward(&mut self, seqs: &[BatchSeq]) -> Result<()> {
         if !self.d.is_checked() {
             return Ok(());
         }
+        let null = self.window.as_ref().map(|w| w.pages as u32);
         for seq in seqs {
             let first_written = seq.pos0 / self.block_size;
-            for (i, &page) in seq.pages.iter().enumerate() {
-                let access = if i < first_written {
-                    Access::Read
+            for layer in 0..self.gpu.len() {
+                let table = if self.in_window_pool(layer) {
+                    seq.window_pages
                 } else {
-                    Access::Write
+                    seq.pages
                 };
-                for layer in 0..self.gpu.len() {
-                    let k = self.span(Place::Gpu(page), layer, false)?;
-                    let v = self.span(Place::Gpu(page), layer, true)?;
-                    let acc = [(access, k), (access, v)];
+                for (i, &page) in table.iter().enumerate() {
+                    if self.in_window_pool(layer) && Some(page) == null {
+                        continue;
+                    }
+                    let access = if i < first_written {
+                        Access::Read
+                    } else {
+                        Access::Write
+                    };
+                    let at = |v: bool| -> Result<Span> {
+                        let (pair, idx) = (self.gpu[layer], page as usize);
+                        if idx >= self.device_pages(layer) {
+                            bail!("page {page} is outside layer {layer}'s pool");
+                        }
+                        Ok(Span {
+                            mem: if v { pair.v } else { pair.k },
+                            off: idx * self.page,
+                            len: self.page,
+                        })
+                    };
+                    let acc = [(access, at(false)?), (access, at(true)?)];
                     self.d
                         .declare(StreamRole::Compute, "forward", layer, &acc)?;
                 }
@@ -311,7 +390,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for DevicePages<D> {
         Ok(LayerSlot {
             k: self.d.ptr(p.k),
             v: self.d.ptr(p.v),
-            rows: self.capacity(),
+            rows: self.device_pages(layer) * self.block_size,
             ring: false,
         })
     }
@@ -328,6 +407,10 @@ impl<D: OffloadDevice> PagePool<D::Elem> for DevicePages<D> {
 
     fn num_pages(&self) -> usize {
         self.num_gpu_blocks
+    }
+
+    fn num_window_pages(&self) -> Option<usize> {
+        self.window.as_ref().map(|w| w.pages + 1)
     }
 }
 

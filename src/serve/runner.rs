@@ -32,6 +32,7 @@ pub fn batch_seqs(calls: &[ScheduledSeq]) -> Vec<BatchSeq<'_>> {
             tokens: &c.tokens,
             pos0: c.pos0,
             pages: &c.block_table,
+            window_pages: &c.window_table,
             logits: c.want_logits(),
         })
         .collect()

@@ -13,7 +13,7 @@ use std::ops::Range;
 use anyhow::{bail, ensure, Context, Result};
 
 use super::block_key::{BlockKey, KeySeed};
-use super::block_manager::{BlockManager, LogicalId, PageId, SlotId};
+use super::block_manager::{BlockManager, Hold, LogicalId, PageId, SlotId};
 use super::residency::{Residency, Tier};
 use super::transfer::{BlockCopy, JobId, JobKind, Loc, TransferJob};
 use crate::model::WantLogits;
@@ -86,6 +86,9 @@ pub struct Sequence {
     pub num_computed: usize,
     /// Chained keys of the leading blocks registered in (or found in) the prefix cache.
     hashes: Vec<BlockKey>,
+    /// With a window pool: the blocks before this one are held `Hold::BlockOnly` (its
+    /// window has moved past them), the rest `Hold::Windowed`.
+    win_from: usize,
     job: Option<JobId>,
     /// Every prompt row's logits are wanted (prompt log-probabilities): the prompt is
     /// computed in full, never taken from the prefix cache, as vLLM does.
@@ -124,6 +127,9 @@ pub struct ScheduledSeq {
     pub tokens: Vec<u32>,
     /// Physical pages of the sequence's blocks, covering `0..pos0 + tokens.len()`.
     pub block_table: Vec<PageId>,
+    /// With a window pool, the sliding-window layers' pages of the same blocks: the null
+    /// window page for blocks before the call's first window (never read); empty without.
+    pub window_table: Vec<PageId>,
     /// Whether the call computes the last known token (so its logits give a new one);
     /// replayed calls of a recomputation do not sample.
     pub sample: bool,
@@ -174,6 +180,9 @@ pub struct SchedStats {
     pub prefix_blocks_from_disk: usize,
     /// Prefix blocks written through to disk.
     pub prefix_blocks_persisted: usize,
+    /// With a window pool: blocks a running sequence's window moved past (its hold on
+    /// their window pages released; a page goes once no holder's window reaches it).
+    pub window_releases: usize,
 }
 
 /// Who a job works for: a sequence (its store on preemption, its load on resume), or the
@@ -213,6 +222,32 @@ pub struct Scheduler {
     host_lru: VecDeque<SeqId>,
     /// What prefix-cache keys are chained to (the model, KV element, block size).
     key_seed: KeySeed,
+    /// With a window pool: the widest sliding window of the model, in tokens.
+    window: Option<usize>,
+}
+
+/// Releases the blocks of a holder whose window has moved past the first `win_from`.
+fn release_all(bm: &mut BlockManager, ids: Vec<LogicalId>, win_from: usize) -> Result<()> {
+    for (i, id) in ids.into_iter().enumerate() {
+        let hold = if i < win_from {
+            Hold::BlockOnly
+        } else {
+            Hold::Windowed
+        };
+        bm.release(id, hold)?;
+    }
+    Ok(())
+}
+
+/// Window pages enough for `cfg.max_num_seqs` sequences each attending a window of
+/// `window` tokens from its next call's first query (a prefill chunk's rows reach
+/// `window − 1` positions back from the chunk's start), one more block each for a window
+/// straddling block boundaries, and never more than the full pool.
+pub fn window_pool_pages(cfg: &SchedulerConfig, window: usize) -> usize {
+    let per_seq = (window - 1 + cfg.prefill_chunk).div_ceil(cfg.block_size) + 1;
+    cfg.max_num_seqs
+        .saturating_mul(per_seq)
+        .min(cfg.num_gpu_blocks)
 }
 
 enum Preempted {
@@ -246,7 +281,29 @@ impl Scheduler {
             stats: SchedStats::default(),
             to_persist: Vec::new(),
             host_lru: VecDeque::new(),
+            window: None,
         })
+    }
+
+    /// Gives the model's sliding-window layers a page pool of their own (`pages` pages,
+    /// `window_pool_pages`): a block's windowed-layer page is freed once no holder's
+    /// window (of `window` tokens, the model's widest) reaches it. Before any request.
+    pub fn use_window_pool(&mut self, window: usize, pages: usize) -> Result<()> {
+        ensure!(window > 0, "a sliding window of 0 tokens");
+        ensure!(
+            self.seqs.is_empty(),
+            "the window pool is set before any request"
+        );
+        let bm = std::mem::replace(&mut self.bm, BlockManager::new(0, 0));
+        self.bm = bm.with_window_pool(pages);
+        self.window = Some(window);
+        Ok(())
+    }
+
+    /// The first block a windowed layer reads for a query at `pos` (0 without a pool).
+    fn first_window_block(&self, pos: usize) -> usize {
+        self.window
+            .map_or(0, |w| (pos + 1).saturating_sub(w) / self.cfg.block_size)
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -285,6 +342,7 @@ impl Scheduler {
                 block_ids: Vec::new(),
                 num_computed: 0,
                 hashes: Vec::new(),
+                win_from: 0,
                 job: None,
                 prompt_rows: false,
             },
@@ -345,10 +403,7 @@ impl Scheduler {
     fn drop_aborted(&mut self, id: SeqId) -> Result<()> {
         self.host_lru.retain(|&s| s != id);
         let seq = self.seqs.remove(&id).expect("aborted sequences exist");
-        for b in seq.block_ids {
-            self.bm.release(b)?;
-        }
-        Ok(())
+        release_all(&mut self.bm, seq.block_ids, seq.win_from)
     }
 
     pub fn jobs_in_flight(&self) -> usize {
@@ -392,7 +447,7 @@ impl Scheduler {
                     break;
                 }
                 // Pages under in-flight stores come free soon: wait rather than preempt more.
-                if self.bm.available_pages() + self.bm.pages_being_stored() >= need {
+                if self.bm.pages_after_stores() >= need {
                     stalled = true;
                     break;
                 }
@@ -485,7 +540,7 @@ impl Scheduler {
                 let need = self
                     .blocks_for(seq.next_chunk(chunk).end)
                     .saturating_sub(seq.block_ids.len());
-                if self.bm.available_pages() >= offloaded.len() + need {
+                if self.bm.can_load_and_allocate(&offloaded, need) {
                     // One tier per job (a backend serves one tier); the rest next round.
                     let tier = match self.bm.state(offloaded[0])? {
                         Residency::Ssd => Tier::Ssd,
@@ -503,10 +558,10 @@ impl Scheduler {
                     let moves = self.bm.start_load(&group)?;
                     let copies = moves
                         .iter()
-                        .map(|&(block, slot, page)| BlockCopy {
+                        .map(|&(block, slot, pages)| BlockCopy {
                             block,
                             src: self.tier_loc(tier, block, slot),
-                            dst: Loc::Gpu(page),
+                            dst: Loc::Gpu(pages),
                         })
                         .collect();
                     let job = self.new_job(sid, JobKind::Load, tier, group, copies);
@@ -587,7 +642,8 @@ impl Scheduler {
             seq.canonical_end(chunk)
                 .min((seq.tokens.len() - 1) / chunk * chunk)
         };
-        // A hit is a GPU-resident block, or a persisted disk copy (loaded on admission).
+        // A hit is a GPU-resident block, or a persisted disk copy (loaded on admission) that
+        // no block of its hash is copying right now.
         let mut found = Vec::new(); // (hash, Some(GPU block) | None for a disk copy)
         let mut prev = None;
         for b in 0..limit / bs {
@@ -598,39 +654,58 @@ impl Scheduler {
             );
             match self.bm.lookup(h) {
                 Some(id) => found.push((h, Some(id))),
-                None if self.bm.is_persisted(h) => found.push((h, None)),
+                None if self.bm.persisted_hit(h) => found.push((h, None)),
                 None => break,
             }
             prev = Some(h);
         }
-        found.truncate(found.len() * bs / chunk * chunk / bs);
-        self.stats.prefix_queried_tokens += seq.tokens.len();
-        let mut hits = Vec::with_capacity(found.len());
-        let mut hashes: Vec<BlockKey> = Vec::with_capacity(found.len());
-        for (b, (h, on_gpu)) in found.into_iter().enumerate() {
-            if let Some(id) = on_gpu {
-                self.bm.acquire(id)?;
-                hits.push(id);
-            } else if let Some(id) = self.bm.acquire_persisted(
-                h,
-                hashes.last().copied(),
-                &seq.tokens[b * bs..(b + 1) * bs],
-            ) {
-                hits.push(id);
-            } else {
-                break; // a block with this hash exists but is mid-copy: compute the rest
-            }
-            hashes.push(h);
+        // Whole chunks, and with a window pool only as far as every block the next query's
+        // window reaches still has its windowed layers' KV (vLLM's sliding-window hit rule).
+        let per_chunk = chunk / bs;
+        let mut n = found.len() / per_chunk * per_chunk;
+        let window_kept = |n: usize| {
+            found[self.first_window_block(n * bs)..n]
+                .iter()
+                .all(|(_, id)| id.is_none_or(|id| self.bm.has_window(id)))
+        };
+        while n > 0 && !window_kept(n) {
+            n -= per_chunk;
         }
-        hashes.truncate(hits.len() / (chunk / bs) * (chunk / bs));
-        for id in hits.drain(hashes.len()..) {
-            self.bm.release(id)?;
+        found.truncate(n);
+        let win_from = self.first_window_block(n * bs);
+        self.stats.prefix_queried_tokens += seq.tokens.len();
+        let mut hits = Vec::with_capacity(n);
+        let mut hashes: Vec<BlockKey> = Vec::with_capacity(n);
+        for (b, (h, on_gpu)) in found.into_iter().enumerate() {
+            let hold = if b < win_from {
+                Hold::BlockOnly
+            } else {
+                Hold::Windowed
+            };
+            let id = match on_gpu {
+                Some(id) => {
+                    self.bm.acquire(id, hold)?;
+                    id
+                }
+                None => self
+                    .bm
+                    .acquire_persisted(
+                        h,
+                        hashes.last().copied(),
+                        &seq.tokens[b * bs..(b + 1) * bs],
+                        hold,
+                    )
+                    .context("a persisted prefix block vanished during the lookup")?,
+            };
+            hits.push(id);
+            hashes.push(h);
         }
         self.stats.prefix_hit_blocks += hits.len();
         let seq = self.seqs.get_mut(&sid).expect("exists");
         seq.num_computed = hits.len() * bs;
         seq.block_ids = hits;
         seq.hashes = hashes;
+        seq.win_from = win_from;
         Ok(())
     }
 
@@ -639,21 +714,32 @@ impl Scheduler {
         let ids = std::mem::take(&mut seq.block_ids);
         seq.num_computed = 0;
         seq.hashes.clear();
+        let win_from = std::mem::take(&mut seq.win_from);
         self.stats.prefix_hit_blocks -= ids.len();
         self.stats.prefix_queried_tokens -= seq.tokens.len();
-        for id in ids {
-            self.bm.release(id)?;
-        }
-        Ok(())
+        release_all(&mut self.bm, ids, win_from)
     }
 
     fn scheduled(&self, sid: SeqId, range: Range<usize>) -> Result<ScheduledSeq> {
         let seq = &self.seqs[&sid];
-        let block_table = seq.block_ids[..self.blocks_for(range.end)]
-            .iter()
-            .map(|&id| self.bm.resolve(id))
-            .collect::<Result<Vec<_>, _>>()
-            .with_context(|| format!("sequence {sid} scheduled with a non-resident block"))?;
+        let n = self.blocks_for(range.end);
+        let first_win = self.first_window_block(range.start);
+        let null = self.bm.null_window_page();
+        let mut block_table = Vec::with_capacity(n);
+        let mut window_table = Vec::with_capacity(if null.is_some() { n } else { 0 });
+        for (i, &id) in seq.block_ids[..n].iter().enumerate() {
+            let pages = self
+                .bm
+                .resolve(id)
+                .with_context(|| format!("sequence {sid} scheduled with a non-resident block"))?;
+            block_table.push(pages.page);
+            if let Some(null) = null {
+                let win = if i < first_win { Some(null) } else { pages.win };
+                window_table.push(win.with_context(|| {
+                    format!("sequence {sid}: block {id} in its window has no window page")
+                })?);
+            }
+        }
         Ok(ScheduledSeq {
             seq: sid,
             pos0: range.start,
@@ -661,6 +747,7 @@ impl Scheduler {
             prompt_rows: seq.prompt_rows && range.start < seq.prompt_len,
             tokens: seq.tokens[range].to_vec(),
             block_table,
+            window_table,
         })
     }
 
@@ -731,11 +818,11 @@ impl Scheduler {
         let mut blocks = Vec::new();
         let mut copies = Vec::new();
         for id in std::mem::take(&mut self.to_persist) {
-            if let Some((page, slot, hash)) = self.bm.start_persist(id) {
+            if let Some((pages, slot, hash)) = self.bm.start_persist(id) {
                 blocks.push(id);
                 copies.push(BlockCopy {
                     block: id,
-                    src: Loc::Gpu(page),
+                    src: Loc::Gpu(pages),
                     dst: Loc::Disk {
                         slot,
                         key: hash.wire(),
@@ -845,9 +932,9 @@ impl Scheduler {
             let moves = self.bm.start_store(&exclusive, tier)?;
             let copies = moves
                 .iter()
-                .map(|&(block, page, slot)| BlockCopy {
+                .map(|&(block, pages, slot)| BlockCopy {
                     block,
-                    src: Loc::Gpu(page),
+                    src: Loc::Gpu(pages),
                     dst: self.tier_loc(tier, block, slot),
                 })
                 .collect();
@@ -892,10 +979,8 @@ impl Scheduler {
         seq.num_computed = 0;
         seq.hashes.clear();
         seq.status = SeqStatus::Waiting;
-        for id in ids {
-            self.bm.release(id)?;
-        }
-        Ok(())
+        let win_from = std::mem::take(&mut seq.win_from);
+        release_all(&mut self.bm, ids, win_from)
     }
 
     /// A job finished: update metadata. A failed store leaves the blocks on the GPU; a
@@ -976,15 +1061,13 @@ impl Scheduler {
     /// Returns true when the sequence finished (its blocks are released then).
     pub fn on_forward_done(&mut self, call: &ScheduledSeq, sampled: Option<u32>) -> Result<bool> {
         let (bs, chunk) = (self.cfg.block_size, self.cfg.prefill_chunk);
-        let seq = self
-            .seqs
-            .get_mut(&call.seq)
-            .with_context(|| format!("unknown sequence {}", call.seq))?;
         ensure!(
-            seq.num_computed == call.pos0,
-            "sequence {} computed out of order",
+            self.seqs.get(&call.seq).map(|s| s.num_computed) == Some(call.pos0),
+            "sequence {} unknown or computed out of order",
             call.seq
         );
+        let first_win = self.first_window_block(call.pos0 + call.tokens.len());
+        let seq = self.seqs.get_mut(&call.seq).expect("checked above");
         seq.num_computed += call.tokens.len();
         // Register newly completed canonical blocks in the prefix cache.
         let full = seq.num_computed.min(seq.canonical_end(chunk)) / bs;
@@ -997,6 +1080,12 @@ impl Scheduler {
             seq.hashes.push(h);
             self.to_persist.push(seq.block_ids[b]);
         }
+        // Blocks the next call's window no longer reaches: their windowed layers' KV may go.
+        while seq.win_from < first_win.min(seq.block_ids.len()) {
+            self.bm.release_window(seq.block_ids[seq.win_from])?;
+            seq.win_from += 1;
+            self.stats.window_releases += 1;
+        }
         let Some(tok) = sampled else {
             return Ok(false);
         };
@@ -1006,9 +1095,8 @@ impl Scheduler {
             return Ok(false);
         }
         seq.status = SeqStatus::Finished;
-        for id in std::mem::take(&mut seq.block_ids) {
-            self.bm.release(id)?;
-        }
+        let win_from = std::mem::take(&mut seq.win_from);
+        release_all(&mut self.bm, std::mem::take(&mut seq.block_ids), win_from)?;
         self.running.retain(|&r| r != call.seq);
         Ok(true)
     }
@@ -1031,6 +1119,19 @@ impl Scheduler {
                 }
             }
         }
+        for (&sid, s) in &self.seqs {
+            // Exactly the blocks before its next query's window are held block-only.
+            let first_win = self
+                .first_window_block(s.num_computed)
+                .min(s.block_ids.len());
+            if s.status != SeqStatus::Finished && s.win_from != first_win {
+                return Err(format!(
+                    "sequence {sid} holds the window of blocks from {}, its window starts at {first_win}",
+                    s.win_from
+                ));
+            }
+        }
+        self.check_window_holds()?;
         self.check_host_lru()?;
         for (&sid, s) in &self.seqs {
             let queued = self.waiting.iter().filter(|&&w| w == sid).count()
@@ -1051,6 +1152,33 @@ impl Scheduler {
                 return Err(format!(
                     "sequence {sid} has fewer blocks than computed tokens"
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every block's window references are its holders whose window reaches it (and a
+    /// write-through's pin); none without a window pool but every hold.
+    fn check_window_holds(&self) -> Result<(), String> {
+        let mut want: HashMap<LogicalId, u32> = HashMap::new();
+        for s in self.seqs.values() {
+            if self.window.is_none() && s.win_from > 0 {
+                return Err(format!("sequence {}: window holds without a pool", s.id));
+            }
+            for &id in s.block_ids.iter().skip(s.win_from) {
+                *want.entry(id).or_default() += 1;
+            }
+        }
+        for s in self.seqs.values() {
+            for &id in &s.block_ids {
+                let b = self.bm.block(id).map_err(|e| e.to_string())?;
+                let w = want.get(&id).copied().unwrap_or(0) + u32::from(self.bm.is_pinned(id));
+                if b.win_refs != w {
+                    return Err(format!(
+                        "block {id}: {} window refs, {w} holders",
+                        b.win_refs
+                    ));
+                }
             }
         }
         Ok(())

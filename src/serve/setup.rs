@@ -15,13 +15,13 @@ use std::sync::{Arc, Mutex};
 use anyhow::{bail, Context, Result};
 
 use super::block_key::KeySeed;
-use super::device_pages::{DevicePages, DeviceTransfers};
+use super::device_pages::{DevicePages, DeviceTransfers, WindowLayers};
 use super::disk::backend::{DiskBackend, TieredBackend};
 use super::disk::store::{SlotIo, StoreLayout};
 use super::disk::DiskTier;
 use super::engine::{Engine, EngineConfig, EngineStats};
 use super::runner::{BatchForward, CpuForward, DeviceRunner};
-use super::scheduler::{Scheduler, SchedulerConfig};
+use super::scheduler::{window_pool_pages, Scheduler, SchedulerConfig};
 use super::transfer::TransferBackend;
 use crate::device::cuda::exec::{CudaExec, Exec};
 use crate::device::KvElem;
@@ -44,6 +44,64 @@ pub struct Hooks<'a> {
     pub wrap_io: Option<WrapIo<'a>>,
 }
 
+/// The sliding-window layers' own page pool for serving `model` (`None` when every layer
+/// attends everything): a block's pages there are freed once no sequence's window reaches
+/// it, so those layers hold `window_pool_pages` pages (+ the null page) instead of
+/// `num_gpu_blocks`.
+pub fn window_pool(model: &ModelConfig, sched: &SchedulerConfig) -> Option<WindowLayers> {
+    let window = model.widest_window()?;
+    Some(WindowLayers {
+        layers: (0..model.num_layers)
+            .map(|l| model.window(l).is_some())
+            .collect(),
+        pages: window_pool_pages(sched, window),
+    })
+}
+
+/// Bytes of the device tier's KV pages: every full layer's `num_gpu_blocks` pages, every
+/// window-pool layer's pool; `None` if it overflows.
+pub fn device_kv_bytes(model: &ModelConfig, sched: &SchedulerConfig, elem: usize) -> Option<usize> {
+    let page = model.kv_layer_bytes(sched.block_size, elem)?;
+    let window = window_pool(model, sched);
+    (0..model.num_layers).try_fold(0usize, |sum, l| {
+        let pages = match &window {
+            Some(w) if w.layers[l] => w.pages + 1,
+            _ => sched.num_gpu_blocks,
+        };
+        sum.checked_add(page.checked_mul(pages)?)
+    })
+}
+
+/// The device tier's KV in one line: its bytes and, for a model with sliding-window layers,
+/// what their window pool holds against a pool that kept every block in every layer.
+pub fn kv_plan(model: &ModelConfig, sched: &SchedulerConfig, elem: usize) -> String {
+    let mib = |b: Option<usize>| {
+        b.map_or("(overflow)".into(), |b| {
+            format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
+        })
+    };
+    let bytes = mib(device_kv_bytes(model, sched, elem));
+    match (window_pool(model, sched), model.widest_window()) {
+        (Some(w), Some(size)) => {
+            let every = model
+                .kv_bytes(sched.block_size, elem)
+                .and_then(|b| b.checked_mul(sched.num_gpu_blocks));
+            let n = w.layers.iter().filter(|&&x| x).count();
+            format!(
+                "device KV {bytes}: {} full-attention layers × {} blocks, {n} sliding-window layers (window {size}) × a pool of {} pages freed as windows move on ({} if every layer kept every block)",
+                model.num_layers - n,
+                sched.num_gpu_blocks,
+                w.pages + 1,
+                mib(every)
+            )
+        }
+        _ => format!(
+            "device KV {bytes}: {} layers × {} blocks",
+            model.num_layers, sched.num_gpu_blocks
+        ),
+    }
+}
+
 /// Bytes of host memory the KV pages of `sched` take on `device` in elements `kv`: both
 /// tiers on the CPU device (its "device" memory is host memory), the host tier alone on
 /// CUDA (pinned); `None` if it overflows.
@@ -54,13 +112,11 @@ pub fn host_kv_bytes(
     kv: KvDtype,
 ) -> Option<usize> {
     let block = model.kv_bytes(sched.block_size, kv.bytes())?;
-    let blocks = match device {
-        DeviceKind::Cpu => sched
-            .num_gpu_blocks
-            .checked_add(sched.max_cpu_offload_blocks)?,
-        DeviceKind::Cuda => sched.max_cpu_offload_blocks,
-    };
-    block.checked_mul(blocks)
+    let host = block.checked_mul(sched.max_cpu_offload_blocks)?;
+    match device {
+        DeviceKind::Cpu => host.checked_add(device_kv_bytes(model, sched, kv.bytes())?),
+        DeviceKind::Cuda => Some(host),
+    }
 }
 
 /// The serving engine for `device`: the CPU model on the CPU device, or the CUDA model on
@@ -158,9 +214,13 @@ where
         &fingerprint.unwrap_or(0).to_le_bytes(),
     ]);
     let mut sched = Scheduler::with_key_seed(cfg.sched.clone(), key_seed)?;
+    let window = window_pool(c, s);
+    if let (Some(w), Some(size)) = (&window, c.widest_window()) {
+        sched.use_window_pool(size, w.pages)?;
+    }
     let sizes = (s.block_size, s.num_gpu_blocks, s.max_cpu_offload_blocks);
     let check = cfg.check_order || cfg.sanitize;
-    let pages = DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, check)?;
+    let pages = DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, window, check)?;
     let block_bytes = pages.block_bytes();
     let pages = Arc::new(Mutex::new(pages));
     let host: Box<dyn TransferBackend> = Box::new(DeviceTransfers {

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use anyhow::Result;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::block_manager::{DiskSlotId, LogicalId, PageId, SlotId};
+use super::block_manager::{DiskSlotId, GpuPages, LogicalId, SlotId};
 use super::residency::Tier;
 
 pub type JobId = u64;
@@ -24,7 +24,9 @@ pub enum JobKind {
 /// One end of a block copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Loc {
-    Gpu(PageId),
+    /// The device tier: the block's page and, with a window pool, its window page (`None`:
+    /// its sliding-window layers are not copied).
+    Gpu(GpuPages),
     Host(Tier, SlotId),
     /// A disk-tier slot and the key its header carries (the block's content hash for
     /// prefix blocks), checked on every read.

@@ -510,6 +510,7 @@ fn load(
     let sched = cfg.sched.clone();
     let model_card = model_card::ModelCard::new(&model.cfg, &tokenizer, max_model_len)?;
     let vocab_size = model.cfg.vocab_size;
+    let kv_plan = crate::serve::setup::kv_plan(&model.cfg, &sched, cfg.kv_dtype.bytes());
     let engine = crate::serve::setup::engine_for(args.device, &model, &cfg)?;
     if let Some(line) = engine.disk_plan() {
         crate::log!("strata serve: {line}");
@@ -544,5 +545,6 @@ fn load(
         "strata serve: ready (max-model-len {max_model_len}, {} GPU blocks + {} host blocks of {} tokens, max-num-seqs {})",
         sched.num_gpu_blocks, sched.max_cpu_offload_blocks, sched.block_size, sched.max_num_seqs
     );
+    crate::log!("strata serve: {kv_plan}");
     Ok(())
 }

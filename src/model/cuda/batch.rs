@@ -5,7 +5,7 @@
 //! row's arithmetic never depends on what else is in the batch, how its prompt was
 //! chunked, or whether it is a decode token or a recomputed one.
 
-use super::{CudaModel, Gemm, StepAttn, StepPlan};
+use super::{CudaModel, Gemm, StepAttn, StepPlan, WindowRows};
 use crate::device::cuda::exec::GrowBuf;
 use crate::device::cuda::ops::{self, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::DevPtr;
@@ -17,7 +17,7 @@ use half::bf16;
 /// own layout of `meta`), grown as steps grow.
 #[derive(Default)]
 pub(super) struct BatchBufs {
-    meta: GrowBuf<i32>, // i32 [ids: t | pos: t | cache rows: t | ctx lens: t | want: r | tables: t × max_blocks]
+    meta: GrowBuf<i32>, // i32 [ids: t | pos: t | cache rows: t | ctx lens: t | want: r | tables: t × max_blocks | (window pool) window cache rows: t | window tables: t × max_blocks]
     part_o: GrowBuf<f32>, // f32 [t, num_heads, splits, head_dim]
     part_ml: GrowBuf<f32>, // f32 [t, num_heads, splits, 2]
     last: GrowBuf<bf16>, // bf16 [r, hidden]: the rows whose logits are wanted
@@ -33,23 +33,34 @@ struct RowMeta {
     ctx_lens: Vec<i32>,   // keys the row attends: its position + 1
     want: Vec<i32>,       // rows whose logits are wanted (`WantLogits::rows`), in order
     tables: Vec<i32>,     // [rows, max_blocks]: the row's sequence's pages, 0-padded
+    window_rows: Vec<i32>, // [rows] (window pool) as `cache_rows`, in the window pool
+    window_tables: Vec<i32>, // [rows, max_blocks] (window pool) as `tables`
 }
 
 impl RowMeta {
     fn build(seqs: &[BatchSeq<'_>], block_size: usize) -> (Self, usize) {
         let max_blocks = seqs.iter().map(|s| s.pages.len()).max().unwrap_or(1).max(1);
         let mut m = Self::default();
+        // Pool row of position `p` through a table, and the table as a 0-padded row.
+        let row = |table: &[u32], p: usize| {
+            (table[p / block_size] as usize * block_size + p % block_size) as i32
+        };
+        fn padded(table: &[u32], max_blocks: usize) -> impl Iterator<Item = i32> + '_ {
+            let pad = std::iter::repeat_n(0, max_blocks - table.len());
+            table.iter().map(|&pg| pg as i32).chain(pad)
+        }
         for s in seqs {
             for (j, &id) in s.tokens.iter().enumerate() {
                 let p = s.pos0 + j;
                 m.ids.push(id as i32);
                 m.pos.push(p as i32);
-                m.cache_rows
-                    .push((s.pages[p / block_size] as usize * block_size + p % block_size) as i32);
+                m.cache_rows.push(row(s.pages, p));
                 m.ctx_lens.push(p as i32 + 1);
-                m.tables.extend(s.pages.iter().map(|&pg| pg as i32));
-                m.tables
-                    .extend(std::iter::repeat_n(0, max_blocks - s.pages.len()));
+                m.tables.extend(padded(s.pages, max_blocks));
+                if !s.window_pages.is_empty() {
+                    m.window_rows.push(row(s.window_pages, p));
+                    m.window_tables.extend(padded(s.window_pages, max_blocks));
+                }
             }
             let row0 = m.ids.len() - s.tokens.len();
             m.want
@@ -70,7 +81,7 @@ impl CudaModel {
     ) -> Result<Vec<Option<Vec<f32>>>> {
         let c = self.cfg.clone();
         let bs = pool.block_size();
-        check_batch(&c, seqs, bs, pool.num_pages())?;
+        check_batch(&c, seqs, pool)?;
         let max_ctx = seqs.iter().map(|s| s.pos0 + s.tokens.len()).max();
         let max_ctx = max_ctx.expect("check_batch: not empty");
         if max_ctx > self.max_pos {
@@ -92,6 +103,8 @@ impl CudaModel {
             &m.ctx_lens,
             &m.want,
             &m.tables,
+            &m.window_rows,
+            &m.window_tables,
         ] {
             meta.extend_from_slice(part);
         }
@@ -99,6 +112,11 @@ impl CudaModel {
         let at = |i: usize| meta_d.at(i * t);
         let (ids, pos, cache_rows, ctx_lens) = (at(0), at(1), at(2), at(3));
         let (want, tables) = (at(4), meta_d.at(4 * t + r));
+        let window_at = 4 * t + r + m.tables.len();
+        let window = (pool.num_window_pages().is_some()).then(|| WindowRows {
+            cache_rows: meta_d.at(window_at),
+            tables: meta_d.at(window_at + t),
+        });
         let (nh, hd) = (c.num_heads, c.head_dim);
         let scratch = self.rows_scratch(t, max_ctx)?;
         let a = self.acts.as_ref().expect("allocated above");
@@ -107,6 +125,7 @@ impl CudaModel {
             pos,
             cache_rows,
             gemm: Gemm::BatchInvariant,
+            window,
             attn: StepAttn::PerRow(
                 PagedAttn {
                     q: a.qkv,

@@ -1039,20 +1039,10 @@ impl BlockManager {
                 }
             }
             if let Some(p) = b.page {
-                let o = page_owner
-                    .get_mut(p as usize)
-                    .ok_or(format!("page {p} out of range"))?;
-                if let Some(other) = o.replace(id) {
-                    return Err(format!("page {p} owned by blocks {other} and {id}"));
-                }
+                claim(&mut page_owner, "page", p, id)?;
             }
             if let Some(s) = b.slot {
-                let o = slot_owner
-                    .get_mut(s as usize)
-                    .ok_or(format!("slot {s} out of range"))?;
-                if let Some(other) = o.replace(id) {
-                    return Err(format!("slot {s} owned by blocks {other} and {id}"));
-                }
+                claim(&mut slot_owner, "slot", s, id)?;
             }
         }
         for id in refs.keys() {
@@ -1060,32 +1050,8 @@ impl BlockManager {
                 return Err(format!("a sequence holds freed block {id}"));
             }
         }
-        for &p in &self.free_pages {
-            if let Some(id) = page_owner[p as usize] {
-                return Err(format!("free page {p} is owned by block {id}"));
-            }
-        }
-        for &s in &self.free_slots {
-            if let Some(id) = slot_owner[s as usize] {
-                return Err(format!("free slot {s} is owned by block {id}"));
-            }
-        }
-        let owned = page_owner.iter().flatten().count();
-        if owned + self.free_pages.len() != self.num_pages {
-            return Err(format!(
-                "pages leaked: {owned} owned + {} free != {}",
-                self.free_pages.len(),
-                self.num_pages
-            ));
-        }
-        let owned = slot_owner.iter().flatten().count();
-        if owned + self.free_slots.len() != self.num_slots {
-            return Err(format!(
-                "slots leaked: {owned} owned + {} free != {}",
-                self.free_slots.len(),
-                self.num_slots
-            ));
-        }
+        check_free(&page_owner, "page", &self.free_pages)?;
+        check_free(&slot_owner, "slot", &self.free_slots)?;
         self.check_window()?;
         self.check_disk(disk_owner)
     }
@@ -1126,28 +1092,10 @@ impl BlockManager {
                 return Err(format!("block {id}: idle {idle} but listed {}", !idle));
             }
             if let Some(p) = b.win_page {
-                let o = owner
-                    .get_mut(p as usize)
-                    .ok_or(format!("window page {p} out of range"))?;
-                if let Some(other) = o.replace(id) {
-                    return Err(format!("window page {p} owned by blocks {other} and {id}"));
-                }
+                claim(&mut owner, "window page", p, id)?;
             }
         }
-        for &p in &w.free {
-            if owner.get(p as usize).is_none_or(|o| o.is_some()) {
-                return Err(format!("free window page {p} is owned or out of range"));
-            }
-        }
-        let owned = owner.iter().flatten().count();
-        if owned + w.free.len() != w.num {
-            return Err(format!(
-                "window pages leaked: {owned} owned + {} free != {}",
-                w.free.len(),
-                w.num
-            ));
-        }
-        Ok(())
+        check_free(&owner, "window page", &w.free)
     }
 
     /// Disk slots: each one free, or owned by exactly one block, persisted copy or
@@ -1194,4 +1142,45 @@ impl BlockManager {
         }
         Ok(())
     }
+}
+
+/// For `check`: entry `idx` of a pool (pages, host slots, window pages) claimed by block
+/// `id`; an error if out of range or claimed already.
+fn claim(
+    owner: &mut [Option<LogicalId>],
+    what: &str,
+    idx: u32,
+    id: LogicalId,
+) -> Result<(), String> {
+    let o = owner
+        .get_mut(idx as usize)
+        .ok_or(format!("{what} {idx} out of range"))?;
+    match o.replace(id) {
+        Some(other) => Err(format!("{what} {idx} owned by blocks {other} and {id}")),
+        None => Ok(()),
+    }
+}
+
+/// For `check`: a pool's free list against its owners: no free entry owned (or out of
+/// range), none leaked (owned + free = all).
+fn check_free<'a>(
+    owner: &[Option<LogicalId>],
+    what: &str,
+    free: impl IntoIterator<Item = &'a u32>,
+) -> Result<(), String> {
+    let mut n = 0;
+    for &i in free {
+        if owner.get(i as usize).is_none_or(|o| o.is_some()) {
+            return Err(format!("free {what} {i} is owned or out of range"));
+        }
+        n += 1;
+    }
+    let owned = owner.iter().flatten().count();
+    if owned + n != owner.len() {
+        return Err(format!(
+            "{what}s leaked: {owned} owned + {n} free != {}",
+            owner.len()
+        ));
+    }
+    Ok(())
 }

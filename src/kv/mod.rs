@@ -124,6 +124,13 @@ pub unsafe trait KvCache<T> {
 /// over such a cache (a longer prompt is prefilled in steps of this many).
 pub const RING_STEP_TOKENS: usize = 256;
 
+/// The first block of `block_size` tokens a query at `pos` reads through a sliding window
+/// of `window` tokens (0 without one): the block holding its first key, `pos + 1 − window`.
+/// One rule for the offload engine's prefetch and the serving window pool's releases.
+pub fn first_window_block(window: Option<usize>, pos: usize, block_size: usize) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w) / block_size)
+}
+
 /// Which layers of a resident cache keep a sliding-window ring instead of every position,
 /// and so how long a step and how deep a rewind may be: the geometry the CPU's
 /// `ContiguousKv` and the CUDA device's `ResidentKv` share. A ring of

@@ -237,7 +237,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     /// The first block a step at `pos` attends in layer `layer`: 0, or where a sliding
     /// window reaches back to.
     fn first_block(&self, layer: usize, pos: usize) -> usize {
-        self.window[layer].map_or(0, |w| (pos + 1).saturating_sub(w) / self.cfg.block_size)
+        crate::kv::first_window_block(self.window[layer], pos, self.cfg.block_size)
     }
 
     /// Whether sparse decode selects this layer's rows (full attention layers only: a

@@ -77,6 +77,15 @@ pub struct WindowLayers {
     pub pages: usize,
 }
 
+/// Pages of layer `l`'s device pool: the window pool's (its null page included) for a
+/// window-pool layer, else the full pool's `num_gpu_blocks`.
+pub fn layer_pages(window: Option<&WindowLayers>, l: usize, num_gpu_blocks: usize) -> usize {
+    match window {
+        Some(w) if w.layers[l] => w.pages + 1,
+        _ => num_gpu_blocks,
+    }
+}
+
 impl<D: OffloadDevice> DevicePages<D> {
     /// `check_order`: under the stream-ordering checker (`crate::device::order`).
     /// `window`: the sliding-window layers' own pool, if any.
@@ -98,10 +107,7 @@ impl<D: OffloadDevice> DevicePages<D> {
         }
         let mut d = Checked::new(d, check_order);
         let page = block_size * kv_dim;
-        let device_blocks = |l: usize| match &window {
-            Some(w) if w.layers[l] => w.pages + 1,
-            _ => num_gpu_blocks,
-        };
+        let device_blocks = |l: usize| layer_pages(window.as_ref(), l, num_gpu_blocks);
         let mut tier = |space, blocks: &dyn Fn(usize) -> usize| -> Result<Vec<Pair>> {
             (0..num_layers)
                 .map(|l| {
@@ -156,10 +162,22 @@ impl<D: OffloadDevice> DevicePages<D> {
 
     /// Pages of layer `l`'s device pool.
     fn device_pages(&self, l: usize) -> usize {
-        match &self.window {
-            Some(w) if w.layers[l] => w.pages + 1,
-            _ => self.num_gpu_blocks,
+        layer_pages(self.window.as_ref(), l, self.num_gpu_blocks)
+    }
+
+    /// Layer `layer`'s K (`v` false) or V of device page `page`, checked against the
+    /// layer's pool.
+    fn device_span(&self, layer: usize, page: u32, v: bool) -> Result<Span> {
+        let blocks = self.device_pages(layer);
+        if page as usize >= blocks {
+            bail!("page {page} is outside layer {layer}'s pool of {blocks} blocks");
         }
+        let pair = self.gpu[layer];
+        Ok(Span {
+            mem: if v { pair.v } else { pair.k },
+            off: page as usize * self.page,
+            len: self.page,
+        })
     }
 
     /// Layer `layer`'s device page of a block on the device: its window page in a
@@ -176,10 +194,12 @@ impl<D: OffloadDevice> DevicePages<D> {
     /// `None` for a window-pool layer of a block without a window page.
     fn span(&self, place: Place, layer: usize, v: bool) -> Result<Option<Span>> {
         let (pair, idx, blocks) = match place {
-            Place::Gpu(pages) => match self.device_page(pages, layer) {
-                Some(p) => (self.gpu[layer], p as usize, self.device_pages(layer)),
-                None => return Ok(None),
-            },
+            Place::Gpu(pages) => {
+                return match self.device_page(pages, layer) {
+                    Some(p) => self.device_span(layer, p, v).map(Some),
+                    None => Ok(None),
+                }
+            }
             Place::Host(s) => (self.host[layer], s as usize, self.num_cpu_blocks),
             Place::Staging { mem, index } => {
                 let off = index * self.block_elems() + (2 * layer + usize::from(v)) * self.page;
@@ -191,7 +211,7 @@ impl<D: OffloadDevice> DevicePages<D> {
             }
         };
         if idx >= blocks {
-            bail!("{place:?} is outside layer {layer}'s pool of {blocks} blocks");
+            bail!("{place:?} is outside its tier of {blocks} blocks");
         }
         Ok(Some(Span {
             mem: if v { pair.v } else { pair.k },
@@ -317,18 +337,9 @@ impl<D: OffloadDevice> DevicePages<D> {
                     } else {
                         Access::Write
                     };
-                    let at = |v: bool| -> Result<Span> {
-                        let (pair, idx) = (self.gpu[layer], page as usize);
-                        if idx >= self.device_pages(layer) {
-                            bail!("page {page} is outside layer {layer}'s pool");
-                        }
-                        Ok(Span {
-                            mem: if v { pair.v } else { pair.k },
-                            off: idx * self.page,
-                            len: self.page,
-                        })
-                    };
-                    let acc = [(access, at(false)?), (access, at(true)?)];
+                    let k = self.device_span(layer, page, false)?;
+                    let v = self.device_span(layer, page, true)?;
+                    let acc = [(access, k), (access, v)];
                     self.d
                         .declare(StreamRole::Compute, "forward", layer, &acc)?;
                 }

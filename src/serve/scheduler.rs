@@ -302,8 +302,7 @@ impl Scheduler {
 
     /// The first block a windowed layer reads for a query at `pos` (0 without a pool).
     fn first_window_block(&self, pos: usize) -> usize {
-        self.window
-            .map_or(0, |w| (pos + 1).saturating_sub(w) / self.cfg.block_size)
+        crate::kv::first_window_block(self.window, pos, self.cfg.block_size)
     }
 
     pub fn config(&self) -> &SchedulerConfig {

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{bail, Context, Result};
 
 use super::block_key::KeySeed;
-use super::device_pages::{DevicePages, DeviceTransfers, WindowLayers};
+use super::device_pages::{layer_pages, DevicePages, DeviceTransfers, WindowLayers};
 use super::disk::backend::{DiskBackend, TieredBackend};
 use super::disk::store::{SlotIo, StoreLayout};
 use super::disk::DiskTier;
@@ -64,10 +64,7 @@ pub fn device_kv_bytes(model: &ModelConfig, sched: &SchedulerConfig, elem: usize
     let page = model.kv_layer_bytes(sched.block_size, elem)?;
     let window = window_pool(model, sched);
     (0..model.num_layers).try_fold(0usize, |sum, l| {
-        let pages = match &window {
-            Some(w) if w.layers[l] => w.pages + 1,
-            _ => sched.num_gpu_blocks,
-        };
+        let pages = layer_pages(window.as_ref(), l, sched.num_gpu_blocks);
         sum.checked_add(page.checked_mul(pages)?)
     })
 }

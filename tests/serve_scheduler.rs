@@ -261,6 +261,92 @@ fn preemption_offloads_when_the_host_tier_has_room() {
     }
 }
 
+/// Runs the scheduler until nothing is left to do (jobs complete at once).
+fn run_to_end(s: &mut Scheduler) {
+    let mut b = SimBackend::new(0, 1.0, 0.0);
+    for _ in 0..10_000 {
+        if !s.has_unfinished() {
+            return;
+        }
+        step(s, &mut b);
+    }
+    panic!("the scheduler did not finish");
+}
+
+#[test]
+fn prefix_hits_and_registration_are_per_block_whatever_the_chunk() {
+    // vLLM's counts (block 16): a repeated 161-token prompt hits 10 blocks (160 tokens:
+    // the last token is always computed); its 64-token prefill chunks do not matter.
+    let c = cfg(16, 64, 0, 64);
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let prompt: Vec<u32> = (100..261).collect();
+    let first = s.add(prompt.clone(), 1, vec![]).unwrap();
+    run_to_end(&mut s);
+    s.remove_finished(first);
+    let second = s.add(prompt.clone(), 1, vec![]).unwrap();
+    let plan = s.schedule().unwrap();
+    assert_eq!(s.stats.prefix_hit_blocks, 10);
+    let call = &plan.batch[0];
+    assert_eq!((call.seq, call.pos0, call.tokens.len()), (second, 160, 1));
+    // A 117-token prompt registers its 7 full blocks (the 8th holds 5 tokens).
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let p117: Vec<u32> = (500..617).collect();
+    s.add(p117.clone(), 1, vec![]).unwrap();
+    run_to_end(&mut s);
+    let hashes = prompt_hashes(std::slice::from_ref(&p117), 16);
+    assert_eq!(hashes.len(), 7);
+    assert!(hashes.iter().all(|&h| s.bm.lookup(h).is_some()));
+    // 64 prompt tokens and 100 generated: the 163 computed positions fill 10 blocks, all
+    // registered, the 6 of generated tokens included, so a request continuing the
+    // conversation hits them.
+    let mut s = Scheduler::new(c).unwrap();
+    let p64: Vec<u32> = (700..764).collect();
+    let id = s.add(p64, 100, vec![]).unwrap();
+    run_to_end(&mut s);
+    let all = s.remove_finished(id).unwrap().tokens;
+    assert_eq!(all.len(), 164);
+    let hashes = prompt_hashes(&[all[..160].to_vec()], 16);
+    assert!(hashes.iter().all(|&h| s.bm.lookup(h).is_some()));
+    assert!(
+        s.bm.lookup(prompt_hashes(std::slice::from_ref(&all), 16)[9])
+            .is_some(),
+        "the last full block"
+    );
+    let mut follow_up = all.clone();
+    follow_up.extend([1, 2, 3]);
+    s.add(follow_up, 1, vec![]).unwrap();
+    s.schedule().unwrap();
+    assert_eq!(s.stats.prefix_hit_blocks, 10);
+}
+
+#[test]
+fn a_recomputation_replays_its_generated_tokens_in_chunks() {
+    // A request with 40 generated tokens that loses its KV (no host tier) and cannot hit
+    // the cache (its blocks were evicted) recomputes prompt and output in chunks of 8,
+    // not one output token per step.
+    let mut s = Scheduler::new(cfg(4, 64, 0, 8)).unwrap();
+    let id = s.add((10..18).collect(), 60, vec![]).unwrap();
+    let mut b = SimBackend::new(0, 1.0, 0.0);
+    while s.seq(id).unwrap().output().len() < 40 {
+        step(&mut s, &mut b);
+    }
+    let seq = s.seq(id).unwrap().clone();
+    let chunk = |from: usize| {
+        let mut q = seq.clone();
+        q.num_computed = from;
+        q.next_chunk(8)
+    };
+    assert_eq!(chunk(0), 0..8, "the prompt");
+    assert_eq!(
+        chunk(8),
+        8..16,
+        "generated tokens known already: a whole chunk"
+    );
+    assert_eq!(chunk(40), 40..48, "up to the last known token");
+    assert_eq!(chunk(45), 45..48);
+    assert_eq!(chunk(47), 47..48, "decode: one token");
+}
+
 #[test]
 fn a_victims_shared_prefix_blocks_are_never_offloaded() {
     // Two sequences share a 16-token prefix (4 blocks, 2 chunks); the second is admitted
@@ -441,7 +527,7 @@ impl EventMirror {
     /// Applies the events since the last step (each `Stored` block's hash must be its
     /// parent's and tokens' chained hash; nothing stored twice or removed unseen), then
     /// checks the view against what a lookup finds, for every hash a prompt can make.
-    fn sync(&mut self, s: &mut Scheduler, universe: &[BlockKey], bs: usize, case: u64) {
+    fn sync(&mut self, s: &mut Scheduler, universe: &HashSet<BlockKey>, bs: usize, case: u64) {
         for e in s.bm.take_cache_events() {
             match e {
                 CacheEvent::Stored {
@@ -497,7 +583,7 @@ fn block_key(parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
     BlockKey::chained(&KeySeed::default(), parent.as_ref(), tokens)
 }
 
-/// Every full block's chained key of every prompt: all a prefix-cache entry can be.
+/// Every full block's chained key of every token sequence.
 fn prompt_hashes(prompts: &[Vec<u32>], bs: usize) -> Vec<BlockKey> {
     let mut all = Vec::new();
     for p in prompts {
@@ -575,7 +661,9 @@ fn property_run(tiers: Tiers, cases: u64, windowed: bool) -> Moved {
             })
             .collect();
         let prompts: Vec<Vec<u32>> = pending.iter().map(|(_, p, _)| p.clone()).collect();
-        let universe = prompt_hashes(&prompts, bs);
+        // Every full block a sequence can have, generated ones included (they enter the
+        // prefix cache too), collected as the outputs grow.
+        let mut universe: HashSet<BlockKey> = prompt_hashes(&prompts, bs).into_iter().collect();
         let mut ids = Vec::new();
         let mut t = 0;
         while (s.has_unfinished() || !pending.is_empty()) && t < 50_000 {
@@ -587,6 +675,11 @@ fn property_run(tiers: Tiers, cases: u64, windowed: bool) -> Moved {
                 !due
             });
             step(&mut s, &mut b);
+            for &(id, _) in &ids {
+                if let Some(q) = s.seq(id) {
+                    universe.extend(prompt_hashes(std::slice::from_ref(&q.tokens), bs));
+                }
+            }
             mirror.sync(&mut s, &universe, bs, case);
             for &(id, _) in &ids {
                 for &block in s.seq(id).map_or(&[][..], |q| &q.block_ids[..]) {
@@ -666,7 +759,7 @@ fn property_two_tiers_random_arrivals_lengths_capacities_and_completion_orders()
 
 #[test]
 fn property_three_tiers_with_demotions_and_faults_in_random_orders() {
-    let m = property_run(Tiers::HostAndDisk, 120, false);
+    let m = property_run(Tiers::HostAndDisk, 1000, false);
     assert!(m.events_stored > 0 && m.events_removed > 0, "{m:?}");
     assert!(
         m.to_disk > 0 && m.from_disk > 0 && m.persisted > 0,
@@ -739,14 +832,19 @@ fn demotion_takes_the_least_recently_preempted_request_first() {
             let mut stored_now = Vec::new();
             for j in &plan.jobs {
                 let (src, dst) = (j.copies[0].src, j.copies[0].dst);
-                let seq = owner(&s, j.copies[0].block);
+                // (A write-through to disk may copy a finished request's blocks: no owner.)
+                let seq = || owner(&s, j.copies[0].block);
                 match (src, dst) {
                     (Loc::Gpu(_), Loc::Host(..)) => {
-                        lru.push(seq);
-                        stored_now.push(seq);
+                        lru.push(seq());
+                        stored_now.push(seq());
                     }
-                    (Loc::Host(..), Loc::Gpu(_)) => lru.retain(|&x| x != seq),
+                    (Loc::Host(..), Loc::Gpu(_)) => {
+                        let seq = seq();
+                        lru.retain(|&x| x != seq)
+                    }
                     (Loc::Host(..), Loc::Disk { .. }) => {
+                        let seq = seq();
                         let want = lru.iter().find(|x| !stored_now.contains(x)).copied();
                         assert_eq!(Some(seq), want, "case {case}: demoted out of order");
                         lru.retain(|&x| x != seq);

@@ -33,8 +33,8 @@ pub struct SchedulerConfig {
     pub max_disk_offload_blocks: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
-    /// Prompt tokens per forward call, a multiple of `block_size`. Chunks start at
-    /// multiples of it, so a sequence's forward calls depend on the sequence alone.
+    /// Prompt tokens per forward call at most, a multiple of `block_size`. Chunks end at
+    /// multiples of it (the first is shorter after a prefix hit that ends mid-chunk).
     pub prefill_chunk: usize,
 }
 
@@ -100,22 +100,19 @@ impl Sequence {
         &self.tokens[self.prompt_len..]
     }
 
-    /// Prompt tokens computed in full prefill chunks: the only blocks whose KV is shared
-    /// through the prefix cache, because only there is it computed identically by everyone.
-    fn canonical_end(&self, chunk: usize) -> usize {
-        self.prompt_len / chunk * chunk
-    }
-
-    /// Positions of the next forward call: a prompt chunk ending at the next multiple of
-    /// `chunk` (or the prompt's end), else one token. A function of the sequence alone, so
-    /// a recomputation replays exactly the calls of the first run.
+    /// Positions of the next forward call: up to the next multiple of `chunk`, within the
+    /// prompt while it is not all computed, then within the known tokens (a recomputation
+    /// replays its generated tokens in chunks too), so decode is one token. Exact whatever
+    /// the cut: every row's result depends on its own token, position and KV alone
+    /// (docs/serving.md "Determinism").
     pub fn next_chunk(&self, chunk: usize) -> Range<usize> {
         let s = self.num_computed;
-        if s < self.prompt_len {
-            s..((s / chunk + 1) * chunk).min(self.prompt_len)
+        let end = if s < self.prompt_len {
+            self.prompt_len
         } else {
-            s..s + 1
-        }
+            self.tokens.len()
+        };
+        s..((s / chunk + 1) * chunk).min(end)
     }
 }
 
@@ -515,7 +512,7 @@ impl Scheduler {
             }
             let fresh = seq.block_ids.is_empty();
             if fresh && self.prefix_in_progress(sid) {
-                // A running request is computing this request's first shared chunk right
+                // A running request is computing this request's first shared block right
                 // now: wait a round and reuse it from the prefix cache instead of
                 // computing it twice (otherwise requests admitted together never share).
                 break;
@@ -592,16 +589,13 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Whether the first canonical chunk of `sid` is not cached yet but is being computed by
-    /// a running request (its first block not yet registered), so waiting a round pays.
+    /// Whether the first block of `sid` is not cached yet but is being computed by a
+    /// running request (which has registered nothing yet), so waiting a round pays.
     fn prefix_in_progress(&self, sid: SeqId) -> bool {
-        let (bs, chunk) = (self.cfg.block_size, self.cfg.prefill_chunk);
+        let bs = self.cfg.block_size;
         let seq = &self.seqs[&sid];
-        if seq.canonical_end(chunk) < chunk || seq.tokens.len() <= chunk {
-            return false; // no whole chunk to share (a lookup always leaves a token to compute)
-        }
-        if seq.prompt_rows {
-            return false; // it takes nothing from the cache
+        if seq.tokens.len() <= bs || seq.prompt_rows {
+            return false; // no block to share (a lookup leaves a token), or it takes none
         }
         let first = BlockKey::chained(&self.key_seed, None, &seq.tokens[..bs]);
         if self.bm.lookup(first).is_some() || self.bm.is_persisted(first) {
@@ -610,7 +604,7 @@ impl Scheduler {
         self.running.iter().any(|r| {
             let other = &self.seqs[r];
             other.hashes.is_empty()
-                && other.canonical_end(chunk) >= chunk
+                && other.tokens.len() > bs
                 && other.tokens[..bs] == seq.tokens[..bs]
         })
     }
@@ -630,22 +624,21 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Takes references to cached blocks of the sequence's canonical prompt prefix,
-    /// whole chunks only, and always leaving at least one token to compute.
+    /// Takes references to the longest run of cached blocks the sequence's tokens start
+    /// with, always leaving at least one token to compute.
     fn prefix_lookup(&mut self, sid: SeqId) -> Result<()> {
-        let (bs, chunk) = (self.cfg.block_size, self.cfg.prefill_chunk);
+        let bs = self.cfg.block_size;
         let seq = &self.seqs[&sid];
         let limit = if seq.prompt_rows {
             0 // every prompt row must be computed
         } else {
-            seq.canonical_end(chunk)
-                .min((seq.tokens.len() - 1) / chunk * chunk)
+            (seq.tokens.len() - 1) / bs
         };
         // A hit is a GPU-resident block, or a persisted disk copy (loaded on admission) that
         // no block of its hash is copying right now.
         let mut found = Vec::new(); // (hash, Some(GPU block) | None for a disk copy)
         let mut prev = None;
-        for b in 0..limit / bs {
+        for b in 0..limit {
             let h = BlockKey::chained(
                 &self.key_seed,
                 prev.as_ref(),
@@ -658,17 +651,16 @@ impl Scheduler {
             }
             prev = Some(h);
         }
-        // Whole chunks, and with a window pool only as far as every block the next query's
-        // window reaches still has its windowed layers' KV (vLLM's sliding-window hit rule).
-        let per_chunk = chunk / bs;
-        let mut n = found.len() / per_chunk * per_chunk;
+        // With a window pool, only as far as every block the next query's window reaches
+        // still has its windowed layers' KV (vLLM's sliding-window hit rule).
         let window_kept = |n: usize| {
             found[self.first_window_block(n * bs)..n]
                 .iter()
                 .all(|(_, id)| id.is_none_or(|id| self.bm.has_window(id)))
         };
+        let mut n = found.len();
         while n > 0 && !window_kept(n) {
-            n -= per_chunk;
+            n -= 1;
         }
         found.truncate(n);
         let win_from = self.first_window_block(n * bs);
@@ -865,6 +857,11 @@ impl Scheduler {
         let n = self.exclusive_blocks(victim)?.len();
         let room = self.bm.free_slots() + self.bm.slots_being_demoted();
         if n == 0 || self.bm.free_slots() >= n || n > self.bm.num_slots() {
+            eprintln!(
+                "DEMOTE no-need n={n} free={} num={}",
+                self.bm.free_slots(),
+                self.bm.num_slots()
+            );
             return Ok(false);
         }
         if room >= n {
@@ -891,8 +888,14 @@ impl Scheduler {
         }
         let to_disk: usize = chosen.iter().map(|(_, b)| b.len()).sum();
         if got < n || self.bm.disk_room() < to_disk {
+            eprintln!(
+                "DEMOTE cannot got={got} n={n} room={} to_disk={to_disk} lru={}",
+                self.bm.disk_room(),
+                self.host_lru.len()
+            );
             return Ok(false);
         }
+        eprintln!("DEMOTE yes");
         for (sid, blocks) in chosen {
             self.host_lru.retain(|&s| s != sid);
             let moves = self.bm.start_demote(&blocks)?;
@@ -1059,7 +1062,7 @@ impl Scheduler {
     /// A forward call finished; `sampled` is the new token when the call sampled.
     /// Returns true when the sequence finished (its blocks are released then).
     pub fn on_forward_done(&mut self, call: &ScheduledSeq, sampled: Option<u32>) -> Result<bool> {
-        let (bs, chunk) = (self.cfg.block_size, self.cfg.prefill_chunk);
+        let bs = self.cfg.block_size;
         ensure!(
             self.seqs.get(&call.seq).map(|s| s.num_computed) == Some(call.pos0),
             "sequence {} unknown or computed out of order",
@@ -1068,8 +1071,8 @@ impl Scheduler {
         let first_win = self.first_window_block(call.pos0 + call.tokens.len());
         let seq = self.seqs.get_mut(&call.seq).expect("checked above");
         seq.num_computed += call.tokens.len();
-        // Register newly completed canonical blocks in the prefix cache.
-        let full = seq.num_computed.min(seq.canonical_end(chunk)) / bs;
+        // Register every newly completed block, prompt or generated, in the prefix cache.
+        let full = seq.num_computed / bs;
         while seq.hashes.len() < full {
             let b = seq.hashes.len();
             let parent = seq.hashes.last().copied();

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::api::Finish;
 use super::kv_events::KvEventPublisher;
-use super::metrics::Metrics;
+use super::metrics::{Metrics, RequestTimes};
 use crate::engine::logprobs::TokenLogprob;
 use crate::serve::cache_events::CacheEvent;
 use crate::serve::scheduler::{SeqId, SeqStatus};
@@ -149,8 +149,8 @@ impl Drop for AliveFlag {
 /// A request the engine is working on.
 struct Active {
     events: UnboundedSender<Event>,
-    arrived: Instant,
-    last_token: Option<Instant>,
+    /// Its phases so far (for the metrics).
+    times: RequestTimes,
     /// Output tokens already sent.
     sent: usize,
     /// An end-of-sequence token ends it (`finish_reason: stop`); false with `ignore_eos`.
@@ -240,11 +240,13 @@ impl EngineLoop {
                 }
                 continue;
             }
+            let step_start = Instant::now();
             match self.engine.step() {
                 Ok(finished) => {
                     // The step's counters first: a client that has its answer and then
                     // reads /metrics sees the step that answered it.
                     self.observe();
+                    self.mark_scheduled(step_start);
                     self.deliver(&finished)?;
                 }
                 Err(e) => {
@@ -265,6 +267,7 @@ impl EngineLoop {
         events: UnboundedSender<Event>,
         arrived: Instant,
     ) {
+        let prompt_len = prompt.len();
         match self.engine.add_request(prompt, params) {
             Ok(id) if params.max_tokens == 0 => {
                 // Finished on arrival: no step will report it.
@@ -276,8 +279,15 @@ impl EngineLoop {
                     id,
                     Active {
                         events,
-                        arrived,
-                        last_token: None,
+                        times: RequestTimes {
+                            arrived,
+                            scheduled: None,
+                            first_token: None,
+                            last_token: None,
+                            prompt_tokens: prompt_len,
+                            generation_tokens: 0,
+                            max_tokens: params.max_tokens,
+                        },
                         sent: 0,
                         stops_at_eos: !params.ignore_eos,
                     },
@@ -309,11 +319,27 @@ impl EngineLoop {
         let now = Instant::now();
         for (id, a) in std::mem::take(&mut self.active) {
             self.engine.abort(id)?;
-            self.metrics
-                .finished(Finish::Abort, (now - a.arrived).as_secs_f64());
+            self.metrics.finished(Finish::Abort, &a.times, now);
             let _ = a.events.send(Event::Done(Finish::Abort));
         }
         Ok(())
+    }
+
+    /// Notes the step (started at `step_start`) in which each request first computed.
+    fn mark_scheduled(&mut self, step_start: Instant) {
+        for (&id, a) in self.active.iter_mut() {
+            if a.times.scheduled.is_some() {
+                continue;
+            }
+            let started = self
+                .engine
+                .scheduler()
+                .seq(id)
+                .is_some_and(|s| s.num_computed > 0 || s.tokens.len() > s.prompt_len);
+            if started {
+                a.times.scheduled = Some(step_start);
+            }
+        }
     }
 
     /// Sends every request its new tokens, and `Done` to those that finished.
@@ -330,10 +356,13 @@ impl EngineLoop {
             }
             let mut sampled = logprobs.sampled.into_iter();
             for &t in &new {
-                let since = a.last_token.unwrap_or(a.arrived);
+                let times = &mut a.times;
+                let since = times.last_token.unwrap_or(times.arrived);
                 self.metrics
-                    .token(a.last_token.is_none(), (now - since).as_secs_f64());
-                a.last_token = Some(now);
+                    .token(times.last_token.is_none(), (now - since).as_secs_f64());
+                times.first_token.get_or_insert(now);
+                times.last_token = Some(now);
+                times.generation_tokens += 1;
                 let _ = a.events.send(Event::Token(t, sampled.next()));
             }
             a.sent += new.len();
@@ -356,8 +385,7 @@ impl EngineLoop {
             } else {
                 Finish::Length
             };
-            self.metrics
-                .finished(reason, (now - a.arrived).as_secs_f64());
+            self.metrics.finished(reason, &a.times, now);
             let _ = a.events.send(Event::Done(reason));
         }
         Ok(())

@@ -35,7 +35,7 @@ use crate::flags;
 use crate::model::{Model, ModelConfig};
 use crate::serve::{EngineConfig, SchedulerConfig};
 use kv_events::{KvEventPublisher, ZmqEndpoint};
-use metrics::Metrics;
+use metrics::{CacheConfigInfo, Metrics};
 use routes::{AppState, EngineInfo, KvEventsInfo, Loaded, ServerConfig};
 
 #[derive(Args, Debug, Clone)]
@@ -519,6 +519,18 @@ fn load(
     if slot.stopping {
         return Ok(()); // stopped while loading: nothing to start
     }
+    state.metrics.engine_loaded(
+        max_model_len,
+        CacheConfigInfo {
+            block_size: sched.block_size.to_string(),
+            cache_dtype: cfg.kv_dtype.name().to_string(),
+            enable_prefix_caching: "True".into(), // always on, as vLLM prints it
+            num_gpu_blocks: sched.num_gpu_blocks.to_string(),
+            num_cpu_blocks: sched.max_cpu_offload_blocks.to_string(),
+            num_disk_blocks: sched.max_disk_offload_blocks.to_string(),
+            engine: "0".into(),
+        },
+    );
     let (client, thread) =
         engine_thread::spawn(engine, Arc::clone(&state.metrics), eos, kv_events)?;
     slot.thread = Some(thread);

@@ -161,8 +161,8 @@ fn models_card_and_vllm_metrics_describe_the_server() {
     assert_eq!(files["config.json"]["max_position_embeddings"], 1024);
     assert_eq!(files["config.json"]["eos_token_id"], json!([2]));
 
-    // A prompt of two whole prefill chunks (64 tokens each) sent twice: the second
-    // looks up the first chunk's four blocks and hits them.
+    // A 130-token prompt sent twice: the second hits its 8 full blocks (128 tokens) and
+    // computes the last 2 positions in one step.
     let prompt: Vec<u32> = (100..100 + 130).collect();
     completion(&server, json!(prompt), json!({"max_tokens": 1}));
     let before = server.metrics();
@@ -182,4 +182,23 @@ fn models_card_and_vllm_metrics_describe_the_server() {
             - before[&server.vllm("vllm:e2e_request_latency_seconds_count")],
         1.0
     );
+    // vLLM's per-request histograms: one more sample each, the request's own counts.
+    for phase in ["queue", "prefill", "decode", "inference"] {
+        let name = format!("vllm:request_{phase}_time_seconds_count");
+        assert_eq!(delta(&name), 1.0, "{name}");
+    }
+    assert_eq!(delta("vllm:request_prompt_tokens_sum"), 130.0);
+    assert_eq!(delta("vllm:request_generation_tokens_sum"), 1.0);
+    assert_eq!(delta("vllm:request_params_max_tokens_sum"), 1.0);
+    assert_eq!(delta("vllm:iteration_tokens_total_count"), 1.0);
+    assert_eq!(delta("vllm:iteration_tokens_total_sum"), 2.0);
+    let info = after
+        .keys()
+        .find(|k| k.starts_with("vllm:cache_config_info{"))
+        .expect("vllm:cache_config_info");
+    assert!(
+        info.contains("block_size=\"16\"") && info.contains("num_gpu_blocks=\"256\""),
+        "{info}"
+    );
+    assert_eq!(after[info], 1.0);
 }

@@ -67,7 +67,7 @@ fn buckets_1_2_5(max: usize) -> Vec<f64> {
     let mut out = Vec::new();
     let mut scale = 1usize;
     loop {
-        for m in [1, 2, 5] {
+        for m in [1usize, 2, 5] {
             match m.checked_mul(scale) {
                 Some(v) if v <= max => out.push(v as f64),
                 _ => return out,
@@ -170,7 +170,7 @@ pub struct Metrics {
 impl Metrics {
     /// `model_name` labels the vLLM-named metrics, as vLLM labels them.
     pub fn new(model_name: &str) -> Self {
-        let mut m = Self {
+        let m = Self {
             registry: Mutex::new(Registry::default()),
             model_name: model_name.to_string(),
             token_hists: OnceLock::new(),
@@ -734,8 +734,12 @@ mod tests {
         m.finished(Finish::Length, &t, now);
         let text = m.render();
         let at = |name: &str, le: &str| {
-            sample(&text, name, &format!("model_name=\"smol\",engine=\"0\",le=\"{le}\""))
-                .unwrap_or_else(|| panic!("{name} le={le} missing from\n{text}"))
+            sample(
+                &text,
+                name,
+                &format!("model_name=\"smol\",engine=\"0\",le=\"{le}\""),
+            )
+            .unwrap_or_else(|| panic!("{name} le={le} missing from\n{text}"))
         };
         // vLLM's request-latency buckets: 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, ...
         assert_eq!(at("vllm:request_queue_time_seconds_bucket", "0.3"), 0.0);
@@ -773,10 +777,7 @@ mod tests {
     #[test]
     fn buckets_1_2_5_match_vllms_builder() {
         // vLLM: build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
-        assert_eq!(
-            buckets_1_2_5(100),
-            [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
-        );
+        assert_eq!(buckets_1_2_5(100), [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]);
         assert_eq!(buckets_1_2_5(4), [1.0, 2.0]);
         assert!(buckets_1_2_5(usize::MAX).len() > 50);
     }

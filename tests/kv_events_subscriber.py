@@ -8,8 +8,11 @@ Run by tests/kv_events.rs:
 vLLM's format: a ZMQ PUB socket; every message is [topic, sequence number (8 bytes,
 big-endian), payload]; the payload is a msgpack array [ts, events, data_parallel_rank];
 each event a map tagged by "type": BlockStored {block_hashes, parent_block_hash,
-token_ids, block_size, lora_id, medium, lora_name}, BlockRemoved {block_hashes, medium},
-AllBlocksCleared {}.
+token_ids, block_size, lora_id, medium, lora_name, group_idx, kv_cache_spec_kind,
+kv_cache_spec_sliding_window}, BlockRemoved {block_hashes, medium, group_idx},
+AllBlocksCleared {}. vLLM announces every full block of KV a request computes, prompt and
+generated, whatever the prefill chunking; a prompt hits every cached full block but the
+one holding its last token.
 
 Exits 0 when every check passes, 1 otherwise, 3 when pyzmq or msgpack is missing.
 """
@@ -31,7 +34,8 @@ except ImportError as e:
 
 FAILURES = []
 STORED_FIELDS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                 "lora_id", "medium", "lora_name"}
+                 "lora_id", "medium", "lora_name", "group_idx", "kv_cache_spec_kind",
+                 "kv_cache_spec_sliding_window"}
 
 
 def check(cond, what):
@@ -75,8 +79,11 @@ class Subscriber:
                 kind = e.get("type")
                 if kind == "BlockStored":
                     check(STORED_FIELDS <= set(e), f"BlockStored lacks {STORED_FIELDS - set(e)}")
+                    check(e.get("group_idx") == 0 and e.get("kv_cache_spec_kind") == "full_attention"
+                          and e.get("kv_cache_spec_sliding_window") is None,
+                          f"a full-attention model's block is not in group 0: {e}")
                 elif kind == "BlockRemoved":
-                    check({"type", "block_hashes", "medium"} <= set(e), f"BlockRemoved {e}")
+                    check({"type", "block_hashes", "medium", "group_idx"} <= set(e), f"BlockRemoved {e}")
                 else:
                     check(kind == "AllBlocksCleared", f"unknown event type {kind!r}")
                 got.append(e)
@@ -85,12 +92,27 @@ class Subscriber:
         return got
 
 
-def complete(args, prompt):
-    body = {"model": args.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    req = urllib.request.Request(f"{args.base_url}/v1/completions", data=json.dumps(body).encode(),
+def post(args, path, body):
+    req = urllib.request.Request(f"{args.base_url}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
+
+
+def complete(args, prompt, max_tokens=1):
+    body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    return post(args, "/v1/completions", body)
+
+
+def prefix_hit_tokens(args):
+    """vllm:prefix_cache_hits_total from /metrics."""
+    with urllib.request.urlopen(f"{args.base_url}/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total{"):
+                return float(line.rsplit(" ", 1)[1])
+    check(False, "no vllm:prefix_cache_hits_total in /metrics")
+    return 0.0
 
 
 def stored_chain(events, bs):
@@ -146,6 +168,47 @@ def main():
     check(parent == hashes_a[k // 2 - 1], f"parent {parent}, want the shared block's {hashes_a[k // 2 - 1]}")
     stored |= set(hashes_b)
 
+    # A prompt of 117 tokens, 7 full blocks and 5 tokens: the 7 blocks are announced
+    # (however the prefill is chunked), the partial one is not.
+    c = list(range(20000, 20117))
+    complete(args, c)
+    hashes_c, parent, tokens = stored_chain(sub.events(), bs)
+    check(len(hashes_c) == 7 and tokens == c[:7 * bs],
+          f"a 117-token prompt announced {len(hashes_c)} blocks, want 7 (vLLM's count)")
+    stored |= set(hashes_c)
+
+    # 64 prompt tokens and 100 generated: the KV of 163 tokens (the last one sampled is
+    # never computed) fills 10 blocks, the prompt's 4 and 6 of generated tokens, chained.
+    d = list(range(30000, 30064))
+    complete(args, d, max_tokens=100)
+    hashes_d, parent, tokens = stored_chain(sub.events(), bs)
+    check(len(hashes_d) == 10, f"64 prompt + 100 generated tokens announced {len(hashes_d)} blocks, want 10")
+    check(tokens[:64] == d and parent is None, "the generated blocks do not follow the prompt's")
+    stored |= set(hashes_d)
+
+    # A repeated 161-token prompt hits every cached block: 160 tokens (the last one is
+    # always computed), announcing nothing new.
+    e = list(range(40000, 40161))
+    complete(args, e)
+    stored |= set(stored_chain(sub.events(), bs)[0])
+    before = prefix_hit_tokens(args)
+    complete(args, e)
+    check(sub.events() == [], "a repeated prompt announced blocks again")
+    hit = prefix_hit_tokens(args) - before
+    check(hit == 160, f"a repeated 161-token prompt hit {hit} tokens of cache, want 160")
+
+    # vLLM's prefix-cache reset: AllBlocksCleared, after which the same prompt is computed
+    # and announced again from its first block.
+    post(args, "/reset_prefix_cache", {})
+    cleared = sub.events()
+    check([ev["type"] for ev in cleared] == ["AllBlocksCleared"],
+          f"a reset sent {cleared[:3]}, want one AllBlocksCleared")
+    complete(args, e)
+    again, parent, tokens = stored_chain(sub.events(), bs)
+    check(parent is None and tokens == e[:10 * bs], "after the reset the prompt was not announced anew")
+    check(prefix_hit_tokens(args) - before == 160, "a prompt hit the cache after the reset")
+    stored = set(again)  # everything before the reset is gone
+
     # More distinct prompts than the GPU pages hold: the oldest cached blocks are evicted,
     # each announced by BlockRemoved before the pages are reused.
     removed = set()
@@ -163,7 +226,7 @@ def main():
     check(removed, "no BlockRemoved although the GPU pages ran out")
     check(len(stored - removed) <= args.gpu_blocks,
           f"{len(stored - removed)} blocks announced as cached on {args.gpu_blocks} pages")
-    check(hashes_a[0] in removed, "the least recently used block (the first prompt's) was not evicted")
+    check(again[0] in removed, "the least recently used block (the first after the reset) was not evicted")
 
     # Shutdown drops the GPU cache: the last event is AllBlocksCleared.
     os.kill(args.pid, signal.SIGTERM)

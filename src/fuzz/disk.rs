@@ -43,7 +43,7 @@ use serde_json::Value as J;
 use super::mutate::{interesting, mutate_bytes, mutate_json};
 use super::{Case, ScratchDir};
 use crate::serve::block_key::BlockKey;
-use crate::serve::block_manager::DiskSlotId;
+use crate::serve::block_manager::{DiskSlotId, PersistedBlock};
 use crate::serve::disk::index::{self, IndexEntry, INDEX_FILE, TMP_FILE};
 use crate::serve::disk::store::{
     DiskStore, SlotHeader, StoreLayout, ALIGN, HEADER_LEN, SLOTS_FILE,
@@ -56,6 +56,8 @@ pub const LAYOUT: StoreLayout = StoreLayout {
     num_slots: 4,
 };
 const FINGERPRINT: u64 = u64::from_le_bytes(*b"fuzzdisk");
+/// Tokens a block holds (bounds the index a layout may have; the cases name no tokens).
+const BLOCK_SIZE: usize = 16;
 const SENTINEL: &[u8] = b"sentinel: no file of the tier may ever reach this one\n";
 
 /// The payload the base writes under `key`: a function of the key alone, so a read is
@@ -97,6 +99,8 @@ fn base_tier(salt: u64, slots: &[DiskSlotId]) -> Result<Case> {
             slot,
             key,
             generation,
+            parent: None,
+            tokens: Vec::new(),
         });
     }
     drop(store);
@@ -275,7 +279,7 @@ fn open_and_read(
         );
     }
     let mut tier = opened?;
-    let adopted = tier.restore_entries();
+    let adopted = tier.restore_entries(BLOCK_SIZE);
     if let Some(k) = index.filter(|k| k.ignored_as_index()) {
         assert!(
             tier.restore.index_ignored.is_some() && adopted.is_empty(),
@@ -285,7 +289,7 @@ fn open_and_read(
     }
     let mut buf = tier.store.slot_buffer()?;
     let mut failed = Vec::new();
-    for &(hash, slot) in &adopted {
+    for &PersistedBlock { hash, slot, .. } in &adopted {
         match tier.store.read_slot(slot, hash.wire(), &mut buf) {
             Ok(()) => assert!(
                 tier.store.payload(&buf) == payload_for(hash.wire()),

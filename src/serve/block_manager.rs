@@ -8,7 +8,7 @@ use std::collections::{HashMap, VecDeque};
 use thiserror::Error;
 
 use super::block_key::BlockKey;
-use super::cache_events::{BlockContent, CacheEvent, CacheEventLog, Medium};
+use super::cache_events::{BlockContent, CacheEvent, CacheEventLog, KvGroup, Medium};
 use super::residency::{IllegalTransition, Move, Residency, Tier};
 
 /// A block's identity, stable while any sequence refers to it.
@@ -82,8 +82,18 @@ pub struct Block {
     /// Content key (chained with the previous block's) once the block is full, computed,
     /// and registered in the prefix cache.
     pub hash: Option<BlockKey>,
-    /// Its parent hash and tokens, kept (with `hash`) only while cache events are recorded.
+    /// Its parent hash and tokens, kept with `hash` (for the events, and for the disk
+    /// tier's index, which lets a restarted process announce what it restored).
     pub content: Option<BlockContent>,
+    /// What the events last said of it on the GPU, so each change is told exactly once.
+    pub announced: Announced,
+}
+
+/// Which of a block's groups the events have announced as cached on the GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Announced {
+    pub full: bool,
+    pub window: bool,
 }
 
 pub struct BlockManager {
@@ -112,6 +122,8 @@ pub struct BlockManager {
 /// its window; the pool reclaims idle pages first.
 struct WindowPool {
     num: usize,
+    /// The layers' window in tokens (what their events say).
+    window: usize,
     free: Vec<PageId>,
     idle: VecDeque<LogicalId>,
 }
@@ -186,6 +198,14 @@ impl FreeSlots {
     }
 }
 
+/// A persisted prefix block, as the disk tier's index records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PersistedBlock {
+    pub hash: BlockKey,
+    pub slot: DiskSlotId,
+    pub content: Option<BlockContent>,
+}
+
 /// The disk tier's slots: free, spilled (owned by a block), being written through for the
 /// prefix cache (pinned block), or persisted (a prefix block's durable copy, named in the
 /// on-disk index and reusable after a restart).
@@ -196,6 +216,9 @@ struct DiskSlots {
     /// hash → slot of persisted prefix blocks, and the reverse.
     persisted: HashMap<BlockKey, DiskSlotId>,
     persisted_hash: HashMap<DiskSlotId, BlockKey>,
+    /// What persisted blocks hold, where known (an index of an older format has no
+    /// contents): only these are announced, as a subscriber needs the tokens.
+    contents: HashMap<BlockKey, BlockContent>,
     /// Persisted hashes, least recently written or hit first (evicted first).
     lru: VecDeque<BlockKey>,
     /// Write-through jobs in flight: pinned block → (its hash, the reserved slot).
@@ -230,13 +253,14 @@ impl BlockManager {
         }
     }
 
-    /// Gives the sliding-window layers a pool of their own, `num` pages (the page past the
-    /// last, `null_window_page`, is never handed out: a block table names it for blocks
-    /// before a window, whose rows the kernels never read).
-    pub fn with_window_pool(mut self, num: usize) -> Self {
+    /// Gives the sliding-window layers (of a `window`-token window) a pool of their own,
+    /// `num` pages (the page past the last, `null_window_page`, is never handed out: a
+    /// block table names it for blocks before a window, whose rows the kernels never read).
+    pub fn with_window_pool(mut self, num: usize, window: usize) -> Self {
         assert!(num < PageId::MAX as usize, "{num} window pages");
         self.win = Some(WindowPool {
             num,
+            window,
             free: (0..num as PageId).rev().collect(),
             idle: VecDeque::new(),
         });
@@ -253,9 +277,19 @@ impl BlockManager {
         self.win.as_ref().map(|w| w.num as PageId)
     }
 
-    /// Starts recording prefix-cache events (`take_cache_events`).
+    /// Starts recording prefix-cache events (`take_cache_events`), first announcing what
+    /// is cached already (the disk tier's blocks restored from an earlier process).
     pub fn record_cache_events(&mut self) {
+        if self.events.is_on() {
+            return;
+        }
         self.events.enable();
+        self.announce_persisted();
+        let mut ids: Vec<LogicalId> = self.blocks.keys().copied().collect();
+        ids.sort_unstable(); // allocation order: a chain's parents first
+        for id in ids {
+            self.sync_gpu_events(id);
+        }
     }
 
     /// The prefix-cache events since the last call.
@@ -270,14 +304,40 @@ impl BlockManager {
         })
     }
 
-    /// Records that `id` became hittable on the GPU (if it did).
-    fn announce_on_gpu(&mut self, id: LogicalId) {
-        if !self.cached_on_gpu(id) {
+    /// Tells the events what changed about `id` on the GPU since they last spoke of it:
+    /// its full layers are announced while a lookup would hit it there, its windowed
+    /// layers (with a window pool) while it also still holds its window page.
+    fn sync_gpu_events(&mut self, id: LogicalId) {
+        let Some(b) = self.blocks.get(&id) else {
             return;
+        };
+        let full = self.cached_on_gpu(id);
+        let want = Announced {
+            full,
+            window: full && b.win_page.is_some(),
+        };
+        let window = KvGroup::Window {
+            tokens: self.win.as_ref().map_or(0, |w| w.window),
+        };
+        let (was, hash) = (b.announced, b.hash);
+        let Some(h) = hash.filter(|_| want != was) else {
+            return;
+        };
+        if was.window && !want.window {
+            self.events.removed(Medium::Gpu, window, h);
         }
-        let b = &self.blocks[&id];
-        if let (Some(h), Some(c)) = (b.hash, &b.content) {
-            self.events.stored(Medium::Gpu, h, c);
+        if was.full && !want.full {
+            self.events.removed(Medium::Gpu, KvGroup::Full, h);
+        }
+        let b = self.blocks.get_mut(&id).expect("looked up above");
+        b.announced = want;
+        if let Some(c) = &b.content {
+            if want.full && !was.full {
+                self.events.stored(Medium::Gpu, KvGroup::Full, h, c);
+            }
+            if want.window && !was.window {
+                self.events.stored(Medium::Gpu, window, h, c);
+            }
         }
     }
 
@@ -368,7 +428,9 @@ impl BlockManager {
         let s = self.disk.persisted.remove(&h).expect("lru names persisted");
         self.disk.persisted_hash.remove(&s);
         self.disk.changed = true;
-        self.events.removed(Medium::Disk, h);
+        if self.disk.contents.remove(&h).is_some() {
+            self.events.removed(Medium::Disk, KvGroup::Full, h);
+        }
         Some(s)
     }
 
@@ -434,13 +496,13 @@ impl BlockManager {
         }
         let id = self.evictable.pop_front()?;
         self.drop_window(id);
-        let b = self.blocks.remove(&id).expect("evictable blocks exist");
-        if let Some(h) = b.hash {
+        if let Some(h) = self.blocks[&id].hash {
             if self.by_hash.get(&h) == Some(&id) {
                 self.by_hash.remove(&h);
-                self.events.removed(Medium::Gpu, h);
             }
         }
+        self.sync_gpu_events(id); // out of the cache: removed
+        let b = self.blocks.remove(&id).expect("evictable blocks exist");
         b.page
     }
 
@@ -454,7 +516,9 @@ impl BlockManager {
         let id = w.idle.pop_front().expect("counted by available_pages");
         let b = self.blocks.get_mut(&id).expect("idle blocks exist");
         b.win = false;
-        b.win_page.take()
+        let page = b.win_page.take();
+        self.sync_gpu_events(id); // its windowed layers are no longer hittable
+        page
     }
 
     /// Frees a block's window page, if it has one (idle or not); its windowed layers' KV
@@ -469,6 +533,7 @@ impl BlockManager {
             w.idle.retain(|&i| i != id);
             w.free.push(p);
         }
+        self.sync_gpu_events(id);
     }
 
     /// The last window reference of `id` went: a cached block's window page idles (a later
@@ -529,6 +594,7 @@ impl BlockManager {
                     win_refs: 1,
                     hash: None,
                     content: None,
+                    announced: Announced::default(),
                 },
             );
             ids.push(id);
@@ -587,20 +653,17 @@ impl BlockManager {
         parent: Option<BlockKey>,
         tokens: &[u32],
     ) -> Result<(), BlockError> {
-        let recording = self.events.is_on();
         let b = self.block_mut(id)?;
         if b.hash.is_some() {
             return Ok(());
         }
         b.hash = Some(hash);
-        if recording {
-            b.content = Some(BlockContent {
-                parent,
-                tokens: tokens.into(),
-            });
-        }
+        b.content = Some(BlockContent {
+            parent,
+            tokens: tokens.into(),
+        });
         self.by_hash.entry(hash).or_insert(id);
-        self.announce_on_gpu(id);
+        self.sync_gpu_events(id);
         Ok(())
     }
 
@@ -698,10 +761,6 @@ impl BlockManager {
         }
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
-            if self.cached_on_gpu(id) {
-                let h = self.blocks[&id].hash.expect("cached blocks have a hash");
-                self.events.removed(Medium::Gpu, h);
-            }
             if self.blocks[&id].win_refs == 0 {
                 self.drop_window(id); // no window reaches it: not worth the copy
             }
@@ -725,6 +784,7 @@ impl BlockManager {
                 },
                 slot,
             ));
+            self.sync_gpu_events(id); // moving off the GPU: no longer hittable there
         }
         Ok(out)
     }
@@ -740,7 +800,7 @@ impl BlockManager {
         })?;
         self.settle(id)?;
         self.settled_window(id);
-        self.announce_on_gpu(id); // back on the GPU after a failed store
+        self.sync_gpu_events(id); // back on the GPU after a failed store
         Ok(())
     }
 
@@ -825,7 +885,7 @@ impl BlockManager {
         }
         self.settle(id)?;
         self.settled_window(id);
-        self.announce_on_gpu(id);
+        self.sync_gpu_events(id);
         Ok(())
     }
 
@@ -872,8 +932,9 @@ impl BlockManager {
             self.disk.persisted_hash.insert(slot, hash);
             self.disk.lru.push_back(hash);
             self.disk.changed = true;
-            if let Some(c) = self.blocks.get(&id).and_then(|b| b.content.as_ref()) {
-                self.events.stored(Medium::Disk, hash, c);
+            if let Some(c) = self.blocks.get(&id).and_then(|b| b.content.clone()) {
+                self.events.stored(Medium::Disk, KvGroup::Full, hash, &c);
+                self.disk.contents.insert(hash, c);
             }
         } else {
             self.disk.free.push(slot);
@@ -940,10 +1001,11 @@ impl BlockManager {
                 win: hold == Hold::Windowed,
                 win_refs: u32::from(hold == Hold::Windowed),
                 hash: Some(hash),
-                content: self.events.is_on().then(|| BlockContent {
+                content: Some(BlockContent {
                     parent,
                     tokens: tokens.into(),
                 }),
+                announced: Announced::default(),
             },
         );
         self.by_hash.insert(hash, id);
@@ -956,31 +1018,37 @@ impl BlockManager {
             self.disk.persisted.remove(&h);
             self.disk.lru.retain(|&x| x != h);
             self.disk.changed = true;
-            self.events.removed(Medium::Disk, h);
+            if self.disk.contents.remove(&h).is_some() {
+                self.events.removed(Medium::Disk, KvGroup::Full, h);
+            }
             if !self.blocks.values().any(|b| b.disk == Some(slot)) {
                 self.disk.free.push(slot);
             }
         }
     }
 
-    /// Takes over persisted copies from an earlier process's index: `(hash, slot)` pairs
-    /// whose slots were already verified. Returns how many were adopted.
-    pub fn adopt_persisted(&mut self, entries: &[(BlockKey, DiskSlotId)]) -> usize {
+    /// Takes over persisted copies from an earlier process's index, whose slots were
+    /// already verified. Returns how many were adopted. The events announce them when a
+    /// consumer starts recording (`record_cache_events`).
+    pub fn adopt_persisted(&mut self, entries: &[PersistedBlock]) -> usize {
         let mut n = 0;
-        for &(hash, slot) in entries {
-            if self.disk.persisted.contains_key(&hash) || !self.disk.free.take(slot) {
+        for e in entries {
+            if self.disk.persisted.contains_key(&e.hash) || !self.disk.free.take(e.slot) {
                 continue; // out of range, named twice, or a hash seen already
             }
-            self.disk.persisted.insert(hash, slot);
-            self.disk.persisted_hash.insert(slot, hash);
-            self.disk.lru.push_back(hash);
+            self.disk.persisted.insert(e.hash, e.slot);
+            self.disk.persisted_hash.insert(e.slot, e.hash);
+            self.disk.lru.push_back(e.hash);
+            if let Some(c) = &e.content {
+                self.disk.contents.insert(e.hash, c.clone());
+            }
             n += 1;
         }
         n
     }
 
-    /// The persisted set as `(hash, slot)` pairs, if it changed since the last call.
-    pub fn take_persisted_changes(&mut self) -> Option<Vec<(BlockKey, DiskSlotId)>> {
+    /// The persisted set, if it changed since the last call.
+    pub fn take_persisted_changes(&mut self) -> Option<Vec<PersistedBlock>> {
         if !std::mem::take(&mut self.disk.changed) {
             return None;
         }
@@ -988,9 +1056,47 @@ impl BlockManager {
             self.disk
                 .lru
                 .iter()
-                .map(|h| (*h, self.disk.persisted[h]))
+                .map(|h| PersistedBlock {
+                    hash: *h,
+                    slot: self.disk.persisted[h],
+                    content: self.disk.contents.get(h).cloned(),
+                })
                 .collect(),
         )
+    }
+
+    /// Announces every persisted block whose content is known (oldest first, so parents
+    /// come before their children).
+    fn announce_persisted(&mut self) {
+        for h in &self.disk.lru {
+            if let Some(c) = self.disk.contents.get(h) {
+                self.events.stored(Medium::Disk, KvGroup::Full, *h, c);
+            }
+        }
+    }
+
+    /// Drops every cached block from the GPU (vLLM's prefix-cache reset), only when no
+    /// block is held by anyone (no request has KV, no copy is in flight): false otherwise.
+    /// Subscribers hear `AllBlocksCleared`, then the disk tier's blocks again (they stay).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.blocks.values().any(|b| b.refs > 0) {
+            return false;
+        }
+        for id in std::mem::take(&mut self.evictable) {
+            let b = self.blocks.remove(&id).expect("evictable blocks exist");
+            if let (Some(w), Some(p)) = (self.win.as_mut(), b.win_page) {
+                w.free.push(p);
+            }
+            self.free_pages.extend(b.page);
+        }
+        debug_assert!(self.blocks.is_empty(), "unreferenced blocks are all evictable");
+        if let Some(w) = self.win.as_mut() {
+            w.idle.clear();
+        }
+        self.by_hash.clear();
+        self.events.cleared();
+        self.announce_persisted();
+        true
     }
 
     pub fn num_persisted(&self) -> usize {

@@ -27,6 +27,18 @@ impl Medium {
     }
 }
 
+/// Which layers' KV an event speaks of, as vLLM's KV-cache groups do: the full-attention
+/// layers (every model) and, for a model with a window pool, the sliding-window layers,
+/// whose KV of a block may be gone while the full layers' stays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvGroup {
+    /// Group 0: the full-attention layers (all layers of a model without windows).
+    Full,
+    /// Group 1: the sliding-window layers (their own page pool, `docs/serving.md`), of a
+    /// `tokens`-token window.
+    Window { tokens: usize },
+}
+
 /// What a full block holds, kept while events are recorded so it can be announced again
 /// after it comes back (a failed store, a load, a write-through to disk).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +55,7 @@ pub enum CacheEvent {
     /// tokens, one full block after another.
     Stored {
         medium: Medium,
+        group: KvGroup,
         parent: Option<BlockKey>,
         hashes: Vec<BlockKey>,
         tokens: Vec<u32>,
@@ -50,9 +63,10 @@ pub enum CacheEvent {
     /// Blocks no longer hittable on `medium`.
     Removed {
         medium: Medium,
+        group: KvGroup,
         hashes: Vec<BlockKey>,
     },
-    /// Everything on the GPU is gone (the engine stopped).
+    /// Everything on the GPU is gone (the engine stopped, or the prefix cache was reset).
     Cleared,
 }
 
@@ -73,18 +87,27 @@ impl CacheEventLog {
         self.on
     }
 
-    pub fn stored(&mut self, medium: Medium, hash: BlockKey, content: &BlockContent) {
+    pub fn stored(
+        &mut self,
+        medium: Medium,
+        group: KvGroup,
+        hash: BlockKey,
+        content: &BlockContent,
+    ) {
         if !self.on {
             return;
         }
         if let Some(CacheEvent::Stored {
             medium: m,
+            group: g,
             hashes,
             tokens,
             ..
         }) = self.events.last_mut()
         {
-            if *m == medium && content.parent.is_some() && hashes.last() == content.parent.as_ref()
+            if (*m, *g) == (medium, group)
+                && content.parent.is_some()
+                && hashes.last() == content.parent.as_ref()
             {
                 hashes.push(hash);
                 tokens.extend_from_slice(&content.tokens);
@@ -93,26 +116,40 @@ impl CacheEventLog {
         }
         self.events.push(CacheEvent::Stored {
             medium,
+            group,
             parent: content.parent,
             hashes: vec![hash],
             tokens: content.tokens.to_vec(),
         });
     }
 
-    pub fn removed(&mut self, medium: Medium, hash: BlockKey) {
+    pub fn removed(&mut self, medium: Medium, group: KvGroup, hash: BlockKey) {
         if !self.on {
             return;
         }
-        if let Some(CacheEvent::Removed { medium: m, hashes }) = self.events.last_mut() {
-            if *m == medium {
+        if let Some(CacheEvent::Removed {
+            medium: m,
+            group: g,
+            hashes,
+        }) = self.events.last_mut()
+        {
+            if (*m, *g) == (medium, group) {
                 hashes.push(hash);
                 return;
             }
         }
         self.events.push(CacheEvent::Removed {
             medium,
+            group,
             hashes: vec![hash],
         });
+    }
+
+    /// Everything on the GPU is gone: what was recorded before no longer matters.
+    pub fn cleared(&mut self) {
+        if self.on {
+            self.events.push(CacheEvent::Cleared);
+        }
     }
 
     pub fn take(&mut self) -> Vec<CacheEvent> {
@@ -139,8 +176,9 @@ mod tests {
     #[test]
     fn nothing_is_recorded_until_a_consumer_enables_the_log() {
         let mut log = CacheEventLog::default();
-        log.stored(Medium::Gpu, k(1), &content(None, 5));
-        log.removed(Medium::Gpu, k(1));
+        log.stored(Medium::Gpu, KvGroup::Full, k(1), &content(None, 5));
+        log.removed(Medium::Gpu, KvGroup::Full, k(1));
+        log.cleared();
         assert!(log.take().is_empty());
     }
 
@@ -148,40 +186,36 @@ mod tests {
     fn a_chain_merges_into_one_stored_event_and_a_break_starts_another() {
         let mut log = CacheEventLog::default();
         log.enable();
-        log.stored(Medium::Gpu, k(1), &content(None, 5));
-        log.stored(Medium::Gpu, k(2), &content(Some(k(1)), 6));
-        log.stored(Medium::Disk, k(3), &content(Some(k(2)), 7)); // another tier
-        log.stored(Medium::Gpu, k(9), &content(Some(k(8)), 1)); // not the last one's child
-        log.removed(Medium::Gpu, k(1));
-        log.removed(Medium::Gpu, k(2));
-        log.removed(Medium::Disk, k(3));
+        let (gpu, disk, full, win) = (Medium::Gpu, Medium::Disk, KvGroup::Full, KvGroup::Window { tokens: 4 });
+        log.stored(gpu, full, k(1), &content(None, 5));
+        log.stored(gpu, full, k(2), &content(Some(k(1)), 6));
+        log.stored(gpu, win, k(2), &content(Some(k(1)), 6)); // another group
+        log.stored(disk, full, k(3), &content(Some(k(2)), 7)); // another tier
+        log.stored(gpu, full, k(9), &content(Some(k(8)), 1)); // not the last one's child
+        log.removed(gpu, full, k(1));
+        log.removed(gpu, full, k(2));
+        log.removed(gpu, win, k(2));
+        log.removed(disk, full, k(3));
+        let stored = |medium, group, parent, hashes, tokens| CacheEvent::Stored {
+            medium,
+            group,
+            parent,
+            hashes,
+            tokens,
+        };
+        let removed = |medium, group, hashes| CacheEvent::Removed {
+            medium,
+            group,
+            hashes,
+        };
         let want = vec![
-            CacheEvent::Stored {
-                medium: Medium::Gpu,
-                parent: None,
-                hashes: vec![k(1), k(2)],
-                tokens: vec![5, 5, 6, 6],
-            },
-            CacheEvent::Stored {
-                medium: Medium::Disk,
-                parent: Some(k(2)),
-                hashes: vec![k(3)],
-                tokens: vec![7, 7],
-            },
-            CacheEvent::Stored {
-                medium: Medium::Gpu,
-                parent: Some(k(8)),
-                hashes: vec![k(9)],
-                tokens: vec![1, 1],
-            },
-            CacheEvent::Removed {
-                medium: Medium::Gpu,
-                hashes: vec![k(1), k(2)],
-            },
-            CacheEvent::Removed {
-                medium: Medium::Disk,
-                hashes: vec![k(3)],
-            },
+            stored(gpu, full, None, vec![k(1), k(2)], vec![5, 5, 6, 6]),
+            stored(gpu, win, Some(k(1)), vec![k(2)], vec![6, 6]),
+            stored(disk, full, Some(k(2)), vec![k(3)], vec![7, 7]),
+            stored(gpu, full, Some(k(8)), vec![k(9)], vec![1, 1]),
+            removed(gpu, full, vec![k(1), k(2)]),
+            removed(gpu, win, vec![k(2)]),
+            removed(disk, full, vec![k(3)]),
         ];
         assert_eq!(log.take(), want);
         assert!(log.take().is_empty());

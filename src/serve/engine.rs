@@ -191,6 +191,12 @@ impl Engine {
         &self.sched
     }
 
+    /// Drops every cached block from the GPU if no request holds KV (vLLM's prefix-cache
+    /// reset); false, dropping nothing, otherwise.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.sched.reset_prefix_cache()
+    }
+
     /// Starts recording what enters and leaves the prefix cache (`take_cache_events`).
     pub fn record_cache_events(&mut self) {
         self.sched.bm.record_cache_events();

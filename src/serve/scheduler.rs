@@ -292,7 +292,7 @@ impl Scheduler {
             "the window pool is set before any request"
         );
         let bm = std::mem::replace(&mut self.bm, BlockManager::new(0, 0));
-        self.bm = bm.with_window_pool(pages);
+        self.bm = bm.with_window_pool(pages, window);
         self.window = Some(window);
         Ok(())
     }
@@ -300,6 +300,16 @@ impl Scheduler {
     /// The first block a windowed layer reads for a query at `pos` (0 without a pool).
     fn first_window_block(&self, pos: usize) -> usize {
         crate::kv::first_window_block(self.window, pos, self.cfg.block_size)
+    }
+
+    /// Drops every cached block from the GPU (`BlockManager::reset_prefix_cache`) when no
+    /// sequence holds blocks and no job is in flight; false otherwise.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if !self.jobs.is_empty() || self.seqs.values().any(|s| !s.block_ids.is_empty()) {
+            return false;
+        }
+        self.to_persist.clear(); // their blocks are about to go
+        self.bm.reset_prefix_cache()
     }
 
     pub fn config(&self) -> &SchedulerConfig {

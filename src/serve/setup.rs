@@ -236,7 +236,7 @@ where
             let fp = fingerprint.expect("computed above for a disk tier");
             let wrap_io = hooks.wrap_io.unwrap_or_else(|| Box::new(|io| io));
             let mut tier = DiskTier::open(dc, layout, fp, wrap_io)?;
-            let entries = tier.restore_entries();
+            let entries = tier.restore_entries(s.block_size);
             tier.restore.adopted = sched.bm.adopt_persisted(&entries);
             stats.restored_prefix_blocks = tier.restore.adopted;
             let store = Arc::clone(&tier.store);

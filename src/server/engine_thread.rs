@@ -51,6 +51,9 @@ enum Command {
     CancelAll,
     /// Finish what is in flight, then stop the thread.
     Shutdown,
+    /// Drop the GPU prefix cache if the engine is idle (vLLM's `/reset_prefix_cache`);
+    /// answers whether it did.
+    ResetPrefixCache(tokio::sync::oneshot::Sender<bool>),
 }
 
 /// The handlers' side: cheap to clone.
@@ -85,6 +88,15 @@ impl EngineClient {
 
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
+    }
+
+    /// Drops the GPU prefix cache; false when requests hold KV (nothing is dropped then).
+    pub async fn reset_prefix_cache(&self) -> Result<bool, EngineStopped> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Command::ResetPrefixCache(reply))
+            .map_err(|_| EngineStopped)?;
+        rx.await.map_err(|_| EngineStopped)
     }
 
     /// False once the engine thread has stopped (after shutdown, or after an engine error).
@@ -229,6 +241,10 @@ impl EngineLoop {
                         arrived,
                     } => self.admit(prompt, &params, events, arrived),
                     Command::CancelAll => self.cancel_all()?,
+                    Command::ResetPrefixCache(reply) => {
+                        let _ = reply.send(self.engine.reset_prefix_cache());
+                        self.observe(); // the events (AllBlocksCleared) go out now
+                    }
                     Command::Shutdown => open = false,
                 }
             }

@@ -178,6 +178,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/strata/model_card", get(model_card))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             require_api_key,
@@ -340,6 +341,21 @@ async fn model_card(State(state): State<Arc<AppState>>) -> Result<Response, ApiE
         loaded.model_card.body(),
     )
         .into_response())
+}
+
+/// vLLM's `POST /reset_prefix_cache`: drops the GPU prefix cache (KV-event subscribers
+/// hear `AllBlocksCleared`). Only while no request holds KV: 409 otherwise.
+async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let loaded = state.ready()?;
+    match loaded.engine.reset_prefix_cache().await {
+        Ok(true) => Ok(Json(json!({"reset": true})).into_response()),
+        Ok(false) => Err(ApiError {
+            status: StatusCode::CONFLICT,
+            message: "requests are running: the prefix cache is reset only when idle".into(),
+            param: None,
+        }),
+        Err(_) => Err(ApiError::unavailable("the engine has stopped")),
+    }
 }
 
 fn unix_now() -> u64 {

@@ -22,14 +22,20 @@ pub const TMP_FILE: &str = "strata-kv.index.tmp";
 /// 2: prefix blocks keyed by SHA-256 (`BlockKey`), not a 64-bit hash.
 const VERSION: u32 = 2;
 
-/// One persisted prefix block: its chained content key, where it is, and the stamp the
-/// slot must carry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// One persisted prefix block: its chained content key, where it is, the stamp the slot
+/// must carry, and what it holds (its parent's key and its tokens, so a restarted process
+/// can announce it to KV-event subscribers; absent in indexes written before they were
+/// recorded, which stay readable).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IndexEntry {
     pub hash: BlockKey,
     pub slot: DiskSlotId,
     pub key: u64,
     pub generation: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<BlockKey>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<u32>,
 }
 
 impl IndexEntry {
@@ -50,11 +56,15 @@ struct IndexFile {
     entries: Vec<IndexEntry>,
 }
 
-/// Largest index a layout of `num_slots` slots can have: an entry per slot (a 64-digit
-/// key, three numbers of at most 20 digits and their names, ~160 bytes) and the fields
-/// around them.
-pub fn max_index_bytes(num_slots: usize) -> u64 {
-    (num_slots as u64).saturating_mul(256).saturating_add(4096)
+/// Largest index a layout of `num_slots` slots of `block_size` tokens can have: an entry
+/// per slot (two 64-digit keys, three numbers of at most 20 digits, the tokens of at most
+/// 10 digits and a comma each, their names: < 256 + 11 per token) and the fields around
+/// them.
+pub fn max_index_bytes(num_slots: usize, block_size: usize) -> u64 {
+    let entry = (block_size as u64).saturating_mul(11).saturating_add(256);
+    (num_slots as u64)
+        .saturating_mul(entry)
+        .saturating_add(4096)
 }
 
 /// Writes the index for `entries` (replacing the old one atomically).
@@ -107,7 +117,12 @@ pub fn unseal(bytes: &[u8]) -> Result<&str> {
 
 /// The index in `dir`: `Ok(None)` when there is none, `Err` (with why) when there is one
 /// that must not be trusted: corrupt, another version, model/configuration or layout.
-pub fn read(dir: &Path, fingerprint: u64, layout: StoreLayout) -> Result<Option<Vec<IndexEntry>>> {
+pub fn read(
+    dir: &Path,
+    fingerprint: u64,
+    layout: StoreLayout,
+    block_size: usize,
+) -> Result<Option<Vec<IndexEntry>>> {
     let path = dir.join(INDEX_FILE);
     if std::fs::symlink_metadata(&path).is_err() {
         return Ok(None);
@@ -115,7 +130,7 @@ pub fn read(dir: &Path, fingerprint: u64, layout: StoreLayout) -> Result<Option<
     // A regular file (no link, FIFO or device) no larger than an index of this layout.
     let bytes = safe_file::read_regular(
         &path,
-        max_index_bytes(layout.num_slots),
+        max_index_bytes(layout.num_slots, block_size),
         "the disk tier's index",
         Links::Refuse,
     )?;

@@ -30,8 +30,8 @@ use clap::Args;
 
 use self::index::IndexEntry;
 use self::store::{DiskStore, IoMode, SlotIo, StoreLayout};
-use super::block_key::BlockKey;
-use super::block_manager::DiskSlotId;
+use super::block_manager::PersistedBlock;
+use super::cache_events::BlockContent;
 use crate::errors::usage;
 use crate::flags;
 use crate::model::Model;
@@ -142,7 +142,7 @@ pub struct DiskTier {
     pub staging_blocks: usize,
     dir: PathBuf,
     pub restore: RestoreReport,
-    index_tx: Option<Sender<Vec<(BlockKey, DiskSlotId)>>>,
+    index_tx: Option<Sender<Vec<PersistedBlock>>>,
     index_thread: Option<JoinHandle<()>>,
 }
 
@@ -154,7 +154,7 @@ impl DiskTier {
         wrap_io: impl FnOnce(Box<dyn SlotIo>) -> Box<dyn SlotIo>,
     ) -> Result<Self> {
         let store = Arc::new(DiskStore::open(&cfg.dir, layout, fingerprint, wrap_io)?);
-        let (tx, rx) = channel::<Vec<(BlockKey, DiskSlotId)>>();
+        let (tx, rx) = channel::<Vec<PersistedBlock>>();
         let (st, dir) = (Arc::clone(&store), cfg.dir.clone());
         let thread = std::thread::Builder::new()
             .name("disk-index".into())
@@ -180,10 +180,11 @@ impl DiskTier {
     }
 
     /// Reads the index of an earlier process and returns the entries whose slots carry
-    /// exactly the stamp it names; everything else is ignored (and reported).
-    pub fn restore_entries(&mut self) -> Vec<(BlockKey, DiskSlotId)> {
+    /// exactly the stamp it names (and, if they name their tokens, a block's worth of
+    /// `block_size`); everything else is ignored (and reported).
+    pub fn restore_entries(&mut self, block_size: usize) -> Vec<PersistedBlock> {
         let s = &self.store;
-        let entries = match index::read(&self.dir, s.fingerprint(), s.layout()) {
+        let entries = match index::read(&self.dir, s.fingerprint(), s.layout(), block_size) {
             Ok(Some(e)) => e,
             Ok(None) => return Vec::new(),
             Err(e) => {
@@ -193,8 +194,17 @@ impl DiskTier {
         };
         let mut out = Vec::new();
         for e in entries {
-            if s.adopt(e.slot, e.stamp()).is_ok() {
-                out.push((e.hash, e.slot));
+            let whole = e.tokens.is_empty() || e.tokens.len() == block_size;
+            if whole && s.adopt(e.slot, e.stamp()).is_ok() {
+                let content = (!e.tokens.is_empty()).then(|| BlockContent {
+                    parent: e.parent,
+                    tokens: e.tokens.into(),
+                });
+                out.push(PersistedBlock {
+                    hash: e.hash,
+                    slot: e.slot,
+                    content,
+                });
             } else {
                 self.restore.rejected_entries += 1;
             }
@@ -203,7 +213,7 @@ impl DiskTier {
     }
 
     /// Saves the persisted set in the background (coalesced; the newest wins).
-    pub fn save_index_async(&self, persisted: Vec<(BlockKey, DiskSlotId)>) {
+    pub fn save_index_async(&self, persisted: Vec<PersistedBlock>) {
         if let Some(tx) = &self.index_tx {
             let _ = tx.send(persisted);
         }
@@ -241,17 +251,19 @@ impl DiskTier {
     }
 }
 
-fn save_index(store: &DiskStore, dir: &Path, persisted: &[(BlockKey, DiskSlotId)]) -> Result<()> {
+fn save_index(store: &DiskStore, dir: &Path, persisted: &[PersistedBlock]) -> Result<()> {
     store.sync_data()?; // the slots before the index that names them
     let entries: Vec<IndexEntry> = persisted
         .iter()
-        .filter_map(|&(hash, slot)| {
-            let st = store.expected(slot)?;
+        .filter_map(|p| {
+            let st = store.expected(p.slot)?;
             Some(IndexEntry {
-                hash,
-                slot,
+                hash: p.hash,
+                slot: p.slot,
                 key: st.key,
                 generation: st.generation,
+                parent: p.content.as_ref().and_then(|c| c.parent),
+                tokens: p.content.as_ref().map_or(Vec::new(), |c| c.tokens.to_vec()),
             })
         })
         .collect();

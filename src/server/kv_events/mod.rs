@@ -5,8 +5,12 @@
 //! Wire format (vLLM `vllm/distributed/kv_events.py`): each message is three frames,
 //! `[topic, sequence number (u64, big-endian), payload]`; the payload is a msgpack array
 //! `[ts, events, data_parallel_rank]`, each event a map tagged by `type`: `BlockStored`
-//! `{block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name}`,
-//! `BlockRemoved {block_hashes, medium}`, `AllBlocksCleared {}`.
+//! `{block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+//! group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window}`, `BlockRemoved
+//! {block_hashes, medium, group_idx}`, `AllBlocksCleared {}`. Groups as vLLM's KV-cache
+//! groups: 0 `full_attention` (every layer of a model without windows), 1
+//! `sliding_window` for a model whose windowed layers have their own pool (its blocks'
+//! windowed KV may be gone while the full layers' stays: its own `BlockRemoved`).
 //!
 //! The engine thread never waits for the socket: it hands each step's events to a bounded
 //! channel (`try_send`); when the publisher thread falls behind, the batch is dropped and
@@ -27,7 +31,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::serve::block_key::BlockKey;
-use crate::serve::cache_events::CacheEvent;
+use crate::serve::cache_events::{CacheEvent, KvGroup};
 use anyhow::{anyhow, Context, Result};
 use pub_socket::{Limits, PeerStats, PubSocket};
 use serde::Serialize;
@@ -98,16 +102,28 @@ enum WireEvent<'a> {
         lora_id: Option<u64>,
         medium: &'static str,
         lora_name: Option<&'a str>,
+        group_idx: u32,
+        kv_cache_spec_kind: &'static str,
+        kv_cache_spec_sliding_window: Option<usize>,
     },
     BlockRemoved {
         block_hashes: Vec<u64>,
         medium: &'static str,
+        group_idx: u32,
     },
     AllBlocksCleared {},
 }
 
 fn wire(keys: &[BlockKey]) -> Vec<u64> {
     keys.iter().map(BlockKey::wire).collect()
+}
+
+/// A group's index, vLLM's name for its kind, and its window.
+fn group_fields(group: KvGroup) -> (u32, &'static str, Option<usize>) {
+    match group {
+        KvGroup::Full => (0, "full_attention", None),
+        KvGroup::Window { tokens } => (1, "sliding_window", Some(tokens)),
+    }
 }
 
 /// The payload of one message: `[ts, [event, ...], data_parallel_rank]` (rank 0: one engine).
@@ -117,21 +133,33 @@ pub fn encode_batch(ts: f64, events: &[CacheEvent], block_size: usize) -> Vec<u8
         .map(|e| match e {
             CacheEvent::Stored {
                 medium,
+                group,
                 parent,
                 hashes,
                 tokens,
-            } => WireEvent::BlockStored {
+            } => {
+                let (group_idx, kind, window) = group_fields(*group);
+                WireEvent::BlockStored {
+                    block_hashes: wire(hashes),
+                    parent_block_hash: parent.as_ref().map(BlockKey::wire),
+                    token_ids: tokens,
+                    block_size,
+                    lora_id: None,
+                    medium: medium.as_str(),
+                    lora_name: None,
+                    group_idx,
+                    kv_cache_spec_kind: kind,
+                    kv_cache_spec_sliding_window: window,
+                }
+            }
+            CacheEvent::Removed {
+                medium,
+                group,
+                hashes,
+            } => WireEvent::BlockRemoved {
                 block_hashes: wire(hashes),
-                parent_block_hash: parent.as_ref().map(BlockKey::wire),
-                token_ids: tokens,
-                block_size,
-                lora_id: None,
                 medium: medium.as_str(),
-                lora_name: None,
-            },
-            CacheEvent::Removed { medium, hashes } => WireEvent::BlockRemoved {
-                block_hashes: wire(hashes),
-                medium: medium.as_str(),
+                group_idx: group_fields(*group).0,
             },
             CacheEvent::Cleared => WireEvent::AllBlocksCleared {},
         })
@@ -307,13 +335,27 @@ mod tests {
         let events = [
             CacheEvent::Stored {
                 medium: Medium::Gpu,
+                group: KvGroup::Full,
                 parent: Some(k(7)),
                 hashes: vec![k(u64::MAX), k(9)],
                 tokens: vec![1, 2, 3, 4],
             },
+            CacheEvent::Stored {
+                medium: Medium::Gpu,
+                group: KvGroup::Window { tokens: 512 },
+                parent: None,
+                hashes: vec![k(3)],
+                tokens: vec![5, 6],
+            },
             CacheEvent::Removed {
                 medium: Medium::Disk,
+                group: KvGroup::Full,
                 hashes: vec![k(9)],
+            },
+            CacheEvent::Removed {
+                medium: Medium::Gpu,
+                group: KvGroup::Window { tokens: 512 },
+                hashes: vec![k(3)],
             },
             CacheEvent::Cleared,
         ];
@@ -325,8 +367,14 @@ mod tests {
             serde_json::json!([1.5, [
                 {"type": "BlockStored", "block_hashes": [u64::MAX, 9], "parent_block_hash": 7,
                  "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": null, "medium": "GPU",
-                 "lora_name": null},
-                {"type": "BlockRemoved", "block_hashes": [9], "medium": "DISK"},
+                 "lora_name": null, "group_idx": 0, "kv_cache_spec_kind": "full_attention",
+                 "kv_cache_spec_sliding_window": null},
+                {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": null,
+                 "token_ids": [5, 6], "block_size": 2, "lora_id": null, "medium": "GPU",
+                 "lora_name": null, "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
+                 "kv_cache_spec_sliding_window": 512},
+                {"type": "BlockRemoved", "block_hashes": [9], "medium": "DISK", "group_idx": 0},
+                {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "group_idx": 1},
                 {"type": "AllBlocksCleared"},
             ], 0])
         );

@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::io;
 use std::path::Path;
 use std::process::Command;
@@ -16,6 +17,8 @@ use common::{scratch_dir, serve_requests as requests, TinySpec, KV_DTYPES};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::device::KvDtype;
 use strata::model::Model;
+use strata::serve::block_key::BlockKey;
+use strata::serve::cache_events::{CacheEvent, KvGroup, Medium};
 use strata::serve::disk::store::{DiskStore, IoMode, SlotError, SlotIo, StoreLayout, ALIGN};
 use strata::serve::disk::DiskTierConfig;
 use strata::serve::scheduler::SchedulerConfig;
@@ -671,6 +674,67 @@ fn the_prefix_cache_survives_a_restart_and_corruption_is_ignored() {
         let again = bench_tiny_kv(&model, &dir, "4", kv);
         assert!(u(&again, "restored_prefix_blocks") >= 14, "{kv}: {again}");
         assert_eq!(u(&again, "compare_mismatches"), 0);
+    }
+}
+
+#[test]
+fn a_restarted_engine_announces_the_blocks_it_restored_from_disk() {
+    // The first engine computes two prompts (every full block is written through); a
+    // second one on the same directory announces each restored block (medium DISK) with
+    // its parent and tokens as soon as a consumer starts recording, before any request,
+    // so a router learns at start-up what this instance can serve from disk.
+    let (model, _) = tiny_model("disk_announce_model");
+    let dir = scratch_dir("disk_announce");
+    let prompts: Vec<Vec<u32>> = vec![(3..30).collect(), (3..19).chain(40..51).collect()];
+    let params = vec![
+        RequestParams {
+            max_tokens: 5,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        2
+    ];
+    let mut first = Engine::new(model.clone(), config(64, 0, Some((&dir, 64)))).unwrap();
+    first.generate_with_logprobs(&prompts, &params).unwrap();
+    let persisted = first.stats().sched.prefix_blocks_persisted;
+    assert!(persisted >= 10, "{:?}", first.stats());
+    drop(first); // writes the last index
+
+    let mut second = Engine::new(model.clone(), config(64, 0, Some((&dir, 64)))).unwrap();
+    assert_eq!(second.stats().restored_prefix_blocks, persisted);
+    second.record_cache_events();
+    let mut announced = HashMap::new(); // hash → (parent, tokens)
+    for e in second.take_cache_events() {
+        let CacheEvent::Stored {
+            medium: Medium::Disk,
+            group: KvGroup::Full,
+            parent,
+            hashes,
+            tokens,
+        } = e
+        else {
+            panic!("at start-up only restored disk blocks are announced: {e:?}");
+        };
+        let mut prev = parent;
+        for (h, t) in hashes.iter().zip(tokens.chunks(4)) {
+            assert_eq!(
+                BlockKey::chained(second.scheduler().key_seed(), prev.as_ref(), t),
+                *h,
+                "an announced block's hash is not its parent's and tokens'"
+            );
+            announced.insert(*h, (prev, t.to_vec()));
+            prev = Some(*h);
+        }
+    }
+    assert_eq!(announced.len(), persisted, "every restored block, once");
+    // Each prompt's full blocks are among them, chained from the first.
+    for p in &prompts {
+        let mut prev = None;
+        for t in p.chunks_exact(4) {
+            let h = BlockKey::chained(second.scheduler().key_seed(), prev.as_ref(), t);
+            assert_eq!(announced.get(&h), Some(&(prev, t.to_vec())), "{p:?}");
+            prev = Some(h);
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::serve::block_key::{BlockKey, KeySeed};
 use strata::serve::block_manager::{BlockError, BlockManager, GpuPages, Hold};
-use strata::serve::cache_events::{CacheEvent, Medium};
+use strata::serve::cache_events::{CacheEvent, KvGroup, Medium};
 use strata::serve::residency::{Move, Residency, Tier};
 use strata::serve::scheduler::{window_pool_pages, Scheduler, SchedulerConfig, SeqId};
 use strata::serve::transfer::{JobKind, Loc, SimBackend, TransferBackend, TransferJob};
@@ -320,6 +320,31 @@ fn prefix_hits_and_registration_are_per_block_whatever_the_chunk() {
 }
 
 #[test]
+fn a_prefix_cache_reset_drops_every_cached_block_only_when_idle() {
+    let mut s = Scheduler::new(cfg(4, 32, 0, 8)).unwrap();
+    s.bm.record_cache_events();
+    let prompt: Vec<u32> = (10..30).collect();
+    let id = s.add(prompt.clone(), 4, vec![]).unwrap();
+    let mut b = SimBackend::new(0, 1.0, 0.0);
+    step(&mut s, &mut b);
+    assert!(!s.reset_prefix_cache(), "a running request holds KV");
+    run_to_end(&mut s);
+    s.remove_finished(id);
+    let _ = s.bm.take_cache_events();
+    let hashes = prompt_hashes(std::slice::from_ref(&prompt), 4);
+    assert!(hashes.iter().all(|&h| s.bm.lookup(h).is_some()));
+    assert!(s.reset_prefix_cache());
+    assert!(hashes.iter().all(|&h| s.bm.lookup(h).is_none()));
+    assert_eq!(s.bm.available_pages(), 32);
+    assert_eq!(s.bm.take_cache_events(), vec![CacheEvent::Cleared]);
+    s.check().unwrap();
+    // The same prompt again computes from its first token.
+    s.add(prompt, 1, vec![]).unwrap();
+    let plan = s.schedule().unwrap();
+    assert_eq!(plan.batch[0].pos0, 0);
+}
+
+#[test]
 fn a_recomputation_replays_its_generated_tokens_in_chunks() {
     // A request with 40 generated tokens that loses its KV (no host tier) and cannot hit
     // the cache (its blocks were evicted) recomputes prompt and output in chunks of 8,
@@ -503,24 +528,38 @@ struct Moved {
     persisted: usize,
     events_stored: usize,
     events_removed: usize,
+    /// Sliding-window group removals while the block's full layers were still announced.
+    window_events_removed: usize,
     /// Block-steps where a held, resident block had let its window page go.
     window_dropped: usize,
 }
 
-/// A router's view of the prefix cache, rebuilt from nothing but the cache events.
+/// A router's view of the prefix cache, rebuilt from nothing but the cache events: the
+/// full layers' blocks on the GPU and on disk, and (with a window pool) the blocks whose
+/// windowed layers' KV is still on the GPU too (the sliding-window group).
 #[derive(Default)]
 struct EventMirror {
     gpu: HashSet<BlockKey>,
+    gpu_window: HashSet<BlockKey>,
     disk: HashSet<BlockKey>,
+    /// The window the sliding-window group's events must name.
+    window: Option<usize>,
     stored: usize,
     removed: usize,
+    /// Sliding-window group removals while the full layers were still announced.
+    window_removed: usize,
 }
 
 impl EventMirror {
-    fn tier(&mut self, medium: Medium) -> &mut HashSet<BlockKey> {
-        match medium {
-            Medium::Gpu => &mut self.gpu,
-            Medium::Disk => &mut self.disk,
+    fn tier(&mut self, medium: Medium, group: KvGroup, case: u64) -> &mut HashSet<BlockKey> {
+        match (medium, group) {
+            (Medium::Gpu, KvGroup::Full) => &mut self.gpu,
+            (Medium::Gpu, KvGroup::Window { tokens }) => {
+                assert_eq!(Some(tokens), self.window, "case {case}: the group's window");
+                &mut self.gpu_window
+            }
+            (Medium::Disk, KvGroup::Full) => &mut self.disk,
+            (Medium::Disk, g) => panic!("case {case}: a disk copy is whole, not {g:?}"),
         }
     }
 
@@ -532,6 +571,7 @@ impl EventMirror {
             match e {
                 CacheEvent::Stored {
                     medium,
+                    group,
                     parent,
                     hashes,
                     tokens,
@@ -548,18 +588,25 @@ impl EventMirror {
                     }
                     for h in hashes {
                         assert!(
-                            self.tier(medium).insert(h),
-                            "case {case}: {medium:?} block {h} stored twice"
+                            self.tier(medium, group, case).insert(h),
+                            "case {case}: {medium:?} {group:?} block {h} stored twice"
                         );
                         self.stored += 1;
                     }
                 }
-                CacheEvent::Removed { medium, hashes } => {
+                CacheEvent::Removed {
+                    medium,
+                    group,
+                    hashes,
+                } => {
                     for h in hashes {
                         assert!(
-                            self.tier(medium).remove(&h),
-                            "case {case}: {medium:?} block {h} removed unseen"
+                            self.tier(medium, group, case).remove(&h),
+                            "case {case}: {medium:?} {group:?} block {h} removed unseen"
                         );
+                        if group != KvGroup::Full && self.gpu.contains(&h) {
+                            self.window_removed += 1;
+                        }
                         self.removed += 1;
                     }
                 }
@@ -567,8 +614,17 @@ impl EventMirror {
             }
         }
         for &h in universe {
-            let (gpu, disk) = (s.bm.lookup(h).is_some(), s.bm.is_persisted(h));
+            let on_gpu = s.bm.lookup(h);
+            let (gpu, disk) = (on_gpu.is_some(), s.bm.is_persisted(h));
             assert_eq!(self.gpu.contains(&h), gpu, "case {case}: GPU view of {h}");
+            let window = on_gpu.is_some_and(|id| {
+                self.window.is_some() && s.bm.block(id).unwrap().win_page.is_some()
+            });
+            assert_eq!(
+                self.gpu_window.contains(&h),
+                window,
+                "case {case}: GPU window-group view of {h}"
+            );
             assert_eq!(
                 self.disk.contains(&h),
                 disk,
@@ -640,7 +696,10 @@ fn property_run(tiers: Tiers, cases: u64, windowed: bool) -> Moved {
             s.use_window_pool(w, pages).unwrap();
         }
         s.bm.record_cache_events();
-        let mut mirror = EventMirror::default();
+        let mut mirror = EventMirror {
+            window: window.map(|(w, _)| w),
+            ..EventMirror::default()
+        };
         let mut b = SimBackend::new(
             case,
             rng.random_range(0.05..1.0),
@@ -704,6 +763,7 @@ fn property_run(tiers: Tiers, cases: u64, windowed: bool) -> Moved {
         s.check().unwrap();
         mirror.sync(&mut s, &universe, bs, case);
         moved.events_stored += mirror.stored;
+        moved.window_events_removed += mirror.window_removed;
         moved.events_removed += mirror.removed;
         for (id, out) in ids {
             let want: Vec<u32> = (0..out).map(|i| fake_token(id, i)).collect();
@@ -782,6 +842,7 @@ fn property_window_pool_frees_blocks_out_of_every_window_across_all_tiers() {
         let m = property_run(tiers, 80, true);
         assert!(m.window_dropped > 0, "{tiers:?}: {m:?}");
         assert!(m.stored > 0 && m.events_stored > 0, "{tiers:?}: {m:?}");
+        assert!(m.window_events_removed > 0, "{tiers:?}: {m:?}");
         if tiers == Tiers::HostAndDisk {
             assert!(m.to_disk > 0 && m.from_disk > 0 && m.persisted > 0, "{m:?}");
         }

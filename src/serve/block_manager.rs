@@ -1089,7 +1089,10 @@ impl BlockManager {
             }
             self.free_pages.extend(b.page);
         }
-        debug_assert!(self.blocks.is_empty(), "unreferenced blocks are all evictable");
+        debug_assert!(
+            self.blocks.is_empty(),
+            "unreferenced blocks are all evictable"
+        );
         if let Some(w) = self.win.as_mut() {
             w.idle.clear();
         }

@@ -186,7 +186,12 @@ mod tests {
     fn a_chain_merges_into_one_stored_event_and_a_break_starts_another() {
         let mut log = CacheEventLog::default();
         log.enable();
-        let (gpu, disk, full, win) = (Medium::Gpu, Medium::Disk, KvGroup::Full, KvGroup::Window { tokens: 4 });
+        let (gpu, disk, full, win) = (
+            Medium::Gpu,
+            Medium::Disk,
+            KvGroup::Full,
+            KvGroup::Window { tokens: 4 },
+        );
         log.stored(gpu, full, k(1), &content(None, 5));
         log.stored(gpu, full, k(2), &content(Some(k(1)), 6));
         log.stored(gpu, win, k(2), &content(Some(k(1)), 6)); // another group

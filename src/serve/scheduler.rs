@@ -312,6 +312,11 @@ impl Scheduler {
         self.bm.reset_prefix_cache()
     }
 
+    /// What its prefix-cache keys are chained to.
+    pub fn key_seed(&self) -> &KeySeed {
+        &self.key_seed
+    }
+
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
     }

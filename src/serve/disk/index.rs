@@ -150,3 +150,43 @@ pub fn read(
     );
     Ok(Some(f.entries))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(tokens: Vec<u32>) -> IndexEntry {
+        IndexEntry {
+            hash: BlockKey::from_bytes([0xAB; 32]),
+            slot: DiskSlotId::MAX,
+            key: u64::MAX,
+            generation: u64::MAX,
+            parent: Some(BlockKey::from_bytes([0xCD; 32])),
+            tokens,
+        }
+    }
+
+    #[test]
+    fn entries_of_the_older_format_without_contents_still_read() {
+        let mut v = serde_json::to_value(entry(vec![1, 2])).unwrap();
+        let m = v.as_object_mut().unwrap();
+        m.remove("parent");
+        m.remove("tokens");
+        let e: IndexEntry = serde_json::from_value(v).unwrap();
+        assert_eq!((e.parent, e.tokens.len()), (None, 0));
+        let full = entry(vec![7, 8]);
+        let back: IndexEntry =
+            serde_json::from_str(&serde_json::to_string(&full).unwrap()).unwrap();
+        assert_eq!(back, full);
+    }
+
+    #[test]
+    fn the_size_bound_holds_the_largest_entries() {
+        for block_size in [1, 16, 256] {
+            let e = entry(vec![u32::MAX; block_size]);
+            let one = serde_json::to_vec(&e).unwrap().len() as u64 + 1; // and a comma
+            let bound = max_index_bytes(1, block_size) - 4096;
+            assert!(one <= bound, "block {block_size}: {one} > {bound}");
+        }
+    }
+}

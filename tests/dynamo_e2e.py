@@ -22,6 +22,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -58,6 +59,19 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_below_32768():
+    """A free port Dynamo's DYN_SYSTEM_PORT accepts (it parses the port as an i16)."""
+    for _ in range(1000):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
 
 
 def http_json(url, body=None, timeout=120):
@@ -110,13 +124,15 @@ class Cluster:
             ),
         )
         self.strata_ports = [free_port(), free_port()]
+        # Each worker's Dynamo system server (its dynamo_component_* gauges).
+        self.system_ports = [free_port_below_32768(), free_port_below_32768()]
         self.frontends = {"kv": free_port(), "round-robin": free_port()}
 
-    def spawn(self, name, cmd):
+    def spawn(self, name, cmd, env=None):
         log = self.workdir / f"{name}.log"
         p = subprocess.Popen(
             cmd,
-            env=self.env,
+            env={**self.env, **(env or {})},
             stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: a worker dies with its strata
@@ -137,7 +153,7 @@ class Cluster:
                 "--strata-args", shlex.join(strata_args),
                 "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
                 "--model-card-dir", str(self.workdir / "card"),
-            ]))
+            ], env={"DYN_SYSTEM_PORT": str(self.system_ports[i])}))
         for mode, port in self.frontends.items():
             self.spawn(f"frontend-{mode}", [
                 py, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
@@ -180,6 +196,20 @@ class Cluster:
                 if line.startswith(name + "{"):
                     got[name] = float(line.rsplit(" ", 1)[1])
         return got["vllm:prompt_tokens_total"], got["vllm:prefix_cache_hits_total"]
+
+    def component_gauges(self, i):
+        """Worker `i`'s dynamo_component_* gauges (what its load snapshots set), by name."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.system_ports[i]}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        got = {}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name.startswith("dynamo_component_") and not line.startswith("#"):
+                got[name] = float(line.rsplit(" ", 1)[1])
+        return got
 
     def complete(self, router, prompt, **kw):
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -370,6 +400,16 @@ def main():
             check(len(workers) == 1, f"kv: prefix {k}'s follow-ups went to workers {workers}")
         check(rr_n and rr_hits / rr_n <= kv_hits / max(kv_n, 1) - 0.25,
               f"round-robin: {rr_hits}/{rr_n} hits, not clearly fewer than kv {kv_hits}/{kv_n}")
+
+        # Each worker's load reaches Dynamo (the adapter's snapshots from strata's /metrics):
+        # its KV capacity, and the prefix-cache hit rate the follow-ups made.
+        gauges = [c.component_gauges(i) for i in range(2)]
+        result["component_gauges"] = gauges
+        for i, g in enumerate(gauges):
+            check(g.get("dynamo_component_total_blocks") == 256,
+                  f"worker {i}: dynamo_component_total_blocks {g.get('dynamo_component_total_blocks')}, want 256")
+        check(any(g.get("dynamo_component_kv_cache_hit_rate", 0) > 0 for g in gauges),
+              f"no worker reported a prefix-cache hit rate: {gauges}")
 
         # Greedy text through Dynamo equals `strata generate` on the same prompt.
         prompt = kv_prefixes[0] + " Question 0: what is the main point?"

@@ -6,6 +6,10 @@ the model card the frontend tokenizes with, and returns the registration (strata
 size, context, capacity); `generate` streams one request's token ids from strata;
 `abort` closes that request's HTTP stream, which cancels it in strata at its next step;
 `kv_event_sources` hands Dynamo strata's ZMQ KV-events socket to relay to the KV router;
+`attach_snapshot_publisher` receives the per-rank load publisher, fed from strata's
+/metrics (KV blocks in use, prefix-cache hit rate) a few times a second so the router and
+its busy thresholds see each worker's load; `health_check_payload` is the canary Dynamo
+sends through `generate` when the worker is idle (one greedy token after BOS);
 `cleanup` stops a launched strata.
 """
 
@@ -32,7 +36,8 @@ from dynamo.common.backend import (
     LlmRegistration,
     WorkerConfig,
 )
-from dynamo.common.backend.publisher import KvEventSource, ZmqSource
+from dynamo.common.backend.health_check import build_health_check_payload
+from dynamo.common.backend.publisher import ComponentSnapshot, KvEventSource, ZmqSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
 
 from .protocol import completion_body, dynamo_chunk, sse_data
@@ -99,6 +104,11 @@ class StrataEngine(LLMEngine):
         # Dynamo request id → the HTTP response streaming it from strata.
         self.streams: dict[str, aiohttp.ClientResponse] = {}
         self.watchdog: Optional[asyncio.Task] = None
+        self.bos_token_id: Optional[int] = None
+        # The framework's per-rank load publisher, and the task feeding it.
+        self.snapshots = None
+        self.snapshot_task: Optional[asyncio.Task] = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
 
     @classmethod
     async def from_args(cls, argv: Optional[list[str]] = None):
@@ -130,10 +140,13 @@ class StrataEngine(LLMEngine):
         else:
             self.server = StrataServer(self.args.strata_url)
         info = await self.server.connect(self.args.ready_timeout)
-        await self.server.write_model_card(self.card_dir)
+        config = await self.server.write_model_card(self.card_dir)
+        self.bos_token_id = config.get("bos_token_id")
         self.model = info.model
         if self.server.process is not None:
             self.watchdog = asyncio.create_task(self._stop_when_strata_exits())
+        self.loop = asyncio.get_running_loop()
+        self._start_snapshots()
         logger.info(
             "strata serve at %s: model %s, block size %d, KV events %s",
             self.server.url,
@@ -162,6 +175,50 @@ class StrataEngine(LLMEngine):
                 self.server.process.returncode,
             )
         stop_this_worker()
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        return [0]  # one strata engine: rank 0
+
+    def attach_snapshot_publisher(self, publisher) -> None:
+        self.snapshots = publisher
+        if self.loop is not None:  # started already: begin feeding it
+            self.loop.call_soon_threadsafe(self._start_snapshots)
+
+    def _start_snapshots(self) -> None:
+        if self.snapshots is not None and self.server is not None and self.snapshot_task is None:
+            self.snapshot_task = asyncio.ensure_future(self._publish_snapshots())
+
+    async def _publish_snapshots(self, period_s: float = 0.25) -> None:
+        """Feeds the router strata's load: KV blocks in use of the GPU pool (vLLM's
+        kv_cache_usage_perc × blocks) and the prefix-cache hit rate, whenever they change."""
+        last = None
+        while self.server is not None and self.server.info is not None:
+            load = await self.server.load()
+            if load is not None:
+                total = self.server.info.num_gpu_blocks
+                usage = load.get("vllm:kv_cache_usage_perc", 0.0)
+                queries = load.get("vllm:prefix_cache_queries_total", 0.0)
+                hits = load.get("vllm:prefix_cache_hits_total", 0.0)
+                snap = ComponentSnapshot(
+                    kv_used_blocks=round(usage * total),
+                    kv_total_blocks=total,
+                    gpu_cache_usage=usage,
+                    dp_rank=0,
+                    kv_cache_hit_rate=hits / queries if queries > 0 else None,
+                )
+                if snap != last:
+                    try:
+                        self.snapshots.publish(0, snap)
+                    except Exception as e:  # the framework is shutting down
+                        logger.debug("load snapshot not published: %s", e)
+                        return
+                    last = snap
+            await asyncio.sleep(period_s)
+
+    async def health_check_payload(self):
+        if self.bos_token_id is None:
+            return None  # no BOS to send: no active probing
+        return build_health_check_payload(self.bos_token_id)
 
     async def kv_event_sources(self) -> list[KvEventSource]:
         info = self.server.info if self.server else None
@@ -222,6 +279,9 @@ class StrataEngine(LLMEngine):
             resp.close()
 
     async def cleanup(self) -> None:
+        if self.snapshot_task is not None:
+            self.snapshot_task.cancel()
+            self.snapshot_task = None
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None

@@ -139,8 +139,9 @@ class StrataServer:
             self.info = ServerInfo.from_models(await r.json(), host)
         return self.info
 
-    async def write_model_card(self, directory: Path) -> None:
-        """Writes tokenizer.json, tokenizer_config.json, config.json, generation_config.json."""
+    async def write_model_card(self, directory: Path) -> dict:
+        """Writes tokenizer.json, tokenizer_config.json, config.json, generation_config.json;
+        returns config.json's content."""
         assert self.session is not None
         async with self.session.get(f"{self.url}/v1/strata/model_card") as r:
             r.raise_for_status()
@@ -152,6 +153,28 @@ class StrataServer:
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(json.dumps(content))
             os.replace(tmp, path)
+        return files.get("config.json", {})
+
+    async def load(self) -> Optional[dict[str, float]]:
+        """The load gauges and counters the router's snapshot needs, from strata's
+        /metrics (vLLM's names), or None when strata does not answer."""
+        assert self.session is not None
+        wanted = ("vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                  "vllm:prefix_cache_queries_total", "vllm:num_requests_waiting",
+                  "vllm:num_requests_running")
+        try:
+            async with self.session.get(f"{self.url}/metrics") as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+        except aiohttp.ClientError:
+            return None
+        got = {}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in wanted:
+                got[name] = float(line.rsplit(" ", 1)[1])
+        return got
 
     async def close(self) -> None:
         if self.session is not None:

@@ -657,8 +657,9 @@ fn chat_templates_run_on_a_budget_from_every_source() {
 
 #[test]
 fn a_kv_events_endpoint_in_use_is_one_line_before_the_server_listens() {
-    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let endpoint = format!("tcp://{}", taken.local_addr().unwrap());
+    // `*`: an endpoint the socket binds (a named host and port it would connect to).
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let endpoint = format!("tcp://*:{}", taken.local_addr().unwrap().port());
     let m = tiny_dir("kv_events_taken");
     let args = [
         "serve",
@@ -865,11 +866,23 @@ fn usage_errors_are_one_line_with_exit_2() {
                 "--kv-events-endpoint",
                 "udp://127.0.0.1:1",
             ],
-            "expected tcp://HOST:PORT (HOST may be `*`), got \"udp://127.0.0.1:1\"",
+            "expected tcp://HOST:PORT (HOST may be `*`) or ipc://PATH, got \"udp://127.0.0.1:1\"",
         ),
         (
             vec!["serve", "--model", m, "--kv-events-topic", "t"],
             "--kv-events-endpoint",
+        ),
+        (
+            vec![
+                "serve",
+                "--model",
+                m,
+                "--kv-events-endpoint",
+                "tcp://127.0.0.1:0",
+                "--kv-events-queue",
+                "0",
+            ],
+            "0 is not in 1..=1000000",
         ),
     ] {
         assert_error(strata, &args, expect, 2);

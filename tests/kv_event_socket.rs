@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use strata::fuzz::kv_events::{self, frame, greeting};
-use strata::server::kv_events::pub_socket::{Limits, PubSocket};
+use strata::server::kv_events::pub_socket::{Address, Limits, PubSocket};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -39,7 +39,7 @@ impl Publisher {
             .build()
             .unwrap();
         let socket = runtime
-            .block_on(PubSocket::bind("127.0.0.1:0", limits))
+            .block_on(PubSocket::bind(&Address::Tcp("127.0.0.1:0".into()), limits))
             .unwrap();
         Self {
             socket: Some(socket),
@@ -48,7 +48,7 @@ impl Publisher {
     }
 
     fn addr(&self) -> SocketAddr {
-        self.socket().local_addr
+        self.socket().local_addr.expect("a TCP socket")
     }
 
     fn socket(&self) -> &PubSocket {
@@ -318,4 +318,80 @@ fn a_subscriber_that_never_reads_misses_messages_then_is_closed_while_others_get
     p.wait_connected(1);
     drop(stuck);
     publish_and_receive(&p, &mut honest, b"kv", 10);
+}
+
+/// Publishes `[topic, seq, "x"]` every 10 ms on its own task until the socket closes.
+fn keep_publishing(rt: &tokio::runtime::Runtime, socket: &std::sync::Arc<PubSocket>) {
+    let socket = std::sync::Arc::clone(socket);
+    rt.spawn(async move {
+        for seq in 0u64.. {
+            socket.send(&[b"t", &seq.to_be_bytes(), b"x"]);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            if std::sync::Arc::strong_count(&socket) == 1 {
+                return;
+            }
+        }
+    });
+}
+
+/// Three messages in order, on topic `t`.
+fn receives_in_order<S: Read + Write + kv_events::ReadTimeout>(sub: &mut kv_events::Subscriber<S>) {
+    let seqs: Vec<u64> = (0..3)
+        .map(|_| {
+            let m = sub.message().expect("a message");
+            assert_eq!((m.len(), &m[0][..], &m[2][..]), (3, &b"t"[..], &b"x"[..]));
+            u64::from_be_bytes(m[1].clone().try_into().unwrap())
+        })
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+}
+
+#[test]
+fn an_ipc_socket_serves_subscribers_and_replaces_only_a_stale_socket_file() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = std::env::temp_dir().join(format!("strata-ipc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("events.sock");
+    let _ = std::fs::remove_file(&path);
+    // A stale socket file (a previous server's) is replaced, as libzmq does.
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    let socket = std::sync::Arc::new(
+        rt.block_on(PubSocket::bind(&Address::Ipc(path.clone()), limits()))
+            .expect("binds over a stale socket file"),
+    );
+    keep_publishing(&rt, &socket);
+    let stream = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    let mut sub = kv_events::Subscriber::over(stream, b"t").unwrap();
+    receives_in_order(&mut sub);
+    // Anything else at the path is refused, never removed.
+    let file = dir.join("not-a-socket");
+    std::fs::write(&file, b"data").unwrap();
+    let err = rt
+        .block_on(PubSocket::bind(&Address::Ipc(file.clone()), limits()))
+        .err()
+        .expect("a regular file is refused");
+    assert!(err.to_string().contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"data");
+    drop(socket);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_connecting_socket_dials_the_subscriber_and_dials_again_after_it_leaves() {
+    // vLLM's PUB connects to an endpoint naming one host: the subscriber binds there.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let socket = std::sync::Arc::new({
+        let _guard = rt.enter();
+        PubSocket::connect(Address::Tcp(addr.to_string()), limits())
+    });
+    keep_publishing(&rt, &socket);
+    for _ in 0..2 {
+        let (stream, _) = listener.accept().unwrap();
+        let mut sub = kv_events::Subscriber::over(stream, b"t").unwrap();
+        receives_in_order(&mut sub);
+        drop(sub); // the subscriber leaves: the socket dials again
+    }
+    assert_eq!(socket.local_addr, None);
 }

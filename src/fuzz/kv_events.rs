@@ -25,7 +25,7 @@ use anyhow::{Context, Result};
 use rand::{rngs::StdRng, Rng};
 
 use super::{mutate, Case};
-use crate::server::kv_events::pub_socket::{Limits, PubSocket};
+use crate::server::kv_events::pub_socket::{Address, Limits, PubSocket};
 use crate::server::kv_events::zmtp;
 
 /// How long the server may take to close a peer that half-closed (well past the
@@ -94,16 +94,41 @@ fn subscription(subscribe: bool, prefix: &[u8]) -> Vec<u8> {
     frame(0, &b)
 }
 
-/// An honest subscriber: handshakes, subscribes to one prefix, reads whole messages.
-pub struct Subscriber {
-    pub stream: TcpStream,
+/// An honest subscriber: handshakes, subscribes to one prefix, reads whole messages. Over
+/// TCP by default; any stream (a Unix-domain socket, a connection a publisher dialed).
+pub struct Subscriber<S = TcpStream> {
+    pub stream: S,
 }
 
-impl Subscriber {
+/// A stream's read timeout (the ones `Subscriber` runs over all have one).
+pub trait ReadTimeout {
+    fn set_read_timeout(&self, d: Option<std::time::Duration>) -> std::io::Result<()>;
+}
+
+impl ReadTimeout for TcpStream {
+    fn set_read_timeout(&self, d: Option<std::time::Duration>) -> std::io::Result<()> {
+        TcpStream::set_read_timeout(self, d)
+    }
+}
+
+impl ReadTimeout for std::os::unix::net::UnixStream {
+    fn set_read_timeout(&self, d: Option<std::time::Duration>) -> std::io::Result<()> {
+        std::os::unix::net::UnixStream::set_read_timeout(self, d)
+    }
+}
+
+impl Subscriber<TcpStream> {
     pub fn connect(addr: SocketAddr, prefix: &[u8]) -> std::io::Result<Self> {
-        let mut stream = TcpStream::connect(addr)?;
-        stream.set_read_timeout(Some(RECEIVE_WITHIN))?;
+        let stream = TcpStream::connect(addr)?;
         stream.set_nodelay(true)?;
+        Self::over(stream, prefix)
+    }
+}
+
+impl<S: Read + Write + ReadTimeout> Subscriber<S> {
+    /// Handshakes and subscribes over a connected stream.
+    pub fn over(mut stream: S, prefix: &[u8]) -> std::io::Result<Self> {
+        stream.set_read_timeout(Some(RECEIVE_WITHIN))?;
         let mut hello = greeting();
         hello.extend(frame(FLAG_COMMAND, &ready_body(&[("Socket-Type", b"SUB")])));
         hello.extend(subscription(true, prefix));
@@ -186,8 +211,11 @@ fn start() -> Result<Fixture> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let socket = runtime.block_on(PubSocket::bind("127.0.0.1:0", limits()))?;
-    let mut honest = Subscriber::connect(socket.local_addr, TOPIC)?;
+    let socket = runtime.block_on(PubSocket::bind(
+        &Address::Tcp("127.0.0.1:0".into()),
+        limits(),
+    ))?;
+    let mut honest = Subscriber::connect(socket.local_addr.expect("a TCP socket"), TOPIC)?;
     // The subscription travels after the handshake: publish until the first one lands.
     honest
         .stream
@@ -222,7 +250,8 @@ pub fn run_kv_events(case: &Case) -> Result<()> {
     let f = fixture();
     let panics_before = super::panics_seen();
     let bytes = case.get("peer").unwrap_or_default();
-    let mut peer = TcpStream::connect(f.socket.local_addr).context("connecting")?;
+    let mut peer =
+        TcpStream::connect(f.socket.local_addr.expect("a TCP socket")).context("connecting")?;
     peer.set_nodelay(true)?;
     // The server may close before taking it all (a protocol error): not ours to report.
     let _ = peer.write_all(bytes);

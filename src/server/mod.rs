@@ -34,7 +34,7 @@ use crate::errors::usage;
 use crate::flags;
 use crate::model::{Model, ModelConfig};
 use crate::serve::{EngineConfig, SchedulerConfig};
-use kv_events::{KvEventPublisher, ZmqEndpoint};
+use kv_events::{KvEventPublisher, KvEventsConfig, ZmqEndpoint};
 use metrics::{CacheConfigInfo, Metrics};
 use routes::{AppState, EngineInfo, KvEventsInfo, Loaded, ServerConfig};
 
@@ -98,13 +98,19 @@ pub struct ServeArgs {
     pub kv: flags::KvDtypeArg,
     #[command(flatten)]
     pub disk: crate::serve::disk::DiskArgs,
-    /// Publish the prefix cache's KV-cache events (vLLM's format) on a ZMQ PUB socket bound
-    /// here: tcp://HOST:PORT, HOST `*` for every interface, PORT 0 for any free port.
-    #[arg(long, value_name = "tcp://HOST:PORT", value_parser = clap::value_parser!(ZmqEndpoint))]
+    /// Publish the prefix cache's KV-cache events (vLLM's format) on a ZMQ PUB socket:
+    /// tcp://HOST:PORT or ipc://PATH. As vLLM: it binds ipc, HOST `*` (every interface) or
+    /// an IPv6 `::` host, and PORT 0 (any free port); it connects to any other HOST:PORT
+    /// (a subscriber that bound there), reconnecting as ZMQ does.
+    #[arg(long, value_name = "tcp://HOST:PORT|ipc://PATH", value_parser = clap::value_parser!(ZmqEndpoint))]
     pub kv_events_endpoint: Option<ZmqEndpoint>,
     /// The topic frame of every KV-event message.
     #[arg(long, default_value = "", requires = "kv_events_endpoint")]
     pub kv_events_topic: String,
+    /// KV-event batches (one per engine step) that may wait for the publisher thread, and
+    /// messages a subscriber may fall behind, before they are dropped (counted).
+    #[arg(long, default_value_t = kv_events::DEFAULT_QUEUE as u64, value_parser = clap::value_parser!(u64).range(1..=1_000_000), requires = "kv_events_endpoint")]
+    pub kv_events_queue: u64,
 }
 
 /// Prompt tokens per forward call: 64, or the block size when blocks are larger.
@@ -348,11 +354,12 @@ async fn serve_on(
             .unwrap_or_else(|| "model".into())
     });
     let kv_events = match &args.kv_events_endpoint {
-        Some(e) => Some(KvEventPublisher::start(
-            e,
-            &args.kv_events_topic,
-            args.block_size,
-        )?),
+        Some(e) => Some(KvEventPublisher::start(&KvEventsConfig {
+            endpoint: e.clone(),
+            topic: args.kv_events_topic.clone(),
+            queue: args.kv_events_queue as usize,
+            block_size: args.block_size,
+        })?),
         None => None,
     };
     let first_signal = termination(); // before anyone is told where we listen

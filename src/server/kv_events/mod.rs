@@ -24,6 +24,7 @@ pub mod pub_socket;
 pub mod zmtp;
 
 use std::fmt;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,34 +34,44 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use crate::serve::block_key::BlockKey;
 use crate::serve::cache_events::{CacheEvent, KvGroup};
 use anyhow::{anyhow, Context, Result};
-use pub_socket::{Limits, PeerStats, PubSocket};
+use pub_socket::{Address, Limits, PeerStats, PubSocket};
 use serde::Serialize;
 use tokio::sync::mpsc::{self, error::TrySendError};
 
-/// Batches (one per engine step at most) waiting for the publisher thread.
-const QUEUE_BATCHES: usize = 1024;
+/// Batches (one per engine step at most) waiting for the publisher thread, and messages a
+/// subscriber may fall behind, unless `--kv-events-queue` says otherwise.
+pub const DEFAULT_QUEUE: usize = 1024;
 /// How long the last batches get to reach subscribers when the server stops.
 const LINGER: Duration = Duration::from_millis(200);
 
-/// `tcp://HOST:PORT` to bind, `*` for every interface, port 0 for any free port.
+/// `tcp://HOST:PORT` or `ipc://PATH`. As vLLM decides: a socket binds an `ipc://` path or a
+/// TCP endpoint whose host is `*` (every interface) or contains `::`, and connects to any
+/// other TCP endpoint (a subscriber that bound there) — except that port 0 (any free
+/// port) can only be bound.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ZmqEndpoint {
-    host: String,
-    port: u16,
+pub enum ZmqEndpoint {
+    Tcp { host: String, port: u16 },
+    Ipc(PathBuf),
 }
 
 impl FromStr for ZmqEndpoint {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("expected tcp://HOST:PORT (HOST may be `*`), got {s:?}");
+        let bad = || format!("expected tcp://HOST:PORT (HOST may be `*`) or ipc://PATH, got {s:?}");
+        if let Some(path) = s.strip_prefix("ipc://") {
+            if path.is_empty() || path.contains('\0') {
+                return Err(bad());
+            }
+            return Ok(Self::Ipc(PathBuf::from(path)));
+        }
         let rest = s.strip_prefix("tcp://").ok_or_else(bad)?;
         let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
         let port = port.parse().map_err(|_| bad())?;
         if host.is_empty() || host.contains(['/', ' ']) {
             return Err(bad());
         }
-        Ok(Self {
+        Ok(Self::Tcp {
             host: host.to_string(),
             port,
         })
@@ -69,22 +80,34 @@ impl FromStr for ZmqEndpoint {
 
 impl fmt::Display for ZmqEndpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "tcp://{}:{}", self.host, self.port)
+        match self {
+            Self::Tcp { host, port } => write!(f, "tcp://{host}:{port}"),
+            Self::Ipc(path) => write!(f, "ipc://{}", path.display()),
+        }
     }
 }
 
 impl ZmqEndpoint {
-    /// What the socket binds (`HOST:PORT`): ZMQ's `*` is the unspecified address.
-    fn bind_address(&self) -> String {
-        let host = if self.host == "*" {
-            "0.0.0.0"
-        } else {
-            &self.host
-        };
-        if host.contains(':') {
-            format!("[{}]:{}", host.trim_matches(['[', ']']), self.port)
-        } else {
-            format!("{host}:{}", self.port)
+    /// Whether the socket binds here (else it connects), by vLLM's rule above.
+    pub fn binds(&self) -> bool {
+        match self {
+            Self::Ipc(_) => true,
+            Self::Tcp { host, port } => host == "*" || host.contains("::") || *port == 0,
+        }
+    }
+
+    /// The transport address: for TCP `HOST:PORT`, ZMQ's `*` the unspecified address.
+    fn address(&self) -> Address {
+        match self {
+            Self::Ipc(path) => Address::Ipc(path.clone()),
+            Self::Tcp { host, port } => {
+                let host = if host == "*" { "0.0.0.0" } else { host };
+                Address::Tcp(if host.contains(':') {
+                    format!("[{}]:{port}", host.trim_matches(['[', ']']))
+                } else {
+                    format!("{host}:{port}")
+                })
+            }
         }
     }
 }
@@ -174,37 +197,59 @@ pub struct KvEventPublisher {
     dropped: Arc<AtomicU64>,
     /// What subscribers did (connected, refused, disconnected, missed messages).
     pub peers: Arc<PeerStats>,
-    /// The endpoint bound (port 0 resolved), for subscribers: `tcp://HOST:PORT`.
+    /// Where subscribers find the events: the endpoint bound (port 0 resolved), or the
+    /// one this socket connects to.
     pub bound: String,
     pub topic: String,
 }
 
+/// `--kv-events-*`: where, under which topic, and how many batches may wait.
+#[derive(Debug, Clone)]
+pub struct KvEventsConfig {
+    pub endpoint: ZmqEndpoint,
+    pub topic: String,
+    /// Batches waiting for the publisher thread, and messages a subscriber may fall behind.
+    pub queue: usize,
+    pub block_size: usize,
+}
+
 impl KvEventPublisher {
-    /// Binds the PUB socket on its own thread and returns once it is bound (or failed).
-    pub fn start(endpoint: &ZmqEndpoint, topic: &str, block_size: usize) -> Result<Self> {
-        let (tx, rx) = mpsc::channel(QUEUE_BATCHES);
+    /// Binds (or starts connecting) the PUB socket on its own thread and returns once it
+    /// is bound (or failed).
+    pub fn start(cfg: &KvEventsConfig) -> Result<Self> {
+        let (tx, rx) = mpsc::channel(cfg.queue.max(1));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let address = endpoint.bind_address();
-        let topic_bytes = topic.as_bytes().to_vec();
+        let endpoint = cfg.endpoint.clone();
+        let (topic, block_size) = (cfg.topic.as_bytes().to_vec(), cfg.block_size);
+        let limits = Limits {
+            queue: cfg.queue.max(1),
+            ..Limits::DEFAULT
+        };
         let thread = std::thread::Builder::new()
             .name("kv-events".into())
-            .spawn(move || publish_loop(address, topic_bytes, block_size, rx, ready_tx))
+            .spawn(move || publish_loop(endpoint, limits, topic, block_size, rx, ready_tx))
             .context("starting the KV events thread")?;
         let (addr, peers) = ready_rx
             .recv()
             .map_err(|_| anyhow!("the KV events thread stopped while binding"))?
-            .with_context(|| format!("cannot bind --kv-events-endpoint {endpoint}"))?;
-        let host = match addr.ip() {
-            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-            ip => ip.to_string(),
+            .with_context(|| format!("cannot bind --kv-events-endpoint {}", cfg.endpoint))?;
+        let bound = match addr {
+            Some(addr) => {
+                let host = match addr.ip() {
+                    std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+                    ip => ip.to_string(),
+                };
+                format!("tcp://{host}:{}", addr.port())
+            }
+            None => cfg.endpoint.to_string(),
         };
         Ok(Self {
             tx: Some(tx),
             thread: Some(thread),
             dropped: Arc::new(AtomicU64::new(0)),
             peers,
-            bound: format!("tcp://{host}:{}", addr.port()),
-            topic: topic.to_string(),
+            bound,
+            topic: cfg.topic.clone(),
         })
     }
 
@@ -249,12 +294,14 @@ fn unix_seconds() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// What binding found: the address bound (port 0 resolved) and the peers' counters.
-type Bound = (std::net::SocketAddr, Arc<PeerStats>);
+/// What binding found: the TCP address bound (port 0 resolved; none for ipc or a
+/// connecting socket) and the peers' counters.
+type Bound = (Option<std::net::SocketAddr>, Arc<PeerStats>);
 
 /// The publisher thread: a current-thread runtime driving the PUB socket and its peers.
 fn publish_loop(
-    address: String,
+    endpoint: ZmqEndpoint,
+    limits: Limits,
     topic: Vec<u8>,
     block_size: usize,
     mut rx: mpsc::Receiver<Vec<CacheEvent>>,
@@ -271,7 +318,12 @@ fn publish_loop(
         }
     };
     runtime.block_on(async move {
-        let socket = match PubSocket::bind(&address, Limits::DEFAULT).await {
+        let opened = if endpoint.binds() {
+            PubSocket::bind(&endpoint.address(), limits).await
+        } else {
+            Ok(PubSocket::connect(endpoint.address(), limits))
+        };
+        let socket = match opened {
             Ok(socket) => {
                 let _ = ready.send(Ok((socket.local_addr, Arc::clone(&socket.stats))));
                 socket
@@ -297,23 +349,28 @@ mod tests {
     use crate::serve::cache_events::Medium;
 
     #[test]
-    fn endpoints_are_tcp_host_port_and_anything_else_is_refused() {
-        let e: ZmqEndpoint = "tcp://127.0.0.1:5557".parse().unwrap();
+    fn endpoints_are_tcp_or_ipc_bound_or_connected_as_vllm_decides() {
+        let parse = |s: &str| s.parse::<ZmqEndpoint>().unwrap();
+        let e = parse("tcp://127.0.0.1:5557");
         assert_eq!(e.to_string(), "tcp://127.0.0.1:5557");
-        assert_eq!(
-            "tcp://*:0".parse::<ZmqEndpoint>().unwrap().bind_address(),
-            "0.0.0.0:0"
-        );
-        assert_eq!(
-            "tcp://[::1]:7"
-                .parse::<ZmqEndpoint>()
-                .unwrap()
-                .bind_address(),
-            "[::1]:7"
-        );
+        // vLLM: bind for `*`, `::` and ipc; connect to one named host (port 0: bind).
+        assert!(!e.binds(), "a named host and port: connect");
+        assert_eq!(e.address(), Address::Tcp("127.0.0.1:5557".into()));
+        assert!(parse("tcp://127.0.0.1:0").binds());
+        let any = parse("tcp://*:5557");
+        assert!(any.binds());
+        assert_eq!(any.address(), Address::Tcp("0.0.0.0:5557".into()));
+        let v6 = parse("tcp://[::1]:7");
+        assert!(v6.binds());
+        assert_eq!(v6.address(), Address::Tcp("[::1]:7".into()));
+        let ipc = parse("ipc:///tmp/strata.sock");
+        assert!(ipc.binds());
+        assert_eq!(ipc.to_string(), "ipc:///tmp/strata.sock");
+        assert_eq!(ipc.address(), Address::Ipc("/tmp/strata.sock".into()));
         for bad in [
             "127.0.0.1:5557",
-            "ipc:///tmp/x",
+            "ipc://",
+            "inproc://x",
             "tcp://:5557",
             "tcp://host",
             "tcp://host:99999",

@@ -1,5 +1,7 @@
-//! A ZMQ PUB socket on TCP with the limits a port open to a network needs (docs/server.md
-//! "KV-event socket"), over the `zmtp` codec:
+//! A ZMQ PUB socket on TCP or a Unix-domain socket (ZMQ's `ipc://`) with the limits a port
+//! open to a network needs (docs/server.md "KV-event socket"), over the `zmtp` codec. It
+//! binds and accepts subscribers, or (`connect`) dials one subscriber that bound, and
+//! dials again whenever that connection ends, as ZMQ reconnects.
 //!
 //! - at most `max_peers` connections at once; one more takes the place of the oldest peer
 //!   still handshaking (an honest subscriber handshakes in a millisecond, so peers that
@@ -16,15 +18,62 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{broadcast, oneshot, watch, Semaphore};
 
 use super::zmtp::{self, Decoder, Event, ProtocolError, Subscriptions};
+
+/// Where a socket binds or connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    /// `HOST:PORT` (an IPv6 host in brackets).
+    Tcp(String),
+    /// A Unix-domain socket's path.
+    Ipc(PathBuf),
+}
+
+/// A connection to one peer, over either transport.
+enum PeerStream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+impl Listener {
+    async fn accept(&self) -> std::io::Result<PeerStream> {
+        Ok(match self {
+            Listener::Tcp(l) => PeerStream::Tcp(l.accept().await?.0),
+            Listener::Unix(l) => PeerStream::Unix(l.accept().await?.0),
+        })
+    }
+}
+
+/// Binds a Unix-domain socket at `path`, replacing a stale socket file left there (as
+/// libzmq does); anything else at the path (a file, a link, a directory) is refused.
+fn bind_unix(path: &PathBuf) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
+        Ok(_) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ))
+        }
+        Err(_) => {}
+    }
+    UnixListener::bind(path)
+}
 
 /// The socket's limits (`Limits::DEFAULT` in `strata serve`).
 #[derive(Debug, Clone, Copy)]
@@ -70,35 +119,61 @@ pub struct PubSocket {
     stop: watch::Sender<bool>,
     peers: Arc<Semaphore>,
     max_peers: usize,
-    pub local_addr: SocketAddr,
+    /// The TCP address bound (port 0 resolved); `None` for ipc or a connecting socket.
+    pub local_addr: Option<SocketAddr>,
     pub stats: Arc<PeerStats>,
 }
 
 impl PubSocket {
     /// Binds `addr` and starts accepting subscribers (on the current tokio runtime).
-    pub async fn bind(addr: &str, limits: Limits) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr).await?;
-        let local_addr = listener.local_addr()?;
-        let (tx, _) = broadcast::channel(limits.queue.max(1));
-        let (stop, stopped) = watch::channel(false);
-        let peers = Arc::new(Semaphore::new(limits.max_peers));
-        let stats = Arc::new(PeerStats::default());
+    pub async fn bind(addr: &Address, limits: Limits) -> std::io::Result<Self> {
+        let (listener, local_addr) = match addr {
+            Address::Tcp(a) => {
+                let l = TcpListener::bind(a).await?;
+                let local = l.local_addr()?;
+                (Listener::Tcp(l), Some(local))
+            }
+            Address::Ipc(path) => (Listener::Unix(bind_unix(path)?), None),
+        };
+        let socket = Self::new(limits, local_addr);
         tokio::spawn(accept_loop(
             listener,
             limits,
-            tx.clone(),
-            Arc::clone(&peers),
-            Arc::clone(&stats),
-            stopped,
+            socket.tx.clone(),
+            Arc::clone(&socket.peers),
+            Arc::clone(&socket.stats),
+            socket.stop.subscribe(),
         ));
-        Ok(Self {
+        Ok(socket)
+    }
+
+    /// Dials a subscriber that bound `addr` (vLLM connects where the endpoint names one
+    /// host) and dials again, backing off from 100 ms to 5 s, whenever the connection
+    /// fails or ends; messages sent meanwhile are missed, as ZMQ's are.
+    pub fn connect(addr: Address, limits: Limits) -> Self {
+        let socket = Self::new(limits, None);
+        tokio::spawn(dial_loop(
+            addr,
+            limits,
+            socket.tx.clone(),
+            Arc::clone(&socket.peers),
+            Arc::clone(&socket.stats),
+            socket.stop.subscribe(),
+        ));
+        socket
+    }
+
+    fn new(limits: Limits, local_addr: Option<SocketAddr>) -> Self {
+        let (tx, _) = broadcast::channel(limits.queue.max(1));
+        let (stop, _) = watch::channel(false);
+        Self {
             tx,
             stop,
-            peers,
+            peers: Arc::new(Semaphore::new(limits.max_peers)),
             max_peers: limits.max_peers,
             local_addr,
-            stats,
-        })
+            stats: Arc::new(PeerStats::default()),
+        }
     }
 
     /// Queues one message (its frames in order; the first is the topic) for every peer
@@ -154,7 +229,7 @@ impl Handshaking {
 }
 
 async fn accept_loop(
-    listener: TcpListener,
+    listener: Listener,
     limits: Limits,
     tx: broadcast::Sender<Arc<Outbound>>,
     peers: Arc<Semaphore>,
@@ -165,7 +240,7 @@ async fn accept_loop(
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(stream) => stream,
                 // Out of descriptors, or a connection reset before it was accepted: wait
                 // for descriptors to come back rather than spin.
                 Err(_) => {
@@ -189,21 +264,77 @@ async fn accept_loop(
                 }
             }
         };
-        let _ = stream.set_nodelay(true);
         let (id, evicted) = handshaking.lock().expect("not poisoned").add();
         let (tx, stats, handshaking) = (tx.clone(), Arc::clone(&stats), Arc::clone(&handshaking));
         tokio::spawn(async move {
-            stats.connected.fetch_add(1, Ordering::Relaxed);
             let done = || handshaking.lock().expect("not poisoned").remove(id);
-            let end = serve_peer(stream, limits, &tx, &stats, evicted, done).await;
-            if let Err(PeerEnd::Protocol | PeerEnd::Timeout) = end {
-                stats.disconnected.fetch_add(1, Ordering::Relaxed);
-            }
+            peer_session(stream, limits, &tx, &stats, evicted, done).await;
             handshaking.lock().expect("not poisoned").remove(id);
-            stats.connected.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
         });
     }
+}
+
+/// The connecting socket's one peer: dial, serve, and dial again after it ends.
+async fn dial_loop(
+    addr: Address,
+    limits: Limits,
+    tx: broadcast::Sender<Arc<Outbound>>,
+    peers: Arc<Semaphore>,
+    stats: Arc<PeerStats>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let Ok(_permit) = peers.acquire_owned().await else {
+        return;
+    };
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let dialed = async {
+            Ok::<_, std::io::Error>(match &addr {
+                Address::Tcp(a) => PeerStream::Tcp(TcpStream::connect(a).await?),
+                Address::Ipc(p) => PeerStream::Unix(UnixStream::connect(p).await?),
+            })
+        };
+        let stream = tokio::select! {
+            r = tokio::time::timeout(limits.handshake_timeout, dialed) => r.ok().and_then(Result::ok),
+            _ = stop.changed() => return,
+        };
+        if let Some(stream) = stream {
+            backoff = Duration::from_millis(100);
+            // Never evicted (the sender lives as long as the session). At close the session
+            // goes on sending what is queued until the runtime ends, as accepted peers do.
+            let (_never, evicted) = oneshot::channel();
+            peer_session(stream, limits, &tx, &stats, evicted, || {}).await;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            _ = stop.changed() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// One peer from its handshake to its end, counted in `stats`.
+async fn peer_session(
+    stream: PeerStream,
+    limits: Limits,
+    tx: &broadcast::Sender<Arc<Outbound>>,
+    stats: &PeerStats,
+    evicted: oneshot::Receiver<()>,
+    handshaken: impl FnOnce(),
+) {
+    stats.connected.fetch_add(1, Ordering::Relaxed);
+    let end = match stream {
+        PeerStream::Tcp(s) => {
+            let _ = s.set_nodelay(true);
+            serve_peer(s, limits, tx, stats, evicted, handshaken).await
+        }
+        PeerStream::Unix(s) => serve_peer(s, limits, tx, stats, evicted, handshaken).await,
+    };
+    if let Err(PeerEnd::Protocol | PeerEnd::Timeout) = end {
+        stats.disconnected.fetch_add(1, Ordering::Relaxed);
+    }
+    stats.connected.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Why a peer's task ended early: it broke the protocol, or timed out (handshake, stalled
@@ -231,7 +362,7 @@ impl From<std::io::Error> for PeerEnd {
 /// end of stream. Never reads past the unit the decoder wants, so `buf` stays within one
 /// capped frame.
 async fn read_some(
-    rd: &mut tokio::net::tcp::ReadHalf<'_>,
+    rd: &mut (impl AsyncRead + Unpin),
     decoder: &Decoder,
     buf: &mut Vec<u8>,
 ) -> Result<bool, PeerEnd> {
@@ -245,7 +376,7 @@ async fn read_some(
 }
 
 async fn write_within(
-    wr: &mut tokio::net::tcp::WriteHalf<'_>,
+    wr: &mut (impl AsyncWrite + Unpin),
     bytes: &[u8],
     limit: Duration,
 ) -> Result<(), PeerEnd> {
@@ -258,15 +389,15 @@ async fn write_within(
 /// One subscriber: handshake under its timeout (or until `evicted`; `handshaken` is
 /// called once it is complete), then its subscriptions in and the matching messages out
 /// until it leaves, misbehaves, stalls or the socket closes.
-async fn serve_peer(
-    mut stream: TcpStream,
+async fn serve_peer<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
     limits: Limits,
     tx: &broadcast::Sender<Arc<Outbound>>,
     stats: &PeerStats,
     evicted: oneshot::Receiver<()>,
     handshaken: impl FnOnce(),
 ) -> Result<(), PeerEnd> {
-    let (mut rd, mut wr) = stream.split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
     let mut decoder = Decoder::new();
     let mut buf = Vec::new();
     let handshake = async {
@@ -312,8 +443,8 @@ async fn serve_peer(
 
 /// After the handshake: subscriptions in, matching messages out.
 async fn stream_messages(
-    rd: &mut tokio::net::tcp::ReadHalf<'_>,
-    wr: &mut tokio::net::tcp::WriteHalf<'_>,
+    rd: &mut (impl AsyncRead + Unpin),
+    wr: &mut (impl AsyncWrite + Unpin),
     decoder: &mut Decoder,
     buf: &mut Vec<u8>,
     rx: &mut broadcast::Receiver<Arc<Outbound>>,

@@ -42,3 +42,55 @@ fn the_kv_router_sends_follow_ups_to_the_worker_caching_their_prefix_and_survive
         eprintln!("{line}");
     }
 }
+
+#[test]
+fn the_one_script_walkthrough_serves_a_request_and_leaves_nothing_behind() {
+    // integrations/dynamo/run-local.sh --once, as the README runs it, with the test's
+    // Dynamo environment instead of a fresh virtual environment (the install is .ci/run's,
+    // from the same pinned requirement files).
+    let model = common::require_default_model();
+    let Some(python) = common::python_with(
+        "dynamo.frontend, dynamo.common.backend, aiohttp",
+        "install Dynamo as .ci/run does (docs/distributed.md)",
+    ) else {
+        return;
+    };
+    let root = env!("CARGO_MANIFEST_DIR");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let out = Command::new(format!("{root}/integrations/dynamo/run-local.sh"))
+        .args(["--once", "--port", &port.to_string()])
+        .arg("--model")
+        .arg(&model)
+        .env("STRATA_DYNAMO_PYTHON", &python)
+        .output()
+        .expect("running run-local.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "run-local.sh failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("ready: model"), "{stdout}");
+    let answer = stdout
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no completion in:\n{stdout}"));
+    let v: serde_json::Value = serde_json::from_str(answer).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
+    assert!(stdout.contains("nothing left running"), "{stdout}");
+    // Its state directory (named in the output) is gone, and nothing listens on its port.
+    let state = stdout
+        .split("(logs: ")
+        .nth(1)
+        .and_then(|s| s.split(')').next())
+        .expect("the state directory is named");
+    assert!(!std::path::Path::new(state).exists(), "{state} left behind");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the frontend still listens on {port}"
+    );
+}

@@ -13,13 +13,18 @@ mod common;
 
 use std::process::Command;
 
+/// A Python with Dynamo (see the module's note), or `None` (then the test is skipped).
+fn dynamo_python() -> Option<String> {
+    common::python_with(
+        "dynamo.frontend, dynamo.common.backend, aiohttp",
+        "install Dynamo as .ci/run does (docs/distributed.md)",
+    )
+}
+
 #[test]
 fn the_kv_router_sends_follow_ups_to_the_worker_caching_their_prefix_and_survives_a_dead_worker() {
     let model = common::require_default_model();
-    let Some(python) = common::python_with(
-        "dynamo.frontend, dynamo.common.backend, aiohttp",
-        "install Dynamo as .ci/run does (docs/distributed.md)",
-    ) else {
+    let Some(python) = dynamo_python() else {
         return;
     };
     let root = env!("CARGO_MANIFEST_DIR");
@@ -49,10 +54,7 @@ fn the_one_script_walkthrough_serves_a_request_and_leaves_nothing_behind() {
     // Dynamo environment instead of a fresh virtual environment (the install is .ci/run's,
     // from the same pinned requirement files).
     let model = common::require_default_model();
-    let Some(python) = common::python_with(
-        "dynamo.frontend, dynamo.common.backend, aiohttp",
-        "install Dynamo as .ci/run does (docs/distributed.md)",
-    ) else {
+    let Some(python) = dynamo_python() else {
         return;
     };
     let root = env!("CARGO_MANIFEST_DIR");

@@ -619,6 +619,18 @@ fn vllm_labelled<'a>(registry: &'a mut Registry, model_name: &str) -> &'a mut Re
 mod tests {
     use super::*;
 
+    fn cache_info(gpu_blocks: usize) -> CacheConfigInfo {
+        CacheConfigInfo {
+            block_size: "16".into(),
+            cache_dtype: "f16".into(),
+            enable_prefix_caching: "True".into(),
+            num_gpu_blocks: gpu_blocks.to_string(),
+            num_cpu_blocks: "0".into(),
+            num_disk_blocks: "0".into(),
+            engine: "0".into(),
+        }
+    }
+
     fn times(prompt: usize, generated: usize) -> (RequestTimes, Instant) {
         use std::time::Duration;
         let t0 = Instant::now();
@@ -646,18 +658,7 @@ mod tests {
     #[test]
     fn exposition_uses_vllms_names_and_labels_and_strata_names_for_the_rest() {
         let m = Metrics::new("smol");
-        m.engine_loaded(
-            2048,
-            CacheConfigInfo {
-                block_size: "16".into(),
-                cache_dtype: "f16".into(),
-                enable_prefix_caching: "True".into(),
-                num_gpu_blocks: "128".into(),
-                num_cpu_blocks: "0".into(),
-                num_disk_blocks: "0".into(),
-                engine: "0".into(),
-            },
-        );
+        m.engine_loaded(2048, cache_info(128));
         m.token(true, 0.01);
         let (t, now) = times(100, 5);
         m.finished(Finish::Stop, &t, now);
@@ -716,18 +717,7 @@ mod tests {
     #[test]
     fn a_finished_request_lands_in_vllms_buckets_phase_by_phase() {
         let m = Metrics::new("smol");
-        m.engine_loaded(
-            1000,
-            CacheConfigInfo {
-                block_size: "16".into(),
-                cache_dtype: "f16".into(),
-                enable_prefix_caching: "True".into(),
-                num_gpu_blocks: "8".into(),
-                num_cpu_blocks: "0".into(),
-                num_disk_blocks: "0".into(),
-                engine: "0".into(),
-            },
-        );
+        m.engine_loaded(1000, cache_info(8));
         // Queued 0.4 s, prefill 0.6 s, decode 2 s over 4 tokens after the first (0.5 s
         // each), inference 2.6 s, end to end 3.1 s; 100 prompt and 5 generated tokens.
         let (t, now) = times(100, 5);

@@ -125,3 +125,57 @@ fn hostile_peers_on_the_event_port_neither_kill_the_server_nor_keep_a_subscriber
         );
     });
 }
+
+#[test]
+fn a_publisher_connects_to_a_libzmq_subscriber_that_bound_where_vllm_would() {
+    // `--kv-events-endpoint tcp://127.0.0.1:PORT` names one host: vLLM's PUB connects
+    // there, to a SUB that bound it (a central collector); strata's does too. The SUB
+    // here is libzmq's (pyzmq), so the dialling side's handshake is checked against it.
+    let model = common::require_default_model();
+    let Some(python) = common::python_with("zmq, msgpack", "pip install pyzmq msgpack") else {
+        return;
+    };
+    let script = r#"
+import json, sys, msgpack, zmq
+s = zmq.Context.instance().socket(zmq.SUB)
+s.setsockopt(zmq.SUBSCRIBE, b"")
+port = s.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+if not s.poll(60000):
+    sys.exit("no message within 60 s")
+topic, seq, payload = s.recv_multipart()
+ts, events, rank = msgpack.unpackb(payload)
+print(json.dumps(events[0]), flush=True)
+"#;
+    let mut sub = Command::new(&python)
+        .args(["-c", script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("running python");
+    let mut out = std::io::BufReader::new(sub.stdout.take().unwrap());
+    let mut port = String::new();
+    std::io::BufRead::read_line(&mut out, &mut port).unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", port.trim());
+    let server = Server::start(
+        &model,
+        &["--max-model-len", "512", "--kv-events-endpoint", &endpoint],
+    );
+    let info = server.get("/v1/models").json();
+    assert_eq!(info["data"][0]["kv_events"]["endpoint"], endpoint.as_str());
+    let prompt: Vec<u32> = (1000..1040).collect();
+    let r = server.post_json(
+        "/v1/completions",
+        &serde_json::json!({"model": server.model_name, "prompt": prompt, "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 200);
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut out, &mut first).unwrap();
+    assert!(sub.wait().unwrap().success(), "the SUB got nothing");
+    let event: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(event["type"], "BlockStored", "{event}");
+    assert_eq!(
+        event["token_ids"],
+        serde_json::json!(prompt[..32]),
+        "{event}"
+    );
+}

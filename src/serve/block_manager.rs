@@ -206,6 +206,14 @@ pub struct PersistedBlock {
     pub content: Option<BlockContent>,
 }
 
+/// A persisted copy: its slot and what it holds, where known (an index of an older format
+/// has no contents): only copies with contents are announced, as a subscriber needs the
+/// tokens.
+struct Persisted {
+    slot: DiskSlotId,
+    content: Option<BlockContent>,
+}
+
 /// The disk tier's slots: free, spilled (owned by a block), being written through for the
 /// prefix cache (pinned block), or persisted (a prefix block's durable copy, named in the
 /// on-disk index and reusable after a restart).
@@ -213,12 +221,9 @@ pub struct PersistedBlock {
 struct DiskSlots {
     num: usize,
     free: FreeSlots,
-    /// hash → slot of persisted prefix blocks, and the reverse.
-    persisted: HashMap<BlockKey, DiskSlotId>,
+    /// hash → slot (and content) of persisted prefix blocks, and slot → hash.
+    persisted: HashMap<BlockKey, Persisted>,
     persisted_hash: HashMap<DiskSlotId, BlockKey>,
-    /// What persisted blocks hold, where known (an index of an older format has no
-    /// contents): only these are announced, as a subscriber needs the tokens.
-    contents: HashMap<BlockKey, BlockContent>,
     /// Persisted hashes, least recently written or hit first (evicted first).
     lru: VecDeque<BlockKey>,
     /// Write-through jobs in flight: pinned block → (its hash, the reserved slot).
@@ -398,7 +403,7 @@ impl BlockManager {
                 .disk
                 .persisted
                 .iter()
-                .filter(|&(&h, &s)| !self.borrowed(h, s))
+                .filter(|&(&h, p)| !self.borrowed(h, p.slot))
                 .count()
     }
 
@@ -421,17 +426,17 @@ impl BlockManager {
     /// Drops the least recently used persisted copy that no block is loading; its slot.
     fn evict_persisted(&mut self) -> Option<DiskSlotId> {
         let pos = self.disk.lru.iter().position(|h| {
-            let s = self.disk.persisted[h];
+            let s = self.disk.persisted[h].slot;
             !self.borrowed(*h, s)
         })?;
         let h = self.disk.lru.remove(pos).expect("found");
-        let s = self.disk.persisted.remove(&h).expect("lru names persisted");
-        self.disk.persisted_hash.remove(&s);
+        let p = self.disk.persisted.remove(&h).expect("lru names persisted");
+        self.disk.persisted_hash.remove(&p.slot);
         self.disk.changed = true;
-        if self.disk.contents.remove(&h).is_some() {
+        if p.content.is_some() {
             self.events.removed(Medium::Disk, KvGroup::Full, h);
         }
-        Some(s)
+        Some(p.slot)
     }
 
     /// Returns a block's disk slot, unless it is a persisted copy (which stays).
@@ -928,14 +933,16 @@ impl BlockManager {
             .remove(&id)
             .ok_or(BlockError::NotReferenced(id))?;
         if ok && !self.disk.persisted.contains_key(&hash) {
-            self.disk.persisted.insert(hash, slot);
+            let content = self.blocks.get(&id).and_then(|b| b.content.clone());
+            if let Some(c) = &content {
+                self.events.stored(Medium::Disk, KvGroup::Full, hash, c);
+            }
+            self.disk
+                .persisted
+                .insert(hash, Persisted { slot, content });
             self.disk.persisted_hash.insert(slot, hash);
             self.disk.lru.push_back(hash);
             self.disk.changed = true;
-            if let Some(c) = self.blocks.get(&id).and_then(|b| b.content.clone()) {
-                self.events.stored(Medium::Disk, KvGroup::Full, hash, &c);
-                self.disk.contents.insert(hash, c);
-            }
         } else {
             self.disk.free.push(slot);
         }
@@ -982,7 +989,7 @@ impl BlockManager {
         if self.by_hash.contains_key(&hash) {
             return None;
         }
-        let slot = *self.disk.persisted.get(&hash)?;
+        let slot = self.disk.persisted.get(&hash)?.slot;
         if let Some(pos) = self.disk.lru.iter().position(|&h| h == hash) {
             self.disk.lru.remove(pos);
             self.disk.lru.push_back(hash);
@@ -1015,10 +1022,14 @@ impl BlockManager {
     /// Drops a persisted copy (it failed to load): it is never offered again.
     fn forget_persisted(&mut self, slot: DiskSlotId) {
         if let Some(h) = self.disk.persisted_hash.remove(&slot) {
-            self.disk.persisted.remove(&h);
+            let p = self
+                .disk
+                .persisted
+                .remove(&h)
+                .expect("persisted_hash names persisted");
             self.disk.lru.retain(|&x| x != h);
             self.disk.changed = true;
-            if self.disk.contents.remove(&h).is_some() {
+            if p.content.is_some() {
                 self.events.removed(Medium::Disk, KvGroup::Full, h);
             }
             if !self.blocks.values().any(|b| b.disk == Some(slot)) {
@@ -1036,12 +1047,16 @@ impl BlockManager {
             if self.disk.persisted.contains_key(&e.hash) || !self.disk.free.take(e.slot) {
                 continue; // out of range, named twice, or a hash seen already
             }
-            self.disk.persisted.insert(e.hash, e.slot);
+            let content = e.content.clone();
+            self.disk.persisted.insert(
+                e.hash,
+                Persisted {
+                    slot: e.slot,
+                    content,
+                },
+            );
             self.disk.persisted_hash.insert(e.slot, e.hash);
             self.disk.lru.push_back(e.hash);
-            if let Some(c) = &e.content {
-                self.disk.contents.insert(e.hash, c.clone());
-            }
             n += 1;
         }
         n
@@ -1056,10 +1071,13 @@ impl BlockManager {
             self.disk
                 .lru
                 .iter()
-                .map(|h| PersistedBlock {
-                    hash: *h,
-                    slot: self.disk.persisted[h],
-                    content: self.disk.contents.get(h).cloned(),
+                .map(|h| {
+                    let p = &self.disk.persisted[h];
+                    PersistedBlock {
+                        hash: *h,
+                        slot: p.slot,
+                        content: p.content.clone(),
+                    }
                 })
                 .collect(),
         )
@@ -1069,7 +1087,7 @@ impl BlockManager {
     /// come before their children).
     fn announce_persisted(&mut self) {
         for h in &self.disk.lru {
-            if let Some(c) = self.disk.contents.get(h) {
+            if let Some(c) = &self.disk.persisted[h].content {
                 self.events.stored(Medium::Disk, KvGroup::Full, *h, c);
             }
         }
@@ -1214,7 +1232,8 @@ impl BlockManager {
         if d.persisted.len() != d.persisted_hash.len() || d.persisted.len() != d.lru.len() {
             return Err("persisted maps disagree".into());
         }
-        for (&h, &s) in &d.persisted {
+        for (&h, p) in &d.persisted {
+            let s = p.slot;
             if d.persisted_hash.get(&s) != Some(&h) {
                 return Err(format!("persisted slot {s} maps back to another hash"));
             }

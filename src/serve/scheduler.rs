@@ -303,13 +303,13 @@ impl Scheduler {
     }
 
     /// Drops every cached block from the GPU (`BlockManager::reset_prefix_cache`) when no
-    /// sequence holds blocks and no job is in flight; false otherwise.
+    /// block is held (by a sequence, or pinned by a job); false otherwise.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if !self.jobs.is_empty() || self.seqs.values().any(|s| !s.block_ids.is_empty()) {
-            return false;
+        let reset = self.bm.reset_prefix_cache();
+        if reset {
+            self.to_persist.clear(); // their blocks are gone
         }
-        self.to_persist.clear(); // their blocks are about to go
-        self.bm.reset_prefix_cache()
+        reset
     }
 
     /// What its prefix-cache keys are chained to.

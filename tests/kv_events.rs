@@ -179,3 +179,73 @@ print(json.dumps(events[0]), flush=True)
         "{event}"
     );
 }
+
+/// vLLM's replay protocol from a libzmq DEALER (tests/kv_events_replay.py) against a
+/// server keeping `buffer` batches.
+fn replay_passes_with_buffer(buffer: usize) {
+    let model = common::require_default_model();
+    let Some(python) = common::python_with("zmq", "pip install pyzmq") else {
+        return;
+    };
+    let buffer = buffer.to_string();
+    let server = Server::start(
+        &model,
+        &[
+            "--max-model-len",
+            "512",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-topic",
+            "replayed",
+            "--kv-events-replay-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-replay-buffer",
+            &buffer,
+        ],
+    );
+    let models = server.get("/v1/models").json();
+    let kv = &models["data"][0]["kv_events"];
+    let replay = kv["replay_endpoint"]
+        .as_str()
+        .expect("the replay endpoint is listed");
+    assert!(
+        replay.starts_with("tcp://127.0.0.1:") && !replay.ends_with(":0"),
+        "{kv}"
+    );
+    let out = Command::new(&python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/kv_events_replay.py"
+        ))
+        .args([
+            "--events",
+            kv["endpoint"].as_str().unwrap(),
+            "--replay",
+            replay,
+        ])
+        .args(["--topic", "replayed", "--model", &server.model_name])
+        .args([
+            "--base-url",
+            &format!("http://{}", server.addr),
+            "--buffer",
+            &buffer,
+        ])
+        .output()
+        .expect("running python3");
+    assert!(
+        out.status.success(),
+        "kv_events_replay.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_libzmq_dealer_replays_what_the_publisher_sent_as_vllm_s_replay_socket_answers() {
+    replay_passes_with_buffer(10_000);
+}
+
+#[test]
+fn the_replay_buffer_keeps_only_the_newest_batches() {
+    replay_passes_with_buffer(3);
+}

@@ -69,6 +69,7 @@ const NOT_FUZZED: &[&str] = &[
     "served-model-name",
     "kv-events-endpoint",
     "kv-events-topic",
+    "kv-events-replay-endpoint",
     "text",
 ];
 

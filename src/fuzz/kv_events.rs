@@ -617,7 +617,7 @@ mod tests {
     #[test]
     fn the_answer_check_takes_a_handshake_and_refuses_a_message() {
         let mut ok = zmtp::greeting().to_vec();
-        ok.extend(zmtp::ready());
+        ok.extend(zmtp::ready(zmtp::Role::Publisher));
         ok.extend(zmtp::pong(b"c"));
         check_answer(&ok);
         check_answer(&ok[..10]);

@@ -111,6 +111,15 @@ pub struct ServeArgs {
     /// messages a subscriber may fall behind, before they are dropped (counted).
     #[arg(long, default_value_t = kv_events::DEFAULT_QUEUE as u64, value_parser = clap::value_parser!(u64).range(1..=1_000_000), requires = "kv_events_endpoint")]
     pub kv_events_queue: u64,
+    /// Keep the last KV-event batches and answer replay requests for them on a ZMQ ROUTER
+    /// socket, as vLLM's `replay_endpoint`: a DEALER sends `["", START]` (big-endian) and
+    /// gets every kept batch from START, then an end marker. Always binds (`*` or a host).
+    #[arg(long, value_name = "tcp://HOST:PORT|ipc://PATH", value_parser = clap::value_parser!(ZmqEndpoint), requires = "kv_events_endpoint")]
+    pub kv_events_replay_endpoint: Option<ZmqEndpoint>,
+    /// KV-event batches the replay socket keeps (vLLM's `buffer_steps`), the oldest
+    /// dropped first; 64 MiB at most whatever the count.
+    #[arg(long, default_value_t = kv_events::replay::DEFAULT_BATCHES as u64, value_parser = clap::value_parser!(u64).range(1..=1_000_000), requires = "kv_events_replay_endpoint")]
+    pub kv_events_replay_buffer: u64,
 }
 
 /// Prompt tokens per forward call: 64, or the block size when blocks are larger.
@@ -359,6 +368,10 @@ async fn serve_on(
             topic: args.kv_events_topic.clone(),
             queue: args.kv_events_queue as usize,
             block_size: args.block_size,
+            replay: args
+                .kv_events_replay_endpoint
+                .clone()
+                .map(|r| (r, args.kv_events_replay_buffer as usize)),
         })?),
         None => None,
     };
@@ -375,9 +388,13 @@ async fn serve_on(
     }
     if let Some(p) = &kv_events {
         crate::log!(
-            "strata serve: KV events on {} (topic {:?})",
+            "strata serve: KV events on {} (topic {:?}){}",
             p.bound,
-            p.topic
+            p.topic,
+            p.replay_bound
+                .as_ref()
+                .map(|r| format!(", replay on {r}"))
+                .unwrap_or_default()
         );
     }
 
@@ -391,6 +408,7 @@ async fn serve_on(
             kv_events: kv_events.as_ref().map(|p| KvEventsInfo {
                 endpoint: p.bound.clone(),
                 topic: p.topic.clone(),
+                replay_endpoint: p.replay_bound.clone(),
                 peers: Arc::clone(&p.peers),
             }),
         },

@@ -59,6 +59,8 @@ pub struct KvEventsInfo {
     /// The bound endpoint, `tcp://HOST:PORT`.
     pub endpoint: String,
     pub topic: String,
+    /// The replay socket's bound endpoint, if there is one.
+    pub replay_endpoint: Option<String>,
     /// The socket's peer counters, read into /metrics when it is scraped.
     pub peers: Arc<PeerStats>,
 }
@@ -311,11 +313,9 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
     let loaded = state.ready()?;
     let info = &loaded.info;
-    let kv_events = state
-        .cfg
-        .kv_events
-        .as_ref()
-        .map(|k| json!({"endpoint": k.endpoint, "topic": k.topic}));
+    let kv_events = state.cfg.kv_events.as_ref().map(
+        |k| json!({"endpoint": k.endpoint, "topic": k.topic, "replay_endpoint": k.replay_endpoint}),
+    );
     Ok(Json(json!({
         "object": "list",
         "data": [{

@@ -16,11 +16,15 @@
 //! channel (`try_send`); when the publisher thread falls behind, the batch is dropped and
 //! counted (`strata:kv_events_dropped_total`). ZMQ PUB drops for slow subscribers too.
 //!
+//! With `--kv-events-replay-endpoint`, the last batches are kept and served to whoever
+//! asks on a ROUTER socket, as vLLM's `replay_endpoint` (`replay`).
+//!
 //! The socket is strata's own (`pub_socket` over the `zmtp` codec), not a ZMQ library's:
 //! a PUB port receives frames too, and the one that must never grow with what a peer
 //! declares or how many peers come (docs/server.md "KV-event socket").
 
 pub mod pub_socket;
+pub mod replay;
 pub mod zmtp;
 
 use std::fmt;
@@ -34,7 +38,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use crate::serve::block_key::BlockKey;
 use crate::serve::cache_events::{CacheEvent, KvGroup};
 use anyhow::{anyhow, Context, Result};
-use pub_socket::{Address, Limits, PeerStats, PubSocket};
+use pub_socket::{Address, Limits, PeerStats, PubSocket, ReplaySocket};
+use replay::ReplayBuffer;
 use serde::Serialize;
 use tokio::sync::mpsc::{self, error::TrySendError};
 
@@ -201,6 +206,8 @@ pub struct KvEventPublisher {
     /// one this socket connects to.
     pub bound: String,
     pub topic: String,
+    /// Where the replay socket is bound (port 0 resolved), if there is one.
+    pub replay_bound: Option<String>,
 }
 
 /// `--kv-events-*`: where, under which topic, and how many batches may wait.
@@ -211,6 +218,8 @@ pub struct KvEventsConfig {
     /// Batches waiting for the publisher thread, and messages a subscriber may fall behind.
     pub queue: usize,
     pub block_size: usize,
+    /// The replay ROUTER's endpoint (always bound) and how many batches it keeps.
+    pub replay: Option<(ZmqEndpoint, usize)>,
 }
 
 impl KvEventPublisher {
@@ -225,24 +234,24 @@ impl KvEventPublisher {
             queue: cfg.queue.max(1),
             ..Limits::DEFAULT
         };
+        let sockets = Sockets {
+            endpoint,
+            replay: cfg.replay.clone(),
+            limits,
+        };
         let thread = std::thread::Builder::new()
             .name("kv-events".into())
-            .spawn(move || publish_loop(endpoint, limits, topic, block_size, rx, ready_tx))
+            .spawn(move || publish_loop(sockets, topic, block_size, rx, ready_tx))
             .context("starting the KV events thread")?;
-        let (addr, peers) = ready_rx
+        let bound = ready_rx
             .recv()
-            .map_err(|_| anyhow!("the KV events thread stopped while binding"))?
-            .with_context(|| format!("cannot bind --kv-events-endpoint {}", cfg.endpoint))?;
-        let bound = match addr {
-            Some(addr) => {
-                let host = match addr.ip() {
-                    std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-                    ip => ip.to_string(),
-                };
-                format!("tcp://{host}:{}", addr.port())
-            }
-            None => cfg.endpoint.to_string(),
-        };
+            .map_err(|_| anyhow!("the KV events thread stopped while binding"))??;
+        let peers = bound.peers;
+        let replay_bound = cfg
+            .replay
+            .as_ref()
+            .map(|(e, _)| endpoint_name(bound.replay, e));
+        let bound = endpoint_name(bound.events, &cfg.endpoint);
         Ok(Self {
             tx: Some(tx),
             thread: Some(thread),
@@ -250,6 +259,7 @@ impl KvEventPublisher {
             peers,
             bound,
             topic: cfg.topic.clone(),
+            replay_bound,
         })
     }
 
@@ -294,19 +304,50 @@ fn unix_seconds() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// What binding found: the TCP address bound (port 0 resolved; none for ipc or a
-/// connecting socket) and the peers' counters.
-type Bound = (Option<std::net::SocketAddr>, Arc<PeerStats>);
+/// An endpoint as peers reach it: the TCP address bound (port 0 resolved), else as given.
+fn endpoint_name(bound: Option<std::net::SocketAddr>, endpoint: &ZmqEndpoint) -> String {
+    match bound {
+        Some(addr) => {
+            let host = match addr.ip() {
+                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+                ip => ip.to_string(),
+            };
+            format!("tcp://{host}:{}", addr.port())
+        }
+        None => endpoint.to_string(),
+    }
+}
 
-/// The publisher thread: a current-thread runtime driving the PUB socket and its peers.
-fn publish_loop(
+/// The sockets the publisher thread opens.
+struct Sockets {
     endpoint: ZmqEndpoint,
+    /// The replay endpoint and the batches it keeps.
+    replay: Option<(ZmqEndpoint, usize)>,
     limits: Limits,
+}
+
+/// What binding found: the TCP addresses bound (port 0 resolved; none for ipc or a
+/// connecting socket) and the event socket's peers' counters.
+struct Bound {
+    events: Option<std::net::SocketAddr>,
+    replay: Option<std::net::SocketAddr>,
+    peers: Arc<PeerStats>,
+}
+
+/// The publisher thread: a current-thread runtime driving the PUB socket (and the replay
+/// ROUTER) and their peers.
+fn publish_loop(
+    sockets: Sockets,
     topic: Vec<u8>,
     block_size: usize,
     mut rx: mpsc::Receiver<Vec<CacheEvent>>,
     ready: std::sync::mpsc::Sender<Result<Bound>>,
 ) {
+    let Sockets {
+        endpoint,
+        replay,
+        limits,
+    } = sockets;
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -322,24 +363,47 @@ fn publish_loop(
             PubSocket::bind(&endpoint.address(), limits).await
         } else {
             Ok(PubSocket::connect(endpoint.address(), limits))
-        };
+        }
+        .with_context(|| format!("cannot bind --kv-events-endpoint {endpoint}"));
         let socket = match opened {
-            Ok(socket) => {
-                let _ = ready.send(Ok((socket.local_addr, Arc::clone(&socket.stats))));
-                socket
-            }
+            Ok(socket) => socket,
             Err(e) => {
-                let _ = ready.send(Err(anyhow!("{e}")));
+                let _ = ready.send(Err(e));
                 return;
             }
         };
+        let replay = match replay {
+            None => None,
+            Some((at, batches)) => {
+                let buffer = Arc::new(ReplayBuffer::new(batches, replay::MAX_BYTES));
+                match ReplaySocket::bind(&at.address(), limits, buffer).await {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        let why = anyhow!("cannot bind --kv-events-replay-endpoint {at}: {e}");
+                        let _ = ready.send(Err(why));
+                        return;
+                    }
+                }
+            }
+        };
+        let _ = ready.send(Ok(Bound {
+            events: socket.local_addr,
+            replay: replay.as_ref().and_then(|r| r.local_addr),
+            peers: Arc::clone(&socket.stats),
+        }));
         let mut seq: u64 = 0;
         while let Some(events) = rx.recv().await {
             let payload = encode_batch(unix_seconds(), &events, block_size);
             socket.send(&[&topic, &seq.to_be_bytes(), &payload]);
+            if let Some(r) = &replay {
+                r.buffer.push(seq, &topic, &payload);
+            }
             seq += 1;
         }
         socket.close(LINGER).await;
+        if let Some(r) = replay {
+            r.close(LINGER).await;
+        }
     });
 }
 

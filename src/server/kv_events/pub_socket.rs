@@ -1,7 +1,8 @@
 //! A ZMQ PUB socket on TCP or a Unix-domain socket (ZMQ's `ipc://`) with the limits a port
 //! open to a network needs (docs/server.md "KV-event socket"), over the `zmtp` codec. It
 //! binds and accepts subscribers, or (`connect`) dials one subscriber that bound, and
-//! dials again whenever that connection ends, as ZMQ reconnects.
+//! dials again whenever that connection ends, as ZMQ reconnects. `ReplaySocket` is the
+//! ROUTER beside it (`replay`), bound, under the same limits.
 //!
 //! - at most `max_peers` connections at once; one more takes the place of the oldest peer
 //!   still handshaking (an honest subscriber handshakes in a millisecond, so peers that
@@ -27,7 +28,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{broadcast, oneshot, watch, Semaphore};
 
-use super::zmtp::{self, Decoder, Event, ProtocolError, Subscriptions};
+use super::replay::{self, ReplayBuffer};
+use super::zmtp::{self, Decoder, Event, ProtocolError, Role, Subscriptions};
 
 /// Where a socket binds or connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,19 +116,50 @@ struct Outbound {
     bytes: Vec<u8>,
 }
 
-pub struct PubSocket {
-    tx: broadcast::Sender<Arc<Outbound>>,
-    stop: watch::Sender<bool>,
-    peers: Arc<Semaphore>,
-    max_peers: usize,
-    /// The TCP address bound (port 0 resolved); `None` for ipc or a connecting socket.
-    pub local_addr: Option<SocketAddr>,
-    pub stats: Arc<PeerStats>,
+/// What a peer's connection serves once it has handshaken.
+#[derive(Clone)]
+enum Service {
+    /// PUB: the published messages its subscriptions match.
+    Publish(broadcast::Sender<Arc<Outbound>>),
+    /// ROUTER: answers to its replay requests.
+    Replay(Arc<ReplayBuffer>),
 }
 
-impl PubSocket {
-    /// Binds `addr` and starts accepting subscribers (on the current tokio runtime).
-    pub async fn bind(addr: &Address, limits: Limits) -> std::io::Result<Self> {
+impl Service {
+    fn role(&self) -> Role {
+        match self {
+            Service::Publish(_) => Role::Publisher,
+            Service::Replay(_) => Role::Router,
+        }
+    }
+}
+
+/// What a socket of either kind holds: its peers' permits, its stop signal, its counters.
+struct Peers {
+    stop: watch::Sender<bool>,
+    permits: Arc<Semaphore>,
+    max: usize,
+    stats: Arc<PeerStats>,
+}
+
+impl Peers {
+    fn new(limits: Limits) -> Self {
+        Self {
+            stop: watch::channel(false).0,
+            permits: Arc::new(Semaphore::new(limits.max_peers)),
+            max: limits.max_peers,
+            stats: Arc::new(PeerStats::default()),
+        }
+    }
+
+    /// Binds `addr` and accepts peers for `service` (on the current tokio runtime);
+    /// returns the TCP address bound (port 0 resolved; `None` for ipc).
+    async fn bind(
+        &self,
+        addr: &Address,
+        limits: Limits,
+        service: Service,
+    ) -> std::io::Result<Option<SocketAddr>> {
         let (listener, local_addr) = match addr {
             Address::Tcp(a) => {
                 let l = TcpListener::bind(a).await?;
@@ -135,15 +168,40 @@ impl PubSocket {
             }
             Address::Ipc(path) => (Listener::Unix(bind_unix(path)?), None),
         };
-        let socket = Self::new(limits, local_addr);
         tokio::spawn(accept_loop(
             listener,
             limits,
-            socket.tx.clone(),
-            Arc::clone(&socket.peers),
-            Arc::clone(&socket.stats),
-            socket.stop.subscribe(),
+            service,
+            Arc::clone(&self.permits),
+            Arc::clone(&self.stats),
+            self.stop.subscribe(),
         ));
+        Ok(local_addr)
+    }
+
+    /// Stops accepting, gives peers up to `linger` to finish, then returns.
+    async fn close(self, linger: Duration) {
+        let _ = self.stop.send(true);
+        // Every peer task holds a permit: all back means every peer has finished.
+        let all = u32::try_from(self.max).unwrap_or(u32::MAX);
+        let _ = tokio::time::timeout(linger, self.permits.acquire_many(all)).await;
+    }
+}
+
+pub struct PubSocket {
+    tx: broadcast::Sender<Arc<Outbound>>,
+    peers: Peers,
+    /// The TCP address bound (port 0 resolved); `None` for ipc or a connecting socket.
+    pub local_addr: Option<SocketAddr>,
+    pub stats: Arc<PeerStats>,
+}
+
+impl PubSocket {
+    /// Binds `addr` and starts accepting subscribers (on the current tokio runtime).
+    pub async fn bind(addr: &Address, limits: Limits) -> std::io::Result<Self> {
+        let mut socket = Self::new(limits);
+        let service = Service::Publish(socket.tx.clone());
+        socket.local_addr = socket.peers.bind(addr, limits, service).await?;
         Ok(socket)
     }
 
@@ -151,28 +209,26 @@ impl PubSocket {
     /// host) and dials again, backing off from 100 ms to 5 s, whenever the connection
     /// fails or ends; messages sent meanwhile are missed, as ZMQ's are.
     pub fn connect(addr: Address, limits: Limits) -> Self {
-        let socket = Self::new(limits, None);
+        let socket = Self::new(limits);
         tokio::spawn(dial_loop(
             addr,
             limits,
-            socket.tx.clone(),
-            Arc::clone(&socket.peers),
+            Service::Publish(socket.tx.clone()),
+            Arc::clone(&socket.peers.permits),
             Arc::clone(&socket.stats),
-            socket.stop.subscribe(),
+            socket.peers.stop.subscribe(),
         ));
         socket
     }
 
-    fn new(limits: Limits, local_addr: Option<SocketAddr>) -> Self {
+    fn new(limits: Limits) -> Self {
         let (tx, _) = broadcast::channel(limits.queue.max(1));
-        let (stop, _) = watch::channel(false);
+        let peers = Peers::new(limits);
         Self {
             tx,
-            stop,
-            peers: Arc::new(Semaphore::new(limits.max_peers)),
-            max_peers: limits.max_peers,
-            local_addr,
-            stats: Arc::new(PeerStats::default()),
+            stats: Arc::clone(&peers.stats),
+            peers,
+            local_addr: None,
         }
     }
 
@@ -189,11 +245,41 @@ impl PubSocket {
 
     /// Stops accepting, gives peers up to `linger` to receive what is queued, then closes.
     pub async fn close(self, linger: Duration) {
-        let _ = self.stop.send(true);
         drop(self.tx);
-        // Every peer task holds a permit: all back means every peer has finished.
-        let all = u32::try_from(self.max_peers).unwrap_or(u32::MAX);
-        let _ = tokio::time::timeout(linger, self.peers.acquire_many(all)).await;
+        self.peers.close(linger).await;
+    }
+}
+
+/// The replay ROUTER (`replay`): always bound, as vLLM binds its replay endpoint.
+pub struct ReplaySocket {
+    peers: Peers,
+    pub buffer: Arc<ReplayBuffer>,
+    /// The TCP address bound (port 0 resolved); `None` for ipc.
+    pub local_addr: Option<SocketAddr>,
+    pub stats: Arc<PeerStats>,
+}
+
+impl ReplaySocket {
+    /// Binds `addr` and answers replay requests from `buffer` (on the current runtime).
+    pub async fn bind(
+        addr: &Address,
+        limits: Limits,
+        buffer: Arc<ReplayBuffer>,
+    ) -> std::io::Result<Self> {
+        let peers = Peers::new(limits);
+        let service = Service::Replay(Arc::clone(&buffer));
+        let local_addr = peers.bind(addr, limits, service).await?;
+        Ok(Self {
+            stats: Arc::clone(&peers.stats),
+            peers,
+            buffer,
+            local_addr,
+        })
+    }
+
+    /// Stops accepting and gives requesters up to `linger` to finish.
+    pub async fn close(self, linger: Duration) {
+        self.peers.close(linger).await;
     }
 }
 
@@ -231,7 +317,7 @@ impl Handshaking {
 async fn accept_loop(
     listener: Listener,
     limits: Limits,
-    tx: broadcast::Sender<Arc<Outbound>>,
+    service: Service,
     peers: Arc<Semaphore>,
     stats: Arc<PeerStats>,
     mut stop: watch::Receiver<bool>,
@@ -265,10 +351,11 @@ async fn accept_loop(
             }
         };
         let (id, evicted) = handshaking.lock().expect("not poisoned").add();
-        let (tx, stats, handshaking) = (tx.clone(), Arc::clone(&stats), Arc::clone(&handshaking));
+        let (service, stats) = (service.clone(), Arc::clone(&stats));
+        let handshaking = Arc::clone(&handshaking);
         tokio::spawn(async move {
             let done = || handshaking.lock().expect("not poisoned").remove(id);
-            peer_session(stream, limits, &tx, &stats, evicted, done).await;
+            peer_session(stream, limits, &service, &stats, evicted, done).await;
             handshaking.lock().expect("not poisoned").remove(id);
             drop(permit);
         });
@@ -279,7 +366,7 @@ async fn accept_loop(
 async fn dial_loop(
     addr: Address,
     limits: Limits,
-    tx: broadcast::Sender<Arc<Outbound>>,
+    service: Service,
     peers: Arc<Semaphore>,
     stats: Arc<PeerStats>,
     mut stop: watch::Receiver<bool>,
@@ -304,7 +391,7 @@ async fn dial_loop(
             // Never evicted (the sender lives as long as the session). At close the session
             // goes on sending what is queued until the runtime ends, as accepted peers do.
             let (_never, evicted) = oneshot::channel();
-            peer_session(stream, limits, &tx, &stats, evicted, || {}).await;
+            peer_session(stream, limits, &service, &stats, evicted, || {}).await;
         }
         tokio::select! {
             () = tokio::time::sleep(backoff) => {}
@@ -318,7 +405,7 @@ async fn dial_loop(
 async fn peer_session(
     stream: PeerStream,
     limits: Limits,
-    tx: &broadcast::Sender<Arc<Outbound>>,
+    service: &Service,
     stats: &PeerStats,
     evicted: oneshot::Receiver<()>,
     handshaken: impl FnOnce(),
@@ -327,9 +414,9 @@ async fn peer_session(
     let end = match stream {
         PeerStream::Tcp(s) => {
             let _ = s.set_nodelay(true);
-            serve_peer(s, limits, tx, stats, evicted, handshaken).await
+            serve_peer(s, limits, service, stats, evicted, handshaken).await
         }
-        PeerStream::Unix(s) => serve_peer(s, limits, tx, stats, evicted, handshaken).await,
+        PeerStream::Unix(s) => serve_peer(s, limits, service, stats, evicted, handshaken).await,
     };
     if let Err(PeerEnd::Protocol | PeerEnd::Timeout) = end {
         stats.disconnected.fetch_add(1, Ordering::Relaxed);
@@ -386,26 +473,32 @@ async fn write_within(
     }
 }
 
-/// One subscriber: handshake under its timeout (or until `evicted`; `handshaken` is
-/// called once it is complete), then its subscriptions in and the matching messages out
-/// until it leaves, misbehaves, stalls or the socket closes.
+/// One peer: handshake under its timeout (or until `evicted`; `handshaken` is called once
+/// it is complete), then its service — a subscriber's subscriptions in and the matching
+/// messages out, a requester's replay requests answered — until it leaves, misbehaves,
+/// stalls or the socket closes.
 async fn serve_peer<S: AsyncRead + AsyncWrite + Unpin>(
     stream: S,
     limits: Limits,
-    tx: &broadcast::Sender<Arc<Outbound>>,
+    service: &Service,
     stats: &PeerStats,
     evicted: oneshot::Receiver<()>,
     handshaken: impl FnOnce(),
 ) -> Result<(), PeerEnd> {
     let (mut rd, mut wr) = tokio::io::split(stream);
-    let mut decoder = Decoder::new();
+    let mut decoder = Decoder::new(service.role());
     let mut buf = Vec::new();
     let handshake = async {
         write_within(&mut wr, &zmtp::greeting(), limits.handshake_timeout).await?;
         while !decoder.is_ready() {
             match decoder.decode(&mut buf)? {
                 Some(Event::Greeting) => {
-                    write_within(&mut wr, &zmtp::ready(), limits.handshake_timeout).await?
+                    write_within(
+                        &mut wr,
+                        &zmtp::ready(service.role()),
+                        limits.handshake_timeout,
+                    )
+                    .await?
                 }
                 Some(_) => {}
                 None => {
@@ -425,6 +518,12 @@ async fn serve_peer<S: AsyncRead + AsyncWrite + Unpin>(
         _ = evicted => return Err(PeerEnd::Timeout),
     }
     handshaken();
+    let tx = match service {
+        Service::Publish(tx) => tx,
+        Service::Replay(buffer) => {
+            return answer_replays(&mut rd, &mut wr, &mut decoder, &mut buf, buffer, limits).await
+        }
+    };
     let mut rx = tx.subscribe();
     let end = stream_messages(
         &mut rd,
@@ -461,7 +560,8 @@ async fn stream_messages(
                 Event::Ping(context) => {
                     write_within(wr, &zmtp::pong(&context), limits.write_stall_timeout).await?
                 }
-                Event::Greeting | Event::Ready | Event::Ignored => {}
+                // (Requests come only to a ROUTER.)
+                Event::Greeting | Event::Ready | Event::Ignored | Event::Request(_) => {}
             }
         }
         tokio::select! {
@@ -482,6 +582,41 @@ async fn stream_messages(
                 // The socket closed and everything queued was sent.
                 Err(broadcast::error::RecvError::Closed) => return Ok(()),
             },
+        }
+    }
+}
+
+/// A requester of the replay ROUTER: each `[b"", start]` answered with the kept batches
+/// from `start` and the end marker, one request at a time (the next is read only once
+/// the answer is written: a requester gets replies only as fast as it reads them).
+async fn answer_replays(
+    rd: &mut (impl AsyncRead + Unpin),
+    wr: &mut (impl AsyncWrite + Unpin),
+    decoder: &mut Decoder,
+    buf: &mut Vec<u8>,
+    buffer: &ReplayBuffer,
+    limits: Limits,
+) -> Result<(), PeerEnd> {
+    loop {
+        while let Some(event) = decoder.decode(buf)? {
+            match event {
+                Event::Request(frames) => {
+                    let Some(start) = replay::requested_start(&frames) else {
+                        continue; // not a replay request: ignored, as vLLM does
+                    };
+                    for reply in buffer.since(start) {
+                        write_within(wr, &reply, limits.write_stall_timeout).await?;
+                    }
+                    write_within(wr, &replay::end_marker(), limits.write_stall_timeout).await?;
+                }
+                Event::Ping(context) => {
+                    write_within(wr, &zmtp::pong(&context), limits.write_stall_timeout).await?
+                }
+                _ => {}
+            }
+        }
+        if !read_some(rd, decoder, buf).await? {
+            return Ok(()); // the requester left
         }
     }
 }

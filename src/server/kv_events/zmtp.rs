@@ -1,11 +1,15 @@
-//! ZMTP 3 (RFC 23, with RFC 37's subscription commands), the publisher's half only, as a
-//! sans-IO codec: bytes in, events out, with every size checked before anything is
-//! buffered or allocated. `pub_socket` drives it over TCP.
+//! ZMTP 3 (RFC 23, with RFC 37's subscription commands), the serving half of two socket
+//! types, as a sans-IO codec: bytes in, events out, with every size checked before
+//! anything is buffered or allocated. `pub_socket` drives it over TCP or Unix sockets.
 //!
-//! A PUB socket only ever *receives* a greeting, a READY command and subscriptions, all
-//! small; so a frame that declares more than `MAX_INBOUND_FRAME` bytes ends the connection
-//! before its body is read (the pure-Rust `zeromq` 0.7 crate this replaces reserved
-//! whatever a frame declared: 73 bytes declaring 2^62 aborted the server).
+//! - PUB (`Role::Publisher`, the event stream) only ever *receives* a greeting, a READY
+//!   command and subscriptions;
+//! - ROUTER (`Role::Router`, the replay socket) receives requests: whole messages of at
+//!   most `MAX_REQUEST_FRAMES` frames.
+//!
+//! All of it is small, so a frame that declares more than `MAX_INBOUND_FRAME` bytes ends
+//! the connection before its body is read (the pure-Rust `zeromq` 0.7 crate this replaces
+//! reserved whatever a frame declared: 73 bytes declaring 2^62 aborted the server).
 //!
 //! We announce ZMTP 3.0, so libzmq and the `zeromq` crate send subscriptions as messages
 //! whose first byte is 1 (subscribe) or 0 (cancel); 3.1's SUBSCRIBE / CANCEL commands are
@@ -20,6 +24,35 @@ pub const MAX_INBOUND_FRAME: u64 = 4096;
 pub const MAX_SUBSCRIPTION: usize = 1024;
 /// Distinct subscriptions one peer may hold at once.
 pub const MAX_SUBSCRIPTIONS: usize = 64;
+/// Frames of one request to a ROUTER (a replay request has two: empty, start).
+pub const MAX_REQUEST_FRAMES: usize = 4;
+
+/// Which socket this side is: the peers it accepts and what their traffic means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// PUB: subscribers (SUB, XSUB) whose traffic is subscriptions.
+    Publisher,
+    /// ROUTER: requesters (DEALER, REQ, ROUTER) whose traffic is requests.
+    Router,
+}
+
+impl Role {
+    /// Its ZMTP socket type, as READY names it.
+    pub fn socket_type(self) -> &'static str {
+        match self {
+            Role::Publisher => "PUB",
+            Role::Router => "ROUTER",
+        }
+    }
+
+    /// Whether a peer of `socket_type` may talk to this socket (RFC 28, RFC 23).
+    fn accepts(self, socket_type: &[u8]) -> bool {
+        match self {
+            Role::Publisher => matches!(socket_type, b"SUB" | b"XSUB"),
+            Role::Router => matches!(socket_type, b"DEALER" | b"REQ" | b"ROUTER"),
+        }
+    }
+}
 
 const GREETING_LEN: usize = 64;
 const FLAG_MORE: u8 = 0x01;
@@ -43,12 +76,14 @@ pub enum ProtocolError {
     BadCommand(&'static str),
     #[error("expected a READY command, got {0}")]
     NoReady(String),
-    #[error("a {0:?} socket cannot subscribe to a PUB socket")]
-    SocketType(String),
+    #[error("a {0:?} socket cannot talk to a {1} socket")]
+    SocketType(String, &'static str),
     #[error("a subscription of {0} bytes (at most {MAX_SUBSCRIPTION})")]
     SubscriptionTooLong(usize),
     #[error("more than {MAX_SUBSCRIPTIONS} subscriptions")]
     TooManySubscriptions,
+    #[error("a request of more than {MAX_REQUEST_FRAMES} frames")]
+    RequestTooLong,
     #[error("the peer sent ERROR")]
     PeerError,
 }
@@ -58,13 +93,16 @@ pub enum ProtocolError {
 pub enum Event {
     /// Its greeting was a ZMTP 3 NULL greeting: send READY.
     Greeting,
-    /// Its READY named a subscriber socket type: the handshake is complete.
+    /// Its READY named a socket type this role accepts: the handshake is complete.
     Ready,
     Subscribe(Vec<u8>),
     Cancel(Vec<u8>),
+    /// A whole message to a ROUTER, its frames in order.
+    Request(Vec<Vec<u8>>),
     /// A heartbeat: answer `pong(context)`.
     Ping(Vec<u8>),
-    /// A frame a PUB ignores (a PONG, an unknown command, a message that is no subscription).
+    /// A frame this role ignores (a PONG, an unknown command, a message to a PUB that is
+    /// no subscription, a subscription to a ROUTER).
     Ignored,
 }
 
@@ -78,22 +116,21 @@ enum Stage {
 /// The inbound half of one connection.
 #[derive(Debug)]
 pub struct Decoder {
+    role: Role,
     stage: Stage,
     /// Inside a multipart message: its later frames are never subscriptions.
     in_message: bool,
-}
-
-impl Default for Decoder {
-    fn default() -> Self {
-        Self::new()
-    }
+    /// A ROUTER's request so far (at most `MAX_REQUEST_FRAMES` capped frames).
+    request: Vec<Vec<u8>>,
 }
 
 impl Decoder {
-    pub fn new() -> Self {
+    pub fn new(role: Role) -> Self {
         Self {
+            role,
             stage: Stage::Greeting,
             in_message: false,
+            request: Vec::new(),
         }
     }
 
@@ -151,17 +188,21 @@ impl Decoder {
                     return Err(ProtocolError::NoReady(printable(name)));
                 }
                 let socket_type = ready_socket_type(body)?;
-                if !matches!(socket_type.as_slice(), b"SUB" | b"XSUB") {
-                    return Err(ProtocolError::SocketType(printable(&socket_type)));
+                if !self.role.accepts(&socket_type) {
+                    return Err(ProtocolError::SocketType(
+                        printable(&socket_type),
+                        self.role.socket_type(),
+                    ));
                 }
                 self.stage = Stage::Traffic;
                 Ok(Some(Event::Ready))
             }
             Stage::Traffic if command => {
                 let (name, body) = split_command(&frame)?;
+                let publisher = self.role == Role::Publisher;
                 Ok(Some(match name {
-                    b"SUBSCRIBE" => Event::Subscribe(body.to_vec()),
-                    b"CANCEL" => Event::Cancel(body.to_vec()),
+                    b"SUBSCRIBE" if publisher => Event::Subscribe(body.to_vec()),
+                    b"CANCEL" if publisher => Event::Cancel(body.to_vec()),
                     b"PING" => {
                         // ttl (2 bytes), then a context of at most 16 bytes to echo.
                         if body.len() < 2 || body.len() > 2 + 16 {
@@ -172,6 +213,17 @@ impl Decoder {
                     b"ERROR" => return Err(ProtocolError::PeerError),
                     b"READY" => return Err(ProtocolError::BadCommand("READY")),
                     _ => Event::Ignored,
+                }))
+            }
+            Stage::Traffic if self.role == Role::Router => {
+                self.request.push(frame);
+                if self.request.len() > MAX_REQUEST_FRAMES {
+                    return Err(ProtocolError::RequestTooLong);
+                }
+                Ok(Some(if flags & FLAG_MORE != 0 {
+                    Event::Ignored // more frames of this request to come
+                } else {
+                    Event::Request(std::mem::take(&mut self.request))
                 }))
             }
             Stage::Traffic => {
@@ -286,15 +338,16 @@ pub fn greeting() -> [u8; GREETING_LEN] {
     g
 }
 
-/// Our READY command: `Socket-Type = PUB`.
-pub fn ready() -> Vec<u8> {
+/// Our READY command: `Socket-Type` the role's.
+pub fn ready(role: Role) -> Vec<u8> {
+    let socket_type = role.socket_type().as_bytes();
     let mut body = Vec::new();
     body.push(5);
     body.extend_from_slice(b"READY");
     body.push(11);
     body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&3u32.to_be_bytes());
-    body.extend_from_slice(b"PUB");
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type);
     frame(FLAG_COMMAND, &body)
 }
 
@@ -391,7 +444,11 @@ mod tests {
     }
 
     fn decode_all(bytes: &[u8]) -> Result<Vec<Event>, ProtocolError> {
-        let mut d = Decoder::new();
+        decode_as(Role::Publisher, bytes)
+    }
+
+    fn decode_as(role: Role, bytes: &[u8]) -> Result<Vec<Event>, ProtocolError> {
+        let mut d = Decoder::new(role);
         let mut buf = bytes.to_vec();
         let mut out = Vec::new();
         while let Some(e) = d.decode(&mut buf)? {
@@ -432,7 +489,7 @@ mod tests {
         bytes.extend(peer_ready(b"SUB"));
         bytes.push(FLAG_LONG);
         bytes.extend((1u64 << 62).to_be_bytes());
-        let mut d = Decoder::new();
+        let mut d = Decoder::new(Role::Publisher);
         let mut buf = bytes;
         assert_eq!(d.decode(&mut buf), Ok(Some(Event::Greeting)));
         assert_eq!(d.decode(&mut buf), Ok(Some(Event::Ready)));
@@ -452,7 +509,7 @@ mod tests {
 
     #[test]
     fn wanted_never_exceeds_one_capped_frame() {
-        let mut d = Decoder::new();
+        let mut d = Decoder::new(Role::Publisher);
         assert_eq!(d.wanted(&[]), Ok(64));
         let mut buf = peer_greeting();
         d.decode(&mut buf).unwrap();
@@ -492,7 +549,11 @@ mod tests {
         );
         assert_eq!(
             with(peer_ready(b"PUSH")),
-            ProtocolError::SocketType("PUSH".into())
+            ProtocolError::SocketType("PUSH".into(), "PUB")
+        );
+        assert_eq!(
+            with(peer_ready(b"DEALER")),
+            ProtocolError::SocketType("DEALER".into(), "PUB")
         );
         assert_eq!(
             with(frame(
@@ -502,6 +563,57 @@ mod tests {
             ProtocolError::BadCommand("READY")
         );
         assert_eq!(with(vec![0x80, 0]), ProtocolError::ReservedFlags(0x80));
+    }
+
+    #[test]
+    fn a_router_takes_requesters_and_whole_requests_of_few_frames() {
+        let mut bytes = peer_greeting();
+        bytes.extend(peer_ready(b"DEALER"));
+        bytes.extend(frame(FLAG_MORE, b""));
+        bytes.extend(frame(0, &7u64.to_be_bytes()));
+        bytes.extend(frame(FLAG_COMMAND, b"\x04PING\x00\x0actx"));
+        bytes.extend(frame(0, b"\x01not a subscription here"));
+        bytes.extend(frame(FLAG_COMMAND, b"\x09SUBSCRIBEab"));
+        assert_eq!(
+            decode_as(Role::Router, &bytes).unwrap(),
+            [
+                Event::Greeting,
+                Event::Ready,
+                Event::Ignored,
+                Event::Request(vec![vec![], 7u64.to_be_bytes().to_vec()]),
+                Event::Ping(b"ctx".to_vec()),
+                Event::Request(vec![b"\x01not a subscription here".to_vec()]),
+                Event::Ignored,
+            ]
+        );
+        for requester in [&b"REQ"[..], b"ROUTER"] {
+            let mut ok = peer_greeting();
+            ok.extend(peer_ready(requester));
+            assert_eq!(decode_as(Role::Router, &ok).unwrap().len(), 2);
+        }
+        let mut sub = peer_greeting();
+        sub.extend(peer_ready(b"SUB"));
+        assert_eq!(
+            decode_as(Role::Router, &sub),
+            Err(ProtocolError::SocketType("SUB".into(), "ROUTER"))
+        );
+        // A request that never ends is cut at MAX_REQUEST_FRAMES frames.
+        let mut long = peer_greeting();
+        long.extend(peer_ready(b"DEALER"));
+        for _ in 0..=MAX_REQUEST_FRAMES {
+            long.extend(frame(FLAG_MORE, b"x"));
+        }
+        assert_eq!(
+            decode_as(Role::Router, &long),
+            Err(ProtocolError::RequestTooLong)
+        );
+        assert_eq!(
+            &ready(Role::Router)[..],
+            &frame(
+                FLAG_COMMAND,
+                b"\x05READY\x0bSocket-Type\x00\x00\x00\x06ROUTER"
+            )[..]
+        );
     }
 
     #[test]

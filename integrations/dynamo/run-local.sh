@@ -107,7 +107,8 @@ start() {  # name, command...: in its own process group, output to $state/name.l
 }
 
 start frontend "$py" -m dynamo.frontend --http-host 127.0.0.1 --http-port "$port" \
-  --discovery-backend file --request-plane tcp --router-mode "$router"
+  --discovery-backend file --request-plane tcp --router-mode "$router" \
+  --migration-limit 3  # requests on a dying worker move to another (docs/distributed.md)
 for i in $(seq 1 "$workers"); do
   start "worker$i" "$py" -m strata_dynamo --strata-bin "$strata" \
     --strata-args "--model $(printf '%q' "$model")" --model-card-dir "$state/card" \

@@ -10,7 +10,9 @@ size, context, capacity); `generate` streams one request's token ids from strata
 /metrics (KV blocks in use, prefix-cache hit rate) a few times a second so the router and
 its busy thresholds see each worker's load; `health_check_payload` is the canary Dynamo
 sends through `generate` when the worker is idle (one greedy token after BOS);
-`cleanup` stops a launched strata.
+`cleanup` stops a launched strata. A watchdog stops the worker (it unregisters at once)
+when strata exits, refuses connections, or leaves /health unanswered for 5 s, so routers
+stop picking a worker whose engine is gone instead of waiting out its discovery lease.
 """
 
 from __future__ import annotations
@@ -143,8 +145,7 @@ class StrataEngine(LLMEngine):
         config = await self.server.write_model_card(self.card_dir)
         self.bos_token_id = config.get("bos_token_id")
         self.model = info.model
-        if self.server.process is not None:
-            self.watchdog = asyncio.create_task(self._stop_when_strata_exits())
+        self.watchdog = asyncio.create_task(self._stop_when_strata_stops())
         self.loop = asyncio.get_running_loop()
         self._start_snapshots()
         logger.info(
@@ -166,14 +167,10 @@ class StrataEngine(LLMEngine):
             ),
         )
 
-    async def _stop_when_strata_exits(self) -> None:
+    async def _stop_when_strata_stops(self) -> None:
         assert self.server is not None
-        await self.server.watch()
-        if self.server.process is not None:
-            logger.error(
-                "strata serve exited (status %s): stopping this worker",
-                self.server.process.returncode,
-            )
+        why = await self.server.watch()
+        logger.error("%s: stopping this worker (it leaves the routing pool now)", why)
         stop_this_worker()
 
     def component_metrics_dp_ranks(self) -> list[int]:

@@ -188,11 +188,31 @@ class StrataServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
 
-    async def watch(self) -> None:
-        """Returns when a child strata exits (never, when attached)."""
-        if self.process is None:
-            await asyncio.Event().wait()
-        await asyncio.to_thread(self.process.wait)
+    async def watch(self, period_s: float = 0.5, hung_after_s: float = 5.0) -> str:
+        """Returns, saying why, when strata stops serving: a child exits, the server
+        refuses connections twice in a row (it is gone), or /health has not answered for
+        `hung_after_s` (it hangs). The worker then leaves the pool at once instead of
+        waiting for its discovery lease to lapse while routers still pick it."""
+        assert self.session is not None
+        loop = asyncio.get_running_loop()
+        refused, last_answer = 0, loop.time()
+        timeout = aiohttp.ClientTimeout(total=min(2.0, hung_after_s))
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                return f"strata serve exited (status {self.process.returncode})"
+            try:
+                async with self.session.get(f"{self.url}/health", timeout=timeout) as r:
+                    await r.read()
+                refused, last_answer = 0, loop.time()  # any answer: it is alive
+            except aiohttp.ClientConnectorError:
+                refused += 1
+                if refused >= 2:
+                    return f"strata serve at {self.url} refuses connections"
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                refused = 0
+            if loop.time() - last_answer > hung_after_s:
+                return f"strata serve at {self.url} has not answered for {hung_after_s:.0f} s"
+            await asyncio.sleep(period_s)
 
 
 def stop_this_worker() -> None:

@@ -16,7 +16,8 @@ strata's own KV-cache events), one round-robin, both with `--migration-limit 3`.
   65% of the requests, and beat round-robin's follow-up time to first token (p90) by 2x.
 - Load snapshots reach Dynamo; greedy text equals `strata generate`; a client that
   disconnects is cancelled in strata.
-- Faults: a worker in front of a hung strata (SIGSTOP) leaves the pool within 8 s; a
+- Faults: a third worker, attached to its own strata, answers Dynamo's health canaries;
+  once that strata hangs (SIGSTOP) the worker leaves the pool within 8 s and exits. A
   worker process killed (SIGKILL) under load, then (after a replacement registers) a
   strata killed under load: every stream ends cleanly, no request fails later than 3 s
   after the kill, the survivor serves, and the other half of the killed worker exits.
@@ -261,6 +262,7 @@ class Cluster:
                 ready = ready and len(generate) == 2 and listed
             if ready:
                 self.model = models["data"][0]["id"]
+                self.instances = generate
                 return
             time.sleep(0.5)
         raise RuntimeError("the cluster did not become ready")
@@ -571,9 +573,21 @@ def hang_phase(c):
             sys.executable, "-m", "strata_dynamo", "--strata-url", f"http://127.0.0.1:{port}",
             "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
             "--model-card-dir", str(c.workdir / "card"),
-        ], env={"DYN_SYSTEM_PORT": str(free_port_below_32768())})
+        ], env={"DYN_SYSTEM_PORT": str(free_port_below_32768()),
+                # Dynamo's canary: one greedy token after BOS through `generate` whenever
+                # the worker has been idle this long (it is: no traffic goes here).
+                "DYN_HEALTH_CHECK_ENABLED": "true", "DYN_CANARY_WAIT_TIME": "1"})
         if not check(c.wait_instances(3, 120), "hang: the attached worker never registered"):
             return None
+        canaries = 0
+        for _ in range(100):
+            _, text = http_json(f"http://127.0.0.1:{port}/metrics", timeout=5)
+            canaries = sum(float(line.rsplit(" ", 1)[1]) for line in str(text).splitlines()
+                           if line.startswith("vllm:request_success_total{"))
+            if canaries >= 2:
+                break
+            time.sleep(0.1)
+        check(canaries >= 2, f"hang: strata served {canaries} of Dynamo's health canaries")
         strata.send_signal(signal.SIGSTOP)
         t = time.time()
         left = c.wait_instances(2, 30)
@@ -638,6 +652,9 @@ def main():
         c.start()
         c.wait_ready()
         result["startup_s"] = round(time.time() - t0, 1)
+        # strata runs on the CPU here: Dynamo's instance list says so.
+        devices = [i.get("device_type") for i in c.instances]
+        check(devices == ["cpu", "cpu"], f"Dynamo lists the workers' devices as {devices}")
 
         kv_rows, kv_prefixes, kv_firsts = routing_phase(
             c, "kv", ["volcanoes", "honey bees", "roman roads", "sourdough bread"][:PREFIXES_PER_PHASE])

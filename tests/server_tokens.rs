@@ -142,6 +142,10 @@ fn models_card_and_vllm_metrics_describe_the_server() {
     assert_eq!(info["kv_cache_block_size"], 16);
     assert_eq!(info["num_gpu_blocks"], 256);
     assert_eq!(info["max_num_seqs"], 16);
+    assert_eq!(
+        info["device"], "cpu",
+        "what a framework registering it reports"
+    );
     assert!(
         info["kv_events"].is_null(),
         "no --kv-events-endpoint: {info}"

@@ -566,6 +566,7 @@ fn load(
         max_model_len,
         vocab_size,
         info: EngineInfo {
+            device: args.device,
             block_size: sched.block_size,
             num_gpu_blocks: sched.num_gpu_blocks,
             max_num_seqs: sched.max_num_seqs,

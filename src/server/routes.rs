@@ -67,6 +67,8 @@ pub struct KvEventsInfo {
 
 /// The engine's geometry, which a router registering this server needs.
 pub struct EngineInfo {
+    /// Where the model runs (`cpu`, `cuda`): what a framework registering it reports.
+    pub device: crate::device::DeviceKind,
     pub block_size: usize,
     pub num_gpu_blocks: usize,
     pub max_num_seqs: usize,
@@ -324,6 +326,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::V
             "created": unix_now(),
             "owned_by": "strata",
             "max_model_len": loaded.max_model_len,
+            "device": info.device.to_string(),
             "kv_cache_block_size": info.block_size,
             "num_gpu_blocks": info.num_gpu_blocks,
             "max_num_seqs": info.max_num_seqs,

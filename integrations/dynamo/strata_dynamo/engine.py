@@ -8,7 +8,8 @@ size, context, capacity); `generate` streams one request's token ids from strata
 `kv_event_sources` hands Dynamo strata's ZMQ KV-events socket to relay to the KV router;
 `attach_snapshot_publisher` receives the per-rank load publisher, fed from strata's
 /metrics (KV blocks in use, prefix-cache hit rate) a few times a second so the router and
-its busy thresholds see each worker's load; `health_check_payload` is the canary Dynamo
+its busy thresholds see each worker's load; `is_quiescent` says whether strata has no
+request running or waiting; `health_check_payload` is the canary Dynamo
 sends through `generate` when the worker is idle (one greedy token after BOS);
 `cleanup` stops a launched strata. A watchdog stops the worker (it unregisters at once)
 when strata exits, refuses connections, or leaves /health unanswered for 5 s, so routers
@@ -145,6 +146,11 @@ class StrataEngine(LLMEngine):
         config = await self.server.write_model_card(self.card_dir)
         self.bos_token_id = config.get("bos_token_id")
         self.model = info.model
+        if info.device == "cpu":
+            # Dynamo 1.6.1 registers an endpoint's device from this process's
+            # CUDA_VISIBLE_DEVICES alone (empty, -1 or none: cpu; else cuda). Registration
+            # comes after start(), and strata (already running) keeps its own environment.
+            os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
         self.watchdog = asyncio.create_task(self._stop_when_strata_stops())
         self.loop = asyncio.get_running_loop()
         self._start_snapshots()
@@ -211,6 +217,17 @@ class StrataEngine(LLMEngine):
                         return
                     last = snap
             await asyncio.sleep(period_s)
+
+    async def is_quiescent(self) -> Optional[bool]:
+        """No request running or waiting in strata (Dynamo asks prefill workers before
+        their cleanup; strata's workers are aggregated, so it is informative here)."""
+        if self.server is None or self.server.session is None:
+            return True
+        load = await self.server.load()
+        if load is None:
+            return None  # strata does not answer: no introspection
+        busy = load.get("vllm:num_requests_running", 0) + load.get("vllm:num_requests_waiting", 0)
+        return busy == 0
 
     async def health_check_payload(self):
         if self.bos_token_id is None:

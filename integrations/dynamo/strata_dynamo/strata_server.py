@@ -47,6 +47,8 @@ class ServerInfo:
     """What `GET /v1/models` says about the server (strata's extension fields)."""
 
     model: str
+    # Where strata runs the model: "cpu" or "cuda" (None from a strata that does not say).
+    device: Optional[str]
     max_model_len: int
     block_size: int
     num_gpu_blocks: int
@@ -66,6 +68,7 @@ class ServerInfo:
             events = (endpoint, kv["topic"])
         return cls(
             model=m["id"],
+            device=m.get("device"),
             max_model_len=m["max_model_len"],
             block_size=m["kv_cache_block_size"],
             num_gpu_blocks=m["num_gpu_blocks"],

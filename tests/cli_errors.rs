@@ -528,10 +528,21 @@ fn untrusted_text_in_errors_is_escaped_onto_one_line() {
 
 #[test]
 fn candle_errors_carry_no_backtrace() {
-    // An unknown tensor type fails inside candle's reader, whose errors capture a
+    // An unknown metadata value type fails inside candle's reader, whose errors capture a
     // backtrace under RUST_BACKTRACE=1 (set by `assert_error`).
+    let p = gguf_with("gguf_value_type", |_| {});
+    let mut bytes = std::fs::read(&p).unwrap();
+    let key = b"general.architecture";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    bytes[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
+    std::fs::write(&p, bytes).unwrap();
+    generate_err(&p, &[], "unrecognized value-type");
+}
+
+#[test]
+fn an_unknown_tensor_type_is_named_with_its_tensor() {
     let p = gguf_with("gguf_dtype", |d| d.tensors[0].ggml_type = 99);
-    generate_err(&p, &[], "unknown dtype for tensor 99");
+    generate_err(&p, &[], "has unknown GGML type 99");
 }
 
 #[test]

@@ -96,7 +96,7 @@ fn a_q8_linear_row_is_the_same_alone_and_in_any_batch() {
         let n = 53;
         let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let t = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
-        let bytes = QTensor::quantize(&t, format.ggml())
+        let bytes = QTensor::quantize(&t, format.ggml().expect("a candle format"))
             .unwrap()
             .data()
             .unwrap()

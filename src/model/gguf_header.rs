@@ -1,4 +1,5 @@
-//! A skim of a GGUF header before candle's reader runs, for what that reader trusts:
+//! A skim of a GGUF header before candle's reader runs on its metadata, for what that
+//! reader trusts (the tensor table after the metadata is read by `weights.rs` itself):
 //!
 //! - `general.alignment = 0` makes `gguf_file::Content::read` divide by zero (a panic);
 //! - candle holds every metadata value as a `gguf_file::Value` (32 bytes, whatever the
@@ -28,6 +29,24 @@ const BUDGET_PER_BYTE: u64 = 4;
 pub struct Skimmed {
     /// `general.alignment` if the metadata holds one of a type candle reads.
     pub alignment: Option<i64>,
+    /// GGUF v2/v3's 64-bit lengths (v1: 32-bit).
+    pub wide: bool,
+    /// Tensors the header declares.
+    pub tensor_count: u64,
+    /// Where the metadata ends (the tensor table starts): `None` when the skim did not
+    /// get there (a malformed header, for candle to report).
+    pub metadata_end: Option<u64>,
+}
+
+impl Skimmed {
+    /// Bytes of the fixed header: magic, version, tensor and metadata counts.
+    pub fn header_len(&self) -> u64 {
+        if self.wide {
+            24
+        } else {
+            16
+        }
+    }
 }
 
 /// Skims the header: `Err` (one line) when candle's reader would hold more than the
@@ -143,7 +162,8 @@ fn skim<R: BufRead + Seek>(r: &mut R, tally: &mut Tally, out: &mut Skimmed) -> S
             _ => return Err(bad()),
         },
     };
-    let _tensor_count = h.len(r)?;
+    out.wide = h.wide;
+    out.tensor_count = h.len(r)?;
     let kv_count = h.len(r)?;
     // candle keeps the last of duplicate keys: so does this skim.
     for _ in 0..kv_count {
@@ -197,6 +217,7 @@ fn skim<R: BufRead + Seek>(r: &mut R, tally: &mut Tally, out: &mut Skimmed) -> S
             }
         };
     }
+    out.metadata_end = Some(r.stream_position()?);
     Ok(())
 }
 

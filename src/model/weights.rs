@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::quantized::gguf_file;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::config::{Arch, ModelConfig};
@@ -1004,9 +1004,28 @@ impl TensorSource for SafetensorsSource {
 // ---------------------------------------------------------------------------------------
 // GGUF
 
+/// A GGUF file's header: its metadata (candle's values) and its tensor table.
+pub struct GgufContent {
+    pub metadata: std::collections::HashMap<String, gguf_file::Value>,
+    pub tensors: std::collections::HashMap<String, GgufTensor>,
+    /// Where tensor data starts in the file (tensor offsets are relative to it).
+    pub tensor_data_offset: u64,
+}
+
+/// One entry of the tensor table.
+pub struct GgufTensor {
+    /// Dimensions outermost first (rows, then columns: GGUF's order reversed).
+    pub shape: Vec<usize>,
+    pub format: Format,
+    /// Bytes from `tensor_data_offset`.
+    pub offset: u64,
+}
+
+/// Most dimensions a GGUF tensor has (ggml's `GGML_MAX_DIMS`).
+const MAX_TENSOR_DIMS: u32 = 4;
+
 pub struct GgufFile {
-    pub content: gguf_file::Content,
-    file: std::fs::File,
+    pub content: GgufContent,
     /// The whole file, mapped: tensors in a format with a kernel are used in place.
     map: Arc<ModelMap>,
     path: PathBuf,
@@ -1027,7 +1046,6 @@ impl GgufFile {
         let map = ModelMap::map(&file).with_context(|| format!("mapping {}", path.display()))?;
         Ok(Self {
             content,
-            file,
             map: Arc::new(map),
             path: path.to_path_buf(),
         })
@@ -1036,99 +1054,148 @@ impl GgufFile {
 
 /// A GGUF file's header (metadata and tensor table) from `reader` (the whole file,
 /// `len` bytes), as `GgufFile::open` reads it: skimmed first for what candle's reader
-/// trusts (`gguf_header`), then read by candle, then the tensor table checked against the
-/// file's size. Errors say what is wrong, without the file's name.
+/// trusts (`gguf_header`), the metadata then read by candle, the tensor table here (its
+/// types are strata's formats, IQ4 ones included, which candle does not read), and the
+/// table checked against the file's size. Errors say what is wrong, without the file's
+/// name.
 pub fn read_gguf_header<R: std::io::Read + std::io::Seek>(
     reader: &mut R,
     len: u64,
-) -> Result<gguf_file::Content> {
+) -> Result<GgufContent> {
+    use std::io::Read;
     reader.rewind()?;
     let skimmed = gguf_header::check(&mut *reader).map_err(|e| anyhow::anyhow!(e))?;
     if skimmed.alignment == Some(0) {
         bail!("general.alignment is 0");
     }
+    let Some(metadata_end) = skimmed.metadata_end else {
+        // Malformed metadata: candle's reader says where (it bounds lengths by the size).
+        reader.rewind()?;
+        gguf_file::Content::read(&mut std::io::BufReader::new(&mut *reader))
+            .map_err(errors::candle)?;
+        bail!("malformed GGUF metadata");
+    };
+    // candle reads the header and the metadata alone: the same bytes with no tensors.
+    let header_len = skimmed.header_len();
+    let mut bytes = Vec::new();
     reader.rewind()?;
-    // Buffered: candle reads metadata a value at a time (a syscall each, unbuffered).
-    let content = gguf_file::Content::read(&mut std::io::BufReader::new(&mut *reader))
-        .map_err(errors::candle)
-        .map_err(name_unread_type)?;
-    check_tensor_layout(&content, len)?;
+    (&mut *reader)
+        .take(metadata_end)
+        .read_to_end(&mut bytes)
+        .context("reading the GGUF metadata")?;
+    let count_at = 8;
+    let zero = [0u8; 8];
+    let width = (header_len as usize - 8) / 2;
+    bytes[count_at..count_at + width].copy_from_slice(&zero[..width]);
+    let metadata = gguf_file::Content::read(&mut std::io::Cursor::new(bytes))
+        .map_err(errors::candle)?
+        .metadata;
+    reader.seek(std::io::SeekFrom::Start(metadata_end))?;
+    let mut table = std::io::BufReader::new(&mut *reader);
+    let (tensors, table_end) = read_tensor_table(&mut table, &skimmed, metadata_end, len)?;
+    let alignment = alignment(&metadata)?;
+    let content = GgufContent {
+        metadata,
+        tensors,
+        tensor_data_offset: table_end.div_ceil(alignment) * alignment,
+    };
+    check_tensor_layout(&content, alignment, len)?;
     Ok(content)
 }
 
-/// candle's "unknown dtype for tensor N" (N: the GGML type id) as a sentence a user can act
-/// on: the type's name, what strata reads, and why such a tensor may be in a file they made
-/// as another type (llama-quantize's fallback for rows that are not whole super-blocks).
-fn name_unread_type(e: anyhow::Error) -> anyhow::Error {
-    const PREFIX: &str = "unknown dtype for tensor ";
-    let msg = e.to_string();
-    let Some(id) = msg
-        .find(PREFIX)
-        .and_then(|at| msg[at + PREFIX.len()..].split_whitespace().next())
-        .and_then(|n| n.parse::<u32>().ok())
-    else {
-        return e;
+/// The tensor table at `start` (after the metadata): each entry a name, its dimensions
+/// (innermost first), its GGML type and its data offset. Returns the tensors and where
+/// the table ends. Counts and lengths are bounded by the bytes left in the file.
+fn read_tensor_table<R: std::io::Read>(
+    r: &mut R,
+    skimmed: &gguf_header::Skimmed,
+    start: u64,
+    file_len: u64,
+) -> Result<(std::collections::HashMap<String, GgufTensor>, u64)> {
+    let wide = skimmed.wide;
+    let prefix = if wide { 8 } else { 4 };
+    let left = file_len.saturating_sub(start);
+    // An entry takes at least a name length, a dimension count, a type and an offset.
+    let min_entry = prefix + 4 + 4 + 8;
+    if skimmed.tensor_count > left / min_entry {
+        bail!(
+            "the header declares {} tensors but the {left} bytes after the metadata hold at most {}",
+            skimmed.tensor_count,
+            left / min_entry
+        );
+    }
+    let at = std::cell::Cell::new(start);
+    let mut read = |n: usize| -> Result<Vec<u8>> {
+        let mut b = vec![0u8; n];
+        r.read_exact(&mut b)
+            .map_err(|_| anyhow::anyhow!("truncated GGUF tensor table"))?;
+        at.set(at.get() + n as u64);
+        Ok(b)
     };
-    // ggml.h's numbering (the types candle reads are not in this list: they never get here).
-    let name = match id {
-        4 | 5 => "Q4_2/Q4_3 (removed from GGML)",
-        16 => "IQ2_XXS",
-        17 => "IQ2_XS",
-        18 => "IQ3_XXS",
-        19 => "IQ1_S",
-        20 => "IQ4_NL",
-        21 => "IQ3_S",
-        22 => "IQ2_S",
-        23 => "IQ4_XS",
-        24 => "I8",
-        25 => "I16",
-        26 => "I32",
-        27 => "I64",
-        28 => "F64",
-        29 => "IQ1_M",
-        34 => "TQ1_0",
-        35 => "TQ2_0",
-        39 => "MXFP4",
-        _ => return e, // not a GGML type: candle's words say it
-    };
-    let fallback = if id == 20 {
-        " (llama-quantize writes IQ4_NL for the rows of a Q2_K, Q3_K or IQ4_XS file that are \
-         not whole 256-value super-blocks)"
-    } else {
-        ""
-    };
-    anyhow::anyhow!(
-        "a tensor has type {name} (GGML type {id}), which strata does not read{fallback}; it reads \
-         F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: \
-         use a file of one of those (e.g. Q4_K_M)"
-    )
+    let int = |b: Vec<u8>| b.iter().rev().fold(0u64, |n, &x| (n << 8) | u64::from(x));
+    let mut tensors = std::collections::HashMap::new();
+    for _ in 0..skimmed.tensor_count {
+        let name_len = int(read(prefix as usize)?);
+        if name_len > file_len.saturating_sub(at.get()) {
+            bail!("a tensor name of {name_len} bytes runs past the end of the file");
+        }
+        let name = String::from_utf8(read(name_len as usize)?)
+            .map_err(|_| anyhow::anyhow!("a tensor name is not UTF-8"))?;
+        let dims = int(read(4)?) as u32;
+        if dims > MAX_TENSOR_DIMS {
+            bail!("tensor `{name}` has {dims} dimensions (at most {MAX_TENSOR_DIMS})");
+        }
+        let mut shape = (0..dims)
+            .map(|_| Ok(usize::try_from(int(read(prefix as usize)?))?))
+            .collect::<Result<Vec<usize>>>()?;
+        shape.reverse();
+        let ty = int(read(4)?) as u32;
+        let format =
+            Format::from_ggml_id(ty).map_err(|why| anyhow::anyhow!("tensor `{name}` has {why}"))?;
+        let offset = int(read(8)?);
+        let tensor = GgufTensor {
+            shape,
+            format,
+            offset,
+        };
+        if tensors.insert(name.clone(), tensor).is_some() {
+            bail!("tensor `{name}` appears twice in the tensor table");
+        }
+    }
+    Ok((tensors, at.get()))
+}
+
+/// `general.alignment`: a power of two, 32 when absent.
+fn alignment(metadata: &std::collections::HashMap<String, gguf_file::Value>) -> Result<u64> {
+    match metadata.get("general.alignment") {
+        None => Ok(gguf_file::DEFAULT_ALIGNMENT),
+        Some(v) => gguf_int(v)
+            .filter(|&a| a > 0 && (a as u64).is_power_of_two())
+            .map(|a| a as u64)
+            .with_context(|| format!("general.alignment must be a power of two, got {v:?}")),
+    }
 }
 
 /// Every tensor's data lies inside the file, starts at a multiple of the alignment and
 /// overlaps no other tensor; sizes are computed with checked arithmetic (a crafted shape
 /// can make the element count wrap).
-fn check_tensor_layout(content: &gguf_file::Content, file_len: u64) -> Result<()> {
-    let alignment = match content.metadata.get("general.alignment") {
-        None => gguf_file::DEFAULT_ALIGNMENT,
-        Some(v) => gguf_int(v)
-            .filter(|&a| a > 0 && (a as u64).is_power_of_two())
-            .map(|a| a as u64)
-            .with_context(|| format!("general.alignment must be a power of two, got {v:?}"))?,
-    };
-    let mut extents = Vec::with_capacity(content.tensor_infos.len());
-    for (name, info) in &content.tensor_infos {
+fn check_tensor_layout(content: &GgufContent, alignment: u64, file_len: u64) -> Result<()> {
+    let mut extents = Vec::with_capacity(content.tensors.len());
+    for (name, info) in &content.tensors {
         let elems = info
             .shape
-            .dims()
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
             .with_context(|| format!("tensor `{name}`: element count overflows"))?;
-        let block = info.ggml_dtype.block_size();
+        let block = info.format.block_elems();
         if !elems.is_multiple_of(block) {
-            bail!("tensor `{name}`: {elems} elements is not a multiple of the {block}-element block of {:?}", info.ggml_dtype);
+            bail!(
+                "tensor `{name}`: {elems} elements is not a multiple of the {block}-element block of {}",
+                info.format
+            );
         }
         let bytes = (elems / block)
-            .checked_mul(info.ggml_dtype.type_size())
+            .checked_mul(info.format.block_bytes())
             .with_context(|| format!("tensor `{name}`: byte size overflows"))?
             as u64;
         if !info.offset.is_multiple_of(alignment) {
@@ -1180,72 +1247,45 @@ struct GgufSource<'a> {
     num_kv_heads: usize,
 }
 
-/// The format a GGUF type is computed in: itself (every type candle-core reads has a
-/// kernel; Q8_1 and Q8_K, llama.cpp's intermediate types, are not read by candle).
-fn kernel_format(t: GgmlDType) -> Result<Format> {
-    use GgmlDType as G;
-    Ok(match t {
-        G::F32 => Format::F32,
-        G::F16 => Format::F16,
-        G::BF16 => Format::Bf16,
-        G::Q4_0 => Format::Q4_0,
-        G::Q4_1 => Format::Q4_1,
-        G::Q5_0 => Format::Q5_0,
-        G::Q5_1 => Format::Q5_1,
-        G::Q8_0 => Format::Q8_0,
-        G::Q2K => Format::Q2K,
-        G::Q3K => Format::Q3K,
-        G::Q4K => Format::Q4K,
-        G::Q5K => Format::Q5K,
-        G::Q6K => Format::Q6K,
-        G::Q8_1 | G::Q8K => bail!("tensors of type {t:?} are not supported"),
-    })
-}
-
 impl TensorSource for GgufSource<'_> {
     fn has(&self, name: &str) -> bool {
-        self.gguf.content.tensor_infos.contains_key(name)
+        self.gguf.content.tensors.contains_key(name)
     }
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        Some(
-            self.gguf
-                .content
-                .tensor_infos
-                .get(name)?
-                .shape
-                .dims()
-                .to_vec(),
-        )
+        Some(self.gguf.content.tensors.get(name)?.shape.clone())
     }
 
     fn load(&mut self, name: &str) -> Result<Loaded> {
         let g = &mut *self.gguf;
-        let info = &g.content.tensor_infos[name];
-        let shape = info.shape.dims().to_vec();
+        let info = &g.content.tensors[name];
+        let shape = info.shape.clone();
         let mat = mat_shape(&shape);
-        let format = kernel_format(info.ggml_dtype)?;
-        let candle_err = |e| anyhow::anyhow!("{}: {}", g.path.display(), errors::candle(e));
+        let format = info.format;
+        // In place: `check_tensor_layout` proved the range lies inside the file.
+        let start = (g.content.tensor_data_offset + info.offset) as usize;
+        let row_bytes = format.row_bytes(mat.in_features).with_context(|| {
+            format!(
+                "{}: tensor `{name}`: rows of {} values are not whole {format} blocks",
+                g.path.display(),
+                mat.in_features
+            )
+        })?;
+        let len = mat.out_features * row_bytes;
+        let bytes = Bytes::Mapped {
+            map: Arc::clone(&g.map),
+            range: start..start + len,
+        };
         let weight = if self.dtype == WeightDtype::F32 || format == Format::F32 {
-            // Through candle's dequantizer: the f32 reference mode, and f32 tensors.
-            let qt = g
-                .content
-                .tensor(&mut g.file, name, &candle_core::Device::Cpu)
-                .map_err(candle_err)?;
-            let data = qt
-                .dequantize(&candle_core::Device::Cpu)
-                .and_then(|t| t.flatten_all())
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(errors::candle)?;
+            // Dequantized once: the f32 reference mode, and f32 tensors. (`quant.rs` gives
+            // candle's dequantizer's bits for every format candle reads: tested.)
+            let mut data = vec![0f32; mat.out_features * mat.in_features];
+            let rows = bytes.as_slice().chunks_exact(row_bytes.max(1));
+            for (row, out) in rows.zip(data.chunks_exact_mut(mat.in_features.max(1))) {
+                quant::dequantize(format, row, out);
+            }
             Weight::f32(data, mat)
         } else {
-            // In place: `check_tensor_layout` proved the range lies inside the file.
-            let start = (g.content.tensor_data_offset + info.offset) as usize;
-            let len = mat.out_features * format.row_bytes(mat.in_features).unwrap_or(0);
-            let bytes = Bytes::Mapped {
-                map: Arc::clone(&g.map),
-                range: start..start + len,
-            };
             Weight::stored(format, bytes, mat)?
         };
         let heads = if !self.unpermute || shape.len() != 2 {
@@ -1314,12 +1354,12 @@ pub fn load_gguf(
 mod tests {
     use super::*;
     use crate::device::cpu::ops;
-    use candle_core::quantized::QTensor;
+    use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    /// A GGUF whose one tensor has GGML type 20 (IQ4_NL): the error names the type and what
-    /// is read instead of candle's "unknown dtype for tensor 20".
+    /// A GGUF whose one tensor has GGML type 16 (IQ2_XXS): the error names the tensor, the
+    /// type and what is read.
     #[test]
     fn an_unread_tensor_type_is_named() {
         let mut f = Vec::new();
@@ -1331,14 +1371,19 @@ mod tests {
         f.extend(b"w");
         f.extend(1u32.to_le_bytes()); // dimensions
         f.extend(32u64.to_le_bytes());
-        f.extend(20u32.to_le_bytes()); // IQ4_NL
+        f.extend(16u32.to_le_bytes()); // IQ2_XXS
         f.extend(0u64.to_le_bytes()); // offset
         f.resize(f.len().next_multiple_of(32) + 18, 0);
         let len = f.len() as u64;
-        let err = read_gguf_header(&mut std::io::Cursor::new(f), len).unwrap_err();
+        let Err(err) = read_gguf_header(&mut std::io::Cursor::new(f), len) else {
+            panic!("an unread type was read")
+        };
         let msg = format!("{err:#}");
-        assert!(msg.contains("IQ4_NL (GGML type 20)"), "{msg}");
-        assert!(msg.contains("Q4_K, Q5_K and Q6_K"), "{msg}");
+        assert!(
+            msg.contains("tensor `w` has type IQ2_XXS (GGML type 16)"),
+            "{msg}"
+        );
+        assert!(msg.contains("IQ4_NL and IQ4_XS"), "{msg}");
         assert!(!msg.contains('\n'), "{msg}");
     }
 

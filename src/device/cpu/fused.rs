@@ -681,6 +681,52 @@ impl Chunks for Q6K {
     }
 }
 
+/// IQ4's 16 indices of chunk `high` (the low or high nibbles of the 16 bytes at `qs`),
+/// looked up in `quant::IQ4_VALUES`, as lanes. (A table lookup has no lane op here; the
+/// scalar lookup keeps the values exactly `quant.rs`'s.)
+#[inline(always)]
+unsafe fn iq4_lanes<V: Lanes>(qs: *const u8, high: bool) -> V::I {
+    let mut v = [0i8; 16];
+    for (j, out) in v.iter_mut().enumerate() {
+        // SAFETY: the caller's 16 index bytes.
+        let q = unsafe { *qs.add(j) };
+        *out = quant::IQ4_VALUES[(if high { q >> 4 } else { q & 0x0F }) as usize];
+    }
+    // SAFETY: 16 bytes on the stack.
+    unsafe { V::i8s(v.as_ptr().cast()) }
+}
+
+/// IQ4_NL: d × the looked-up values (`quant::iq4_nl`).
+struct Iq4Nl;
+impl Chunks for Iq4Nl {
+    const ELEMS: usize = 32;
+    const BYTES: usize = 18;
+    #[inline(always)]
+    unsafe fn chunk<V: Lanes>(b: *const u8, i: usize) -> V::F {
+        unsafe {
+            let q = iq4_lanes::<V>(b.add(2), i == 1);
+            V::mul(V::splat(half_at(b, 0)), V::to_f(q))
+        }
+    }
+}
+
+/// IQ4_XS: chunk `i` lies in 32-value sub-block `i / 2`, its scale `quant::iq4_xs_scale`.
+struct Iq4Xs;
+impl Chunks for Iq4Xs {
+    const ELEMS: usize = 256;
+    const BYTES: usize = 136;
+    #[inline(always)]
+    unsafe fn chunk<V: Lanes>(b: *const u8, i: usize) -> V::F {
+        unsafe {
+            let ib = i / 2;
+            // SAFETY: the block's 136 bytes.
+            let block = std::slice::from_raw_parts(b, Self::BYTES);
+            let q = iq4_lanes::<V>(b.add(8 + 16 * ib), i % 2 == 1);
+            V::mul(V::splat(quant::iq4_xs_scale(block, ib)), V::to_f(q))
+        }
+    }
+}
+
 /// 16-bit and f32 rows: a "block" is 16 values (rows need not be whole blocks: the
 /// remainder is the dot's tail).
 struct Bf16;
@@ -786,6 +832,8 @@ unsafe fn block_with<V: Lanes, const R: usize, const C: usize>(
             Format::Q4K => lanes_of::<V, Q4K, R, C>(xs, ws, k / Q4K::ELEMS),
             Format::Q5K => lanes_of::<V, Q5K, R, C>(xs, ws, k / Q5K::ELEMS),
             Format::Q6K => lanes_of::<V, Q6K, R, C>(xs, ws, k / Q6K::ELEMS),
+            Format::Iq4Nl => lanes_of::<V, Iq4Nl, R, C>(xs, ws, k / Iq4Nl::ELEMS),
+            Format::Iq4Xs => lanes_of::<V, Iq4Xs, R, C>(xs, ws, k / Iq4Xs::ELEMS),
             Format::Bf16 => lanes_of::<V, Bf16, R, C>(xs, ws, body / LANES),
             Format::F16 => lanes_of::<V, F16, R, C>(xs, ws, body / LANES),
             Format::F32 => lanes_of::<V, F32, R, C>(xs, ws, body / LANES),
@@ -912,9 +960,10 @@ mod tests {
         for f in [F::Q4_0, F::Q4_1, F::Q5_0, F::Q5_1, F::Q8_0] {
             v.extend([(f, 32), (f, 96)]);
         }
-        for f in [F::Q2K, F::Q3K, F::Q4K, F::Q5K, F::Q6K] {
+        for f in [F::Q2K, F::Q3K, F::Q4K, F::Q5K, F::Q6K, F::Iq4Xs] {
             v.extend([(f, 256), (f, 768)]);
         }
+        v.extend([(F::Iq4Nl, 32), (F::Iq4Nl, 96)]);
         for f in [F::Bf16, F::F16, F::F32] {
             v.extend([(f, 1), (f, 15), (f, 16), (f, 17), (f, 100), (f, 577)]);
         }
@@ -922,7 +971,8 @@ mod tests {
     }
 
     /// `n` random rows of width `k` in `format`: 16-bit and f32 bytes written directly,
-    /// block formats by candle's quantizer.
+    /// block formats by candle's quantizer, IQ4 ones (candle has no quantizer for them) as
+    /// random blocks with a small f16 scale.
     fn stored(rng: &mut StdRng, format: Format, n: usize, k: usize) -> Vec<u8> {
         let v: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.5..2.0)).collect();
         match format {
@@ -935,9 +985,19 @@ mod tests {
                 .iter()
                 .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
                 .collect(),
+            Format::Iq4Nl | Format::Iq4Xs => {
+                let mut bytes: Vec<u8> = (0..n * format.row_bytes(k).unwrap())
+                    .map(|_| rng.random())
+                    .collect();
+                for block in bytes.chunks_exact_mut(format.block_bytes()) {
+                    let d = half::f16::from_f32(rng.random_range(-0.05..0.05));
+                    block[..2].copy_from_slice(&d.to_le_bytes());
+                }
+                bytes
+            }
             _ => {
                 let t = Tensor::from_vec(v, (n, k), &Device::Cpu).unwrap();
-                let q = QTensor::quantize(&t, format.ggml()).unwrap();
+                let q = QTensor::quantize(&t, format.ggml().unwrap()).unwrap();
                 q.data().unwrap().into_owned()
             }
         }

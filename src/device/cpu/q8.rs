@@ -1470,7 +1470,7 @@ mod tests {
     /// `n` rows of `k` values in `format`, by candle's quantizer.
     fn stored(values: &[f32], format: Format, n: usize, k: usize) -> Vec<u8> {
         let t = Tensor::from_vec(values.to_vec(), (n, k), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&t, format.ggml()).unwrap();
+        let q = QTensor::quantize(&t, format.ggml().unwrap()).unwrap();
         q.data().unwrap().into_owned()
     }
 

@@ -30,13 +30,74 @@ pub enum Format {
     Q4K,
     Q5K,
     Q6K,
+    /// 32 values: an f16 scale and 16 bytes of 4-bit indices into `IQ4_VALUES`.
+    Iq4Nl,
+    /// 256 values: an f16 scale, eight 6-bit sub-block scales, 4-bit indices into
+    /// `IQ4_VALUES`.
+    Iq4Xs,
 }
 
+/// The 16 values IQ4_NL and IQ4_XS indices name (ggml's `kvalues_iq4nl`): a non-linear
+/// grid, denser near zero.
+pub const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
 impl Format {
-    /// The same format in candle's (and GGUF's) terms.
-    pub fn ggml(self) -> candle_core::quantized::GgmlDType {
+    /// The format of GGML type `id` (ggml.h's numbering, as GGUF tensor tables store
+    /// it), or why strata does not read it.
+    pub fn from_ggml_id(id: u32) -> Result<Format, String> {
+        Ok(match id {
+            0 => Format::F32,
+            1 => Format::F16,
+            2 => Format::Q4_0,
+            3 => Format::Q4_1,
+            6 => Format::Q5_0,
+            7 => Format::Q5_1,
+            8 => Format::Q8_0,
+            10 => Format::Q2K,
+            11 => Format::Q3K,
+            12 => Format::Q4K,
+            13 => Format::Q5K,
+            14 => Format::Q6K,
+            20 => Format::Iq4Nl,
+            23 => Format::Iq4Xs,
+            30 => Format::Bf16,
+            _ => {
+                let name = match id {
+                    4 | 5 => "Q4_2/Q4_3 (removed from GGML)",
+                    9 => "Q8_1",
+                    15 => "Q8_K",
+                    16 => "IQ2_XXS",
+                    17 => "IQ2_XS",
+                    18 => "IQ3_XXS",
+                    19 => "IQ1_S",
+                    21 => "IQ3_S",
+                    22 => "IQ2_S",
+                    24 => "I8",
+                    25 => "I16",
+                    26 => "I32",
+                    27 => "I64",
+                    28 => "F64",
+                    29 => "IQ1_M",
+                    34 => "TQ1_0",
+                    35 => "TQ2_0",
+                    39 => "MXFP4",
+                    _ => return Err(format!("unknown GGML type {id}")),
+                };
+                return Err(format!(
+                    "type {name} (GGML type {id}), which strata does not read; it reads F32, \
+                     F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, \
+                     IQ4_NL and IQ4_XS: use a file of one of those (e.g. Q4_K_M)"
+                ));
+            }
+        })
+    }
+
+    /// The same format in candle's terms (candle reads neither IQ4 format).
+    pub fn ggml(self) -> Option<candle_core::quantized::GgmlDType> {
         use candle_core::quantized::GgmlDType as G;
-        match self {
+        Some(match self {
             Format::F32 => G::F32,
             Format::Bf16 => G::BF16,
             Format::F16 => G::F16,
@@ -50,7 +111,8 @@ impl Format {
             Format::Q4K => G::Q4K,
             Format::Q5K => G::Q5K,
             Format::Q6K => G::Q6K,
-        }
+            Format::Iq4Nl | Format::Iq4Xs => return None,
+        })
     }
 }
 
@@ -63,7 +125,9 @@ impl Format {
         match self {
             Format::F32 | Format::Bf16 | Format::F16 => 1,
             Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::Q8_0 => 32,
+            Format::Iq4Nl => 32,
             Format::Q2K | Format::Q3K | Format::Q4K | Format::Q5K | Format::Q6K => QK_K,
+            Format::Iq4Xs => QK_K,
         }
     }
 
@@ -82,6 +146,8 @@ impl Format {
             Format::Q4K => 144,
             Format::Q5K => 176,
             Format::Q6K => 210,
+            Format::Iq4Nl => 18,
+            Format::Iq4Xs => 136,
         }
     }
 
@@ -106,6 +172,8 @@ impl Format {
             Format::Q4K => "Q4_K",
             Format::Q5K => "Q5_K",
             Format::Q6K => "Q6_K",
+            Format::Iq4Nl => "IQ4_NL",
+            Format::Iq4Xs => "IQ4_XS",
         }
     }
 }
@@ -181,6 +249,8 @@ pub fn dequantize_generic(format: Format, bytes: &[u8], out: &mut [f32]) {
                 Format::Q4K => blocks.for_each(|(x, y)| q4_k(x, y.try_into().unwrap())),
                 Format::Q5K => blocks.for_each(|(x, y)| q5_k(x, y.try_into().unwrap())),
                 Format::Q6K => blocks.for_each(|(x, y)| q6_k(x, y.try_into().unwrap())),
+                Format::Iq4Nl => blocks.for_each(|(x, y)| iq4_nl(x, y.try_into().unwrap())),
+                Format::Iq4Xs => blocks.for_each(|(x, y)| iq4_xs(x, y.try_into().unwrap())),
                 Format::F32 | Format::Bf16 | Format::F16 => unreachable!(),
             }
         }
@@ -190,6 +260,46 @@ pub fn dequantize_generic(format: Format, bytes: &[u8], out: &mut [f32]) {
 #[inline(always)]
 fn half_at(x: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([x[at], x[at + 1]]).to_f32()
+}
+
+/// `d: f16, qs: [u8; 16]`: value `j` (`j + 16`) is d × `IQ4_VALUES[low (high) nibble of
+/// qs[j]]` (ggml's `dequantize_row_iq4_nl`).
+#[inline(always)]
+fn iq4_nl(x: &[u8], y: &mut [f32; 32]) {
+    let d = half_at(x, 0);
+    iq4_values(d, &x[2..18], y);
+}
+
+/// Sixteen index bytes, scaled: `y[j]` from the low nibble of `qs[j]`, `y[j + 16]` from its
+/// high nibble.
+#[inline(always)]
+fn iq4_values(scale: f32, qs: &[u8], y: &mut [f32; 32]) {
+    for j in 0..16 {
+        y[j] = scale * IQ4_VALUES[(qs[j] & 0x0F) as usize] as f32;
+        y[j + 16] = scale * IQ4_VALUES[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+/// The scale of IQ4_XS sub-block `ib` (0..8) of the block at `x`: d × (its 6-bit scale −
+/// 32), the scale's low 4 bits from `scales_l`, its high 2 from `scales_h`.
+#[inline(always)]
+pub fn iq4_xs_scale(x: &[u8], ib: usize) -> f32 {
+    let d = half_at(x, 0);
+    let scales_h = u16::from_le_bytes([x[2], x[3]]);
+    let low = (x[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
+    let high = ((scales_h >> (2 * ib)) & 3) as u8;
+    d * ((low | (high << 4)) as i32 - 32) as f32
+}
+
+/// `d: f16, scales_h: u16, scales_l: [u8; 4], qs: [u8; 128]`: eight sub-blocks of 32, each
+/// its scale (`iq4_xs_scale`) × `IQ4_VALUES[nibble]` (ggml's `dequantize_row_iq4_xs`).
+#[inline(always)]
+fn iq4_xs(x: &[u8], y: &mut [f32; QK_K]) {
+    for ib in 0..QK_K / 32 {
+        let qs = &x[8 + 16 * ib..8 + 16 * (ib + 1)];
+        let out: &mut [f32; 32] = (&mut y[32 * ib..32 * (ib + 1)]).try_into().unwrap();
+        iq4_values(iq4_xs_scale(x, ib), qs, out);
+    }
 }
 
 /// `d: f16, qs: [u8; 16]`; value `j` (`j + 16`) is the low (high) nibble of `qs[j]`, − 8, × d.
@@ -419,9 +529,9 @@ mod tests {
             let n = 4 * QK_K;
             let src: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..3.0)).collect();
             let t = Tensor::from_vec(src, (4, QK_K), &Device::Cpu).unwrap();
-            let q = QTensor::quantize(&t, f.ggml()).unwrap();
-            assert_eq!(f.ggml().block_size(), f.block_elems(), "{f}");
-            assert_eq!(f.ggml().type_size(), f.block_bytes(), "{f}");
+            let q = QTensor::quantize(&t, f.ggml().unwrap()).unwrap();
+            assert_eq!(f.ggml().unwrap().block_size(), f.block_elems(), "{f}");
+            assert_eq!(f.ggml().unwrap().type_size(), f.block_bytes(), "{f}");
             let bytes = q.data().unwrap().into_owned();
             let want: Vec<f32> = q
                 .dequantize(&Device::Cpu)

@@ -1387,6 +1387,36 @@ mod tests {
         assert!(!msg.contains('\n'), "{msg}");
     }
 
+    /// A GGUF written by candle's writer (its own type ids, ggml.h's numbering) with one
+    /// tensor of every format candle writes: strata's tensor table reads each one's format,
+    /// shape and data exactly as candle holds them.
+    #[test]
+    fn the_tensor_table_reads_candle_written_types_shapes_and_data() {
+        let mut rng = StdRng::seed_from_u64(8);
+        let tensors: Vec<(String, QTensor)> = FORMATS
+            .iter()
+            .map(|(f, t)| {
+                let v: Vec<f32> = (0..3 * 512).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let x = Tensor::from_vec(v, (3, 512), &Device::Cpu).unwrap();
+                (f.to_string(), QTensor::quantize(&x, *t).unwrap())
+            })
+            .collect();
+        let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, q)| (n.as_str(), q)).collect();
+        let mut file = std::io::Cursor::new(Vec::new());
+        gguf_file::write(&mut file, &[], &refs).unwrap();
+        let bytes = file.into_inner();
+        let content =
+            read_gguf_header(&mut std::io::Cursor::new(&bytes), bytes.len() as u64).unwrap();
+        for ((name, q), (format, _)) in tensors.iter().zip(FORMATS) {
+            let info = &content.tensors[name];
+            assert_eq!(info.format, format, "{name}");
+            assert_eq!(info.shape, [3, 512], "{name}");
+            let start = (content.tensor_data_offset + info.offset) as usize;
+            let data = q.data().unwrap();
+            assert_eq!(&bytes[start..start + data.len()], &data[..], "{name}");
+        }
+    }
+
     #[test]
     fn weight_dtype_names_are_the_flag_values() {
         use clap::ValueEnum;

@@ -38,17 +38,6 @@ pub struct Skimmed {
     pub metadata_end: Option<u64>,
 }
 
-impl Skimmed {
-    /// Bytes of the fixed header: magic, version, tensor and metadata counts.
-    pub fn header_len(&self) -> u64 {
-        if self.wide {
-            24
-        } else {
-            16
-        }
-    }
-}
-
 /// Skims the header: `Err` (one line) when candle's reader would hold more than the
 /// budget; a malformed header is `Ok` with what was found, for candle to report.
 pub fn check<R: Read + Seek>(reader: R) -> Result<Skimmed, String> {

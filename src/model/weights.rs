@@ -1075,18 +1075,16 @@ pub fn read_gguf_header<R: std::io::Read + std::io::Seek>(
             .map_err(errors::candle)?;
         bail!("malformed GGUF metadata");
     };
-    // candle reads the header and the metadata alone: the same bytes with no tensors.
-    let header_len = skimmed.header_len();
+    // candle reads the header and the metadata alone: the same bytes with no tensors
+    // (the tensor count, after the magic and the version, zeroed).
     let mut bytes = Vec::new();
     reader.rewind()?;
     (&mut *reader)
         .take(metadata_end)
         .read_to_end(&mut bytes)
         .context("reading the GGUF metadata")?;
-    let count_at = 8;
-    let zero = [0u8; 8];
-    let width = (header_len as usize - 8) / 2;
-    bytes[count_at..count_at + width].copy_from_slice(&zero[..width]);
+    let count_width = if skimmed.wide { 8 } else { 4 };
+    bytes[8..8 + count_width].fill(0);
     let metadata = gguf_file::Content::read(&mut std::io::Cursor::new(bytes))
         .map_err(errors::candle)?
         .metadata;

@@ -52,7 +52,7 @@ mod avx2 {
 
     pub fn attention<T: KvElem>(q: &[f32], k: &[T], v: &[T], out: &mut [f32], s: AttnShape) {
         let (heads, seq) = s.batch_of_one();
-        attention_with(Avx2, q, KvRows::from_slices(k, v), out, heads, &[seq]);
+        attention_with(Avx2, q, KvRows::from_slices(k, v), out, heads, None, &[seq]);
     }
 }
 

@@ -196,7 +196,8 @@ fn bench_context<T: KvElem>(
     let t0 = Instant::now();
     let first = model.forward(&prompt, 0, &mut kv)?;
     let prefill_s = t0.elapsed().as_secs_f64();
-    let weight_bytes = model.weights.decode_read_bytes() as u64;
+    let top_k = model.cfg.moe.map_or(0, |m| m.top_k);
+    let weight_bytes = model.weights.decode_read_bytes(top_k) as u64;
     // Step at position p attends over p + 1 rows of K and V in a full layer, at most its
     // window in a windowed one (elements T).
     let mean_rows = context as f64 + (steps as f64 + 1.0) / 2.0;
@@ -260,14 +261,17 @@ fn op_bytes(model: &Model, kv_bytes: u64) -> Vec<u64> {
     let w = &model.weights;
     let layers =
         |f: fn(&LayerWeights) -> &Weight| w.layers.iter().map(|l| f(l).bytes() as u64).sum();
+    let top_k = model.cfg.moe.map_or(0, |m| m.top_k);
+    let layers_u64 =
+        |f: &dyn Fn(&LayerWeights) -> usize| -> u64 { w.layers.iter().map(|l| f(l) as u64).sum() };
     Op::ALL
         .iter()
         .map(|op| match op {
             Op::Qkv => layers(|l| &l.wqkv),
             Op::Attention => kv_bytes,
             Op::OutProj => layers(|l| &l.wo),
-            Op::GateUp => layers(|l| &l.w_gate_up),
-            Op::Down => layers(|l| &l.w_down),
+            Op::GateUp => layers_u64(&|l: &LayerWeights| l.mlp.token_op_bytes(top_k).0),
+            Op::Down => layers_u64(&|l: &LayerWeights| l.mlp.token_op_bytes(top_k).1),
             Op::LmHead => w.lm_head().bytes() as u64,
         })
         .collect()

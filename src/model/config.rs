@@ -17,6 +17,9 @@ pub enum Arch {
     /// Gemma 3: Qwen3's q/k norms plus a scaled embedding, norms around both sublayers
     /// ("sandwich"), GeGLU, and five sliding-window layers to every full one.
     Gemma3,
+    /// gpt-oss: windowed and full layers alternating, attention sinks, biases on every
+    /// attention projection, YaRN RoPE, and a mixture of experts in place of the MLP.
+    GptOss,
 }
 
 /// How one layer attends, which decides what KV it keeps: the one per-layer question
@@ -58,6 +61,37 @@ pub enum RopeScaling {
     Linear {
         factor: f32,
     },
+    /// YaRN (transformers' `_compute_yarn_parameters`): each frequency blended between
+    /// interpolated (÷ `factor`) and kept, by a ramp over the dimensions whose rotations
+    /// within `original_max_position_embeddings` lie between `beta_slow` and `beta_fast`;
+    /// q and k are both scaled by `attention_factor` (so the scores by its square).
+    Yarn {
+        factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        original_max_position_embeddings: usize,
+        /// Round the ramp's ends outwards to whole dimensions.
+        truncate: bool,
+        attention_factor: f32,
+    },
+}
+
+/// A mixture-of-experts feed-forward block: a router picks `top_k` of `num_experts`
+/// experts per token (its weights: a softmax over the chosen experts' router logits, as
+/// gpt-oss does, and as Qwen's `norm_topk_prob` renormalisation amounts to), each a gated
+/// MLP of `intermediate_size` with biases.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Moe {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub act: ExpertAct,
+}
+
+/// An expert's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertAct {
+    /// gpt-oss: `(clamp(up, ±limit) + 1) · g · σ(alpha · g)`, `g = min(gate, limit)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 /// Plausible upper bounds for sizes read from a model file: far above any released model
@@ -72,6 +106,8 @@ pub mod limits {
     pub const MAX_VOCAB: usize = 1 << 22;
     /// Longest context, in tokens (also the bound of every token-count flag).
     pub const MAX_CONTEXT: usize = 1 << 24;
+    /// Experts of one mixture-of-experts layer (the largest today: 512).
+    pub const MAX_EXPERTS: usize = 1 << 12;
 }
 
 impl RopeScaling {
@@ -89,6 +125,25 @@ impl RopeScaling {
         match *self {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => positive("factor", factor)?,
+            RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings,
+                truncate: _,
+                attention_factor,
+            } => {
+                positive("factor", factor)?;
+                positive("beta_fast", beta_fast)?;
+                positive("beta_slow", beta_slow)?;
+                positive("attention_factor", attention_factor)?;
+                if !(1..=limits::MAX_CONTEXT).contains(&original_max_position_embeddings) {
+                    bail!(
+                        "invalid model config: rope scaling original_max_position_embeddings must be in 1..={}, got {original_max_position_embeddings}",
+                        limits::MAX_CONTEXT
+                    );
+                }
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -111,6 +166,17 @@ impl RopeScaling {
         }
         Ok(())
     }
+
+    /// What this RoPE multiplies q and k by after rotating them (YaRN's attention factor;
+    /// 1 for every other kind).
+    pub fn attention_factor(&self) -> f32 {
+        match *self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor,
+            _ => 1.0,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -132,6 +198,12 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Bias on the q/k/v projections (Qwen2-style checkpoints of the Llama family).
     pub attention_bias: bool,
+    /// Bias on the attention's output projection too (gpt-oss).
+    pub out_bias: bool,
+    /// A learned logit per head in every softmax's denominator, attending nothing (gpt-oss).
+    pub attn_sinks: bool,
+    /// Experts in place of the dense MLP (gpt-oss); `intermediate_size` is each expert's.
+    pub moe: Option<Moe>,
     /// Each layer's attention kind, `[num_layers]`; `rope_theta` / `rope_scaling` are
     /// the full layers' RoPE, a window carries its own.
     pub layer_kinds: Vec<LayerKind>,
@@ -260,6 +332,13 @@ impl ModelConfig {
         }
     }
 
+    /// Layer `l`'s score scale: `attn_scale`, times the square of its RoPE's attention
+    /// factor (YaRN scales both q and k; folded here, the rotation stays a rotation).
+    pub fn layer_attn_scale(&self, l: usize) -> f32 {
+        let f = self.layer_rope(l).1.attention_factor();
+        self.attn_scale * f * f
+    }
+
     /// Whether every layer attends the whole context (no windows).
     pub fn all_layers_full(&self) -> bool {
         self.layer_kinds.iter().all(|k| *k == LayerKind::Full)
@@ -370,6 +449,28 @@ impl ModelConfig {
         ] {
             if let Some(x) = x.filter(|x| !(x.is_finite() && *x > 0.0)) {
                 bail!("invalid model config: {key} must be a finite number > 0, got {x}");
+            }
+        }
+        if let Some(moe) = &self.moe {
+            if !(1..=MAX_EXPERTS).contains(&moe.num_experts) {
+                bail!(
+                    "invalid model config: the number of experts must be in 1..={MAX_EXPERTS}, got {}",
+                    moe.num_experts
+                );
+            }
+            if !(1..=moe.num_experts).contains(&moe.top_k) {
+                bail!(
+                    "invalid model config: experts per token must be in 1..={} (the experts), got {}",
+                    moe.num_experts,
+                    moe.top_k
+                );
+            }
+            match moe.act {
+                ExpertAct::ClampedSwiglu { alpha, limit } => {
+                    if !(alpha.is_finite() && limit.is_finite() && limit > 0.0) {
+                        bail!("invalid model config: swiglu_alpha must be finite and swiglu_limit finite and > 0, got {alpha} and {limit}");
+                    }
+                }
             }
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
@@ -568,6 +669,9 @@ impl ModelConfig {
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             // llama.cpp's qwen2 always carries `attn_{q,k,v}.bias`; its llama and qwen3 never do.
             attention_bias: arch == Arch::Qwen2,
+            out_bias: false,
+            attn_sinks: false,
+            moe: None,
             layer_kinds,
             embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
             sandwich_norms: gemma,
@@ -584,6 +688,12 @@ impl ModelConfig {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// What a gpt-oss config.json sets beyond the Llama keys.
+struct OssParts {
+    kinds: Vec<LayerKind>,
+    moe: Moe,
 }
 
 /// What a Gemma 3 config.json sets beyond the Llama keys.
@@ -641,9 +751,70 @@ struct HfConfig {
     final_logit_softcapping: Option<Value>,
     hidden_activation: Option<String>,
     use_bidirectional_attention: Option<bool>,
+    // gpt-oss
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    swiglu_alpha: Option<f64>,
+    swiglu_limit: Option<f64>,
 }
 
 impl HfConfig {
+    /// Each layer's kind from `layer_types` (`None` when the config has none), a
+    /// `sliding_attention` layer attending `window`.
+    fn kinds_from_layer_types(&self, window: Window) -> Result<Option<Vec<LayerKind>>> {
+        let Some(types) = &self.layer_types else {
+            return Ok(None);
+        };
+        if types.len() != self.num_hidden_layers {
+            bail!(
+                "layer_types names {} layers, num_hidden_layers is {}",
+                types.len(),
+                self.num_hidden_layers
+            );
+        }
+        let kinds = types
+            .iter()
+            .map(|t| match t.as_str() {
+                "full_attention" => Ok(LayerKind::Full),
+                "sliding_attention" => Ok(LayerKind::Window(window)),
+                other => bail!("unsupported layer type {other:?} (supported: full_attention, sliding_attention)"),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(kinds))
+    }
+
+    /// gpt-oss (`GptOssForCausalLM`): transformers' `GptOssConfig` defaults where a key is
+    /// absent — windowed layers (sharing the full layers' RoPE) alternating with full ones
+    /// from a windowed first, and the experts.
+    fn gpt_oss_parts(&self, rope_theta: f64, rope_scaling: RopeScaling) -> Result<OssParts> {
+        let window = Window {
+            size: self.sliding_window.unwrap_or(128),
+            rope_theta: rope_theta as f32,
+            rope_scaling,
+        };
+        let kinds = match self.kinds_from_layer_types(window)? {
+            Some(kinds) => kinds,
+            None => (0..self.num_hidden_layers.min(limits::MAX_LAYERS))
+                .map(|i| {
+                    if i % 2 == 0 {
+                        LayerKind::Window(window)
+                    } else {
+                        LayerKind::Full
+                    }
+                })
+                .collect(),
+        };
+        let moe = Moe {
+            num_experts: self.num_local_experts.unwrap_or(128),
+            top_k: self.num_experts_per_tok.unwrap_or(4),
+            act: ExpertAct::ClampedSwiglu {
+                alpha: self.swiglu_alpha.unwrap_or(1.702) as f32,
+                limit: self.swiglu_limit.unwrap_or(7.0) as f32,
+            },
+        };
+        Ok(OssParts { kinds, moe })
+    }
+
     /// Gemma 3's text model (`Gemma3ForCausalLM`, `gemma3_text`; the text part of
     /// `Gemma3ForConditionalGeneration`): transformers' `Gemma3TextConfig` defaults where a
     /// key is absent; what the forward pass does not compute (softcaps, bidirectional
@@ -699,24 +870,8 @@ impl HfConfig {
             },
         };
         let layers = self.num_hidden_layers.min(limits::MAX_LAYERS);
-        let kinds = match &self.layer_types {
-            Some(types) => {
-                if types.len() != self.num_hidden_layers {
-                    bail!(
-                        "layer_types names {} layers, num_hidden_layers is {}",
-                        types.len(),
-                        self.num_hidden_layers
-                    );
-                }
-                types
-                    .iter()
-                    .map(|t| match t.as_str() {
-                        "full_attention" => Ok(LayerKind::Full),
-                        "sliding_attention" => Ok(LayerKind::Window(window)),
-                        other => bail!("unsupported layer type {other:?} (supported: full_attention, sliding_attention)"),
-                    })
-                    .collect::<Result<Vec<_>>>()?
-            }
+        let kinds = match self.kinds_from_layer_types(window)? {
+            Some(kinds) => kinds,
             None => {
                 let pattern = self.sliding_window_pattern.unwrap_or(6).max(1);
                 (0..layers)
@@ -751,6 +906,7 @@ impl HfConfig {
                 "Qwen2ForCausalLM" => Some(Arch::Qwen2),
                 "Qwen3ForCausalLM" => Some(Arch::Qwen3),
                 "Gemma3ForCausalLM" => Some(Arch::Gemma3),
+                "GptOssForCausalLM" => Some(Arch::GptOss),
                 _ => None,
             })
             .or(match self.model_type.as_deref() {
@@ -758,6 +914,7 @@ impl HfConfig {
                 Some("qwen2") if names.is_empty() => Some(Arch::Qwen2),
                 Some("qwen3") if names.is_empty() => Some(Arch::Qwen3),
                 Some("gemma3_text") if names.is_empty() => Some(Arch::Gemma3),
+                Some("gpt_oss") if names.is_empty() => Some(Arch::GptOss),
                 _ => None,
             });
         let Some(arch) = arch else {
@@ -766,7 +923,7 @@ impl HfConfig {
             } else {
                 names.join(", ")
             };
-            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model)");
+            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model, GptOssForCausalLM)");
         };
         // Qwen2/Qwen3 apply `sliding_window` only when `use_sliding_window` is set; the
         // forward pass is full causal attention, so such a config would compute wrong logits.
@@ -781,6 +938,7 @@ impl HfConfig {
         let window = self.sliding_window.filter(|_| mistral);
         // transformers 5.x: rope_theta and rope type live in `rope_parameters`.
         let rope_params = self.rope_parameters.as_ref().filter(|v| v.is_object());
+        let oss = arch == Arch::GptOss;
         let rope_theta = self
             .rope_theta
             .or_else(|| {
@@ -788,7 +946,7 @@ impl HfConfig {
                     .and_then(|p| p.get("rope_theta"))
                     .and_then(Value::as_f64)
             })
-            .unwrap_or(10_000.0);
+            .unwrap_or(if oss { 150_000.0 } else { 10_000.0 });
         let scaling_src = self
             .rope_scaling
             .as_ref()
@@ -798,6 +956,9 @@ impl HfConfig {
             None => RopeScaling::None,
             Some(s) => parse_rope_scaling(s)?,
         };
+        if oss && self.rope_scaling.is_none() && rope_params.is_none() {
+            bail!("unsupported gpt-oss config: no rope_parameters (its YaRN RoPE must be given)");
+        }
         let head_dim = self.head_dim.unwrap_or(
             self.hidden_size
                 .checked_div(self.num_attention_heads)
@@ -809,6 +970,10 @@ impl HfConfig {
         let eos_token_ids = json_token_ids("eos_token_id", self.eos_token_id.as_ref())?;
         let gemma = match arch {
             Arch::Gemma3 => Some(self.gemma3_config(head_dim)?),
+            _ => None,
+        };
+        let oss = match arch {
+            Arch::GptOss => Some(self.gpt_oss_parts(rope_theta, rope_scaling)?),
             _ => None,
         };
         let cfg = ModelConfig {
@@ -825,13 +990,23 @@ impl HfConfig {
             rope_scaling: gemma.as_ref().map_or(rope_scaling, |g| g.rope_scaling),
             max_position_embeddings: self
                 .max_position_embeddings
-                .unwrap_or(if gemma.is_some() { 131_072 } else { 2048 })
+                .unwrap_or(if gemma.is_some() || oss.is_some() {
+                    131_072
+                } else {
+                    2048
+                })
                 .min(window.unwrap_or(usize::MAX)),
             // Gemma ties its head unless the config says otherwise.
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(gemma.is_some()),
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             // Qwen2's q/k/v projections always have a bias (its configs have no key for it).
-            attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
+            attention_bias: self
+                .attention_bias
+                .unwrap_or(matches!(arch, Arch::Qwen2 | Arch::GptOss)),
+            // gpt-oss's attention_bias covers the output projection too.
+            out_bias: oss.is_some() && self.attention_bias.unwrap_or(true),
+            attn_sinks: oss.is_some(),
+            moe: oss.as_ref().map(|o| o.moe),
             embed_scale: gemma.as_ref().map(|_| (self.hidden_size as f32).sqrt()),
             sandwich_norms: gemma.is_some(),
             mlp_act: if gemma.is_some() {
@@ -842,9 +1017,10 @@ impl HfConfig {
             attn_scale: gemma
                 .as_ref()
                 .map_or(ModelConfig::default_attn_scale(head_dim), |g| g.attn_scale),
-            layer_kinds: match gemma {
-                Some(g) => g.kinds,
-                None => ModelConfig::all_full(self.num_hidden_layers.min(limits::MAX_LAYERS)),
+            layer_kinds: match (gemma, oss) {
+                (Some(g), _) => g.kinds,
+                (_, Some(o)) => o.kinds,
+                _ => ModelConfig::all_full(self.num_hidden_layers.min(limits::MAX_LAYERS)),
             },
             bos_token_id,
             eos_token_ids,
@@ -874,8 +1050,35 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling> {
             original_max_position_embeddings: f("original_max_position_embeddings")
                 .unwrap_or(8192.0) as usize,
         },
+        "yarn" => {
+            let factor = f("factor").context("rope scaling `yarn` needs `factor`")?;
+            let get_mscale = |m: f64| {
+                if factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * factor.ln() + 1.0
+                }
+            };
+            let attention_factor = match (f("attention_factor"), f("mscale"), f("mscale_all_dim")) {
+                (Some(a), _, _) => a,
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                    get_mscale(m) / get_mscale(all)
+                }
+                _ => get_mscale(1.0),
+            };
+            RopeScaling::Yarn {
+                factor: factor as f32,
+                beta_fast: f("beta_fast").filter(|&b| b != 0.0).unwrap_or(32.0) as f32,
+                beta_slow: f("beta_slow").filter(|&b| b != 0.0).unwrap_or(1.0) as f32,
+                original_max_position_embeddings: f("original_max_position_embeddings")
+                    .context("rope scaling `yarn` needs `original_max_position_embeddings`")?
+                    as usize,
+                truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                attention_factor: attention_factor as f32,
+            }
+        }
         other => {
-            bail!("unsupported rope scaling type `{other}` (supported: default, linear, llama3)")
+            bail!("unsupported rope scaling type `{other}` (supported: default, linear, llama3, yarn)")
         }
     })
 }
@@ -905,6 +1108,38 @@ pub fn rope_inv_freq(cfg: &ModelConfig, l: usize) -> Vec<f32> {
     let scaled: Vec<f64> = match scaling {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.iter().map(|f| f / factor as f64).collect(),
+        RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            original_max_position_embeddings,
+            truncate,
+            attention_factor: _,
+        } => {
+            let dim = cfg.head_dim as f64;
+            let ln_base = (theta as f64).ln();
+            let old = original_max_position_embeddings as f64;
+            // The dimension whose frequency turns `rotations` times over `old` positions.
+            let dim_of = |rotations: f32| {
+                dim * (old / (rotations as f64 * 2.0 * std::f64::consts::PI)).ln() / (2.0 * ln_base)
+            };
+            let (mut low, mut high) = (dim_of(beta_fast), dim_of(beta_slow));
+            if truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+            if low == high {
+                high += 0.001; // as transformers: no division by zero
+            }
+            base.iter()
+                .enumerate()
+                .map(|(i, &f)| {
+                    // 1 keeps the frequency (fast dimensions), 0 interpolates it.
+                    let keep = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    f / factor as f64 * (1.0 - keep) + f * keep
+                })
+                .collect()
+        }
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,

@@ -615,6 +615,7 @@ impl CudaModel {
                     v: slot.v,
                     capacity: slot.rows,
                     window,
+                    scale: c.layer_attn_scale(l), // YaRN's factor folded in
                     ..*args
                 };
                 if let Some((r, at)) = selected {
@@ -643,6 +644,7 @@ impl CudaModel {
                     v: slot.v,
                     tables: pool_rows.map_or(paged.tables, |w| w.tables),
                     window,
+                    scale: c.layer_attn_scale(l), // YaRN's factor folded in
                     ..*paged
                 };
                 for l in ops::attn_decode(&paged, scratch)? {
@@ -664,6 +666,7 @@ impl CudaModel {
                     v: slot.v,
                     block_size: slot.rows,
                     window,
+                    scale: c.layer_attn_scale(l), // YaRN's factor folded in
                     ..*paged
                 };
                 if ring.is_some() {

@@ -5,6 +5,7 @@ pub mod cuda;
 pub mod files;
 mod gguf_header;
 pub mod mapped;
+pub mod moe;
 pub mod op_times;
 pub mod random;
 pub mod template;
@@ -24,7 +25,7 @@ use crate::kv::{KvCache, LayerKv, LayerSlot, NewRow, Query};
 pub use config::{Arch, LayerKind, MlpAct, ModelConfig};
 use op_times::{timed, Op};
 pub use tokenizer::Tokenizer;
-use weights::{ModelWeights, WeightDtype};
+use weights::{Mlp, ModelWeights, WeightDtype};
 
 /// Rows of the MLP processed at once in prefill, so the `[rows, 2 * inter]` activation
 /// stays bounded however long the prompt is.
@@ -604,7 +605,7 @@ impl Model {
         })?;
         // 5. Output projection, (Gemma: its norm,) residual add, the MLP's input norm.
         timed(Op::OutProj, || {
-            ops::linear_weight(&a.attn, &lw.wo, None, &mut a.proj, t)
+            ops::linear_weight(&a.attn, &lw.wo, lw.bo.as_deref(), &mut a.proj, t)
         });
         if let Some((post_attn, _)) = &lw.post_norms {
             ops::rms_norm_in_place(&mut a.proj, post_attn, eps);
@@ -617,26 +618,35 @@ impl Model {
         for r0 in (0..t).step_by(chunk) {
             let n = chunk.min(t - r0);
             let rows = r0 * h..(r0 + n) * h;
-            timed(Op::GateUp, || {
-                ops::linear_weight(
-                    &a.hn[rows.clone()],
-                    &lw.w_gate_up,
-                    None,
-                    &mut a.gu[..n * 2 * inter],
-                    n,
-                )
-            });
-            let (gu, act) = (&a.gu[..n * 2 * inter], &mut a.act[..n * inter]);
-            ops::gated_act(cfg.mlp_act, gu, inter, act);
-            timed(Op::Down, || {
-                ops::linear_weight(
-                    &a.act[..n * inter],
-                    &lw.w_down,
-                    None,
-                    &mut a.proj[rows.clone()],
-                    n,
-                )
-            });
+            match &lw.mlp {
+                Mlp::Dense { gate_up, down } => {
+                    timed(Op::GateUp, || {
+                        ops::linear_weight(
+                            &a.hn[rows.clone()],
+                            gate_up,
+                            None,
+                            &mut a.gu[..n * 2 * inter],
+                            n,
+                        )
+                    });
+                    let (gu, act) = (&a.gu[..n * 2 * inter], &mut a.act[..n * inter]);
+                    ops::gated_act(cfg.mlp_act, gu, inter, act);
+                    timed(Op::Down, || {
+                        ops::linear_weight(
+                            &a.act[..n * inter],
+                            down,
+                            None,
+                            &mut a.proj[rows.clone()],
+                            n,
+                        )
+                    });
+                }
+                Mlp::Experts(x) => {
+                    let moe = cfg.moe.context("expert weights without a MoE config")?;
+                    let x_rows = &a.hn[rows.clone()];
+                    moe::forward(x, moe, inter, x_rows, &mut a.proj[rows.clone()], n);
+                }
+            }
             if let Some((_, post_mlp)) = &lw.post_norms {
                 ops::rms_norm_in_place(&mut a.proj[rows.clone()], post_mlp, eps);
             }
@@ -674,11 +684,12 @@ impl Model {
             }
         }
         let heads = AttnHeads {
-            scale: cfg.attn_scale,
+            scale: cfg.layer_attn_scale(l),
             window: cfg.window(l),
             ..AttnHeads::causal(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         };
-        ops::attention_batch(&a.q, kv.read(), &mut a.attn, heads, seqs);
+        let sinks = self.weights.layers[l].sinks.as_deref();
+        ops::attention_batch(&a.q, kv.read(), &mut a.attn, heads, sinks, seqs);
     }
 
     /// lm_head on the given rows (`a.hn` already holds the final norm): `[vocab]` each.

@@ -3,7 +3,7 @@
 //! rounded to bf16 so the f32 CPU path and the bf16 CUDA path start from the same values.
 
 use super::config::{Arch, GenerationDefaults, MlpAct, ModelConfig, RopeScaling};
-use super::weights::{LayerWeights, MatShape, ModelWeights, Weight};
+use super::weights::{LayerWeights, MatShape, Mlp, ModelWeights, Weight};
 use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -126,6 +126,9 @@ impl Shape {
             tie_word_embeddings: true,
             qk_norm: !self.qkv_bias,
             attention_bias: self.qkv_bias,
+            out_bias: false,
+            attn_sinks: false,
+            moe: None,
             layer_kinds,
             embed_scale: gemma.then(|| (self.hidden as f32).sqrt()),
             sandwich_norms: gemma,
@@ -202,8 +205,12 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeight
             post_norms: cfg
                 .sandwich_norms
                 .then(|| (norm(&mut rng, h), norm(&mut rng, h))),
-            w_gate_up: mat(uniform(&mut rng, 2 * inter * h, s(h)), 2 * inter, h),
-            w_down: mat(uniform(&mut rng, h * inter, s(inter)), h, inter),
+            bo: None,
+            sinks: None,
+            mlp: Mlp::Dense {
+                gate_up: mat(uniform(&mut rng, 2 * inter * h, s(h)), 2 * inter, h),
+                down: mat(uniform(&mut rng, h * inter, s(inter)), h, inter),
+            },
         })
         .collect();
     ModelWeights {

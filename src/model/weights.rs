@@ -509,11 +509,103 @@ pub struct LayerWeights {
     pub q_norm: Option<Vec<f32>>, // [head_dim] (Qwen3)
     pub k_norm: Option<Vec<f32>>, // [head_dim] (Qwen3)
     pub wo: Weight,               // [hidden, q_dim]
-    pub mlp_norm: Vec<f32>,       // [hidden]
-    pub w_gate_up: Weight,        // [2 * inter, hidden]  rows: gate, then up
-    pub w_down: Weight,           // [hidden, inter]
+    pub bo: Option<Vec<f32>>,     // [hidden] (gpt-oss)
+    /// The attention sinks' logits, `[num_heads]` (gpt-oss).
+    pub sinks: Option<Vec<f32>>,
+    pub mlp_norm: Vec<f32>, // [hidden]
+    pub mlp: Mlp,
     /// Gemma's sandwich norms on the attention and MLP outputs, `[hidden]` each.
     pub post_norms: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// A layer's feed-forward block.
+pub enum Mlp {
+    /// One gated MLP for every token.
+    Dense {
+        gate_up: Weight, // [2 * inter, hidden]  rows: gate, then up
+        down: Weight,    // [hidden, inter]
+    },
+    /// A router choosing `Moe::top_k` experts per token (`ModelConfig::moe`).
+    Experts(Experts),
+}
+
+/// A mixture of experts: the router and every expert, each a gated MLP with biases.
+pub struct Experts {
+    pub router: Weight,        // [num_experts, hidden]
+    pub router_bias: Vec<f32>, // [num_experts]
+    pub experts: Vec<Expert>,
+}
+
+pub struct Expert {
+    pub gate_up: Weight,        // [2 * inter, hidden]  rows: gate, then up
+    pub gate_up_bias: Vec<f32>, // [2 * inter]
+    pub down: Weight,           // [hidden, inter]
+    pub down_bias: Vec<f32>,    // [hidden]
+}
+
+impl Mlp {
+    /// Its matrices: gate/up then down (the router first, then each expert's).
+    pub fn matrices(&self) -> Vec<&Weight> {
+        match self {
+            Mlp::Dense { gate_up, down } => vec![gate_up, down],
+            Mlp::Experts(x) => std::iter::once(&x.router)
+                .chain(x.experts.iter().flat_map(|e| [&e.gate_up, &e.down]))
+                .collect(),
+        }
+    }
+
+    fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        match self {
+            Mlp::Dense { gate_up, down } => vec![gate_up, down],
+            Mlp::Experts(x) => std::iter::once(&mut x.router)
+                .chain(
+                    x.experts
+                        .iter_mut()
+                        .flat_map(|e| [&mut e.gate_up, &mut e.down]),
+                )
+                .collect(),
+        }
+    }
+
+    /// Its f32 vectors (the biases of a mixture of experts).
+    fn vectors(&self) -> Vec<&Vec<f32>> {
+        match self {
+            Mlp::Dense { .. } => vec![],
+            Mlp::Experts(x) => std::iter::once(&x.router_bias)
+                .chain(
+                    x.experts
+                        .iter()
+                        .flat_map(|e| [&e.gate_up_bias, &e.down_bias]),
+                )
+                .collect(),
+        }
+    }
+
+    /// Bytes one token reads in its gate/up step (a router's included) and in its down
+    /// step: all of a dense MLP; of experts, `top_k` experts' share.
+    pub fn token_op_bytes(&self, top_k: usize) -> (usize, usize) {
+        match self {
+            Mlp::Dense { gate_up, down } => (gate_up.bytes(), down.bytes()),
+            Mlp::Experts(x) => {
+                let share = |f: fn(&Expert) -> usize| {
+                    x.experts.iter().map(f).sum::<usize>() * top_k / x.experts.len().max(1)
+                };
+                (
+                    x.router.bytes()
+                        + 4 * x.router_bias.len()
+                        + share(|e| e.gate_up.bytes() + 4 * e.gate_up_bias.len()),
+                    share(|e| e.down.bytes() + 4 * e.down_bias.len()),
+                )
+            }
+        }
+    }
+
+    /// Bytes of it one token reads: all of a dense MLP; of experts, the router and `top_k`
+    /// experts' share.
+    pub fn token_read_bytes(&self, top_k: usize) -> usize {
+        let (gate_up, down) = self.token_op_bytes(top_k);
+        gate_up + down
+    }
 }
 
 pub struct ModelWeights {
@@ -535,7 +627,7 @@ impl ModelWeights {
             .chain(
                 self.layers
                     .iter()
-                    .flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]),
+                    .flat_map(|l| [&l.wqkv, &l.wo].into_iter().chain(l.mlp.matrices())),
             )
     }
 
@@ -544,8 +636,13 @@ impl ModelWeights {
         std::iter::once(&self.final_norm).chain(self.layers.iter().flat_map(|l| {
             [&l.attn_norm, &l.mlp_norm]
                 .into_iter()
-                .chain([&l.bqkv, &l.q_norm, &l.k_norm].into_iter().flatten())
+                .chain(
+                    [&l.bqkv, &l.q_norm, &l.k_norm, &l.bo, &l.sinks]
+                        .into_iter()
+                        .flatten(),
+                )
                 .chain(l.post_norms.iter().flat_map(|(a, m)| [a, m]))
+                .chain(l.mlp.vectors())
         }))
     }
 
@@ -556,13 +653,26 @@ impl ModelWeights {
     }
 
     /// Bytes of weights one decode token reads: every matrix and vector, except that an
-    /// embedding table apart from the head contributes only the row it gathers.
-    pub fn decode_read_bytes(&self) -> usize {
+    /// embedding table apart from the head contributes only the row it gathers, and a
+    /// mixture of experts only its router and `top_k` experts' share (`Mlp::token_read_bytes`).
+    pub fn decode_read_bytes(&self, top_k: usize) -> usize {
+        let experts: usize = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mlp, Mlp::Experts(_)))
+            .map(|l| {
+                let m = &l.mlp;
+                m.matrices().into_iter().map(Weight::bytes).sum::<usize>()
+                    + m.vectors().into_iter().map(|v| 4 * v.len()).sum::<usize>()
+                    - m.token_read_bytes(top_k)
+            })
+            .sum();
+        let all = self.bytes() - experts;
         match &self.lm_head {
-            None => self.bytes(),
+            None => all,
             Some(_) => {
                 let embed = self.embed.bytes();
-                self.bytes() - embed + embed / self.embed.shape().out_features.max(1)
+                all - embed + embed / self.embed.shape().out_features.max(1)
             }
         }
     }
@@ -608,11 +718,11 @@ impl ModelWeights {
     fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Weight> {
         std::iter::once(&mut self.embed)
             .chain(self.lm_head.as_mut())
-            .chain(
-                self.layers
-                    .iter_mut()
-                    .flat_map(|l| [&mut l.wqkv, &mut l.wo, &mut l.w_gate_up, &mut l.w_down]),
-            )
+            .chain(self.layers.iter_mut().flat_map(|l| {
+                [&mut l.wqkv, &mut l.wo]
+                    .into_iter()
+                    .chain(l.mlp.matrices_mut())
+            }))
     }
 
     /// The load line: bytes held per format, and any repacking.
@@ -715,6 +825,14 @@ fn hf_names(prefix: &str, head: &str, gemma: bool) -> Names {
                 "gate" => "mlp.gate_proj.weight",
                 "up" => "mlp.up_proj.weight",
                 "down" => "mlp.down_proj.weight",
+                "o_bias" => "self_attn.o_proj.bias",
+                "sinks" => "self_attn.sinks",
+                "router" => "mlp.router.weight",
+                "router_bias" => "mlp.router.bias",
+                "experts_gate_up" => "mlp.experts.gate_up_proj",
+                "experts_gate_up_bias" => "mlp.experts.gate_up_proj_bias",
+                "experts_down" => "mlp.experts.down_proj",
+                "experts_down_bias" => "mlp.experts.down_proj_bias",
                 _ => unreachable!("unknown weight part {part}"),
             };
             format!("{prefix}layers.{i}.{p}")
@@ -776,9 +894,18 @@ fn build(
             cfg.num_layers
         );
     }
-    let per_layer = 9 + 2 * cfg.qk_norm as usize + 2 * cfg.sandwich_norms as usize;
+    let per_layer = 9
+        + 2 * cfg.qk_norm as usize
+        + 2 * cfg.sandwich_norms as usize
+        + 3 * cfg.attention_bias as usize
+        + cfg.out_bias as usize
+        + cfg.attn_sinks as usize
+        + 3 * cfg.moe.is_some() as usize;
     let bar = progress_bar(progress, (cfg.num_layers * per_layer + 3) as u64);
     let has_lm_head = src.has(&names.lm_head);
+    if cfg.moe.is_some() && src.has(&format!("{}_blocks", (names.layer)(0, "experts_gate_up"))) {
+        bail!("the experts are stored as MXFP4 (`*_blocks`, `*_scales`), which is not supported yet: use a bf16 checkpoint (transformers' `Mxfp4Config(dequantize=True)` writes one)");
+    }
     let mut get = |name: &str, shape: &[usize]| -> Result<Weight> {
         let Some(got) = src.shape(name) else {
             bail!("missing tensor `{name}` in the weights");
@@ -832,15 +959,87 @@ fn build(
         } else {
             None
         };
+        let bo = match cfg.out_bias {
+            true => Some(vector("o_bias", h, 0.0)?),
+            false => None,
+        };
+        let sinks = match cfg.attn_sinks {
+            true => Some(vector("sinks", cfg.num_heads, 0.0)?),
+            false => None,
+        };
+        let router_bias = match cfg.moe {
+            Some(moe) => Some(vector("router_bias", moe.num_experts, 0.0)?),
+            None => None,
+        };
         let wqkv = Weight::concat(vec![
             get(&n("q"), &[q, h])?,
             get(&n("k"), &[kv, h])?,
             get(&n("v"), &[kv, h])?,
         ]);
-        let w_gate_up = Weight::concat(vec![
-            get(&n("gate"), &[inter, h])?,
-            get(&n("up"), &[inter, h])?,
-        ]);
+        let mlp = match cfg.moe {
+            None => Mlp::Dense {
+                gate_up: Weight::concat(vec![
+                    get(&n("gate"), &[inter, h])?,
+                    get(&n("up"), &[inter, h])?,
+                ]),
+                down: get(&n("down"), &[h, inter])?,
+            },
+            Some(moe) => {
+                let e = moe.num_experts;
+                let router_bias = router_bias.expect("read with the vectors");
+                let router = get(&n("router"), &[e, h])?;
+                // transformers' gpt-oss layout: `gate_up_proj[e]` is `[hidden, 2 * inter]`
+                // (x @ W), gate and up interleaved by column; `down_proj[e]` `[inter, hidden]`.
+                let gate_up = get(&n("experts_gate_up"), &[e, h, 2 * inter])?.to_f32();
+                let gate_up_bias = get(&n("experts_gate_up_bias"), &[e, 2 * inter])?.to_f32();
+                let down = get(&n("experts_down"), &[e, inter, h])?.to_f32();
+                let down_bias = get(&n("experts_down_bias"), &[e, h])?.to_f32();
+                let experts = (0..e)
+                    .map(|x| {
+                        let gu = &gate_up[x * h * 2 * inter..][..h * 2 * inter]; // [h, 2 * inter]
+                        let gub = &gate_up_bias[x * 2 * inter..][..2 * inter];
+                        let d = &down[x * inter * h..][..inter * h]; // [inter, h]
+                                                                     // Output row r of [gate | up]: gate j is column 2j, up j column 2j + 1.
+                        let col = |r: usize| {
+                            if r < inter {
+                                2 * r
+                            } else {
+                                2 * (r - inter) + 1
+                            }
+                        };
+                        let gate_up: Vec<f32> = (0..2 * inter)
+                            .flat_map(|r| (0..h).map(move |c| gu[c * 2 * inter + col(r)]))
+                            .collect();
+                        let down: Vec<f32> = (0..h)
+                            .flat_map(|r| (0..inter).map(move |c| d[c * h + r]))
+                            .collect();
+                        Expert {
+                            gate_up: Weight::f32(
+                                gate_up,
+                                MatShape {
+                                    out_features: 2 * inter,
+                                    in_features: h,
+                                },
+                            ),
+                            gate_up_bias: (0..2 * inter).map(|r| gub[col(r)]).collect(),
+                            down: Weight::f32(
+                                down,
+                                MatShape {
+                                    out_features: h,
+                                    in_features: inter,
+                                },
+                            ),
+                            down_bias: down_bias[x * h..][..h].to_vec(),
+                        }
+                    })
+                    .collect();
+                Mlp::Experts(Experts {
+                    router,
+                    router_bias,
+                    experts,
+                })
+            }
+        };
         layers.push(LayerWeights {
             attn_norm,
             wqkv,
@@ -848,9 +1047,10 @@ fn build(
             q_norm,
             k_norm,
             wo: get(&n("o"), &[h, q])?,
+            bo,
+            sinks,
             mlp_norm,
-            w_gate_up,
-            w_down: get(&n("down"), &[h, inter])?,
+            mlp,
             post_norms,
         });
     }

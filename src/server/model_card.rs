@@ -24,6 +24,7 @@ impl ModelCard {
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+            Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
         };
         let config = json!({
             "architectures": [architecture],

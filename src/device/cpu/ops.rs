@@ -750,10 +750,16 @@ pub fn gelu_tanh_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
 /// `out[t, i] = act(gu[t, i]) * gu[t, inter + i]`: a gated MLP's activation.
 #[inline(always)]
 fn gated_mul(gu: &[f32], inter: usize, out: &mut [f32], act: impl Fn(f32) -> f32 + Sync) {
+    gated(gu, inter, out, |g, u| act(g) * u)
+}
+
+/// `out[t, i] = f(gu[t, i], gu[t, inter + i])`: a gated MLP's activation of gate and up.
+#[inline(always)]
+fn gated(gu: &[f32], inter: usize, out: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync) {
     let f = |(o, gu): (&mut [f32], &[f32])| {
         let (g, u) = gu.split_at(inter);
         for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-            *o = act(*g) * u;
+            *o = f(*g, *u);
         }
     };
     if serial(out.len()) {
@@ -763,6 +769,17 @@ fn gated_mul(gu: &[f32], inter: usize, out: &mut [f32], act: impl Fn(f32) -> f32
             .zip(gu.par_chunks(2 * inter))
             .for_each(f);
     }
+}
+
+/// gpt-oss's experts: `out[t, i] = (clamp(u, ±limit) + 1) · g · σ(alpha · g)` with
+/// `g = min(gate, limit)`, `u` the up value (`gu` as for `silu_mul`; transformers'
+/// `GptOssExperts._apply_gate`, the sigmoid exact as torch's).
+pub fn clamped_swiglu_mul(gu: &[f32], inter: usize, alpha: f32, limit: f32, out: &mut [f32]) {
+    gated(gu, inter, out, |g, u| {
+        let g = g.min(limit);
+        let u = u.clamp(-limit, limit);
+        (u + 1.0) * (g * (1.0 / (1.0 + (-(g * alpha)).exp())))
+    })
 }
 
 /// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`.
@@ -993,7 +1010,7 @@ const KV_CHUNK: usize = 32;
 /// (the layer's cache, the new tokens already stored); `out[tokens, num_heads, head_dim]`.
 pub fn attention<T: KvElem>(q: &[f32], k: &[T], v: &[T], out: &mut [f32], s: AttnShape) {
     let (heads, seq) = s.batch_of_one();
-    attention_batch(q, KvRows::from_slices(k, v), out, heads, &[seq]);
+    attention_batch(q, KvRows::from_slices(k, v), out, heads, None, &[seq]);
 }
 
 impl AttnShape {
@@ -1028,18 +1045,22 @@ impl AttnShape {
 ///
 /// `q[rows, num_heads, head_dim]`; `k`, `v`: the layer's K/V buffers, addressed by each
 /// sequence's layout; `out[rows, num_heads, head_dim]`.
+///
+/// `sinks[num_heads]` (gpt-oss): each head's learned logit, one more term in every
+/// softmax's denominator that attends nothing (`exp(sink − m)` next to the keys').
 pub fn attention_batch<T: KvElem, L: KvLayout>(
     q: &[f32],
     kv: KvRows<'_, T>,
     out: &mut [f32],
     h: AttnHeads,
+    sinks: Option<&[f32]>,
     seqs: &[AttnSeq<L>],
 ) {
     #[cfg(target_arch = "x86_64")]
     if let Some(kern) = super::dot::Avx512::detect() {
-        return attention_with(kern, q, kv, out, h, seqs);
+        return attention_with(kern, q, kv, out, h, sinks, seqs);
     }
-    attention_with(BUILD_KERNEL, q, kv, out, h, seqs)
+    attention_with(BUILD_KERNEL, q, kv, out, h, sinks, seqs)
 }
 
 /// `attention_batch` with the kernel `kern`.
@@ -1049,8 +1070,12 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
     kv: KvRows<'_, T>,
     out: &mut [f32],
     h: AttnHeads,
+    sinks: Option<&[f32]>,
     seqs: &[AttnSeq<L>],
 ) {
+    if let Some(s) = sinks {
+        assert_eq!(s.len(), h.num_heads, "attention: sinks are not [num_heads]");
+    }
     let hd = h.head_dim;
     let group = h.num_heads / h.num_kv_heads;
     let row_stride = h.num_heads * hd;
@@ -1139,11 +1164,12 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
                 for i in 0..it.nq {
                     for j in 0..group {
                         let r = (g * it.nq + i) * group + j;
+                        let head = (it.g0 + g) * group + j;
+                        let sink = sinks.map(|s| s[head]);
                         let m = parts
                             .iter()
                             .map(|p| p.m[r])
-                            .fold(f32::NEG_INFINITY, f32::max);
-                        let head = (it.g0 + g) * group + j;
+                            .fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
                         // SAFETY: this item alone writes heads of KV heads g0..g0 + ng of its
                         // rows; `out` is [rows, num_heads, head_dim] and the row is inside it.
                         let dst = unsafe {
@@ -1153,7 +1179,7 @@ pub fn attention_with<K: DotKernel, T: KvElem, L: KvLayout>(
                             )
                         };
                         dst.fill(0.0);
-                        let mut l = 0.0;
+                        let mut l = sink.map_or(0.0, |s| (s - m).exp());
                         for p in parts {
                             if p.m[r] == f32::NEG_INFINITY {
                                 continue;
@@ -1488,7 +1514,14 @@ mod tests {
                     kv: ContiguousRows { row },
                 };
                 let qs = &q[pos0 * qd..(pos0 + len) * qd];
-                attention_batch(qs, KvRows::from_slices(&k, &v), &mut out, heads, &[seq]);
+                attention_batch(
+                    qs,
+                    KvRows::from_slices(&k, &v),
+                    &mut out,
+                    heads,
+                    None,
+                    &[seq],
+                );
                 out
             };
             let whole = run(0, total);
@@ -1614,7 +1647,14 @@ mod tests {
             },
         ];
         let mut out = vec![0.0; 103 * qd];
-        attention_batch(&qb, KvRows::from_slices(&kp, &vp), &mut out, heads, &seqs);
+        attention_batch(
+            &qb,
+            KvRows::from_slices(&kp, &vp),
+            &mut out,
+            heads,
+            None,
+            &seqs,
+        );
         assert_eq!(bits(&out[3 * qd..]), bits(&whole[600 * qd..]));
     }
 
@@ -1653,9 +1693,17 @@ mod tests {
             let seq = [seq];
             let rows = KvRows::from_slices(&kt, &vt);
             let mut out = vec![0.0; tokens * nh * hd];
-            attention_with(BUILD_KERNEL, &q, rows, &mut out, heads, &seq);
+            attention_with(BUILD_KERNEL, &q, rows, &mut out, heads, None, &seq);
             assert_eq!(bits(&out), bits(&want), "build kernel, {}", T::NAME);
-            attention_with(super::super::dot::Portable, &q, rows, &mut out, heads, &seq);
+            attention_with(
+                super::super::dot::Portable,
+                &q,
+                rows,
+                &mut out,
+                heads,
+                None,
+                &seq,
+            );
             assert_eq!(bits(&out), bits(&want), "portable kernel, {}", T::NAME);
             let naive = attention_naive(&q, &k, &v, shape);
             let err = naive

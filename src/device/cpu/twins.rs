@@ -171,6 +171,7 @@ pub fn paged_attention(
             KvRows::from_slices(&k, &v),
             &mut out[q0 * q_dim..q1 * q_dim],
             heads,
+            None,
             &[seq],
         );
     }

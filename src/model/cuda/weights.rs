@@ -10,8 +10,9 @@
 use crate::device::bf16::f32_to_bf16;
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
+use crate::model::weights::Mlp;
 use crate::model::{Model, ModelConfig};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use half::bf16;
 use std::sync::Arc;
 
@@ -74,6 +75,13 @@ pub fn convert_each<T>(
     let bf16 = |x: &[f32]| x.iter().map(|&x| f32_to_bf16(x)).collect::<Vec<_>>();
     let mut layers = Vec::with_capacity(w.layers.len());
     for l in &w.layers {
+        // gpt-oss's attention sinks, output bias and experts have no CUDA kernels yet.
+        let Mlp::Dense { gate_up, down } = &l.mlp else {
+            bail!("the CUDA device does not run mixture-of-experts models yet: use --device cpu");
+        };
+        if l.sinks.is_some() || l.bo.is_some() {
+            bail!("the CUDA device does not run attention sinks or an output-projection bias yet: use --device cpu");
+        }
         let attn_norm = sink(&bf16(&l.attn_norm))?;
         let bqkv = l.bqkv.as_deref().map(|b| sink(&bf16(b))).transpose()?;
         let qk_norm = match (&l.q_norm, &l.k_norm) {
@@ -93,8 +101,8 @@ pub fn convert_each<T>(
             wo: sink(&l.wo.to_bf16_bits())?,
             post_norms,
             mlp_norm,
-            w_gate_up: sink(&l.w_gate_up.to_bf16_bits())?,
-            w_down: sink(&l.w_down.to_bf16_bits())?,
+            w_gate_up: sink(&gate_up.to_bf16_bits())?,
+            w_down: sink(&down.to_bf16_bits())?,
         });
     }
     let final_norm = sink(&bf16(&w.final_norm))?;

@@ -345,3 +345,12 @@ fn a_batch_with_a_bad_page_table_is_an_error_not_a_panic() {
     }
     assert!(model.forward_batch(&[], &mut pool).is_err());
 }
+
+/// The same for gpt-oss (transformers' tiny random checkpoint): attention sinks, windowed
+/// layers, and experts — each expert runs over whichever rows chose it, so the batch
+/// changes which rows share an expert's call, never a row's bits.
+#[test]
+fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_gpt_oss() {
+    let model = common::tiny_gpt_oss("batch_invariance_gpt_oss");
+    check_model::<f32>(&model, "batch_invariance_gpt_oss");
+}

@@ -242,3 +242,28 @@ fn memory_plan_counts_window_rings() {
         .to_string()
         .contains("5 sliding-window layers hold 6 blocks each"));
 }
+
+/// gpt-oss (transformers' tiny random checkpoint: windowed and full layers alternating,
+/// window 32, attention sinks, 32 experts): offload equals the resident run in tokens and
+/// log-prob bits, the windowed layers in their rings, for prompts inside and far beyond
+/// the window.
+#[test]
+fn gpt_oss_matches_resident_with_offload() {
+    let model = common::tiny_gpt_oss("offload_gpt_oss");
+    let mut rng = StdRng::seed_from_u64(62);
+    for &len in &[1usize, 45, 150] {
+        let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
+        let n = 24;
+        for kv in [KvDtype::F32, KvDtype::F16] {
+            let want = plain(&model, kv, &prompt, n);
+            for (nb, bs, sanitize) in [(2, 4, true), (4, 16, false)] {
+                let cfg = OffloadConfig {
+                    sanitize,
+                    ..offload_cfg(nb, bs, len + n)
+                };
+                let got = offloaded(&model, kv, cfg, &prompt, n).unwrap();
+                assert_eq!(got, want, "{kv}: prompt {len}, num_kv_buffers {nb}, block_size {bs}");
+            }
+        }
+    }
+}

@@ -401,3 +401,46 @@ fn sliding_window_model_under_preemption_matches_generate_bitwise() {
         }
     }
 }
+
+/// gpt-oss (transformers' tiny random checkpoint: window 32, sinks, experts) served under
+/// preemption to host memory, to disk and by recomputation, with the windowed layers'
+/// own page pool: every request's tokens and log-prob bits equal `engine::generate`'s.
+#[test]
+fn gpt_oss_under_preemption_matches_generate_bitwise() {
+    let model = common::tiny_gpt_oss("serve_gpt_oss");
+    let (prompts, params) = requests(62, 6, 8);
+    let ws = working_set(&prompts, &params);
+    let kv = KvDtype::F16;
+    let want: Vec<(Vec<u32>, Vec<u32>)> = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, r)| {
+            let out = common::generate_plain(
+                &model,
+                kv,
+                p,
+                &common::greedy(r.max_tokens),
+                p.len() + r.max_tokens,
+            );
+            (out.token_ids, bits(&out.logprobs))
+        })
+        .collect();
+    let disk = scratch_dir("serve_gpt_oss_disk");
+    for (cpu, on_disk) in [(0, false), (1000, false), (4, true)] {
+        let mut cfg = config_kv(kv, ws / 3, cpu, false);
+        if on_disk {
+            cfg.sched.max_disk_offload_blocks = 1000;
+            cfg.disk = Some(strata::serve::disk::DiskTierConfig {
+                dir: disk.clone(),
+                io_threads: 2,
+            });
+        }
+        let mut e = Engine::new(model.clone(), cfg).unwrap();
+        let got = e.generate_with_logprobs(&prompts, &params).unwrap();
+        let st = e.stats().sched;
+        assert!(st.preemptions >= 3, "cpu {cpu} disk {on_disk}: {st:?}");
+        for (i, ((t, lp), (wt, wlp))) in got.iter().zip(&want).enumerate() {
+            assert_eq!((t, &bits(lp)), (wt, wlp), "cpu {cpu} disk {on_disk}: request {i}");
+        }
+    }
+}

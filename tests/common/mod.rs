@@ -490,3 +490,23 @@ pub fn serve_requests(
         .collect();
     (prompts, params)
 }
+
+/// transformers' tiny random gpt-oss (tests/data/gpt_oss/tiny_random,
+/// scripts/gptoss-tiny-random.py) in a scratch directory `name` with a byte-level
+/// tokenizer of its 512 tokens: a Hugging Face directory `generate` and `serve` load.
+pub fn tiny_gpt_oss_dir(name: &str) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gpt_oss/tiny_random");
+    let dir = scratch_dir(name);
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    write_tokenizer(&dir, 512);
+    dir
+}
+
+/// `tiny_gpt_oss_dir`, loaded as stored (bf16 attention and router, f32 experts).
+pub fn tiny_gpt_oss(name: &str) -> std::sync::Arc<strata::model::Model> {
+    strata::model::Model::load(&tiny_gpt_oss_dir(name), false)
+        .unwrap()
+        .0
+}

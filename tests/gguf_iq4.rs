@@ -1,4 +1,4 @@
-//! IQ4_NL and IQ4_XS tensors read from a GGUF file are the values gguf-py (llama.cpp's own
+//! IQ4_NL, IQ4_XS and MXFP4 tensors read from a GGUF file are the values gguf-py (llama.cpp's own
 //! Python package, an implementation strata's was not derived from) dequantizes, bit for
 //! bit: strata's tensor table reads their types, shapes and offsets, and `quant.rs`
 //! decodes their blocks. (The fused kernels are checked against `quant.rs` in
@@ -14,7 +14,8 @@ use strata::device::cpu::quant::{self, Format};
 use strata::fuzz::gguf_writer::{GgufDoc, GgufTensor};
 use strata::model::weights::read_gguf_header;
 
-/// `rows` × `cols` random blocks of `format`, each with a small f16 scale.
+/// `rows` × `cols` random blocks of `format`, each with a small f16 scale (MXFP4: every
+/// E8M0 scale byte, the subnormal and the largest ones included).
 fn random_tensor(
     rng: &mut StdRng,
     name: &str,
@@ -26,7 +27,11 @@ fn random_tensor(
     let mut data: Vec<u8> = (0..rows * format.row_bytes(cols).unwrap())
         .map(|_| rng.random())
         .collect();
-    for block in data.chunks_exact_mut(format.block_bytes()) {
+    for (i, block) in data.chunks_exact_mut(format.block_bytes()).enumerate() {
+        if format == Format::Mxfp4 {
+            block[0] = i as u8; // 0..=255 over 256 blocks
+            continue;
+        }
         let d = half::f16::from_f32(rng.random_range(-0.05..0.05));
         block[..2].copy_from_slice(&d.to_le_bytes());
     }
@@ -40,7 +45,7 @@ fn random_tensor(
 }
 
 #[test]
-fn iq4_tensors_are_what_gguf_py_dequantizes_bit_for_bit() {
+fn iq4_and_mxfp4_tensors_are_what_gguf_py_dequantizes_bit_for_bit() {
     let Some(python) = common::python_with("gguf, numpy", "pip install gguf") else {
         return;
     };
@@ -52,6 +57,7 @@ fn iq4_tensors_are_what_gguf_py_dequantizes_bit_for_bit() {
             random_tensor(&mut rng, "nl", Format::Iq4Nl, 20, 3, 96),
             random_tensor(&mut rng, "xs", Format::Iq4Xs, 23, 2, 512),
             random_tensor(&mut rng, "xs.wide", Format::Iq4Xs, 23, 1, 1024),
+            random_tensor(&mut rng, "mxfp4", Format::Mxfp4, 39, 8, 1024),
         ],
         layout_alignment: 32,
     };

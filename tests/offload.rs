@@ -262,7 +262,10 @@ fn gpt_oss_matches_resident_with_offload() {
                     ..offload_cfg(nb, bs, len + n)
                 };
                 let got = offloaded(&model, kv, cfg, &prompt, n).unwrap();
-                assert_eq!(got, want, "{kv}: prompt {len}, num_kv_buffers {nb}, block_size {bs}");
+                assert_eq!(
+                    got, want,
+                    "{kv}: prompt {len}, num_kv_buffers {nb}, block_size {bs}"
+                );
             }
         }
     }

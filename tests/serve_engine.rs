@@ -440,7 +440,11 @@ fn gpt_oss_under_preemption_matches_generate_bitwise() {
         let st = e.stats().sched;
         assert!(st.preemptions >= 3, "cpu {cpu} disk {on_disk}: {st:?}");
         for (i, ((t, lp), (wt, wlp))) in got.iter().zip(&want).enumerate() {
-            assert_eq!((t, &bits(lp)), (wt, wlp), "cpu {cpu} disk {on_disk}: request {i}");
+            assert_eq!(
+                (t, &bits(lp)),
+                (wt, wlp),
+                "cpu {cpu} disk {on_disk}: request {i}"
+            );
         }
     }
 }

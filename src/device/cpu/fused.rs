@@ -681,16 +681,16 @@ impl Chunks for Q6K {
     }
 }
 
-/// IQ4's 16 indices of chunk `high` (the low or high nibbles of the 16 bytes at `qs`),
-/// looked up in `quant::IQ4_VALUES`, as lanes. (A table lookup has no lane op here; the
-/// scalar lookup keeps the values exactly `quant.rs`'s.)
+/// 16 indices of chunk `high` (the low or high nibbles of the 16 bytes at `qs`), looked
+/// up in `table` (`quant::IQ4_VALUES`, `quant::MXFP4_VALUES`), as lanes. (A table lookup
+/// has no lane op here; the scalar lookup keeps the values exactly `quant.rs`'s.)
 #[inline(always)]
-unsafe fn iq4_lanes<V: Lanes>(qs: *const u8, high: bool) -> V::I {
+unsafe fn table_lanes<V: Lanes>(table: &[i8; 16], qs: *const u8, high: bool) -> V::I {
     let mut v = [0i8; 16];
     for (j, out) in v.iter_mut().enumerate() {
         // SAFETY: the caller's 16 index bytes.
         let q = unsafe { *qs.add(j) };
-        *out = quant::IQ4_VALUES[(if high { q >> 4 } else { q & 0x0F }) as usize];
+        *out = table[(if high { q >> 4 } else { q & 0x0F }) as usize];
     }
     // SAFETY: 16 bytes on the stack.
     unsafe { V::i8s(v.as_ptr().cast()) }
@@ -704,8 +704,22 @@ impl Chunks for Iq4Nl {
     #[inline(always)]
     unsafe fn chunk<V: Lanes>(b: *const u8, i: usize) -> V::F {
         unsafe {
-            let q = iq4_lanes::<V>(b.add(2), i == 1);
+            let q = table_lanes::<V>(&quant::IQ4_VALUES, b.add(2), i == 1);
             V::mul(V::splat(half_at(b, 0)), V::to_f(q))
+        }
+    }
+}
+
+/// MXFP4: the E8M0 scale halved × the looked-up doubled E2M1 values (`quant::mxfp4`).
+struct Mxfp4;
+impl Chunks for Mxfp4 {
+    const ELEMS: usize = 32;
+    const BYTES: usize = 17;
+    #[inline(always)]
+    unsafe fn chunk<V: Lanes>(b: *const u8, i: usize) -> V::F {
+        unsafe {
+            let q = table_lanes::<V>(&quant::MXFP4_VALUES, b.add(1), i == 1);
+            V::mul(V::splat(quant::e8m0_half(*b)), V::to_f(q))
         }
     }
 }
@@ -721,7 +735,7 @@ impl Chunks for Iq4Xs {
             let ib = i / 2;
             // SAFETY: the block's 136 bytes.
             let block = std::slice::from_raw_parts(b, Self::BYTES);
-            let q = iq4_lanes::<V>(b.add(8 + 16 * ib), i % 2 == 1);
+            let q = table_lanes::<V>(&quant::IQ4_VALUES, b.add(8 + 16 * ib), i % 2 == 1);
             V::mul(V::splat(quant::iq4_xs_scale(block, ib)), V::to_f(q))
         }
     }
@@ -834,6 +848,7 @@ unsafe fn block_with<V: Lanes, const R: usize, const C: usize>(
             Format::Q6K => lanes_of::<V, Q6K, R, C>(xs, ws, k / Q6K::ELEMS),
             Format::Iq4Nl => lanes_of::<V, Iq4Nl, R, C>(xs, ws, k / Iq4Nl::ELEMS),
             Format::Iq4Xs => lanes_of::<V, Iq4Xs, R, C>(xs, ws, k / Iq4Xs::ELEMS),
+            Format::Mxfp4 => lanes_of::<V, Mxfp4, R, C>(xs, ws, k / Mxfp4::ELEMS),
             Format::Bf16 => lanes_of::<V, Bf16, R, C>(xs, ws, body / LANES),
             Format::F16 => lanes_of::<V, F16, R, C>(xs, ws, body / LANES),
             Format::F32 => lanes_of::<V, F32, R, C>(xs, ws, body / LANES),
@@ -963,7 +978,12 @@ mod tests {
         for f in [F::Q2K, F::Q3K, F::Q4K, F::Q5K, F::Q6K, F::Iq4Xs] {
             v.extend([(f, 256), (f, 768)]);
         }
-        v.extend([(F::Iq4Nl, 32), (F::Iq4Nl, 96)]);
+        v.extend([
+            (F::Iq4Nl, 32),
+            (F::Iq4Nl, 96),
+            (F::Mxfp4, 32),
+            (F::Mxfp4, 96),
+        ]);
         for f in [F::Bf16, F::F16, F::F32] {
             v.extend([(f, 1), (f, 15), (f, 16), (f, 17), (f, 100), (f, 577)]);
         }
@@ -992,6 +1012,20 @@ mod tests {
                 for block in bytes.chunks_exact_mut(format.block_bytes()) {
                     let d = half::f16::from_f32(rng.random_range(-0.05..0.05));
                     block[..2].copy_from_slice(&d.to_le_bytes());
+                }
+                bytes
+            }
+            // Random codes, scales 2^-9..2^2 (with the subnormal corner e < 2 once a row).
+            Format::Mxfp4 => {
+                let mut bytes: Vec<u8> = (0..n * format.row_bytes(k).unwrap())
+                    .map(|_| rng.random())
+                    .collect();
+                for (i, block) in bytes.chunks_exact_mut(format.block_bytes()).enumerate() {
+                    block[0] = if i % 3 == 0 {
+                        rng.random_range(0..2)
+                    } else {
+                        rng.random_range(118..130)
+                    };
                 }
                 bytes
             }

@@ -35,6 +35,9 @@ pub enum Format {
     /// 256 values: an f16 scale, eight 6-bit sub-block scales, 4-bit indices into
     /// `IQ4_VALUES`.
     Iq4Xs,
+    /// OCP microscaling FP4 (gpt-oss's experts): 32 values, a power-of-two scale (E8M0)
+    /// and 16 bytes of 4-bit E2M1 codes (`MXFP4_VALUES`).
+    Mxfp4,
 }
 
 /// The 16 values IQ4_NL and IQ4_XS indices name (ggml's `kvalues_iq4nl`): a non-linear
@@ -42,6 +45,22 @@ pub enum Format {
 pub const IQ4_VALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
+
+/// The 16 values an MXFP4 code names, doubled (ggml's `kvalues_mxfp4`: E2M1's
+/// 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; `e8m0_half` halves the scale back).
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the scale an E8M0 byte encodes, `2^(e − 127) / 2` (ggml's
+/// `ggml_e8m0_to_fp32_half`: subnormal for `e < 2`).
+#[inline(always)]
+pub fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        (e as u32 - 1) << 23
+    };
+    f32::from_bits(bits)
+}
 
 impl Format {
     /// The format of GGML type `id` (ggml.h's numbering, as GGUF tensor tables store
@@ -63,6 +82,7 @@ impl Format {
             20 => Format::Iq4Nl,
             23 => Format::Iq4Xs,
             30 => Format::Bf16,
+            39 => Format::Mxfp4,
             _ => {
                 let name = match id {
                     4 | 5 => "Q4_2/Q4_3 (removed from GGML)",
@@ -82,19 +102,18 @@ impl Format {
                     29 => "IQ1_M",
                     34 => "TQ1_0",
                     35 => "TQ2_0",
-                    39 => "MXFP4",
                     _ => return Err(format!("unknown GGML type {id}")),
                 };
                 return Err(format!(
                     "type {name} (GGML type {id}), which strata does not read; it reads F32, \
                      F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, \
-                     IQ4_NL and IQ4_XS: use a file of one of those (e.g. Q4_K_M)"
+                     IQ4_NL, IQ4_XS and MXFP4: use a file of one of those (e.g. Q4_K_M)"
                 ));
             }
         })
     }
 
-    /// The same format in candle's terms (candle reads neither IQ4 format).
+    /// The same format in candle's terms (candle reads neither IQ4 format nor MXFP4).
     pub fn ggml(self) -> Option<candle_core::quantized::GgmlDType> {
         use candle_core::quantized::GgmlDType as G;
         Some(match self {
@@ -111,7 +130,7 @@ impl Format {
             Format::Q4K => G::Q4K,
             Format::Q5K => G::Q5K,
             Format::Q6K => G::Q6K,
-            Format::Iq4Nl | Format::Iq4Xs => return None,
+            Format::Iq4Nl | Format::Iq4Xs | Format::Mxfp4 => return None,
         })
     }
 }
@@ -125,7 +144,7 @@ impl Format {
         match self {
             Format::F32 | Format::Bf16 | Format::F16 => 1,
             Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::Q8_0 => 32,
-            Format::Iq4Nl => 32,
+            Format::Iq4Nl | Format::Mxfp4 => 32,
             Format::Q2K | Format::Q3K | Format::Q4K | Format::Q5K | Format::Q6K => QK_K,
             Format::Iq4Xs => QK_K,
         }
@@ -148,6 +167,7 @@ impl Format {
             Format::Q6K => 210,
             Format::Iq4Nl => 18,
             Format::Iq4Xs => 136,
+            Format::Mxfp4 => 17,
         }
     }
 
@@ -174,6 +194,7 @@ impl Format {
             Format::Q6K => "Q6_K",
             Format::Iq4Nl => "IQ4_NL",
             Format::Iq4Xs => "IQ4_XS",
+            Format::Mxfp4 => "MXFP4",
         }
     }
 }
@@ -251,6 +272,7 @@ pub fn dequantize_generic(format: Format, bytes: &[u8], out: &mut [f32]) {
                 Format::Q6K => blocks.for_each(|(x, y)| q6_k(x, y.try_into().unwrap())),
                 Format::Iq4Nl => blocks.for_each(|(x, y)| iq4_nl(x, y.try_into().unwrap())),
                 Format::Iq4Xs => blocks.for_each(|(x, y)| iq4_xs(x, y.try_into().unwrap())),
+                Format::Mxfp4 => blocks.for_each(|(x, y)| mxfp4(x, y.try_into().unwrap())),
                 Format::F32 | Format::Bf16 | Format::F16 => unreachable!(),
             }
         }
@@ -267,16 +289,23 @@ fn half_at(x: &[u8], at: usize) -> f32 {
 #[inline(always)]
 fn iq4_nl(x: &[u8], y: &mut [f32; 32]) {
     let d = half_at(x, 0);
-    iq4_values(d, &x[2..18], y);
+    table_values(&IQ4_VALUES, d, &x[2..18], y);
 }
 
-/// Sixteen index bytes, scaled: `y[j]` from the low nibble of `qs[j]`, `y[j + 16]` from its
-/// high nibble.
+/// `e: u8, qs: [u8; 16]`: value `j` (`j + 16`) is `e8m0_half(e)` × `MXFP4_VALUES[low
+/// (high) nibble of qs[j]]` (ggml's `dequantize_row_mxfp4`).
 #[inline(always)]
-fn iq4_values(scale: f32, qs: &[u8], y: &mut [f32; 32]) {
+fn mxfp4(x: &[u8], y: &mut [f32; 32]) {
+    table_values(&MXFP4_VALUES, e8m0_half(x[0]), &x[1..17], y);
+}
+
+/// Sixteen index bytes into `table`, scaled: `y[j]` from the low nibble of `qs[j]`,
+/// `y[j + 16]` from its high nibble.
+#[inline(always)]
+fn table_values(table: &[i8; 16], scale: f32, qs: &[u8], y: &mut [f32; 32]) {
     for j in 0..16 {
-        y[j] = scale * IQ4_VALUES[(qs[j] & 0x0F) as usize] as f32;
-        y[j + 16] = scale * IQ4_VALUES[(qs[j] >> 4) as usize] as f32;
+        y[j] = scale * table[(qs[j] & 0x0F) as usize] as f32;
+        y[j + 16] = scale * table[(qs[j] >> 4) as usize] as f32;
     }
 }
 
@@ -298,7 +327,7 @@ fn iq4_xs(x: &[u8], y: &mut [f32; QK_K]) {
     for ib in 0..QK_K / 32 {
         let qs = &x[8 + 16 * ib..8 + 16 * (ib + 1)];
         let out: &mut [f32; 32] = (&mut y[32 * ib..32 * (ib + 1)]).try_into().unwrap();
-        iq4_values(iq4_xs_scale(x, ib), qs, out);
+        table_values(&IQ4_VALUES, iq4_xs_scale(x, ib), qs, out);
     }
 }
 

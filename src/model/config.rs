@@ -560,8 +560,9 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "gemma3" => Arch::Gemma3,
+            "gpt-oss" => Arch::GptOss,
             other => {
-                bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen2, qwen3, gemma3)")
+                bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen2, qwen3, gemma3, gpt-oss)")
             }
         };
         let num = |key: &str| -> Result<Option<f64>> {
@@ -622,6 +623,27 @@ impl ModelConfig {
             Some("linear") => RopeScaling::Linear {
                 factor: need("rope.scaling.factor")? as f32,
             },
+            // llama.cpp's converter writes YaRN's factor and original context; beta_fast /
+            // beta_slow / attention factor are its (and transformers') defaults. The ramp
+            // is not rounded to whole dimensions: gpt-oss's config says `truncate: false`
+            // (ggml's YaRN always rounds: docs/models.md).
+            Some("yarn") => {
+                let factor = need("rope.scaling.factor")?;
+                RopeScaling::Yarn {
+                    factor: factor as f32,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    original_max_position_embeddings: need_count(
+                        "rope.scaling.original_context_length",
+                    )?,
+                    truncate: arch_name != "gpt-oss",
+                    attention_factor: if factor > 1.0 {
+                        (0.1 * factor.ln() + 1.0) as f32
+                    } else {
+                        1.0
+                    },
+                }
+            }
             Some("none") | None => RopeScaling::None,
             Some(other) => bail!("unsupported RoPE scaling `{other}` in GGUF"),
         };
@@ -633,7 +655,25 @@ impl ModelConfig {
         }
         let num_layers = need_count("block_count")?;
         let gemma = arch == Arch::Gemma3;
-        let layer_kinds = if gemma {
+        let oss = arch == Arch::GptOss;
+        let rope_theta = num("rope.freq_base")?.unwrap_or(10_000.0) as f32;
+        let layer_kinds = if oss {
+            // llama.cpp's `set_swa_pattern(2)`: even layers windowed, sharing the RoPE.
+            let window = Window {
+                size: need_count("attention.sliding_window")?,
+                rope_theta,
+                rope_scaling: scaling,
+            };
+            (0..num_layers.min(limits::MAX_LAYERS))
+                .map(|i| {
+                    if i % 2 == 0 {
+                        LayerKind::Window(window)
+                    } else {
+                        LayerKind::Full
+                    }
+                })
+                .collect()
+        } else if gemma {
             // Neither the window pattern nor the local layers' RoPE base is in the file:
             // llama.cpp and transformers hardcode them for Gemma 3 (docs/gemma3/architecture.md §5, §6).
             let window = Window {
@@ -655,23 +695,39 @@ impl ModelConfig {
         let cfg = ModelConfig {
             arch,
             hidden_size,
-            intermediate_size: need_count("feed_forward_length")?,
+            intermediate_size: if oss {
+                need_count("expert_feed_forward_length")?
+            } else {
+                need_count("feed_forward_length")?
+            },
             num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size,
             rms_norm_eps: need("attention.layer_norm_rms_epsilon")? as f32,
-            rope_theta: num("rope.freq_base")?.unwrap_or(10_000.0) as f32,
+            rope_theta,
             rope_scaling: scaling,
             max_position_embeddings: count("context_length")?.unwrap_or(2048),
             tie_word_embeddings: false, // decided by the loader: no `output.weight` means tied
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             // llama.cpp's qwen2 always carries `attn_{q,k,v}.bias`; its llama and qwen3 never do.
-            attention_bias: arch == Arch::Qwen2,
-            out_bias: false,
-            attn_sinks: false,
-            moe: None,
+            attention_bias: matches!(arch, Arch::Qwen2 | Arch::GptOss),
+            out_bias: oss,
+            attn_sinks: oss,
+            moe: if oss {
+                Some(Moe {
+                    num_experts: need_count("expert_count")?,
+                    top_k: need_count("expert_used_count")?,
+                    // llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha 1.702, limit 7 (not in the file).
+                    act: ExpertAct::ClampedSwiglu {
+                        alpha: 1.702,
+                        limit: 7.0,
+                    },
+                })
+            } else {
+                None
+            },
             layer_kinds,
             embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
             sandwich_norms: gemma,

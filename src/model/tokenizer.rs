@@ -55,6 +55,9 @@ pub struct Tokenizer {
 const REGEX_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const REGEX_LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// o200k (gpt-oss, GPT-4o; llama.cpp's `gpt-4o` / `llama4`): gpt-oss's tokenizer.json regex.
+const REGEX_O200K: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 fn regex_then_bytelevel(regex: &str) -> Result<PreTokenizerWrapper> {
     let split = Split::new(
         SplitPattern::Regex(regex.into()),
@@ -495,7 +498,8 @@ fn byte_level_bpe(md: &HashMap<String, Value>, tokens: &[String]) -> Result<toke
             regex_then_bytelevel(REGEX_QWEN2)?
         }
         "llama-bpe" | "llama3" | "smaug-bpe" => regex_then_bytelevel(REGEX_LLAMA3)?,
-        other => bail!("unsupported GGUF tokenizer pre-tokenizer `{other}` (supported: smollm, qwen2, llama-bpe)"),
+        "gpt-4o" | "llama4" => regex_then_bytelevel(REGEX_O200K)?,
+        other => bail!("unsupported GGUF tokenizer pre-tokenizer `{other}` (supported: smollm, qwen2, llama-bpe, gpt-4o)"),
     };
     inner.with_pre_tokenizer(Some(pre_tokenizer));
     inner.with_decoder(Some(ByteLevelDecoder::default()));

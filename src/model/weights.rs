@@ -268,6 +268,53 @@ impl Weight {
         }
     }
 
+    /// The rows in `parts` equal runs, each its own matrix (no copy of mapped bytes): a
+    /// stack of experts `[experts, out, in]` as one weight per expert. Every part starts
+    /// inside one segment (a loaded tensor has one).
+    fn split_rows(self, parts: usize) -> Vec<Weight> {
+        let rows = self.shape().out_features;
+        assert!(
+            parts > 0 && rows.is_multiple_of(parts),
+            "split_rows: {rows} rows in {parts} parts"
+        );
+        let (n, cols, acts) = (rows / parts, self.cols, self.acts);
+        let [segment] = <[Segment; 1]>::try_from(self.segments)
+            .ok()
+            .expect("split_rows: one segment");
+        let part = |p: usize| -> Segment {
+            match &segment {
+                Segment::F32 { data, .. } => Segment::F32 {
+                    rows: n,
+                    data: data[p * n * cols..(p + 1) * n * cols].to_vec(),
+                },
+                Segment::Stored { format, bytes, .. } => {
+                    let rb = format.row_bytes(cols).expect("checked at construction");
+                    let (a, b) = (p * n * rb, (p + 1) * n * rb);
+                    let bytes = match bytes {
+                        Bytes::Mapped { map, range } => Bytes::Mapped {
+                            map: Arc::clone(map),
+                            range: range.start + a..range.start + b,
+                        },
+                        Bytes::Owned(v) => Bytes::Owned(v[a..b].to_vec()),
+                    };
+                    Segment::Stored {
+                        rows: n,
+                        format: *format,
+                        bytes,
+                    }
+                }
+                Segment::Packed(_) => unreachable!("split_rows on a freshly loaded weight"),
+            }
+        };
+        (0..parts)
+            .map(|p| Weight {
+                cols,
+                segments: vec![part(p)],
+                acts,
+            })
+            .collect()
+    }
+
     /// Row `r` as f32 into `out[in_features]` (the embedding gather).
     pub fn row_f32(&self, mut r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols, "row_f32: out is not one row");
@@ -796,6 +843,20 @@ struct Names {
     /// Added to every norm weight as read: Gemma's Hugging Face checkpoints store `w` for a
     /// norm that scales by `1 + w` (its GGUF converter adds the 1 itself).
     norm_offset: f32,
+    /// How a mixture of experts stores its experts.
+    experts: ExpertLayout,
+}
+
+/// How a checkpoint family stores a mixture of experts' weights.
+#[derive(Clone, Copy, PartialEq)]
+enum ExpertLayout {
+    /// transformers' gpt-oss: `gate_up_proj[e]` `[hidden, 2 * inter]` (x @ W), gate and up
+    /// interleaved by column, its bias likewise; `down_proj[e]` `[inter, hidden]`.
+    HfFusedTransposed,
+    /// llama.cpp's: `ffn_{gate,up}_exps` `[experts, inter, hidden]`, `ffn_down_exps`
+    /// `[experts, hidden, inter]` (each expert's rows as a dense layer's), biases
+    /// `[experts, out]`.
+    Split,
 }
 
 /// A Hugging Face checkpoint's names under `prefix` (`model.`, or a multimodal Gemma 3's
@@ -838,15 +899,18 @@ fn hf_names(prefix: &str, head: &str, gemma: bool) -> Names {
             format!("{prefix}layers.{i}.{p}")
         }),
         norm_offset: if gemma { 1.0 } else { 0.0 },
+        experts: ExpertLayout::HfFusedTransposed,
     }
 }
 
-fn gguf_names() -> Names {
+/// llama.cpp's names; gpt-oss's MLP input norm is its `post_attention_norm`.
+fn gguf_names(arch: Arch) -> Names {
+    let oss = arch == Arch::GptOss;
     Names {
         embed: "token_embd.weight".into(),
         final_norm: "output_norm.weight".into(),
         lm_head: "output.weight".into(),
-        layer: Box::new(|i, part| {
+        layer: Box::new(move |i, part| {
             let p = match part {
                 "q" => "attn_q.weight",
                 "k" => "attn_k.weight",
@@ -858,17 +922,29 @@ fn gguf_names() -> Names {
                 "q_norm" => "attn_q_norm.weight",
                 "k_norm" => "attn_k_norm.weight",
                 "attn_norm" => "attn_norm.weight",
+                "mlp_norm" if oss => "post_attention_norm.weight",
                 "mlp_norm" => "ffn_norm.weight",
                 "post_attn_norm" => "post_attention_norm.weight",
                 "post_mlp_norm" => "post_ffw_norm.weight",
                 "gate" => "ffn_gate.weight",
                 "up" => "ffn_up.weight",
                 "down" => "ffn_down.weight",
+                "o_bias" => "attn_output.bias",
+                "sinks" => "attn_sinks.weight",
+                "router" => "ffn_gate_inp.weight",
+                "router_bias" => "ffn_gate_inp.bias",
+                "experts_gate" => "ffn_gate_exps.weight",
+                "experts_up" => "ffn_up_exps.weight",
+                "experts_down" => "ffn_down_exps.weight",
+                "experts_gate_bias" => "ffn_gate_exps.bias",
+                "experts_up_bias" => "ffn_up_exps.bias",
+                "experts_down_bias" => "ffn_down_exps.bias",
                 _ => unreachable!("unknown weight part {part}"),
             };
             format!("blk.{i}.{p}")
         }),
         norm_offset: 0.0,
+        experts: ExpertLayout::Split,
     }
 }
 
@@ -903,7 +979,11 @@ fn build(
         + 3 * cfg.moe.is_some() as usize;
     let bar = progress_bar(progress, (cfg.num_layers * per_layer + 3) as u64);
     let has_lm_head = src.has(&names.lm_head);
-    if cfg.moe.is_some() && src.has(&format!("{}_blocks", (names.layer)(0, "experts_gate_up"))) {
+    let hf_experts = names.experts == ExpertLayout::HfFusedTransposed;
+    if cfg.moe.is_some()
+        && hf_experts
+        && src.has(&format!("{}_blocks", (names.layer)(0, "experts_gate_up")))
+    {
         bail!("the experts are stored as MXFP4 (`*_blocks`, `*_scales`), which is not supported yet: use a bf16 checkpoint (transformers' `Mxfp4Config(dequantize=True)` writes one)");
     }
     let mut get = |name: &str, shape: &[usize]| -> Result<Weight> {
@@ -988,51 +1068,39 @@ fn build(
                 let e = moe.num_experts;
                 let router_bias = router_bias.expect("read with the vectors");
                 let router = get(&n("router"), &[e, h])?;
-                // transformers' gpt-oss layout: `gate_up_proj[e]` is `[hidden, 2 * inter]`
-                // (x @ W), gate and up interleaved by column; `down_proj[e]` `[inter, hidden]`.
-                let gate_up = get(&n("experts_gate_up"), &[e, h, 2 * inter])?.to_f32();
-                let gate_up_bias = get(&n("experts_gate_up_bias"), &[e, 2 * inter])?.to_f32();
-                let down = get(&n("experts_down"), &[e, inter, h])?.to_f32();
-                let down_bias = get(&n("experts_down_bias"), &[e, h])?.to_f32();
-                let experts = (0..e)
-                    .map(|x| {
-                        let gu = &gate_up[x * h * 2 * inter..][..h * 2 * inter]; // [h, 2 * inter]
-                        let gub = &gate_up_bias[x * 2 * inter..][..2 * inter];
-                        let d = &down[x * inter * h..][..inter * h]; // [inter, h]
-                                                                     // Output row r of [gate | up]: gate j is column 2j, up j column 2j + 1.
-                        let col = |r: usize| {
-                            if r < inter {
-                                2 * r
-                            } else {
-                                2 * (r - inter) + 1
-                            }
-                        };
-                        let gate_up: Vec<f32> = (0..2 * inter)
-                            .flat_map(|r| (0..h).map(move |c| gu[c * 2 * inter + col(r)]))
-                            .collect();
-                        let down: Vec<f32> = (0..h)
-                            .flat_map(|r| (0..inter).map(move |c| d[c * h + r]))
-                            .collect();
-                        Expert {
-                            gate_up: Weight::f32(
-                                gate_up,
-                                MatShape {
-                                    out_features: 2 * inter,
-                                    in_features: h,
-                                },
-                            ),
-                            gate_up_bias: (0..2 * inter).map(|r| gub[col(r)]).collect(),
-                            down: Weight::f32(
-                                down,
-                                MatShape {
-                                    out_features: h,
-                                    in_features: inter,
-                                },
-                            ),
-                            down_bias: down_bias[x * h..][..h].to_vec(),
-                        }
-                    })
-                    .collect();
+                let experts = match names.experts {
+                    ExpertLayout::HfFusedTransposed => {
+                        let gate_up = get(&n("experts_gate_up"), &[e, h, 2 * inter])?.to_f32();
+                        let gate_up_bias =
+                            get(&n("experts_gate_up_bias"), &[e, 2 * inter])?.to_f32();
+                        let down = get(&n("experts_down"), &[e, inter, h])?.to_f32();
+                        let down_bias = get(&n("experts_down_bias"), &[e, h])?.to_f32();
+                        hf_fused_experts(e, h, inter, &gate_up, &gate_up_bias, &down, &down_bias)
+                    }
+                    ExpertLayout::Split => {
+                        let gate = get(&n("experts_gate"), &[e, inter, h])?.split_rows(e);
+                        let up = get(&n("experts_up"), &[e, inter, h])?.split_rows(e);
+                        let down = get(&n("experts_down"), &[e, h, inter])?.split_rows(e);
+                        let gate_bias = get(&n("experts_gate_bias"), &[e, inter])?.to_f32();
+                        let up_bias = get(&n("experts_up_bias"), &[e, inter])?.to_f32();
+                        let down_bias = get(&n("experts_down_bias"), &[e, h])?.to_f32();
+                        gate.into_iter()
+                            .zip(up)
+                            .zip(down)
+                            .enumerate()
+                            .map(|(x, ((g, u), d))| Expert {
+                                gate_up: Weight::concat(vec![g, u]),
+                                gate_up_bias: [&gate_bias, &up_bias]
+                                    .iter()
+                                    .flat_map(|b| &b[x * inter..][..inter])
+                                    .copied()
+                                    .collect(),
+                                down: d,
+                                down_bias: down_bias[x * h..][..h].to_vec(),
+                            })
+                            .collect()
+                    }
+                };
                 Mlp::Experts(Experts {
                     router,
                     router_bias,
@@ -1073,6 +1141,50 @@ fn build(
         final_norm,
         lm_head,
     })
+}
+
+/// transformers' gpt-oss experts (`ExpertLayout::HfFusedTransposed`, all f32) as `e`
+/// experts with rows `[gate | up]` and `[hidden, inter]` down matrices.
+fn hf_fused_experts(
+    e: usize,
+    h: usize,
+    inter: usize,
+    gate_up: &[f32],      // [e, h, 2 * inter]
+    gate_up_bias: &[f32], // [e, 2 * inter]
+    down: &[f32],         // [e, inter, h]
+    down_bias: &[f32],    // [e, h]
+) -> Vec<Expert> {
+    // Output row r of [gate | up]: gate j is column 2j, up j column 2j + 1.
+    let col = |r: usize| {
+        if r < inter {
+            2 * r
+        } else {
+            2 * (r - inter) + 1
+        }
+    };
+    (0..e)
+        .map(|x| {
+            let gu = &gate_up[x * h * 2 * inter..][..h * 2 * inter];
+            let gub = &gate_up_bias[x * 2 * inter..][..2 * inter];
+            let d = &down[x * inter * h..][..inter * h];
+            let gate_up: Vec<f32> = (0..2 * inter)
+                .flat_map(|r| (0..h).map(move |c| gu[c * 2 * inter + col(r)]))
+                .collect();
+            let down: Vec<f32> = (0..h)
+                .flat_map(|r| (0..inter).map(move |c| d[c * h + r]))
+                .collect();
+            let shape = |out_features, in_features| MatShape {
+                out_features,
+                in_features,
+            };
+            Expert {
+                gate_up: Weight::f32(gate_up, shape(2 * inter, h)),
+                gate_up_bias: (0..2 * inter).map(|r| gub[col(r)]).collect(),
+                down: Weight::f32(down, shape(h, inter)),
+                down_bias: down_bias[x * h..][..h].to_vec(),
+            }
+        })
+        .collect()
 }
 
 fn progress_bar(show: bool, len: u64) -> ProgressBar {
@@ -1545,7 +1657,8 @@ pub fn load_gguf(
         gguf,
         dtype,
     };
-    build(cfg, &mut src, &gguf_names(), progress)
+    let names = gguf_names(cfg.arch);
+    build(cfg, &mut src, &names, progress)
 }
 
 #[cfg(test)]
@@ -1581,7 +1694,7 @@ mod tests {
             msg.contains("tensor `w` has type IQ2_XXS (GGML type 16)"),
             "{msg}"
         );
-        assert!(msg.contains("IQ4_NL and IQ4_XS"), "{msg}");
+        assert!(msg.contains("IQ4_NL, IQ4_XS and MXFP4"), "{msg}");
         assert!(!msg.contains('\n'), "{msg}");
     }
 

@@ -34,7 +34,8 @@ fn candle_weights(m: &Model) -> HashMap<String, Tensor> {
     w.insert("model.norm.weight".into(), t(&m.weights.final_norm, &[h]));
     for (i, l) in m.weights.layers.iter().enumerate() {
         let p = format!("model.layers.{i}");
-        let (wqkv, w_gate_up) = (l.wqkv.to_f32(), l.w_gate_up.to_f32());
+        let (gate_up, down) = l.mlp.dense().expect("candle's llama has no experts");
+        let (wqkv, w_gate_up) = (l.wqkv.to_f32(), gate_up.to_f32());
         w.insert(
             format!("{p}.self_attn.q_proj.weight"),
             t(&wqkv[..q * h], &[q, h]),
@@ -66,7 +67,7 @@ fn candle_weights(m: &Model) -> HashMap<String, Tensor> {
         );
         w.insert(
             format!("{p}.mlp.down_proj.weight"),
-            t(&l.w_down.to_f32(), &[h, inter]),
+            t(&down.to_f32(), &[h, inter]),
         );
     }
     w

@@ -224,8 +224,8 @@ fn matvec_ms(model: &Model) -> Value {
     let kinds: [(&str, Vec<&Weight>); 5] = [
         ("qkv", w.layers.iter().map(|l| &l.wqkv).collect()),
         ("o", w.layers.iter().map(|l| &l.wo).collect()),
-        ("gate_up", w.layers.iter().map(|l| &l.w_gate_up).collect()),
-        ("down", w.layers.iter().map(|l| &l.w_down).collect()),
+        ("gate_up", w.layers.iter().map(|l| dense(l).0).collect()),
+        ("down", w.layers.iter().map(|l| dense(l).1).collect()),
         ("lm_head", vec![w.lm_head()]),
     ];
     let mut res = json!({});
@@ -535,17 +535,13 @@ fn write_bf16_copy(gguf: &Path, dir: &Path) {
                 rows(&l.wqkv, q + kv..q + 2 * kv),
             ),
             ("self_attn.o_proj", vec![h, q], rows(&l.wo, 0..h)),
-            (
-                "mlp.gate_proj",
-                vec![inter, h],
-                rows(&l.w_gate_up, 0..inter),
-            ),
+            ("mlp.gate_proj", vec![inter, h], rows(dense(l).0, 0..inter)),
             (
                 "mlp.up_proj",
                 vec![inter, h],
-                rows(&l.w_gate_up, inter..2 * inter),
+                rows(dense(l).0, inter..2 * inter),
             ),
-            ("mlp.down_proj", vec![h, inter], rows(&l.w_down, 0..h)),
+            ("mlp.down_proj", vec![h, inter], rows(dense(l).1, 0..h)),
             (
                 "input_layernorm",
                 vec![h],
@@ -651,4 +647,9 @@ fn cuda_host(dir: &Path) -> Value {
         "secs": t0.elapsed().as_secs_f64(),
         "peak_rss_bytes": peak_rss(),
     })
+}
+
+/// A layer's dense MLP (the benchmarked models have no experts).
+fn dense(l: &strata::model::weights::LayerWeights) -> (&Weight, &Weight) {
+    l.mlp.dense().expect("a dense MLP")
 }

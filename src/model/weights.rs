@@ -591,6 +591,14 @@ pub struct Expert {
 }
 
 impl Mlp {
+    /// A dense MLP's gate/up and down matrices (`None` for experts).
+    pub fn dense(&self) -> Option<(&Weight, &Weight)> {
+        match self {
+            Mlp::Dense { gate_up, down } => Some((gate_up, down)),
+            Mlp::Experts(_) => None,
+        }
+    }
+
     /// Its matrices: gate/up then down (the router first, then each expert's).
     pub fn matrices(&self) -> Vec<&Weight> {
         match self {

@@ -5,7 +5,7 @@
 use candle_core::quantized::gguf_file::Value;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::gguf_writer::{GgufDoc, GgufTensor, GGML_F16, GGML_F32, GGML_Q8_0};
+use super::gguf_writer::{GgufDoc, GgufTensor, GGML_F16, GGML_F32, GGML_MXFP4, GGML_Q8_0};
 use super::Case;
 
 const HIDDEN: usize = 32;
@@ -15,6 +15,9 @@ const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 8;
 const INTER: usize = 64;
 const MAX_POS: usize = 128;
+/// gpt-oss's experts, and how many a token takes.
+const EXPERTS: usize = 4;
+const EXPERTS_USED: usize = 2;
 
 /// The three specials (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ids 0–2), then the
 /// 256 byte-level symbols in order: the start of every tiny test model's vocabulary.
@@ -186,6 +189,7 @@ fn q8_0(values: &[f32]) -> Vec<u8> {
 
 pub fn gguf_doc(arch: &str) -> GgufDoc {
     let gemma3 = arch == "gemma3";
+    let oss = arch == "gpt-oss";
     let qwen3 = arch == "qwen3" || gemma3; // q/k norms, explicit head size
     let s = |x: &str| Value::String(x.to_string());
     let u = |x: usize| Value::U32(x as u32);
@@ -233,9 +237,17 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
         metadata.push((k("rope.scaling.type"), s("linear")));
         metadata.push((k("rope.scaling.factor"), Value::F32(2.0)));
     }
-    if gemma3 {
+    if gemma3 || oss {
         // A window shorter than the fuzz prompts, so the mask and the rings are exercised.
         metadata.push((k("attention.sliding_window"), u(4)));
+    }
+    if oss {
+        metadata.push((k("expert_count"), u(EXPERTS)));
+        metadata.push((k("expert_used_count"), u(EXPERTS_USED)));
+        metadata.push((k("expert_feed_forward_length"), u(INTER)));
+        metadata.push((k("rope.scaling.type"), s("yarn")));
+        metadata.push((k("rope.scaling.factor"), Value::F32(4.0)));
+        metadata.push((k("rope.scaling.original_context_length"), u(32)));
     }
     let mut tensors: Vec<GgufTensor> = hf_tensors(qwen3, !qwen3)
         .into_iter()
@@ -278,11 +290,97 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
             }
         }
     }
+    if oss {
+        gpt_oss_tensors(&mut tensors);
+    }
     GgufDoc {
         version: 3,
         metadata,
         tensors,
         layout_alignment: 32,
+    }
+}
+
+/// The tiny Llama's tensors made gpt-oss's: the dense MLP replaced by experts (gate Q8_0,
+/// up f32, down MXFP4: every expert format path), its norm renamed, biases and sinks added.
+fn gpt_oss_tensors(tensors: &mut Vec<GgufTensor>) {
+    let dense = ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"];
+    tensors.retain(|t| !dense.iter().any(|d| t.name.ends_with(d)));
+    for t in tensors.iter_mut() {
+        if let Some(i) = t.name.strip_suffix(".ffn_norm.weight") {
+            t.name = format!("{i}.post_attention_norm.weight");
+        }
+    }
+    let mut rng = StdRng::seed_from_u64(39);
+    let mut values =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-0.3f32..0.3)).collect() };
+    let f32_bytes = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    for i in 0..LAYERS {
+        let mut add = |part: &str, dims: Vec<usize>, ggml_type: u32, data: Vec<u8>| {
+            tensors.push(GgufTensor {
+                name: format!("blk.{i}.{part}"),
+                dims: dims.iter().map(|&d| d as u64).collect(),
+                ggml_type,
+                data,
+                offset: None,
+            })
+        };
+        for (part, n) in [
+            ("attn_q.bias", q),
+            ("attn_k.bias", kv),
+            ("attn_v.bias", kv),
+            ("attn_output.bias", HIDDEN),
+            ("attn_sinks.weight", HEADS),
+            ("ffn_gate_inp.bias", EXPERTS),
+        ] {
+            add(part, vec![n], GGML_F32, f32_bytes(values(n)));
+        }
+        add(
+            "ffn_gate_inp.weight",
+            vec![EXPERTS, HIDDEN],
+            GGML_F32,
+            f32_bytes(values(EXPERTS * HIDDEN)),
+        );
+        for (part, out) in [
+            ("ffn_gate_exps.bias", INTER),
+            ("ffn_up_exps.bias", INTER),
+            ("ffn_down_exps.bias", HIDDEN),
+        ] {
+            add(
+                part,
+                vec![EXPERTS, out],
+                GGML_F32,
+                f32_bytes(values(EXPERTS * out)),
+            );
+        }
+        let gate = q8_0(&values(EXPERTS * INTER * HIDDEN));
+        add(
+            "ffn_gate_exps.weight",
+            vec![EXPERTS, INTER, HIDDEN],
+            GGML_Q8_0,
+            gate,
+        );
+        let up = f32_bytes(values(EXPERTS * INTER * HIDDEN));
+        add(
+            "ffn_up_exps.weight",
+            vec![EXPERTS, INTER, HIDDEN],
+            GGML_F32,
+            up,
+        );
+        // MXFP4 blocks: an E8M0 scale near 2^-4, then 16 bytes of codes.
+        let blocks = EXPERTS * HIDDEN * INTER / 32;
+        let down: Vec<u8> = (0..blocks)
+            .flat_map(|b| {
+                std::iter::once(121u8).chain((0..16).map(move |j| (b * 7 + j * 13) as u8))
+            })
+            .collect();
+        add(
+            "ffn_down_exps.weight",
+            vec![EXPERTS, HIDDEN, INTER],
+            GGML_MXFP4,
+            down,
+        );
     }
 }
 
@@ -310,6 +408,7 @@ pub fn gguf_cases() -> Vec<Case> {
         gguf_doc("llama"),
         gguf_doc("qwen3"),
         gguf_doc("gemma3"),
+        gguf_doc("gpt-oss"),
         spm,
     ]
     .into_iter()

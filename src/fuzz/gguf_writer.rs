@@ -7,6 +7,7 @@ use candle_core::quantized::gguf_file::Value;
 pub const GGML_F32: u32 = 0;
 pub const GGML_F16: u32 = 1;
 pub const GGML_Q8_0: u32 = 8;
+pub const GGML_MXFP4: u32 = 39;
 
 #[derive(Debug, Clone)]
 pub struct GgufTensor {

@@ -1232,6 +1232,88 @@ pub fn rope_inv_freq(cfg: &ModelConfig, l: usize) -> Vec<f32> {
 mod tests {
     use super::*;
 
+    /// A gpt-oss config.json, shrunk, with transformers 5's `rope_parameters`.
+    fn gpt_oss_json(extra: &str) -> String {
+        format!(
+            r#"{{"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+            "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 300, "rope_parameters": {{"rope_type": "yarn", "factor": 32.0,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
+            "original_max_position_embeddings": 4096, "rope_theta": 150000.0}}{extra}}}"#
+        )
+    }
+
+    /// transformers' GptOssConfig defaults where a key is absent: windowed layers first
+    /// (window 128, the full layers' YaRN), 128 experts with 4 per token, biases on every
+    /// attention projection, sinks.
+    #[test]
+    fn gpt_oss_defaults_follow_transformers() {
+        let c = ModelConfig::from_hf_json(&gpt_oss_json("")).unwrap();
+        assert_eq!(c.arch, Arch::GptOss);
+        assert_eq!(
+            (0..4).map(|l| c.window(l)).collect::<Vec<_>>(),
+            [Some(128), None, Some(128), None]
+        );
+        assert_eq!(c.layer_rope(0), c.layer_rope(1));
+        let moe = c.moe.unwrap();
+        assert_eq!((moe.num_experts, moe.top_k), (128, 4));
+        assert!(c.attention_bias && c.out_bias && c.attn_sinks && !c.tie_word_embeddings);
+        assert_eq!(c.max_position_embeddings, 131_072);
+        let RopeScaling::Yarn {
+            truncate,
+            attention_factor,
+            ..
+        } = c.rope_scaling
+        else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert!(!truncate);
+        assert!((attention_factor - (0.1 * 32f32.ln() + 1.0)).abs() < 1e-6);
+    }
+
+    /// YaRN's inverse frequencies against transformers 5.23's `_compute_yarn_parameters`
+    /// for gpt-oss's RoPE at head_dim 64 (printed there: the first, a ramp's and the last).
+    #[test]
+    fn yarn_inverse_frequencies_match_transformers() {
+        let c = ModelConfig::from_hf_json(
+            &gpt_oss_json("").replace(r#""head_dim": 16"#, r#""head_dim": 64"#),
+        )
+        .unwrap();
+        let f = rope_inv_freq(&c, 1);
+        let want = [
+            (0, 1.0f32),
+            (8, 0.050_813_27),
+            (12, 0.006_794_959),
+            (31, 3.023_511e-7),
+        ];
+        for (i, want) in want {
+            // transformers forms the powers in f32, strata in f64: within 1e-5 relative.
+            assert!(
+                (f[i] - want).abs() <= 1e-5 * want,
+                "{i}: {} vs {want}",
+                f[i]
+            );
+        }
+    }
+
+    #[test]
+    fn bad_gpt_oss_configs_are_refused_by_name() {
+        let err = |extra: &str| {
+            format!(
+                "{:#}",
+                ModelConfig::from_hf_json(&gpt_oss_json(extra)).unwrap_err()
+            )
+        };
+        assert!(err(r#", "num_local_experts": 4, "num_experts_per_tok": 5"#)
+            .contains("experts per token"));
+        assert!(err(r#", "num_local_experts": 0"#).contains("number of experts"));
+        assert!(err(r#", "swiglu_limit": 0"#).contains("swiglu_limit"));
+        let no_rope = gpt_oss_json("").replace(r#""rope_parameters""#, r#""unused""#);
+        let e = format!("{:#}", ModelConfig::from_hf_json(&no_rope).unwrap_err());
+        assert!(e.contains("rope_parameters"), "{e}");
+    }
+
     /// A Qwen2.5-0.5B-style config.json, shrunk.
     fn qwen2_json(extra: &str) -> String {
         format!(

@@ -127,6 +127,7 @@ fn render_unbounded(template: &str, ctx: minijinja::Value) -> Result<String> {
             ))
         },
     );
+    env.add_function("strftime_now", strftime_now);
     env.add_template("chat", template)
         .map_err(|e| anyhow::anyhow!("invalid template: {e}"))?;
     let mut out = CappedWriter {
@@ -147,6 +148,35 @@ fn render_unbounded(template: &str, ctx: minijinja::Value) -> Result<String> {
         }
         Err(e) => bail!("rendering: {e}"),
     }
+}
+
+/// transformers' `strftime_now(format)`: the local time now as C's `strftime` formats it
+/// (gpt-oss's template writes `Current date: {{ strftime_now("%Y-%m-%d") }}`), at most
+/// 256 bytes of it.
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    let err =
+        |msg: &str| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg.to_string());
+    let c_format = std::ffi::CString::new(format.as_str())
+        .map_err(|_| err("strftime_now: the format holds a NUL byte"))?;
+    let mut buf = [0u8; 256];
+    // SAFETY: `time` with a null pointer only returns the time; `localtime_r` writes the
+    // zeroed `tm` it is given; `strftime` writes at most `buf.len()` bytes into `buf` and
+    // reads the NUL-terminated format and the filled `tm`.
+    let n = unsafe {
+        let now = libc::time(std::ptr::null_mut());
+        let mut tm: libc::tm = std::mem::zeroed();
+        if libc::localtime_r(&now, &mut tm).is_null() {
+            return Err(err("strftime_now: the local time is unknown"));
+        }
+        libc::strftime(buf.as_mut_ptr().cast(), buf.len(), c_format.as_ptr(), &tm)
+    };
+    if n == 0 && !format.is_empty() {
+        return Err(err(
+            "strftime_now: the formatted time is empty or longer than 256 bytes",
+        ));
+    }
+    String::from_utf8(buf[..n].to_vec())
+        .map_err(|_| err("strftime_now: the formatted time is not UTF-8"))
 }
 
 /// Collects rendered text up to `cap` bytes; a write past it fails, which stops rendering.
@@ -339,6 +369,44 @@ mod tests {
             t,
             minijinja::context! { messages => Vec::<()>::new() },
         )
+    }
+
+    /// gpt-oss's chat template (openai's, as llama.cpp ships it: `strftime_now`, macros,
+    /// `namespace`, `tojson`) renders as transformers renders it (jinja2, recorded in
+    /// tests/data/gpt_oss/chat_template_reference.json with the date fixed).
+    #[test]
+    fn gpt_oss_template_renders_as_transformers_does() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/gpt_oss");
+        let template = std::fs::read_to_string(format!("{dir}/chat_template.jinja")).unwrap();
+        let reference: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(format!("{dir}/chat_template_reference.json")).unwrap(),
+        )
+        .unwrap();
+        let today = strftime_now("%Y-%m-%d".into()).unwrap();
+        assert_eq!(today.len(), 10, "{today}");
+        for (name, case) in reference["cases"].as_object().unwrap() {
+            let ctx = minijinja::context! {
+                messages => minijinja::Value::from_serialize(&case["messages"]),
+                add_generation_prompt => true,
+                bos_token => "<|startoftext|>",
+                eos_token => "<|return|>",
+            };
+            let got = render_template("gpt-oss", &template, ctx).unwrap();
+            let got = got.replace(
+                &format!("Current date: {today}"),
+                "Current date: 2026-01-02",
+            );
+            assert_eq!(got, case["rendered"].as_str().unwrap(), "{name}");
+        }
+    }
+
+    #[test]
+    fn strftime_now_formats_and_refuses_bad_formats() {
+        let year: i32 = strftime_now("%Y".into()).unwrap().parse().unwrap();
+        assert!((2024..3000).contains(&year));
+        assert_eq!(strftime_now("".into()).unwrap(), "");
+        assert!(strftime_now("a\0b".into()).is_err());
+        assert!(strftime_now("%Y".repeat(100)).is_err()); // 400 bytes: over the cap
     }
 
     /// Every real template shipped with the reference models passes the shape check.

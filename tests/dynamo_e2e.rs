@@ -16,6 +16,12 @@ mod common;
 
 use std::process::Command;
 
+/// Held by each test for its whole run: the two start Dynamo stacks and strata servers of
+/// their own, and on a 2-core machine the second one's load made the first one's routing
+/// numbers a measure of the contention (33/40 follow-ups on the holder while the
+/// walkthrough ran beside it, 40/40 alone).
+static ONE_STACK_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A Python with Dynamo (see the module's note), or `None` (then the test is skipped).
 fn dynamo_python() -> Option<String> {
     common::python_with(
@@ -26,6 +32,9 @@ fn dynamo_python() -> Option<String> {
 
 #[test]
 fn the_kv_router_keeps_follow_ups_on_their_prefix_holder_balances_and_survives_dead_workers() {
+    let _alone = ONE_STACK_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     let model = common::require_default_model();
     let Some(python) = dynamo_python() else {
         return;
@@ -56,6 +65,9 @@ fn the_one_script_walkthrough_serves_a_request_and_leaves_nothing_behind() {
     // integrations/dynamo/run-local.sh --once, as the README runs it, with the test's
     // Dynamo environment instead of a fresh virtual environment (the install is .ci/run's,
     // from the same pinned requirement files).
+    let _alone = ONE_STACK_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     let model = common::require_default_model();
     let Some(python) = dynamo_python() else {
         return;

@@ -6,6 +6,7 @@
 //! the clamped SwiGLU; window 32 crossed six times by the 200-token prompt.
 
 mod common;
+mod live_server;
 
 use std::sync::Arc;
 
@@ -329,4 +330,37 @@ fn gguf_matches_llama_cpp_f32_and_mxfp4() {
             assert!(clear >= 10, "only {clear} rows with a clear margin");
         }
     }
+}
+
+/// `strata serve` on the gpt-oss directory, driven by the official `openai` client
+/// (tests/openai_client.py): /v1/models, completions streamed and not, both endpoints'
+/// log-probabilities bitwise `strata generate`'s, error statuses, 16 concurrent greedy
+/// requests equal to their sequential results. (Its stop-string check needs readable
+/// text; a random model's is not.)
+#[test]
+fn serve_answers_the_openai_client_as_generate_does() {
+    let Some(python) = common::python_with("openai", "pip install openai") else {
+        return;
+    };
+    let dir = common::tiny_gpt_oss_dir("gpt_oss_serve");
+    let server = live_server::Server::start(&dir, &[]);
+    let out = std::process::Command::new(&python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai_client.py"
+        ))
+        .args(["--base-url", &format!("http://{}/v1", server.addr)])
+        .args(["--model", &server.model_name])
+        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
+        .arg("--model-path")
+        .arg(&dir)
+        .args(["--checks", "models,completions,logprobs,errors,concurrent"])
+        .output()
+        .expect("running python3");
+    assert!(
+        out.status.success(),
+        "openai_client.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

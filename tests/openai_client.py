@@ -1,7 +1,7 @@
 """Drives a live `strata serve` with the official `openai` Python client.
 
 Run by tests/server_openai.rs:
-    python3 tests/openai_client.py --base-url URL --model NAME --strata BIN --model-path PATH
+    python3 tests/openai_client.py --base-url URL --model NAME --strata BIN --model-path PATH [--checks LIST]
 
 Exits 0 when every check passes; otherwise prints each failed check and exits 1.
 Exit status 3 means the `openai` module is missing.
@@ -120,7 +120,12 @@ def test_logprobs(args, client):
           f"completion logprobs {lp and lp.token_logprobs} != CLI {ref['logprobs']}")
     check(lp is not None and "".join(lp.tokens) == r.choices[0].text, "tokens spell the text")
     for lps, top in zip(lp.token_logprobs, lp.top_logprobs):
-        check(len(top) == 3 and max(top.values()) == lps, f"greedy token is the top one: {top}")
+        # The legacy API keys alternatives by their text: tokens that decode to the same
+        # text (a random model's partial UTF-8 bytes) collapse into one entry, the last
+        # one's. Only an uncollapsed position says which token is the top one.
+        check(1 <= len(top) <= 3, f"top_logprobs entries: {top}")
+        if len(top) == 3:
+            check(max(top.values()) == lps, f"greedy token is the top one: {top}")
     e = client.completions.create(model=args.model, prompt=prompt, max_tokens=0, echo=True,
                                   logprobs=1)
     elp = e.choices[0].logprobs
@@ -226,16 +231,26 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--strata", required=True)
     ap.add_argument("--model-path", required=True)
+    ap.add_argument("--checks", default="models,chat,stop,completions,logprobs,errors,concurrent",
+                    help="which checks to run, comma-separated (default: all)")
     args = ap.parse_args()
+    checks = set(args.checks.split(","))
     client = OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=300)
     print(f"openai {openai.__version__} against {args.base_url}", flush=True)
-    test_models(client, args.model)
-    pieces = test_chat(args, client)
-    test_stop_strings(args, client, pieces)
-    test_completions(args, client)
-    test_logprobs(args, client)
-    test_errors(args, client)
-    test_concurrent(args, client)
+    if "models" in checks:
+        test_models(client, args.model)
+    if "chat" in checks or "stop" in checks:
+        pieces = test_chat(args, client)
+        if "stop" in checks:
+            test_stop_strings(args, client, pieces)
+    if "completions" in checks:
+        test_completions(args, client)
+    if "logprobs" in checks:
+        test_logprobs(args, client)
+    if "errors" in checks:
+        test_errors(args, client)
+    if "concurrent" in checks:
+        test_concurrent(args, client)
     if FAILURES:
         print(f"{len(FAILURES)} check(s) failed", flush=True)
         sys.exit(1)

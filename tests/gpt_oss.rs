@@ -364,3 +364,61 @@ fn serve_answers_the_openai_client_as_generate_does() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Hostile or broken gpt-oss GGUFs (the fuzz corpus's tiny gpt-oss, edited): each refused
+/// with one line naming what is wrong, none panics; the unedited file loads and runs.
+#[test]
+fn broken_gpt_oss_ggufs_are_refused_by_name() {
+    use candle_core::quantized::gguf_file::Value as G;
+    use strata::fuzz::corpus::gguf_doc;
+    let dir = common::scratch_dir("gpt_oss_hostile");
+    let load = |doc: &strata::fuzz::gguf_writer::GgufDoc| {
+        let path = dir.join("model.gguf");
+        std::fs::write(&path, doc.to_bytes()).unwrap();
+        Model::load(&path, false).map(|(m, _)| m.cfg.clone())
+    };
+    let base = gguf_doc("gpt-oss");
+    let cfg = load(&base).expect("the unedited tiny gpt-oss loads");
+    assert!(cfg.moe.is_some() && cfg.attn_sinks);
+    let set = |key: &str, v: G| {
+        let mut d = base.clone();
+        d.metadata.iter_mut().find(|(k, _)| k == key).unwrap().1 = v;
+        d
+    };
+    let cases: Vec<(&str, strata::fuzz::gguf_writer::GgufDoc)> = vec![
+        (
+            "experts per token",
+            set("gpt-oss.expert_used_count", G::U32(5)),
+        ),
+        ("number of experts", set("gpt-oss.expert_count", G::U32(0))),
+        (
+            "sliding window",
+            set("gpt-oss.attention.sliding_window", G::U32(0)),
+        ),
+        (
+            "rope scaling factor",
+            set("gpt-oss.rope.scaling.factor", G::F32(-1.0)),
+        ),
+        ("blk.1.attn_sinks.weight", {
+            let mut d = base.clone();
+            d.tensors.retain(|t| t.name != "blk.1.attn_sinks.weight");
+            d
+        }),
+        ("blk.0.ffn_down_exps.weight", {
+            let mut d = base.clone();
+            let t = d
+                .tensors
+                .iter_mut()
+                .find(|t| t.name == "blk.0.ffn_down_exps.weight")
+                .unwrap();
+            t.dims[0] -= 1; // 3 experts' rows where the config says 4
+            t.data.truncate(t.data.len() / 4 * 3);
+            d
+        }),
+    ];
+    for (want, doc) in cases {
+        let err = format!("{:#}", load(&doc).expect_err(want));
+        assert!(err.contains(want), "{want}: {err}");
+        assert!(!err.contains('\n'), "{want}: not one line: {err}");
+    }
+}

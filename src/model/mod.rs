@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod cuda;
+pub mod delta_net;
 pub mod files;
 mod gguf_header;
 pub mod mapped;

@@ -32,11 +32,7 @@ fn reference() -> (std::path::PathBuf, Reference) {
         env!("CARGO_MANIFEST_DIR"),
         "/tests/data/gpt_oss/tiny_random"
     );
-    let dir = common::scratch_dir(&format!("gpt_oss_tiny_{:?}", std::thread::current().id()));
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(format!("{src}/{f}"), dir.join(f)).unwrap();
-    }
-    common::write_tokenizer(&dir, 512);
+    let dir = common::tiny_gpt_oss_dir(&format!("gpt_oss_tiny_{:?}", std::thread::current().id()));
     let r: Value =
         serde_json::from_str(&std::fs::read_to_string(format!("{src}/reference.json")).unwrap())
             .unwrap();

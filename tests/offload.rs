@@ -193,6 +193,31 @@ fn bad_settings_are_refused() {
     assert!(r.unwrap_err().to_string().contains("offload KV is full"));
 }
 
+/// `n` greedy tokens of `prompt` with offload, for each `(num_kv_buffers, block_size,
+/// sanitize)` of `rings`, equal the resident run's tokens and log-prob bits.
+fn offload_equals_resident(
+    model: &Arc<Model>,
+    kv: KvDtype,
+    prompt: &[u32],
+    n: usize,
+    rings: &[(usize, usize, bool)],
+    what: &str,
+) {
+    let want = plain(model, kv, prompt, n);
+    for &(nb, bs, sanitize) in rings {
+        let cfg = OffloadConfig {
+            sanitize,
+            ..offload_cfg(nb, bs, prompt.len() + n)
+        };
+        let got = offloaded(model, kv, cfg, prompt, n).unwrap();
+        let len = prompt.len();
+        assert_eq!(
+            got, want,
+            "{what} {kv}: prompt {len}, num_kv_buffers {nb}, block_size {bs}"
+        );
+    }
+}
+
 /// Sliding-window layers keep only the blocks their window reaches, in a ring that wraps
 /// many times over a long run: tokens and log-prob bits still equal the resident run, in
 /// every KV element, across ring sizes and block sizes (windows of 1, under a block,
@@ -205,24 +230,21 @@ fn sliding_window_layers_match_resident_with_bounded_host_kv() {
         for &len in &[1usize, 37, 100] {
             let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
             let n = 40;
+            let rings = [
+                (2, 4, true),
+                (3, 16, false),
+                (4, 32, true),
+                (8, 1024, false),
+            ];
             for kv in KV_DTYPES {
-                let want = plain(&model, kv, &prompt, n);
-                for (nb, bs, sanitize) in [
-                    (2, 4, true),
-                    (3, 16, false),
-                    (4, 32, true),
-                    (8, 1024, false),
-                ] {
-                    let cfg = OffloadConfig {
-                        sanitize,
-                        ..offload_cfg(nb, bs, len + n)
-                    };
-                    let got = offloaded(&model, kv, cfg, &prompt, n).unwrap();
-                    assert_eq!(
-                        got, want,
-                        "window {window} {kv}: prompt {len}, num_kv_buffers {nb}, block_size {bs}"
-                    );
-                }
+                offload_equals_resident(
+                    &model,
+                    kv,
+                    &prompt,
+                    n,
+                    &rings,
+                    &format!("window {window}"),
+                );
             }
         }
     }
@@ -255,18 +277,14 @@ fn gpt_oss_matches_resident_with_offload() {
         let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
         let n = 24;
         for kv in [KvDtype::F32, KvDtype::F16] {
-            let want = plain(&model, kv, &prompt, n);
-            for (nb, bs, sanitize) in [(2, 4, true), (4, 16, false)] {
-                let cfg = OffloadConfig {
-                    sanitize,
-                    ..offload_cfg(nb, bs, len + n)
-                };
-                let got = offloaded(&model, kv, cfg, &prompt, n).unwrap();
-                assert_eq!(
-                    got, want,
-                    "{kv}: prompt {len}, num_kv_buffers {nb}, block_size {bs}"
-                );
-            }
+            offload_equals_resident(
+                &model,
+                kv,
+                &prompt,
+                n,
+                &[(2, 4, true), (4, 16, false)],
+                "gpt-oss",
+            );
         }
     }
 }

@@ -336,6 +336,25 @@ fn prompts_whose_old_64_bit_keys_collide_never_share_a_cached_block() {
     assert_eq!(e.stats().sched.prefix_hit_blocks, hits_before + 1);
 }
 
+/// Each request's tokens and log-prob bits from `engine::generate` alone, over a cache that
+/// keeps every position: what serving must equal.
+fn generated(
+    model: &Arc<Model>,
+    kv: KvDtype,
+    prompts: &[Vec<u32>],
+    params: &[RequestParams],
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    prompts
+        .iter()
+        .zip(params)
+        .map(|(p, r)| {
+            let greedy = common::greedy(r.max_tokens);
+            let out = common::generate_plain(model, kv, p, &greedy, p.len() + r.max_tokens);
+            (out.token_ids, bits(&out.logprobs))
+        })
+        .collect()
+}
+
 /// A sliding-window model (tiny Gemma 3, window 12: prompts and outputs cross it many
 /// times) served under preemption to host memory, to disk, and by recomputation: every
 /// request's tokens and log-prob bits equal `engine::generate`'s over a cache that keeps
@@ -348,20 +367,7 @@ fn sliding_window_model_under_preemption_matches_generate_bitwise() {
     let (prompts, params) = requests(17, 8, 8);
     let ws = working_set(&prompts, &params);
     for kv in KV_DTYPES {
-        let want: Vec<(Vec<u32>, Vec<u32>)> = prompts
-            .iter()
-            .zip(&params)
-            .map(|(p, r)| {
-                let out = common::generate_plain(
-                    &model,
-                    kv,
-                    p,
-                    &common::greedy(r.max_tokens),
-                    p.len() + r.max_tokens,
-                );
-                (out.token_ids, bits(&out.logprobs))
-            })
-            .collect();
+        let want = generated(&model, kv, &prompts, &params);
         let disk = scratch_dir("serve_window_disk");
         for (cpu, on_disk, seqs) in [
             (0, false, 16),
@@ -411,20 +417,7 @@ fn gpt_oss_under_preemption_matches_generate_bitwise() {
     let (prompts, params) = requests(62, 6, 8);
     let ws = working_set(&prompts, &params);
     let kv = KvDtype::F16;
-    let want: Vec<(Vec<u32>, Vec<u32>)> = prompts
-        .iter()
-        .zip(&params)
-        .map(|(p, r)| {
-            let out = common::generate_plain(
-                &model,
-                kv,
-                p,
-                &common::greedy(r.max_tokens),
-                p.len() + r.max_tokens,
-            );
-            (out.token_ids, bits(&out.logprobs))
-        })
-        .collect();
+    let want = generated(&model, kv, &prompts, &params);
     let disk = scratch_dir("serve_gpt_oss_disk");
     for (cpu, on_disk) in [(0, false), (1000, false), (4, true)] {
         let mut cfg = config_kv(kv, ws / 3, cpu, false);

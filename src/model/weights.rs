@@ -636,6 +636,19 @@ impl Mlp {
         }
     }
 
+    /// Bytes held: its matrices as stored and its f32 vectors.
+    pub fn bytes(&self) -> usize {
+        self.matrices()
+            .into_iter()
+            .map(Weight::bytes)
+            .sum::<usize>()
+            + self
+                .vectors()
+                .into_iter()
+                .map(|v| 4 * v.len())
+                .sum::<usize>()
+    }
+
     /// Bytes one token reads in its gate/up step (a router's included) and in its down
     /// step: all of a dense MLP; of experts, `top_k` experts' share.
     pub fn token_op_bytes(&self, top_k: usize) -> (usize, usize) {
@@ -711,18 +724,13 @@ impl ModelWeights {
     /// embedding table apart from the head contributes only the row it gathers, and a
     /// mixture of experts only its router and `top_k` experts' share (`Mlp::token_read_bytes`).
     pub fn decode_read_bytes(&self, top_k: usize) -> usize {
-        let experts: usize = self
+        // Experts a token does not choose (none of a dense MLP's bytes).
+        let unread: usize = self
             .layers
             .iter()
-            .filter(|l| matches!(l.mlp, Mlp::Experts(_)))
-            .map(|l| {
-                let m = &l.mlp;
-                m.matrices().into_iter().map(Weight::bytes).sum::<usize>()
-                    + m.vectors().into_iter().map(|v| 4 * v.len()).sum::<usize>()
-                    - m.token_read_bytes(top_k)
-            })
+            .map(|l| l.mlp.bytes() - l.mlp.token_read_bytes(top_k))
             .sum();
-        let all = self.bytes() - experts;
+        let all = self.bytes() - unread;
         match &self.lm_head {
             None => all,
             Some(_) => {

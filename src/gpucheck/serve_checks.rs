@@ -139,6 +139,7 @@ impl Seq {
             } else {
                 WantLogits::No
             },
+            state_slot: 0,
         }
     }
 }

@@ -8,6 +8,9 @@
 //! ```
 
 pub mod cuda;
+pub mod state;
+
+pub use state::RecurrentStates;
 
 use std::marker::PhantomData;
 
@@ -117,6 +120,19 @@ pub unsafe trait KvCache<T> {
     /// chunk-invariant).
     fn max_step_tokens(&self) -> usize {
         usize::MAX
+    }
+    /// A state layer's recurrent state of the step's sequence in state slot `slot` (f32,
+    /// `DeltaShape::seq_state_len` floats, CPU memory), between `begin_layer(layer)` and
+    /// `end_layer(layer)`: the layer reads and updates it in place. Caches without state
+    /// slots refuse (a model of attention layers never asks).
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
+        bail!("this KV cache keeps no recurrent state (layer {layer}, slot {slot}): state-layer models run on the CPU device's caches")
+    }
+    /// A step over positions `pos0..pos0 + tokens` of the sequence in state slot `slot`
+    /// begins (`RecurrentStates::begin_step`: from zero at 0, else only where the state
+    /// is). The model calls it for each sequence of a step, state-layer models only.
+    fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> Result<()> {
+        bail!("this KV cache keeps no recurrent state (slot {slot}, positions {pos0}..{}): state-layer models run on the CPU device's caches", pos0 + tokens)
     }
 }
 
@@ -295,6 +311,10 @@ pub struct ContiguousKv<T = f32> {
     v: Vec<Vec<T>>,
     /// The sliding-window layers' rings (`for_model`; none in `of`).
     rings: WindowRings,
+    /// The state layers' recurrent states, one slot (`for_model`; none in `of`).
+    states: RecurrentStates,
+    /// Per layer: a state layer, which keeps no K/V rows.
+    state_layer: Vec<bool>,
 }
 
 impl ContiguousKv<f32> {
@@ -315,6 +335,8 @@ impl<T: KvElem> ContiguousKv<T> {
             k: vec![Vec::new(); num_layers],
             v: vec![Vec::new(); num_layers],
             rings: WindowRings::none(num_layers),
+            states: RecurrentStates::default(),
+            state_layer: vec![false; num_layers],
         }
     }
 
@@ -323,14 +345,26 @@ impl<T: KvElem> ContiguousKv<T> {
     pub fn for_model(cfg: &crate::model::ModelConfig, capacity: usize) -> Self {
         Self {
             rings: WindowRings::for_model(cfg, capacity),
+            states: RecurrentStates::for_model(cfg, 1),
+            state_layer: (0..cfg.num_layers).map(|l| !cfg.keeps_kv(l)).collect(),
             ..Self::of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity)
         }
     }
 
-    /// Bytes currently held.
+    /// Room for `capacity` tokens of `cfg`'s model with every attention layer keeping
+    /// every position (no rings: the reference `for_model`'s rings are checked against);
+    /// a state layer keeps its state.
+    pub fn plain(cfg: &crate::model::ModelConfig, capacity: usize) -> Self {
+        Self {
+            rings: WindowRings::none(cfg.num_layers),
+            ..Self::for_model(cfg, capacity)
+        }
+    }
+
+    /// Bytes currently held (recurrent states included).
     pub fn bytes(&self) -> usize {
         let elems: usize = self.k.iter().chain(&self.v).map(Vec::len).sum();
-        elems * std::mem::size_of::<T>()
+        elems * std::mem::size_of::<T>() + self.states.bytes()
     }
 }
 
@@ -338,6 +372,7 @@ impl<T: KvElem> ContiguousKv<T> {
 unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
     fn reset(&mut self) -> Result<()> {
         self.rings.reset();
+        self.states.reset();
         Ok(())
     }
 
@@ -354,7 +389,7 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
             );
         }
         self.rings.begin_step(pos0, end)?;
-        for l in 0..self.k.len() {
+        for l in (0..self.k.len()).filter(|&l| !self.state_layer[l]) {
             // A ring stops growing at its rows: positions past them wrap.
             let cap = self.rings.rows(l).unwrap_or(self.capacity) * self.row;
             let need = (end * self.row).min(cap);
@@ -387,10 +422,19 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
     /// Rows are addressed by position: the next step overwrites from `len` (a ring's
     /// rewind: `WindowRings::truncate`).
     fn truncate(&mut self, len: usize) -> Result<()> {
+        self.states.truncate(0, len)?;
         self.rings.truncate(len)
     }
 
     fn max_step_tokens(&self) -> usize {
         self.rings.max_step_tokens()
+    }
+
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
+        self.states.layer(layer, slot)
+    }
+
+    fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> Result<()> {
+        self.states.begin_step(slot, pos0, tokens)
     }
 }

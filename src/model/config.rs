@@ -20,11 +20,14 @@ pub enum Arch {
     /// gpt-oss: windowed and full layers alternating, attention sinks, biases on every
     /// attention projection, YaRN RoPE, and a mixture of experts in place of the MLP.
     GptOss,
+    /// Qwen3.5 (dense): three Gated DeltaNet state layers to every full-attention one; the
+    /// full layers gate their output per head and rotate a quarter of each head; every
+    /// norm zero-centred (`1 + w`).
+    Qwen35,
 }
 
 /// How one layer attends, which decides what KV it keeps: the one per-layer question
-/// every part that holds KV asks (docs/architecture.md "Layer kinds"). A third kind, a
-/// fixed-size recurrent state (linear attention, SSM), is sketched there.
+/// every part that holds KV asks (docs/architecture.md "Layer kinds").
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LayerKind {
     /// Attends every earlier position: its KV grows with the context.
@@ -32,7 +35,12 @@ pub enum LayerKind {
     /// Attends the last `size` positions, the query's own included (`p - size < k <= p`),
     /// with its own RoPE.
     Window(Window),
+    /// Attends nothing: a Gated DeltaNet recurrence over a fixed-size per-sequence state
+    /// (`kv::RecurrentStates`); it keeps no KV at all.
+    State(DeltaShape),
 }
+
+pub use super::delta_net::DeltaShape;
 
 /// A sliding-window layer's window and RoPE.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -207,6 +215,12 @@ pub struct ModelConfig {
     /// Each layer's attention kind, `[num_layers]`; `rope_theta` / `rope_scaling` are
     /// the full layers' RoPE, a window carries its own.
     pub layer_kinds: Vec<LayerKind>,
+    /// Leading dimensions of each head that RoPE rotates (`head_dim`, or Qwen3.5's
+    /// `partial_rotary_factor · head_dim`; the rest pass through).
+    pub rotary_dim: usize,
+    /// Qwen3.5: the query projection also gives a per-head gate, `[q | gate]` per head in
+    /// the file; the attention output is multiplied by σ(gate) before `o_proj`.
+    pub attn_output_gate: bool,
     /// Multiplies each embedding row (Gemma: √hidden in f32); not the tied LM head.
     pub embed_scale: Option<f32>,
     /// Gemma: an RMSNorm on the attention output and on the MLP output, each before its
@@ -314,9 +328,58 @@ impl ModelConfig {
     /// Layer `l`'s attention window, `None` for a full layer.
     pub fn window(&self, l: usize) -> Option<usize> {
         match self.layer_kinds[l] {
-            LayerKind::Full => None,
+            LayerKind::Full | LayerKind::State(_) => None,
             LayerKind::Window(w) => Some(w.size),
         }
+    }
+
+    /// Layer `l`'s recurrence, `None` for an attention layer.
+    pub fn state(&self, l: usize) -> Option<DeltaShape> {
+        match self.layer_kinds[l] {
+            LayerKind::State(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Whether layer `l` stores K and V (every attention layer; a state layer does not).
+    pub fn keeps_kv(&self, l: usize) -> bool {
+        self.state(l).is_none()
+    }
+
+    /// Whether any layer is a state layer (its per-sequence state cannot rewind).
+    pub fn has_state_layers(&self) -> bool {
+        (0..self.num_layers).any(|l| self.state(l).is_some())
+    }
+
+    /// Width of one token's row out of the fused input projection: q, k, v (and the
+    /// output gate) for attention; a state layer's q/k/v, z, b and a, whichever is wider.
+    pub fn qkv_width(&self) -> usize {
+        let attn = self.attn_qkv_dim();
+        self.layer_kinds
+            .iter()
+            .map(|k| match k {
+                LayerKind::State(s) => s.proj_width(),
+                _ => attn,
+            })
+            .max()
+            .unwrap_or(attn)
+    }
+
+    /// An attention layer's fused projection row: `[q | k | v]`, then the gate.
+    pub fn attn_qkv_dim(&self) -> usize {
+        self.q_dim() * (1 + self.attn_output_gate as usize) + 2 * self.kv_dim()
+    }
+
+    /// Width of a layer's mixer output (what `o_proj` / `out_proj` reads), the widest.
+    pub fn mixer_width(&self) -> usize {
+        self.layer_kinds
+            .iter()
+            .map(|k| match k {
+                LayerKind::State(s) => s.v_heads * s.dv,
+                _ => self.q_dim(),
+            })
+            .max()
+            .unwrap_or(self.q_dim())
     }
 
     /// The widest sliding window of any layer (`None`: every layer attends everything).
@@ -327,7 +390,7 @@ impl ModelConfig {
     /// Layer `l`'s RoPE: the full layers' or its window's.
     pub fn layer_rope(&self, l: usize) -> (f32, RopeScaling) {
         match self.layer_kinds[l] {
-            LayerKind::Full => (self.rope_theta, self.rope_scaling),
+            LayerKind::Full | LayerKind::State(_) => (self.rope_theta, self.rope_scaling),
             LayerKind::Window(w) => (w.rope_theta, w.rope_scaling),
         }
     }
@@ -426,7 +489,17 @@ impl ModelConfig {
                 self.num_layers
             );
         }
+        if !(self.rotary_dim.is_multiple_of(2) && (2..=self.head_dim).contains(&self.rotary_dim)) {
+            bail!(
+                "invalid model config: the rotary dimension must be even and in 2..={} (head_dim), got {}",
+                self.head_dim,
+                self.rotary_dim
+            );
+        }
         for kind in &self.layer_kinds {
+            if let LayerKind::State(s) = kind {
+                s.validate()?;
+            }
             if let LayerKind::Window(w) = kind {
                 if !(1..=MAX_CONTEXT).contains(&w.size) {
                     bail!(
@@ -483,10 +556,7 @@ impl ModelConfig {
         // The bounds above keep these far from wrapping; checked all the same, since the
         // largest tensors' byte sizes are formed from them.
         let product = |a: usize, b: usize| a.checked_mul(b).and_then(|n| n.checked_mul(4));
-        let qkv_rows = self
-            .q_dim()
-            .checked_add(2 * self.kv_dim())
-            .context("invalid model config: attention sizes overflow")?;
+        let qkv_rows = self.qkv_width();
         for (what, bytes) in [
             ("the embedding", product(self.vocab_size, self.hidden_size)),
             ("the fused qkv matrix", product(qkv_rows, self.hidden_size)),
@@ -520,13 +590,20 @@ impl ModelConfig {
         let mut v: Value = serde_json::from_str(text).context("malformed config.json")?;
         // Gemma 3's multimodal checkpoints nest the text model in `text_config`; its
         // token ids and tying may sit at the top.
-        let multimodal = v["architectures"]
-            .as_array()
-            .is_some_and(|a| a.iter().any(|x| x == "Gemma3ForConditionalGeneration"));
-        if multimodal {
+        let multimodal = [
+            ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"),
+            ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+        ]
+        .into_iter()
+        .find(|(outer, _)| {
+            v["architectures"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x == outer))
+        });
+        if let Some((outer, inner)) = multimodal {
             let mut text = v["text_config"].take();
             let Some(t) = text.as_object_mut() else {
-                bail!("Gemma3ForConditionalGeneration config.json has no text_config object");
+                bail!("{outer} config.json has no text_config object");
             };
             for key in ["bos_token_id", "eos_token_id", "tie_word_embeddings"] {
                 if !t.contains_key(key) {
@@ -535,10 +612,7 @@ impl ModelConfig {
                     }
                 }
             }
-            t.insert(
-                "architectures".into(),
-                serde_json::json!(["Gemma3ForCausalLM"]),
-            );
+            t.insert("architectures".into(), serde_json::json!([inner]));
             v = text;
         }
         let raw: HfConfig = serde_json::from_value(v).context("malformed config.json")?;
@@ -729,6 +803,8 @@ impl ModelConfig {
                 None
             },
             layer_kinds,
+            rotary_dim: head_dim,
+            attn_output_gate: false,
             embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
             sandwich_norms: gemma,
             mlp_act: if gemma {
@@ -744,6 +820,12 @@ impl ModelConfig {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// What a Qwen3.5 config.json sets beyond the Qwen3 keys.
+struct QwenNextParts {
+    kinds: Vec<LayerKind>,
+    rotary_dim: usize,
 }
 
 /// What a gpt-oss config.json sets beyond the Llama keys.
@@ -812,12 +894,31 @@ struct HfConfig {
     num_experts_per_tok: Option<usize>,
     swiglu_alpha: Option<f64>,
     swiglu_limit: Option<f64>,
+    // Qwen3.5
+    hidden_act: Option<String>,
+    partial_rotary_factor: Option<f64>,
+    full_attention_interval: Option<usize>,
+    linear_conv_kernel_dim: Option<usize>,
+    linear_key_head_dim: Option<usize>,
+    linear_value_head_dim: Option<usize>,
+    linear_num_key_heads: Option<usize>,
+    linear_num_value_heads: Option<usize>,
 }
 
 impl HfConfig {
     /// Each layer's kind from `layer_types` (`None` when the config has none), a
     /// `sliding_attention` layer attending `window`.
     fn kinds_from_layer_types(&self, window: Window) -> Result<Option<Vec<LayerKind>>> {
+        self.kinds_with_state(window, None)
+    }
+
+    /// `kinds_from_layer_types`, a `linear_attention` layer running `state` (refused
+    /// without one).
+    fn kinds_with_state(
+        &self,
+        window: Window,
+        state: Option<DeltaShape>,
+    ) -> Result<Option<Vec<LayerKind>>> {
         let Some(types) = &self.layer_types else {
             return Ok(None);
         };
@@ -833,7 +934,10 @@ impl HfConfig {
             .map(|t| match t.as_str() {
                 "full_attention" => Ok(LayerKind::Full),
                 "sliding_attention" => Ok(LayerKind::Window(window)),
-                other => bail!("unsupported layer type {other:?} (supported: full_attention, sliding_attention)"),
+                "linear_attention" if state.is_some() => {
+                    Ok(LayerKind::State(state.expect("checked")))
+                }
+                other => bail!("unsupported layer type {other:?} (supported: full_attention, sliding_attention; linear_attention in Qwen3.5)"),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Some(kinds))
@@ -953,6 +1057,61 @@ impl HfConfig {
         })
     }
 
+    /// Qwen3.5's text model (`Qwen3_5ForCausalLM`, `qwen3_5_text`; the text part of
+    /// `Qwen3_5ForConditionalGeneration`): transformers' `Qwen3_5TextConfig` defaults where
+    /// a key is absent — a full-attention layer every `full_attention_interval` (4), the
+    /// rest Gated DeltaNet.
+    fn qwen35_parts(&self, head_dim: usize) -> Result<QwenNextParts> {
+        if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
+            bail!("unsupported Qwen3.5 config: hidden_act {act:?} (supported: silu)");
+        }
+        let shape = DeltaShape {
+            k_heads: self.linear_num_key_heads.unwrap_or(16),
+            v_heads: self.linear_num_value_heads.unwrap_or(32),
+            dk: self.linear_key_head_dim.unwrap_or(128),
+            dv: self.linear_value_head_dim.unwrap_or(128),
+            kernel: self.linear_conv_kernel_dim.unwrap_or(4),
+        };
+        // Never used by a full layer (its kind carries no window).
+        let unused = Window {
+            size: 1,
+            rope_theta: 1.0,
+            rope_scaling: RopeScaling::None,
+        };
+        let kinds = match self.kinds_with_state(unused, Some(shape))? {
+            Some(kinds) => kinds,
+            None => {
+                let every = self.full_attention_interval.unwrap_or(4).max(1);
+                (0..self.num_hidden_layers.min(limits::MAX_LAYERS))
+                    .map(|i| match (i + 1) % every {
+                        0 => LayerKind::Full,
+                        _ => LayerKind::State(shape),
+                    })
+                    .collect()
+            }
+        };
+        if kinds.iter().any(|k| matches!(k, LayerKind::Window(_))) {
+            bail!("unsupported Qwen3.5 config: a sliding_attention layer");
+        }
+        let factor = self
+            .partial_rotary_factor
+            .or_else(|| {
+                self.rope_parameters
+                    .as_ref()
+                    .and_then(|p| p.get("partial_rotary_factor"))
+                    .and_then(Value::as_f64)
+            })
+            .unwrap_or(0.25);
+        if !(factor > 0.0 && factor <= 1.0) {
+            bail!("invalid model config: partial_rotary_factor must be in (0, 1], got {factor}");
+        }
+        Ok(QwenNextParts {
+            kinds,
+            // transformers: `int(head_dim * partial_rotary_factor)`.
+            rotary_dim: (head_dim as f64 * factor) as usize,
+        })
+    }
+
     fn into_config(self) -> Result<ModelConfig> {
         let names = self.architectures.clone().unwrap_or_default();
         let arch = names
@@ -963,6 +1122,7 @@ impl HfConfig {
                 "Qwen3ForCausalLM" => Some(Arch::Qwen3),
                 "Gemma3ForCausalLM" => Some(Arch::Gemma3),
                 "GptOssForCausalLM" => Some(Arch::GptOss),
+                "Qwen3_5ForCausalLM" => Some(Arch::Qwen35),
                 _ => None,
             })
             .or(match self.model_type.as_deref() {
@@ -971,6 +1131,7 @@ impl HfConfig {
                 Some("qwen3") if names.is_empty() => Some(Arch::Qwen3),
                 Some("gemma3_text") if names.is_empty() => Some(Arch::Gemma3),
                 Some("gpt_oss") if names.is_empty() => Some(Arch::GptOss),
+                Some("qwen3_5_text") if names.is_empty() => Some(Arch::Qwen35),
                 _ => None,
             });
         let Some(arch) = arch else {
@@ -979,7 +1140,7 @@ impl HfConfig {
             } else {
                 names.join(", ")
             };
-            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model, GptOssForCausalLM)");
+            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model, GptOssForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration's text model)");
         };
         // Qwen2/Qwen3 apply `sliding_window` only when `use_sliding_window` is set; the
         // forward pass is full causal attention, so such a config would compute wrong logits.
@@ -1032,6 +1193,10 @@ impl HfConfig {
             Arch::GptOss => Some(self.gpt_oss_parts(rope_theta, rope_scaling)?),
             _ => None,
         };
+        let qwen35 = match arch {
+            Arch::Qwen35 => Some(self.qwen35_parts(head_dim)?),
+            _ => None,
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size: self.hidden_size,
@@ -1046,7 +1211,9 @@ impl HfConfig {
             rope_scaling: gemma.as_ref().map_or(rope_scaling, |g| g.rope_scaling),
             max_position_embeddings: self
                 .max_position_embeddings
-                .unwrap_or(if gemma.is_some() || oss.is_some() {
+                .unwrap_or(if qwen35.is_some() {
+                    262_144
+                } else if gemma.is_some() || oss.is_some() {
                     131_072
                 } else {
                     2048
@@ -1054,7 +1221,7 @@ impl HfConfig {
                 .min(window.unwrap_or(usize::MAX)),
             // Gemma ties its head unless the config says otherwise.
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(gemma.is_some()),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen35),
             // Qwen2's q/k/v projections always have a bias (its configs have no key for it).
             attention_bias: self
                 .attention_bias
@@ -1073,9 +1240,12 @@ impl HfConfig {
             attn_scale: gemma
                 .as_ref()
                 .map_or(ModelConfig::default_attn_scale(head_dim), |g| g.attn_scale),
-            layer_kinds: match (gemma, oss) {
-                (Some(g), _) => g.kinds,
-                (_, Some(o)) => o.kinds,
+            rotary_dim: qwen35.as_ref().map_or(head_dim, |q| q.rotary_dim),
+            attn_output_gate: qwen35.is_some(),
+            layer_kinds: match (gemma, oss, qwen35) {
+                (Some(g), _, _) => g.kinds,
+                (_, Some(o), _) => o.kinds,
+                (_, _, Some(q)) => q.kinds,
                 _ => ModelConfig::all_full(self.num_hidden_layers.min(limits::MAX_LAYERS)),
             },
             bos_token_id,
@@ -1154,12 +1324,12 @@ pub fn distinct_ropes(cfg: &ModelConfig) -> (Vec<Vec<f32>>, Vec<usize>) {
     (inv_freq, layer_rope)
 }
 
-/// Inverse frequencies for layer `l`'s RoPE, `head_dim / 2` of them, after any scaling.
+/// Inverse frequencies for layer `l`'s RoPE, `rotary_dim / 2` of them, after any scaling.
 pub fn rope_inv_freq(cfg: &ModelConfig, l: usize) -> Vec<f32> {
     let (theta, scaling) = cfg.layer_rope(l);
-    let half = cfg.head_dim / 2;
+    let half = cfg.rotary_dim / 2;
     let base: Vec<f64> = (0..half)
-        .map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / cfg.head_dim as f64))
+        .map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / cfg.rotary_dim as f64))
         .collect();
     let scaled: Vec<f64> = match scaling {
         RopeScaling::None => base,
@@ -1172,7 +1342,7 @@ pub fn rope_inv_freq(cfg: &ModelConfig, l: usize) -> Vec<f32> {
             truncate,
             attention_factor: _,
         } => {
-            let dim = cfg.head_dim as f64;
+            let dim = cfg.rotary_dim as f64;
             let ln_base = (theta as f64).ln();
             let old = original_max_position_embeddings as f64;
             // The dimension whose frequency turns `rotations` times over `old` positions.

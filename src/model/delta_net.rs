@@ -3,7 +3,7 @@
 //! step over one token of one sequence and its fixed-size state, in f32, as transformers'
 //! `modeling_qwen3_5` computes it (`torch_recurrent_gated_delta_rule`,
 //! `causal_conv1d_update`, `Qwen3_5RMSNormGated`; tested against them on recorded
-//! inputs). Not yet wired into a model: the state kind's layer body will call these.
+//! inputs). `Model`'s state-layer body runs them over each sequence's rows in order.
 
 /// One Gated DeltaNet layer's sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +32,45 @@ impl DeltaShape {
     /// Floats of the conv's tail, `[kernel − 1, conv_channels]` (oldest first).
     pub fn conv_tail_len(&self) -> usize {
         (self.kernel - 1) * self.conv_channels()
+    }
+
+    /// Floats of one sequence's whole state in this layer: `[conv tail | matrix state]`.
+    pub fn seq_state_len(&self) -> usize {
+        self.conv_tail_len() + self.state_len()
+    }
+
+    /// Width of one token's fused input projection: `[q | k | v | z | b | a]` (z
+    /// `[v_heads, dv]`, the gates' inputs b and a `[v_heads]` each).
+    pub fn proj_width(&self) -> usize {
+        self.conv_channels() + self.v_heads * self.dv + 2 * self.v_heads
+    }
+
+    /// Sizes a model file may give: each bounded like the attention's (so every product
+    /// the loader forms stays far from wrapping), value heads a multiple of key heads.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        use crate::model::config::limits::{MAX_HEADS, MAX_HEAD_DIM};
+        for (key, value, max) in [
+            ("linear_num_key_heads", self.k_heads, MAX_HEADS),
+            ("linear_num_value_heads", self.v_heads, MAX_HEADS),
+            ("linear_key_head_dim", self.dk, MAX_HEAD_DIM),
+            ("linear_value_head_dim", self.dv, MAX_HEAD_DIM),
+            ("linear_conv_kernel_dim", self.kernel, 64),
+        ] {
+            if !(1..=max).contains(&value) {
+                anyhow::bail!("invalid model config: {key} must be in 1..={max}, got {value}");
+            }
+        }
+        if self.kernel < 2 {
+            anyhow::bail!("invalid model config: linear_conv_kernel_dim must be at least 2, got 1");
+        }
+        if !self.v_heads.is_multiple_of(self.k_heads) {
+            anyhow::bail!(
+                "invalid model config: linear_num_value_heads ({}) is not a multiple of linear_num_key_heads ({})",
+                self.v_heads,
+                self.k_heads
+            );
+        }
+        Ok(())
     }
 }
 

@@ -1,4 +1,5 @@
-//! Decoder-only transformer (Llama, Qwen2, Qwen3) with an explicit layer loop over the KV seam.
+//! Decoder-only transformer (Llama, Qwen2/3, Gemma 3, gpt-oss, Qwen3.5) with an explicit
+//! layer loop over the KV seam.
 
 pub mod config;
 pub mod cuda;
@@ -46,6 +47,9 @@ pub struct BatchSeq<'a> {
     pub window_pages: &'a [u32],
     /// Which of its rows' logits are wanted.
     pub logits: WantLogits,
+    /// Its recurrent-state slot in the pool (`KvCache::layer_state`); ignored by a model
+    /// without state layers.
+    pub state_slot: usize,
 }
 
 /// Which rows of a sequence's call give logits: the forward answers `[rows, vocab]`,
@@ -356,7 +360,7 @@ impl Model {
             },
         };
         let positions: Vec<usize> = (pos0..pos0 + t).collect();
-        self.run_layers(tokens, &positions, &[seq], None, kv)
+        self.run_layers(tokens, &positions, &[seq], None, &[0], kv)
     }
 
     /// One forward over a batch of sequences (decode rows and prefill chunks alike), each
@@ -395,7 +399,8 @@ impl Model {
             positions.extend(s.pos0..end);
         }
         let window_seqs = window_pool.then_some(&window_seqs[..]);
-        let a = self.run_layers(&tokens, &positions, &attn_seqs, window_seqs, pool)?;
+        let slots: Vec<usize> = seqs.iter().map(|s| s.state_slot).collect();
+        let a = self.run_layers(&tokens, &positions, &attn_seqs, window_seqs, &slots, pool)?;
         let rows: Vec<usize> = attn_seqs
             .iter()
             .zip(seqs)
@@ -414,15 +419,22 @@ impl Model {
     /// Embedding, then every layer over the KV seam: layer `l` pulls its K/V from `kv`,
     /// runs here (the CPU device's compute stream is the calling thread) and hands the
     /// slot back. Returns the activations, the final norm in `hn`. `window_seqs`: the same
-    /// sequences over a window pool's pages, for the sliding-window layers.
+    /// sequences over a window pool's pages, for the sliding-window layers; `state_slots`:
+    /// each sequence's recurrent-state slot, for the state layers.
     fn run_layers<T: KvElem, L: KvLayout>(
         &self,
         tokens: &[u32],
         positions: &[usize],
         full_seqs: &[AttnSeq<L>],
         window_seqs: Option<&[AttnSeq<L>]>,
+        state_slots: &[usize],
         kv: &mut dyn KvCache<T>,
     ) -> Result<Activations> {
+        if self.cfg.has_state_layers() {
+            for (s, &slot) in full_seqs.iter().zip(state_slots) {
+                kv.begin_state(slot, s.pos0, s.tokens)?;
+            }
+        }
         let kvd = self.cfg.kv_dim();
         // Elements of K (and of V) the step addresses: its last row's end, in any sequence.
         let need = |seqs: &[AttnSeq<L>]| {
@@ -434,6 +446,15 @@ impl Model {
         let mut a = Activations::new(&self.cfg, tokens.len());
         self.embed(tokens, positions, &mut a);
         for l in 0..self.cfg.num_layers {
+            if let Some(shape) = self.cfg.state(l) {
+                // The schedule still sees the layer (an offload engine's slots turn over),
+                // but a state layer's memory is its recurrent state, not the slot.
+                kv.begin_layer(l)?;
+                self.state_layer(l, shape, &mut a, full_seqs, state_slots, kv)?;
+                self.finish_layer(l, &mut a)?;
+                kv.end_layer(l)?;
+                continue;
+            }
             let seqs = match (window_seqs, self.cfg.window(l)) {
                 (Some(w), Some(_)) => w,
                 _ => full_seqs,
@@ -535,17 +556,18 @@ impl Model {
         let cfg = &self.cfg;
         let lw = &self.weights.layers[l];
         let t = a.t;
-        let (h, qd, kvd, inter) = (
-            cfg.hidden_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.intermediate_size,
-        );
-        let qkv_dim = qd + 2 * kvd;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let qkv_dim = cfg.attn_qkv_dim();
         let eps = cfg.rms_norm_eps;
-        // 1. Fused QKV projection.
+        // 1. Fused QKV projection (and the output gates).
         timed(Op::Qkv, || {
-            ops::linear_weight(&a.hn, &lw.wqkv, lw.bqkv.as_deref(), &mut a.qkv, t)
+            ops::linear_weight(
+                &a.hn,
+                &lw.wqkv,
+                lw.bqkv.as_deref(),
+                &mut a.qkv[..t * qkv_dim],
+                t,
+            )
         });
         // 2. Qwen3: per-head RMSNorm of q and k, before RoPE.
         if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
@@ -604,9 +626,83 @@ impl Model {
             }
             Ok(())
         })?;
+        // Qwen3.5: each head's output times σ(its gate).
+        if cfg.attn_output_gate {
+            for (o, row) in a.attn.chunks_exact_mut(qd).zip(a.qkv.chunks_exact(qkv_dim)).take(t) {
+                let gate = &row[qd + 2 * kvd..];
+                o.iter_mut().zip(gate).for_each(|(o, g)| *o *= ops::sigmoid(*g));
+            }
+        }
+        self.finish_layer(l, a)
+    }
+
+    /// A state layer's token mixer: the fused projection `[q | k | v | z | b | a]`, then
+    /// each sequence's rows in order through its recurrence (the causal conv, the gates,
+    /// the gated delta rule, the gated norm), each from and into its state slot; leaves
+    /// `[t, v_heads · dv]` in `a.attn` for `out_proj`.
+    fn state_layer<T: KvElem, L: KvLayout>(
+        &self,
+        l: usize,
+        s: delta_net::DeltaShape,
+        a: &mut Activations,
+        seqs: &[AttnSeq<L>],
+        state_slots: &[usize],
+        kv: &mut dyn KvCache<T>,
+    ) -> Result<()> {
+        let lw = &self.weights.layers[l];
+        let d = lw
+            .delta
+            .as_ref()
+            .context("a state layer without its recurrence's weights")?;
+        let t = a.t;
+        let (width, c, vd, nv) = (s.proj_width(), s.conv_channels(), s.v_heads * s.dv, s.v_heads);
+        let kd = s.k_heads * s.dk;
+        timed(Op::Qkv, || {
+            ops::linear_weight(&a.hn, &lw.wqkv, None, &mut a.qkv[..t * width], t)
+        });
+        timed(Op::Attention, || -> Result<()> {
+            let mut conv = vec![0.0f32; c];
+            let (mut g, mut beta) = (vec![0.0f32; nv], vec![0.0f32; nv]);
+            let mut out = vec![0.0f32; vd];
+            for (seq, &slot) in seqs.iter().zip(state_slots) {
+                let state = kv.layer_state(l, slot)?;
+                let (tail, matrix) = state.split_at_mut(s.conv_tail_len());
+                for r in seq.row0..seq.row0 + seq.tokens {
+                    let row = &a.qkv[r * width..(r + 1) * width]; // [q | k | v | z | b | a]
+                    let (qkv, rest) = row.split_at(c);
+                    let (z, rest) = rest.split_at(vd);
+                    let (b, a_in) = rest.split_at(nv);
+                    delta_net::conv_step(s, tail, qkv, &d.conv, &mut conv);
+                    delta_net::gates(a_in, b, &d.a_log, &d.dt_bias, &mut g, &mut beta);
+                    let (q, kv_part) = conv.split_at(kd);
+                    let (k, v) = kv_part.split_at(kd);
+                    delta_net::delta_step(s, matrix, q, k, v, &g, &beta, &mut out);
+                    let o = &mut a.attn[r * vd..(r + 1) * vd];
+                    delta_net::gated_rms_norm(&out, z, &d.norm, self.cfg.rms_norm_eps, o);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// The rest of layer `l` after its token mixer left `[t, mixer width]` in `a.attn`:
+    /// output projection, (Gemma: its norm,) residual add, the MLP's input norm, the MLP,
+    /// and the next layer's input norm.
+    fn finish_layer(&self, l: usize, a: &mut Activations) -> Result<()> {
+        let cfg = &self.cfg;
+        let lw = &self.weights.layers[l];
+        let t = a.t;
+        let (h, inter, eps) = (cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps);
         // 5. Output projection, (Gemma: its norm,) residual add, the MLP's input norm.
+        let width = lw.wo.shape().in_features;
         timed(Op::OutProj, || {
-            ops::linear_weight(&a.attn, &lw.wo, lw.bo.as_deref(), &mut a.proj, t)
+            ops::linear_weight(
+                &a.attn[..t * width],
+                &lw.wo,
+                lw.bo.as_deref(),
+                &mut a.proj,
+                t,
+            )
         });
         if let Some((post_attn, _)) = &lw.post_norms {
             ops::rms_norm_in_place(&mut a.proj, post_attn, eps);
@@ -673,14 +769,14 @@ impl Model {
     ) {
         let cfg = &self.cfg;
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let qkv_dim = qd + 2 * kvd;
+        let qkv_dim = cfg.attn_qkv_dim();
         for s in seqs {
             for i in 0..s.tokens {
                 let src = &a.qkv[(s.row0 + i) * qkv_dim..][..qkv_dim];
                 kv.store(
                     s.kv.row_offset(s.pos0 + i),
                     &src[qd..qd + kvd],
-                    &src[qd + kvd..],
+                    &src[qd + kvd..qd + 2 * kvd],
                 );
             }
         }
@@ -715,9 +811,9 @@ struct Activations {
     chunk: usize,   // MLP rows at once
     x: Vec<f32>,    // [t, hidden] residual stream
     hn: Vec<f32>,   // [t, hidden] normalised input of the next block
-    qkv: Vec<f32>,  // [t, q | k | v]
+    qkv: Vec<f32>,  // [t, q | k | v (| gate)], a state layer's [t, q | k | v | z | b | a]
     q: Vec<f32>,    // [t, heads, head_dim]
-    attn: Vec<f32>, // [t, heads, head_dim]
+    attn: Vec<f32>, // [t, heads, head_dim], a state layer's [t, v_heads, dv]
     proj: Vec<f32>, // [t, hidden]
     gu: Vec<f32>,   // [chunk, gate | up]
     act: Vec<f32>,  // [chunk, inter]
@@ -734,9 +830,9 @@ impl Activations {
             chunk,
             x: vec![0.0; t * h],
             hn: vec![0.0; t * h],
-            qkv: vec![0.0; t * (qd + 2 * cfg.kv_dim())],
+            qkv: vec![0.0; t * cfg.qkv_width()],
             q: vec![0.0; t * qd],
-            attn: vec![0.0; t * qd],
+            attn: vec![0.0; t * cfg.mixer_width()],
             proj: vec![0.0; t * h],
             gu: vec![0.0; chunk * 2 * inter],
             act: vec![0.0; chunk * inter],

@@ -130,6 +130,8 @@ impl Shape {
             attn_sinks: false,
             moe: None,
             layer_kinds,
+            rotary_dim: self.head_dim,
+            attn_output_gate: false,
             embed_scale: gemma.then(|| (self.hidden as f32).sqrt()),
             sandwich_norms: gemma,
             mlp_act: if gemma {
@@ -189,6 +191,7 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64, qk_gain: f32) -> ModelWeight
     };
     let layers = (0..cfg.num_layers)
         .map(|_| LayerWeights {
+            delta: None,
             attn_norm: norm(&mut rng, h),
             wqkv: mat(uniform(&mut rng, (qd + 2 * kvd) * h, s(h)), qd + 2 * kvd, h),
             bqkv: cfg

@@ -563,6 +563,19 @@ pub struct LayerWeights {
     pub mlp: Mlp,
     /// Gemma's sandwich norms on the attention and MLP outputs, `[hidden]` each.
     pub post_norms: Option<(Vec<f32>, Vec<f32>)>,
+    /// A state layer's recurrence (`LayerKind::State`); its `wqkv` is then the fused input
+    /// projection `[q | k | v | z | b | a]` (`DeltaShape::proj_width` rows) and `wo` the
+    /// `out_proj` `[hidden, v_heads · dv]`. An attention layer's `wqkv` rows are
+    /// `[q | k | v]`, then with `attn_output_gate` the per-head gates `[heads · head_dim]`.
+    pub delta: Option<DeltaWeights>,
+}
+
+/// A Gated DeltaNet layer's parameters beside its projections (`model::delta_net`).
+pub struct DeltaWeights {
+    pub conv: Vec<f32>,    // [conv_channels, kernel]  the depthwise causal conv's taps
+    pub a_log: Vec<f32>,   // [v_heads]
+    pub dt_bias: Vec<f32>, // [v_heads]
+    pub norm: Vec<f32>,    // [dv]  the gated RMSNorm's weight (plain, not 1 + w)
 }
 
 /// A layer's feed-forward block.
@@ -710,6 +723,11 @@ impl ModelWeights {
                         .flatten(),
                 )
                 .chain(l.post_norms.iter().flat_map(|(a, m)| [a, m]))
+                .chain(
+                    l.delta
+                        .iter()
+                        .flat_map(|d| [&d.conv, &d.a_log, &d.dt_bias, &d.norm]),
+                )
                 .chain(l.mlp.vectors())
         }))
     }
@@ -877,7 +895,8 @@ enum ExpertLayout {
 
 /// A Hugging Face checkpoint's names under `prefix` (`model.`, or a multimodal Gemma 3's
 /// `model.language_model.` / `language_model.model.`); Gemma 3 names its norms its own way.
-fn hf_names(prefix: &str, head: &str, gemma: bool) -> Names {
+/// `zero_centred`: the norms hold `w` and scale by `1 + w` (Gemma 3, Qwen3.5).
+fn hf_names(prefix: &str, head: &str, gemma: bool, zero_centred: bool) -> Names {
     let prefix = prefix.to_string();
     Names {
         embed: format!("{prefix}embed_tokens.weight"),
@@ -910,11 +929,20 @@ fn hf_names(prefix: &str, head: &str, gemma: bool) -> Names {
                 "experts_gate_up_bias" => "mlp.experts.gate_up_proj_bias",
                 "experts_down" => "mlp.experts.down_proj",
                 "experts_down_bias" => "mlp.experts.down_proj_bias",
+                "lin_qkv" => "linear_attn.in_proj_qkv.weight",
+                "lin_z" => "linear_attn.in_proj_z.weight",
+                "lin_b" => "linear_attn.in_proj_b.weight",
+                "lin_a" => "linear_attn.in_proj_a.weight",
+                "lin_conv" => "linear_attn.conv1d.weight",
+                "lin_a_log" => "linear_attn.A_log",
+                "lin_dt_bias" => "linear_attn.dt_bias",
+                "lin_norm" => "linear_attn.norm.weight",
+                "lin_out" => "linear_attn.out_proj.weight",
                 _ => unreachable!("unknown weight part {part}"),
             };
             format!("{prefix}layers.{i}.{p}")
         }),
-        norm_offset: if gemma { 1.0 } else { 0.0 },
+        norm_offset: if zero_centred { 1.0 } else { 0.0 },
         experts: ExpertLayout::HfFusedTransposed,
     }
 }
@@ -979,7 +1007,7 @@ fn build(
     );
     // The layer count comes from the file: check the last layer exists before anything is
     // sized by it (a huge count would otherwise reach the allocator first).
-    let last_layer = (names.layer)(cfg.num_layers - 1, "q");
+    let last_layer = (names.layer)(cfg.num_layers - 1, "attn_norm");
     if !src.has(&last_layer) {
         bail!(
             "the config names {} layers but the weights have no `{last_layer}`",
@@ -1029,7 +1057,8 @@ fn build(
             get(&n(p), &[len]).map(|w| w.to_f32().into_iter().map(|x| x + offset).collect())
         };
         let off = names.norm_offset;
-        let bqkv = if cfg.attention_bias {
+        let state = cfg.state(i);
+        let bqkv = if cfg.attention_bias && state.is_none() {
             let mut b: Vec<f32> = vector("q_bias", q, 0.0)?;
             b.extend(vector("k_bias", kv, 0.0)?);
             b.extend(vector("v_bias", kv, 0.0)?);
@@ -1037,7 +1066,7 @@ fn build(
         } else {
             None
         };
-        let (q_norm, k_norm) = if cfg.qk_norm {
+        let (q_norm, k_norm) = if cfg.qk_norm && state.is_none() {
             (
                 Some(vector("q_norm", cfg.head_dim, off)?),
                 Some(vector("k_norm", cfg.head_dim, off)?),
@@ -1055,23 +1084,62 @@ fn build(
         } else {
             None
         };
-        let bo = match cfg.out_bias {
+        let bo = match cfg.out_bias && state.is_none() {
             true => Some(vector("o_bias", h, 0.0)?),
             false => None,
         };
-        let sinks = match cfg.attn_sinks {
+        let sinks = match cfg.attn_sinks && state.is_none() {
             true => Some(vector("sinks", cfg.num_heads, 0.0)?),
             false => None,
+        };
+        let mut delta = match state {
+            Some(s) => Some(DeltaWeights {
+                a_log: vector("lin_a_log", s.v_heads, 0.0)?,
+                dt_bias: vector("lin_dt_bias", s.v_heads, 0.0)?,
+                norm: vector("lin_norm", s.dv, 0.0)?,
+                conv: Vec::new(), // read below, once `vector` is done
+            }),
+            None => None,
         };
         let router_bias = match cfg.moe {
             Some(moe) => Some(vector("router_bias", moe.num_experts, 0.0)?),
             None => None,
         };
-        let wqkv = Weight::concat(vec![
-            get(&n("q"), &[q, h])?,
-            get(&n("k"), &[kv, h])?,
-            get(&n("v"), &[kv, h])?,
-        ]);
+        if let (Some(d), Some(s)) = (delta.as_mut(), state) {
+            d.conv = get(&n("lin_conv"), &[s.conv_channels(), 1, s.kernel])?.to_f32();
+        }
+        let (wqkv, wo) = match state {
+            Some(s) => (
+                Weight::concat(vec![
+                    get(&n("lin_qkv"), &[s.conv_channels(), h])?,
+                    get(&n("lin_z"), &[s.v_heads * s.dv, h])?,
+                    get(&n("lin_b"), &[s.v_heads, h])?,
+                    get(&n("lin_a"), &[s.v_heads, h])?,
+                ]),
+                get(&n("lin_out"), &[h, s.v_heads * s.dv])?,
+            ),
+            None if cfg.attn_output_gate => {
+                // The file holds `[q | gate]` per head: de-interleaved into all the q
+                // heads, then k and v, then all the gates.
+                let parts = get(&n("q"), &[2 * q, h])?.split_rows(2 * cfg.num_heads);
+                let (mut qs, mut gates) = (Vec::new(), Vec::new());
+                for (j, part) in parts.into_iter().enumerate() {
+                    if j % 2 == 0 { qs.push(part) } else { gates.push(part) }
+                }
+                qs.push(get(&n("k"), &[kv, h])?);
+                qs.push(get(&n("v"), &[kv, h])?);
+                qs.extend(gates);
+                (Weight::concat(qs), get(&n("o"), &[h, q])?)
+            }
+            None => (
+                Weight::concat(vec![
+                    get(&n("q"), &[q, h])?,
+                    get(&n("k"), &[kv, h])?,
+                    get(&n("v"), &[kv, h])?,
+                ]),
+                get(&n("o"), &[h, q])?,
+            ),
+        };
         let mlp = match cfg.moe {
             None => Mlp::Dense {
                 gate_up: Weight::concat(vec![
@@ -1130,12 +1198,13 @@ fn build(
             bqkv,
             q_norm,
             k_norm,
-            wo: get(&n("o"), &[h, q])?,
+            wo,
             bo,
             sinks,
             mlp_norm,
             mlp,
             post_norms,
+            delta,
         });
     }
     let final_norm = get(&names.final_norm, &[h])?
@@ -1656,7 +1725,8 @@ pub fn load_safetensors(dir: &Path, cfg: &mut ModelConfig, progress: bool) -> Re
     .into_iter()
     .find(|(p, _)| src.has(&format!("{p}embed_tokens.weight")))
     .unwrap_or(("model.", "lm_head.weight"));
-    let names = hf_names(prefix, head, cfg.arch == Arch::Gemma3);
+    let gemma = cfg.arch == Arch::Gemma3;
+    let names = hf_names(prefix, head, gemma, gemma || cfg.arch == Arch::Qwen35);
     build(cfg, &mut src, &names, progress)
 }
 

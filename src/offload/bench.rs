@@ -401,7 +401,7 @@ pub fn run_bench<T: KvElem>(
     let bytes_per_layer = 2 * args.context * c.kv_dim() * std::mem::size_of::<T>();
 
     // 1. Compute alone: everything resident; a first timing sizes the prefills' link.
-    let mut plain = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, total);
+    let mut plain = ContiguousKv::<T>::plain(c, total);
     let warm = &prompt[..prompt.len().min(64)];
     let (_, logits) = prefill(model, &mut plain, warm)?;
     let mut warming = Decoding {

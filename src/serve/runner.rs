@@ -34,6 +34,7 @@ pub fn batch_seqs(calls: &[ScheduledSeq]) -> Vec<BatchSeq<'_>> {
             pages: &c.block_table,
             window_pages: &c.window_table,
             logits: c.want_logits(),
+            state_slot: 0,
         })
         .collect()
 }

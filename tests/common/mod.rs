@@ -50,8 +50,7 @@ pub fn generate_plain(
 ) -> strata::engine::GenerationOutput {
     let c = &model.cfg;
     strata::with_kv_elem!(kv, T => {
-        let mut cache =
-            strata::kv::ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, capacity);
+        let mut cache = strata::kv::ContiguousKv::<T>::plain(c, capacity);
         strata::engine::generate_with(model, &mut cache, capacity, prompt, opts, &mut |_| Ok(()))
             .unwrap()
     })
@@ -495,7 +494,16 @@ pub fn serve_requests(
 /// scripts/gptoss-tiny-random.py) in a scratch directory `name` with a byte-level
 /// tokenizer of its 512 tokens: a Hugging Face directory `generate` and `serve` load.
 pub fn tiny_gpt_oss_dir(name: &str) -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gpt_oss/tiny_random");
+    tiny_random_dir("gpt_oss", name)
+}
+
+/// A copy of `tests/data/<family>/tiny_random` (a checkpoint transformers made, with no
+/// tokenizer) in scratch directory `name`, with a 512-token BPE tokenizer beside it.
+pub fn tiny_random_dir(family: &str, name: &str) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(family)
+        .join("tiny_random");
     let dir = scratch_dir(name);
     for f in ["config.json", "generation_config.json", "model.safetensors"] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();

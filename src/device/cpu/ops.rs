@@ -664,9 +664,14 @@ pub fn add_rms_norm(x: &mut [f32], delta: &[f32], w: &[f32], eps: f32, out: &mut
     }
 }
 
+/// The logistic function, `1 / (1 + e^-x)`.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// Rotary embedding, NeoX/HF convention (pairs `i` and `i + d/2`), in place on
 /// `x[tokens, heads, head_dim]` (rows may be strided by `row_stride`); `cos`/`sin` are
-/// `[tokens, head_dim / 2]`.
+/// `[tokens, rotary_dim / 2]` (`rotary_dim ≤ head_dim`).
 pub fn rope(
     x: &mut [f32],
     tokens: usize,
@@ -676,14 +681,21 @@ pub fn rope(
     cos: &[f32],
     sin: &[f32],
 ) {
-    let half = head_dim / 2;
+    // The tables say how much of each head rotates: `[tokens, rotary_dim / 2]` (a partial
+    // RoPE rotates the head's first `rotary_dim` dimensions, pairing `i` with
+    // `i + rotary_dim / 2`; the rest pass through).
+    let half = cos.len() / tokens.max(1);
+    assert!(
+        2 * half <= head_dim && sin.len() == cos.len(),
+        "RoPE tables wider than the head"
+    );
     let f = |(t, row): (usize, &mut [f32])| {
         let (c, s) = (
             &cos[t * half..(t + 1) * half],
             &sin[t * half..(t + 1) * half],
         );
         for h in 0..heads {
-            let v = &mut row[h * head_dim..(h + 1) * head_dim];
+            let v = &mut row[h * head_dim..h * head_dim + 2 * half];
             let (a, b) = v.split_at_mut(half);
             for i in 0..half {
                 let (x0, x1) = (a[i], b[i]);

@@ -1,0 +1,139 @@
+//! Qwen3.5 (dense) against an independent implementation: Hugging Face transformers' own
+//! `Qwen3_5ForCausalLM` f32 forward on a random checkpoint it made
+//! (tests/data/qwen3_5/tiny_random, scripts/qwen35-tiny-random.py): Qwen3.5's layer pattern
+//! (three Gated DeltaNet state layers, then a gated full-attention layer, twice), its
+//! attention head counts (16 query, 4 KV), its linear-attention head counts (16 key, 32
+//! value), partial RoPE (a quarter of each head), zero-centred norms.
+
+mod common;
+
+use serde_json::Value;
+use strata::device::KvDtype;
+use strata::kv::ContiguousKv;
+use strata::model::weights::WeightDtype;
+use strata::model::{Arch, Model};
+
+/// Largest |strata − transformers| allowed on a logit (the bound; both sides f32).
+const TOL: f32 = 1e-3;
+
+struct Reference {
+    prompt: Vec<u32>,
+    rows: Vec<usize>,
+    logits: Vec<Vec<f32>>,
+    greedy: Vec<u32>,
+}
+
+fn reference() -> (std::path::PathBuf, Reference) {
+    let src = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/qwen3_5/tiny_random"
+    );
+    let name = format!("qwen3_5_tiny_{:?}", std::thread::current().id());
+    let dir = common::tiny_random_dir("qwen3_5", &name);
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{src}/reference.json")).unwrap())
+            .unwrap();
+    fn get<T: serde::de::DeserializeOwned>(r: &Value, k: &str) -> T {
+        serde_json::from_value(r[k].clone()).unwrap()
+    }
+    let reference = Reference {
+        prompt: get(&r, "prompt_ids"),
+        rows: get(&r, "logits_rows"),
+        logits: get(&r, "logits"),
+        greedy: get(&r, "greedy_ids"),
+    };
+    (dir, reference)
+}
+
+fn worst(all: &[Vec<f32>], r: &Reference) -> f32 {
+    r.rows
+        .iter()
+        .zip(&r.logits)
+        .map(|(&row, want)| common::max_abs_diff(&all[row], want))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn config_reads_the_qwen3_5_layout() {
+    let (dir, _) = reference();
+    let c = Model::peek_config(&dir).unwrap();
+    assert_eq!(c.arch, Arch::Qwen35);
+    let states: Vec<bool> = (0..8).map(|l| c.state(l).is_some()).collect();
+    assert_eq!(
+        states,
+        [true, true, true, false, true, true, true, false],
+        "three state layers, then a full one"
+    );
+    let s = c.state(0).unwrap();
+    assert_eq!((s.k_heads, s.v_heads, s.dk, s.dv, s.kernel), (16, 32, 16, 16, 4));
+    assert_eq!((c.rotary_dim, c.head_dim), (16, 64));
+    assert!(c.attn_output_gate && c.qk_norm);
+    assert_eq!((c.window(0), c.window(3)), (None, None));
+}
+
+/// Prefill over the whole prompt, and the same prompt fed one token at a time (the
+/// recurrence continuing from the state each step left): every recorded row within `TOL`
+/// of transformers' (whose prefill runs the chunked form of the delta rule).
+#[test]
+fn logits_match_transformers_in_prefill_and_token_by_token() {
+    let (dir, r) = reference();
+    let (model, _) = Model::load_as(&dir, false, WeightDtype::F32).unwrap();
+    let c = &model.cfg;
+    let mut kv = ContiguousKv::<f32>::plain(c, 300);
+    let all = model.forward_rows(&r.prompt, 0, &mut kv).unwrap();
+    let prefill = worst(&all, &r);
+    let mut kv = ContiguousKv::<f32>::plain(c, 300);
+    let steps: Vec<Vec<f32>> = r
+        .prompt
+        .iter()
+        .enumerate()
+        .map(|(p, &t)| model.forward(&[t], p, &mut kv).unwrap())
+        .collect();
+    let decode = worst(&steps, &r);
+    eprintln!(
+        "tiny random Qwen3.5: max |logit diff| prefill {prefill:.2e}, token by token {decode:.2e}"
+    );
+    assert!(
+        prefill < TOL,
+        "prefill logits differ from transformers' by {prefill}"
+    );
+    assert!(
+        decode < TOL,
+        "token-by-token logits differ from transformers' by {decode}"
+    );
+}
+
+/// Greedy decoding gives transformers' 64 tokens, from the f32 weights and as stored (bf16
+/// rows read in place).
+#[test]
+fn greedy_matches_transformers_over_64_tokens() {
+    let (dir, r) = reference();
+    for dtype in [WeightDtype::F32, WeightDtype::Stored] {
+        let (model, _) = Model::load_as(&dir, false, dtype).unwrap();
+        let out =
+            common::generate_plain(&model, KvDtype::F32, &r.prompt, &common::greedy(64), 300);
+        assert_eq!(out.token_ids, r.greedy, "{dtype:?}");
+    }
+}
+
+/// A recurrence holds exactly one position: a step that does not continue where the last
+/// one ended (a rewind, a skip) is refused with the reason, and so is a truncation; a new
+/// sequence at position 0 starts from zero states (its logits are a fresh cache's).
+#[test]
+fn a_state_cannot_rewind_or_skip() {
+    let (dir, r) = reference();
+    let (model, _) = Model::load_as(&dir, false, WeightDtype::F32).unwrap();
+    let c = &model.cfg;
+    let mut kv = ContiguousKv::<f32>::plain(c, 300);
+    let first = model.forward(&r.prompt[..10], 0, &mut kv).unwrap();
+    for (pos, what) in [(5, "rewind"), (11, "skip")] {
+        let err = model.forward(&r.prompt[..1], pos, &mut kv).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("cannot rewind or skip"), "{what}: {msg}");
+    }
+    let err = strata::kv::KvCache::truncate(&mut kv, 5).unwrap_err();
+    assert!(format!("{err:#}").contains("cannot rewind"), "{err:#}");
+    // Continuing still works, and position 0 starts over.
+    model.forward(&r.prompt[10..12], 10, &mut kv).unwrap();
+    assert_eq!(model.forward(&r.prompt[..10], 0, &mut kv).unwrap(), first);
+}

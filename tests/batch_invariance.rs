@@ -12,7 +12,7 @@ use rand::seq::SliceRandom;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use strata::device::kv_elem::{bf16, f16};
 use strata::device::{DevPtr, KvElem};
-use strata::kv::{ContiguousKv, KvCache, LayerSlot};
+use strata::kv::{ContiguousKv, KvCache, LayerSlot, RecurrentStates};
 use strata::model::{BatchSeq, Model, PagePool, WantLogits};
 
 const BLOCK: usize = 4;
@@ -23,6 +23,8 @@ struct Pool<T> {
     k: Vec<Vec<T>>,
     v: Vec<Vec<T>>,
     pages: usize,
+    /// A state-layer model's recurrent states, one slot per sequence of the run.
+    states: RecurrentStates,
 }
 
 impl<T: KvElem> Pool<T> {
@@ -33,6 +35,7 @@ impl<T: KvElem> Pool<T> {
             k: vec![vec![nan; n]; model.cfg.num_layers],
             v: vec![vec![nan; n]; model.cfg.num_layers],
             pages,
+            states: RecurrentStates::for_model(&model.cfg, 16),
         }
     }
 }
@@ -59,6 +62,12 @@ unsafe impl<T: KvElem> KvCache<T> for Pool<T> {
     }
     fn end_layer(&mut self, _layer: usize) -> anyhow::Result<()> {
         Ok(())
+    }
+    fn layer_state(&mut self, layer: usize, slot: usize) -> anyhow::Result<&mut [f32]> {
+        self.states.layer(layer, slot)
+    }
+    fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> anyhow::Result<()> {
+        self.states.begin_step(slot, pos0, tokens)
     }
 }
 
@@ -90,7 +99,7 @@ fn reference<T: KvElem>(
     steps: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
     let c = &model.cfg;
-    let mut kv = ContiguousKv::<T>::of(c.num_layers, c.num_kv_heads, c.head_dim, 4096);
+    let mut kv = ContiguousKv::<T>::plain(c, 4096);
     let mut logits = vec![model.forward(prompt, 0, &mut kv).unwrap()];
     let mut fed = Vec::new();
     for _ in 0..steps {
@@ -183,6 +192,7 @@ fn serve<T: KvElem>(model: &Model, seqs: &mut [Seq], rng: &mut StdRng) {
                 } else {
                     WantLogits::No
                 },
+                state_slot: i,
             })
             .collect();
         let out = model.forward_batch(&batch, &mut pool).unwrap();
@@ -333,6 +343,7 @@ fn a_batch_with_a_bad_page_table_is_an_error_not_a_panic() {
         pages,
         window_pages: &[],
         logits: WantLogits::Last,
+        state_slot: 0,
     };
     // Too few pages for the positions, a page outside the pool, no tokens, a bad token.
     for bad in [
@@ -353,4 +364,13 @@ fn a_batch_with_a_bad_page_table_is_an_error_not_a_panic() {
 fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_gpt_oss() {
     let model = common::tiny_gpt_oss("batch_invariance_gpt_oss");
     check_model::<f32>(&model, "batch_invariance_gpt_oss");
+}
+
+/// The same for Qwen3.5 (transformers' tiny random checkpoint): each sequence's state
+/// layers run its rows in order over its own recurrent-state slot, so what else is in the
+/// batch, and where its prompt is cut, never changes its bits.
+#[test]
+fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_qwen35() {
+    let model = common::tiny_qwen35("batch_invariance_qwen35");
+    check_model::<f32>(&model, "batch_invariance_qwen35");
 }

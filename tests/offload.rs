@@ -288,3 +288,37 @@ fn gpt_oss_matches_resident_with_offload() {
         }
     }
 }
+
+/// Qwen3.5 (transformers' tiny random checkpoint: three Gated DeltaNet state layers to
+/// every full-attention one): offload equals the resident run in tokens and log-prob bits
+/// across ring and block sizes, under the sanitizer too; the state layers keep no host
+/// blocks and move nothing (their recurrent state stays with the compute), and the memory
+/// plan says so.
+#[test]
+fn qwen35_matches_resident_with_offload_and_its_state_layers_hold_no_kv() {
+    let model = common::tiny_qwen35("offload_qwen35");
+    let mut rng = StdRng::seed_from_u64(35);
+    for &len in &[1usize, 45, 150] {
+        let prompt = random_prompt(&mut rng, len, model.cfg.vocab_size);
+        for kv in [KvDtype::F32, KvDtype::F16] {
+            offload_equals_resident(
+                &model,
+                kv,
+                &prompt,
+                24,
+                &[(2, 4, true), (4, 16, false), (3, 256, true)],
+                "Qwen3.5",
+            );
+        }
+    }
+    let plan = offload_cfg(2, 4, 140).plan_for(&model.cfg, 4).unwrap();
+    let block = 2 * 4 * model.cfg.kv_dim() * 4; // K and V, 4 tokens, f32
+    assert_eq!(plan.host_kv_bytes, 2 * 35 * block, "only the 2 full layers");
+    assert_eq!(plan.state_layers, 6);
+    // Per state layer: conv tail 3 × 1024 channels, matrix 32 heads × 16 × 16; f32.
+    assert_eq!(plan.state_bytes, 6 * 4 * (3 * 1024 + 32 * 16 * 16));
+    assert!(
+        plan.to_string().contains("6 state layers hold no KV"),
+        "{plan}"
+    );
+}

@@ -65,7 +65,10 @@ fn config_reads_the_qwen3_5_layout() {
         "three state layers, then a full one"
     );
     let s = c.state(0).unwrap();
-    assert_eq!((s.k_heads, s.v_heads, s.dk, s.dv, s.kernel), (16, 32, 16, 16, 4));
+    assert_eq!(
+        (s.k_heads, s.v_heads, s.dk, s.dv, s.kernel),
+        (16, 32, 16, 16, 4)
+    );
     assert_eq!((c.rotary_dim, c.head_dim), (16, 64));
     assert!(c.attn_output_gate && c.qk_norm);
     assert_eq!((c.window(0), c.window(3)), (None, None));
@@ -110,8 +113,7 @@ fn greedy_matches_transformers_over_64_tokens() {
     let (dir, r) = reference();
     for dtype in [WeightDtype::F32, WeightDtype::Stored] {
         let (model, _) = Model::load_as(&dir, false, dtype).unwrap();
-        let out =
-            common::generate_plain(&model, KvDtype::F32, &r.prompt, &common::greedy(64), 300);
+        let out = common::generate_plain(&model, KvDtype::F32, &r.prompt, &common::greedy(64), 300);
         assert_eq!(out.token_ids, r.greedy, "{dtype:?}");
     }
 }

@@ -361,6 +361,17 @@ impl<T: KvElem> ContiguousKv<T> {
         }
     }
 
+    /// The state layers' recurrent states (a snapshot to come back to: `set_states`).
+    pub fn states(&self) -> &RecurrentStates {
+        &self.states
+    }
+
+    /// Puts back states `states` gave (a benchmark's rounds each decode from the same
+    /// prefilled context: a recurrence cannot be rewound, only restored).
+    pub fn set_states(&mut self, states: RecurrentStates) {
+        self.states = states;
+    }
+
     /// Bytes currently held (recurrent states included).
     pub fn bytes(&self) -> usize {
         let elems: usize = self.k.iter().chain(&self.v).map(Vec::len).sum();

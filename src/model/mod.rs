@@ -628,9 +628,16 @@ impl Model {
         })?;
         // Qwen3.5: each head's output times σ(its gate).
         if cfg.attn_output_gate {
-            for (o, row) in a.attn.chunks_exact_mut(qd).zip(a.qkv.chunks_exact(qkv_dim)).take(t) {
+            for (o, row) in a
+                .attn
+                .chunks_exact_mut(qd)
+                .zip(a.qkv.chunks_exact(qkv_dim))
+                .take(t)
+            {
                 let gate = &row[qd + 2 * kvd..];
-                o.iter_mut().zip(gate).for_each(|(o, g)| *o *= ops::sigmoid(*g));
+                o.iter_mut()
+                    .zip(gate)
+                    .for_each(|(o, g)| *o *= ops::sigmoid(*g));
             }
         }
         self.finish_layer(l, a)
@@ -655,7 +662,12 @@ impl Model {
             .as_ref()
             .context("a state layer without its recurrence's weights")?;
         let t = a.t;
-        let (width, c, vd, nv) = (s.proj_width(), s.conv_channels(), s.v_heads * s.dv, s.v_heads);
+        let (width, c, vd, nv) = (
+            s.proj_width(),
+            s.conv_channels(),
+            s.v_heads * s.dv,
+            s.v_heads,
+        );
         let kd = s.k_heads * s.dk;
         timed(Op::Qkv, || {
             ops::linear_weight(&a.hn, &lw.wqkv, None, &mut a.qkv[..t * width], t)

@@ -1124,7 +1124,11 @@ fn build(
                 let parts = get(&n("q"), &[2 * q, h])?.split_rows(2 * cfg.num_heads);
                 let (mut qs, mut gates) = (Vec::new(), Vec::new());
                 for (j, part) in parts.into_iter().enumerate() {
-                    if j % 2 == 0 { qs.push(part) } else { gates.push(part) }
+                    if j % 2 == 0 {
+                        qs.push(part)
+                    } else {
+                        gates.push(part)
+                    }
                 }
                 qs.push(get(&n("k"), &[kv, h])?);
                 qs.push(get(&n("v"), &[kv, h])?);

@@ -26,7 +26,7 @@ use crate::engine::sampler::argmax;
 use crate::engine::verified::{CacheSteps, Verifier};
 use crate::engine::{Sampler, SamplingParams};
 use crate::flags;
-use crate::kv::{ContiguousKv, KvCache};
+use crate::kv::{first_window_block, ContiguousKv, KvCache};
 use crate::model::Model;
 use crate::sparse::SparseConfig;
 
@@ -547,14 +547,16 @@ pub fn run_bench<T: KvElem>(
         overlap_fraction: trace::overlap_fraction(&events),
         h2d_bytes_per_step: h2d as f64 / timed,
         // Each step must bring in every layer's host-resident KV (full blocks) once.
+        // The full host blocks each step's layers attend: every one in a full layer,
+        // those its window reaches in a windowed one, none in a state layer.
         min_bytes_per_step: (0..rounds * steps)
             .map(|i| {
-                ((args.context + i) / args.block_size
-                    * args.block_size
-                    * c.kv_dim()
-                    * std::mem::size_of::<T>()
-                    * 2
-                    * c.num_layers) as f64
+                let (pos, bs) = (args.context + i, args.block_size);
+                let blocks: usize = (0..c.num_layers)
+                    .filter(|&l| c.keeps_kv(l))
+                    .map(|l| (pos / bs).saturating_sub(first_window_block(c.window(l), pos, bs)))
+                    .sum();
+                (blocks * bs * c.kv_dim() * std::mem::size_of::<T>() * 2) as f64
             })
             .sum::<f64>()
             / timed,

@@ -62,6 +62,12 @@ pub struct OffloadEngine<D: OffloadDevice> {
     host_blocks: Vec<usize>,
     /// Each layer's sliding window (`None`: full attention).
     window: Vec<Option<usize>>,
+    /// Per layer: whether it keeps K/V (a state layer does not: nothing of it moves).
+    keeps_kv: Vec<bool>,
+    /// The state layers' recurrent states: resident with the compute, never moved (a
+    /// layer's state is a few MiB at most, read and rewritten whole every token: cheaper
+    /// kept than copied both ways per step).
+    states: crate::kv::RecurrentStates,
     ring: Vec<KvMem>, // num_kv_buffers × [slot_tokens, row]
     dbuf: KvMem,      // [num_layers, block_size, row]: each layer's partial last block
     slots: Vec<SlotEvents>,
@@ -171,6 +177,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             host_base,
             host_blocks,
             window: (0..l).map(|i| model.window(i)).collect(),
+            keeps_kv: (0..l).map(|i| model.keeps_kv(i)).collect(),
+            states: crate::kv::RecurrentStates::for_model(model, 1),
             ring,
             dbuf,
             slots,
@@ -216,7 +224,8 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     /// Where the sequence's block `block` of layer `layer` lives in host memory (a
     /// sliding-window layer's ring wraps).
     fn host_at(&self, layer: usize, block: usize) -> usize {
-        let n = self.host_blocks[layer];
+        // A state layer keeps no blocks (`max(1)`: its copies are skipped in `copy_kv`).
+        let n = self.host_blocks[layer].max(1);
         self.host_base[layer] + block % n * self.cfg.block_size * self.row
     }
 
@@ -225,6 +234,9 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     fn host_runs(&self, layer: usize, blocks: std::ops::Range<usize>) -> Vec<(usize, usize)> {
         let n = self.host_blocks[layer];
         let mut runs = Vec::new();
+        if n == 0 {
+            return runs; // a state layer keeps no blocks
+        }
         let mut b = blocks.start;
         while b < blocks.end {
             let len = (blocks.end - b).min(n - b % n);
@@ -243,7 +255,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     /// Whether sparse decode selects this layer's rows (full attention layers only: a
     /// window is attended exactly).
     fn sparse_layer(&self, layer: usize) -> bool {
-        self.sparse.is_some() && self.window[layer].is_none()
+        self.sparse.is_some() && self.window[layer].is_none() && self.keeps_kv[layer]
     }
 
     /// Queues the copies of layer `layer`'s blocks `blocks` between the host and slot
@@ -343,7 +355,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         (dst, dst_off): (KvMem, usize),
         len: usize,
     ) -> Result<()> {
-        if len == 0 {
+        if len == 0 || !self.keeps_kv[layer] {
             return Ok(());
         }
         self.sanitize_delay(s);
@@ -374,7 +386,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         (src, dst): (KvMem, KvMem),
         runs: &[(usize, usize, usize)],
     ) -> Result<()> {
-        if runs.is_empty() {
+        if runs.is_empty() || !self.keeps_kv[layer] {
             return Ok(());
         }
         self.sanitize_delay(s);
@@ -719,6 +731,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
     fn reset(&mut self) -> Result<()> {
         self.d.sync_all()?;
         self.state.reset();
+        self.states.reset();
         self.ahead = 0;
         self.seq_len = 0;
         self.step = Step::Idle;
@@ -772,12 +785,13 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         if len == self.seq_len {
             return Ok(());
         }
+        self.states.truncate(0, len)?;
         let (bs, row, c) = (self.cfg.block_size, self.row, StreamRole::Compute);
         let (block, r) = (len / bs, len % bs);
         let flushed = block < self.seq_len / bs;
         // A window's ring has overwritten blocks before its last few: a rewind must find
         // the blocks its window reaches (and the one it restores) still there.
-        for layer in 0..self.num_layers {
+        for layer in (0..self.num_layers).filter(|&l| self.keeps_kv[l]) {
             let written = self.seq_len / bs; // blocks flushed so far
             let oldest_kept = written.saturating_sub(self.host_blocks[layer]);
             if self.first_block(layer, len) < oldest_kept {
@@ -785,7 +799,8 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
             }
         }
         self.drain()?;
-        for layer in 0..self.num_layers {
+        let kv_layers: Vec<usize> = (0..self.num_layers).filter(|&l| self.keeps_kv[l]).collect();
+        for layer in kv_layers {
             if flushed {
                 let src = (self.host, self.host_at(layer, block));
                 let dst = (self.dbuf, self.dbuf_at(layer));
@@ -948,6 +963,14 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
             }
             _ => Ok(None),
         }
+    }
+
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
+        self.states.layer(layer, slot)
+    }
+
+    fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> Result<()> {
+        self.states.begin_step(slot, pos0, tokens)
     }
 }
 

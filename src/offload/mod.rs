@@ -102,6 +102,9 @@ pub fn host_blocks(
     num_cpu_blocks: usize,
     block_size: usize,
 ) -> usize {
+    if !model.keeps_kv(l) {
+        return 0; // a state layer: its recurrent state stays with the compute
+    }
     match model.window(l) {
         None => num_cpu_blocks,
         Some(w) => ((w - 1).div_ceil(block_size) + 1).min(num_cpu_blocks),
@@ -119,6 +122,10 @@ pub struct MemoryPlan {
     /// Sliding-window layers and the host blocks each keeps (0, 0 without windows).
     pub windowed_layers: usize,
     pub window_blocks: usize,
+    /// State layers, and the bytes of one sequence's recurrent states in all of them
+    /// (kept with the compute, never offloaded; 0, 0 without state layers).
+    pub state_layers: usize,
+    pub state_bytes: usize,
     /// Sparse decode's metadata on the device: page bounds (min and max of K per layer,
     /// page and channel) and one layer's per-head scores (f32 `[pages, num_heads]`, the
     /// CUDA device's download buffer).
@@ -142,6 +149,14 @@ impl std::fmt::Display for MemoryPlan {
                 f,
                 "; {} sliding-window layers hold {} blocks each, their window",
                 self.windowed_layers, self.window_blocks
+            )?;
+        }
+        if self.state_layers > 0 {
+            write!(
+                f,
+                "; {} state layers hold no KV but a {:.1} MiB recurrent state, kept with the compute",
+                self.state_layers,
+                mib(self.state_bytes)
             )?;
         }
         write!(f, ")")?;
@@ -207,6 +222,10 @@ impl OffloadConfig {
             .kv_layer_bytes(self.block_size, elem_bytes)
             .ok_or_else(too_large)?;
         let host_kv_bytes = mul(block_bytes, total_host_blocks)?;
+        let states = crate::kv::RecurrentStates::for_model(model, 1);
+        if self.sparse.is_some() && states.any() {
+            bail!("--sparse-budget: sparse decode verifies drafts by rewinding, which a state layer's recurrence cannot (this model has state layers)");
+        }
         let windowed: Vec<usize> = (0..model.num_layers)
             .filter(|&l| model.window(l).is_some())
             .collect();
@@ -250,6 +269,10 @@ impl OffloadConfig {
                 .map(|&l| host_blocks(model, l, num_cpu_blocks, self.block_size))
                 .max()
                 .unwrap_or(0),
+            state_layers: (0..model.num_layers)
+                .filter(|&l| !model.keeps_kv(l))
+                .count(),
+            state_bytes: states.bytes(),
             page_bounds_bytes,
         })
     }

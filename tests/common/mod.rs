@@ -512,6 +512,14 @@ pub fn tiny_random_dir(family: &str, name: &str) -> PathBuf {
     dir
 }
 
+/// `tests/data/qwen3_5/tiny_random` (transformers' random Qwen3.5), loaded as stored
+/// (bf16 rows read in place).
+pub fn tiny_qwen35(name: &str) -> std::sync::Arc<strata::model::Model> {
+    strata::model::Model::load(&tiny_random_dir("qwen3_5", name), false)
+        .unwrap()
+        .0
+}
+
 /// `tiny_gpt_oss_dir`, loaded as stored (bf16 attention and router, f32 experts).
 pub fn tiny_gpt_oss(name: &str) -> std::sync::Arc<strata::model::Model> {
     strata::model::Model::load(&tiny_gpt_oss_dir(name), false)

@@ -73,7 +73,10 @@ pub fn convert_each<T>(
 ) -> Result<ModelOf<T>> {
     let w = &model.weights;
     let bf16 = |x: &[f32]| x.iter().map(|&x| f32_to_bf16(x)).collect::<Vec<_>>();
-    if model.cfg.has_state_layers() || model.cfg.attn_output_gate || model.cfg.rotary_dim != model.cfg.head_dim {
+    if model.cfg.has_state_layers()
+        || model.cfg.attn_output_gate
+        || model.cfg.rotary_dim != model.cfg.head_dim
+    {
         bail!("the CUDA device does not run Qwen3.5's state layers, gated attention or partial RoPE yet: use --device cpu");
     }
     let mut layers = Vec::with_capacity(w.layers.len());

@@ -35,7 +35,7 @@ impl<T: KvElem> Pool<T> {
             k: vec![vec![nan; n]; model.cfg.num_layers],
             v: vec![vec![nan; n]; model.cfg.num_layers],
             pages,
-            states: RecurrentStates::for_model(&model.cfg, 16),
+            states: RecurrentStates::for_model(&model.cfg),
         }
     }
 }

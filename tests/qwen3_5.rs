@@ -6,6 +6,7 @@
 //! value), partial RoPE (a quarter of each head), zero-centred norms.
 
 mod common;
+mod live_server;
 
 use serde_json::Value;
 use strata::device::KvDtype;
@@ -138,4 +139,36 @@ fn a_state_cannot_rewind_or_skip() {
     // Continuing still works, and position 0 starts over.
     model.forward(&r.prompt[10..12], 10, &mut kv).unwrap();
     assert_eq!(model.forward(&r.prompt[..10], 0, &mut kv).unwrap(), first);
+}
+
+/// `strata serve` on the Qwen3.5 directory, driven by the official `openai` client
+/// (tests/openai_client.py): /v1/models, completions streamed and not, both endpoints'
+/// log-probabilities bitwise `strata generate`'s, error statuses, 16 concurrent greedy
+/// requests (each over its own recurrent state) equal to their sequential results.
+#[test]
+fn serve_answers_the_openai_client_as_generate_does() {
+    let Some(python) = common::python_with("openai", "pip install openai") else {
+        return;
+    };
+    let dir = common::tiny_random_dir("qwen3_5", "qwen3_5_serve");
+    let server = live_server::Server::start(&dir, &[]);
+    let out = std::process::Command::new(&python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai_client.py"
+        ))
+        .args(["--base-url", &format!("http://{}/v1", server.addr)])
+        .args(["--model", &server.model_name])
+        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
+        .arg("--model-path")
+        .arg(&dir)
+        .args(["--checks", "models,completions,logprobs,errors,concurrent"])
+        .output()
+        .expect("running python3");
+    assert!(
+        out.status.success(),
+        "openai_client.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -441,3 +441,44 @@ fn gpt_oss_under_preemption_matches_generate_bitwise() {
         }
     }
 }
+
+/// Qwen3.5 (transformers' tiny random checkpoint: three Gated DeltaNet state layers to
+/// every full one) served under preemption to host memory, to disk and by recomputation:
+/// every request's tokens and log-prob bits equal `engine::generate`'s. Each sequence's
+/// recurrent state stays with it while its blocks move between tiers; the requests share
+/// a 16-token prefix, which a state model never takes from the prefix cache (its state
+/// after the prefix is in no block), so there are no hits and nothing is registered.
+#[test]
+fn qwen35_under_preemption_matches_generate_bitwise() {
+    let model = common::tiny_qwen35("serve_qwen35");
+    let (prompts, params) = requests(35, 6, 16);
+    let ws = working_set(&prompts, &params);
+    let kv = KvDtype::F16;
+    let want = generated(&model, kv, &prompts, &params);
+    let disk = scratch_dir("serve_qwen35_disk");
+    for (cpu, on_disk) in [(0, false), (1000, false), (4, true)] {
+        let mut cfg = config_kv(kv, ws / 3, cpu, false);
+        if on_disk {
+            cfg.sched.max_disk_offload_blocks = 1000;
+            cfg.disk = Some(strata::serve::disk::DiskTierConfig {
+                dir: disk.clone(),
+                io_threads: 2,
+            });
+        }
+        let mut e = Engine::new(model.clone(), cfg).unwrap();
+        let got = e.generate_with_logprobs(&prompts, &params).unwrap();
+        let st = e.stats().sched;
+        assert!(st.preemptions >= 3, "cpu {cpu} disk {on_disk}: {st:?}");
+        assert_eq!(st.prefix_hit_blocks, 0, "{st:?}");
+        if cpu > 0 {
+            assert!(st.blocks_stored > 0, "the victims' blocks moved: {st:?}");
+        }
+        for (i, ((t, lp), (wt, wlp))) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                (t, &bits(lp)),
+                (wt, wlp),
+                "cpu {cpu} disk {on_disk}: request {i}"
+            );
+        }
+    }
+}

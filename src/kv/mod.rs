@@ -345,7 +345,7 @@ impl<T: KvElem> ContiguousKv<T> {
     pub fn for_model(cfg: &crate::model::ModelConfig, capacity: usize) -> Self {
         Self {
             rings: WindowRings::for_model(cfg, capacity),
-            states: RecurrentStates::for_model(cfg, 1),
+            states: RecurrentStates::for_model(cfg),
             state_layer: (0..cfg.num_layers).map(|l| !cfg.keeps_kv(l)).collect(),
             ..Self::of(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity)
         }

@@ -4,18 +4,21 @@
 //! position in, so a state is valid at exactly one position: a step must continue from
 //! where the last one ended (or start a sequence at 0), and nothing can rewind it.
 
+use std::collections::HashMap;
+
 use anyhow::{bail, Result};
 
 use crate::model::ModelConfig;
 
-/// The recurrent states of `slots` sequences of one model (CPU memory; each cache that
-/// runs a state-layer model holds one: a single-sequence cache one slot, the serving
-/// pool one per running sequence).
+/// The recurrent states of the sequences a cache runs, by state slot (CPU memory; a
+/// single-sequence cache uses slot 0, the serving pool a sequence's id). A slot's state
+/// is created zeroed by a step at position 0 and lives until `release`.
 #[derive(Clone, Debug, Default)]
 pub struct RecurrentStates {
-    /// Floats of one sequence's state in each layer (0: an attention layer).
+    /// Floats of one sequence's state in each layer (0: an attention layer); empty for
+    /// a model without state layers, which holds nothing here.
     len: Vec<usize>,
-    slots: Vec<SeqState>,
+    slots: HashMap<usize, SeqState>,
 }
 
 /// One sequence's states, and the position they are valid at.
@@ -28,36 +31,28 @@ pub struct SeqState {
 }
 
 impl RecurrentStates {
-    /// `slots` zeroed states for `cfg`'s state layers (none at all without any: a model
-    /// of attention layers only holds nothing here).
-    pub fn for_model(cfg: &ModelConfig, slots: usize) -> Self {
+    /// No states yet, for `cfg`'s state layers.
+    pub fn for_model(cfg: &ModelConfig) -> Self {
         let len: Vec<usize> = (0..cfg.num_layers)
             .map(|l| cfg.state(l).map_or(0, |s| s.seq_state_len()))
             .collect();
-        let slots = match len.iter().any(|&n| n > 0) {
-            true => slots,
-            false => 0,
-        };
-        let fresh = SeqState {
-            pos: 0,
-            layers: len.iter().map(|&n| vec![0.0; n]).collect(),
-        };
         Self {
-            len,
-            slots: vec![fresh; slots],
+            len: if len.iter().any(|&n| n > 0) { len } else { Vec::new() },
+            slots: HashMap::new(),
         }
     }
 
-    /// Whether the model has state layers (so a step must name a slot).
+    /// Whether the model has state layers.
     pub fn any(&self) -> bool {
-        !self.slots.is_empty()
+        !self.len.is_empty()
     }
 
+    /// Sequences holding a state.
     pub fn num_slots(&self) -> usize {
         self.slots.len()
     }
 
-    /// Bytes held (every slot).
+    /// Bytes held (every slot's).
     pub fn bytes(&self) -> usize {
         self.slots.len() * self.seq_bytes()
     }
@@ -71,27 +66,35 @@ impl RecurrentStates {
     /// step at 0 starts the sequence from zero states; any other must continue where
     /// the states are.
     pub fn begin_step(&mut self, slot: usize, pos0: usize, tokens: usize) -> Result<()> {
-        let Some(s) = self.slots.get_mut(slot) else {
-            if self.slots.is_empty() {
-                return Ok(());
-            }
-            bail!("recurrent state slot {slot} out of range");
-        };
-        if pos0 == 0 {
-            s.layers.iter_mut().for_each(|l| l.fill(0.0));
-        } else if pos0 != s.pos {
-            bail!(
-                "a state layer's recurrence holds position {}, the step starts at {pos0}: it can only continue (a recurrent state cannot rewind or skip)",
-                s.pos
-            );
+        if !self.any() {
+            return Ok(());
         }
-        s.pos = pos0 + tokens;
-        Ok(())
+        if pos0 == 0 {
+            let fresh = || SeqState {
+                pos: 0,
+                layers: self.len.iter().map(|&n| vec![0.0; n]).collect(),
+            };
+            let s = self.slots.entry(slot).or_insert_with(fresh);
+            s.layers.iter_mut().for_each(|l| l.fill(0.0));
+            s.pos = tokens;
+            return Ok(());
+        }
+        let held = self.slots.get(&slot).map(|s| s.pos);
+        match (held, self.slots.get_mut(&slot)) {
+            (Some(pos), Some(s)) if pos == pos0 => {
+                s.pos = pos0 + tokens;
+                Ok(())
+            }
+            _ => bail!(
+                "a state layer's recurrence holds position {}, the step starts at {pos0}: it can only continue (a recurrent state cannot rewind or skip)",
+                held.unwrap_or(0)
+            ),
+        }
     }
 
     /// Layer `layer`'s state of slot `slot` (`DeltaShape::seq_state_len` floats).
     pub fn layer(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
-        match self.slots.get_mut(slot).map(|s| &mut s.layers[layer]) {
+        match self.slots.get_mut(&slot).and_then(|s| s.layers.get_mut(layer)) {
             Some(st) if !st.is_empty() => Ok(st),
             _ => bail!("no recurrent state for layer {layer}, slot {slot}"),
         }
@@ -100,7 +103,7 @@ impl RecurrentStates {
     /// Forgets positions `len..`: only possible when there are none (a state cannot
     /// rewind; speculative drafts over a state model are refused here).
     pub fn truncate(&self, slot: usize, len: usize) -> Result<()> {
-        match self.slots.get(slot) {
+        match self.slots.get(&slot) {
             Some(s) if len < s.pos => bail!(
                 "cannot rewind to position {len}: a state layer's recurrence holds {} positions and cannot forget any",
                 s.pos
@@ -109,28 +112,13 @@ impl RecurrentStates {
         }
     }
 
-    /// Every slot back to position 0.
+    /// Drops slot `slot`'s state (its sequence finished or was cancelled).
+    pub fn release(&mut self, slot: usize) {
+        self.slots.remove(&slot);
+    }
+
+    /// Drops every state.
     pub fn reset(&mut self) {
-        for s in &mut self.slots {
-            s.pos = 0;
-        }
-    }
-
-    /// A copy of slot `slot`'s states (a preempted sequence's, to restore later).
-    pub fn save(&self, slot: usize) -> Option<SeqState> {
-        self.slots.get(slot).cloned()
-    }
-
-    /// Slot `slot` takes `state` (what `save` gave, or read back from a tier).
-    pub fn restore(&mut self, slot: usize, state: SeqState) -> Result<()> {
-        let lens: Vec<usize> = state.layers.iter().map(Vec::len).collect();
-        if lens != self.len {
-            bail!("a saved recurrent state of another shape");
-        }
-        match self.slots.get_mut(slot) {
-            Some(s) => *s = state,
-            None => bail!("recurrent state slot {slot} out of range"),
-        }
-        Ok(())
+        self.slots.clear();
     }
 }

@@ -178,7 +178,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             host_blocks,
             window: (0..l).map(|i| model.window(i)).collect(),
             keeps_kv: (0..l).map(|i| model.keeps_kv(i)).collect(),
-            states: crate::kv::RecurrentStates::for_model(model, 1),
+            states: crate::kv::RecurrentStates::for_model(model),
             ring,
             dbuf,
             slots,

@@ -222,7 +222,7 @@ impl OffloadConfig {
             .kv_layer_bytes(self.block_size, elem_bytes)
             .ok_or_else(too_large)?;
         let host_kv_bytes = mul(block_bytes, total_host_blocks)?;
-        let states = crate::kv::RecurrentStates::for_model(model, 1);
+        let states = crate::kv::RecurrentStates::for_model(model);
         if self.sparse.is_some() && states.any() {
             bail!("--sparse-budget: sparse decode verifies drafts by rewinding, which a state layer's recurrence cannot (this model has state layers)");
         }
@@ -272,7 +272,7 @@ impl OffloadConfig {
             state_layers: (0..model.num_layers)
                 .filter(|&l| !model.keeps_kv(l))
                 .count(),
-            state_bytes: states.bytes(),
+            state_bytes: states.seq_bytes(),
             page_bounds_bytes,
         })
     }

@@ -27,7 +27,7 @@ use super::block_manager::GpuPages;
 use super::residency::Tier;
 use super::transfer::{Completion, JobId, JobKind, Loc, TransferBackend, TransferJob};
 use crate::device::order::Access;
-use crate::kv::{KvCache, LayerSlot};
+use crate::kv::{KvCache, LayerSlot, RecurrentStates};
 use crate::model::{BatchSeq, PagePool};
 use crate::offload::checked::Checked;
 use crate::offload::device::{EventId, MemId, OffloadDevice, Space, Span, StreamRole};
@@ -65,6 +65,10 @@ pub struct DevicePages<D: OffloadDevice> {
     pending: Vec<(JobId, EventId)>, // host-tier jobs, in submit order
     free_events: Vec<EventId>,
     compute_done: EventId, // recorded on the compute stream before each job's copies
+    /// A state-layer model's recurrent states, by sequence id: kept in CPU memory for as
+    /// long as the sequence lives, whichever tier its blocks are in (docs/serving.md,
+    /// "State layers").
+    states: RecurrentStates,
 }
 
 /// The sliding-window layers' own device pool (`BlockManager::with_window_pool`): which
@@ -133,7 +137,25 @@ impl<D: OffloadDevice> DevicePages<D> {
             pending: Vec::new(),
             free_events: Vec::new(),
             compute_done,
+            states: RecurrentStates::default(),
         })
+    }
+
+    /// Keeps recurrent states for `cfg`'s state layers (a model with some). Before any
+    /// forward.
+    pub fn with_states(mut self, cfg: &crate::model::ModelConfig) -> Self {
+        self.states = RecurrentStates::for_model(cfg);
+        self
+    }
+
+    /// Drops sequence slot `slot`'s recurrent state (it finished or was cancelled).
+    pub fn release_state(&mut self, slot: usize) {
+        self.states.release(slot);
+    }
+
+    /// Sequences holding a recurrent state, and their bytes.
+    pub fn state_usage(&self) -> (usize, usize) {
+        (self.states.num_slots(), self.states.bytes())
     }
 
     pub fn num_layers(&self) -> usize {
@@ -408,6 +430,14 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for DevicePages<D> {
 
     fn end_layer(&mut self, _layer: usize) -> Result<()> {
         Ok(())
+    }
+
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
+        self.states.layer(layer, slot)
+    }
+
+    fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> Result<()> {
+        self.states.begin_step(slot, pos0, tokens)
     }
 }
 

@@ -310,6 +310,7 @@ impl Engine {
     pub fn abort(&mut self, id: SeqId) -> Result<()> {
         self.sched.abort(id)?;
         self.forget(id);
+        self.runner.release(id);
         Ok(())
     }
 
@@ -407,6 +408,7 @@ impl Engine {
                 finished.push(call.seq);
                 self.samplers.remove(&call.seq);
                 self.streams.remove(&call.seq);
+                self.runner.release(call.seq);
             }
         }
         if plan.batch.is_empty() {

@@ -9,7 +9,7 @@ use anyhow::Result;
 use half::bf16;
 
 use super::device_pages::{lock, SharedPages};
-use super::scheduler::ScheduledSeq;
+use super::scheduler::{ScheduledSeq, SeqId};
 use crate::device::KvElem;
 use crate::model::cuda::CudaModel;
 use crate::model::{BatchSeq, Model, PagePool};
@@ -22,6 +22,9 @@ pub trait BatchRunner: Send {
     /// `ScheduledSeq::want_logits` names (`None` for none: replayed calls of a
     /// recomputation, prompt chunks before the last).
     fn forward(&mut self, calls: &[ScheduledSeq]) -> Result<Vec<Option<Vec<f32>>>>;
+    /// Sequence `seq` is gone (finished, cancelled): drop what the runner keeps for it
+    /// beyond its pages (a state-layer model's recurrent state).
+    fn release(&mut self, _seq: SeqId) {}
 }
 
 /// The scheduled calls as the models' batched forward takes them.
@@ -34,7 +37,8 @@ pub fn batch_seqs(calls: &[ScheduledSeq]) -> Vec<BatchSeq<'_>> {
             pages: &c.block_table,
             window_pages: &c.window_table,
             logits: c.want_logits(),
-            state_slot: 0,
+            // A sequence's recurrent state is keyed by its id (`RecurrentStates`).
+            state_slot: c.seq as usize,
         })
         .collect()
 }
@@ -104,5 +108,9 @@ where
         let seqs = batch_seqs(calls);
         pages.declare_forward(&seqs)?;
         self.model.forward_batch(&seqs, &mut *pages)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        lock(&self.pages).release_state(seq as usize);
     }
 }

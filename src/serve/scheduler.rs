@@ -221,6 +221,9 @@ pub struct Scheduler {
     key_seed: KeySeed,
     /// With a window pool: the widest sliding window of the model, in tokens.
     window: Option<usize>,
+    /// Whether blocks are registered in and taken from the prefix cache: not for a model
+    /// with state layers, whose recurrent state after a prefix is not in any block.
+    prefix_reuse: bool,
 }
 
 /// Releases the blocks of a holder whose window has moved past the first `win_from`.
@@ -279,7 +282,17 @@ impl Scheduler {
             to_persist: Vec::new(),
             host_lru: VecDeque::new(),
             window: None,
+            prefix_reuse: true,
         })
+    }
+
+    /// No prefix caching: for a model with state layers. A sequence's state after a
+    /// prefix is one per sequence and position, not in its blocks, so a cached block
+    /// could not spare recomputing the prefix (vLLM and SGLang snapshot states at block
+    /// boundaries for that; strata does not yet). Blocks are then never registered, so
+    /// no KV event announces a block this worker could not reuse.
+    pub fn without_prefix_reuse(&mut self) {
+        self.prefix_reuse = false;
     }
 
     /// Gives the model's sliding-window layers a page pool of their own (`pages` pages,
@@ -609,7 +622,7 @@ impl Scheduler {
     fn prefix_in_progress(&self, sid: SeqId) -> bool {
         let bs = self.cfg.block_size;
         let seq = &self.seqs[&sid];
-        if seq.tokens.len() <= bs || seq.prompt_rows {
+        if seq.tokens.len() <= bs || seq.prompt_rows || !self.prefix_reuse {
             return false; // no block to share (a lookup leaves a token), or it takes none
         }
         let first = BlockKey::chained(&self.key_seed, None, &seq.tokens[..bs]);
@@ -644,7 +657,7 @@ impl Scheduler {
     fn prefix_lookup(&mut self, sid: SeqId) -> Result<()> {
         let bs = self.cfg.block_size;
         let seq = &self.seqs[&sid];
-        let limit = if seq.prompt_rows {
+        let limit = if seq.prompt_rows || !self.prefix_reuse {
             0 // every prompt row must be computed
         } else {
             (seq.tokens.len() - 1) / bs
@@ -1088,7 +1101,7 @@ impl Scheduler {
         seq.num_computed += call.tokens.len();
         // Register every newly completed block, prompt or generated, in the prefix cache.
         let full = seq.num_computed / bs;
-        while seq.hashes.len() < full {
+        while self.prefix_reuse && seq.hashes.len() < full {
             let b = seq.hashes.len();
             let parent = seq.hashes.last().copied();
             let tokens = &seq.tokens[b * bs..(b + 1) * bs];

@@ -217,7 +217,11 @@ where
     }
     let sizes = (s.block_size, s.num_gpu_blocks, s.max_cpu_offload_blocks);
     let check = cfg.check_order || cfg.sanitize;
-    let pages = DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, window, check)?;
+    if c.has_state_layers() {
+        sched.without_prefix_reuse();
+    }
+    let pages =
+        DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, window, check)?.with_states(c);
     let block_bytes = pages.block_bytes();
     let pages = Arc::new(Mutex::new(pages));
     let host: Box<dyn TransferBackend> = Box::new(DeviceTransfers {

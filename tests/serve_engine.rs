@@ -458,6 +458,10 @@ fn qwen35_under_preemption_matches_generate_bitwise() {
     let disk = scratch_dir("serve_qwen35_disk");
     for (cpu, on_disk) in [(0, false), (1000, false), (4, true)] {
         let mut cfg = config_kv(kv, ws / 3, cpu, false);
+        // Pages for the 2 full-attention layers only (f16: 2 bytes).
+        let page = 2 * cfg.sched.block_size * model.cfg.kv_dim() * 2;
+        let device = strata::serve::setup::device_kv_bytes(&model.cfg, &cfg.sched, 2);
+        assert_eq!(device, Some(2 * cfg.sched.num_gpu_blocks * page));
         if on_disk {
             cfg.sched.max_disk_offload_blocks = 1000;
             cfg.disk = Some(strata::serve::disk::DiskTierConfig {

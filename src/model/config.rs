@@ -423,11 +423,16 @@ impl ModelConfig {
             .try_fold(1usize, usize::checked_mul)
     }
 
-    /// Bytes of K and V for `tokens` tokens in every layer (one serving block of `tokens`
-    /// tokens, a disk slot's payload).
+    /// Bytes of K and V for `tokens` tokens in every layer that keeps KV (one serving
+    /// block of `tokens` tokens, a disk slot's payload).
     pub fn kv_bytes(&self, tokens: usize, elem_bytes: usize) -> Option<usize> {
         self.kv_layer_bytes(tokens, elem_bytes)?
-            .checked_mul(self.num_layers)
+            .checked_mul(self.kv_layers())
+    }
+
+    /// Layers that keep K and V (all but the state layers).
+    pub fn kv_layers(&self) -> usize {
+        (0..self.num_layers).filter(|&l| self.keeps_kv(l)).count()
     }
 
     /// Rejects configurations the forward pass cannot run, with the reason. Every size is

@@ -64,6 +64,9 @@ pub struct OffloadEngine<D: OffloadDevice> {
     window: Vec<Option<usize>>,
     /// Per layer: whether it keeps K/V (a state layer does not: nothing of it moves).
     keeps_kv: Vec<bool>,
+    /// Per layer (and one past the last): how many layers before it keep K/V, so its
+    /// block in the decode buffer.
+    kv_before: Vec<usize>,
     /// The state layers' recurrent states: resident with the compute, never moved (a
     /// layer's state is a few MiB at most, read and rewritten whole every token: cheaper
     /// kept than copied both ways per step).
@@ -138,7 +141,15 @@ impl<D: OffloadDevice> OffloadEngine<D> {
         let ring = (0..n)
             .map(|_| pair(Space::Device, plan.slot_tokens * row))
             .collect::<Result<Vec<_>>>()?;
-        let dbuf = pair(Space::Device, l * bs * row)?;
+        // The decode buffer has a block for each layer that keeps KV: the layers before
+        // layer `i` that do, at `kv_before[i]` (a prefix count, `[l + 1]`).
+        let kv_before: Vec<usize> = std::iter::once(0)
+            .chain((0..l).scan(0, |n, i| {
+                *n += model.keeps_kv(i) as usize;
+                Some(*n)
+            }))
+            .collect();
+        let dbuf = pair(Space::Device, kv_before[l] * bs * row)?;
         let mut slots = Vec::new();
         for _ in 0..n {
             slots.push(SlotEvents {
@@ -178,6 +189,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             host_blocks,
             window: (0..l).map(|i| model.window(i)).collect(),
             keeps_kv: (0..l).map(|i| model.keeps_kv(i)).collect(),
+            kv_before,
             states: crate::kv::RecurrentStates::for_model(model),
             ring,
             dbuf,
@@ -280,7 +292,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
     }
 
     fn dbuf_at(&self, layer: usize) -> usize {
-        layer * self.cfg.block_size * self.row
+        self.kv_before[layer] * self.cfg.block_size * self.row
     }
 
     /// Sparse: layer `layer`'s bounds from page `page` on.

@@ -65,6 +65,9 @@ pub struct DevicePages<D: OffloadDevice> {
     pending: Vec<(JobId, EventId)>, // host-tier jobs, in submit order
     free_events: Vec<EventId>,
     compute_done: EventId, // recorded on the compute stream before each job's copies
+    /// Per layer: its index among the layers that keep KV (`None`: a state layer, which
+    /// has no pages in any tier and no place in a block's staging payload).
+    kv_index: Vec<Option<usize>>,
     /// A state-layer model's recurrent states, by sequence id: kept in CPU memory for as
     /// long as the sequence lives, whichever tier its blocks are in (docs/serving.md,
     /// "State layers").
@@ -93,14 +96,25 @@ pub fn layer_pages(window: Option<&WindowLayers>, l: usize, num_gpu_blocks: usiz
 impl<D: OffloadDevice> DevicePages<D> {
     /// `check_order`: under the stream-ordering checker (`crate::device::order`).
     /// `window`: the sliding-window layers' own pool, if any.
+    /// `keeps_kv`: per layer, whether it keeps KV (`ModelConfig::keeps_kv`; a state layer
+    /// gets no pages).
     pub fn new(
         d: D,
-        num_layers: usize,
+        keeps_kv: &[bool],
         kv_dim: usize,
         (block_size, num_gpu_blocks, num_cpu_blocks): (usize, usize, usize),
         window: Option<WindowLayers>,
         check_order: bool,
     ) -> Result<Self> {
+        let num_layers = keeps_kv.len();
+        let kv_index: Vec<Option<usize>> = keeps_kv
+            .iter()
+            .scan(0, |n, &keeps| {
+                let i = keeps.then_some(*n);
+                *n += keeps as usize;
+                Some(i)
+            })
+            .collect();
         if let Some(w) = &window {
             if w.layers.len() != num_layers {
                 bail!(
@@ -111,7 +125,11 @@ impl<D: OffloadDevice> DevicePages<D> {
         }
         let mut d = Checked::new(d, check_order);
         let page = block_size * kv_dim;
-        let device_blocks = |l: usize| layer_pages(window.as_ref(), l, num_gpu_blocks);
+        let kv = |l: usize| kv_index[l].is_some();
+        let device_blocks = |l: usize| match kv(l) {
+            true => layer_pages(window.as_ref(), l, num_gpu_blocks),
+            false => 0,
+        };
         let mut tier = |space, blocks: &dyn Fn(usize) -> usize| -> Result<Vec<Pair>> {
             (0..num_layers)
                 .map(|l| {
@@ -123,7 +141,7 @@ impl<D: OffloadDevice> DevicePages<D> {
                 .collect()
         };
         let gpu = tier(Space::Device, &device_blocks)?;
-        let host = tier(Space::Host, &|_| num_cpu_blocks)?;
+        let host = tier(Space::Host, &|l| if kv(l) { num_cpu_blocks } else { 0 })?;
         let compute_done = d.new_event()?;
         Ok(Self {
             d,
@@ -137,6 +155,7 @@ impl<D: OffloadDevice> DevicePages<D> {
             pending: Vec::new(),
             free_events: Vec::new(),
             compute_done,
+            kv_index,
             states: RecurrentStates::default(),
         })
     }
@@ -162,10 +181,10 @@ impl<D: OffloadDevice> DevicePages<D> {
         self.gpu.len()
     }
 
-    /// Elements of one block across every layer, K and V: `[layers][K | V][block_size,
-    /// kv_dim]`.
+    /// Elements of one block across every layer that keeps KV, K and V: `[kv layers][K |
+    /// V][block_size, kv_dim]`.
     pub fn block_elems(&self) -> usize {
-        2 * self.gpu.len() * self.page
+        2 * self.kv_index.iter().flatten().count() * self.page
     }
 
     /// Bytes of one block across every layer, K and V.
@@ -182,9 +201,12 @@ impl<D: OffloadDevice> DevicePages<D> {
         self.window.as_ref().is_some_and(|w| w.layers[l])
     }
 
-    /// Pages of layer `l`'s device pool.
+    /// Pages of layer `l`'s device pool (none for a state layer).
     fn device_pages(&self, l: usize) -> usize {
-        layer_pages(self.window.as_ref(), l, self.num_gpu_blocks)
+        match self.kv_index[l] {
+            Some(_) => layer_pages(self.window.as_ref(), l, self.num_gpu_blocks),
+            None => 0,
+        }
     }
 
     /// Layer `layer`'s K (`v` false) or V of device page `page`, checked against the
@@ -213,8 +235,12 @@ impl<D: OffloadDevice> DevicePages<D> {
     }
 
     /// Layer `layer`'s K (`v` false) or V of a block at `place`, checked against the tier;
-    /// `None` for a window-pool layer of a block without a window page.
+    /// `None` for a window-pool layer of a block without a window page, and for a state
+    /// layer.
     fn span(&self, place: Place, layer: usize, v: bool) -> Result<Option<Span>> {
+        let Some(kv_layer) = self.kv_index[layer] else {
+            return Ok(None); // a state layer: no KV in any tier
+        };
         let (pair, idx, blocks) = match place {
             Place::Gpu(pages) => {
                 return match self.device_page(pages, layer) {
@@ -224,7 +250,7 @@ impl<D: OffloadDevice> DevicePages<D> {
             }
             Place::Host(s) => (self.host[layer], s as usize, self.num_cpu_blocks),
             Place::Staging { mem, index } => {
-                let off = index * self.block_elems() + (2 * layer + usize::from(v)) * self.page;
+                let off = index * self.block_elems() + (2 * kv_layer + usize::from(v)) * self.page;
                 return Ok(Some(Span {
                     mem,
                     off,
@@ -344,7 +370,7 @@ impl<D: OffloadDevice> DevicePages<D> {
         let null = self.window.as_ref().map(|w| w.pages as u32);
         for seq in seqs {
             let first_written = seq.pos0 / self.block_size;
-            for layer in 0..self.gpu.len() {
+            for layer in (0..self.gpu.len()).filter(|&l| self.kv_index[l].is_some()) {
                 let table = if self.in_window_pool(layer) {
                     seq.window_pages
                 } else {

@@ -59,11 +59,12 @@ pub fn window_pool(model: &ModelConfig, sched: &SchedulerConfig) -> Option<Windo
 }
 
 /// Bytes of the device tier's KV pages: every full layer's `num_gpu_blocks` pages, every
-/// window-pool layer's pool; `None` if it overflows.
+/// window-pool layer's pool, nothing for a state layer; `None` if it overflows.
 pub fn device_kv_bytes(model: &ModelConfig, sched: &SchedulerConfig, elem: usize) -> Option<usize> {
     let page = model.kv_layer_bytes(sched.block_size, elem)?;
     let window = window_pool(model, sched);
-    (0..model.num_layers).try_fold(0usize, |sum, l| {
+    let kv_layers = (0..model.num_layers).filter(|&l| model.keeps_kv(l));
+    kv_layers.into_iter().try_fold(0usize, |sum, l| {
         let pages = layer_pages(window.as_ref(), l, sched.num_gpu_blocks);
         sum.checked_add(page.checked_mul(pages)?)
     })
@@ -92,6 +93,13 @@ pub fn kv_plan(model: &ModelConfig, sched: &SchedulerConfig, elem: usize) -> Str
                 mib(every)
             )
         }
+        _ if model.has_state_layers() => format!(
+            "device KV {bytes}: {} full-attention layers × {} blocks; {} state layers keep no KV but a {:.1} MiB recurrent state per running or preempted request, in host memory",
+            model.kv_layers(),
+            sched.num_gpu_blocks,
+            model.num_layers - model.kv_layers(),
+            crate::kv::RecurrentStates::for_model(model).seq_bytes() as f64 / (1 << 20) as f64
+        ),
         _ => format!(
             "device KV {bytes}: {} layers × {} blocks",
             model.num_layers, sched.num_gpu_blocks
@@ -220,8 +228,8 @@ where
     if c.has_state_layers() {
         sched.without_prefix_reuse();
     }
-    let pages =
-        DevicePages::new(d, c.num_layers, c.kv_dim(), sizes, window, check)?.with_states(c);
+    let keeps_kv: Vec<bool> = (0..c.num_layers).map(|l| c.keeps_kv(l)).collect();
+    let pages = DevicePages::new(d, &keeps_kv, c.kv_dim(), sizes, window, check)?.with_states(c);
     let block_bytes = pages.block_bytes();
     let pages = Arc::new(Mutex::new(pages));
     let host: Box<dyn TransferBackend> = Box::new(DeviceTransfers {

@@ -908,6 +908,7 @@ struct HfConfig {
     linear_value_head_dim: Option<usize>,
     linear_num_key_heads: Option<usize>,
     linear_num_value_heads: Option<usize>,
+    attn_output_gate: Option<bool>,
 }
 
 impl HfConfig {
@@ -1070,6 +1071,9 @@ impl HfConfig {
         if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
             bail!("unsupported Qwen3.5 config: hidden_act {act:?} (supported: silu)");
         }
+        if self.attn_output_gate == Some(false) {
+            bail!("unsupported Qwen3.5 config: attn_output_gate is false (Qwen3.5's full layers always gate)");
+        }
         let shape = DeltaShape {
             k_heads: self.linear_num_key_heads.unwrap_or(16),
             v_heads: self.linear_num_value_heads.unwrap_or(32),
@@ -1217,7 +1221,7 @@ impl HfConfig {
             max_position_embeddings: self
                 .max_position_embeddings
                 .unwrap_or(if qwen35.is_some() {
-                    262_144
+                    32_768
                 } else if gemma.is_some() || oss.is_some() {
                     131_072
                 } else {
@@ -1487,6 +1491,86 @@ mod tests {
         let no_rope = gpt_oss_json("").replace(r#""rope_parameters""#, r#""unused""#);
         let e = format!("{:#}", ModelConfig::from_hf_json(&no_rope).unwrap_err());
         assert!(e.contains("rope_parameters"), "{e}");
+    }
+
+    /// A Qwen3.5 text config.json, shrunk (no layer_types: transformers' default pattern).
+    fn qwen35_json(extra: &str) -> String {
+        format!(
+            r#"{{"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "vocab_size": 300, "rope_parameters": {{"rope_type": "default",
+            "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_interleaved": true, "mrope_section": [11, 11, 10]}}{extra}}}"#
+        )
+    }
+
+    /// transformers' Qwen3_5TextConfig defaults where a key is absent: a full layer every
+    /// 4th, Gated DeltaNet elsewhere (16 key heads, 32 value heads, 128 wide, kernel 4),
+    /// a quarter of each head rotated, the output gate on; the multimodal checkpoints'
+    /// `text_config` read the same, token ids from the top.
+    #[test]
+    fn qwen35_defaults_follow_transformers() {
+        let c = ModelConfig::from_hf_json(&qwen35_json("")).unwrap();
+        assert_eq!(c.arch, Arch::Qwen35);
+        let full: Vec<usize> = (0..8).filter(|&l| c.keeps_kv(l)).collect();
+        assert_eq!(full, [3, 7]);
+        let s = c.state(0).unwrap();
+        assert_eq!((s.k_heads, s.v_heads, s.dk, s.dv, s.kernel), (16, 32, 128, 128, 4));
+        assert_eq!((c.rotary_dim, c.rope_theta), (8, 1e7));
+        assert!(c.attn_output_gate && c.qk_norm && !c.attention_bias);
+        assert_eq!((c.kv_layers(), c.max_position_embeddings), (2, 32_768));
+        // Only the full layers' KV counts: 2 layers × K and V × 1 token × kv_dim 64 × 2 B.
+        assert_eq!(c.kv_bytes(1, 2), Some(2 * 2 * 64 * 2));
+        let text = qwen35_json(r#", "eos_token_id": 7"#)
+            .replace(r#""architectures": ["Qwen3_5ForCausalLM"], "#, "");
+        let vl = format!(
+            r#"{{"architectures": ["Qwen3_5ForConditionalGeneration"], "bos_token_id": 5,
+            "vision_config": {{}}, "text_config": {text}}}"#
+        );
+        let v = ModelConfig::from_hf_json(&vl).unwrap();
+        assert_eq!(v.arch, Arch::Qwen35);
+        assert_eq!((v.bos_token_id, v.eos_token_ids.clone()), (Some(5), vec![7]));
+        assert_eq!(v.layer_kinds, c.layer_kinds);
+    }
+
+    #[test]
+    fn bad_qwen35_configs_are_refused_by_name() {
+        let err = |extra: &str| match ModelConfig::from_hf_json(&qwen35_json(extra)) {
+            Ok(_) => panic!("{extra} was accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        for (extra, says) in [
+            (r#", "linear_num_key_heads": 3"#, "not a multiple of linear_num_key_heads"),
+            (r#", "linear_num_value_heads": 0"#, "linear_num_value_heads must be"),
+            (r#", "linear_conv_kernel_dim": 1"#, "linear_conv_kernel_dim"),
+            (r#", "linear_conv_kernel_dim": 100000"#, "linear_conv_kernel_dim"),
+            (r#", "linear_key_head_dim": 100000"#, "linear_key_head_dim"),
+            (r#", "partial_rotary_factor": 0"#, "partial_rotary_factor"),
+            (r#", "partial_rotary_factor": 2"#, "partial_rotary_factor"),
+            (r#", "partial_rotary_factor": 0.01"#, "rotary dimension"),
+            (r#", "hidden_act": "gelu""#, "hidden_act"),
+            (r#", "attn_output_gate": false"#, "attn_output_gate"),
+            (
+                r#", "layer_types": ["linear_attention", "sliding_attention"]"#,
+                "layer_types names 2 layers",
+            ),
+        ] {
+            let e = err(extra);
+            assert!(e.contains(says), "{extra}: {e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
+        // A state layer in a model that has none.
+        let gemma = r#"{"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 300, "layer_types": ["linear_attention", "full_attention"]}"#;
+        let e = format!("{:#}", ModelConfig::from_hf_json(gemma).unwrap_err());
+        assert!(e.contains("unsupported layer type \"linear_attention\""), "{e}");
+        // The MoE family is named as unsupported, not misread as the dense one.
+        let moe = qwen35_json("").replace("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM");
+        let moe = moe.replace("qwen3_5_text", "qwen3_5_moe_text");
+        let e = format!("{:#}", ModelConfig::from_hf_json(&moe).unwrap_err());
+        assert!(e.contains("unsupported architecture `Qwen3_5MoeForCausalLM`"), "{e}");
     }
 
     /// A Qwen2.5-0.5B-style config.json, shrunk.

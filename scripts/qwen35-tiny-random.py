@@ -9,6 +9,10 @@ RoPE (a quarter of each head), zero-centred norms; hidden size 64. Every weight 
 (norms, A_log, dt_bias and the conv included), rounded to bf16 and saved as bf16.
 
     python scripts/qwen35-tiny-random.py tests/data/qwen3_5/tiny_random
+    python scripts/qwen35-tiny-random.py tests/data/qwen3_5/tiny_random_moe --moe
+
+`--moe`: Qwen3.5 MoE (`Qwen3_5MoeForCausalLM`) at the same shape, every layer's MLP a
+router over 16 experts (4 per token, 32 wide) plus a gated shared expert (48 wide).
 """
 import json
 import sys
@@ -18,11 +22,22 @@ import transformers
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 out = sys.argv[1]
+moe = "--moe" in sys.argv[2:]
+if moe:
+    from transformers import Qwen3_5MoeForCausalLM as Qwen3_5ForCausalLM
+    from transformers import Qwen3_5MoeTextConfig as Qwen3_5TextConfig
+    extra = dict(
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+else:
+    extra = dict(intermediate_size=128)
 torch.manual_seed(35)
 cfg = Qwen3_5TextConfig(
     vocab_size=512,
     hidden_size=64,
-    intermediate_size=128,
     num_hidden_layers=8,
     num_attention_heads=16,
     num_key_value_heads=4,
@@ -38,6 +53,7 @@ cfg = Qwen3_5TextConfig(
     pad_token_id=0,
     tie_word_embeddings=False,
     attn_implementation="eager",
+    **extra,
 )
 model = Qwen3_5ForCausalLM(cfg).eval()
 with torch.no_grad():
@@ -60,8 +76,8 @@ with torch.no_grad():
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
 r6 = lambda xs: [round(float(x), 6) for x in xs]
 ref = {
-    "what": "transformers' own Qwen3_5ForCausalLM f32 forward (eager; the torch reference Gated DeltaNet) on this random checkpoint",
-    "command": "python scripts/qwen35-tiny-random.py tests/data/qwen3_5/tiny_random",
+    "what": f"transformers' own {type(model).__name__} f32 forward (eager; the torch reference Gated DeltaNet) on this random checkpoint",
+    "command": "python scripts/qwen35-tiny-random.py " + " ".join(sys.argv[1:]),
     "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
     "prompt_ids": prompt,
     "logits_rows": rows,

@@ -25,12 +25,15 @@ struct Reference {
 }
 
 fn reference() -> (std::path::PathBuf, Reference) {
-    let src = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/qwen3_5/tiny_random"
-    );
-    let name = format!("qwen3_5_tiny_{:?}", std::thread::current().id());
-    let dir = common::tiny_random_dir("qwen3_5", &name);
+    reference_of("tiny_random")
+}
+
+/// The checkpoint `tests/data/qwen3_5/<which>` (in a scratch copy with a tokenizer) and
+/// transformers' reference on it.
+fn reference_of(which: &str) -> (std::path::PathBuf, Reference) {
+    let src = format!("{}/tests/data/qwen3_5/{which}", env!("CARGO_MANIFEST_DIR"));
+    let name = format!("qwen3_5_{which}_{:?}", std::thread::current().id());
+    let dir = common::tiny_random_dir_of(&src, &name);
     let r: Value =
         serde_json::from_str(&std::fs::read_to_string(format!("{src}/reference.json")).unwrap())
             .unwrap();
@@ -171,4 +174,36 @@ fn serve_answers_the_openai_client_as_generate_does() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Qwen3.5 MoE (tests/data/qwen3_5/tiny_random_moe, the same script with `--moe`): every
+/// layer's MLP a router over 16 experts, 4 per token (softmax over all, top 4,
+/// renormalised), plus a shared expert scaled by σ(its gate); Qwen's per-expert
+/// safetensors names. Prefill and token-by-token logits within `TOL` of transformers',
+/// greedy equal over 64 tokens, from f32 and as stored.
+#[test]
+fn moe_matches_transformers() {
+    let (dir, r) = reference_of("tiny_random_moe");
+    let c = Model::peek_config(&dir).unwrap();
+    let moe = c.moe.unwrap();
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.shared_intermediate),
+        (16, 4, Some(48))
+    );
+    assert_eq!(c.intermediate_size, 32);
+    let (model, _) = Model::load_as(&dir, false, WeightDtype::F32).unwrap();
+    let mut kv = ContiguousKv::<f32>::plain(&model.cfg, 300);
+    let prefill = worst(&model.forward_rows(&r.prompt, 0, &mut kv).unwrap(), &r);
+    let mut kv = ContiguousKv::<f32>::plain(&model.cfg, 300);
+    let steps: Vec<Vec<f32>> = (r.prompt.iter().enumerate())
+        .map(|(p, &t)| model.forward(&[t], p, &mut kv).unwrap())
+        .collect();
+    let decode = worst(&steps, &r);
+    eprintln!("tiny random Qwen3.5 MoE: max |logit diff| prefill {prefill:.2e}, token by token {decode:.2e}");
+    assert!(prefill < TOL && decode < TOL, "{prefill} {decode}");
+    for dtype in [WeightDtype::F32, WeightDtype::Stored] {
+        let (model, _) = Model::load_as(&dir, false, dtype).unwrap();
+        let out = common::generate_plain(&model, KvDtype::F32, &r.prompt, &common::greedy(64), 300);
+        assert_eq!(out.token_ids, r.greedy, "{dtype:?}");
+    }
 }

@@ -37,7 +37,11 @@ impl RecurrentStates {
             .map(|l| cfg.state(l).map_or(0, |s| s.seq_state_len()))
             .collect();
         Self {
-            len: if len.iter().any(|&n| n > 0) { len } else { Vec::new() },
+            len: if len.iter().any(|&n| n > 0) {
+                len
+            } else {
+                Vec::new()
+            },
             slots: HashMap::new(),
         }
     }
@@ -94,7 +98,11 @@ impl RecurrentStates {
 
     /// Layer `layer`'s state of slot `slot` (`DeltaShape::seq_state_len` floats).
     pub fn layer(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
-        match self.slots.get_mut(&slot).and_then(|s| s.layers.get_mut(layer)) {
+        match self
+            .slots
+            .get_mut(&slot)
+            .and_then(|s| s.layers.get_mut(layer))
+        {
             Some(st) if !st.is_empty() => Ok(st),
             _ => bail!("no recurrent state for layer {layer}, slot {slot}"),
         }

@@ -93,6 +93,9 @@ pub struct Moe {
     pub num_experts: usize,
     pub top_k: usize,
     pub act: ExpertAct,
+    /// A shared expert every token runs too, of this width, its output scaled by
+    /// σ(a learned gate) (Qwen3.5 MoE); `None` without one.
+    pub shared_intermediate: Option<usize>,
 }
 
 /// An expert's gate activation.
@@ -100,6 +103,8 @@ pub struct Moe {
 pub enum ExpertAct {
     /// gpt-oss: `(clamp(up, ±limit) + 1) · g · σ(alpha · g)`, `g = min(gate, limit)`.
     ClampedSwiglu { alpha: f32, limit: f32 },
+    /// SwiGLU, `SiLU(gate) · up` (Qwen3.5 MoE).
+    Silu,
 }
 
 /// Plausible upper bounds for sizes read from a model file: far above any released model
@@ -549,6 +554,12 @@ impl ModelConfig {
                         bail!("invalid model config: swiglu_alpha must be finite and swiglu_limit finite and > 0, got {alpha} and {limit}");
                     }
                 }
+                ExpertAct::Silu => {}
+            }
+            if let Some(n) = moe.shared_intermediate {
+                if !(1..=MAX_INTERMEDIATE).contains(&n) {
+                    bail!("invalid model config: shared_expert_intermediate_size must be in 1..={MAX_INTERMEDIATE}, got {n}");
+                }
             }
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
@@ -598,6 +609,10 @@ impl ModelConfig {
         let multimodal = [
             ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"),
             ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+            (
+                "Qwen3_5MoeForConditionalGeneration",
+                "Qwen3_5MoeForCausalLM",
+            ),
         ]
         .into_iter()
         .find(|(outer, _)| {
@@ -803,6 +818,7 @@ impl ModelConfig {
                         alpha: 1.702,
                         limit: 7.0,
                     },
+                    shared_intermediate: None,
                 })
             } else {
                 None
@@ -831,6 +847,8 @@ impl ModelConfig {
 struct QwenNextParts {
     kinds: Vec<LayerKind>,
     rotary_dim: usize,
+    /// The MoE variant's experts and each one's width.
+    moe: Option<(Moe, usize)>,
 }
 
 /// What a gpt-oss config.json sets beyond the Llama keys.
@@ -868,7 +886,7 @@ struct HfConfig {
     architectures: Option<Vec<String>>,
     model_type: Option<String>,
     hidden_size: usize,
-    intermediate_size: usize,
+    intermediate_size: Option<usize>,
     num_hidden_layers: usize,
     num_attention_heads: usize,
     num_key_value_heads: Option<usize>,
@@ -909,6 +927,10 @@ struct HfConfig {
     linear_num_key_heads: Option<usize>,
     linear_num_value_heads: Option<usize>,
     attn_output_gate: Option<bool>,
+    // Qwen3.5 MoE
+    num_experts: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
 }
 
 impl HfConfig {
@@ -977,6 +999,7 @@ impl HfConfig {
                 alpha: self.swiglu_alpha.unwrap_or(1.702) as f32,
                 limit: self.swiglu_limit.unwrap_or(7.0) as f32,
             },
+            shared_intermediate: None,
         };
         Ok(OssParts { kinds, moe })
     }
@@ -1114,10 +1137,26 @@ impl HfConfig {
         if !(factor > 0.0 && factor <= 1.0) {
             bail!("invalid model config: partial_rotary_factor must be in (0, 1], got {factor}");
         }
+        // The MoE variant: every layer's MLP a router over `num_experts` (softmax, top-k,
+        // renormalised: a softmax over the chosen) plus a gated shared expert.
+        let moe = match (self.num_experts, self.moe_intermediate_size) {
+            (Some(num_experts), Some(inter)) => Some((
+                Moe {
+                    num_experts,
+                    top_k: self.num_experts_per_tok.unwrap_or(8),
+                    act: ExpertAct::Silu,
+                    shared_intermediate: Some(self.shared_expert_intermediate_size.unwrap_or(512)),
+                },
+                inter,
+            )),
+            (None, None) => None,
+            _ => bail!("a Qwen3.5 MoE config needs both num_experts and moe_intermediate_size"),
+        };
         Ok(QwenNextParts {
             kinds,
             // transformers: `int(head_dim * partial_rotary_factor)`.
             rotary_dim: (head_dim as f64 * factor) as usize,
+            moe,
         })
     }
 
@@ -1131,7 +1170,7 @@ impl HfConfig {
                 "Qwen3ForCausalLM" => Some(Arch::Qwen3),
                 "Gemma3ForCausalLM" => Some(Arch::Gemma3),
                 "GptOssForCausalLM" => Some(Arch::GptOss),
-                "Qwen3_5ForCausalLM" => Some(Arch::Qwen35),
+                "Qwen3_5ForCausalLM" | "Qwen3_5MoeForCausalLM" => Some(Arch::Qwen35),
                 _ => None,
             })
             .or(match self.model_type.as_deref() {
@@ -1140,7 +1179,7 @@ impl HfConfig {
                 Some("qwen3") if names.is_empty() => Some(Arch::Qwen3),
                 Some("gemma3_text") if names.is_empty() => Some(Arch::Gemma3),
                 Some("gpt_oss") if names.is_empty() => Some(Arch::GptOss),
-                Some("qwen3_5_text") if names.is_empty() => Some(Arch::Qwen35),
+                Some("qwen3_5_text" | "qwen3_5_moe_text") if names.is_empty() => Some(Arch::Qwen35),
                 _ => None,
             });
         let Some(arch) = arch else {
@@ -1149,7 +1188,7 @@ impl HfConfig {
             } else {
                 names.join(", ")
             };
-            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model, GptOssForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration's text model)");
+            bail!("unsupported architecture `{shown}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model, GptOssForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, and the text models of Qwen3_5(Moe)ForConditionalGeneration)");
         };
         // Qwen2/Qwen3 apply `sliding_window` only when `use_sliding_window` is set; the
         // forward pass is full causal attention, so such a config would compute wrong logits.
@@ -1209,7 +1248,12 @@ impl HfConfig {
         let cfg = ModelConfig {
             arch,
             hidden_size: self.hidden_size,
-            intermediate_size: self.intermediate_size,
+            intermediate_size: match qwen35.as_ref().and_then(|q| q.moe) {
+                Some((_, inter)) => inter,
+                None => self
+                    .intermediate_size
+                    .context("config.json has no intermediate_size")?,
+            },
             num_layers: self.num_hidden_layers,
             num_heads: self.num_attention_heads,
             num_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
@@ -1238,7 +1282,10 @@ impl HfConfig {
             // gpt-oss's attention_bias covers the output projection too.
             out_bias: oss.is_some() && self.attention_bias.unwrap_or(true),
             attn_sinks: oss.is_some(),
-            moe: oss.as_ref().map(|o| o.moe),
+            moe: oss
+                .as_ref()
+                .map(|o| o.moe)
+                .or(qwen35.as_ref().and_then(|q| q.moe).map(|(m, _)| m)),
             embed_scale: gemma.as_ref().map(|_| (self.hidden_size as f32).sqrt()),
             sandwich_norms: gemma.is_some(),
             mlp_act: if gemma.is_some() {
@@ -1516,7 +1563,10 @@ mod tests {
         let full: Vec<usize> = (0..8).filter(|&l| c.keeps_kv(l)).collect();
         assert_eq!(full, [3, 7]);
         let s = c.state(0).unwrap();
-        assert_eq!((s.k_heads, s.v_heads, s.dk, s.dv, s.kernel), (16, 32, 128, 128, 4));
+        assert_eq!(
+            (s.k_heads, s.v_heads, s.dk, s.dv, s.kernel),
+            (16, 32, 128, 128, 4)
+        );
         assert_eq!((c.rotary_dim, c.rope_theta), (8, 1e7));
         assert!(c.attn_output_gate && c.qk_norm && !c.attention_bias);
         assert_eq!((c.kv_layers(), c.max_position_embeddings), (2, 32_768));
@@ -1530,7 +1580,10 @@ mod tests {
         );
         let v = ModelConfig::from_hf_json(&vl).unwrap();
         assert_eq!(v.arch, Arch::Qwen35);
-        assert_eq!((v.bos_token_id, v.eos_token_ids.clone()), (Some(5), vec![7]));
+        assert_eq!(
+            (v.bos_token_id, v.eos_token_ids.clone()),
+            (Some(5), vec![7])
+        );
         assert_eq!(v.layer_kinds, c.layer_kinds);
     }
 
@@ -1541,10 +1594,19 @@ mod tests {
             Err(e) => format!("{e:#}"),
         };
         for (extra, says) in [
-            (r#", "linear_num_key_heads": 3"#, "not a multiple of linear_num_key_heads"),
-            (r#", "linear_num_value_heads": 0"#, "linear_num_value_heads must be"),
+            (
+                r#", "linear_num_key_heads": 3"#,
+                "not a multiple of linear_num_key_heads",
+            ),
+            (
+                r#", "linear_num_value_heads": 0"#,
+                "linear_num_value_heads must be",
+            ),
             (r#", "linear_conv_kernel_dim": 1"#, "linear_conv_kernel_dim"),
-            (r#", "linear_conv_kernel_dim": 100000"#, "linear_conv_kernel_dim"),
+            (
+                r#", "linear_conv_kernel_dim": 100000"#,
+                "linear_conv_kernel_dim",
+            ),
             (r#", "linear_key_head_dim": 100000"#, "linear_key_head_dim"),
             (r#", "partial_rotary_factor": 0"#, "partial_rotary_factor"),
             (r#", "partial_rotary_factor": 2"#, "partial_rotary_factor"),
@@ -1565,12 +1627,20 @@ mod tests {
             "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
             "vocab_size": 300, "layer_types": ["linear_attention", "full_attention"]}"#;
         let e = format!("{:#}", ModelConfig::from_hf_json(gemma).unwrap_err());
-        assert!(e.contains("unsupported layer type \"linear_attention\""), "{e}");
-        // The MoE family is named as unsupported, not misread as the dense one.
-        let moe = qwen35_json("").replace("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM");
-        let moe = moe.replace("qwen3_5_text", "qwen3_5_moe_text");
+        assert!(
+            e.contains("unsupported layer type \"linear_attention\""),
+            "{e}"
+        );
+        // The MoE family needs its experts' sizes.
+        let moe = qwen35_json(r#", "num_experts": 8"#)
+            .replace("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM");
         let e = format!("{:#}", ModelConfig::from_hf_json(&moe).unwrap_err());
-        assert!(e.contains("unsupported architecture `Qwen3_5MoeForCausalLM`"), "{e}");
+        assert!(
+            e.contains("needs both num_experts and moe_intermediate_size"),
+            "{e}"
+        );
+        let e = err(r#", "num_experts": 8, "moe_intermediate_size": 16, "num_experts_per_tok": 9"#);
+        assert!(e.contains("experts per token"), "{e}");
     }
 
     /// A Qwen2.5-0.5B-style config.json, shrunk.

@@ -5,7 +5,7 @@
 
 use super::config::{ExpertAct, Moe};
 use super::op_times::{timed, Op};
-use super::weights::Experts;
+use super::weights::{Experts, SharedExpert};
 use crate::device::cpu::ops;
 
 /// One token's choice: an expert and its weight.
@@ -57,7 +57,7 @@ pub fn forward(w: &Experts, moe: Moe, inter: usize, x: &[f32], out: &mut [f32], 
     let h = x.len() / rows.max(1);
     let mut logits = vec![0.0f32; rows * moe.num_experts]; // [rows, num_experts]
     timed(Op::GateUp, || {
-        ops::linear_weight(x, &w.router, Some(&w.router_bias), &mut logits, rows)
+        ops::linear_weight(x, &w.router, w.router_bias.as_deref(), &mut logits, rows)
     });
     let choices = route(&logits, moe);
     // Which (row, slot) each expert serves, rows ascending.
@@ -78,17 +78,18 @@ pub fn forward(w: &Experts, moe: Moe, inter: usize, x: &[f32], out: &mut [f32], 
             .collect(); // [m, hidden]
         let mut gu = vec![0.0f32; m * 2 * inter]; // [m, gate | up]
         timed(Op::GateUp, || {
-            ops::linear_weight(&xin, &ex.gate_up, Some(&ex.gate_up_bias), &mut gu, m)
+            ops::linear_weight(&xin, &ex.gate_up, ex.gate_up_bias.as_deref(), &mut gu, m)
         });
         let mut act = vec![0.0f32; m * inter]; // [m, inter]
         match moe.act {
             ExpertAct::ClampedSwiglu { alpha, limit } => {
                 ops::clamped_swiglu_mul(&gu, inter, alpha, limit, &mut act)
             }
+            ExpertAct::Silu => ops::gated_act(crate::device::MlpAct::Silu, &gu, inter, &mut act),
         }
         let mut down = vec![0.0f32; m * h]; // [m, hidden]
         timed(Op::Down, || {
-            ops::linear_weight(&act, &ex.down, Some(&ex.down_bias), &mut down, m)
+            ops::linear_weight(&act, &ex.down, ex.down_bias.as_deref(), &mut down, m)
         });
         for (&(r, slot), d) in rs.iter().zip(down.chunks_exact(h)) {
             y[(r * moe.top_k + slot) * h..][..h].copy_from_slice(d);
@@ -101,6 +102,33 @@ pub fn forward(w: &Experts, moe: Moe, inter: usize, x: &[f32], out: &mut [f32], 
             for (o, y) in o.iter_mut().zip(ys) {
                 *o += y * c.weight;
             }
+        }
+    }
+    if let (Some(s), Some(si)) = (&w.shared, moe.shared_intermediate) {
+        shared_expert(s, si, x, out, rows);
+    }
+}
+
+/// Adds the shared expert's output, scaled by σ(its gate), to each row of `out`
+/// (transformers' `Qwen3_5MoeSparseMoeBlock`: routed + σ(g·x) · shared(x)).
+fn shared_expert(s: &SharedExpert, inter: usize, x: &[f32], out: &mut [f32], rows: usize) {
+    let h = x.len() / rows.max(1);
+    let mut gu = vec![0.0f32; rows * 2 * inter]; // [rows, gate | up]
+    timed(Op::GateUp, || {
+        ops::linear_weight(x, &s.gate_up, None, &mut gu, rows)
+    });
+    let mut act = vec![0.0f32; rows * inter]; // [rows, inter]
+    ops::gated_act(crate::device::MlpAct::Silu, &gu, inter, &mut act);
+    let mut down = vec![0.0f32; rows * h]; // [rows, hidden]
+    timed(Op::Down, || {
+        ops::linear_weight(&act, &s.down, None, &mut down, rows)
+    });
+    let mut gate = vec![0.0f32; rows]; // [rows, 1]
+    ops::linear_weight(x, &s.gate, None, &mut gate, rows);
+    for ((o, d), g) in out.chunks_exact_mut(h).zip(down.chunks_exact(h)).zip(&gate) {
+        let g = ops::sigmoid(*g);
+        for (o, d) in o.iter_mut().zip(d) {
+            *o += g * d;
         }
     }
 }
@@ -116,6 +144,7 @@ mod tests {
             alpha: 1.702,
             limit: 7.0,
         },
+        shared_intermediate: None,
     };
 
     #[test]

@@ -591,16 +591,25 @@ pub enum Mlp {
 
 /// A mixture of experts: the router and every expert, each a gated MLP with biases.
 pub struct Experts {
-    pub router: Weight,        // [num_experts, hidden]
-    pub router_bias: Vec<f32>, // [num_experts]
+    pub router: Weight,                // [num_experts, hidden]
+    pub router_bias: Option<Vec<f32>>, // [num_experts] (gpt-oss)
     pub experts: Vec<Expert>,
+    /// Qwen3.5 MoE: an expert every token runs, scaled by σ(`gate` · x).
+    pub shared: Option<SharedExpert>,
 }
 
 pub struct Expert {
-    pub gate_up: Weight,        // [2 * inter, hidden]  rows: gate, then up
-    pub gate_up_bias: Vec<f32>, // [2 * inter]
-    pub down: Weight,           // [hidden, inter]
-    pub down_bias: Vec<f32>,    // [hidden]
+    pub gate_up: Weight,                // [2 * inter, hidden]  rows: gate, then up
+    pub gate_up_bias: Option<Vec<f32>>, // [2 * inter] (gpt-oss)
+    pub down: Weight,                   // [hidden, inter]
+    pub down_bias: Option<Vec<f32>>,    // [hidden] (gpt-oss)
+}
+
+/// A mixture's shared expert: a gated SwiGLU MLP and the gate of its output.
+pub struct SharedExpert {
+    pub gate_up: Weight, // [2 * shared_inter, hidden]  rows: gate, then up
+    pub down: Weight,    // [hidden, shared_inter]
+    pub gate: Weight,    // [1, hidden]
 }
 
 impl Mlp {
@@ -618,6 +627,7 @@ impl Mlp {
             Mlp::Dense { gate_up, down } => vec![gate_up, down],
             Mlp::Experts(x) => std::iter::once(&x.router)
                 .chain(x.experts.iter().flat_map(|e| [&e.gate_up, &e.down]))
+                .chain(x.shared.iter().flat_map(|s| [&s.gate_up, &s.down, &s.gate]))
                 .collect(),
         }
     }
@@ -631,6 +641,11 @@ impl Mlp {
                         .iter_mut()
                         .flat_map(|e| [&mut e.gate_up, &mut e.down]),
                 )
+                .chain(
+                    x.shared
+                        .iter_mut()
+                        .flat_map(|s| [&mut s.gate_up, &mut s.down, &mut s.gate]),
+                )
                 .collect(),
         }
     }
@@ -639,11 +654,13 @@ impl Mlp {
     fn vectors(&self) -> Vec<&Vec<f32>> {
         match self {
             Mlp::Dense { .. } => vec![],
-            Mlp::Experts(x) => std::iter::once(&x.router_bias)
+            Mlp::Experts(x) => x
+                .router_bias
+                .iter()
                 .chain(
                     x.experts
                         .iter()
-                        .flat_map(|e| [&e.gate_up_bias, &e.down_bias]),
+                        .flat_map(|e| e.gate_up_bias.iter().chain(&e.down_bias)),
                 )
                 .collect(),
         }
@@ -671,11 +688,20 @@ impl Mlp {
                 let share = |f: fn(&Expert) -> usize| {
                     x.experts.iter().map(f).sum::<usize>() * top_k / x.experts.len().max(1)
                 };
+                let len = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+                // The shared expert: every token reads all of it.
+                let (shared_gu, shared_down) = x.shared.as_ref().map_or((0, 0), |s| {
+                    (s.gate_up.bytes() + s.gate.bytes(), s.down.bytes())
+                });
                 (
                     x.router.bytes()
-                        + 4 * x.router_bias.len()
-                        + share(|e| e.gate_up.bytes() + 4 * e.gate_up_bias.len()),
-                    share(|e| e.down.bytes() + 4 * e.down_bias.len()),
+                        + 4 * len(&x.router_bias)
+                        + share(|e| {
+                            e.gate_up.bytes() + 4 * e.gate_up_bias.as_ref().map_or(0, Vec::len)
+                        })
+                        + shared_gu,
+                    share(|e| e.down.bytes() + 4 * e.down_bias.as_ref().map_or(0, Vec::len))
+                        + shared_down,
                 )
             }
         }
@@ -891,12 +917,18 @@ enum ExpertLayout {
     /// `[experts, hidden, inter]` (each expert's rows as a dense layer's), biases
     /// `[experts, out]`.
     Split,
+    /// Qwen's checkpoints: `experts.{x}.{gate,up,down}_proj.weight` per expert (a dense
+    /// layer's each), no biases; a shared expert and its gate.
+    PerExpert,
 }
 
 /// A Hugging Face checkpoint's names under `prefix` (`model.`, or a multimodal Gemma 3's
 /// `model.language_model.` / `language_model.model.`); Gemma 3 names its norms its own way.
 /// `zero_centred`: the norms hold `w` and scale by `1 + w` (Gemma 3, Qwen3.5).
-fn hf_names(prefix: &str, head: &str, gemma: bool, zero_centred: bool) -> Names {
+fn hf_names(prefix: &str, head: &str, arch: Arch) -> Names {
+    let gemma = arch == Arch::Gemma3;
+    let qwen = arch == Arch::Qwen35;
+    let zero_centred = gemma || qwen;
     let prefix = prefix.to_string();
     Names {
         embed: format!("{prefix}embed_tokens.weight"),
@@ -923,7 +955,13 @@ fn hf_names(prefix: &str, head: &str, gemma: bool, zero_centred: bool) -> Names 
                 "down" => "mlp.down_proj.weight",
                 "o_bias" => "self_attn.o_proj.bias",
                 "sinks" => "self_attn.sinks",
+                "router" if qwen => "mlp.gate.weight",
                 "router" => "mlp.router.weight",
+                "experts" => "mlp.experts",
+                "shared_gate" => "mlp.shared_expert.gate_proj.weight",
+                "shared_up" => "mlp.shared_expert.up_proj.weight",
+                "shared_down" => "mlp.shared_expert.down_proj.weight",
+                "shared_expert_gate" => "mlp.shared_expert_gate.weight",
                 "router_bias" => "mlp.router.bias",
                 "experts_gate_up" => "mlp.experts.gate_up_proj",
                 "experts_gate_up_bias" => "mlp.experts.gate_up_proj_bias",
@@ -943,7 +981,11 @@ fn hf_names(prefix: &str, head: &str, gemma: bool, zero_centred: bool) -> Names 
             format!("{prefix}layers.{i}.{p}")
         }),
         norm_offset: if zero_centred { 1.0 } else { 0.0 },
-        experts: ExpertLayout::HfFusedTransposed,
+        experts: if qwen {
+            ExpertLayout::PerExpert
+        } else {
+            ExpertLayout::HfFusedTransposed
+        },
     }
 }
 
@@ -1102,8 +1144,10 @@ fn build(
             None => None,
         };
         let router_bias = match cfg.moe {
-            Some(moe) => Some(vector("router_bias", moe.num_experts, 0.0)?),
-            None => None,
+            Some(moe) if names.experts != ExpertLayout::PerExpert => {
+                Some(vector("router_bias", moe.num_experts, 0.0)?)
+            }
+            _ => None,
         };
         if let (Some(d), Some(s)) = (delta.as_mut(), state) {
             d.conv = get(&n("lin_conv"), &[s.conv_channels(), 1, s.kernel])?.to_f32();
@@ -1154,9 +1198,35 @@ fn build(
             },
             Some(moe) => {
                 let e = moe.num_experts;
-                let router_bias = router_bias.expect("read with the vectors");
                 let router = get(&n("router"), &[e, h])?;
+                let shared = match moe.shared_intermediate {
+                    Some(si) => Some(SharedExpert {
+                        gate_up: Weight::concat(vec![
+                            get(&n("shared_gate"), &[si, h])?,
+                            get(&n("shared_up"), &[si, h])?,
+                        ]),
+                        down: get(&n("shared_down"), &[h, si])?,
+                        gate: get(&n("shared_expert_gate"), &[1, h])?,
+                    }),
+                    None => None,
+                };
                 let experts = match names.experts {
+                    ExpertLayout::PerExpert => {
+                        let at = |x: usize, p: &str| format!("{}.{x}.{p}", n("experts"));
+                        (0..e)
+                            .map(|x| -> Result<Expert> {
+                                Ok(Expert {
+                                    gate_up: Weight::concat(vec![
+                                        get(&at(x, "gate_proj.weight"), &[inter, h])?,
+                                        get(&at(x, "up_proj.weight"), &[inter, h])?,
+                                    ]),
+                                    gate_up_bias: None,
+                                    down: get(&at(x, "down_proj.weight"), &[h, inter])?,
+                                    down_bias: None,
+                                })
+                            })
+                            .collect::<Result<Vec<_>>>()?
+                    }
                     ExpertLayout::HfFusedTransposed => {
                         let gate_up = get(&n("experts_gate_up"), &[e, h, 2 * inter])?.to_f32();
                         let gate_up_bias =
@@ -1178,13 +1248,15 @@ fn build(
                             .enumerate()
                             .map(|(x, ((g, u), d))| Expert {
                                 gate_up: Weight::concat(vec![g, u]),
-                                gate_up_bias: [&gate_bias, &up_bias]
-                                    .iter()
-                                    .flat_map(|b| &b[x * inter..][..inter])
-                                    .copied()
-                                    .collect(),
+                                gate_up_bias: Some(
+                                    [&gate_bias, &up_bias]
+                                        .iter()
+                                        .flat_map(|b| &b[x * inter..][..inter])
+                                        .copied()
+                                        .collect(),
+                                ),
                                 down: d,
-                                down_bias: down_bias[x * h..][..h].to_vec(),
+                                down_bias: Some(down_bias[x * h..][..h].to_vec()),
                             })
                             .collect()
                     }
@@ -1193,6 +1265,7 @@ fn build(
                     router,
                     router_bias,
                     experts,
+                    shared,
                 })
             }
         };
@@ -1268,9 +1341,9 @@ fn hf_fused_experts(
             };
             Expert {
                 gate_up: Weight::f32(gate_up, shape(2 * inter, h)),
-                gate_up_bias: (0..2 * inter).map(|r| gub[col(r)]).collect(),
+                gate_up_bias: Some((0..2 * inter).map(|r| gub[col(r)]).collect()),
                 down: Weight::f32(down, shape(h, inter)),
-                down_bias: down_bias[x * h..][..h].to_vec(),
+                down_bias: Some(down_bias[x * h..][..h].to_vec()),
             }
         })
         .collect()
@@ -1729,8 +1802,7 @@ pub fn load_safetensors(dir: &Path, cfg: &mut ModelConfig, progress: bool) -> Re
     .into_iter()
     .find(|(p, _)| src.has(&format!("{p}embed_tokens.weight")))
     .unwrap_or(("model.", "lm_head.weight"));
-    let gemma = cfg.arch == Arch::Gemma3;
-    let names = hf_names(prefix, head, gemma, gemma || cfg.arch == Arch::Qwen35);
+    let names = hf_names(prefix, head, cfg.arch);
     build(cfg, &mut src, &names, progress)
 }
 

@@ -25,6 +25,7 @@ impl ModelCard {
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
             Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
+            Arch::Qwen35 if cfg.moe.is_some() => ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
             Arch::Qwen35 => ("Qwen3_5ForCausalLM", "qwen3_5_text"),
         };
         let config = json!({

@@ -504,6 +504,12 @@ pub fn tiny_random_dir(family: &str, name: &str) -> PathBuf {
         .join("tests/data")
         .join(family)
         .join("tiny_random");
+    tiny_random_dir_of(&src, name)
+}
+
+/// `tiny_random_dir` of the checkpoint directory `src`.
+pub fn tiny_random_dir_of(src: impl AsRef<Path>, name: &str) -> PathBuf {
+    let src = src.as_ref();
     let dir = scratch_dir(name);
     for f in ["config.json", "generation_config.json", "model.safetensors"] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();

@@ -366,11 +366,14 @@ fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_gpt_oss(
     check_model::<f32>(&model, "batch_invariance_gpt_oss");
 }
 
-/// The same for Qwen3.5 (transformers' tiny random checkpoint): each sequence's state
-/// layers run its rows in order over its own recurrent-state slot, so what else is in the
-/// batch, and where its prompt is cut, never changes its bits.
+/// The same for Qwen3.5, dense and MoE (transformers' tiny random checkpoints): each
+/// sequence's state layers run its rows in order over its own recurrent-state slot, and
+/// the MoE's experts and shared expert run per row, so what else is in the batch, and
+/// where its prompt is cut, never changes its bits.
 #[test]
 fn a_sequences_logits_are_bitwise_equal_alone_and_in_batches_of_1_to_16_qwen35() {
     let model = common::tiny_qwen35("batch_invariance_qwen35");
     check_model::<f32>(&model, "batch_invariance_qwen35");
+    let moe = common::tiny_qwen35_moe("batch_invariance_qwen35_moe");
+    check_model::<f32>(&moe, "batch_invariance_qwen35_moe");
 }

@@ -296,6 +296,16 @@ fn gpt_oss_matches_resident_with_offload() {
 /// plan says so.
 #[test]
 fn qwen35_matches_resident_with_offload_and_its_state_layers_hold_no_kv() {
+    let moe = common::tiny_qwen35_moe("offload_qwen35_moe");
+    let prompt = random_prompt(&mut StdRng::seed_from_u64(36), 60, moe.cfg.vocab_size);
+    offload_equals_resident(
+        &moe,
+        KvDtype::F16,
+        &prompt,
+        24,
+        &[(2, 4, true)],
+        "Qwen3.5 MoE",
+    );
     let model = common::tiny_qwen35("offload_qwen35");
     let mut rng = StdRng::seed_from_u64(35);
     for &len in &[1usize, 45, 150] {

@@ -442,21 +442,27 @@ fn gpt_oss_under_preemption_matches_generate_bitwise() {
     }
 }
 
-/// Qwen3.5 (transformers' tiny random checkpoint: three Gated DeltaNet state layers to
-/// every full one) served under preemption to host memory, to disk and by recomputation:
+/// Qwen3.5 (transformers' tiny random checkpoints, dense and MoE: three Gated DeltaNet
+/// state layers to every full one) served under preemption to host memory, to disk and by recomputation:
 /// every request's tokens and log-prob bits equal `engine::generate`'s. Each sequence's
 /// recurrent state stays with it while its blocks move between tiers; the requests share
 /// a 16-token prefix, which a state model never takes from the prefix cache (its state
 /// after the prefix is in no block), so there are no hits and nothing is registered.
 #[test]
 fn qwen35_under_preemption_matches_generate_bitwise() {
-    let model = common::tiny_qwen35("serve_qwen35");
     let (prompts, params) = requests(35, 6, 16);
     let ws = working_set(&prompts, &params);
     let kv = KvDtype::F16;
-    let want = generated(&model, kv, &prompts, &params);
     let disk = scratch_dir("serve_qwen35_disk");
-    for (cpu, on_disk) in [(0, false), (1000, false), (4, true)] {
+    let dense = common::tiny_qwen35("serve_qwen35");
+    let moe = common::tiny_qwen35_moe("serve_qwen35_moe");
+    for (model, cpu, on_disk) in [
+        (&dense, 0, false),
+        (&dense, 1000, false),
+        (&dense, 4, true),
+        (&moe, 1000, false),
+    ] {
+        let want = generated(model, kv, &prompts, &params);
         let mut cfg = config_kv(kv, ws / 3, cpu, false);
         // Pages for the 2 full-attention layers only (f16: 2 bytes).
         let page = 2 * cfg.sched.block_size * model.cfg.kv_dim() * 2;

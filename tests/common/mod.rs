@@ -526,6 +526,15 @@ pub fn tiny_qwen35(name: &str) -> std::sync::Arc<strata::model::Model> {
         .0
 }
 
+/// `tests/data/qwen3_5/tiny_random_moe` (transformers' random Qwen3.5 MoE: 16 experts,
+/// 4 per token, a shared expert), loaded as stored.
+pub fn tiny_qwen35_moe(name: &str) -> std::sync::Arc<strata::model::Model> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen3_5/tiny_random_moe");
+    strata::model::Model::load(&tiny_random_dir_of(src, name), false)
+        .unwrap()
+        .0
+}
+
 /// `tiny_gpt_oss_dir`, loaded as stored (bf16 attention and router, f32 experts).
 pub fn tiny_gpt_oss(name: &str) -> std::sync::Arc<strata::model::Model> {
     strata::model::Model::load(&tiny_gpt_oss_dir(name), false)

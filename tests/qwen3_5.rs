@@ -207,3 +207,48 @@ fn moe_matches_transformers() {
         assert_eq!(out.token_ids, r.greedy, "{dtype:?}");
     }
 }
+
+/// A checkpoint whose config and tensors disagree (hostile or broken files): each refused
+/// with one line naming the tensor, none panics.
+#[test]
+fn mismatched_qwen3_5_checkpoints_are_refused_by_name() {
+    let (dir, _) = reference();
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    for (from, to, says) in [
+        (
+            r#""linear_num_value_heads": 32"#,
+            r#""linear_num_value_heads": 64"#,
+            "linear_attn.A_log` has shape [32], expected [64]",
+        ),
+        (
+            r#""linear_conv_kernel_dim": 4"#,
+            r#""linear_conv_kernel_dim": 3"#,
+            "linear_attn.conv1d.weight` has shape",
+        ),
+        (
+            r#""linear_attention",
+    "linear_attention",
+    "linear_attention",
+    "full_attention""#,
+            r#""full_attention",
+    "linear_attention",
+    "linear_attention",
+    "full_attention""#,
+            "missing tensor `model.layers.0.self_attn.q_norm.weight`",
+        ),
+        (
+            r#""head_dim": 64"#,
+            r#""head_dim": 32"#,
+            "q_norm.weight` has shape [64]",
+        ),
+    ] {
+        assert!(config.contains(from), "{from}");
+        std::fs::write(dir.join("config.json"), config.replacen(from, to, 1)).unwrap();
+        let err = match Model::load(&dir, false) {
+            Ok(_) => panic!("{to}: loaded"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains(says), "{to}: {err}");
+        assert!(!err.contains('\n'), "{err}");
+    }
+}

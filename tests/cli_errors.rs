@@ -397,7 +397,7 @@ fn huge_layer_counts_are_refused_before_allocating() {
     generate_err(
         &p,
         &[],
-        "the config names 1000 layers but the weights have no `blk.999.attn_q.weight`",
+        "the config names 1000 layers but the weights have no `blk.999.attn_norm.weight`",
     );
     let dir = tiny_dir("err_hf_layers");
     let cfg = TinySpec::llama()

@@ -440,9 +440,13 @@ fn config_json(qwen3: bool) -> serde_json::Value {
     v
 }
 
-/// `model.safetensors` bytes: f32 tensors, bf16 ones for the MLP.
+/// `model.safetensors` bytes of the Llama / Qwen3 base.
 fn safetensors_bytes(qwen3: bool) -> Vec<u8> {
-    let tensors = hf_tensors(qwen3, !qwen3);
+    serialize(hf_tensors(qwen3, !qwen3))
+}
+
+/// Tensors as `model.safetensors` bytes: f32, bf16 for the MLP's.
+fn serialize(tensors: Vec<(String, Vec<usize>, Vec<f32>)>) -> Vec<u8> {
     let data: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = tensors
         .into_iter()
         .map(|(name, shape, values)| {
@@ -512,27 +516,114 @@ const GENERATION_CONFIG: &str =
     r#"{"do_sample": true, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "eos_token_id": [2, 0]}"#;
 
 pub fn safetensors_cases() -> Vec<Case> {
-    [false, true]
+    let hf = |config: serde_json::Value, tensors: Vec<u8>| Case {
+        files: vec![
+            ("config.json".into(), config.to_string().into_bytes()),
+            ("model.safetensors".into(), tensors),
+            ("tokenizer.json".into(), tokenizer_json().into_bytes()),
+            (
+                "tokenizer_config.json".into(),
+                tokenizer_config(true).into_bytes(),
+            ),
+            (
+                "generation_config.json".into(),
+                GENERATION_CONFIG.as_bytes().to_vec(),
+            ),
+        ],
+    };
+    let mut cases: Vec<Case> = [false, true]
         .into_iter()
-        .map(|qwen3| Case {
-            files: vec![
-                (
-                    "config.json".into(),
-                    config_json(qwen3).to_string().into_bytes(),
-                ),
-                ("model.safetensors".into(), safetensors_bytes(qwen3)),
-                ("tokenizer.json".into(), tokenizer_json().into_bytes()),
-                (
-                    "tokenizer_config.json".into(),
-                    tokenizer_config(true).into_bytes(),
-                ),
-                (
-                    "generation_config.json".into(),
-                    GENERATION_CONFIG.as_bytes().to_vec(),
-                ),
-            ],
-        })
-        .collect()
+        .map(|qwen3| hf(config_json(qwen3), safetensors_bytes(qwen3)))
+        .collect();
+    // Qwen3.5 MoE: a Gated DeltaNet state layer, then a gated full-attention layer, each
+    // with routed and shared experts.
+    cases.push(hf(qwen35_config_json(), serialize(qwen35_tensors())));
+    cases
+}
+
+/// A tiny Qwen3.5 MoE config.json: one state layer, one full layer.
+fn qwen35_config_json() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": TINY_VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "max_position_embeddings": MAX_POS, "rms_norm_eps": 1e-6,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": QWEN35_K_HEADS, "linear_num_value_heads": QWEN35_V_HEADS,
+        "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
+        "linear_conv_kernel_dim": 4, "num_experts": EXPERTS,
+        "num_experts_per_tok": EXPERTS_USED, "moe_intermediate_size": INTER,
+        "shared_expert_intermediate_size": INTER,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5},
+        "bos_token_id": 1, "eos_token_id": 2,
+    })
+}
+
+const QWEN35_K_HEADS: usize = 2;
+const QWEN35_V_HEADS: usize = 4;
+
+/// Its tensors, Qwen's names (random, norms around 0: zero-centred).
+fn qwen35_tensors() -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut rng = StdRng::seed_from_u64(35);
+    let mut out = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>| {
+        let n = shape.iter().product();
+        let v = (0..n).map(|_| rng.random_range(-0.3f32..0.3)).collect();
+        out.push((name, shape, v));
+    };
+    let (q, kv, h) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, HIDDEN);
+    let (kd, vd, nv) = (
+        QWEN35_K_HEADS * HEAD_DIM,
+        QWEN35_V_HEADS * HEAD_DIM,
+        QWEN35_V_HEADS,
+    );
+    add("model.embed_tokens.weight".into(), vec![TINY_VOCAB, h]);
+    for i in 0..LAYERS {
+        let p = format!("model.layers.{i}");
+        if i == 0 {
+            let l = format!("{p}.linear_attn");
+            add(format!("{l}.in_proj_qkv.weight"), vec![2 * kd + vd, h]);
+            add(format!("{l}.in_proj_z.weight"), vec![vd, h]);
+            add(format!("{l}.in_proj_b.weight"), vec![nv, h]);
+            add(format!("{l}.in_proj_a.weight"), vec![nv, h]);
+            add(format!("{l}.conv1d.weight"), vec![2 * kd + vd, 1, 4]);
+            add(format!("{l}.dt_bias"), vec![nv]);
+            add(format!("{l}.A_log"), vec![nv]);
+            add(format!("{l}.norm.weight"), vec![HEAD_DIM]);
+            add(format!("{l}.out_proj.weight"), vec![h, vd]);
+        } else {
+            let a = format!("{p}.self_attn");
+            add(format!("{a}.q_proj.weight"), vec![2 * q, h]);
+            add(format!("{a}.k_proj.weight"), vec![kv, h]);
+            add(format!("{a}.v_proj.weight"), vec![kv, h]);
+            add(format!("{a}.o_proj.weight"), vec![h, q]);
+            add(format!("{a}.q_norm.weight"), vec![HEAD_DIM]);
+            add(format!("{a}.k_norm.weight"), vec![HEAD_DIM]);
+        }
+        add(format!("{p}.input_layernorm.weight"), vec![h]);
+        add(format!("{p}.post_attention_layernorm.weight"), vec![h]);
+        let m = format!("{p}.mlp");
+        add(format!("{m}.gate.weight"), vec![EXPERTS, h]);
+        for x in 0..EXPERTS {
+            add(format!("{m}.experts.{x}.gate_proj.weight"), vec![INTER, h]);
+            add(format!("{m}.experts.{x}.up_proj.weight"), vec![INTER, h]);
+            add(format!("{m}.experts.{x}.down_proj.weight"), vec![h, INTER]);
+        }
+        add(
+            format!("{m}.shared_expert.gate_proj.weight"),
+            vec![INTER, h],
+        );
+        add(format!("{m}.shared_expert.up_proj.weight"), vec![INTER, h]);
+        add(
+            format!("{m}.shared_expert.down_proj.weight"),
+            vec![h, INTER],
+        );
+        add(format!("{m}.shared_expert_gate.weight"), vec![1, h]);
+    }
+    add("model.norm.weight".into(), vec![h]);
+    add("lm_head.weight".into(), vec![TINY_VOCAB, h]);
+    out
 }
 
 pub fn tokenizer_cases() -> Vec<Case> {

@@ -240,25 +240,16 @@ fn hf_checkpoint_matches_transformers_forward() {
         std::fs::copy(format!("{src}/{f}"), dir.join(f)).unwrap();
     }
     common::write_tokenizer(&dir, 512);
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(format!("{src}/reference.json")).unwrap())
-            .unwrap();
-    let prompt = ids(&r["prompt_ids"]);
-    let rows: Vec<usize> = serde_json::from_value(r["logits_rows"].clone()).unwrap();
-    let want: Vec<Vec<f32>> = serde_json::from_value(r["logits"].clone()).unwrap();
-    let greedy = ids(&r["greedy_ids"]);
+    let r = common::HfReference::load(format!("{src}/reference.json"));
     let (model, _) = Model::load_as(&dir, false, WeightDtype::F32).unwrap();
     assert_eq!(model.cfg.window(0), Some(16));
     assert_eq!(model.cfg.window(5), None);
     let c = &model.cfg;
     let mut kv = ContiguousKv::<f32>::of(c.num_layers, c.num_kv_heads, c.head_dim, 200);
-    let all = model.forward_rows(&prompt, 0, &mut kv).unwrap();
-    let mut worst = 0.0f32;
-    for (r, w) in rows.iter().zip(&want) {
-        worst = worst.max(common::max_abs_diff(&all[*r], w));
-    }
+    let all = model.forward_rows(&r.prompt, 0, &mut kv).unwrap();
+    let worst = r.worst(&all);
     eprintln!("tiny random Gemma 3: max |logit diff| {worst:.2e}");
     assert!(worst < 1e-4, "logits differ from transformers' by {worst}");
-    let out = common::generate_plain(&model, KvDtype::F32, &prompt, &common::greedy(20), 120);
-    assert_eq!(out.token_ids, greedy);
+    let out = common::generate_plain(&model, KvDtype::F32, &r.prompt, &common::greedy(20), 120);
+    assert_eq!(out.token_ids, r.greedy);
 }

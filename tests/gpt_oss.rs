@@ -19,42 +19,15 @@ use strata::model::Model;
 /// Largest |strata − transformers| allowed on a logit (the bound; both sides f32).
 const TOL: f32 = 1e-3;
 
-struct Reference {
-    prompt: Vec<u32>,
-    rows: Vec<usize>,
-    logits: Vec<Vec<f32>>,
-    greedy: Vec<u32>,
-    last_step: Vec<f32>,
-}
+type Reference = common::HfReference;
 
 fn reference() -> (std::path::PathBuf, Reference) {
     let src = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/gpt_oss/tiny_random"
+        "/tests/data/gpt_oss/tiny_random/reference.json"
     );
     let dir = common::tiny_gpt_oss_dir(&format!("gpt_oss_tiny_{:?}", std::thread::current().id()));
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(format!("{src}/reference.json")).unwrap())
-            .unwrap();
-    fn get<T: serde::de::DeserializeOwned>(r: &Value, k: &str) -> T {
-        serde_json::from_value(r[k].clone()).unwrap()
-    }
-    let reference = Reference {
-        prompt: get(&r, "prompt_ids"),
-        rows: get(&r, "logits_rows"),
-        logits: get(&r, "logits"),
-        greedy: get(&r, "greedy_ids"),
-        last_step: get(&r, "last_step_logits"),
-    };
-    (dir, reference)
-}
-
-fn worst(all: &[Vec<f32>], r: &Reference) -> f32 {
-    r.rows
-        .iter()
-        .zip(&r.logits)
-        .map(|(&row, want)| common::max_abs_diff(&all[row], want))
-        .fold(0.0, f32::max)
+    (dir, Reference::load(src))
 }
 
 #[test]
@@ -81,7 +54,7 @@ fn logits_match_transformers_in_prefill_and_token_by_token() {
     let c = &model.cfg;
     let mut kv = ContiguousKv::<f32>::of(c.num_layers, c.num_kv_heads, c.head_dim, 300);
     let all = model.forward_rows(&r.prompt, 0, &mut kv).unwrap();
-    let prefill = worst(&all, &r);
+    let prefill = r.worst(&all);
     let mut kv = ContiguousKv::<f32>::of(c.num_layers, c.num_kv_heads, c.head_dim, 300);
     let steps: Vec<Vec<f32>> = r
         .prompt
@@ -89,7 +62,7 @@ fn logits_match_transformers_in_prefill_and_token_by_token() {
         .enumerate()
         .map(|(p, &t)| model.forward(&[t], p, &mut kv).unwrap())
         .collect();
-    let decode = worst(&steps, &r);
+    let decode = r.worst(&steps);
     eprintln!(
         "tiny random gpt-oss: max |logit diff| prefill {prefill:.2e}, token by token {decode:.2e}"
     );
@@ -115,7 +88,8 @@ fn greedy_matches_transformers_over_64_tokens() {
     let mut seq = r.prompt.clone();
     seq.extend(&r.greedy[..63]);
     let last = model.forward(&seq, 0, &mut kv).unwrap();
-    let d = common::max_abs_diff(&last, &r.last_step);
+    let last_step: Vec<f32> = serde_json::from_value(r.json["last_step_logits"].clone()).unwrap();
+    let d = common::max_abs_diff(&last, &last_step);
     assert!(
         d < TOL,
         "the last step's logits differ from transformers' by {d}"
@@ -226,7 +200,7 @@ fn gguf_matches_transformers() {
             assert_eq!(c.arch, strata::model::Arch::GptOss);
             let mut kv = ContiguousKv::<f32>::of(c.num_layers, c.num_kv_heads, c.head_dim, 300);
             let all = model.forward_rows(&want.prompt, 0, &mut kv).unwrap();
-            let d = worst(&all, want);
+            let d = want.worst(&all);
             eprintln!("gpt-oss GGUF {kind} {dtype:?}: max |logit diff| vs transformers {d:.2e}");
             assert!(
                 d < TOL,
@@ -340,25 +314,8 @@ fn serve_answers_the_openai_client_as_generate_does() {
     };
     let dir = common::tiny_gpt_oss_dir("gpt_oss_serve");
     let server = live_server::Server::start(&dir, &[]);
-    let out = std::process::Command::new(&python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/openai_client.py"
-        ))
-        .args(["--base-url", &format!("http://{}/v1", server.addr)])
-        .args(["--model", &server.model_name])
-        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
-        .arg("--model-path")
-        .arg(&dir)
-        .args(["--checks", "models,completions,logprobs,errors,concurrent"])
-        .output()
-        .expect("running python3");
-    assert!(
-        out.status.success(),
-        "openai_client.py failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let checks = "models,completions,logprobs,errors,concurrent";
+    server.run_openai_client(&python, &dir, Some(checks));
 }
 
 /// Hostile or broken gpt-oss GGUFs (the fuzz corpus's tiny gpt-oss, edited): each refused

@@ -8,7 +8,6 @@
 mod common;
 mod live_server;
 
-use serde_json::Value;
 use strata::device::KvDtype;
 use strata::kv::ContiguousKv;
 use strata::model::weights::WeightDtype;
@@ -17,12 +16,7 @@ use strata::model::{Arch, Model};
 /// Largest |strata − transformers| allowed on a logit (the bound; both sides f32).
 const TOL: f32 = 1e-3;
 
-struct Reference {
-    prompt: Vec<u32>,
-    rows: Vec<usize>,
-    logits: Vec<Vec<f32>>,
-    greedy: Vec<u32>,
-}
+type Reference = common::HfReference;
 
 fn reference() -> (std::path::PathBuf, Reference) {
     reference_of("tiny_random")
@@ -34,27 +28,7 @@ fn reference_of(which: &str) -> (std::path::PathBuf, Reference) {
     let src = format!("{}/tests/data/qwen3_5/{which}", env!("CARGO_MANIFEST_DIR"));
     let name = format!("qwen3_5_{which}_{:?}", std::thread::current().id());
     let dir = common::tiny_random_dir_of(&src, &name);
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(format!("{src}/reference.json")).unwrap())
-            .unwrap();
-    fn get<T: serde::de::DeserializeOwned>(r: &Value, k: &str) -> T {
-        serde_json::from_value(r[k].clone()).unwrap()
-    }
-    let reference = Reference {
-        prompt: get(&r, "prompt_ids"),
-        rows: get(&r, "logits_rows"),
-        logits: get(&r, "logits"),
-        greedy: get(&r, "greedy_ids"),
-    };
-    (dir, reference)
-}
-
-fn worst(all: &[Vec<f32>], r: &Reference) -> f32 {
-    r.rows
-        .iter()
-        .zip(&r.logits)
-        .map(|(&row, want)| common::max_abs_diff(&all[row], want))
-        .fold(0.0, f32::max)
+    (dir, Reference::load(format!("{src}/reference.json")))
 }
 
 #[test]
@@ -88,7 +62,7 @@ fn logits_match_transformers_in_prefill_and_token_by_token() {
     let c = &model.cfg;
     let mut kv = ContiguousKv::<f32>::plain(c, 300);
     let all = model.forward_rows(&r.prompt, 0, &mut kv).unwrap();
-    let prefill = worst(&all, &r);
+    let prefill = r.worst(&all);
     let mut kv = ContiguousKv::<f32>::plain(c, 300);
     let steps: Vec<Vec<f32>> = r
         .prompt
@@ -96,7 +70,7 @@ fn logits_match_transformers_in_prefill_and_token_by_token() {
         .enumerate()
         .map(|(p, &t)| model.forward(&[t], p, &mut kv).unwrap())
         .collect();
-    let decode = worst(&steps, &r);
+    let decode = r.worst(&steps);
     eprintln!(
         "tiny random Qwen3.5: max |logit diff| prefill {prefill:.2e}, token by token {decode:.2e}"
     );
@@ -155,25 +129,8 @@ fn serve_answers_the_openai_client_as_generate_does() {
     };
     let dir = common::tiny_random_dir("qwen3_5", "qwen3_5_serve");
     let server = live_server::Server::start(&dir, &[]);
-    let out = std::process::Command::new(&python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/openai_client.py"
-        ))
-        .args(["--base-url", &format!("http://{}/v1", server.addr)])
-        .args(["--model", &server.model_name])
-        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
-        .arg("--model-path")
-        .arg(&dir)
-        .args(["--checks", "models,completions,logprobs,errors,concurrent"])
-        .output()
-        .expect("running python3");
-    assert!(
-        out.status.success(),
-        "openai_client.py failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let checks = "models,completions,logprobs,errors,concurrent";
+    server.run_openai_client(&python, &dir, Some(checks));
 }
 
 /// Qwen3.5 MoE (tests/data/qwen3_5/tiny_random_moe, the same script with `--moe`): every
@@ -193,12 +150,12 @@ fn moe_matches_transformers() {
     assert_eq!(c.intermediate_size, 32);
     let (model, _) = Model::load_as(&dir, false, WeightDtype::F32).unwrap();
     let mut kv = ContiguousKv::<f32>::plain(&model.cfg, 300);
-    let prefill = worst(&model.forward_rows(&r.prompt, 0, &mut kv).unwrap(), &r);
+    let prefill = r.worst(&model.forward_rows(&r.prompt, 0, &mut kv).unwrap());
     let mut kv = ContiguousKv::<f32>::plain(&model.cfg, 300);
     let steps: Vec<Vec<f32>> = (r.prompt.iter().enumerate())
         .map(|(p, &t)| model.forward(&[t], p, &mut kv).unwrap())
         .collect();
-    let decode = worst(&steps, &r);
+    let decode = r.worst(&steps);
     eprintln!("tiny random Qwen3.5 MoE: max |logit diff| prefill {prefill:.2e}, token by token {decode:.2e}");
     assert!(prefill < TOL && decode < TOL, "{prefill} {decode}");
     for dtype in [WeightDtype::F32, WeightDtype::Stored] {

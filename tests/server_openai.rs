@@ -9,8 +9,6 @@
 mod common;
 mod live_server;
 
-use std::process::Command;
-
 #[test]
 fn the_openai_python_client_gets_the_cli_greedy_text_exact_usage_and_openai_errors() {
     let model = common::require_default_model();
@@ -18,20 +16,5 @@ fn the_openai_python_client_gets_the_cli_greedy_text_exact_usage_and_openai_erro
         return;
     };
     let server = live_server::Server::start(&model, &[]);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = Command::new(&python)
-        .arg(script)
-        .args(["--base-url", &format!("http://{}/v1", server.addr)])
-        .args(["--model", &server.model_name])
-        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
-        .arg("--model-path")
-        .arg(&model)
-        .output()
-        .expect("running python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "openai_client.py failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    server.run_openai_client(&python, &model, None);
 }

@@ -493,6 +493,45 @@ pub fn serve_requests(
 /// transformers' tiny random gpt-oss (tests/data/gpt_oss/tiny_random,
 /// scripts/gptoss-tiny-random.py) in a scratch directory `name` with a byte-level
 /// tokenizer of its 512 tokens: a Hugging Face directory `generate` and `serve` load.
+/// transformers' own forward recorded on a tiny random checkpoint it made (the
+/// `reference.json` scripts/*-tiny-random.py write beside it).
+#[derive(Clone)]
+pub struct HfReference {
+    pub prompt: Vec<u32>,
+    /// Positions whose logits were recorded, and those logits `[vocab]` each.
+    pub rows: Vec<usize>,
+    pub logits: Vec<Vec<f32>>,
+    /// transformers' greedy continuation of the prompt.
+    pub greedy: Vec<u32>,
+    /// The whole file, for keys a family records besides these.
+    pub json: serde_json::Value,
+}
+
+impl HfReference {
+    pub fn load(path: impl AsRef<Path>) -> Self {
+        let text = std::fs::read_to_string(path.as_ref()).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let get = |k: &str| json[k].clone();
+        Self {
+            prompt: serde_json::from_value(get("prompt_ids")).unwrap(),
+            rows: serde_json::from_value(get("logits_rows")).unwrap(),
+            logits: serde_json::from_value(get("logits")).unwrap(),
+            greedy: serde_json::from_value(get("greedy_ids")).unwrap(),
+            json,
+        }
+    }
+
+    /// The largest |strata − transformers| over the recorded rows, `all` holding strata's
+    /// logits of every position.
+    pub fn worst(&self, all: &[Vec<f32>]) -> f32 {
+        self.rows
+            .iter()
+            .zip(&self.logits)
+            .map(|(&row, want)| max_abs_diff(&all[row], want))
+            .fold(0.0, f32::max)
+    }
+}
+
 pub fn tiny_gpt_oss_dir(name: &str) -> PathBuf {
     tiny_random_dir("gpt_oss", name)
 }

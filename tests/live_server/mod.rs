@@ -174,6 +174,31 @@ impl Server {
         format!("{name}{{model_name=\"{}\",engine=\"0\"}}", self.model_name)
     }
 
+    /// Runs tests/openai_client.py (the official `openai` client) with `python` against
+    /// this server, `model_path` being the model it serves (the script compares with
+    /// `strata generate` on it); `checks`: the script's `--checks` (all when `None`).
+    /// Fails the test with the script's output unless it succeeds.
+    pub fn run_openai_client(&self, python: &str, model_path: &Path, checks: Option<&str>) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+        let mut cmd = Command::new(python);
+        cmd.arg(script)
+            .args(["--base-url", &format!("http://{}/v1", self.addr)])
+            .args(["--model", &self.model_name])
+            .args(["--strata", env!("CARGO_BIN_EXE_strata")])
+            .arg("--model-path")
+            .arg(model_path);
+        if let Some(checks) = checks {
+            cmd.args(["--checks", checks]);
+        }
+        let out = cmd.output().expect("running python3");
+        assert!(
+            out.status.success(),
+            "openai_client.py failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

@@ -338,6 +338,22 @@ fn prompts_whose_old_64_bit_keys_collide_never_share_a_cached_block() {
 
 /// Each request's tokens and log-prob bits from `engine::generate` alone, over a cache that
 /// keeps every position: what serving must equal.
+/// A 1000-block disk tier in `dir` for `cfg`.
+fn with_disk_tier(cfg: &mut EngineConfig, dir: &std::path::Path) {
+    cfg.sched.max_disk_offload_blocks = 1000;
+    cfg.disk = Some(strata::serve::disk::DiskTierConfig {
+        dir: dir.to_path_buf(),
+        io_threads: 2,
+    });
+}
+
+/// Every request's tokens and log-prob bits equal the reference's (`generated`).
+fn assert_requests_equal(got: &[(Vec<u32>, Vec<f32>)], want: &[(Vec<u32>, Vec<u32>)], what: &str) {
+    for (i, ((t, lp), (wt, wlp))) in got.iter().zip(want).enumerate() {
+        assert_eq!((t, &bits(lp)), (wt, wlp), "{what}: request {i}");
+    }
+}
+
 fn generated(
     model: &Arc<Model>,
     kv: KvDtype,
@@ -382,11 +398,7 @@ fn sliding_window_model_under_preemption_matches_generate_bitwise() {
                 assert!(pool * 3 <= cfg.sched.num_gpu_blocks, "{pool} of {}", ws / 3);
             }
             if on_disk {
-                cfg.sched.max_disk_offload_blocks = 1000;
-                cfg.disk = Some(strata::serve::disk::DiskTierConfig {
-                    dir: disk.clone(),
-                    io_threads: 2,
-                });
+                with_disk_tier(&mut cfg, &disk);
             }
             let mut e = Engine::new(model.clone(), cfg).unwrap();
             let got = e.generate_with_logprobs(&prompts, &params).unwrap();
@@ -397,13 +409,7 @@ fn sliding_window_model_under_preemption_matches_generate_bitwise() {
                 "{kv} cpu {cpu} disk {on_disk}: {st:?}"
             );
             assert!(st.window_releases > 0, "{st:?}");
-            for (i, ((t, lp), (wt, wlp))) in got.iter().zip(&want).enumerate() {
-                assert_eq!(
-                    (t, &bits(lp)),
-                    (wt, wlp),
-                    "{kv} cpu {cpu} disk {on_disk}: request {i}"
-                );
-            }
+            assert_requests_equal(&got, &want, &format!("{kv} cpu {cpu} disk {on_disk}"));
         }
     }
 }
@@ -422,23 +428,13 @@ fn gpt_oss_under_preemption_matches_generate_bitwise() {
     for (cpu, on_disk) in [(0, false), (1000, false), (4, true)] {
         let mut cfg = config_kv(kv, ws / 3, cpu, false);
         if on_disk {
-            cfg.sched.max_disk_offload_blocks = 1000;
-            cfg.disk = Some(strata::serve::disk::DiskTierConfig {
-                dir: disk.clone(),
-                io_threads: 2,
-            });
+            with_disk_tier(&mut cfg, &disk);
         }
         let mut e = Engine::new(model.clone(), cfg).unwrap();
         let got = e.generate_with_logprobs(&prompts, &params).unwrap();
         let st = e.stats().sched;
         assert!(st.preemptions >= 3, "cpu {cpu} disk {on_disk}: {st:?}");
-        for (i, ((t, lp), (wt, wlp))) in got.iter().zip(&want).enumerate() {
-            assert_eq!(
-                (t, &bits(lp)),
-                (wt, wlp),
-                "cpu {cpu} disk {on_disk}: request {i}"
-            );
-        }
+        assert_requests_equal(&got, &want, &format!("cpu {cpu} disk {on_disk}"));
     }
 }
 
@@ -469,11 +465,7 @@ fn qwen35_under_preemption_matches_generate_bitwise() {
         let device = strata::serve::setup::device_kv_bytes(&model.cfg, &cfg.sched, 2);
         assert_eq!(device, Some(2 * cfg.sched.num_gpu_blocks * page));
         if on_disk {
-            cfg.sched.max_disk_offload_blocks = 1000;
-            cfg.disk = Some(strata::serve::disk::DiskTierConfig {
-                dir: disk.clone(),
-                io_threads: 2,
-            });
+            with_disk_tier(&mut cfg, &disk);
         }
         let mut e = Engine::new(model.clone(), cfg).unwrap();
         let got = e.generate_with_logprobs(&prompts, &params).unwrap();
@@ -483,12 +475,6 @@ fn qwen35_under_preemption_matches_generate_bitwise() {
         if cpu > 0 {
             assert!(st.blocks_stored > 0, "the victims' blocks moved: {st:?}");
         }
-        for (i, ((t, lp), (wt, wlp))) in got.iter().zip(&want).enumerate() {
-            assert_eq!(
-                (t, &bits(lp)),
-                (wt, wlp),
-                "cpu {cpu} disk {on_disk}: request {i}"
-            );
-        }
+        assert_requests_equal(&got, &want, &format!("cpu {cpu} disk {on_disk}"));
     }
 }

@@ -23,11 +23,11 @@ pub struct RecurrentStates {
 
 /// One sequence's states, and the position they are valid at.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SeqState {
+struct SeqState {
     /// Positions folded in: the next step must start here.
-    pub pos: usize,
+    pos: usize,
     /// Per layer, `len[layer]` floats (empty for an attention layer).
-    pub layers: Vec<Vec<f32>>,
+    layers: Vec<Vec<f32>>,
 }
 
 impl RecurrentStates {
@@ -49,11 +49,6 @@ impl RecurrentStates {
     /// Whether the model has state layers.
     pub fn any(&self) -> bool {
         !self.len.is_empty()
-    }
-
-    /// Sequences holding a state.
-    pub fn num_slots(&self) -> usize {
-        self.slots.len()
     }
 
     /// Bytes held (every slot's).
@@ -83,15 +78,14 @@ impl RecurrentStates {
             s.pos = tokens;
             return Ok(());
         }
-        let held = self.slots.get(&slot).map(|s| s.pos);
-        match (held, self.slots.get_mut(&slot)) {
-            (Some(pos), Some(s)) if pos == pos0 => {
+        match self.slots.get_mut(&slot) {
+            Some(s) if s.pos == pos0 => {
                 s.pos = pos0 + tokens;
                 Ok(())
             }
-            _ => bail!(
+            s => bail!(
                 "a state layer's recurrence holds position {}, the step starts at {pos0}: it can only continue (a recurrent state cannot rewind or skip)",
-                held.unwrap_or(0)
+                s.map_or(0, |s| s.pos)
             ),
         }
     }

@@ -798,7 +798,8 @@ impl Model {
             ..AttnHeads::causal(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         };
         let sinks = self.weights.layers[l].sinks.as_deref();
-        ops::attention_batch(&a.q, kv.read(), &mut a.attn, heads, sinks, seqs);
+        let out = &mut a.attn[..a.t * cfg.q_dim()]; // [t, heads, head_dim]
+        ops::attention_batch(&a.q, kv.read(), out, heads, sinks, seqs);
     }
 
     /// lm_head on the given rows (`a.hn` already holds the final norm): `[vocab]` each.

@@ -172,11 +172,6 @@ impl<D: OffloadDevice> DevicePages<D> {
         self.states.release(slot);
     }
 
-    /// Sequences holding a recurrent state, and their bytes.
-    pub fn state_usage(&self) -> (usize, usize) {
-        (self.states.num_slots(), self.states.bytes())
-    }
-
     pub fn num_layers(&self) -> usize {
         self.gpu.len()
     }

@@ -102,36 +102,16 @@ fn greedy_matches_transformers_over_64_tokens() {
 // scripts/gptoss-llamacpp-reference.py).
 
 /// The GGUF files scripts/gptoss-gguf.py writes (bf16, f32, MXFP4 experts), checked to be
-/// the bytes llama.cpp's reference was recorded on; `None` (skipped loudly, a failure
-/// under CI=true) without gguf-py.
+/// the bytes llama.cpp's reference was recorded on.
 fn gguf_files(llama: &Value) -> Option<std::path::PathBuf> {
-    let python = common::python_with("gguf, numpy", "pip install gguf")?;
-    let dir = common::scratch_dir(&format!("gpt_oss_gguf_{:?}", std::thread::current().id()));
-    let out = std::process::Command::new(python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/scripts/gptoss-gguf.py"
-        ))
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let printed = String::from_utf8(out.stdout).unwrap();
-    for kind in ["f32", "mxfp4"] {
-        let line = format!(
-            "gpt-oss-tiny.{kind}.gguf {}",
-            llama["files"][kind]["sha256"].as_str().unwrap()
-        );
-        assert!(
-            printed.contains(&line),
-            "{kind}: not the bytes llama.cpp ran on: {printed}"
-        );
-    }
-    Some(dir)
+    let expected: Vec<(String, String)> = ["f32", "mxfp4"]
+        .iter()
+        .map(|kind| {
+            let sha = llama["files"][kind]["sha256"].as_str().unwrap();
+            (format!("gpt-oss-tiny.{kind}.gguf"), sha.to_string())
+        })
+        .collect();
+    common::gguf_from_script("gptoss-gguf.py", "gpt_oss_gguf", &expected)
 }
 
 fn llama_reference() -> Value {

@@ -187,10 +187,14 @@ fn q8_0(values: &[f32]) -> Vec<u8> {
     out
 }
 
+/// The architectures `gguf_doc` writes: the fuzz targets' GGUF bases.
+pub const GGUF_ARCHS: [&str; 5] = ["llama", "qwen3", "gemma3", "gpt-oss", "qwen35moe"];
+
 pub fn gguf_doc(arch: &str) -> GgufDoc {
     let gemma3 = arch == "gemma3";
     let oss = arch == "gpt-oss";
-    let qwen3 = arch == "qwen3" || gemma3; // q/k norms, explicit head size
+    let qwen35 = arch == "qwen35moe";
+    let qwen3 = arch == "qwen3" || gemma3 || qwen35; // q/k norms, explicit head size
     let s = |x: &str| Value::String(x.to_string());
     let u = |x: usize| Value::U32(x as u32);
     let k = |key: &str| format!("{arch}.{key}");
@@ -241,18 +245,41 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
         // A window shorter than the fuzz prompts, so the mask and the rings are exercised.
         metadata.push((k("attention.sliding_window"), u(4)));
     }
-    if oss {
+    if qwen35 {
+        for (key, n) in [
+            ("ssm.conv_kernel", 4),
+            ("ssm.state_size", HEAD_DIM),
+            ("ssm.group_count", QWEN35_K_HEADS),
+            ("ssm.time_step_rank", QWEN35_V_HEADS),
+            ("ssm.inner_size", QWEN35_V_HEADS * HEAD_DIM),
+            ("rope.dimension_count", HEAD_DIM / 2),
+            ("expert_shared_feed_forward_length", INTER),
+        ] {
+            metadata.push((k(key), u(n)));
+        }
+        let layers = (0..LAYERS).map(|i| Value::Bool(i == 0)).collect();
+        metadata.push((k("attention.recurrent_layers"), Value::Array(layers)));
+    }
+    if oss || qwen35 {
         metadata.push((k("expert_count"), u(EXPERTS)));
         metadata.push((k("expert_used_count"), u(EXPERTS_USED)));
         metadata.push((k("expert_feed_forward_length"), u(INTER)));
+    }
+    if oss {
         metadata.push((k("rope.scaling.type"), s("yarn")));
         metadata.push((k("rope.scaling.factor"), Value::F32(4.0)));
         metadata.push((k("rope.scaling.original_context_length"), u(32)));
     }
-    let mut tensors: Vec<GgufTensor> = hf_tensors(qwen3, !qwen3)
+    let hf = match qwen35 {
+        true => qwen35_gguf_tensors(),
+        false => hf_tensors(qwen3, !qwen3)
+            .into_iter()
+            .map(|(name, shape, values)| (gguf_name(&name), shape, values))
+            .collect(),
+    };
+    let mut tensors: Vec<GgufTensor> = hf
         .into_iter()
         .map(|(name, shape, values)| {
-            let name = gguf_name(&name);
             let (ggml_type, data) = if name.contains("ffn_") && !name.contains("norm") {
                 (GGML_Q8_0, q8_0(&values))
             } else if name.contains("attn_q.") || name.contains("attn_k.") {
@@ -299,6 +326,71 @@ pub fn gguf_doc(arch: &str) -> GgufDoc {
         tensors,
         layout_alignment: 32,
     }
+}
+
+/// The tiny Qwen3.5 MoE's tensors (`qwen35_tensors`) as llama.cpp's converter writes them:
+/// its names, the conv kernel `[channels, kernel]`, `ssm_a` = −exp(A_log), experts stacked,
+/// the shared expert's gate `[hidden]`.
+fn qwen35_gguf_tensors() -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let hf = qwen35_tensors();
+    let mut out = Vec::new();
+    // `blk.{i}.ffn_{gate,up,down}_exps.weight` -> each expert's `[out, in]` and values.
+    let mut experts: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =
+        Default::default();
+    for (name, shape, values) in hf {
+        let mapped = match name.as_str() {
+            "model.embed_tokens.weight" => "token_embd.weight".to_string(),
+            "model.norm.weight" => "output_norm.weight".to_string(),
+            "lm_head.weight" => "output.weight".to_string(),
+            _ => {
+                let rest = name.strip_prefix("model.layers.").expect("a layer tensor");
+                let (i, part) = rest.split_once('.').expect("layer.part");
+                if let Some(e) = part.strip_prefix("mlp.experts.") {
+                    let (_, proj) = e.split_once('.').expect("expert.part");
+                    let which = proj.strip_suffix("_proj.weight").expect("a projection");
+                    let stacked = experts
+                        .entry(format!("blk.{i}.ffn_{which}_exps.weight"))
+                        .or_insert_with(|| (shape.clone(), Vec::new()));
+                    stacked.1.extend(values);
+                    continue;
+                }
+                let p = match part {
+                    "linear_attn.in_proj_qkv.weight" => "attn_qkv.weight",
+                    "linear_attn.in_proj_z.weight" => "attn_gate.weight",
+                    "linear_attn.in_proj_b.weight" => "ssm_beta.weight",
+                    "linear_attn.in_proj_a.weight" => "ssm_alpha.weight",
+                    "linear_attn.conv1d.weight" => "ssm_conv1d.weight",
+                    "linear_attn.A_log" => "ssm_a",
+                    "linear_attn.dt_bias" => "ssm_dt.bias",
+                    "linear_attn.norm.weight" => "ssm_norm.weight",
+                    "linear_attn.out_proj.weight" => "ssm_out.weight",
+                    "post_attention_layernorm.weight" => "post_attention_norm.weight",
+                    "mlp.gate.weight" => "ffn_gate_inp.weight",
+                    "mlp.shared_expert.gate_proj.weight" => "ffn_gate_shexp.weight",
+                    "mlp.shared_expert.up_proj.weight" => "ffn_up_shexp.weight",
+                    "mlp.shared_expert.down_proj.weight" => "ffn_down_shexp.weight",
+                    "mlp.shared_expert_gate.weight" => "ffn_gate_inp_shexp.weight",
+                    _ => {
+                        out.push((gguf_name(&name), shape, values));
+                        continue;
+                    }
+                };
+                format!("blk.{i}.{p}")
+            }
+        };
+        let (shape, values) = match mapped.as_str() {
+            n if n.ends_with("ssm_conv1d.weight") => (vec![shape[0], shape[2]], values),
+            n if n.ends_with("ssm_a") => (shape, values.iter().map(|x| -x.exp()).collect()),
+            n if n.ends_with("ffn_gate_inp_shexp.weight") => (vec![shape[1]], values),
+            _ => (shape, values),
+        };
+        out.push((mapped, shape, values));
+    }
+    out.extend(
+        (experts.into_iter())
+            .map(|(name, (shape, values))| (name, [&[EXPERTS][..], &shape].concat(), values)),
+    );
+    out
 }
 
 /// The tiny Llama's tensors made gpt-oss's: the dense MLP replaced by experts (gate Q8_0,
@@ -404,18 +496,14 @@ pub fn gguf_cases() -> Vec<Case> {
     }
     spm.metadata
         .push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(true)));
-    [
-        gguf_doc("llama"),
-        gguf_doc("qwen3"),
-        gguf_doc("gemma3"),
-        gguf_doc("gpt-oss"),
-        spm,
-    ]
-    .into_iter()
-    .map(|doc| Case {
-        files: vec![("model.gguf".into(), doc.to_bytes())],
-    })
-    .collect()
+    GGUF_ARCHS
+        .map(gguf_doc)
+        .into_iter()
+        .chain([spm])
+        .map(|doc| Case {
+            files: vec![("model.gguf".into(), doc.to_bytes())],
+        })
+        .collect()
 }
 
 fn config_json(qwen3: bool) -> serde_json::Value {

@@ -32,7 +32,7 @@ fn memory_budget(file_len: usize) -> usize {
 
 /// The base files: the tiny models' metadata, without tensors.
 pub fn gguf_meta_cases() -> Vec<Case> {
-    ["llama", "qwen3", "gemma3", "gpt-oss"]
+    corpus::GGUF_ARCHS
         .iter()
         .map(|arch| {
             let mut doc = corpus::gguf_doc(arch);
@@ -252,10 +252,11 @@ pub fn mutate_gguf_meta(case: &mut Case, rng: &mut StdRng) {
     case.set("model.gguf", bytes);
 }
 
-fn gguf_meta_docs() -> &'static [GgufDoc; 4] {
-    static DOCS: std::sync::OnceLock<[GgufDoc; 4]> = std::sync::OnceLock::new();
+fn gguf_meta_docs() -> &'static [GgufDoc; corpus::GGUF_ARCHS.len()] {
+    static DOCS: std::sync::OnceLock<[GgufDoc; corpus::GGUF_ARCHS.len()]> =
+        std::sync::OnceLock::new();
     DOCS.get_or_init(|| {
-        ["llama", "qwen3", "gemma3", "gpt-oss"].map(|arch| {
+        corpus::GGUF_ARCHS.map(|arch| {
             let mut doc = corpus::gguf_doc(arch);
             doc.tensors.clear();
             doc

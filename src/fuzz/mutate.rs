@@ -131,9 +131,9 @@ pub fn mutate_bytes(data: &mut Vec<u8>, rng: &mut StdRng) {
 // ---------------------------------------------------------------------------------------
 // GGUF
 
-fn gguf_docs() -> &'static [GgufDoc; 4] {
-    static DOCS: OnceLock<[GgufDoc; 4]> = OnceLock::new();
-    DOCS.get_or_init(|| ["llama", "qwen3", "gemma3", "gpt-oss"].map(corpus::gguf_doc))
+fn gguf_docs() -> &'static [GgufDoc; corpus::GGUF_ARCHS.len()] {
+    static DOCS: OnceLock<[GgufDoc; corpus::GGUF_ARCHS.len()]> = OnceLock::new();
+    DOCS.get_or_init(|| corpus::GGUF_ARCHS.map(corpus::gguf_doc))
 }
 
 /// Structural mutations happen on the document; once serialised, later rounds mutate bytes.

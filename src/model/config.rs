@@ -40,7 +40,7 @@ pub enum LayerKind {
     State(DeltaShape),
 }
 
-pub use super::delta_net::DeltaShape;
+pub use super::delta_net::{DeltaShape, ValueHeadOrder};
 
 /// A sliding-window layer's window and RoPE.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -96,6 +96,8 @@ pub struct Moe {
     /// A shared expert every token runs too, of this width, its output scaled by
     /// σ(a learned gate) (Qwen3.5 MoE); `None` without one.
     pub shared_intermediate: Option<usize>,
+    /// The router and every expert's projections carry biases (gpt-oss; Qwen's do not).
+    pub biases: bool,
 }
 
 /// An expert's gate activation.
@@ -655,8 +657,9 @@ impl ModelConfig {
             "qwen3" => Arch::Qwen3,
             "gemma3" => Arch::Gemma3,
             "gpt-oss" => Arch::GptOss,
+            "qwen35" | "qwen35moe" => Arch::Qwen35,
             other => {
-                bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen2, qwen3, gemma3, gpt-oss)")
+                bail!("unsupported architecture `{other}` in GGUF (supported: llama, qwen2, qwen3, gemma3, gpt-oss, qwen35, qwen35moe)")
             }
         };
         let num = |key: &str| -> Result<Option<f64>> {
@@ -750,6 +753,7 @@ impl ModelConfig {
         let num_layers = need_count("block_count")?;
         let gemma = arch == Arch::Gemma3;
         let oss = arch == Arch::GptOss;
+        let qwen = arch == Arch::Qwen35;
         let rope_theta = num("rope.freq_base")?.unwrap_or(10_000.0) as f32;
         let layer_kinds = if oss {
             // llama.cpp's `set_swa_pattern(2)`: even layers windowed, sharing the RoPE.
@@ -776,8 +780,38 @@ impl ModelConfig {
                 rope_scaling: RopeScaling::None,
             };
             gemma3_layer_kinds(num_layers.min(limits::MAX_LAYERS), window)
+        } else if qwen {
+            qwen35_gguf_layer_kinds(md, &arch_name, num_layers.min(limits::MAX_LAYERS), &count)?
         } else {
             ModelConfig::all_full(num_layers.min(limits::MAX_LAYERS))
+        };
+        let moe = if oss {
+            // llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha 1.702, limit 7 (not in the file).
+            Some(Moe {
+                num_experts: need_count("expert_count")?,
+                top_k: need_count("expert_used_count")?,
+                act: ExpertAct::ClampedSwiglu {
+                    alpha: 1.702,
+                    limit: 7.0,
+                },
+                shared_intermediate: None,
+                biases: true,
+            })
+        } else if arch_name == "qwen35moe" {
+            // llama.cpp: softmax router, the chosen renormalised, SiLU experts; the shared
+            // expert as wide as `feed_forward_length` when its own key is absent.
+            Some(Moe {
+                num_experts: need_count("expert_count")?,
+                top_k: need_count("expert_used_count")?,
+                act: ExpertAct::Silu,
+                shared_intermediate: Some(match count("expert_shared_feed_forward_length")? {
+                    Some(n) => n,
+                    None => need_count("feed_forward_length")?,
+                }),
+                biases: false,
+            })
+        } else {
+            None
         };
         // Gemma 3 scales queries by query_pre_attn_scalar^-½, not in the GGUF: head_dim
         // for every size but the 27B (62 layers), where it is hidden / heads (llama.cpp).
@@ -789,7 +823,7 @@ impl ModelConfig {
         let cfg = ModelConfig {
             arch,
             hidden_size,
-            intermediate_size: if oss {
+            intermediate_size: if moe.is_some() {
                 need_count("expert_feed_forward_length")?
             } else {
                 need_count("feed_forward_length")?
@@ -804,28 +838,20 @@ impl ModelConfig {
             rope_scaling: scaling,
             max_position_embeddings: count("context_length")?.unwrap_or(2048),
             tie_word_embeddings: false, // decided by the loader: no `output.weight` means tied
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen35),
             // llama.cpp's qwen2 always carries `attn_{q,k,v}.bias`; its llama and qwen3 never do.
             attention_bias: matches!(arch, Arch::Qwen2 | Arch::GptOss),
             out_bias: oss,
             attn_sinks: oss,
-            moe: if oss {
-                Some(Moe {
-                    num_experts: need_count("expert_count")?,
-                    top_k: need_count("expert_used_count")?,
-                    // llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha 1.702, limit 7 (not in the file).
-                    act: ExpertAct::ClampedSwiglu {
-                        alpha: 1.702,
-                        limit: 7.0,
-                    },
-                    shared_intermediate: None,
-                })
-            } else {
-                None
-            },
+            moe,
             layer_kinds,
-            rotary_dim: head_dim,
-            attn_output_gate: false,
+            // The text positions of Qwen3.5's multimodal RoPE are one position repeated, so
+            // its `rope.dimension_sections` rotate as plain RoPE over these dimensions.
+            rotary_dim: match count("rope.dimension_count")? {
+                Some(n) if qwen => n,
+                _ => head_dim,
+            },
+            attn_output_gate: qwen,
             embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
             sandwich_norms: gemma,
             mlp_act: if gemma {
@@ -841,6 +867,61 @@ impl ModelConfig {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// A `qwen35` / `qwen35moe` GGUF's layers, as llama.cpp reads them: the state layers named
+/// by `attention.recurrent_layers` (one bool per layer) or else every layer but each
+/// `full_attention_interval`-th (4); one Gated DeltaNet shape from the `ssm.*` keys, value
+/// heads in the converter's tiled order.
+fn qwen35_gguf_layer_kinds(
+    md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
+    arch_name: &str,
+    num_layers: usize,
+    count: &dyn Fn(&str) -> Result<Option<usize>>,
+) -> Result<Vec<LayerKind>> {
+    use candle_core::quantized::gguf_file::Value;
+    let need = |key: &str| -> Result<usize> {
+        count(key)?.with_context(|| format!("GGUF metadata is missing {arch_name}.{key}"))
+    };
+    let v_heads = need("ssm.time_step_rank")?;
+    let inner = need("ssm.inner_size")?;
+    if v_heads == 0 || !inner.is_multiple_of(v_heads) {
+        bail!("GGUF {arch_name}.ssm.inner_size ({inner}) is not a whole number of {arch_name}.ssm.time_step_rank ({v_heads}) value heads");
+    }
+    let shape = DeltaShape {
+        k_heads: need("ssm.group_count")?,
+        v_heads,
+        dk: need("ssm.state_size")?,
+        dv: inner / v_heads,
+        kernel: need("ssm.conv_kernel")?,
+        value_heads: ValueHeadOrder::Tiled,
+    };
+    let key = format!("{arch_name}.attention.recurrent_layers");
+    let state: Vec<bool> = match md.get(&key) {
+        Some(Value::Array(flags)) if flags.len() == num_layers => flags
+            .iter()
+            .map(|f| match f {
+                Value::Bool(b) => Ok(*b),
+                other => bail!("GGUF {key} holds {other:?}, not bools"),
+            })
+            .collect::<Result<_>>()?,
+        Some(Value::Array(flags)) => bail!(
+            "GGUF {key} has {} entries for {num_layers} layers",
+            flags.len()
+        ),
+        Some(other) => bail!("GGUF {key} is not an array: {other:?}"),
+        None => {
+            let every = count("full_attention_interval")?.unwrap_or(4).max(1);
+            (0..num_layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    Ok(state
+        .into_iter()
+        .map(|s| match s {
+            true => LayerKind::State(shape),
+            false => LayerKind::Full,
+        })
+        .collect())
 }
 
 /// What a Qwen3.5 config.json sets beyond the Qwen3 keys.
@@ -1000,6 +1081,7 @@ impl HfConfig {
                 limit: self.swiglu_limit.unwrap_or(7.0) as f32,
             },
             shared_intermediate: None,
+            biases: true,
         };
         Ok(OssParts { kinds, moe })
     }
@@ -1103,6 +1185,7 @@ impl HfConfig {
             dk: self.linear_key_head_dim.unwrap_or(128),
             dv: self.linear_value_head_dim.unwrap_or(128),
             kernel: self.linear_conv_kernel_dim.unwrap_or(4),
+            value_heads: ValueHeadOrder::Grouped,
         };
         // Never used by a full layer (its kind carries no window).
         let unused = Window {
@@ -1146,6 +1229,7 @@ impl HfConfig {
                     top_k: self.num_experts_per_tok.unwrap_or(8),
                     act: ExpertAct::Silu,
                     shared_intermediate: Some(self.shared_expert_intermediate_size.unwrap_or(512)),
+                    biases: false,
                 },
                 inter,
             )),
@@ -1457,6 +1541,7 @@ pub fn rope_inv_freq(cfg: &ModelConfig, l: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     /// A gpt-oss config.json, shrunk, with transformers 5's `rope_parameters`.
     fn gpt_oss_json(extra: &str) -> String {
@@ -1765,5 +1850,100 @@ mod tests {
             .to_string();
         assert!(err.contains("use_sliding_window"), "{err}");
         assert!(!err.contains('\n'), "{err}");
+    }
+
+    /// A `qwen35moe` GGUF's metadata (the fuzz corpus's tiny one: a state layer, then a full
+    /// one), with `edit` applied.
+    fn qwen35_gguf(
+        edit: impl FnOnce(&mut HashMap<String, candle_core::quantized::gguf_file::Value>),
+    ) -> Result<ModelConfig> {
+        let doc = crate::fuzz::corpus::gguf_doc("qwen35moe");
+        let mut md: HashMap<_, _> = doc.metadata.into_iter().collect();
+        edit(&mut md);
+        ModelConfig::from_gguf(&md)
+    }
+
+    #[test]
+    fn qwen35_gguf_keys_are_read_as_llama_cpp_reads_them() {
+        use candle_core::quantized::gguf_file::Value;
+        let c = qwen35_gguf(|_| {}).unwrap();
+        assert_eq!(c.arch, Arch::Qwen35);
+        let s = c.state(0).expect("layer 0 is a state layer");
+        assert_eq!(
+            (s.k_heads, s.v_heads, s.dk, s.dv, s.kernel, s.value_heads),
+            (2, 4, 8, 8, 4, ValueHeadOrder::Tiled)
+        );
+        assert_eq!(c.layer_kinds[1], LayerKind::Full);
+        assert_eq!(c.rotary_dim, 4);
+        assert!(c.attn_output_gate && c.qk_norm);
+        let moe = c.moe.unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.shared_intermediate),
+            (4, 2, Some(64))
+        );
+        assert!(!moe.biases && moe.act == ExpertAct::Silu);
+        // Without `attention.recurrent_layers`: every `full_attention_interval`-th is full.
+        let c = qwen35_gguf(|md| {
+            md.remove("qwen35moe.attention.recurrent_layers");
+            md.insert("qwen35moe.full_attention_interval".into(), Value::U32(2));
+        })
+        .unwrap();
+        assert!(c.state(0).is_some() && c.state(1).is_none());
+        // Hostile or broken values: one line each, naming the key.
+        type Edit = Box<dyn FnOnce(&mut HashMap<String, Value>)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                Box::new(|md| {
+                    md.insert(
+                        "qwen35moe.attention.recurrent_layers".into(),
+                        Value::Array(vec![Value::Bool(true)]),
+                    );
+                }),
+                "recurrent_layers has 1 entries for 2 layers",
+            ),
+            (
+                Box::new(|md| {
+                    md.insert(
+                        "qwen35moe.attention.recurrent_layers".into(),
+                        Value::Array(vec![Value::U8(1), Value::U8(0)]),
+                    );
+                }),
+                "not bools",
+            ),
+            (
+                Box::new(|md| {
+                    md.insert("qwen35moe.ssm.inner_size".into(), Value::U32(33));
+                }),
+                "is not a whole number of",
+            ),
+            (
+                Box::new(|md| {
+                    md.insert("qwen35moe.ssm.time_step_rank".into(), Value::U32(0));
+                }),
+                "is not a whole number of",
+            ),
+            (
+                Box::new(|md| {
+                    md.remove("qwen35moe.ssm.state_size");
+                }),
+                "missing qwen35moe.ssm.state_size",
+            ),
+            (
+                Box::new(|md| {
+                    md.insert("qwen35moe.ssm.group_count".into(), Value::U32(3));
+                }),
+                "not a multiple of linear_num_key_heads",
+            ),
+            (
+                Box::new(|md| {
+                    md.insert("qwen35moe.rope.dimension_count".into(), Value::U32(9));
+                }),
+                "rotary dimension must be even",
+            ),
+        ];
+        for (edit, says) in cases {
+            let err = format!("{:#}", qwen35_gguf(edit).unwrap_err());
+            assert!(err.contains(says) && !err.contains('\n'), "{says}: {err}");
+        }
     }
 }

@@ -15,9 +15,33 @@ pub struct DeltaShape {
     pub dv: usize,
     /// The causal conv's width (4 in Qwen3.5).
     pub kernel: usize,
+    /// Which key head each value head reads.
+    pub value_heads: ValueHeadOrder,
+}
+
+/// How a checkpoint orders the value heads when there are more of them than key heads
+/// (`r = v_heads / k_heads` per key head). It orders every per-value-head tensor the same
+/// way (the V rows and channels, z, b, a, A, dt_bias, `out_proj`'s columns), so only the
+/// key head a value head reads differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueHeadOrder {
+    /// transformers': grouped by key head, `[K0: v0..v(r−1) | K1: ...]`; value head `h`
+    /// reads key head `h / r`.
+    Grouped,
+    /// llama.cpp's GGUF (its converter reorders them so ggml can broadcast the key heads):
+    /// tiled, `[K0 K1 .. | K0 K1 ..]`; value head `h` reads key head `h % k_heads`.
+    Tiled,
 }
 
 impl DeltaShape {
+    /// The key (and query) head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        match self.value_heads {
+            ValueHeadOrder::Grouped => h / (self.v_heads / self.k_heads),
+            ValueHeadOrder::Tiled => h % self.k_heads,
+        }
+    }
+
     /// The conv's channels: q, k and v side by side, `[q: k_heads·dk | k: k_heads·dk |
     /// v: v_heads·dv]`.
     pub fn conv_channels(&self) -> usize {
@@ -98,24 +122,24 @@ pub fn conv_step(s: DeltaShape, tail: &mut [f32], x: &[f32], w: &[f32], out: &mu
 }
 
 /// The decay (log space, ≤ 0) and the write strength of each value head from the token's
-/// `a`, `b` projections `[v_heads]`: `g = −exp(A_log) · softplus(a + dt_bias)`,
-/// `β = σ(b)`.
+/// `a`, `b` projections `[v_heads]`: `g = A · softplus(a + dt_bias)` with the layer's
+/// `A = −exp(A_log)` (`DeltaWeights::decay_rate`), `β = σ(b)`.
 pub fn gates(
     a: &[f32],
     b: &[f32],
-    a_log: &[f32],
+    decay_rate: &[f32],
     dt_bias: &[f32],
     g: &mut [f32],
     beta: &mut [f32],
 ) {
     for h in 0..a.len() {
-        g[h] = -a_log[h].exp() * softplus(a[h] + dt_bias[h]);
+        g[h] = decay_rate[h] * softplus(a[h] + dt_bias[h]);
         beta[h] = 1.0 / (1.0 + (-b[h]).exp());
     }
 }
 
 /// One token of the gated delta rule for every value head (value head `h` reads key head
-/// `h / (v_heads / k_heads)`): q, k `[k_heads, dk]` as the conv left them (L2-normalised
+/// `s.key_head(h)`): q, k `[k_heads, dk]` as the conv left them (L2-normalised
 /// here, q also scaled by dk^-½), v `[v_heads, dv]`, `g`, `beta` `[v_heads]`;
 /// `state[v_heads, dk, dv]` becomes `S·e^g + k δᵀ` with `δ = β (v − Sᵀk)` (S decayed);
 /// `out[v_heads, dv] = Sᵀq` (the new S).
@@ -134,13 +158,12 @@ pub fn delta_step(
     assert_eq!(state.len(), s.state_len());
     assert_eq!((q.len(), k.len()), (s.k_heads * dk, s.k_heads * dk));
     assert_eq!((v.len(), out.len()), (s.v_heads * dv, s.v_heads * dv));
-    let group = s.v_heads / s.k_heads;
     let scale = 1.0 / (dk as f32).sqrt();
     let mut qn = vec![0.0f32; dk];
     let mut kn = vec![0.0f32; dk];
     let mut delta = vec![0.0f32; dv];
     for h in 0..s.v_heads {
-        let kh = h / group;
+        let kh = s.key_head(h);
         l2_normalise(&q[kh * dk..(kh + 1) * dk], &mut qn);
         qn.iter_mut().for_each(|x| *x *= scale);
         l2_normalise(&k[kh * dk..(kh + 1) * dk], &mut kn);
@@ -227,6 +250,7 @@ mod tests {
             dk: n("dk"),
             dv: n("dv"),
             kernel: n("kernel"),
+            value_heads: ValueHeadOrder::Grouped,
         }
     }
 
@@ -249,6 +273,7 @@ mod tests {
         let (q, k, v) = (floats(&d["q"]), floats(&d["k"]), floats(&d["v"]));
         let (a, b) = (floats(&d["a"]), floats(&d["b"]));
         let (a_log, dt_bias) = (floats(&d["A_log"]), floats(&d["dt_bias"]));
+        let decay_rate: Vec<f32> = a_log.iter().map(|x| -x.exp()).collect();
         let (want_g, want_beta) = (floats(&d["g"]), floats(&d["beta"]));
         let mut state = floats(&d["state0"]);
         let (kd, vd, nv) = (s.k_heads * s.dk, s.v_heads * s.dv, s.v_heads);
@@ -260,7 +285,7 @@ mod tests {
             gates(
                 &at(&a, nv),
                 &at(&b, nv),
-                &a_log,
+                &decay_rate,
                 &dt_bias,
                 &mut g,
                 &mut beta,

@@ -685,7 +685,7 @@ impl Model {
                     let (z, rest) = rest.split_at(vd);
                     let (b, a_in) = rest.split_at(nv);
                     delta_net::conv_step(s, tail, qkv, &d.conv, &mut conv);
-                    delta_net::gates(a_in, b, &d.a_log, &d.dt_bias, &mut g, &mut beta);
+                    delta_net::gates(a_in, b, &d.decay_rate, &d.dt_bias, &mut g, &mut beta);
                     let (q, kv_part) = conv.split_at(kd);
                     let (k, v) = kv_part.split_at(kd);
                     delta_net::delta_step(s, matrix, q, k, v, &g, &beta, &mut out);

@@ -145,6 +145,7 @@ mod tests {
             limit: 7.0,
         },
         shared_intermediate: None,
+        biases: true,
     };
 
     #[test]

@@ -53,6 +53,8 @@ pub struct Tokenizer {
 
 /// The regexes llama.cpp names by `tokenizer.ggml.pre` (same as the models' tokenizer.json).
 const REGEX_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's (llama.cpp's `qwen35`): Qwen2's with combining marks (`\p{M}`) kept in words.
+const REGEX_QWEN35: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const REGEX_LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// o200k (gpt-oss, GPT-4o; llama.cpp's `gpt-4o` / `llama4`): gpt-oss's tokenizer.json regex.
@@ -497,9 +499,13 @@ fn byte_level_bpe(md: &HashMap<String, Value>, tokens: &[String]) -> Result<toke
             inner.with_normalizer(Some(NFC)).map_err(|e| anyhow::anyhow!("{e}"))?;
             regex_then_bytelevel(REGEX_QWEN2)?
         }
+        "qwen35" => {
+            inner.with_normalizer(Some(NFC)).map_err(|e| anyhow::anyhow!("{e}"))?;
+            regex_then_bytelevel(REGEX_QWEN35)?
+        }
         "llama-bpe" | "llama3" | "smaug-bpe" => regex_then_bytelevel(REGEX_LLAMA3)?,
         "gpt-4o" | "llama4" => regex_then_bytelevel(REGEX_O200K)?,
-        other => bail!("unsupported GGUF tokenizer pre-tokenizer `{other}` (supported: smollm, qwen2, llama-bpe, gpt-4o)"),
+        other => bail!("unsupported GGUF tokenizer pre-tokenizer `{other}` (supported: smollm, qwen2, qwen35, llama-bpe, gpt-4o)"),
     };
     inner.with_pre_tokenizer(Some(pre_tokenizer));
     inner.with_decoder(Some(ByteLevelDecoder::default()));

@@ -572,10 +572,11 @@ pub struct LayerWeights {
 
 /// A Gated DeltaNet layer's parameters beside its projections (`model::delta_net`).
 pub struct DeltaWeights {
-    pub conv: Vec<f32>,    // [conv_channels, kernel]  the depthwise causal conv's taps
-    pub a_log: Vec<f32>,   // [v_heads]
+    pub conv: Vec<f32>, // [conv_channels, kernel]  the depthwise causal conv's taps
+    /// `A = −exp(A_log)` per value head: how fast each head's state decays.
+    pub decay_rate: Vec<f32>, // [v_heads]
     pub dt_bias: Vec<f32>, // [v_heads]
-    pub norm: Vec<f32>,    // [dv]  the gated RMSNorm's weight (plain, not 1 + w)
+    pub norm: Vec<f32>, // [dv]  the gated RMSNorm's weight (plain, not 1 + w)
 }
 
 /// A layer's feed-forward block.
@@ -752,7 +753,7 @@ impl ModelWeights {
                 .chain(
                     l.delta
                         .iter()
-                        .flat_map(|d| [&d.conv, &d.a_log, &d.dt_bias, &d.norm]),
+                        .flat_map(|d| [&d.conv, &d.decay_rate, &d.dt_bias, &d.norm]),
                 )
                 .chain(l.mlp.vectors())
         }))
@@ -905,6 +906,19 @@ struct Names {
     norm_offset: f32,
     /// How a mixture of experts stores its experts.
     experts: ExpertLayout,
+    /// Which converter wrote the tensors (their forms beyond the names).
+    layout: Layout,
+}
+
+/// The two writers of checkpoints, where they store a tensor in different forms.
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    /// Hugging Face's: a Gated DeltaNet's `A_log` (its decay rate is `−exp(A_log)`), its
+    /// conv kernel `[channels, 1, kernel]`, the shared expert's gate `[1, hidden]`.
+    Hf,
+    /// llama.cpp's: `ssm_a` holds `−exp(A_log)` itself, the conv kernel `[channels,
+    /// kernel]`, the shared expert's gate `[hidden]`.
+    Gguf,
 }
 
 /// How a checkpoint family stores a mixture of experts' weights.
@@ -986,12 +1000,14 @@ fn hf_names(prefix: &str, head: &str, arch: Arch) -> Names {
         } else {
             ExpertLayout::HfFusedTransposed
         },
+        layout: Layout::Hf,
     }
 }
 
-/// llama.cpp's names; gpt-oss's MLP input norm is its `post_attention_norm`.
+/// llama.cpp's names; gpt-oss's and Qwen3.5's MLP input norm is their
+/// `post_attention_norm`.
 fn gguf_names(arch: Arch) -> Names {
-    let oss = arch == Arch::GptOss;
+    let post_attn_is_mlp_norm = matches!(arch, Arch::GptOss | Arch::Qwen35);
     Names {
         embed: "token_embd.weight".into(),
         final_norm: "output_norm.weight".into(),
@@ -1008,7 +1024,7 @@ fn gguf_names(arch: Arch) -> Names {
                 "q_norm" => "attn_q_norm.weight",
                 "k_norm" => "attn_k_norm.weight",
                 "attn_norm" => "attn_norm.weight",
-                "mlp_norm" if oss => "post_attention_norm.weight",
+                "mlp_norm" if post_attn_is_mlp_norm => "post_attention_norm.weight",
                 "mlp_norm" => "ffn_norm.weight",
                 "post_attn_norm" => "post_attention_norm.weight",
                 "post_mlp_norm" => "post_ffw_norm.weight",
@@ -1025,12 +1041,26 @@ fn gguf_names(arch: Arch) -> Names {
                 "experts_gate_bias" => "ffn_gate_exps.bias",
                 "experts_up_bias" => "ffn_up_exps.bias",
                 "experts_down_bias" => "ffn_down_exps.bias",
+                "shared_gate" => "ffn_gate_shexp.weight",
+                "shared_up" => "ffn_up_shexp.weight",
+                "shared_down" => "ffn_down_shexp.weight",
+                "shared_expert_gate" => "ffn_gate_inp_shexp.weight",
+                "lin_qkv" => "attn_qkv.weight",
+                "lin_z" => "attn_gate.weight",
+                "lin_b" => "ssm_beta.weight",
+                "lin_a" => "ssm_alpha.weight",
+                "lin_conv" => "ssm_conv1d.weight",
+                "lin_decay" => "ssm_a",
+                "lin_dt_bias" => "ssm_dt.bias",
+                "lin_norm" => "ssm_norm.weight",
+                "lin_out" => "ssm_out.weight",
                 _ => unreachable!("unknown weight part {part}"),
             };
             format!("blk.{i}.{p}")
         }),
         norm_offset: 0.0,
         experts: ExpertLayout::Split,
+        layout: Layout::Gguf,
     }
 }
 
@@ -1136,7 +1166,13 @@ fn build(
         };
         let mut delta = match state {
             Some(s) => Some(DeltaWeights {
-                a_log: vector("lin_a_log", s.v_heads, 0.0)?,
+                decay_rate: match names.layout {
+                    Layout::Hf => {
+                        let a_log: Vec<f32> = vector("lin_a_log", s.v_heads, 0.0)?;
+                        a_log.into_iter().map(|x| -x.exp()).collect()
+                    }
+                    Layout::Gguf => vector("lin_decay", s.v_heads, 0.0)?,
+                },
                 dt_bias: vector("lin_dt_bias", s.v_heads, 0.0)?,
                 norm: vector("lin_norm", s.dv, 0.0)?,
                 conv: Vec::new(), // read below, once `vector` is done
@@ -1144,13 +1180,16 @@ fn build(
             None => None,
         };
         let router_bias = match cfg.moe {
-            Some(moe) if names.experts != ExpertLayout::PerExpert => {
-                Some(vector("router_bias", moe.num_experts, 0.0)?)
-            }
+            Some(moe) if moe.biases => Some(vector("router_bias", moe.num_experts, 0.0)?),
             _ => None,
         };
         if let (Some(d), Some(s)) = (delta.as_mut(), state) {
-            d.conv = get(&n("lin_conv"), &[s.conv_channels(), 1, s.kernel])?.to_f32();
+            let (c, k) = (s.conv_channels(), s.kernel);
+            let shape = match names.layout {
+                Layout::Hf => vec![c, 1, k],
+                Layout::Gguf => vec![c, k],
+            };
+            d.conv = get(&n("lin_conv"), &shape)?.to_f32();
         }
         let (wqkv, wo) = match state {
             Some(s) => (
@@ -1206,7 +1245,10 @@ fn build(
                             get(&n("shared_up"), &[si, h])?,
                         ]),
                         down: get(&n("shared_down"), &[h, si])?,
-                        gate: get(&n("shared_expert_gate"), &[1, h])?,
+                        gate: match names.layout {
+                            Layout::Hf => get(&n("shared_expert_gate"), &[1, h])?,
+                            Layout::Gguf => get(&n("shared_expert_gate"), &[h])?,
+                        },
                     }),
                     None => None,
                 };
@@ -1239,24 +1281,32 @@ fn build(
                         let gate = get(&n("experts_gate"), &[e, inter, h])?.split_rows(e);
                         let up = get(&n("experts_up"), &[e, inter, h])?.split_rows(e);
                         let down = get(&n("experts_down"), &[e, h, inter])?.split_rows(e);
-                        let gate_bias = get(&n("experts_gate_bias"), &[e, inter])?.to_f32();
-                        let up_bias = get(&n("experts_up_bias"), &[e, inter])?.to_f32();
-                        let down_bias = get(&n("experts_down_bias"), &[e, h])?.to_f32();
+                        // [e, inter] twice and [e, h], or none.
+                        let biases = match moe.biases {
+                            true => Some((
+                                get(&n("experts_gate_bias"), &[e, inter])?.to_f32(),
+                                get(&n("experts_up_bias"), &[e, inter])?.to_f32(),
+                                get(&n("experts_down_bias"), &[e, h])?.to_f32(),
+                            )),
+                            false => None,
+                        };
                         gate.into_iter()
                             .zip(up)
                             .zip(down)
                             .enumerate()
                             .map(|(x, ((g, u), d))| Expert {
                                 gate_up: Weight::concat(vec![g, u]),
-                                gate_up_bias: Some(
-                                    [&gate_bias, &up_bias]
+                                gate_up_bias: biases.as_ref().map(|(gb, ub, _)| {
+                                    [gb, ub]
                                         .iter()
                                         .flat_map(|b| &b[x * inter..][..inter])
                                         .copied()
-                                        .collect(),
-                                ),
+                                        .collect()
+                                }),
                                 down: d,
-                                down_bias: Some(down_bias[x * h..][..h].to_vec()),
+                                down_bias: biases
+                                    .as_ref()
+                                    .map(|(_, _, db)| db[x * h..][..h].to_vec()),
                             })
                             .collect()
                     }

@@ -432,6 +432,41 @@ pub fn python_with(modules: &str, install: &str) -> Option<String> {
     None
 }
 
+/// Runs `scripts/<script> DIR` (a writer of GGUF files from a checkpoint in tests/data)
+/// into a scratch directory `name` and checks each `(file, sha256)` of `expected` is a line
+/// it printed: the same bytes llama.cpp's recorded reference ran on. `None` (skipped
+/// loudly, a failure under CI=true) without gguf-py.
+pub fn gguf_from_script(
+    script: &str,
+    name: &str,
+    expected: &[(String, String)],
+) -> Option<PathBuf> {
+    let python = python_with("gguf, numpy", "pip install gguf")?;
+    let dir = scratch_dir(&format!("{name}_{:?}", std::thread::current().id()));
+    let out = std::process::Command::new(python)
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("scripts")
+                .join(script),
+        )
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8(out.stdout).unwrap();
+    for (file, sha) in expected {
+        assert!(
+            printed.contains(&format!("{file} {sha}")),
+            "{file}: not the bytes llama.cpp ran on: {printed}"
+        );
+    }
+    Some(dir)
+}
+
 /// The serving engine's scheduler in the tests: blocks of 4 tokens, prefill chunks of 8,
 /// `gpu` device blocks and `cpu` host blocks (0: preemption recomputes).
 pub fn serve_sched(gpu: usize, cpu: usize) -> strata::serve::SchedulerConfig {

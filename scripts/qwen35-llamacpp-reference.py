@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""llama.cpp's logits on the tiny random Qwen3.5 checkpoints as GGUF (scripts/qwen35-gguf.py),
+the independent reference tests/qwen3_5.rs checks strata's `qwen35` / `qwen35moe` GGUF path
+against.
+
+llama.cpp as bundled by llama-cpp-python 0.3.36 (built from source with native flags, AMX
+off: the first release whose llama.cpp has `qwen35` / `qwen35moe`), CPU, f32 KV cache,
+flash attention off, 2 threads. Records, for the prompt of each checkpoint's
+reference.json, the logits at its rows and 64 greedy tokens, with each file's SHA-256
+(the test checks it rebuilt the same bytes).
+
+    python3 scripts/qwen35-gguf.py /tmp/q35 && \\
+    python3 scripts/qwen35-llamacpp-reference.py /tmp/q35 tests/data/qwen3_5/llamacpp_reference.json
+"""
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+from llama_cpp import Llama
+
+gguf_dir, out = Path(sys.argv[1]), sys.argv[2]
+data = Path(__file__).resolve().parent.parent / "tests/data/qwen3_5"
+ref = {
+    "what": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}'s build, CPU, f32 KV, no flash attention) on scripts/qwen35-gguf.py's files",
+    "command": "python3 scripts/qwen35-llamacpp-reference.py OUT tests/data/qwen3_5/llamacpp_reference.json",
+    "versions": {"llama_cpp_python": llama_cpp.__version__},
+    "files": {},
+}
+for stem, src in [("qwen35-tiny", "tiny_random"), ("qwen35moe-tiny", "tiny_random_moe")]:
+    hf = json.loads((data / src / "reference.json").read_text())
+    prompt, rows = hf["prompt_ids"], hf["logits_rows"]
+    for kind in ["f32"]:
+        name = f"{stem}.{kind}.gguf"
+        path = gguf_dir / name
+        llm = Llama(str(path), n_ctx=512, n_batch=512, logits_all=True, n_threads=2,
+                    type_k=0, type_v=0, flash_attn=False, verbose=False)
+        llm.eval(prompt)
+        scores = np.array(llm.scores[: len(prompt)])
+        greedy = []
+        for _ in range(64):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            greedy.append(nxt)
+            llm.eval([nxt])
+        ref["files"][name] = {
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "prompt_ids": prompt,
+            "logits_rows": rows,
+            "logits": [[round(float(x), 6) for x in scores[r]] for r in rows],
+            "greedy_ids": greedy,
+        }
+        print(name, greedy[:12], "hf greedy", hf["greedy_ids"][:12])
+json.dump(ref, open(out, "w"))

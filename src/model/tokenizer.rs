@@ -684,6 +684,48 @@ mod tests {
         assert_eq!(tok.token_bytes(id("▁world")), b" world");
     }
 
+    /// Qwen3.5's pre-tokenizer (`qwen35`) keeps a combining mark in its word, Qwen2's splits
+    /// it off (their tokenizer.json regexes as llama.cpp quotes them): "x\u{301}" (no
+    /// precomposed form, so NFC leaves it) merges into one token only under `qwen35`.
+    #[test]
+    fn the_qwen35_pre_tokenizer_keeps_combining_marks_in_words() {
+        let s = |x: &str| Value::String(x.into());
+        // Byte-level symbols: 0xCC is `Ì`, 0x81 is `ģ` (GPT-2's byte-to-unicode table).
+        let tokens = [
+            "<s>",
+            "</s>",
+            "x",
+            "\u{cc}",
+            "\u{123}",
+            "\u{cc}\u{123}",
+            "x\u{cc}\u{123}",
+        ];
+        let md = |pre: &str| {
+            HashMap::from([
+                ("tokenizer.ggml.model".into(), s("gpt2")),
+                ("tokenizer.ggml.pre".into(), s(pre)),
+                (
+                    "tokenizer.ggml.tokens".into(),
+                    Value::Array(tokens.iter().map(|t| s(t)).collect()),
+                ),
+                (
+                    "tokenizer.ggml.token_type".into(),
+                    Value::Array([3, 3, 1, 1, 1, 1, 1].map(Value::I32).to_vec()),
+                ),
+                (
+                    "tokenizer.ggml.merges".into(),
+                    Value::Array(vec![s("\u{cc} \u{123}"), s("x \u{cc}\u{123}")]),
+                ),
+            ])
+        };
+        let encode = |pre: &str| {
+            let tok = Tokenizer::from_gguf(&md(pre)).unwrap();
+            tok.encode("x\u{301}", false).unwrap()
+        };
+        assert_eq!(encode("qwen35"), [6]);
+        assert_eq!(encode("qwen2"), [2, 5]);
+    }
+
     /// A four-letter byte-level vocabulary with a BOS that GGUF says to add.
     fn bos_gguf() -> HashMap<String, Value> {
         let s = |x: &str| Value::String(x.into());

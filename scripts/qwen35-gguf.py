@@ -13,7 +13,12 @@ as GGUF files in llama.cpp's `qwen35` / `qwen35moe` layout, as its converter
   `_LinearAttentionVReorderBase` does (so ggml can broadcast key heads);
 - the full layers' `attn_q` kept as HF's `[q | gate]` per head; experts stacked into
   `ffn_{gate,up,down}_exps`, the shared expert as `ffn_*_shexp` and its gate
-  `ffn_gate_inp_shexp` `[hidden]`.
+  `ffn_gate_inp_shexp` `[hidden]`;
+- the dense file also carries a multi-token-prediction block after the model's own, as
+  the converter writes a real Qwen3.5's `mtp.*` (`block_count` counts it,
+  `nextn_predict_layers` = 1, `attention.recurrent_layers` has an entry for it): its
+  weights made up here (transformers' model has none), so a reader that ran it as a layer
+  would give other logits.
 
     OUT/qwen35-tiny.f32.gguf       every tensor f32 (llama.cpp's matmuls keep f32 activations)
     OUT/qwen35moe-tiny.f32.gguf    the MoE checkpoint, likewise
@@ -77,12 +82,13 @@ def write(out_path, cfg, t):
     moe = "num_experts" in cfg
     arch = "qwen35moe" if moe else "qwen35"
     n_layers = cfg["num_hidden_layers"]
+    mtp = 0 if moe else 1
     kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     per_k = vh // kh
     rope = cfg["rope_parameters"]
     w = gguf.GGUFWriter(str(out_path), arch)
-    w.add_block_count(n_layers)
+    w.add_block_count(n_layers + mtp)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_head_count(cfg["num_attention_heads"])
@@ -100,7 +106,10 @@ def write(out_path, cfg, t):
     w.add_ssm_inner_size(dv * vh)
     w.add_full_attention_interval(4)
     # What the converter writes from `layer_types` (gguf-py 0.19 has no helper for it yet).
-    w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    recurrent = [t == "linear_attention" for t in cfg["layer_types"]] + [False] * mtp
+    w.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    if mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", mtp)
     if moe:
         w.add_feed_forward_length(cfg["moe_intermediate_size"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
@@ -165,10 +174,38 @@ def write(out_path, cfg, t):
         else:
             for hf, g in [("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")]:
                 mat(f"{b}ffn_{g}.weight", t[f"{p}mlp.{hf}.weight"])
+    if mtp:
+        write_mtp_block(vec, cfg, n_layers)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_mtp_block(add, cfg, i):
+    """Block `i`: a full-attention layer with a dense MLP and the prediction head's
+    `nextn.*` tensors, values a fixed formula (no RNG, so the bytes never change)."""
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    inter = cfg["intermediate_size"]
+    made = [0]
+
+    def values(*shape):
+        n = int(np.prod(shape))
+        x = np.sin(np.arange(made[0], made[0] + n, dtype=np.float64) * 0.7) * 0.05
+        made[0] += n
+        return x.astype(np.float32).reshape(shape)
+
+    b = f"blk.{i}."
+    for name, shape in [
+        ("attn_norm.weight", (h,)), ("post_attention_norm.weight", (h,)),
+        ("attn_q.weight", (2 * q, h)), ("attn_k.weight", (kv, h)), ("attn_v.weight", (kv, h)),
+        ("attn_output.weight", (h, q)), ("attn_q_norm.weight", (hd,)), ("attn_k_norm.weight", (hd,)),
+        ("ffn_gate.weight", (inter, h)), ("ffn_up.weight", (inter, h)), ("ffn_down.weight", (h, inter)),
+        ("nextn.eh_proj.weight", (h, 2 * h)), ("nextn.enorm.weight", (h,)),
+        ("nextn.hnorm.weight", (h,)), ("nextn.shared_head_norm.weight", (h,)),
+    ]:
+        add(b + name, (1 + values(*shape)) if name.endswith("norm.weight") else values(*shape))
 
 
 def gguf_bytes():

@@ -750,7 +750,15 @@ impl ModelConfig {
                 bail!("GGUF {key} {id} is outside the vocabulary ({vocab_size} tokens)");
             }
         }
-        let num_layers = need_count("block_count")?;
+        // llama.cpp's converter counts a multi-token-prediction head's blocks (Qwen3.5's
+        // `mtp.*`) in `block_count`, after the model's own: they are not run here, and their
+        // tensors are not read.
+        let all_layers = need_count("block_count")?;
+        let nextn = count("nextn_predict_layers")?.unwrap_or(0);
+        if nextn >= all_layers {
+            bail!("GGUF {arch_name}.nextn_predict_layers ({nextn}) leaves none of the {all_layers} blocks to run");
+        }
+        let num_layers = all_layers - nextn;
         let gemma = arch == Arch::Gemma3;
         let oss = arch == Arch::GptOss;
         let qwen = arch == Arch::Qwen35;
@@ -781,7 +789,13 @@ impl ModelConfig {
             };
             gemma3_layer_kinds(num_layers.min(limits::MAX_LAYERS), window)
         } else if qwen {
-            qwen35_gguf_layer_kinds(md, &arch_name, num_layers.min(limits::MAX_LAYERS), &count)?
+            qwen35_gguf_layer_kinds(
+                md,
+                &arch_name,
+                num_layers.min(limits::MAX_LAYERS),
+                all_layers,
+                &count,
+            )?
         } else {
             ModelConfig::all_full(num_layers.min(limits::MAX_LAYERS))
         };
@@ -869,14 +883,16 @@ impl ModelConfig {
     }
 }
 
-/// A `qwen35` / `qwen35moe` GGUF's layers, as llama.cpp reads them: the state layers named
-/// by `attention.recurrent_layers` (one bool per layer) or else every layer but each
-/// `full_attention_interval`-th (4); one Gated DeltaNet shape from the `ssm.*` keys, value
-/// heads in the converter's tiled order.
+/// A `qwen35` / `qwen35moe` GGUF's `num_layers` layers, as llama.cpp reads them: the state
+/// layers named by `attention.recurrent_layers` (one bool per block, `all_layers` of them
+/// with the prediction head's) or else every layer but each `full_attention_interval`-th
+/// (4); one Gated DeltaNet shape from the `ssm.*` keys, value heads in the converter's
+/// tiled order.
 fn qwen35_gguf_layer_kinds(
     md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
     arch_name: &str,
     num_layers: usize,
+    all_layers: usize,
     count: &dyn Fn(&str) -> Result<Option<usize>>,
 ) -> Result<Vec<LayerKind>> {
     use candle_core::quantized::gguf_file::Value;
@@ -898,7 +914,7 @@ fn qwen35_gguf_layer_kinds(
     };
     let key = format!("{arch_name}.attention.recurrent_layers");
     let state: Vec<bool> = match md.get(&key) {
-        Some(Value::Array(flags)) if flags.len() == num_layers => flags
+        Some(Value::Array(flags)) if flags.len() == all_layers => flags[..num_layers]
             .iter()
             .map(|f| match f {
                 Value::Bool(b) => Ok(*b),
@@ -906,7 +922,7 @@ fn qwen35_gguf_layer_kinds(
             })
             .collect::<Result<_>>()?,
         Some(Value::Array(flags)) => bail!(
-            "GGUF {key} has {} entries for {num_layers} layers",
+            "GGUF {key} has {} entries for {all_layers} blocks",
             flags.len()
         ),
         Some(other) => bail!("GGUF {key} is not an array: {other:?}"),
@@ -1889,6 +1905,19 @@ mod tests {
         })
         .unwrap();
         assert!(c.state(0).is_some() && c.state(1).is_none());
+        // A prediction head's block after them: counted in `block_count`, not run.
+        let c = qwen35_gguf(|md| {
+            md.insert("qwen35moe.block_count".into(), Value::U32(3));
+            md.insert("qwen35moe.nextn_predict_layers".into(), Value::U32(1));
+            let flags = [true, false, false].map(Value::Bool).to_vec();
+            md.insert(
+                "qwen35moe.attention.recurrent_layers".into(),
+                Value::Array(flags),
+            );
+        })
+        .unwrap();
+        assert_eq!(c.num_layers, 2);
+        assert!(c.state(0).is_some() && c.state(1).is_none());
         // Hostile or broken values: one line each, naming the key.
         type Edit = Box<dyn FnOnce(&mut HashMap<String, Value>)>;
         let cases: Vec<(Edit, &str)> = vec![
@@ -1899,7 +1928,7 @@ mod tests {
                         Value::Array(vec![Value::Bool(true)]),
                     );
                 }),
-                "recurrent_layers has 1 entries for 2 layers",
+                "recurrent_layers has 1 entries for 2 blocks",
             ),
             (
                 Box::new(|md| {
@@ -1909,6 +1938,12 @@ mod tests {
                     );
                 }),
                 "not bools",
+            ),
+            (
+                Box::new(|md| {
+                    md.insert("qwen35moe.nextn_predict_layers".into(), Value::U32(2));
+                }),
+                "leaves none of the 2 blocks to run",
             ),
             (
                 Box::new(|md| {

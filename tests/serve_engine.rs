@@ -478,3 +478,55 @@ fn qwen35_under_preemption_matches_generate_bitwise() {
         assert_requests_equal(&got, &want, &format!("cpu {cpu} disk {on_disk}"));
     }
 }
+
+/// Recurrent states live exactly as long as their requests: while 6 Qwen3.5 requests run
+/// under preemption the engine holds one state per live sequence (the reported bytes a
+/// whole multiple of one sequence's), a cancelled request's and every finished one's are
+/// dropped, and none is left once all are done (`strata:recurrent_state_bytes` reads 0).
+#[test]
+fn qwen35_states_are_released_when_requests_finish_or_are_cancelled() {
+    let (prompts, params) = requests(36, 6, 16);
+    let ws = working_set(&prompts, &params);
+    let model = common::tiny_qwen35("serve_qwen35_release");
+    let per_seq = strata::kv::RecurrentStates::for_model(&model.cfg).seq_bytes();
+    assert!(per_seq > 0);
+    let mut e = Engine::new(model.clone(), config_kv(KvDtype::F32, ws / 3, 1000, false)).unwrap();
+    let ids: Vec<_> = (prompts.iter().zip(&params))
+        .map(|(p, r)| e.add_request(p.clone(), r).unwrap())
+        .collect();
+    let (mut most, mut cancelled) = (0, false);
+    while e.has_unfinished() {
+        e.step().unwrap();
+        let held = e.stats().recurrent_state_bytes;
+        assert_eq!(
+            held % per_seq,
+            0,
+            "{held} bytes is not whole sequences' states"
+        );
+        assert!(held / per_seq <= e.scheduler().num_running() + e.scheduler().num_waiting());
+        most = most.max(held / per_seq);
+        if !cancelled && held > 0 {
+            e.abort(ids[0]).unwrap();
+            assert_eq!(
+                e.stats().recurrent_state_bytes,
+                held - per_seq,
+                "the cancelled request's state is dropped"
+            );
+            cancelled = true;
+        }
+    }
+    assert!(most >= 2, "several sequences held states at once: {most}");
+    assert_eq!(
+        e.stats().recurrent_state_bytes,
+        0,
+        "states left after every request ended"
+    );
+    let metrics = Metrics::new("m");
+    let mut last = Default::default();
+    metrics.observe_engine(e.scheduler(), &e.stats(), &mut last);
+    assert!(
+        metrics.render().contains("strata:recurrent_state_bytes 0"),
+        "{}",
+        metrics.render()
+    );
+}

@@ -172,6 +172,11 @@ impl<D: OffloadDevice> DevicePages<D> {
         self.states.release(slot);
     }
 
+    /// Bytes of the recurrent states held (every live sequence's).
+    pub fn state_bytes(&self) -> usize {
+        self.states.bytes()
+    }
+
     pub fn num_layers(&self) -> usize {
         self.gpu.len()
     }

@@ -85,6 +85,9 @@ pub struct EngineStats {
     pub disk: DiskStats,
     /// Persisted prefix blocks taken over from an earlier process at start.
     pub restored_prefix_blocks: usize,
+    /// Bytes of the recurrent states held for live sequences (state-layer models): back
+    /// to 0 once every request has finished or been cancelled.
+    pub recurrent_state_bytes: usize,
 }
 
 pub struct Engine {
@@ -183,6 +186,7 @@ impl Engine {
                 .as_ref()
                 .map(|d| d.store.stats())
                 .unwrap_or_default(),
+            recurrent_state_bytes: self.runner.state_bytes(),
             ..self.stats
         }
     }

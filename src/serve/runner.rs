@@ -25,6 +25,11 @@ pub trait BatchRunner: Send {
     /// Sequence `seq` is gone (finished, cancelled): drop what the runner keeps for it
     /// beyond its pages (a state-layer model's recurrent state).
     fn release(&mut self, _seq: SeqId) {}
+    /// Bytes of the recurrent states the runner holds for live sequences (0 for a model
+    /// without state layers).
+    fn state_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// The scheduled calls as the models' batched forward takes them.
@@ -112,5 +117,9 @@ where
 
     fn release(&mut self, seq: SeqId) {
         lock(&self.pages).release_state(seq as usize);
+    }
+
+    fn state_bytes(&self) -> usize {
+        lock(&self.pages).state_bytes()
     }
 }

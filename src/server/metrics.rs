@@ -162,6 +162,7 @@ pub struct Metrics {
     cancelled: Counter,
     kv_events_dropped: Counter,
     kv_event_peers: Gauge,
+    recurrent_state_bytes: Gauge,
     kv_event_peers_refused: Counter,
     kv_event_peers_disconnected: Counter,
     kv_events_missed: Counter,
@@ -208,6 +209,7 @@ impl Metrics {
             cancelled: Counter::default(),
             kv_events_dropped: Counter::default(),
             kv_event_peers: Gauge::default(),
+            recurrent_state_bytes: Gauge::default(),
             kv_event_peers_refused: Counter::default(),
             kv_event_peers_disconnected: Counter::default(),
             kv_events_missed: Counter::default(),
@@ -396,6 +398,11 @@ impl Metrics {
             m.kv_event_peers_disconnected.clone(),
         );
         r.register(
+            "strata:recurrent_state_bytes",
+            "Host memory held by the running requests' recurrent states (state-layer models such as Qwen3.5)",
+            m.recurrent_state_bytes.clone(),
+        );
+        r.register(
             "strata:kv_events_missed",
             "KV-event messages subscribers missed because they fell behind",
             m.kv_events_missed.clone(),
@@ -509,6 +516,8 @@ impl Metrics {
     /// Sets the gauges from the scheduler and advances the counters to the engine's totals.
     pub fn observe_engine(&self, sched: &Scheduler, stats: &EngineStats, last: &mut EngineStats) {
         self.running.set(sched.num_running() as i64);
+        self.recurrent_state_bytes
+            .set(stats.recurrent_state_bytes as i64);
         self.waiting.set(sched.num_waiting() as i64);
         let bm = &sched.bm;
         let tiers = [

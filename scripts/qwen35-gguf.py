@@ -128,6 +128,11 @@ def write(out_path, cfg, t):
     w.add_token_merges(["a b"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    # ChatML, the frame of Qwen's templates (the real one adds thinking and tools).
+    w.add_chat_template(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
 
     def vec(name, x):
         w.add_tensor(name, np.ascontiguousarray(x, dtype=np.float32))

@@ -119,7 +119,8 @@ fn a_state_cannot_rewind_or_skip() {
     assert_eq!(model.forward(&r.prompt[..10], 0, &mut kv).unwrap(), first);
 }
 
-/// `strata serve` on the Qwen3.5 directory, driven by the official `openai` client
+/// `strata serve` on the Qwen3.5 directory and on the MoE GGUF, driven by the official
+/// `openai` client
 /// (tests/openai_client.py): /v1/models, completions streamed and not, both endpoints'
 /// log-probabilities bitwise `strata generate`'s, error statuses, 16 concurrent greedy
 /// requests (each over its own recurrent state) equal to their sequential results.
@@ -132,6 +133,14 @@ fn serve_answers_the_openai_client_as_generate_does() {
     let server = live_server::Server::start(&dir, &[]);
     let checks = "models,completions,logprobs,errors,concurrent";
     server.run_openai_client(&python, &dir, Some(checks));
+    drop(server);
+    // The MoE checkpoint as llama.cpp's GGUF (its tokenizer in the metadata).
+    let Some((gguf, _)) = gguf_files() else {
+        return;
+    };
+    let file = gguf.join("qwen35moe-tiny.f32.gguf");
+    let server = live_server::Server::start(&file, &[]);
+    server.run_openai_client(&python, &file, Some(checks));
 }
 
 /// Qwen3.5 MoE (tests/data/qwen3_5/tiny_random_moe, the same script with `--moe`): every

@@ -5,6 +5,7 @@
 pub mod bf16;
 pub mod cpu;
 pub mod cuda;
+pub mod delta;
 pub mod handles;
 pub mod kv_elem;
 pub mod order;

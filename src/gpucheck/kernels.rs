@@ -11,8 +11,10 @@ use crate::device::cpu::{ops, twins};
 use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{Buf, CudaExec, Exec};
 use crate::device::cuda::ops::{self as kernels, DecodeScratch, GemmOut, GemmShape, PagedAttn};
+use crate::device::delta::{DeltaShape, ValueHeadOrder};
 use crate::device::DevPtr;
 use crate::device::MlpAct;
+use crate::model::delta_net;
 use anyhow::{bail, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
@@ -129,6 +131,14 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
         ("attn_decode_hd256 (window, ring)", |exec, r, z| {
             check_window(exec, r, z, 256, Attn::Decode, Some(300), Layout::Ring)
         }),
+        ("delta_conv", check_delta_conv),
+        ("delta_rule (grouped value heads)", |exec, r, z| {
+            check_delta_rule(exec, r, z, false)
+        }),
+        ("delta_rule (tiled value heads)", |exec, r, z| {
+            check_delta_rule(exec, r, z, true)
+        }),
+        ("delta_gated_norm", check_delta_gated_norm),
     ];
     let mut rows = Vec::new();
     for (i, (name, f)) in checks.into_iter().enumerate() {
@@ -480,6 +490,144 @@ fn check_add_bias(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Ch
     Ok(compare(
         "add_bias",
         format!("[{rows}, {n}] + [{n}]"),
+        &got,
+        &want,
+        1e-2,
+        1e-2,
+    ))
+}
+
+/// A Gated DeltaNet layer: Qwen3.5's real shape on the GPU, a small one on the emulator,
+/// its value heads grouped by key head (transformers') or tiled (llama.cpp's GGUF).
+fn delta_shape(z: CheckSizes, tiled: bool) -> (DeltaShape, usize) {
+    let value_heads = match tiled {
+        true => ValueHeadOrder::Tiled,
+        false => ValueHeadOrder::Grouped,
+    };
+    let (k_heads, v_heads, dk, dv, tokens) = z.pick((16, 32, 128, 128, 37), (2, 4, 16, 32, 5));
+    let s = DeltaShape {
+        k_heads,
+        v_heads,
+        dk,
+        dv,
+        kernel: 4,
+        value_heads,
+    };
+    (s, tokens)
+}
+
+fn rand_f32(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// The causal conv over a sequence's rows (strided, as in the fused projection),
+/// continuing a random tail: every output and the tail it leaves, against
+/// `delta_net::conv_step` row by row.
+fn check_delta_conv(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (s, tokens) = delta_shape(z, false);
+    let c = s.conv_channels();
+    let stride = c + 40;
+    let (xb, xf) = rand_bf16(rng, tokens * stride, 2.0); // [tokens, stride]
+    let mut tail = rand_f32(rng, s.conv_tail_len(), 2.0); // [kernel - 1, c]
+    let w = rand_f32(rng, c * s.kernel, 0.5); // [c, kernel]
+    let mut m = Mem::new(exec);
+    let (x_d, tail_d, w_d) = (m.upload(&xb)?, m.upload(&tail)?, m.upload(&w)?);
+    let out_d = m.zeros::<f32>(tokens * c)?;
+    exec.launch(&kernels::delta_conv(
+        x_d, tail_d, w_d, out_d, tokens, stride, s,
+    ))?;
+    let mut got = m.download::<f32>(out_d, tokens * c)?;
+    got.extend(m.download::<f32>(tail_d, s.conv_tail_len())?);
+    let mut want = vec![0.0f32; tokens * c];
+    for (r, o) in want.chunks_exact_mut(c).enumerate() {
+        delta_net::conv_step(s, &mut tail, &xf[r * stride..r * stride + c], &w, o);
+    }
+    want.extend(tail);
+    Ok(compare(
+        "delta_conv",
+        format!("{tokens} rows of {c} channels, kernel {}", s.kernel),
+        &got,
+        &want,
+        1e-5,
+        1e-5,
+    ))
+}
+
+/// The gated delta rule over a sequence's rows from a random state: every output and the
+/// final state, against `delta_net::gates` and `delta_step` row by row.
+fn check_delta_rule(
+    exec: &dyn Exec,
+    rng: &mut StdRng,
+    z: CheckSizes,
+    tiled: bool,
+) -> Result<CheckRow> {
+    let (s, tokens) = delta_shape(z, tiled);
+    let (c, vd, nv) = (s.conv_channels(), s.v_heads * s.dv, s.v_heads);
+    let kd = s.k_heads * s.dk;
+    let ba_stride = 2 * nv + 24;
+    let conv = rand_f32(rng, tokens * c, 1.0); // [tokens, c]
+    let (bab, baf) = rand_bf16(rng, tokens * ba_stride, 3.0); // [tokens, b | a | ..]
+    let mut state = rand_f32(rng, s.state_len(), 0.5);
+    let decay_rate: Vec<f32> = rand_f32(rng, nv, 1.0).iter().map(|x| -x.exp()).collect();
+    let dt_bias = rand_f32(rng, nv, 1.0);
+    let mut m = Mem::new(exec);
+    let (conv_d, ba_d, state_d) = (m.upload(&conv)?, m.upload(&bab)?, m.upload(&state)?);
+    let (a_d, dt_d) = (m.upload(&decay_rate)?, m.upload(&dt_bias)?);
+    let out_d = m.zeros::<f32>(tokens * vd)?;
+    exec.launch(&kernels::delta_rule(
+        conv_d, ba_d, state_d, a_d, dt_d, out_d, tokens, ba_stride, s,
+    ))?;
+    let mut got = m.download::<f32>(out_d, tokens * vd)?;
+    got.extend(m.download::<f32>(state_d, s.state_len())?);
+    let mut want = vec![0.0f32; tokens * vd];
+    let (mut g, mut beta) = (vec![0.0f32; nv], vec![0.0f32; nv]);
+    for (r, o) in want.chunks_exact_mut(vd).enumerate() {
+        let row = &conv[r * c..(r + 1) * c];
+        let (b, a) = baf[r * ba_stride..r * ba_stride + 2 * nv].split_at(nv);
+        delta_net::gates(a, b, &decay_rate, &dt_bias, &mut g, &mut beta);
+        let (q, rest) = row.split_at(kd);
+        let (k, v) = rest.split_at(kd);
+        delta_net::delta_step(s, &mut state, q, k, v, &g, &beta, o);
+    }
+    want.extend(state);
+    Ok(compare(
+        "delta_rule",
+        format!(
+            "{tokens} rows, {} key / {nv} value heads ({:?}), dk {} dv {}",
+            s.k_heads, s.value_heads, s.dk, s.dv
+        ),
+        &got,
+        &want,
+        1e-4,
+        1e-4,
+    ))
+}
+
+/// The gated RMSNorm of each (row, value head) into bf16, z read from a strided row,
+/// against `delta_net::gated_rms_norm`.
+fn check_delta_gated_norm(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (s, tokens) = delta_shape(z, false);
+    let vd = s.v_heads * s.dv;
+    let z_stride = vd + 72;
+    let o = rand_f32(rng, tokens * vd, 2.0);
+    let (zb, zf) = rand_bf16(rng, tokens * z_stride, 3.0);
+    let w = rand_f32(rng, s.dv, 1.5);
+    let eps = 1e-6f32;
+    let mut m = Mem::new(exec);
+    let (o_d, z_d, w_d) = (m.upload(&o)?, m.upload(&zb)?, m.upload(&w)?);
+    let out_d = m.zeros::<u16>(tokens * vd)?;
+    exec.launch(&kernels::delta_gated_norm(
+        o_d, z_d, w_d, out_d, tokens, z_stride, s, eps,
+    ))?;
+    let got = m.bf16(out_d, tokens * vd)?;
+    let mut want = vec![0.0f32; tokens * vd];
+    for (r, out) in want.chunks_exact_mut(vd).enumerate() {
+        let zr = &zf[r * z_stride..r * z_stride + vd];
+        delta_net::gated_rms_norm(&o[r * vd..(r + 1) * vd], zr, &w, eps, out);
+    }
+    Ok(compare(
+        "delta_gated_norm",
+        format!("[{tokens}, {} × {}] → bf16", s.v_heads, s.dv),
         &got,
         &want,
         1e-2,

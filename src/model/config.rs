@@ -510,7 +510,7 @@ impl ModelConfig {
         }
         for kind in &self.layer_kinds {
             if let LayerKind::State(s) = kind {
-                s.validate()?;
+                super::delta_net::validate(s)?;
             }
             if let LayerKind::Window(w) = kind {
                 if !(1..=MAX_CONTEXT).contains(&w.size) {

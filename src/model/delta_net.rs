@@ -5,97 +5,34 @@
 //! `causal_conv1d_update`, `Qwen3_5RMSNormGated`; tested against them on recorded
 //! inputs). `Model`'s state-layer body runs them over each sequence's rows in order.
 
-/// One Gated DeltaNet layer's sizes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeltaShape {
-    pub k_heads: usize,
-    pub v_heads: usize,
-    /// Per head: key (and query) and value widths.
-    pub dk: usize,
-    pub dv: usize,
-    /// The causal conv's width (4 in Qwen3.5).
-    pub kernel: usize,
-    /// Which key head each value head reads.
-    pub value_heads: ValueHeadOrder,
-}
+pub use crate::device::delta::{DeltaShape, ValueHeadOrder};
 
-/// How a checkpoint orders the value heads when there are more of them than key heads
-/// (`r = v_heads / k_heads` per key head). It orders every per-value-head tensor the same
-/// way (the V rows and channels, z, b, a, A, dt_bias, `out_proj`'s columns), so only the
-/// key head a value head reads differs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ValueHeadOrder {
-    /// transformers': grouped by key head, `[K0: v0..v(r−1) | K1: ...]`; value head `h`
-    /// reads key head `h / r`.
-    Grouped,
-    /// llama.cpp's GGUF (its converter reorders them so ggml can broadcast the key heads):
-    /// tiled, `[K0 K1 .. | K0 K1 ..]`; value head `h` reads key head `h % k_heads`.
-    Tiled,
-}
-
-impl DeltaShape {
-    /// The key (and query) head value head `h` reads.
-    pub fn key_head(&self, h: usize) -> usize {
-        match self.value_heads {
-            ValueHeadOrder::Grouped => h / (self.v_heads / self.k_heads),
-            ValueHeadOrder::Tiled => h % self.k_heads,
+/// Sizes a model file may give: each bounded like the attention's (so every product
+/// the loader forms stays far from wrapping), value heads a multiple of key heads.
+pub fn validate(s: &DeltaShape) -> anyhow::Result<()> {
+    use crate::model::config::limits::{MAX_HEADS, MAX_HEAD_DIM};
+    for (key, value, max) in [
+        ("linear_num_key_heads", s.k_heads, MAX_HEADS),
+        ("linear_num_value_heads", s.v_heads, MAX_HEADS),
+        ("linear_key_head_dim", s.dk, MAX_HEAD_DIM),
+        ("linear_value_head_dim", s.dv, MAX_HEAD_DIM),
+        ("linear_conv_kernel_dim", s.kernel, 64),
+    ] {
+        if !(1..=max).contains(&value) {
+            anyhow::bail!("invalid model config: {key} must be in 1..={max}, got {value}");
         }
     }
-
-    /// The conv's channels: q, k and v side by side, `[q: k_heads·dk | k: k_heads·dk |
-    /// v: v_heads·dv]`.
-    pub fn conv_channels(&self) -> usize {
-        2 * self.k_heads * self.dk + self.v_heads * self.dv
+    if s.kernel < 2 {
+        anyhow::bail!("invalid model config: linear_conv_kernel_dim must be at least 2, got 1");
     }
-
-    /// Floats of the recurrent state, `[v_heads, dk, dv]`.
-    pub fn state_len(&self) -> usize {
-        self.v_heads * self.dk * self.dv
+    if !s.v_heads.is_multiple_of(s.k_heads) {
+        anyhow::bail!(
+            "invalid model config: linear_num_value_heads ({}) is not a multiple of linear_num_key_heads ({})",
+            s.v_heads,
+            s.k_heads
+        );
     }
-
-    /// Floats of the conv's tail, `[kernel − 1, conv_channels]` (oldest first).
-    pub fn conv_tail_len(&self) -> usize {
-        (self.kernel - 1) * self.conv_channels()
-    }
-
-    /// Floats of one sequence's whole state in this layer: `[conv tail | matrix state]`.
-    pub fn seq_state_len(&self) -> usize {
-        self.conv_tail_len() + self.state_len()
-    }
-
-    /// Width of one token's fused input projection: `[q | k | v | z | b | a]` (z
-    /// `[v_heads, dv]`, the gates' inputs b and a `[v_heads]` each).
-    pub fn proj_width(&self) -> usize {
-        self.conv_channels() + self.v_heads * self.dv + 2 * self.v_heads
-    }
-
-    /// Sizes a model file may give: each bounded like the attention's (so every product
-    /// the loader forms stays far from wrapping), value heads a multiple of key heads.
-    pub fn validate(&self) -> anyhow::Result<()> {
-        use crate::model::config::limits::{MAX_HEADS, MAX_HEAD_DIM};
-        for (key, value, max) in [
-            ("linear_num_key_heads", self.k_heads, MAX_HEADS),
-            ("linear_num_value_heads", self.v_heads, MAX_HEADS),
-            ("linear_key_head_dim", self.dk, MAX_HEAD_DIM),
-            ("linear_value_head_dim", self.dv, MAX_HEAD_DIM),
-            ("linear_conv_kernel_dim", self.kernel, 64),
-        ] {
-            if !(1..=max).contains(&value) {
-                anyhow::bail!("invalid model config: {key} must be in 1..={max}, got {value}");
-            }
-        }
-        if self.kernel < 2 {
-            anyhow::bail!("invalid model config: linear_conv_kernel_dim must be at least 2, got 1");
-        }
-        if !self.v_heads.is_multiple_of(self.k_heads) {
-            anyhow::bail!(
-                "invalid model config: linear_num_value_heads ({}) is not a multiple of linear_num_key_heads ({})",
-                self.v_heads,
-                self.k_heads
-            );
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 /// One token through the depthwise causal conv and SiLU: `x[C]` the token's q/k/v

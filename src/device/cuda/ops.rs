@@ -13,6 +13,7 @@
 //! getters below add no waits either.
 
 use super::context::CudaDevice;
+use crate::device::delta::{DeltaShape, ValueHeadOrder};
 use crate::device::DevPtr;
 use crate::device::MlpAct;
 use anyhow::{anyhow, bail, Result};
@@ -127,6 +128,10 @@ pub const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     ("bias.cu", &["add_bias"]),
+    (
+        "delta_net.cu",
+        &["delta_conv", "delta_rule", "delta_gated_norm"],
+    ),
     ("embedding.cu", &["embedding_gather"]),
     (
         "gemm.cu",
@@ -263,6 +268,102 @@ pub fn add_rms_norm(
     };
     args.extend([arg(w), arg(out), i(dim), F32(eps)]);
     launch("norm.cu", func, rows(n_rows, EW), args)
+}
+
+/// delta_net.cu `delta_conv`: one sequence's `tokens` rows of q/k/v projections (the
+/// first `conv_channels` of each `x_stride`-wide row) through the causal conv and SiLU,
+/// continuing from and updating the conv `tail`; one thread per channel.
+pub fn delta_conv(
+    x: DevPtr<bf16>,   // bf16 [tokens, x_stride]
+    tail: DevPtr<f32>, // f32 [kernel - 1, channels]
+    w: DevPtr<f32>,    // f32 [channels, kernel]
+    out: DevPtr<f32>,  // f32 [tokens, channels]
+    tokens: usize,
+    x_stride: usize,
+    s: DeltaShape,
+) -> Launch {
+    let c = s.conv_channels();
+    let args = vec![
+        arg(x),
+        arg(tail),
+        arg(w),
+        arg(out),
+        i(tokens),
+        i(x_stride),
+        i(c),
+        i(s.kernel),
+    ];
+    launch("delta_net.cu", "delta_conv", grid1(c, EW), args)
+}
+
+/// delta_net.cu `delta_rule`: the gated delta rule over one sequence's `tokens` rows, one
+/// block per value head (a thread per value column, `dv` ≤ 1024, which the config's
+/// bounds keep), continuing from and updating `state`.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule(
+    conv: DevPtr<f32>,       // f32 [tokens, conv_channels]: the conv's output
+    ba: DevPtr<bf16>,        // bf16 [tokens, ba_stride]: b [v_heads] | a [v_heads]
+    state: DevPtr<f32>,      // f32 [v_heads, dk, dv]
+    decay_rate: DevPtr<f32>, // f32 [v_heads]
+    dt_bias: DevPtr<f32>,    // f32 [v_heads]
+    out: DevPtr<f32>,        // f32 [tokens, v_heads · dv]
+    tokens: usize,
+    ba_stride: usize,
+    s: DeltaShape,
+) -> Launch {
+    let tiled = matches!(s.value_heads, ValueHeadOrder::Tiled) as usize;
+    let args = vec![
+        arg(conv),
+        arg(ba),
+        arg(state),
+        arg(decay_rate),
+        arg(dt_bias),
+        arg(out),
+        i(tokens),
+        i(ba_stride),
+        i(s.k_heads),
+        i(s.v_heads),
+        i(s.dk),
+        i(s.dv),
+        i(tiled),
+    ];
+    let cfg = LaunchConfig {
+        grid_dim: (s.v_heads as u32, 1, 1),
+        block_dim: (s.dv.next_multiple_of(32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch("delta_net.cu", "delta_rule", cfg, args)
+}
+
+/// delta_net.cu `delta_gated_norm`: each (token, value head)'s `dv` outputs RMS-normed,
+/// times `w` and SiLU(z), into bf16; one block per (token, head).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_gated_norm(
+    o: DevPtr<f32>,    // f32 [tokens, v_heads · dv]
+    z: DevPtr<bf16>,   // bf16 [tokens, z_stride]: z [v_heads · dv]
+    w: DevPtr<f32>,    // f32 [dv]
+    out: DevPtr<bf16>, // bf16 [tokens, v_heads · dv]
+    tokens: usize,
+    z_stride: usize,
+    s: DeltaShape,
+    eps: f32,
+) -> Launch {
+    let args = vec![
+        arg(o),
+        arg(z),
+        arg(w),
+        arg(out),
+        i(s.v_heads),
+        i(s.dv),
+        i(z_stride),
+        F32(eps),
+    ];
+    launch(
+        "delta_net.cu",
+        "delta_gated_norm",
+        rows(tokens * s.v_heads, 128),
+        args,
+    )
 }
 
 /// norm.cu `head_rms_norm(x, w, tokens, heads, head_dim, row_stride, eps)`, in place on

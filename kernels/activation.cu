@@ -32,3 +32,16 @@ extern "C" __global__ void gelu_tanh_mul(
         return 0.5f * g * (1.0f + tanhf(c));
     });
 }
+
+// Gated attention (Qwen3.5): x[t, j] *= sigmoid(gate[t, j]), the gates strided (they ride
+// in the fused projection's rows), as `ops::sigmoid` on the CPU.
+extern "C" __global__ void sigmoid_gate(
+    bf16* __restrict__ x,           // [tokens, width], in place
+    const bf16* __restrict__ gate,  // [tokens, gate_stride]: width gates used
+    int tokens, int width, int gate_stride) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)tokens * width) return;
+    const long long t = i / width, j = i % width;
+    const float g = bf16_to_f32(gate[t * gate_stride + j]);
+    x[i] = f32_to_bf16(bf16_to_f32(x[i]) * (1.0f / (1.0f + expf(-g))));
+}

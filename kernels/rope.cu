@@ -1,4 +1,6 @@
-// Rotary embedding, NeoX/HF convention: element i pairs with i + head_dim/2.
+// Rotary embedding, NeoX/HF convention: element i pairs with i + rotary_dim/2, over each
+// head's first rotary_dim elements (head_dim, or a partial RoPE's fraction of it: Qwen3.5
+// rotates a quarter); the rest pass through.
 #include "common.cuh"
 
 // One thread per (token, head, pair). In the fused QKV buffer q and k heads are adjacent,
@@ -6,10 +8,10 @@
 extern "C" __global__ void rope_neox(
     bf16* __restrict__ x,          // [tokens, row_stride]: heads × head_dim used, in place
     const int* __restrict__ pos,   // [tokens] absolute positions
-    const float* __restrict__ cos, // [max_pos, head_dim / 2]
-    const float* __restrict__ sin, // [max_pos, head_dim / 2]
-    int tokens, int heads, int head_dim, int row_stride) {
-    const int half = head_dim >> 1;
+    const float* __restrict__ cos, // [max_pos, rotary_dim / 2]
+    const float* __restrict__ sin, // [max_pos, rotary_dim / 2]
+    int tokens, int heads, int head_dim, int rotary_dim, int row_stride) {
+    const int half = rotary_dim >> 1;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)tokens * heads * half) return;
     const int p = (int)(i % half);

@@ -70,7 +70,7 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
             check_add_rms_norm(exec, r, z, false)
         }),
         ("head_rms_norm", check_head_rms_norm),
-        ("rope_neox", check_rope),
+        ("rope_neox", |exec, r, z| check_rope(exec, r, z, false)),
         ("silu_mul", |exec, r, z| {
             check_gated(exec, r, z, MlpAct::Silu)
         }),
@@ -131,6 +131,10 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
         ("attn_decode_hd256 (window, ring)", |exec, r, z| {
             check_window(exec, r, z, 256, Attn::Decode, Some(300), Layout::Ring)
         }),
+        ("rope_neox (partial)", |exec, r, z| {
+            check_rope(exec, r, z, true)
+        }),
+        ("sigmoid_gate", check_sigmoid_gate),
         ("delta_conv", check_delta_conv),
         ("delta_rule (grouped value heads)", |exec, r, z| {
             check_delta_rule(exec, r, z, false)
@@ -434,12 +438,15 @@ fn check_head_rms_norm(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Resu
     ))
 }
 
-fn check_rope(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+/// RoPE on q and k of the fused QKV rows, over whole heads or (`partial`) their first
+/// quarter as Qwen3.5 rotates them (the rest must pass through untouched).
+fn check_rope(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes, partial: bool) -> Result<CheckRow> {
     let (tokens, nh, nkv, hd) = qkv(z);
     let stride = (nh + 2 * nkv) * hd;
-    let (half, max_pos) = (hd / 2, 4096usize);
+    let rot = if partial { hd / 4 } else { hd };
+    let (half, max_pos) = (rot / 2, 4096usize);
     let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / hd as f32))
+        .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / rot as f32))
         .collect();
     let (cos, sin) = ops::rope_tables(&inv_freq, 0, max_pos); // f32 [max_pos, half] each
     let pos: Vec<i32> = (0..tokens)
@@ -451,7 +458,14 @@ fn check_rope(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckR
     let (c_d, s_d) = (m.upload(&cos)?, m.upload(&sin)?);
     let heads = nh + nkv; // q and k are adjacent in the fused buffer: one launch rotates both
     exec.launch(&kernels::rope(
-        x_d, p_d, c_d, s_d, tokens, heads, hd, stride,
+        x_d,
+        p_d,
+        c_d,
+        s_d,
+        tokens,
+        heads,
+        (hd, rot),
+        stride,
     ))?;
     let got = m.bf16(x_d, tokens * stride)?;
     let gather = |tab: &[f32]| -> Vec<f32> {
@@ -470,7 +484,7 @@ fn check_rope(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckR
     );
     Ok(compare(
         "rope_neox",
-        format!("q+k of fused QKV [{tokens}, {stride}]"),
+        format!("q+k of fused QKV [{tokens}, {stride}], {rot} of {hd} rotated"),
         &got,
         &xf,
         2e-2,
@@ -490,6 +504,33 @@ fn check_add_bias(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<Ch
     Ok(compare(
         "add_bias",
         format!("[{rows}, {n}] + [{n}]"),
+        &got,
+        &want,
+        1e-2,
+        1e-2,
+    ))
+}
+
+/// Gated attention's output gate: the attention rows times σ of the gates that ride after
+/// v in the fused projection (the fused QKV shape of the other checks).
+fn check_sigmoid_gate(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, nh, nkv, hd) = qkv(z);
+    let width = nh * hd;
+    let stride = (2 * nh + 2 * nkv) * hd; // [q | k | v | gates]
+    let (xb, xf) = rand_bf16(rng, tokens * width, 3.0);
+    let (gb, gf) = rand_bf16(rng, tokens * stride, 6.0);
+    let gates_at = (nh + 2 * nkv) * hd;
+    let mut m = Mem::new(exec);
+    let (x_d, g_d) = (m.upload(&xb)?, m.upload(&gb)?);
+    let gates = g_d.at(gates_at);
+    exec.launch(&kernels::sigmoid_gate(x_d, gates, tokens, width, stride))?;
+    let got = m.bf16(x_d, tokens * width)?;
+    let want: Vec<f32> = (xf.iter().enumerate())
+        .map(|(i, x)| x * ops::sigmoid(gf[(i / width) * stride + gates_at + i % width]))
+        .collect();
+    Ok(compare(
+        "sigmoid_gate",
+        format!("[{tokens}, {width}] × σ(gates at {gates_at} of {stride})"),
         &got,
         &want,
         1e-2,

@@ -575,7 +575,8 @@ impl CudaModel {
         // 3. RoPE on q and k together (adjacent heads in the fused row), the layer's own
         //    (a window may have its own base).
         let ((cos, sin), pos) = (self.rope[self.layer_rope[l]], step.pos);
-        exec.launch(&ops::rope(a.qkv, pos, cos, sin, t, nh + nkv, hd, qkv_dim))?;
+        let dims = (hd, c.rotary_dim);
+        exec.launch(&ops::rope(a.qkv, pos, cos, sin, t, nh + nkv, dims, qkv_dim))?;
         // 4. Sparse decode: the cache chooses the rows to attend from the query (a decode
         //    token's, the head of its fused row) and says where the new K/V goes; in a
         //    prefill it sees the last token's query (the first decode step's prediction).

@@ -107,7 +107,10 @@ pub struct Launch {
 /// to `_hd64`, `_hd96`, `_hd128` and `_hd256`). The single list both the CUDA loader and
 /// the emulator read.
 pub const KERNELS: &[(&str, &[&str])] = &[
-    ("activation.cu", &["silu_mul", "gelu_tanh_mul"]),
+    (
+        "activation.cu",
+        &["silu_mul", "gelu_tanh_mul", "sigmoid_gate"],
+    ),
     (
         "attention_decode.cu",
         &[
@@ -397,11 +400,11 @@ pub fn head_rms_norm(
 pub fn rope(
     x: DevPtr<bf16>,  // bf16 [tokens, row_stride]: heads × head_dim used, in place
     pos: DevPtr<i32>, // i32 [tokens] absolute positions
-    cos: DevPtr<f32>, // f32 [max_pos, head_dim / 2]
-    sin: DevPtr<f32>, // f32 [max_pos, head_dim / 2]
+    cos: DevPtr<f32>, // f32 [max_pos, rotary_dim / 2]
+    sin: DevPtr<f32>, // f32 [max_pos, rotary_dim / 2]
     tokens: usize,
     heads: usize,
-    head_dim: usize,
+    (head_dim, rotary_dim): (usize, usize),
     row_stride: usize,
 ) -> Launch {
     let args = vec![
@@ -412,10 +415,30 @@ pub fn rope(
         i(tokens),
         i(heads),
         i(head_dim),
+        i(rotary_dim),
         i(row_stride),
     ];
-    let cfg = grid1(tokens * heads * (head_dim / 2), EW);
+    let cfg = grid1(tokens * heads * (rotary_dim / 2), EW);
     launch("rope.cu", "rope_neox", cfg, args)
+}
+
+/// activation.cu `sigmoid_gate(x, gate, tokens, width, gate_stride)`: gated attention's
+/// output, `x[t, j] *= σ(gate[t, j])` (Qwen3.5's full layers: the gates ride in the fused
+/// projection's rows after v).
+pub fn sigmoid_gate(
+    x: DevPtr<bf16>,    // bf16 [tokens, width], in place
+    gate: DevPtr<bf16>, // bf16 [tokens, gate_stride]: width gates used
+    tokens: usize,
+    width: usize,
+    gate_stride: usize,
+) -> Launch {
+    let args = vec![arg(x), arg(gate), i(tokens), i(width), i(gate_stride)];
+    launch(
+        "activation.cu",
+        "sigmoid_gate",
+        grid1(tokens * width, EW),
+        args,
+    )
 }
 
 /// activation.cu `silu_mul(gu, out, tokens, inter)` (SwiGLU) or `gelu_tanh_mul(...)`
@@ -961,7 +984,7 @@ mod tests {
             add_rms_norm(p(1), p(2), None, p(3), p(4), 5, 64, 1e-6),
             add_rms_norm(p(1), p(2), Some(p(3)), p(4), p(5), 5, 64, 1e-6),
             head_rms_norm(p(1), p(2), 5, 4, 64, 384, 1e-6),
-            rope(p(1), p(2), p(3), p(4), 5, 6, 64, 384),
+            rope(p(1), p(2), p(3), p(4), 5, 6, (64, 16), 384),
             gated_mul(MlpAct::Silu, p(1), p(2), 5, 96),
             gated_mul(MlpAct::GeluTanh, p(1), p(2), 5, 96),
             kv_store(p(1), p(2), p(3), p(4), p(5), 5, 128, 384, None),
@@ -997,6 +1020,20 @@ mod tests {
             launches.push(attn_prefill(&a));
             launches.extend(attn_decode(&a, &scratch).unwrap());
         }
+        let s = DeltaShape {
+            k_heads: 2,
+            v_heads: 4,
+            dk: 16,
+            dv: 32,
+            kernel: 4,
+            value_heads: ValueHeadOrder::Tiled,
+        };
+        launches.extend([
+            sigmoid_gate(p(1), p(2), 5, 256, 640),
+            delta_conv(p(1), p(2), p(3), p(4), 5, 400, s),
+            delta_rule(p(1), p(2), p(3), p(4), p(5), p(6), 5, 8, s),
+            delta_gated_norm(p(1), p(2), p(3), p(4), 5, 400, s, 1e-6),
+        ]);
         for l in &launches {
             assert!(is_listed(l.file, &l.func), "{} of {}", l.func, l.file);
         }

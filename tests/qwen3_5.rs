@@ -286,7 +286,7 @@ fn gguf_matches_transformers() {
 #[test]
 fn gguf_matches_llama_cpp() {
     /// Both f32; llama.cpp computes in other orders (its own exp, softplus, chunked delta
-    /// rule): measured 4.4e-5 (dense) and 1.0e-4 (MoE).
+    /// rule): measured 3.6e-5 (dense) and 8.3e-5 (MoE).
     const LLAMA_TOL: f32 = 1e-3;
     let Some((dir, llama)) = gguf_files() else {
         return;

@@ -9,7 +9,9 @@ flash attention off, 2 threads. Records, for the prompt of each checkpoint's
 reference.json, the logits at its rows and 64 greedy tokens, with each file's SHA-256
 (the test checks it rebuilt the same bytes).
 
-    python3 scripts/qwen35-gguf.py /tmp/q35 && \\
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \\
+        pip install --no-deps --target /tmp/lcpp llama-cpp-python==0.3.36   # ~12 min on 2 cores
+    python3 scripts/qwen35-gguf.py /tmp/q35 && PYTHONPATH=/tmp/lcpp \\
     python3 scripts/qwen35-llamacpp-reference.py /tmp/q35 tests/data/qwen3_5/llamacpp_reference.json
 """
 import hashlib

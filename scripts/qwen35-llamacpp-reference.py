@@ -4,7 +4,7 @@ the independent reference tests/qwen3_5.rs checks strata's `qwen35` / `qwen35moe
 against.
 
 llama.cpp as bundled by llama-cpp-python 0.3.36 (built from source with native flags, AMX
-off: the first release whose llama.cpp has `qwen35` / `qwen35moe`), CPU, f32 KV cache,
+off; its llama.cpp has `qwen35` / `qwen35moe`, 0.3.16 before it did not), CPU, f32 KV cache,
 flash attention off, 2 threads. Records, for the prompt of each checkpoint's
 reference.json, the logits at its rows and 64 greedy tokens, with each file's SHA-256
 (the test checks it rebuilt the same bytes).

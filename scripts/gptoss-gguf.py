@@ -23,7 +23,6 @@ matching transformers' logits (docs/models.md) is what checks the layout.
 """
 import hashlib
 import json
-import struct
 import sys
 from pathlib import Path
 
@@ -31,30 +30,9 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+from gguf_fixtures import add_byte_level_vocab, f32, read_safetensors
+
 SRC = Path(__file__).resolve().parent.parent / "tests/data/gpt_oss/tiny_random"
-
-
-def read_safetensors(path):
-    """name -> (dtype, shape, raw bytes); bf16 kept as uint16."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = t["data_offsets"]
-        raw = data[8 + n + a : 8 + n + b]
-        dt = {"BF16": np.uint16, "F32": np.float32}[t["dtype"]]
-        out[name] = (t["dtype"], t["shape"], np.frombuffer(raw, dtype=dt).reshape(t["shape"]))
-    return out
-
-
-def f32(x):
-    """bf16 bits (uint16) or f32 -> f32."""
-    if x.dtype == np.uint16:
-        return (x.astype(np.uint32) << 16).view(np.float32)
-    return x.astype(np.float32)
 
 
 def write(out_path, cfg, tensors, kind):
@@ -77,17 +55,7 @@ def write(out_path, cfg, tensors, kind):
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    # A byte-level vocabulary of the checkpoint's 512 ids (the tests feed ids directly).
-    tokens = ["<unk>", "<s>", "</s>"] + [chr(c) for c in sorted(gguf_bytes())] + ["ab"]
-    tokens += [f"<pad{i}>" for i in range(cfg["vocab_size"] - len(tokens))]
-    types = [3, 3, 3] + [1] * (len(tokens) - 3)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-4o")  # gpt-oss's (o200k)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_byte_level_vocab(w, cfg, "gpt-4o")  # gpt-oss's pre-tokenizer (o200k)
 
     def mat(name, x):
         if x.dtype == np.uint16 and kind != "f32":
@@ -133,19 +101,6 @@ def write(out_path, cfg, tensors, kind):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-def gguf_bytes():
-    """GPT-2's byte-to-unicode alphabet (the byte-level BPE symbols), as code points."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return cs
 
 
 def main():

@@ -11,14 +11,13 @@ tokens, with each file's SHA-256 (the test checks it rebuilt the same bytes).
     python3 scripts/gptoss-gguf.py /tmp/oss && \\
     python3 scripts/gptoss-llamacpp-reference.py /tmp/oss tests/data/gpt_oss/llamacpp_reference.json
 """
-import hashlib
 import json
 import sys
 from pathlib import Path
 
 import llama_cpp
-import numpy as np
-from llama_cpp import Llama
+
+from gguf_fixtures import llama_cpp_run
 
 gguf_dir, out = Path(sys.argv[1]), sys.argv[2]
 root = Path(__file__).resolve().parent.parent
@@ -33,20 +32,6 @@ ref = {
     "files": {},
 }
 for kind in ["f32", "mxfp4"]:
-    path = gguf_dir / f"gpt-oss-tiny.{kind}.gguf"
-    llm = Llama(str(path), n_ctx=512, n_batch=512, logits_all=True, n_threads=2,
-                type_k=0, type_v=0, flash_attn=False, verbose=False)
-    llm.eval(prompt)
-    scores = np.array(llm.scores[: len(prompt)])
-    greedy = []
-    for _ in range(64):
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        greedy.append(nxt)
-        llm.eval([nxt])
-    ref["files"][kind] = {
-        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "logits": [[round(float(x), 6) for x in scores[r]] for r in rows],
-        "greedy_ids": greedy,
-    }
+    ref["files"][kind] = llama_cpp_run(gguf_dir / f"gpt-oss-tiny.{kind}.gguf", prompt, rows)
 json.dump(ref, open(out, "w"))
 print({k: v["greedy_ids"][:10] for k, v in ref["files"].items()})

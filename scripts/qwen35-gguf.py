@@ -39,35 +39,15 @@ rather than by running the converter, which needs a recognised tokenizer.
 import hashlib
 import json
 import math
-import struct
 import sys
 from pathlib import Path
 
 import numpy as np
 import gguf
 
+from gguf_fixtures import add_byte_level_vocab, f32, read_safetensors
+
 DATA = Path(__file__).resolve().parent.parent / "tests/data/qwen3_5"
-
-
-def read_safetensors(path):
-    """name -> f32 array (bf16 widened)."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = t["data_offsets"]
-        raw = data[8 + n + a : 8 + n + b]
-        if t["dtype"] == "BF16":
-            x = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-        elif t["dtype"] == "F32":
-            x = np.frombuffer(raw, dtype=np.float32)
-        else:
-            raise SystemExit(f"{name}: unexpected dtype {t['dtype']}")
-        out[name] = x.reshape(t["shape"]).copy()
-    return out
 
 
 def tiled(x, axis, k_heads, per_k, width):
@@ -119,16 +99,7 @@ def write(out_path, cfg, t):
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     else:
         w.add_feed_forward_length(cfg["intermediate_size"])
-    # A byte-level vocabulary of the checkpoint's 512 ids (the tests feed ids directly).
-    tokens = ["<unk>", "<s>", "</s>"] + [chr(c) for c in sorted(gguf_bytes())] + ["ab"]
-    tokens += [f"<pad{i}>" for i in range(cfg["vocab_size"] - len(tokens))]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_byte_level_vocab(w, cfg, "qwen35")
     # ChatML, the frame of Qwen's templates (the real one adds thinking and tools).
     w.add_chat_template(
         "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -222,25 +193,13 @@ def write_mtp_block(add, cfg, i):
         add(b + name, (1 + values(*shape)) if name.endswith("norm.weight") else values(*shape))
 
 
-def gguf_bytes():
-    """GPT-2's byte-to-unicode alphabet (the byte-level BPE symbols), as code points."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return cs
-
-
 def main():
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     for src, stem in [("tiny_random", "qwen35-tiny"), ("tiny_random_moe", "qwen35moe-tiny")]:
         cfg = json.loads((DATA / src / "config.json").read_text())
-        tensors = read_safetensors(DATA / src / "model.safetensors")
+        raw = read_safetensors(DATA / src / "model.safetensors")
+        tensors = {name: f32(x) for name, (_, _, x) in raw.items()}
         path = out / f"{stem}.f32.gguf"
         write(path, cfg, tensors)
         print(f"{path.name} {hashlib.sha256(path.read_bytes()).hexdigest()}")

@@ -14,14 +14,13 @@ reference.json, the logits at its rows and 64 greedy tokens, with each file's SH
     python3 scripts/qwen35-gguf.py /tmp/q35 && PYTHONPATH=/tmp/lcpp \\
     python3 scripts/qwen35-llamacpp-reference.py /tmp/q35 tests/data/qwen3_5/llamacpp_reference.json
 """
-import hashlib
 import json
 import sys
 from pathlib import Path
 
 import llama_cpp
-import numpy as np
-from llama_cpp import Llama
+
+from gguf_fixtures import llama_cpp_run
 
 gguf_dir, out = Path(sys.argv[1]), sys.argv[2]
 data = Path(__file__).resolve().parent.parent / "tests/data/qwen3_5"
@@ -34,24 +33,9 @@ ref = {
 for stem, src in [("qwen35-tiny", "tiny_random"), ("qwen35moe-tiny", "tiny_random_moe")]:
     hf = json.loads((data / src / "reference.json").read_text())
     prompt, rows = hf["prompt_ids"], hf["logits_rows"]
-    for kind in ["f32"]:
-        name = f"{stem}.{kind}.gguf"
-        path = gguf_dir / name
-        llm = Llama(str(path), n_ctx=512, n_batch=512, logits_all=True, n_threads=2,
-                    type_k=0, type_v=0, flash_attn=False, verbose=False)
-        llm.eval(prompt)
-        scores = np.array(llm.scores[: len(prompt)])
-        greedy = []
-        for _ in range(64):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            greedy.append(nxt)
-            llm.eval([nxt])
-        ref["files"][name] = {
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            "prompt_ids": prompt,
-            "logits_rows": rows,
-            "logits": [[round(float(x), 6) for x in scores[r]] for r in rows],
-            "greedy_ids": greedy,
-        }
-        print(name, greedy[:12], "hf greedy", hf["greedy_ids"][:12])
+    name = f"{stem}.f32.gguf"
+    run = llama_cpp_run(gguf_dir / name, prompt, rows)
+    ref["files"][name] = {"sha256": run["sha256"], "prompt_ids": prompt, "logits_rows": rows,
+                          "logits": run["logits"], "greedy_ids": run["greedy_ids"]}
+    print(name, run["greedy_ids"][:12], "hf greedy", hf["greedy_ids"][:12])
 json.dump(ref, open(out, "w"))

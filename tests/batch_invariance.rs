@@ -63,7 +63,7 @@ unsafe impl<T: KvElem> KvCache<T> for Pool<T> {
     fn end_layer(&mut self, _layer: usize) -> anyhow::Result<()> {
         Ok(())
     }
-    fn layer_state(&mut self, layer: usize, slot: usize) -> anyhow::Result<&mut [f32]> {
+    fn layer_state(&mut self, layer: usize, slot: usize) -> anyhow::Result<strata::kv::StateSlot> {
         self.states.layer(layer, slot)
     }
     fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> anyhow::Result<()> {

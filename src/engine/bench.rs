@@ -198,7 +198,7 @@ fn bench_context<T: KvElem>(
     let prefill_s = t0.elapsed().as_secs_f64();
     // Each round decodes from the prefilled context: KV rows are overwritten in place, a
     // recurrent state is put back.
-    let prefilled = kv.states().clone();
+    let prefilled = kv.states().save(0)?;
     let top_k = model.cfg.moe.map_or(0, |m| m.top_k);
     let weight_bytes = model.weights.decode_read_bytes(top_k) as u64;
     // Step at position p attends over p + 1 rows of K and V in a full layer, at most its
@@ -210,7 +210,7 @@ fn bench_context<T: KvElem>(
         .map(|l| c.window(l).map_or(mean_rows, |w| mean_rows.min(w as f64)))
         .sum();
     let row_bytes = 2 * c.kv_dim() * std::mem::size_of::<T>();
-    let kv_bytes = (rows * row_bytes as f64) as u64 + prefilled.seq_bytes() as u64;
+    let kv_bytes = (rows * row_bytes as f64) as u64 + kv.states().seq_bytes() as u64;
     let gbps = |tokens_per_s: f64| (weight_bytes + kv_bytes) as f64 * tokens_per_s / 1e9;
     let mut per_round = Vec::with_capacity(args.rounds);
     let mut probes = Vec::with_capacity(args.rounds);
@@ -218,7 +218,7 @@ fn bench_context<T: KvElem>(
     for _ in 0..args.rounds {
         probes.push(probe.gbps(PROBE_PASSES));
         let mut logits = first.clone();
-        kv.set_states(prefilled.clone());
+        kv.states().restore(0, &prefilled)?;
         let recording = args.ops.then(Recording::start);
         let t = Instant::now();
         for pos in context..context + steps {

@@ -99,8 +99,8 @@ pub fn compare_loaded(
     let w = CudaWeights::from_model(&*exec, model)?;
     let cap = prompt.len() + decode + 1;
     let mut gpu = CudaModel::new(exec.clone(), cfg.clone(), w, cap)?;
-    let mut gkv = ResidentKv::for_model(&*exec, cfg, cap)?;
-    let mut ckv = ContiguousKv::new(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cap);
+    let mut gkv = ResidentKv::for_model(&exec, cfg, cap)?;
+    let mut ckv = ContiguousKv::<f32>::plain(cfg, cap);
     let mut steps = Vec::new();
     let (mut tokens, mut pos) = (prompt.to_vec(), 0);
     for _ in 0..=decode {
@@ -297,6 +297,18 @@ pub fn offload_case(
     shape: Shape,
 ) -> Result<Vec<CheckRow>> {
     let (model, prompt, opts) = step3_request(shape, 9);
+    offload_case_of(exec, engine, name, &model, &prompt, &opts)
+}
+
+/// `offload_case` of a loaded model and request.
+pub fn offload_case_of(
+    exec: Arc<dyn Exec>,
+    engine: &EngineFactory<'_>,
+    name: &str,
+    model: &Arc<Model>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+) -> Result<Vec<CheckRow>> {
     let cap = prompt.len() + opts.max_tokens;
     let mut base = None;
     let mut rows = Vec::new();
@@ -313,9 +325,9 @@ pub fn offload_case(
         };
         let mut s = Session::on_exec(model.clone(), scfg, exec.clone(), engine)?;
         if base.is_none() {
-            base = Some(s.generate_resident(&prompt, &opts, &mut |_| Ok(()))?);
+            base = Some(s.generate_resident(prompt, opts, &mut |_| Ok(()))?);
         }
-        let out = s.generate(&prompt, &opts, &mut |_| Ok(()))?;
+        let out = s.generate(prompt, opts, &mut |_| Ok(()))?;
         let label = if sanitize { " + sanitizer" } else { "" };
         let base = base.as_ref().expect("set above");
         rows.push(equal_row(&format!("{name}: offload{label}"), base, &out));

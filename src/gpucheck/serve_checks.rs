@@ -158,7 +158,7 @@ fn subject_logits(
     let vocab = model.cfg.vocab_size as u32;
     let iters = prompt.len().div_ceil(chunk) + steps;
     let per_seq = (prompt.len().max(40) + iters).div_ceil(BLOCK) + 1;
-    let mut pool = ExecPool::new(gpu.exec(), model, per_seq * (companions + 1))?;
+    let mut pool = ExecPool::new(&**gpu.exec(), model, per_seq * (companions + 1))?;
     let mut seqs = vec![Seq::new(prompt.to_vec(), 0, prompt.len() + steps)];
     for i in 1..=companions {
         let len = rng.random_range(1..40);

@@ -3,10 +3,12 @@
 
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
+use crate::kv::state::{ExecMemory, RecurrentStates, StateSlot};
 use crate::kv::{KvCache, LayerSlot, WindowRings};
 use crate::model::ModelConfig;
 use anyhow::{bail, Result};
 use half::bf16;
+use std::sync::Arc;
 
 /// Per layer bf16 `[rows, kv_dim]` for K and V, allocated up front: `capacity` rows, or a
 /// sliding-window layer's ring (`WindowRings`: its window and one step, position `p` at
@@ -19,18 +21,23 @@ pub struct ResidentKv {
     k: Vec<DevPtr<bf16>>, // [num_layers]
     v: Vec<DevPtr<bf16>>,
     rows: Vec<usize>, // [num_layers]
+    /// The state layers' recurrent states (one sequence: slot 0), in the executor's
+    /// memory, zeroed on its stream when a sequence starts.
+    states: RecurrentStates,
 }
 
 impl ResidentKv {
     /// Room for `capacity` tokens of `cfg`'s model on `exec`'s stream (the model's
-    /// compute stream).
-    pub fn for_model(exec: &dyn Exec, cfg: &ModelConfig, capacity: usize) -> Result<Self> {
-        Self::with_rings(
-            exec,
+    /// compute stream), and a state layer's recurrent state.
+    pub fn for_model(exec: &Arc<dyn Exec>, cfg: &ModelConfig, capacity: usize) -> Result<Self> {
+        let mut kv = Self::with_rings(
+            &**exec,
             cfg.kv_dim(),
             capacity,
             WindowRings::for_model(cfg, capacity),
-        )
+        )?;
+        kv.states = RecurrentStates::in_memory(cfg, Arc::new(ExecMemory(exec.clone())));
+        Ok(kv)
     }
 
     /// Every one of `num_layers` layers keeps every position.
@@ -65,11 +72,13 @@ impl ResidentKv {
             v,
             rows,
             _bufs: bufs,
+            states: RecurrentStates::default(),
         })
     }
 
+    /// Bytes held: the KV and the recurrent states.
     pub fn bytes(&self) -> usize {
-        self.bytes
+        self.bytes + self.states.bytes()
     }
 }
 
@@ -77,6 +86,7 @@ impl ResidentKv {
 unsafe impl KvCache<bf16> for ResidentKv {
     fn reset(&mut self) -> Result<()> {
         self.rings.reset();
+        self.states.reset();
         Ok(())
     }
 
@@ -111,10 +121,19 @@ unsafe impl KvCache<bf16> for ResidentKv {
     /// Rows are addressed by position: the next step overwrites from `len` (a ring's
     /// rewind: `WindowRings::truncate`).
     fn truncate(&mut self, len: usize) -> Result<()> {
+        self.states.truncate(0, len)?;
         self.rings.truncate(len)
     }
 
     fn max_step_tokens(&self) -> usize {
         self.rings.max_step_tokens()
+    }
+
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<StateSlot> {
+        self.states.layer(layer, slot)
+    }
+
+    fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> Result<()> {
+        self.states.begin_step(slot, pos0, tokens)
     }
 }

@@ -10,7 +10,7 @@
 pub mod cuda;
 pub mod state;
 
-pub use state::RecurrentStates;
+pub use state::{RecurrentStates, StateSlot};
 
 use std::marker::PhantomData;
 
@@ -122,17 +122,21 @@ pub unsafe trait KvCache<T> {
         usize::MAX
     }
     /// A state layer's recurrent state of the step's sequence in state slot `slot` (f32,
-    /// `DeltaShape::seq_state_len` floats, CPU memory), between `begin_layer(layer)` and
-    /// `end_layer(layer)`: the layer reads and updates it in place. Caches without state
-    /// slots refuse (a model of attention layers never asks).
-    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
-        bail!("this KV cache keeps no recurrent state (layer {layer}, slot {slot}): state-layer models run on the CPU device's caches")
+    /// `DeltaShape::seq_state_len` floats, in the memory the model computes in), between
+    /// `begin_layer(layer)` and `end_layer(layer)`: the layer reads and updates it in
+    /// place, on the compute stream, which is the only one to touch it. Caches without
+    /// state slots refuse (a model of attention layers never asks).
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<StateSlot> {
+        bail!("this KV cache keeps no recurrent state (layer {layer}, slot {slot})")
     }
     /// A step over positions `pos0..pos0 + tokens` of the sequence in state slot `slot`
     /// begins (`RecurrentStates::begin_step`: from zero at 0, else only where the state
     /// is). The model calls it for each sequence of a step, state-layer models only.
     fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> Result<()> {
-        bail!("this KV cache keeps no recurrent state (slot {slot}, positions {pos0}..{}): state-layer models run on the CPU device's caches", pos0 + tokens)
+        bail!(
+            "this KV cache keeps no recurrent state (slot {slot}, positions {pos0}..{})",
+            pos0 + tokens
+        )
     }
 }
 
@@ -361,15 +365,10 @@ impl<T: KvElem> ContiguousKv<T> {
         }
     }
 
-    /// The state layers' recurrent states (a snapshot to come back to: `set_states`).
-    pub fn states(&self) -> &RecurrentStates {
-        &self.states
-    }
-
-    /// Puts back states `states` gave (a benchmark's rounds each decode from the same
-    /// prefilled context: a recurrence cannot be rewound, only restored).
-    pub fn set_states(&mut self, states: RecurrentStates) {
-        self.states = states;
+    /// The state layers' recurrent states (`save` a snapshot to `restore` later: a
+    /// benchmark's rounds each decode from the same prefilled context).
+    pub fn states(&mut self) -> &mut RecurrentStates {
+        &mut self.states
     }
 
     /// Bytes currently held (recurrent states included).
@@ -441,7 +440,7 @@ unsafe impl<T: KvElem> KvCache<T> for ContiguousKv<T> {
         self.rings.max_step_tokens()
     }
 
-    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<StateSlot> {
         self.states.layer(layer, slot)
     }
 

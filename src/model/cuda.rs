@@ -10,10 +10,11 @@ use crate::device::cpu::ops::rope_tables;
 use crate::device::cuda::exec::alloc;
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::cuda::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, PagedAttn};
+use crate::device::delta::DeltaShape;
 use crate::device::DevPtr;
 use crate::kv::{KvCache, LayerSlot, NewRow, Query};
 use crate::model::{check_ids, config, ModelConfig};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use half::bf16;
 use std::sync::Arc;
 
@@ -65,6 +66,31 @@ struct StepPlan {
     attn: StepAttn,
     /// The sliding-window layers' rows over a window pool (the batched forward's), if any.
     window: Option<WindowRows>,
+    /// Each sequence's rows, for the state layers (which run a sequence's rows in order
+    /// from its recurrent state).
+    seqs: Vec<SeqRows>,
+}
+
+/// One sequence's rows in a step.
+#[derive(Clone, Copy, Debug)]
+struct SeqRows {
+    row0: usize,
+    tokens: usize,
+    pos0: usize,
+    /// Its recurrent-state slot (`KvCache::layer_state`).
+    state_slot: usize,
+}
+
+impl SeqRows {
+    /// A single-sequence step: its `tokens` rows from position `pos0`, state slot 0.
+    fn one(pos0: usize, tokens: usize) -> Self {
+        Self {
+            row0: 0,
+            tokens,
+            pos0,
+            state_slot: 0,
+        }
+    }
 }
 
 /// A batched step's addresses in a window pool, for the sliding-window layers.
@@ -114,10 +140,13 @@ struct Acts {
     chunk: usize,
     _bufs: Vec<Buf>,
     vocab: usize,
-    x: DevPtr<bf16>,     // [rows, hidden] residual stream
-    hn: DevPtr<bf16>,    // [rows, hidden] normalised input of the next block
-    qkv: DevPtr<bf16>,   // [rows, q | k | v]
-    attn: DevPtr<bf16>,  // [rows, q_dim]
+    x: DevPtr<bf16>,    // [rows, hidden] residual stream
+    hn: DevPtr<bf16>,   // [rows, hidden] normalised input of the next block
+    qkv: DevPtr<bf16>,  // [rows, q | k | v (| gate)], a state layer's [rows, q | k | v | z | b | a]
+    attn: DevPtr<bf16>, // [rows, q_dim], a state layer's [rows, v_heads · dv]
+    /// State-layer models: the conv's output f32 [rows, conv_channels] and the delta
+    /// rule's f32 [rows, v_heads · dv] (the widest state layer's).
+    delta: Option<(DevPtr<f32>, DevPtr<f32>)>,
     proj: DevPtr<bf16>,  // [rows, hidden]
     gu: DevPtr<bf16>,    // [chunk, gate | up]
     act: DevPtr<bf16>,   // [chunk, inter]
@@ -181,8 +210,8 @@ impl CudaModel {
     }
 
     /// The executor the model runs on (allocations for a KV beside it).
-    pub fn exec(&self) -> &dyn Exec {
-        &*self.exec
+    pub fn exec(&self) -> &Arc<dyn Exec> {
+        &self.exec
     }
 
     pub fn max_pos(&self) -> usize {
@@ -203,7 +232,7 @@ impl CudaModel {
         self.exec.sync()?;
         self.acts = None; // free before allocating the larger set
         let c = &self.cfg;
-        let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
         let chunk = t.min(MLP_CHUNK);
         let mut bufs = Vec::new();
         let mut bf = |n: usize| -> Result<DevPtr<bf16>> {
@@ -211,12 +240,22 @@ impl CudaModel {
             bufs.push(b);
             Ok(p)
         };
-        let (x, hn, qkv) = (bf(t * h)?, bf(t * h)?, bf(t * (qd + 2 * kvd))?);
-        let (attn, proj) = (bf(t * qd)?, bf(t * h)?);
+        let (x, hn, qkv) = (bf(t * h)?, bf(t * h)?, bf(t * c.qkv_width())?);
+        let (attn, proj) = (bf(t * c.mixer_width())?, bf(t * h)?);
         let (gu, act) = (bf(chunk * 2 * inter)?, bf(chunk * inter)?);
         let (meta_b, meta) = alloc::<i32>(&*self.exec, 2 * t + 6)?;
         let (logits_b, logits) = alloc::<f32>(&*self.exec, c.vocab_size)?;
         bufs.extend([meta_b, logits_b]);
+        let shapes = || (0..c.num_layers).filter_map(|l| c.state(l));
+        let delta = match shapes().map(|s| s.conv_channels()).max() {
+            None => None,
+            Some(channels) => {
+                let (cb, conv) = alloc::<f32>(&*self.exec, t * channels)?;
+                let (ob, out) = alloc::<f32>(&*self.exec, t * c.mixer_width())?;
+                bufs.extend([cb, ob]);
+                Some((conv, out))
+            }
+        };
         self.acts = Some(Acts {
             rows: t,
             chunk,
@@ -225,6 +264,7 @@ impl CudaModel {
             hn,
             qkv,
             attn,
+            delta,
             proj,
             gu,
             act,
@@ -316,6 +356,7 @@ impl CudaModel {
             pos,
             cache_rows: pos, // one sequence in a contiguous slot: row = position
             window: None,
+            seqs: vec![SeqRows::one(pos0, t)],
             gemm: Gemm::Fast,
             attn: StepAttn::Contiguous {
                 selected: a.meta.at(2 * t + 4),
@@ -332,7 +373,7 @@ impl CudaModel {
                     ctx: pos0 + t,
                     num_heads: c.num_heads,
                     num_kv_heads: c.num_kv_heads,
-                    q_stride: c.q_dim() + 2 * c.kv_dim(),
+                    q_stride: c.attn_qkv_dim(),
                     scale: c.attn_scale,
                     window: None, // the layer's
                 },
@@ -408,6 +449,7 @@ impl CudaModel {
             pos,
             cache_rows: pos, // a contiguous slot: row = position
             window: None,
+            seqs: vec![SeqRows::one(pos0, t)],
             gemm: Gemm::FastRows,
             attn: StepAttn::DecodeRows(
                 PagedAttn {
@@ -422,7 +464,7 @@ impl CudaModel {
                     block_size: 0, // the layer's slot rows
                     num_heads: c.num_heads,
                     num_kv_heads: c.num_kv_heads,
-                    q_stride: c.q_dim() + 2 * c.kv_dim(),
+                    q_stride: c.attn_qkv_dim(),
                     head_dim: c.head_dim,
                     batch: t,
                     max_q_len: 1,
@@ -498,15 +540,88 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Every layer of `step`, each pulling its KV from `kv` and handing it back.
+    /// Every layer of `step`, each pulling its KV (a state layer: its sequences'
+    /// recurrent states) from `kv` and handing it back.
     fn layers(&self, step: &StepPlan, kv: &mut dyn KvCache<bf16>) -> Result<()> {
+        if self.cfg.has_state_layers() {
+            for s in &step.seqs {
+                kv.begin_state(s.state_slot, s.pos0, s.tokens)?;
+            }
+        }
         for l in 0..self.cfg.num_layers {
+            // A state layer still takes its turn in the cache's schedule (an offload
+            // engine's slots turn over), but its memory is the recurrent state.
             let slot = kv.begin_layer(l)?;
             self.range_l("layer", l);
-            self.layer(l, step, slot, &mut |q| kv.select_rows(l, q))?;
+            match self.cfg.state(l) {
+                Some(s) => self.state_mixer(l, s, step, kv)?,
+                None => self.attention(l, step, slot, &mut |q| kv.select_rows(l, q))?,
+            }
+            self.finish_layer(l, step.rows, step.gemm)?;
             self.pop();
             kv.end_layer(l)?;
         }
+        Ok(())
+    }
+
+    /// A state layer's token mixer: the fused projection `[q | k | v | z | b | a]`, each
+    /// sequence's rows in order through the causal conv and the gated delta rule from and
+    /// into its recurrent state, then the gated norm of every row; leaves
+    /// `[rows, v_heads · dv]` in `a.attn` for `out_proj`.
+    fn state_mixer(
+        &self,
+        l: usize,
+        s: DeltaShape,
+        step: &StepPlan,
+        kv: &mut dyn KvCache<bf16>,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let a = self.acts.as_ref().expect("allocated by the step");
+        let (exec, lw) = (&*self.exec, &self.w.layers[l]);
+        let d = self.w.delta[l]
+            .as_ref()
+            .context("a state layer without its recurrence's weights")?;
+        let (conv, out) = a.delta.expect("allocated for a state-layer model");
+        let (t, width) = (step.rows, s.proj_width());
+        let (channels, vd) = (s.conv_channels(), s.v_heads * s.dv);
+        self.range("recurrence");
+        let shape = GemmShape {
+            m: t,
+            k: c.hidden_size,
+            n: width,
+        };
+        self.gemm(step.gemm, a.hn, lw.wqkv.ptr, GemmOut::Bf16(a.qkv), shape)?;
+        for seq in &step.seqs {
+            let state = kv.layer_state(l, seq.state_slot)?;
+            if state.len != s.seq_state_len() {
+                bail!(
+                    "layer {l}: a recurrent state of {} floats, the layer's is {}",
+                    state.len,
+                    s.seq_state_len()
+                );
+            }
+            let (tail, matrix) = (state.ptr, state.ptr.at(s.conv_tail_len()));
+            let (r0, n) = (seq.row0, seq.tokens);
+            let rows = a.qkv.at(r0 * width); // [n, q | k | v | z | b | a]
+            let conv_rows = conv.at(r0 * channels);
+            exec.launch(&ops::delta_conv(rows, tail, d.conv, conv_rows, n, width, s))?;
+            exec.launch(&ops::delta_rule(
+                conv_rows,
+                rows.at(channels + vd), // b | a
+                matrix,
+                d.decay_rate,
+                d.dt_bias,
+                out.at(r0 * vd),
+                n,
+                width,
+                s,
+            ))?;
+        }
+        let (z, eps) = (a.qkv.at(channels), c.rms_norm_eps);
+        exec.launch(&ops::delta_gated_norm(
+            out, z, d.norm, a.attn, t, width, s, eps,
+        ))?;
+        self.pop();
         Ok(())
     }
 
@@ -533,10 +648,10 @@ impl CudaModel {
         }
     }
 
-    /// One decoder layer on `a.hn` → residual `a.x` → next block's normalised input in
-    /// `a.hn`; K/V of the new tokens stored into `slot` at the step's cache rows, or where
+    /// An attention layer's token mixer on `a.hn`, its output `[rows, q_dim]` in
+    /// `a.attn`; K/V of the new tokens stored into `slot` at the step's cache rows, or where
     /// `select` (the cache's `select_rows`, given a decode token's query) puts them.
-    fn layer(
+    fn attention(
         &self,
         l: usize,
         step: &StepPlan,
@@ -546,21 +661,18 @@ impl CudaModel {
         let c = &self.cfg;
         let a = self.acts.as_ref().expect("allocated by enqueue");
         let (exec, lw) = (&*self.exec, &self.w.layers[l]);
-        let (h, qd, kvd, inter, hd) = (
-            c.hidden_size,
-            c.q_dim(),
-            c.kv_dim(),
-            c.intermediate_size,
-            c.head_dim,
-        );
+        let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
         let (nh, nkv, eps) = (c.num_heads, c.num_kv_heads, c.rms_norm_eps);
-        let qkv_dim = qd + 2 * kvd;
+        let qkv_dim = c.attn_qkv_dim(); // q | k | v (| the output gates)
         let t = step.rows;
         self.range("attention");
-        // 1. Fused QKV projection.
-        let shape = |m, k, n| GemmShape { m, k, n };
-        let linear = |x, w, out, s| self.gemm(step.gemm, x, w, GemmOut::Bf16(out), s);
-        linear(a.hn, lw.wqkv.ptr, a.qkv, shape(t, h, qkv_dim))?;
+        // 1. Fused QKV projection (and Qwen3.5's output gates).
+        let shape = GemmShape {
+            m: t,
+            k: h,
+            n: qkv_dim,
+        };
+        self.gemm(step.gemm, a.hn, lw.wqkv.ptr, GemmOut::Bf16(a.qkv), shape)?;
         if let Some(b) = &lw.bqkv {
             exec.launch(&ops::add_bias(a.qkv, b.ptr, t, qkv_dim))?;
         }
@@ -678,8 +790,28 @@ impl CudaModel {
                 }
             }
         }
-        // 6. Output projection, (Gemma: its norm,) residual add, the MLP's input norm.
-        linear(a.attn, lw.wo.ptr, a.proj, shape(t, qd, h))?;
+        // 6. Qwen3.5: each head's output times σ(its gate).
+        if c.attn_output_gate {
+            let gates = a.qkv.at(qd + 2 * kvd);
+            exec.launch(&ops::sigmoid_gate(a.attn, gates, t, qd, qkv_dim))?;
+        }
+        self.pop();
+        Ok(())
+    }
+
+    /// The rest of layer `l` after its token mixer left `[rows, mixer width]` in
+    /// `a.attn`: output projection, (Gemma: its norm,) residual add into `a.x`, the MLP's
+    /// input norm, the MLP in row chunks, and the next block's normalised input in `a.hn`.
+    fn finish_layer(&self, l: usize, t: usize, gemm: Gemm) -> Result<()> {
+        let c = &self.cfg;
+        let a = self.acts.as_ref().expect("allocated by the step");
+        let (exec, lw) = (&*self.exec, &self.w.layers[l]);
+        let (h, inter, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
+        let width = c.state(l).map_or(c.q_dim(), |s| s.v_heads * s.dv);
+        let shape = |m, k, n| GemmShape { m, k, n };
+        let linear = |x, w, out, s| self.gemm(gemm, x, w, GemmOut::Bf16(out), s);
+        self.range("out_proj");
+        linear(a.attn, lw.wo.ptr, a.proj, shape(t, width, h))?;
         let post = lw.post_norms.as_ref().map(|(at, mlp)| (at.ptr, mlp.ptr));
         let add_norm = |x, d, post: Option<DevPtr<bf16>>, w, out, n| {
             exec.launch(&ops::add_rms_norm(x, d, post, w, out, n, h, eps))

@@ -677,7 +677,9 @@ impl Model {
             let (mut g, mut beta) = (vec![0.0f32; nv], vec![0.0f32; nv]);
             let mut out = vec![0.0f32; vd];
             for (seq, &slot) in seqs.iter().zip(state_slots) {
-                let state = kv.layer_state(l, slot)?;
+                // SAFETY: the CPU device's caches keep states in host memory; the layer
+                // (begun by the caller) has this sequence's state to itself until its end.
+                let state = unsafe { kv.layer_state(l, slot)?.as_host_mut() };
                 let (tail, matrix) = state.split_at_mut(s.conv_tail_len());
                 for r in seq.row0..seq.row0 + seq.tokens {
                     let row = &a.qkv[r * width..(r + 1) * width]; // [q | k | v | z | b | a]

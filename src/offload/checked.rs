@@ -107,6 +107,10 @@ impl<D: OffloadDevice> OffloadDevice for Checked<D> {
         self.d.host_ptr(mem)
     }
 
+    fn state_memory(&self) -> Result<std::sync::Arc<dyn crate::kv::state::StateMemory>> {
+        self.d.state_memory()
+    }
+
     fn new_event(&mut self) -> Result<EventId> {
         self.d.new_event()
     }

@@ -160,6 +160,13 @@ impl OffloadDevice for CudaOffloadDevice {
         }
     }
 
+    /// The GPU's memory, zeroed and written on the compute stream.
+    fn state_memory(&self) -> Result<Arc<dyn crate::kv::state::StateMemory>> {
+        let exec =
+            crate::device::cuda::exec::CudaExec::new(self.dev.clone(), self.compute.0.clone())?;
+        Ok(Arc::new(crate::kv::state::ExecMemory(Arc::new(exec))))
+    }
+
     fn new_event(&mut self) -> Result<EventId> {
         self.events.push(self.dev.new_event()?);
         Ok(EventId(self.events.len() - 1))

@@ -94,6 +94,12 @@ pub trait OffloadDevice {
     /// and writes itself (the disk tier's IO); an error for device memory.
     fn host_ptr(&self, mem: MemId) -> Result<*mut u8>;
     fn new_event(&mut self) -> Result<EventId>;
+    /// Where a cache on this device keeps state layers' recurrent states: memory the
+    /// model's kernels read, written in order with the compute stream. Default: host
+    /// memory (the CPU device, where the compute stream is the calling thread).
+    fn state_memory(&self) -> Result<std::sync::Arc<dyn crate::kv::state::StateMemory>> {
+        Ok(std::sync::Arc::new(crate::kv::state::HostMemory))
+    }
     /// Later work on `s` waits for `e`'s newest record (`what`: for traces and fault tests).
     fn wait(&mut self, s: StreamRole, e: EventId, what: &'static str) -> Result<()>;
     fn record(&mut self, s: StreamRole, e: EventId) -> Result<()>;

@@ -190,7 +190,7 @@ impl<D: OffloadDevice> OffloadEngine<D> {
             window: (0..l).map(|i| model.window(i)).collect(),
             keeps_kv: (0..l).map(|i| model.keeps_kv(i)).collect(),
             kv_before,
-            states: crate::kv::RecurrentStates::for_model(model),
+            states: crate::kv::RecurrentStates::in_memory(model, d.state_memory()?),
             ring,
             dbuf,
             slots,
@@ -977,7 +977,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for OffloadEngine<D> {
         }
     }
 
-    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<crate::kv::StateSlot> {
         self.states.layer(layer, slot)
     }
 

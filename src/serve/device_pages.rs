@@ -162,9 +162,9 @@ impl<D: OffloadDevice> DevicePages<D> {
 
     /// Keeps recurrent states for `cfg`'s state layers (a model with some). Before any
     /// forward.
-    pub fn with_states(mut self, cfg: &crate::model::ModelConfig) -> Self {
-        self.states = RecurrentStates::for_model(cfg);
-        self
+    pub fn with_states(mut self, cfg: &crate::model::ModelConfig) -> Result<Self> {
+        self.states = RecurrentStates::in_memory(cfg, self.d.state_memory()?);
+        Ok(self)
     }
 
     /// Drops sequence slot `slot`'s recurrent state (it finished or was cancelled).
@@ -458,7 +458,7 @@ unsafe impl<D: OffloadDevice> KvCache<D::Elem> for DevicePages<D> {
         Ok(())
     }
 
-    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<&mut [f32]> {
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<crate::kv::StateSlot> {
         self.states.layer(layer, slot)
     }
 

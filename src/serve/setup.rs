@@ -229,7 +229,7 @@ where
         sched.without_prefix_reuse();
     }
     let keeps_kv: Vec<bool> = (0..c.num_layers).map(|l| c.keeps_kv(l)).collect();
-    let pages = DevicePages::new(d, &keeps_kv, c.kv_dim(), sizes, window, check)?.with_states(c);
+    let pages = DevicePages::new(d, &keeps_kv, c.kv_dim(), sizes, window, check)?.with_states(c)?;
     let block_bytes = pages.block_bytes();
     let pages = Arc::new(Mutex::new(pages));
     let host: Box<dyn TransferBackend> = Box::new(DeviceTransfers {

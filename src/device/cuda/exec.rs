@@ -74,6 +74,19 @@ pub trait Exec: Send + Sync {
     /// # Safety
     /// `src` must hold `dst.len()` bytes.
     unsafe fn download(&self, src: DevPtr<u8>, dst: &mut [u8]) -> Result<()>;
+    /// Queues a zero fill of `bytes` at `dst` on the stream. Default: copies of a zero
+    /// buffer (at most 1 MiB at a time).
+    ///
+    /// # Safety
+    /// `dst` must hold `bytes` bytes.
+    unsafe fn zero(&self, dst: DevPtr<u8>, bytes: usize) -> Result<()> {
+        const CHUNK: usize = 1 << 20;
+        let zeros = vec![0u8; bytes.min(CHUNK)];
+        for at in (0..bytes).step_by(CHUNK) {
+            self.htod(dst.at(at), &zeros[..CHUNK.min(bytes - at)])?;
+        }
+        Ok(())
+    }
     fn sync(&self) -> Result<()>;
 
     /// Queues one kernel launch on the stream. The addresses in `l.args` must be live
@@ -124,6 +137,10 @@ impl Exec for CudaExec {
     unsafe fn download(&self, src: DevPtr<u8>, dst: &mut [u8]) -> Result<()> {
         ops::dtoh(&self.st, dst.as_mut_ptr(), src, dst.len())?;
         self.sync()
+    }
+
+    unsafe fn zero(&self, dst: DevPtr<u8>, bytes: usize) -> Result<()> {
+        ops::fill(&self.st, dst, 0, bytes)
     }
 
     fn sync(&self) -> Result<()> {

@@ -77,9 +77,17 @@ pub unsafe fn dtod(st: &CudaStream, dst: DevPtr<u8>, src: DevPtr<u8>, bytes: usi
 /// # Safety
 /// `dst` must hold `bytes`.
 pub unsafe fn poison(st: &CudaStream, dst: DevPtr<u8>, bytes: usize) -> Result<()> {
+    fill(st, dst, 0xff, bytes)
+}
+
+/// Queues a fill of `bytes` at `dst` with `byte` on `st`.
+///
+/// # Safety
+/// `dst` must hold `bytes`.
+pub unsafe fn fill(st: &CudaStream, dst: DevPtr<u8>, byte: u8, bytes: usize) -> Result<()> {
     drv(
         "cuMemsetD8Async",
-        result::memset_d8_async(dst.addr(), 0xff, bytes, st.cu_stream()),
+        result::memset_d8_async(dst.addr(), byte, bytes, st.cu_stream()),
     )
 }
 

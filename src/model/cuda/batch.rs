@@ -5,7 +5,7 @@
 //! row's arithmetic never depends on what else is in the batch, how its prompt was
 //! chunked, or whether it is a decode token or a recomputed one.
 
-use super::{CudaModel, Gemm, StepAttn, StepPlan, WindowRows};
+use super::{CudaModel, Gemm, SeqRows, StepAttn, StepPlan, WindowRows};
 use crate::device::cuda::exec::GrowBuf;
 use crate::device::cuda::ops::{self, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::DevPtr;
@@ -120,12 +120,27 @@ impl CudaModel {
         let (nh, hd) = (c.num_heads, c.head_dim);
         let scratch = self.rows_scratch(t, max_ctx)?;
         let a = self.acts.as_ref().expect("allocated above");
+        let mut row0 = 0;
+        let seq_rows = seqs
+            .iter()
+            .map(|s| {
+                let r = SeqRows {
+                    row0,
+                    tokens: s.tokens.len(),
+                    pos0: s.pos0,
+                    state_slot: s.state_slot,
+                };
+                row0 += r.tokens;
+                r
+            })
+            .collect();
         let step = StepPlan {
             rows: t,
             pos,
             cache_rows,
             gemm: Gemm::BatchInvariant,
             window,
+            seqs: seq_rows,
             attn: StepAttn::PerRow(
                 PagedAttn {
                     q: a.qkv,
@@ -139,7 +154,7 @@ impl CudaModel {
                     block_size: bs,
                     num_heads: nh,
                     num_kv_heads: c.num_kv_heads,
-                    q_stride: c.q_dim() + 2 * c.kv_dim(),
+                    q_stride: c.attn_qkv_dim(),
                     head_dim: hd,
                     batch: t,
                     max_q_len: 1,

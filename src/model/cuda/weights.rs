@@ -10,6 +10,7 @@
 use crate::device::bf16::f32_to_bf16;
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
+use crate::model::weights::DeltaWeights;
 use crate::model::weights::Mlp;
 use crate::model::{Model, ModelConfig};
 use anyhow::{bail, Result};
@@ -73,12 +74,6 @@ pub fn convert_each<T>(
 ) -> Result<ModelOf<T>> {
     let w = &model.weights;
     let bf16 = |x: &[f32]| x.iter().map(|&x| f32_to_bf16(x)).collect::<Vec<_>>();
-    if model.cfg.has_state_layers()
-        || model.cfg.attn_output_gate
-        || model.cfg.rotary_dim != model.cfg.head_dim
-    {
-        bail!("the CUDA device does not run Qwen3.5's state layers, gated attention or partial RoPE yet: use --device cpu");
-    }
     let mut layers = Vec::with_capacity(w.layers.len());
     for l in &w.layers {
         // gpt-oss's attention sinks, output bias and experts have no CUDA kernels yet.
@@ -124,9 +119,43 @@ pub fn convert_each<T>(
     })
 }
 
+/// A state layer's recurrence parameters, f32 on the device as the kernels read them
+/// (small: a few KiB per layer). Its fused input projection `[q | k | v | z | b | a]` is
+/// the layer's `wqkv`, its `out_proj` the layer's `wo`.
+pub struct DeltaW {
+    _bufs: Vec<Buf>,
+    pub conv: DevPtr<f32>,       // [conv_channels, kernel]
+    pub decay_rate: DevPtr<f32>, // [v_heads]: A = −exp(A_log)
+    pub dt_bias: DevPtr<f32>,    // [v_heads]
+    pub norm: DevPtr<f32>,       // [dv]
+}
+
+impl DeltaW {
+    fn upload(exec: &dyn Exec, d: &DeltaWeights) -> Result<Self> {
+        let mut bufs = Vec::with_capacity(4);
+        let mut up = |v: &[f32]| -> Result<DevPtr<f32>> {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let (b, p) = exec.upload(&bytes)?;
+            bufs.push(b);
+            Ok(p.cast())
+        };
+        let (conv, decay_rate) = (up(&d.conv)?, up(&d.decay_rate)?);
+        let (dt_bias, norm) = (up(&d.dt_bias)?, up(&d.norm)?);
+        Ok(Self {
+            _bufs: bufs,
+            conv,
+            decay_rate,
+            dt_bias,
+            norm,
+        })
+    }
+}
+
 pub struct CudaWeights {
     pub embed: Tensor, // [vocab, hidden]
     pub layers: Vec<Arc<LayerW>>,
+    /// Per layer: a state layer's recurrence parameters (`None`: attention).
+    pub delta: Vec<Option<DeltaW>>,
     pub final_norm: Tensor,      // [hidden]
     pub lm_head: Option<Tensor>, // [vocab, hidden]; None = tied to embed
     pub bytes: usize,            // distinct bytes uploaded
@@ -146,9 +175,21 @@ impl CudaWeights {
             bytes += 2 * bits.len();
             Tensor::from_bf16(exec, bits)
         })?;
+        let delta = model
+            .weights
+            .layers
+            .iter()
+            .map(|l| {
+                l.delta
+                    .as_ref()
+                    .map(|d| DeltaW::upload(exec, d))
+                    .transpose()
+            })
+            .collect::<Result<_>>()?;
         Ok(Self {
             embed: m.embed,
             layers: m.layers.into_iter().map(Arc::new).collect(),
+            delta,
             final_norm: m.final_norm,
             lm_head: m.lm_head,
             bytes,
@@ -158,6 +199,9 @@ impl CudaWeights {
     /// Random bf16 weights of `cfg`'s shape generated on the host by a cheap hash (fast
     /// enough for Qwen3-4B's 390M-entry embedding), every layer sharing one set.
     pub fn random_shared(exec: &dyn Exec, cfg: &ModelConfig, seed: u64) -> Result<Self> {
+        if cfg.has_state_layers() || cfg.attn_output_gate {
+            bail!("random shared weights are attention layers without output gates only");
+        }
         let (h, qd, kvd, inter, hd) = (
             cfg.hidden_size,
             cfg.q_dim(),
@@ -209,6 +253,7 @@ impl CudaWeights {
         Ok(Self {
             embed: gen(cfg.vocab_size * h, 0.0, 1.0)?,
             layers: vec![layer; cfg.num_layers],
+            delta: (0..cfg.num_layers).map(|_| None).collect(),
             final_norm: gen(h, 1.0, 0.1)?,
             lm_head: None,
             bytes: layer_bytes + 2 * (cfg.vocab_size * h + h),

@@ -27,6 +27,7 @@ use crate::device::cuda::exec::{alloc, Buf, CudaExec, Exec};
 use crate::device::DevPtr;
 use crate::device::KvDtype;
 use crate::engine::sampler::argmax;
+use crate::kv::state::{ExecMemory, RecurrentStates, StateSlot};
 use crate::kv::{ContiguousKv, KvCache, LayerSlot};
 use crate::model::cuda::weights::CudaWeights;
 use crate::model::cuda::CudaModel;
@@ -39,21 +40,23 @@ const PREFILL_CHUNK: usize = 8;
 const RMS_TOL: f32 = 0.03;
 const MAX_TOL: f32 = 0.08;
 
-/// Every layer's K and V page pool in `exec`'s memory, `[pages, BLOCK, kv_dim]` bf16 each.
+/// Every layer's K and V page pool in `exec`'s memory, `[pages, BLOCK, kv_dim]` bf16 each,
+/// and a state-layer model's recurrent states there, by sequence.
 struct ExecPool {
     _bufs: Vec<Buf>,
     k: Vec<DevPtr<bf16>>, // [num_layers]
     v: Vec<DevPtr<bf16>>,
     pages: usize,
+    states: RecurrentStates,
 }
 
 impl ExecPool {
-    fn new(exec: &dyn Exec, model: &Model, pages: usize) -> Result<Self> {
+    fn new(exec: &Arc<dyn Exec>, model: &Model, pages: usize) -> Result<Self> {
         let c = &model.cfg;
         let (mut bufs, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..c.num_layers {
             for side in [&mut k, &mut v] {
-                let (b, p) = alloc::<bf16>(exec, pages * BLOCK * c.kv_dim())?;
+                let (b, p) = alloc::<bf16>(&**exec, pages * BLOCK * c.kv_dim())?;
                 bufs.push(b);
                 side.push(p);
             }
@@ -63,6 +66,7 @@ impl ExecPool {
             k,
             v,
             pages,
+            states: RecurrentStates::in_memory(c, Arc::new(ExecMemory(exec.clone()))),
         })
     }
 }
@@ -89,6 +93,12 @@ unsafe impl KvCache<bf16> for ExecPool {
     fn end_layer(&mut self, _layer: usize) -> Result<()> {
         Ok(())
     }
+    fn layer_state(&mut self, layer: usize, slot: usize) -> Result<StateSlot> {
+        self.states.layer(layer, slot)
+    }
+    fn begin_state(&mut self, slot: usize, pos0: usize, tokens: usize) -> Result<()> {
+        self.states.begin_step(slot, pos0, tokens)
+    }
 }
 
 impl PagePool<bf16> for ExecPool {
@@ -108,21 +118,24 @@ fn random_model(shape: Shape) -> Arc<Model> {
     ))
 }
 
-/// A sequence being run by hand: its tokens so far and its pages.
+/// A sequence being run by hand: its tokens so far, its pages and its state slot.
 struct Seq {
     tokens: Vec<u32>,
     done: usize, // tokens whose K/V is stored
     pages: Vec<u32>,
+    slot: usize,
 }
 
 impl Seq {
-    /// Pages `first..first + n` in descending order: scattered, not the identity.
-    fn new(tokens: Vec<u32>, first: usize, max_len: usize) -> Self {
+    /// Pages `first..first + n` in descending order: scattered, not the identity; state
+    /// slot `slot`.
+    fn new(tokens: Vec<u32>, first: usize, max_len: usize, slot: usize) -> Self {
         let n = max_len.div_ceil(BLOCK);
         Self {
             tokens,
             done: 0,
             pages: (first as u32..(first + n) as u32).rev().collect(),
+            slot,
         }
     }
 
@@ -139,7 +152,7 @@ impl Seq {
             } else {
                 WantLogits::No
             },
-            state_slot: 0,
+            state_slot: self.slot,
         }
     }
 }
@@ -158,12 +171,12 @@ fn subject_logits(
     let vocab = model.cfg.vocab_size as u32;
     let iters = prompt.len().div_ceil(chunk) + steps;
     let per_seq = (prompt.len().max(40) + iters).div_ceil(BLOCK) + 1;
-    let mut pool = ExecPool::new(&**gpu.exec(), model, per_seq * (companions + 1))?;
-    let mut seqs = vec![Seq::new(prompt.to_vec(), 0, prompt.len() + steps)];
+    let mut pool = ExecPool::new(gpu.exec(), model, per_seq * (companions + 1))?;
+    let mut seqs = vec![Seq::new(prompt.to_vec(), 0, prompt.len() + steps, 0)];
     for i in 1..=companions {
         let len = rng.random_range(1..40);
         let toks = (0..len).map(|_| rng.random_range(0..vocab)).collect();
-        seqs.push(Seq::new(toks, i * per_seq, len + iters));
+        seqs.push(Seq::new(toks, i * per_seq, len + iters, i));
     }
     let mut out = Vec::new();
     while out.len() < steps {
@@ -197,6 +210,17 @@ fn subject_logits(
 /// module docs).
 pub fn batch_invariance_case(exec: Arc<dyn Exec>, name: &str, shape: Shape) -> Result<CheckRow> {
     let model = random_model(shape);
+    batch_invariance_case_of(exec, name, &model, (RMS_TOL, MAX_TOL))
+}
+
+/// `batch_invariance_case` on a loaded model, close to the CPU model within `tol` (rel
+/// rms, rel max).
+pub fn batch_invariance_case_of(
+    exec: Arc<dyn Exec>,
+    name: &str,
+    model: &Arc<Model>,
+    (rms_tol, max_tol): (f32, f32),
+) -> Result<CheckRow> {
     let c = &model.cfg;
     let w = CudaWeights::from_model(&*exec, &model)?;
     let mut gpu = CudaModel::new(exec, c.clone(), w, 1024)?;
@@ -205,12 +229,12 @@ pub fn batch_invariance_case(exec: Arc<dyn Exec>, name: &str, shape: Shape) -> R
         .map(|_| rng.random_range(0..c.vocab_size as u32))
         .collect();
     let steps = 4;
-    let alone = subject_logits(&mut gpu, &model, &prompt, steps, (0, 37), &mut rng)?;
+    let alone = subject_logits(&mut gpu, model, &prompt, steps, (0, 37), &mut rng)?;
 
     // Close to the f32 CPU model on the same tokens.
     let mut tokens = prompt.clone();
     tokens.extend(alone.iter().take(steps - 1).map(|l| argmax(l)));
-    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, 1024);
+    let mut kv = ContiguousKv::<f32>::plain(c, 1024);
     let mut want = vec![model.forward(&prompt, 0, &mut kv)?];
     for p in prompt.len()..tokens.len() {
         want.push(model.forward(&tokens[p..p + 1], p, &mut kv)?);
@@ -224,13 +248,13 @@ pub fn batch_invariance_case(exec: Arc<dyn Exec>, name: &str, shape: Shape) -> R
         .iter()
         .fold((0f32, 0f32), |a, e| (a.0.max(e.0), a.1.max(e.1)));
     let mut note = String::new();
-    if !errs.iter().all(|&(r, m)| r <= RMS_TOL && m <= MAX_TOL) {
+    if !errs.iter().all(|&(r, m)| r <= rms_tol && m <= max_tol) {
         note = format!("vs the CPU model: rel rms {rms:.3}, rel max {max:.3}");
     }
 
     // Bitwise the same inside batches of 2…16 and with the prompt chunked differently.
     for run in [(1, 37), (3, 5), (7, 8), (15, 16), (0, 1)] {
-        let got = subject_logits(&mut gpu, &model, &prompt, steps, run, &mut rng)?;
+        let got = subject_logits(&mut gpu, model, &prompt, steps, run, &mut rng)?;
         for (step, (g, a)) in got.iter().zip(&alone).enumerate() {
             if !g.iter().zip(a).all(|(x, y)| x.to_bits() == y.to_bits()) {
                 note = format!(
@@ -244,7 +268,7 @@ pub fn batch_invariance_case(exec: Arc<dyn Exec>, name: &str, shape: Shape) -> R
         name: format!("{name}: batch invariance"),
         shape: format!("37+{steps} tok, batches 1..16"),
         max_abs_err: rms,
-        tolerance: "bitwise; rms 3% vs CPU".into(),
+        tolerance: format!("bitwise; rms {rms_tol} vs CPU"),
         pass: note.is_empty(),
         note,
     })
@@ -282,16 +306,15 @@ fn requests(vocab: usize) -> (Vec<Vec<u32>>, Vec<RequestParams>) {
     (prompts, params)
 }
 
-/// A random model of `shape`, the eight requests, and their working set in blocks.
-fn workload(shape: Shape) -> (Arc<Model>, Vec<Vec<u32>>, Vec<RequestParams>, usize) {
-    let model = random_model(shape);
+/// The eight requests for `model`, and their working set in blocks.
+fn workload(model: &Model) -> (Vec<Vec<u32>>, Vec<RequestParams>, usize) {
     let (prompts, params) = requests(model.cfg.vocab_size);
     let ws = prompts
         .iter()
         .zip(&params)
         .map(|(p, r)| (p.len() + r.max_tokens).div_ceil(BLOCK))
         .sum();
-    (model, prompts, params, ws)
+    (prompts, params, ws)
 }
 
 /// Makes a serving engine on the device under test.
@@ -305,7 +328,19 @@ pub fn serve_case(
     shape: Shape,
     sanitize: bool,
 ) -> Result<Vec<CheckRow>> {
-    let (model, prompts, params, ws) = workload(shape);
+    serve_case_of(make, name, &random_model(shape), sanitize, NEAR_TIE)
+}
+
+/// `serve_case` on a loaded model; where the greedy tokens part from the CPU engine's,
+/// the CPU's top-2 gap must be at most `near_tie` of its largest |logit|.
+pub fn serve_case_of(
+    make: &ServeEngineFactory<'_>,
+    name: &str,
+    model: &Arc<Model>,
+    sanitize: bool,
+    near_tie: f32,
+) -> Result<Vec<CheckRow>> {
+    let (prompts, params, ws) = workload(model);
     let cfg = |gpu, cpu, sanitize| EngineConfig {
         sched: sched(gpu, cpu),
         link_gbps: 0.0,
@@ -365,18 +400,18 @@ pub fn serve_case(
     let mut ties = Vec::new();
     for (r, ((g, _), (w, _))) in want.iter().zip(&cpu_out).enumerate() {
         if let Some(i) = g.iter().zip(w).position(|(a, b)| a != b) {
-            let gap = near_tie_gap(&model, &prompts[r], &w[..i], w[i], g[i])?;
+            let gap = near_tie_gap(model, &prompts[r], &w[..i], w[i], g[i])?;
             ties.push(gap);
         }
     }
-    let pass = ties.iter().all(|&gap| gap <= NEAR_TIE);
+    let pass = ties.iter().all(|&gap| gap <= near_tie);
     row(
         "greedy tokens vs CPU engine",
         "equal, or part at a near-tie",
         pass,
         format!(
             "{same} of {total} tokens equal before the first difference; where they part, \
-             the CPU's top-2 gap / max |logit|: {ties:.4?} (near-tie ≤ {NEAR_TIE})"
+             the CPU's top-2 gap / max |logit|: {ties:.4?} (near-tie ≤ {near_tie})"
         ),
     );
     Ok(rows)
@@ -392,7 +427,7 @@ const NEAR_TIE: f32 = 0.02;
 fn near_tie_gap(model: &Model, prompt: &[u32], before: &[u32], want: u32, got: u32) -> Result<f32> {
     let c = &model.cfg;
     let tokens: Vec<u32> = prompt.iter().chain(before).copied().collect();
-    let mut kv = ContiguousKv::new(c.num_layers, c.num_kv_heads, c.head_dim, tokens.len());
+    let mut kv = ContiguousKv::<f32>::plain(c, tokens.len());
     let l = model.forward(&tokens, 0, &mut kv)?;
     let max = l.iter().fold(0f32, |a, x| a.max(x.abs())).max(1e-30);
     Ok((l[want as usize] - l[got as usize]) / max)
@@ -406,7 +441,8 @@ pub fn disk_case(
     shape: Shape,
     dir: &std::path::Path,
 ) -> Result<Vec<CheckRow>> {
-    let (model, prompts, params, ws) = workload(shape);
+    let model = random_model(shape);
+    let (prompts, params, ws) = workload(&model);
     let _ = std::fs::remove_dir_all(dir);
     let cfg = |gpu, cpu, disk: bool| EngineConfig {
         sched: SchedulerConfig {
@@ -531,7 +567,8 @@ pub fn prompt_logprobs_case(
     name: &str,
     shape: Shape,
 ) -> Result<CheckRow> {
-    let (model, prompts, _, _) = workload(shape);
+    let model = random_model(shape);
+    let (prompts, _, _) = workload(&model);
     const TOP: usize = 4;
     let ask = |prompt_logprobs| RequestParams {
         max_tokens: 1,

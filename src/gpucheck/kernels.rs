@@ -143,6 +143,9 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
             check_delta_rule(exec, r, z, true)
         }),
         ("delta_gated_norm", check_delta_gated_norm),
+        ("moe_route", check_moe_route),
+        ("moe_matvec (gate/up, down)", check_moe_matvec),
+        ("moe_combine (+ shared expert)", check_moe_combine),
     ];
     let mut rows = Vec::new();
     for (i, (name, f)) in checks.into_iter().enumerate() {
@@ -1255,5 +1258,163 @@ fn check_head_bounds(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result
         format!("{pages} pages × {page_size} rows, {nh}/{nkv} heads × {hd}"),
         &got,
         &want,
+    ))
+}
+
+/// Qwen3.5 MoE's router on the GPU (256 experts, top 8), a small one on the emulator:
+/// (tokens, experts, top_k).
+fn moe_shape(z: CheckSizes) -> (usize, usize, usize) {
+    z.pick((37, 256, 8), (9, 16, 4))
+}
+
+/// Each token's experts and weights against `model::moe::route`, on logits with ties and
+/// NaNs: the ids exactly, the weights within 1e-6.
+fn check_moe_route(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, experts, top_k) = moe_shape(z);
+    // Coarse values (many ties), a NaN in every third row.
+    let mut logits: Vec<f32> = (0..tokens * experts)
+        .map(|_| rng.random_range(-8..8) as f32 * 0.5)
+        .collect();
+    for r in (0..tokens).step_by(3) {
+        logits[r * experts + rng.random_range(0..experts)] = f32::NAN;
+    }
+    let mut m = Mem::new(exec);
+    let l_d = m.upload(&logits)?;
+    let (ids_d, w_d) = (
+        m.zeros::<i32>(tokens * top_k)?,
+        m.zeros::<f32>(tokens * top_k)?,
+    );
+    exec.launch(&kernels::moe_route(l_d, ids_d, w_d, tokens, experts, top_k))?;
+    let ids = m.download::<i32>(ids_d, tokens * top_k)?;
+    let weights = m.download::<f32>(w_d, tokens * top_k)?;
+    let moe = crate::model::config::Moe {
+        num_experts: experts,
+        top_k,
+        act: crate::model::config::ExpertAct::Silu,
+        shared_intermediate: None,
+        biases: false,
+    };
+    let want = crate::model::moe::route(&logits, moe);
+    let want_ids: Vec<i32> = want.iter().flatten().map(|c| c.expert as i32).collect();
+    let want_w: Vec<f32> = want.iter().flatten().map(|c| c.weight).collect();
+    let mut row = compare(
+        "moe_route",
+        format!("{tokens} tokens, {experts} experts, top {top_k}"),
+        &weights,
+        &want_w,
+        1e-6,
+        1e-5,
+    );
+    if ids != want_ids {
+        row.pass = false;
+        row.note = "chosen experts differ".into();
+    }
+    Ok(row)
+}
+
+/// Every (token, chosen expert) row through its expert's stacked matrix: gate/up (the
+/// token's input for each of its rows) and down (each row its own input), against f32
+/// dots of the same bf16 values.
+fn check_moe_matvec(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, experts, top_k) = moe_shape(z);
+    let (hidden, inter) = z.pick((2048, 512), (64, 48));
+    let rows = tokens * top_k;
+    let ids: Vec<i32> = (0..rows)
+        .map(|_| rng.random_range(0..experts as i32))
+        .collect();
+    let (xb, xf) = rand_bf16(rng, tokens * hidden, 1.0);
+    let (gub, guf) = rand_bf16(rng, experts * 2 * inter * hidden, 0.1);
+    let (ab, af) = rand_bf16(rng, rows * inter, 1.0);
+    let (db, df) = rand_bf16(rng, experts * hidden * inter, 0.1);
+    let mut m = Mem::new(exec);
+    let (x_d, ids_d, gu_d) = (m.upload(&xb)?, m.upload(&ids)?, m.upload(&gub)?);
+    let (a_d, d_d) = (m.upload(&ab)?, m.upload(&db)?);
+    let (gu_out, d_out) = (
+        m.zeros::<u16>(rows * 2 * inter)?,
+        m.zeros::<u16>(rows * hidden)?,
+    );
+    exec.launch(&kernels::moe_matvec(
+        x_d,
+        ids_d,
+        gu_d,
+        gu_out,
+        rows,
+        2 * inter,
+        hidden,
+        top_k,
+    ))?;
+    exec.launch(&kernels::moe_matvec(
+        a_d, ids_d, d_d, d_out, rows, hidden, inter, 1,
+    ))?;
+    let mut got = m.bf16(gu_out, rows * 2 * inter)?;
+    got.extend(m.bf16(d_out, rows * hidden)?);
+    let matvec = |x: &[f32], w: &[f32], n: usize, k: usize, x_div: usize, out: &mut Vec<f32>| {
+        for (r, &e) in ids.iter().enumerate() {
+            let xr = &x[(r / x_div) * k..][..k];
+            for j in 0..n {
+                let wr = &w[(e as usize * n + j) * k..][..k];
+                out.push(xr.iter().zip(wr).map(|(a, b)| a * b).sum());
+            }
+        }
+    };
+    let mut want = Vec::with_capacity(got.len());
+    matvec(&xf, &guf, 2 * inter, hidden, top_k, &mut want);
+    matvec(&af, &df, hidden, inter, 1, &mut want);
+    Ok(compare(
+        "moe_matvec",
+        format!("{rows} rows of {experts} experts, hidden {hidden}, inter {inter}"),
+        &got,
+        &want,
+        1e-2,
+        1e-2,
+    ))
+}
+
+/// The weighted sum of each token's chosen rows in slot order, plus σ(gate) times the
+/// shared expert's output, against the same in f32.
+fn check_moe_combine(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (tokens, _, top_k) = moe_shape(z);
+    let hidden = z.pick(2048, 64);
+    let (yb, yf) = rand_bf16(rng, tokens * top_k * hidden, 2.0);
+    let weights = rand_f32(rng, tokens * top_k, 1.0);
+    let (sb, sf) = rand_bf16(rng, tokens * hidden, 2.0);
+    let gate = rand_f32(rng, tokens, 3.0);
+    let mut m = Mem::new(exec);
+    let (y_d, w_d, s_d, g_d) = (
+        m.upload(&yb)?,
+        m.upload(&weights)?,
+        m.upload(&sb)?,
+        m.upload(&gate)?,
+    );
+    let (plain, with_shared) = (
+        m.zeros::<u16>(tokens * hidden)?,
+        m.zeros::<u16>(tokens * hidden)?,
+    );
+    let launch = |shared, out| kernels::moe_combine(y_d, w_d, shared, out, tokens, top_k, hidden);
+    exec.launch(&launch(None, plain))?;
+    exec.launch(&launch(Some((s_d, g_d)), with_shared))?;
+    let mut got = m.bf16(plain, tokens * hidden)?;
+    got.extend(m.bf16(with_shared, tokens * hidden)?);
+    let mut want = Vec::with_capacity(got.len());
+    for shared in [false, true] {
+        for t in 0..tokens {
+            for i in 0..hidden {
+                let mut acc: f32 = (0..top_k)
+                    .map(|s| yf[(t * top_k + s) * hidden + i] * weights[t * top_k + s])
+                    .sum();
+                if shared {
+                    acc += ops::sigmoid(gate[t]) * sf[t * hidden + i];
+                }
+                want.push(acc);
+            }
+        }
+    }
+    Ok(compare(
+        "moe_combine",
+        format!("{tokens} tokens × top {top_k}, hidden {hidden}, without and with a shared expert"),
+        &got,
+        &want,
+        1e-2,
+        1e-2,
     ))
 }

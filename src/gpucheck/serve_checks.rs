@@ -537,6 +537,25 @@ pub fn serve_check() -> Result<Vec<CheckRow>> {
         rows.extend(disk_case(&gpu, name, shape, &dir)?);
         let _ = std::fs::remove_dir_all(&dir);
     }
+    let dev = Arc::new(CudaDevice::new(0)?);
+    let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), dev.new_stream()?)?);
+    let gpu = |m: &Arc<Model>, c: &EngineConfig| crate::serve::setup::gpu_engine(m, c);
+    rows.extend(qwen35_serving(exec, &gpu, false)?);
+    Ok(rows)
+}
+
+/// Step 6's Qwen3.5 rows (each sequence's rows through its own recurrent state): batch
+/// invariance and the serving engine under preemption, accuracy at the checkpoint's bf16
+/// bound (`model_checks::QWEN35_TOL`).
+fn qwen35_serving(
+    exec: Arc<dyn Exec>,
+    make: &ServeEngineFactory<'_>,
+    sanitize: bool,
+) -> Result<Vec<CheckRow>> {
+    let model = super::model_checks::qwen35_tiny()?;
+    let (name, tol) = ("qwen3.5 tiny", super::model_checks::QWEN35_TOL);
+    let mut rows = vec![batch_invariance_case_of(exec, name, &model, tol)?];
+    rows.extend(serve_case_of(make, name, &model, sanitize, tol.0)?);
     Ok(rows)
 }
 
@@ -554,6 +573,7 @@ pub fn serve_check_emulated() -> Result<Vec<CheckRow>> {
         rows.extend(serve_case(&emu, name, shape, true)?);
         rows.push(prompt_logprobs_case(&emu, name, shape)?);
     }
+    rows.extend(qwen35_serving(exec, &emu, true)?);
     Ok(rows)
 }
 

@@ -269,6 +269,15 @@ impl Model {
         }
     }
 
+    /// A Hugging Face directory's config and weights (as stored), without a tokenizer: for
+    /// checks that feed token ids (transformers' random test checkpoints ship none).
+    pub fn load_untokenized(dir: &Path) -> Result<Arc<Self>> {
+        let mut cfg = hf_config(dir)?;
+        let w = weights::load_safetensors(dir, &mut cfg, false)
+            .with_context(|| format!("{}", dir.display()))?;
+        Ok(Arc::new(Self::new(cfg, w)))
+    }
+
     /// The configuration of the model at `path` without its weights or tokenizer (a GGUF
     /// file's header, a directory's config.json): what `serve` checks its flags against
     /// before it binds the port.

@@ -94,7 +94,7 @@ pub fn kv_plan(model: &ModelConfig, sched: &SchedulerConfig, elem: usize) -> Str
             )
         }
         _ if model.has_state_layers() => format!(
-            "device KV {bytes}: {} full-attention layers × {} blocks; {} state layers keep no KV but a {:.1} MiB recurrent state per running or preempted request, in host memory",
+            "device KV {bytes}: {} full-attention layers × {} blocks; {} state layers keep no KV but a {:.1} MiB recurrent state per running or preempted request, where the model computes (host memory on the CPU device, GPU memory on CUDA)",
             model.kv_layers(),
             sched.num_gpu_blocks,
             model.num_layers - model.kv_layers(),

@@ -149,6 +149,7 @@ pub const KERNELS: &[(&str, &[&str])] = &[
         &["gemm_fixed_bm4", "gemm_fixed_bm16", "gemm_fixed_bm64"],
     ),
     ("kv_store.cu", &["kv_store"]),
+    ("moe.cu", &["moe_route", "moe_matvec", "moe_combine"]),
     (
         "norm.cu",
         &[
@@ -375,6 +376,83 @@ pub fn delta_gated_norm(
         rows(tokens * s.v_heads, 128),
         args,
     )
+}
+
+/// moe.cu `moe_route`: each token's `top_k` experts (the largest logits, a NaN below any
+/// number, a tie to the lower expert) and their softmax weights, in ascending expert
+/// order (`model::moe::route`); one thread per token.
+pub fn moe_route(
+    logits: DevPtr<f32>,  // f32 [tokens, experts]
+    ids: DevPtr<i32>,     // i32 [tokens, top_k]
+    weights: DevPtr<f32>, // f32 [tokens, top_k]
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+) -> Launch {
+    let args = vec![
+        arg(logits),
+        arg(ids),
+        arg(weights),
+        i(tokens),
+        i(experts),
+        i(top_k),
+    ];
+    launch("moe.cu", "moe_route", grid1(tokens, 64), args)
+}
+
+/// moe.cu `moe_matvec`: `out[r] = w[ids[r]] · x[r / x_div]` for each of `rows` (token,
+/// chosen expert) rows, `w` a stack of every expert's `[n, kdim]` matrix; one warp per
+/// output, a fixed-order reduction (batch-invariant). `x_div`: `top_k` when a token's
+/// chosen rows all read its input (gate/up), 1 when each reads its own (down).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_matvec(
+    x: DevPtr<bf16>,   // bf16 [rows / x_div, kdim]
+    ids: DevPtr<i32>,  // i32 [rows]
+    w: DevPtr<bf16>,   // bf16 [experts, n, kdim]
+    out: DevPtr<bf16>, // bf16 [rows, n]
+    rows: usize,
+    n: usize,
+    kdim: usize,
+    x_div: usize,
+) -> Launch {
+    let args = vec![
+        arg(x),
+        arg(ids),
+        arg(w),
+        arg(out),
+        i(rows),
+        i(n),
+        i(kdim),
+        i(x_div),
+    ];
+    launch("moe.cu", "moe_matvec", grid1(rows * n * 32, 256), args)
+}
+
+/// moe.cu `moe_combine`: each token's chosen experts' outputs weighted and summed in
+/// slot (ascending expert) order, plus σ(gate) · the shared expert's output where there
+/// is one; one thread per output.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine(
+    y: DevPtr<bf16>,                             // bf16 [tokens · top_k, hidden]
+    weights: DevPtr<f32>,                        // f32 [tokens, top_k]
+    shared: Option<(DevPtr<bf16>, DevPtr<f32>)>, // bf16 [tokens, hidden], f32 gate [tokens]
+    out: DevPtr<bf16>,                           // bf16 [tokens, hidden]
+    tokens: usize,
+    top_k: usize,
+    hidden: usize,
+) -> Launch {
+    let (s, g) = shared.map_or((0, 0), |(s, g)| (s.addr(), g.addr()));
+    let args = vec![
+        arg(y),
+        arg(weights),
+        KArg::Ptr(s),
+        KArg::Ptr(g),
+        arg(out),
+        i(tokens),
+        i(top_k),
+        i(hidden),
+    ];
+    launch("moe.cu", "moe_combine", grid1(tokens * hidden, EW), args)
 }
 
 /// norm.cu `head_rms_norm(x, w, tokens, heads, head_dim, row_stride, eps)`, in place on
@@ -1041,6 +1119,9 @@ mod tests {
             delta_conv(p(1), p(2), p(3), p(4), 5, 400, s),
             delta_rule(p(1), p(2), p(3), p(4), p(5), p(6), 5, 8, s),
             delta_gated_norm(p(1), p(2), p(3), p(4), 5, 400, s, 1e-6),
+            moe_route(p(1), p(2), p(3), 5, 16, 4),
+            moe_matvec(p(1), p(2), p(3), p(4), 20, 64, 32, 4),
+            moe_combine(p(1), p(2), Some((p(3), p(4))), p(5), 5, 4, 32),
         ]);
         for l in &launches {
             assert!(is_listed(l.file, &l.func), "{} of {}", l.func, l.file);

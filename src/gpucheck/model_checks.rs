@@ -10,6 +10,7 @@
 //! tenths of a percent to a few percent of their spread. A step passes when
 //! rms(Δ) ≤ 3% · rms(cpu) and max|Δ| ≤ 8% · max|cpu|.
 
+use crate::device::bf16::{bf16_to_f32, f32_to_bf16};
 use crate::device::cuda::context::CudaDevice;
 use crate::device::cuda::exec::{CudaExec, Exec};
 use crate::device::DeviceKind;
@@ -19,12 +20,13 @@ use crate::kv::ContiguousKv;
 use crate::model::cuda::weights::CudaWeights;
 use crate::model::cuda::CudaModel;
 use crate::model::random::{random_weights, Shape};
+use crate::model::weights::Mlp;
 use crate::model::Model;
 use crate::offload::cuda_device::offload_engine;
 use crate::offload::{OffloadConfig, OffloadKv};
 use crate::session::{EngineFactory, Session, SessionConfig};
 use crate::sparse::SparseConfig;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
@@ -46,6 +48,49 @@ pub const QWEN35_TOL: (f32, f32) = (0.10, 0.10);
 /// `QWEN35_TINY`, loaded as stored.
 pub fn qwen35_tiny() -> Result<Arc<Model>> {
     Model::load_untokenized(std::path::Path::new(QWEN35_TINY))
+}
+
+/// transformers' tiny random Qwen3.5 MoE (the same layers, each MLP a router over 16
+/// experts, 4 per token, and a gated shared expert), relative to the repository root.
+pub const QWEN35_MOE_TINY: &str = "tests/data/qwen3_5/tiny_random_moe";
+
+/// The mixture-of-experts block's bound against the CPU model's (rel rms, rel max): its
+/// inputs are the same bf16 values, its gate/up, activation and expert outputs are
+/// rounded to bf16 once each (~0.4% apiece).
+pub const MOE_BLOCK_TOL: (f32, f32) = (0.02, 0.03);
+
+/// Step 2's mixture-of-experts row: every layer's block alone (`CudaModel::mlp_alone`) on
+/// 37 random rows against `model::moe::forward` on the same bf16 values. The whole MoE
+/// checkpoint cannot tell a fault from noise (its own bf16 forward in transformers differs
+/// from its f32 one by 17–59%); one block can.
+pub fn moe_block_check(exec: Arc<dyn Exec>) -> Result<CheckRow> {
+    let model = Model::load_untokenized(std::path::Path::new(QWEN35_MOE_TINY))?;
+    let c = &model.cfg;
+    let moe = c.moe.context("the MoE checkpoint has no mixture config")?;
+    let w = CudaWeights::from_model(&*exec, &model)?;
+    let mut gpu = CudaModel::new(exec, c.clone(), w, 64)?;
+    let mut rng = StdRng::seed_from_u64(13);
+    let (rows, h) = (37, c.hidden_size);
+    let mut errs = Vec::new();
+    for (l, lw) in model.weights.layers.iter().enumerate() {
+        let Mlp::Experts(x) = &lw.mlp else {
+            continue;
+        };
+        let input: Vec<f32> = (0..rows * h)
+            .map(|_| bf16_to_f32(f32_to_bf16(rng.random_range(-2.0..2.0))))
+            .collect();
+        let got = gpu.mlp_alone(l, &input)?;
+        let mut want = vec![0.0f32; rows * h];
+        crate::model::moe::forward(x, moe, c.intermediate_size, &input, &mut want, rows);
+        errs.push(logits_error(&got, &want));
+    }
+    let shape = format!(
+        "{} layers × {rows} rows, {} experts, top {}",
+        errs.len(),
+        moe.num_experts,
+        moe.top_k
+    );
+    Ok(row_within("qwen3.5 MoE block", shape, &errs, MOE_BLOCK_TOL))
 }
 
 /// rms and max of the difference, relative to the reference's rms and max.
@@ -215,7 +260,9 @@ fn logits_check_on(exec: Arc<dyn Exec>) -> Vec<CheckRow> {
         })
         .collect();
     let name = "qwen3.5 tiny (state layers, gated attention)";
-    rows.push(qwen35_logits(exec).unwrap_or_else(|e| failed(name, e)));
+    rows.push(qwen35_logits(exec.clone()).unwrap_or_else(|e| failed(name, e)));
+    let name = "qwen3.5 MoE block";
+    rows.push(moe_block_check(exec).unwrap_or_else(|e| failed(name, e)));
     rows
 }
 
@@ -325,19 +372,41 @@ pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
     Ok(rows)
 }
 
-/// Step 3's Qwen3.5 rows: offload (the attention layers' KV moved, the state layers'
-/// recurrent states kept with the compute) equals resident, with and without the
-/// sanitizer; a random 100-token prompt, 40 greedy tokens.
+/// Step 3's Qwen3.5 rows, dense and MoE: offload (the attention layers' KV moved, the
+/// state layers' recurrent states kept with the compute) equals resident, with and
+/// without the sanitizer; a random 100-token prompt, 40 greedy tokens.
 fn qwen35_offload(exec: Arc<dyn Exec>, engine: &EngineFactory<'_>) -> Vec<CheckRow> {
-    let name = "qwen3.5 tiny";
     let run = || -> Result<Vec<CheckRow>> {
-        let model = qwen35_tiny()?;
-        let mut rng = StdRng::seed_from_u64(9);
-        let vocab = model.cfg.vocab_size as u32;
-        let prompt: Vec<u32> = (0..100).map(|_| rng.random_range(0..vocab)).collect();
-        offload_case_of(exec, engine, name, &model, &prompt, &greedy(40))
+        let mut rows = Vec::new();
+        for (name, model, _) in qwen35_checkpoints()? {
+            let mut rng = StdRng::seed_from_u64(9);
+            let vocab = model.cfg.vocab_size as u32;
+            let prompt: Vec<u32> = (0..100).map(|_| rng.random_range(0..vocab)).collect();
+            rows.extend(offload_case_of(
+                exec.clone(),
+                engine,
+                name,
+                &model,
+                &prompt,
+                &greedy(40),
+            )?);
+        }
+        Ok(rows)
     };
-    run().unwrap_or_else(|e| vec![failed(name, e)])
+    run().unwrap_or_else(|e| vec![failed("qwen3.5", e)])
+}
+
+/// transformers' tiny random Qwen3.5 checkpoints, loaded as stored: (name, model, whether
+/// it is the MoE one).
+pub fn qwen35_checkpoints() -> Result<Vec<(&'static str, Arc<Model>, bool)>> {
+    Ok(vec![
+        ("qwen3.5 tiny", qwen35_tiny()?, false),
+        (
+            "qwen3.5 MoE tiny",
+            Model::load_untokenized(std::path::Path::new(QWEN35_MOE_TINY))?,
+            true,
+        ),
+    ])
 }
 
 /// Step 3's request: a random model of `shape`, a random 100-token prompt (from `seed`),

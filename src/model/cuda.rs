@@ -5,13 +5,13 @@
 
 pub mod weights;
 
-use self::weights::CudaWeights;
+use self::weights::{CudaWeights, ExpertsOf, MlpOf, Tensor};
 use crate::device::cpu::ops::rope_tables;
 use crate::device::cuda::exec::alloc;
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::cuda::ops::{self, AttnArgs, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::delta::DeltaShape;
-use crate::device::DevPtr;
+use crate::device::{DevPtr, MlpAct};
 use crate::kv::{KvCache, LayerSlot, NewRow, Query};
 use crate::model::{check_ids, config, ModelConfig};
 use anyhow::{bail, Context, Result};
@@ -134,6 +134,20 @@ pub struct CudaModel {
     pub nvtx: bool,
 }
 
+/// A mixture of experts' buffers for one MLP chunk of `chunk` rows (`k` = top_k).
+struct MoeActs {
+    logits: DevPtr<f32>,      // [chunk, experts] router logits
+    ids: DevPtr<i32>,         // [chunk, k] chosen experts, ascending
+    weights: DevPtr<f32>,     // [chunk, k]
+    gu: DevPtr<bf16>,         // [chunk · k, gate | up]
+    act: DevPtr<bf16>,        // [chunk · k, inter]
+    y: DevPtr<bf16>,          // [chunk · k, hidden] each chosen expert's output
+    shared_gu: DevPtr<bf16>,  // [chunk, gate | up] (shared_inter each)
+    shared_act: DevPtr<bf16>, // [chunk, shared_inter]
+    shared_out: DevPtr<bf16>, // [chunk, hidden]
+    shared_gate: DevPtr<f32>, // [chunk]
+}
+
 /// Step activations for up to `rows` tokens, reused across steps.
 struct Acts {
     rows: usize,
@@ -147,6 +161,8 @@ struct Acts {
     /// State-layer models: the conv's output f32 [rows, conv_channels] and the delta
     /// rule's f32 [rows, v_heads · dv] (the widest state layer's).
     delta: Option<(DevPtr<f32>, DevPtr<f32>)>,
+    /// Mixture-of-experts models: an MLP chunk's expert buffers.
+    moe: Option<MoeActs>,
     proj: DevPtr<bf16>,  // [rows, hidden]
     gu: DevPtr<bf16>,    // [chunk, gate | up]
     act: DevPtr<bf16>,   // [chunk, inter]
@@ -247,6 +263,35 @@ impl CudaModel {
         let (logits_b, logits) = alloc::<f32>(&*self.exec, c.vocab_size)?;
         bufs.extend([meta_b, logits_b]);
         let shapes = || (0..c.num_layers).filter_map(|l| c.state(l));
+        let moe = match c.moe {
+            None => None,
+            Some(m) => {
+                let (k, si) = (m.top_k, m.shared_intermediate.unwrap_or(0));
+                let (cb, ck) = (chunk, chunk * k);
+                let (lb, logits) = alloc::<f32>(&*self.exec, cb * m.num_experts)?;
+                let (ib, ids) = alloc::<i32>(&*self.exec, ck)?;
+                let (wb, weights) = alloc::<f32>(&*self.exec, ck)?;
+                let (gb, shared_gate) = alloc::<f32>(&*self.exec, cb)?;
+                bufs.extend([lb, ib, wb, gb]);
+                let mut bf = |n: usize| -> Result<DevPtr<bf16>> {
+                    let (b, p) = alloc::<bf16>(&*self.exec, n.max(1))?;
+                    bufs.push(b);
+                    Ok(p)
+                };
+                Some(MoeActs {
+                    logits,
+                    ids,
+                    weights,
+                    gu: bf(ck * 2 * inter)?,
+                    act: bf(ck * inter)?,
+                    y: bf(ck * h)?,
+                    shared_gu: bf(cb * 2 * si)?,
+                    shared_act: bf(cb * si)?,
+                    shared_out: bf(cb * h)?,
+                    shared_gate,
+                })
+            }
+        };
         let delta = match shapes().map(|s| s.conv_channels()).max() {
             None => None,
             Some(channels) => {
@@ -265,6 +310,7 @@ impl CudaModel {
             qkv,
             attn,
             delta,
+            moe,
             proj,
             gu,
             act,
@@ -806,7 +852,7 @@ impl CudaModel {
         let c = &self.cfg;
         let a = self.acts.as_ref().expect("allocated by the step");
         let (exec, lw) = (&*self.exec, &self.w.layers[l]);
-        let (h, inter, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let width = c.state(l).map_or(c.q_dim(), |s| s.v_heads * s.dv);
         let shape = |m, k, n| GemmShape { m, k, n };
         let linear = |x, w, out, s| self.gemm(gemm, x, w, GemmOut::Bf16(out), s);
@@ -828,13 +874,149 @@ impl CudaModel {
         for r0 in (0..t).step_by(a.chunk) {
             let n = a.chunk.min(t - r0);
             let row = |p: DevPtr<bf16>| p.at(r0 * h);
-            linear(row(a.hn), lw.w_gate_up.ptr, a.gu, shape(n, h, 2 * inter))?;
-            exec.launch(&ops::gated_mul(c.mlp_act, a.gu, a.act, n, inter))?;
-            linear(a.act, lw.w_down.ptr, row(a.proj), shape(n, inter, h))?;
+            self.mlp(l, gemm, row(a.hn), row(a.proj), n)?;
             let (x, d, out) = (row(a.x), row(a.proj), row(a.hn));
             add_norm(x, d, post.map(|p| p.1), next_norm, out, n)?;
         }
         self.pop();
         Ok(())
+    }
+
+    /// Layer `l`'s MLP on `n` ≤ `MLP_CHUNK` normalised rows `hn` → `out` `[n, hidden]`.
+    fn mlp(
+        &self,
+        l: usize,
+        gemm: Gemm,
+        hn: DevPtr<bf16>,
+        out: DevPtr<bf16>,
+        n: usize,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let a = self.acts.as_ref().expect("allocated by the step");
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let shape = |m, k, n| GemmShape { m, k, n };
+        let linear = |x, w, out, s| self.gemm(gemm, x, w, GemmOut::Bf16(out), s);
+        match &self.w.layers[l].mlp {
+            MlpOf::Dense { gate_up, down } => {
+                linear(hn, gate_up.ptr, a.gu, shape(n, h, 2 * inter))?;
+                self.exec
+                    .launch(&ops::gated_mul(c.mlp_act, a.gu, a.act, n, inter))?;
+                linear(a.act, down.ptr, out, shape(n, inter, h))
+            }
+            MlpOf::Experts(x) => self.experts(x, gemm, hn, out, n),
+        }
+    }
+
+    /// Layer `l`'s MLP alone on the normalised rows `x` (f32 `[rows, hidden]`, rows ≤
+    /// 1,024, rounded to bf16 on upload): its output `[rows, hidden]`. gpu-check's
+    /// block-level comparison with the CPU model's, where a whole model's bf16 noise would
+    /// hide a fault (a mixture of experts on a chaotic random checkpoint).
+    pub(crate) fn mlp_alone(&mut self, l: usize, x: &[f32]) -> Result<Vec<f32>> {
+        let h = self.cfg.hidden_size;
+        let rows = x.len() / h;
+        if rows == 0 || rows * h != x.len() || rows > MLP_CHUNK || l >= self.cfg.num_layers {
+            bail!(
+                "mlp_alone: {} values for layer {l} (rows of {h}, at most {MLP_CHUNK})",
+                x.len()
+            );
+        }
+        self.ensure_acts(rows)?;
+        let a = self.acts.as_ref().expect("allocated above");
+        let (hn, out) = (a.hn, a.proj);
+        let bits: Vec<u8> = x
+            .iter()
+            .flat_map(|&v| crate::device::bf16::f32_to_bf16(v).to_le_bytes())
+            .collect();
+        // SAFETY: `hn` holds `rows · hidden` bf16.
+        unsafe { self.exec.htod(hn.cast(), &bits)? };
+        self.mlp(l, Gemm::Fast, hn, out, rows)?;
+        let mut raw = vec![0u8; 2 * x.len()];
+        // SAFETY: `out` holds `rows · hidden` bf16; `download` waits for the work.
+        unsafe { self.exec.download(out.cast(), &mut raw)? };
+        Ok(raw
+            .chunks_exact(2)
+            .map(|b| crate::device::bf16::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect())
+    }
+
+    /// A mixture of experts on `n` normalised rows `x` → `out` `[n, hidden]`: the router
+    /// (f32 logits), each row's experts (`moe_route`), each (row, expert) pair through
+    /// its expert's gate/up, SwiGLU and down (`moe_matvec`: only the chosen experts'
+    /// rows are read), the shared expert over every row, and the weighted sum.
+    fn experts(
+        &self,
+        x: &ExpertsOf<Tensor>,
+        gemm: Gemm,
+        hn: DevPtr<bf16>,
+        out: DevPtr<bf16>,
+        n: usize,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let a = self.acts.as_ref().expect("allocated by the step");
+        let (m, moe) = (
+            a.moe.as_ref().expect("allocated for an experts model"),
+            c.moe.expect("an experts layer has a mixture config"),
+        );
+        let exec = &*self.exec;
+        let (h, inter, e, k) = (
+            c.hidden_size,
+            c.intermediate_size,
+            moe.num_experts,
+            moe.top_k,
+        );
+        let shape = |m, k, n| GemmShape { m, k, n };
+        self.gemm(
+            gemm,
+            hn,
+            x.router.ptr,
+            GemmOut::F32(m.logits),
+            shape(n, h, e),
+        )?;
+        exec.launch(&ops::moe_route(m.logits, m.ids, m.weights, n, e, k))?;
+        exec.launch(&ops::moe_matvec(
+            hn,
+            m.ids,
+            x.gate_up.ptr,
+            m.gu,
+            n * k,
+            2 * inter,
+            h,
+            k,
+        ))?;
+        exec.launch(&ops::gated_mul(MlpAct::Silu, m.gu, m.act, n * k, inter))?;
+        exec.launch(&ops::moe_matvec(
+            m.act,
+            m.ids,
+            x.down.ptr,
+            m.y,
+            n * k,
+            h,
+            inter,
+            1,
+        ))?;
+        let shared = match (&x.shared, moe.shared_intermediate) {
+            (Some(s), Some(si)) => {
+                let linear = |x, w, out, s| self.gemm(gemm, x, w, GemmOut::Bf16(out), s);
+                linear(hn, s.gate_up.ptr, m.shared_gu, shape(n, h, 2 * si))?;
+                exec.launch(&ops::gated_mul(
+                    MlpAct::Silu,
+                    m.shared_gu,
+                    m.shared_act,
+                    n,
+                    si,
+                ))?;
+                linear(m.shared_act, s.down.ptr, m.shared_out, shape(n, si, h))?;
+                self.gemm(
+                    gemm,
+                    hn,
+                    s.gate.ptr,
+                    GemmOut::F32(m.shared_gate),
+                    shape(n, h, 1),
+                )?;
+                Some((m.shared_out, m.shared_gate))
+            }
+            _ => None,
+        };
+        exec.launch(&ops::moe_combine(m.y, m.weights, shared, out, n, k, h))
     }
 }

@@ -10,8 +10,9 @@
 use crate::device::bf16::f32_to_bf16;
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
+use crate::model::config::ExpertAct;
 use crate::model::weights::DeltaWeights;
-use crate::model::weights::Mlp;
+use crate::model::weights::{Expert, Mlp, Weight};
 use crate::model::{Model, ModelConfig};
 use anyhow::{bail, Result};
 use half::bf16;
@@ -51,9 +52,33 @@ pub struct LayerOf<T> {
     /// Gemma 3's norms of the attention and MLP outputs before their residual adds,
     /// [hidden] each.
     pub post_norms: Option<(T, T)>,
-    pub mlp_norm: T,  // [hidden]
-    pub w_gate_up: T, // [2 inter, hidden]
-    pub w_down: T,    // [hidden, inter]
+    pub mlp_norm: T, // [hidden]
+    pub mlp: MlpOf<T>,
+}
+
+/// A layer's feed-forward block.
+pub enum MlpOf<T> {
+    Dense {
+        gate_up: T, // [2 inter, hidden]
+        down: T,    // [hidden, inter]
+    },
+    Experts(ExpertsOf<T>),
+}
+
+/// A mixture of experts (Qwen3.5 MoE): every expert's matrices stacked in one tensor, so
+/// a kernel reaches expert `e` at an offset (`ops::moe_matvec`).
+pub struct ExpertsOf<T> {
+    pub router: T,  // [experts, hidden]
+    pub gate_up: T, // [experts, 2 inter, hidden]  rows: gate, then up
+    pub down: T,    // [experts, hidden, inter]
+    /// An expert every token runs, scaled by σ(`gate` · x).
+    pub shared: Option<SharedOf<T>>,
+}
+
+pub struct SharedOf<T> {
+    pub gate_up: T, // [2 shared_inter, hidden]
+    pub down: T,    // [hidden, shared_inter]
+    pub gate: T,    // [1, hidden]
 }
 
 pub type LayerW = LayerOf<Tensor>;
@@ -75,11 +100,15 @@ pub fn convert_each<T>(
     let w = &model.weights;
     let bf16 = |x: &[f32]| x.iter().map(|&x| f32_to_bf16(x)).collect::<Vec<_>>();
     let mut layers = Vec::with_capacity(w.layers.len());
+    if model
+        .cfg
+        .moe
+        .is_some_and(|m| m.biases || m.act != ExpertAct::Silu)
+    {
+        bail!("the CUDA device does not run gpt-oss's experts (biases, clamped SwiGLU) yet: use --device cpu");
+    }
     for l in &w.layers {
-        // gpt-oss's attention sinks, output bias and experts have no CUDA kernels yet.
-        let Mlp::Dense { gate_up, down } = &l.mlp else {
-            bail!("the CUDA device does not run mixture-of-experts models yet: use --device cpu");
-        };
+        // gpt-oss's attention sinks and output bias have no CUDA kernels yet.
         if l.sinks.is_some() || l.bo.is_some() {
             bail!("the CUDA device does not run attention sinks or an output-projection bias yet: use --device cpu");
         }
@@ -94,6 +123,32 @@ pub fn convert_each<T>(
             None => None,
         };
         let mlp_norm = sink(&bf16(&l.mlp_norm))?;
+        let mlp = match &l.mlp {
+            Mlp::Dense { gate_up, down } => MlpOf::Dense {
+                gate_up: sink(&gate_up.to_bf16_bits())?,
+                down: sink(&down.to_bf16_bits())?,
+            },
+            Mlp::Experts(x) => {
+                // Stacked: the host holds one layer's experts in bf16 while converting.
+                let stack = |f: &dyn Fn(&Expert) -> &Weight| -> Vec<u16> {
+                    x.experts.iter().flat_map(|e| f(e).to_bf16_bits()).collect()
+                };
+                let shared = match &x.shared {
+                    Some(s) => Some(SharedOf {
+                        gate_up: sink(&s.gate_up.to_bf16_bits())?,
+                        down: sink(&s.down.to_bf16_bits())?,
+                        gate: sink(&s.gate.to_bf16_bits())?,
+                    }),
+                    None => None,
+                };
+                MlpOf::Experts(ExpertsOf {
+                    router: sink(&x.router.to_bf16_bits())?,
+                    gate_up: sink(&stack(&|e| &e.gate_up))?,
+                    down: sink(&stack(&|e| &e.down))?,
+                    shared,
+                })
+            }
+        };
         layers.push(LayerOf {
             attn_norm,
             wqkv: sink(&l.wqkv.to_bf16_bits())?,
@@ -102,8 +157,7 @@ pub fn convert_each<T>(
             wo: sink(&l.wo.to_bf16_bits())?,
             post_norms,
             mlp_norm,
-            w_gate_up: sink(&gate_up.to_bf16_bits())?,
-            w_down: sink(&down.to_bf16_bits())?,
+            mlp,
         });
     }
     let final_norm = sink(&bf16(&w.final_norm))?;
@@ -199,7 +253,7 @@ impl CudaWeights {
     /// Random bf16 weights of `cfg`'s shape generated on the host by a cheap hash (fast
     /// enough for Qwen3-4B's 390M-entry embedding), every layer sharing one set.
     pub fn random_shared(exec: &dyn Exec, cfg: &ModelConfig, seed: u64) -> Result<Self> {
-        if cfg.has_state_layers() || cfg.attn_output_gate {
+        if cfg.has_state_layers() || cfg.attn_output_gate || cfg.moe.is_some() {
             bail!("random shared weights are attention layers without output gates only");
         }
         let (h, qd, kvd, inter, hd) = (
@@ -242,8 +296,10 @@ impl CudaWeights {
                 None
             },
             mlp_norm: gen(h, 1.0, 0.1)?,
-            w_gate_up: gen(2 * inter * h, 0.0, s(h))?,
-            w_down: gen(h * inter, 0.0, s(inter))?,
+            mlp: MlpOf::Dense {
+                gate_up: gen(2 * inter * h, 0.0, s(h))?,
+                down: gen(h * inter, 0.0, s(inter))?,
+            },
         });
         let bias = if cfg.attention_bias { qd + 2 * kvd } else { 0 };
         let post = if cfg.sandwich_norms { 2 * h } else { 0 };

@@ -45,3 +45,17 @@ extern "C" __global__ void sigmoid_gate(
     const float g = bf16_to_f32(gate[t * gate_stride + j]);
     x[i] = f32_to_bf16(bf16_to_f32(x[i]) * (1.0f / (1.0f + expf(-g))));
 }
+
+// gpt-oss's experts: out = (clamp(up, ±limit) + 1) · g · σ(alpha · g), g = min(gate, limit)
+// (transformers' `GptOssExperts._apply_gate`; `ops::clamped_swiglu_mul`).
+extern "C" __global__ void clamped_swiglu_mul(
+    const bf16* __restrict__ gu,  // [tokens, 2 * inter]: gate then up
+    bf16* __restrict__ out,       // [tokens, inter]
+    int tokens, int inter, float alpha, float limit) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)tokens * inter) return;
+    const long long t = i / inter, j = i % inter;
+    const float g = fminf(bf16_to_f32(gu[t * 2 * inter + j]), limit);
+    const float u = fminf(fmaxf(bf16_to_f32(gu[t * 2 * inter + inter + j]), -limit), limit);
+    out[i] = f32_to_bf16((u + 1.0f) * (g / (1.0f + expf(-g * alpha))));
+}

@@ -3,7 +3,8 @@
 // f32), then a second kernel merges the splits. GQA; an optional sliding window (`window`
 // > 0: the query sees its last `window` keys, so splits wholly before them are neither
 // run nor merged); K/V read through a block table (a contiguous slot = one block per
-// sequence; a ring slot = a table of zeros, key p at row p % block_size). bf16 in and out.
+// sequence; a ring slot = a table of zeros, key p at row p % block_size); attention
+// sinks (gpt-oss) join the merge. bf16 in and out.
 #include "common.cuh"
 
 #define WARPS 4
@@ -126,22 +127,25 @@ INSTANTIATE(96)
 INSTANTIATE(128)
 INSTANTIATE(256)
 
-// Merge the splits: out = Σ o_s e^{m_s − M} / Σ l_s e^{m_s − M}.
+// Merge the splits: out = Σ o_s e^{m_s − M} / Σ l_s e^{m_s − M}; with attention sinks
+// (gpt-oss) the head's sink is one more term of the denominator, e^{sink − M}, M taken
+// over it too.
 // Launch: grid (num_heads, batch), block 128.
 extern "C" __global__ void attn_decode_reduce(
     const float* __restrict__ part_o,      // [batch, num_heads, max_splits, head_dim]
     const float* __restrict__ part_ml,     // [batch, num_heads, max_splits, 2]
     bf16* __restrict__ out,                // [batch, num_heads × head_dim]
     const int* __restrict__ context_lens,  // [batch]
-    int num_heads, int head_dim, int split_len, int max_splits, int window) {
+    int num_heads, int head_dim, int split_len, int max_splits, int window,
+    const float* __restrict__ sinks) {     // [num_heads] or null
     const int h = blockIdx.x, b = blockIdx.y;
     const int ctx = context_lens[b];
     const int splits = (ctx + split_len - 1) / split_len;
     const int s0 = first_key(ctx, window) / split_len;  // the first split attn_decode ran
     const long long base = ((long long)b * num_heads + h) * max_splits;
-    float mx = -INFINITY;
+    float mx = sinks ? sinks[h] : -INFINITY;
     for (int s = s0; s < splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
-    float l = 0.0f;
+    float l = sinks ? __expf(sinks[h] - mx) : 0.0f;
     for (int s = s0; s < splits; ++s)
         l += part_ml[(base + s) * 2 + 1] * __expf(part_ml[(base + s) * 2] - mx);
     const float inv = 1.0f / l;

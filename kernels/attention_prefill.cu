@@ -5,7 +5,8 @@
 // an optional sliding window (`window` > 0: the query at p sees keys p − window + 1 ..= p),
 // K/V read through a block table; a contiguous slot is the case of one block per sequence
 // (block_size = the slot's capacity), a ring slot that of a table of zeros (key p at row
-// p % block_size). bf16 in and out.
+// p % block_size); optional attention sinks (gpt-oss: `sinks[h]`, a learned logit that
+// joins every softmax's denominator and attends nothing). bf16 in and out.
 #include "common.cuh"
 
 #define BK 64             // keys per tile: 2 per lane
@@ -44,7 +45,8 @@ __device__ void attn_prefill(
     const int* __restrict__ context_lens,   // [batch] keys per sequence, new tokens included
     const int* __restrict__ block_tables,   // [batch, max_blocks]
     int max_blocks, int block_size, int num_heads, int num_kv_heads, int q_stride,
-    int window, float scale) {
+    int window, float scale,
+    const float* __restrict__ sinks) {      // [num_heads] or null
     constexpr int QPW = BQ / WARPS;  // queries per warp
     constexpr int DPL = HD / 32;     // output dims per lane: lane + 32 i
     constexpr int KROW = HD + 2;     // padded K row: an odd word stride, no bank conflicts
@@ -151,7 +153,15 @@ __device__ void attn_prefill(
     for (int j = 0; j < QPW; ++j) {
         const int r = warp * QPW + j;
         if (tile0 + r >= q_len) break;
-        const float inv = 1.0f / l[j];
+        // A sink: one more denominator term exp(sink − m'), m' = max(m, sink), the keys'
+        // terms rescaled to m' (`ops::attention_batch`'s merge).
+        float keep = 1.0f, lj = l[j];
+        if (sinks) {
+            const float s = sinks[h], mx = fmaxf(m[j], s);
+            keep = __expf(m[j] - mx);
+            lj = lj * keep + __expf(s - mx);
+        }
+        const float inv = keep / lj;
         bf16* dst = out + (long long)(q0 + tile0 + r) * num_heads * HD + h * HD;
 #pragma unroll
         for (int i = 0; i < DPL; ++i) dst[lane + 32 * i] = f32_to_bf16(o[j][i] * inv);
@@ -165,11 +175,11 @@ __device__ void attn_prefill(
         const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out,               \
         const int* cu_seqlens_q, const int* context_lens, const int* block_tables,        \
         int max_blocks, int block_size, int num_heads, int num_kv_heads, int q_stride,    \
-        int window, float scale) {                                                        \
+        int window, float scale, const float* sinks) {                                    \
         attn_prefill<HD, BQ, KV_SHARED>(q, k_cache, v_cache, out, cu_seqlens_q,           \
                                         context_lens, block_tables, max_blocks,           \
                                         block_size, num_heads, num_kv_heads, q_stride,    \
-                                        window, scale);                                   \
+                                        window, scale, sinks);                            \
     }
 INSTANTIATE(64, 16, false)
 INSTANTIATE(96, 16, false)

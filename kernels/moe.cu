@@ -1,4 +1,4 @@
-// A mixture-of-experts block (Qwen3.5 MoE's routed experts; `model::moe` is the CPU
+// A mixture-of-experts block (Qwen3.5 MoE's and gpt-oss's routed experts; `model::moe` is the CPU
 // reference each kernel is checked against): each token's experts from its router
 // logits, every (token, chosen expert) row through that expert's projections, and the
 // weighted sum in ascending expert order. Each output is one warp's fixed-order reduction
@@ -7,15 +7,19 @@
 
 // One thread per token: the top_k largest logits (a NaN ranks below every number; a tie
 // goes to the lower expert), weighted by a softmax over the chosen logits, listed in
-// ascending expert order (`model::moe::route`).
+// ascending expert order (`model::moe::route`). A router bias (gpt-oss) is added to the
+// logits in place first, in f32, as the CPU's biased linear does.
 extern "C" __global__ void moe_route(
-    const float* __restrict__ logits,  // [tokens, experts]
+    float* __restrict__ logits,        // [tokens, experts]
+    const float* __restrict__ bias,    // [experts] or null
     int* __restrict__ ids,             // [tokens, top_k]
     float* __restrict__ weights,       // [tokens, top_k]
     int tokens, int experts, int top_k) {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= tokens) return;
-    const float* row = logits + (long long)t * experts;
+    float* row = logits + (long long)t * experts;
+    if (bias)
+        for (int e = 0; e < experts; ++e) row[e] += bias[e];
     int* id = ids + (long long)t * top_k;
     float* w = weights + (long long)t * top_k;
     for (int s = 0; s < top_k; ++s) {
@@ -57,12 +61,14 @@ extern "C" __global__ void moe_route(
 // One warp per output element: out[r, j] = sum_i x[r / x_div, i] * w[ids[r], j, i], the
 // row's expert's matrix [n, kdim] (a stack [experts, n, kdim]); lanes stride the inputs,
 // then a fixed-order warp sum. x_div: top_k when every chosen row of a token reads the
-// token's input (gate/up), 1 when each reads its own (down).
+// token's input (gate/up), 1 when each reads its own (down). An expert bias (gpt-oss)
+// joins the f32 sum before its one rounding.
 extern "C" __global__ void moe_matvec(
-    const bf16* __restrict__ x,  // [rows / x_div, kdim]
-    const int* __restrict__ ids, // [rows]
-    const bf16* __restrict__ w,  // [experts, n, kdim]
-    bf16* __restrict__ out,      // [rows, n]
+    const bf16* __restrict__ x,    // [rows / x_div, kdim]
+    const int* __restrict__ ids,   // [rows]
+    const bf16* __restrict__ w,    // [experts, n, kdim]
+    const bf16* __restrict__ bias, // [experts, n] or null
+    bf16* __restrict__ out,        // [rows, n]
     int rows, int n, int kdim, int x_div) {
     const long long o = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -73,6 +79,7 @@ extern "C" __global__ void moe_matvec(
     float acc = 0.0f;
     for (int i = lane; i < kdim; i += 32) acc += bf16_to_f32(xr[i]) * bf16_to_f32(wr[i]);
     acc = warp_sum(acc);
+    if (bias) acc += bf16_to_f32(bias[(long long)ids[r] * n + j]);
     if (lane == 0) out[o] = f32_to_bf16(acc);
 }
 

@@ -7,7 +7,8 @@
 //! CPU engine's; prompt log-probabilities take the right rows, batch-invariant. Once on a
 //! tiny Qwen3, once on a tiny Gemma 3 whose windows are shorter than the requests, and
 //! (batch invariance and preemption) on transformers' tiny random Qwen3.5 dense and MoE, whose state
-//! layers run each sequence's rows from its own recurrent state.
+//! layers run each sequence's rows from its own recurrent state, and gpt-oss (sinks, windows,
+//! experts).
 
 use strata::gpucheck::kernels::format_table;
 use strata::gpucheck::serve_checks::{disk_case, serve_check_emulated};
@@ -17,7 +18,8 @@ use strata::model::random::Shape;
 fn serving_path_on_the_emulator_is_batch_invariant_and_bitwise_under_preemption() {
     let rows = serve_check_emulated().unwrap();
     eprint!("{}", format_table(&rows));
-    assert_eq!(rows.len(), 17); // tiny Qwen3 5, tiny Gemma 3 5, Qwen3.5 4, its MoE 3
+    // tiny Qwen3 5, tiny Gemma 3 5, Qwen3.5 4, its MoE 3, gpt-oss 4
+    assert_eq!(rows.len(), 21);
     let failed: Vec<_> = rows.iter().filter(|r| !r.pass).collect();
     assert!(failed.is_empty(), "failed: {failed:#?}");
 }

@@ -119,7 +119,44 @@ fn qwen3_5_on_the_emulator_matches_the_cpu_model() {
 /// there, the CUDA model's logits by 14–38%.)
 #[test]
 fn qwen3_5_moe_block_on_the_emulator_matches_the_cpu_model() {
-    let row = strata::gpucheck::model_checks::moe_block_check(emu_exec()).unwrap();
+    use strata::gpucheck::model_checks::{moe_block_check, QWEN35_MOE_TINY};
+    let row = moe_block_check(emu_exec(), "qwen3.5 MoE block", QWEN35_MOE_TINY).unwrap();
+    eprintln!("{row:?}");
+    assert!(row.pass, "{row:?}");
+}
+
+/// gpt-oss through the real kernels: transformers' tiny random checkpoint (the CPU model
+/// matches transformers on it, tests/gpt_oss.rs: sinks, windows of 32 alternating with
+/// full layers, q/k/v/o biases, YaRN, 32 experts with biases and the clamped SwiGLU) as
+/// stored, a 300-token prompt and 4 decode steps, logits against the f32 CPU model within
+/// `GPT_OSS_TOL` (its bf16 noise: see the constant).
+#[test]
+fn gpt_oss_on_the_emulator_matches_the_cpu_model() {
+    use rand::SeedableRng;
+    use strata::gpucheck::model_checks::GPT_OSS_TOL;
+    let model = common::tiny_gpt_oss("gpt_oss_emulator");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let prompt = common::random_prompt(&mut rng, 300, model.cfg.vocab_size);
+    let x = emu_exec();
+    let steps = strata::gpucheck::model_checks::compare_loaded(x, &model, &prompt, 4).unwrap();
+    for s in &steps {
+        eprintln!("{s:?}");
+    }
+    for s in &steps {
+        assert!(
+            s.rel_rms < GPT_OSS_TOL.0 && s.rel_max < GPT_OSS_TOL.1,
+            "{s:?}"
+        );
+    }
+}
+
+/// gpt-oss's expert block through the real kernels (router GEMM and bias, `moe_route`,
+/// the chosen experts' biased gate/up and down, the clamped SwiGLU, `moe_combine`), layer
+/// by layer on the same bf16 rows as the CPU model's `moe::forward`.
+#[test]
+fn gpt_oss_moe_block_on_the_emulator_matches_the_cpu_model() {
+    use strata::gpucheck::model_checks::{moe_block_check, GPT_OSS_TINY};
+    let row = moe_block_check(emu_exec(), "gpt-oss MoE block", GPT_OSS_TINY).unwrap();
     eprintln!("{row:?}");
     assert!(row.pass, "{row:?}");
 }
@@ -522,6 +559,13 @@ fn qwen3_5_offload_on_the_emulator_matches_resident() {
     ] {
         offload_equals_resident(&model);
     }
+}
+
+/// gpt-oss the same way: its windowed layers' rings and full layers' KV moved by the
+/// offload engine, sinks in every attention, experts in every MLP.
+#[test]
+fn gpt_oss_offload_on_the_emulator_matches_resident() {
+    offload_equals_resident(&common::tiny_gpt_oss("gpt_oss_emulator_offload"));
 }
 
 fn offload_equals_resident(model: &std::sync::Arc<strata::model::Model>) {

@@ -30,6 +30,15 @@ pub enum MlpAct {
     GeluTanh,
 }
 
+/// An expert's gate activation (a mixture of experts' MLPs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertAct {
+    /// gpt-oss: `(clamp(up, ±limit) + 1) · g · σ(alpha · g)`, `g = min(gate, limit)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
+    /// SwiGLU, `SiLU(gate) · up` (Qwen3.5 MoE).
+    Silu,
+}
+
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceKind {

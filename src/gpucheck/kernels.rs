@@ -13,7 +13,7 @@ use crate::device::cuda::exec::{Buf, CudaExec, Exec};
 use crate::device::cuda::ops::{self as kernels, DecodeScratch, GemmOut, GemmShape, PagedAttn};
 use crate::device::delta::{DeltaShape, ValueHeadOrder};
 use crate::device::DevPtr;
-use crate::device::MlpAct;
+use crate::device::{ExpertAct, MlpAct};
 use crate::model::delta_net;
 use anyhow::{bail, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -143,9 +143,24 @@ pub fn run_kernel_checks_on(exec: &dyn Exec, sizes: CheckSizes) -> Vec<CheckRow>
             check_delta_rule(exec, r, z, true)
         }),
         ("delta_gated_norm", check_delta_gated_norm),
-        ("moe_route", check_moe_route),
-        ("moe_matvec (gate/up, down)", check_moe_matvec),
+        ("moe_route", |exec, r, z| check_moe_route(exec, r, z, false)),
+        ("moe_matvec (gate/up, down)", |exec, r, z| {
+            check_moe_matvec(exec, r, z, false)
+        }),
         ("moe_combine (+ shared expert)", check_moe_combine),
+        ("attn_prefill_hd64 (window, sinks)", |exec, r, z| {
+            check_sinks(exec, r, z, Attn::Prefill)
+        }),
+        ("attn_decode_hd64 (window, sinks)", |exec, r, z| {
+            check_sinks(exec, r, z, Attn::Decode)
+        }),
+        ("clamped_swiglu_mul", check_clamped_swiglu),
+        ("moe_route (router bias)", |exec, r, z| {
+            check_moe_route(exec, r, z, true)
+        }),
+        ("moe_matvec (expert biases)", |exec, r, z| {
+            check_moe_matvec(exec, r, z, true)
+        }),
     ];
     let mut rows = Vec::new();
     for (i, (name, f)) in checks.into_iter().enumerate() {
@@ -704,6 +719,30 @@ fn check_gated(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes, act: MlpAct) ->
     ))
 }
 
+/// gpt-oss's expert activation on values spread past its limit (±7) both ways, so that
+/// the clamps of gate and up are both taken and missed.
+fn check_clamped_swiglu(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+    let (alpha, limit) = (1.702, 7.0);
+    let (tokens, inter) = z.pick((37, 2880), (5, 320));
+    let (gb, gf) = rand_bf16(rng, tokens * 2 * inter, 12.0); // [tokens, gate | up]
+    let mut m = Mem::new(exec);
+    let g_d = m.upload(&gb)?;
+    let out = m.zeros::<u16>(tokens * inter)?; // [tokens, inter]
+    let act = ExpertAct::ClampedSwiglu { alpha, limit };
+    exec.launch(&kernels::expert_act(act, g_d, out, tokens, inter))?;
+    let got = m.bf16(out, tokens * inter)?;
+    let mut want = vec![0.0; tokens * inter];
+    ops::clamped_swiglu_mul(&gf, inter, alpha, limit, &mut want);
+    Ok(compare(
+        "clamped_swiglu_mul",
+        format!("[{tokens}, 2 × {inter}], alpha {alpha}, limit {limit}"),
+        &got,
+        &want,
+        1e-2,
+        1e-2,
+    ))
+}
+
 fn check_kv_store(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
     let (tokens, n_slots) = (qkv(z).0, z.pick(256, 32));
     let mut perm: Vec<i32> = (0..n_slots as i32).collect();
@@ -882,6 +921,7 @@ fn check_prefill(
         layout: Layout::Paged(16),
         window: None,
         scale: 1.0 / (hd as f32).sqrt(),
+        sinks: false,
         tol: (2e-2, 2e-2),
     };
     attn_check(exec, rng, heads, hd, case)
@@ -907,6 +947,7 @@ fn check_decode(
         },
         window: None,
         scale: 1.0 / (hd as f32).sqrt(),
+        sinks: false,
         tol: (2e-2, 2e-2),
     };
     attn_check(exec, rng, heads, hd, case)
@@ -941,9 +982,34 @@ fn check_window(
         layout,
         window,
         scale: 1.3 / (hd as f32).sqrt(),
+        sinks: false,
         tol: (2e-3, 2e-2),
     };
     attn_check(exec, rng, heads(z, hd), hd, case)
+}
+
+/// gpt-oss's attention: head_dim 64, 64 query heads over 8 KV heads (4 and 2 small), a
+/// window, and per-head sinks from −4 to 8 (the scores' own range and well above it: some
+/// heads' sinks take most of the weight), at `check_window`'s tight tolerance.
+fn check_sinks(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes, attn: Attn) -> Result<CheckRow> {
+    let (q_lens, ctx): (Vec<i32>, Vec<i32>) = match attn {
+        Attn::Prefill => {
+            let (q, c) = z.pick(([100, 37, 1], [357, 302, 20]), ([40, 3, 20], [101, 70, 20]));
+            (q.to_vec(), c.to_vec())
+        }
+        Attn::Decode => (vec![1; 3], z.pick([1, 700, 5000], [1, 300, 1100]).to_vec()),
+    };
+    let case = AttnCase {
+        attn,
+        q_lens,
+        ctx,
+        layout: Layout::Paged(16),
+        window: Some(z.pick(128, 37)),
+        scale: 1.0 / 8.0,
+        sinks: true,
+        tol: (2e-3, 2e-2),
+    };
+    attn_check(exec, rng, z.pick((64, 8), (4, 2)), 64, case)
 }
 
 /// The CPU twin's view of a launch's attention shape.
@@ -984,6 +1050,7 @@ struct AttnCase {
     layout: Layout,
     window: Option<usize>,
     scale: f32,
+    sinks: bool,     // random per-head sinks (gpt-oss)
     tol: (f32, f32), // (atol, rtol)
 }
 
@@ -1004,6 +1071,7 @@ fn attn_check(
         layout,
         window,
         scale,
+        sinks,
         tol,
     } = case;
     let batch = ctx.len();
@@ -1036,7 +1104,10 @@ fn attn_check(
     let (qb, qf) = rand_bf16(rng, total_q * nh * hd, 1.0); // [total_q, nh × hd]
     let (kb, kf) = rand_bf16(rng, n_slots * kv_dim, 1.0); // [n_slots, kv_dim]
     let (vb, vf) = rand_bf16(rng, n_slots * kv_dim, 1.0);
+    let sinks: Option<Vec<f32>> =
+        sinks.then(|| (0..nh).map(|_| rng.random_range(-4.0..8.0)).collect());
     let mut m = Mem::new(exec);
+    let sinks_d = sinks.as_deref().map(|s| m.upload(s)).transpose()?;
     let a = PagedAttn {
         q: m.upload(&qb)?,
         k: m.upload(&kb)?,
@@ -1056,6 +1127,7 @@ fn attn_check(
         max_ctx: max_of(&ctx),
         scale,
         window,
+        sinks: sinks_d,
     };
     let what = match attn {
         Attn::Prefill => {
@@ -1079,8 +1151,15 @@ fn attn_check(
     };
     let got = m.bf16(a.out, total_q * nh * hd)?;
     let mut want = vec![0.0; total_q * nh * hd];
-    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, twin_shape(&a), &mut want);
+    let shape = twin_shape(&a);
+    let sinks = sinks.as_deref();
+    twins::paged_attention(&qf, &kf, &vf, &cu, &ctx, &tables, shape, sinks, &mut want);
     let window = window.map_or(String::new(), |w| format!(", window {w}"));
+    let window = if sinks.is_some() {
+        format!("{window}, sinks")
+    } else {
+        window
+    };
     Ok(compare(
         &format!("attn_{what}_hd{hd}"),
         format!("q {q_lens:?} ctx {ctx:?} {nh}/{nkv} heads{window}, block {block_size}"),
@@ -1268,8 +1347,14 @@ fn moe_shape(z: CheckSizes) -> (usize, usize, usize) {
 }
 
 /// Each token's experts and weights against `model::moe::route`, on logits with ties and
-/// NaNs: the ids exactly, the weights within 1e-6.
-fn check_moe_route(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+/// NaNs: the ids exactly, the weights within 1e-6. `bias`: gpt-oss's router bias (coarse
+/// too, so biased logits still tie), added to the logits first.
+fn check_moe_route(
+    exec: &dyn Exec,
+    rng: &mut StdRng,
+    z: CheckSizes,
+    bias: bool,
+) -> Result<CheckRow> {
     let (tokens, experts, top_k) = moe_shape(z);
     // Coarse values (many ties), a NaN in every third row.
     let mut logits: Vec<f32> = (0..tokens * experts)
@@ -1278,13 +1363,26 @@ fn check_moe_route(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<C
     for r in (0..tokens).step_by(3) {
         logits[r * experts + rng.random_range(0..experts)] = f32::NAN;
     }
+    let bias: Option<Vec<f32>> = bias.then(|| {
+        (0..experts)
+            .map(|_| rng.random_range(-4..4) as f32 * 0.5)
+            .collect()
+    });
     let mut m = Mem::new(exec);
     let l_d = m.upload(&logits)?;
+    let b_d = bias.as_deref().map(|b| m.upload(b)).transpose()?;
     let (ids_d, w_d) = (
         m.zeros::<i32>(tokens * top_k)?,
         m.zeros::<f32>(tokens * top_k)?,
     );
-    exec.launch(&kernels::moe_route(l_d, ids_d, w_d, tokens, experts, top_k))?;
+    exec.launch(&kernels::moe_route(
+        l_d, b_d, ids_d, w_d, tokens, experts, top_k,
+    ))?;
+    if let Some(b) = &bias {
+        for row in logits.chunks_exact_mut(experts) {
+            row.iter_mut().zip(b).for_each(|(l, b)| *l += b);
+        }
+    }
     let ids = m.download::<i32>(ids_d, tokens * top_k)?;
     let weights = m.download::<f32>(w_d, tokens * top_k)?;
     let moe = crate::model::config::Moe {
@@ -1297,9 +1395,10 @@ fn check_moe_route(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<C
     let want = crate::model::moe::route(&logits, moe);
     let want_ids: Vec<i32> = want.iter().flatten().map(|c| c.expert as i32).collect();
     let want_w: Vec<f32> = want.iter().flatten().map(|c| c.weight).collect();
+    let biased = if bias.is_some() { ", router bias" } else { "" };
     let mut row = compare(
         "moe_route",
-        format!("{tokens} tokens, {experts} experts, top {top_k}"),
+        format!("{tokens} tokens, {experts} experts, top {top_k}{biased}"),
         &weights,
         &want_w,
         1e-6,
@@ -1314,8 +1413,13 @@ fn check_moe_route(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<C
 
 /// Every (token, chosen expert) row through its expert's stacked matrix: gate/up (the
 /// token's input for each of its rows) and down (each row its own input), against f32
-/// dots of the same bf16 values.
-fn check_moe_matvec(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<CheckRow> {
+/// dots of the same bf16 values; `bias`: with each expert's output biases (gpt-oss).
+fn check_moe_matvec(
+    exec: &dyn Exec,
+    rng: &mut StdRng,
+    z: CheckSizes,
+    bias: bool,
+) -> Result<CheckRow> {
     let (tokens, experts, top_k) = moe_shape(z);
     let (hidden, inter) = z.pick((2048, 512), (64, 48));
     let rows = tokens * top_k;
@@ -1326,9 +1430,21 @@ fn check_moe_matvec(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<
     let (gub, guf) = rand_bf16(rng, experts * 2 * inter * hidden, 0.1);
     let (ab, af) = rand_bf16(rng, rows * inter, 1.0);
     let (db, df) = rand_bf16(rng, experts * hidden * inter, 0.1);
+    // [experts, 2 inter] and [experts, hidden]
+    let (gu_bias, d_bias) = if bias {
+        let (a, b) = (
+            rand_bf16(rng, experts * 2 * inter, 2.0),
+            rand_bf16(rng, experts * hidden, 2.0),
+        );
+        (Some(a), Some(b))
+    } else {
+        (None, None)
+    };
     let mut m = Mem::new(exec);
     let (x_d, ids_d, gu_d) = (m.upload(&xb)?, m.upload(&ids)?, m.upload(&gub)?);
     let (a_d, d_d) = (m.upload(&ab)?, m.upload(&db)?);
+    let gub_d = gu_bias.as_ref().map(|b| m.upload(&b.0)).transpose()?;
+    let db_d = d_bias.as_ref().map(|b| m.upload(&b.0)).transpose()?;
     let (gu_out, d_out) = (
         m.zeros::<u16>(rows * 2 * inter)?,
         m.zeros::<u16>(rows * hidden)?,
@@ -1337,6 +1453,7 @@ fn check_moe_matvec(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<
         x_d,
         ids_d,
         gu_d,
+        gub_d,
         gu_out,
         rows,
         2 * inter,
@@ -1344,25 +1461,30 @@ fn check_moe_matvec(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes) -> Result<
         top_k,
     ))?;
     exec.launch(&kernels::moe_matvec(
-        a_d, ids_d, d_d, d_out, rows, hidden, inter, 1,
+        a_d, ids_d, d_d, db_d, d_out, rows, hidden, inter, 1,
     ))?;
     let mut got = m.bf16(gu_out, rows * 2 * inter)?;
     got.extend(m.bf16(d_out, rows * hidden)?);
-    let matvec = |x: &[f32], w: &[f32], n: usize, k: usize, x_div: usize, out: &mut Vec<f32>| {
+    let matvec = |x: &[f32], w: &[f32], b: Option<&[f32]>, (n, k): (usize, usize), x_div: usize| {
+        let mut out = Vec::with_capacity(ids.len() * n);
         for (r, &e) in ids.iter().enumerate() {
-            let xr = &x[(r / x_div) * k..][..k];
+            let (e, xr) = (e as usize, &x[(r / x_div) * k..][..k]);
             for j in 0..n {
-                let wr = &w[(e as usize * n + j) * k..][..k];
-                out.push(xr.iter().zip(wr).map(|(a, b)| a * b).sum());
+                let wr = &w[(e * n + j) * k..][..k];
+                let dot: f32 = xr.iter().zip(wr).map(|(a, b)| a * b).sum();
+                out.push(dot + b.map_or(0.0, |b| b[e * n + j]));
             }
         }
+        out
     };
-    let mut want = Vec::with_capacity(got.len());
-    matvec(&xf, &guf, 2 * inter, hidden, top_k, &mut want);
-    matvec(&af, &df, hidden, inter, 1, &mut want);
+    let gu_b = gu_bias.as_ref().map(|b| b.1.as_slice());
+    let mut want = matvec(&xf, &guf, gu_b, (2 * inter, hidden), top_k);
+    let d_b = d_bias.as_ref().map(|b| b.1.as_slice());
+    want.extend(matvec(&af, &df, d_b, (hidden, inter), 1));
+    let biased = if bias { ", biases" } else { "" };
     Ok(compare(
         "moe_matvec",
-        format!("{rows} rows of {experts} experts, hidden {hidden}, inter {inter}"),
+        format!("{rows} rows of {experts} experts, hidden {hidden}, inter {inter}{biased}"),
         &got,
         &want,
         1e-2,

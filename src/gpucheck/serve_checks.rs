@@ -553,23 +553,23 @@ pub fn serve_check() -> Result<Vec<CheckRow>> {
     let dev = Arc::new(CudaDevice::new(0)?);
     let exec: Arc<dyn Exec> = Arc::new(CudaExec::new(dev.clone(), dev.new_stream()?)?);
     let gpu = |m: &Arc<Model>, c: &EngineConfig| crate::serve::setup::gpu_engine(m, c);
-    rows.extend(qwen35_serving(exec, &gpu, false)?);
+    rows.extend(checkpoint_serving(exec, &gpu, false)?);
     Ok(rows)
 }
 
-/// Step 6's Qwen3.5 rows (each sequence's rows through its own recurrent state), dense
-/// and MoE: batch invariance and the serving engine under preemption; the dense one's
-/// accuracy at its bf16 bound (`model_checks::QWEN35_TOL`; the MoE's is checked block by
-/// block, step 2).
-fn qwen35_serving(
+/// Step 6's rows on transformers' checkpoints (Qwen3.5 dense and MoE: each sequence's rows
+/// through its own recurrent state; gpt-oss: sinks, windows, experts): batch invariance
+/// and the serving engine under preemption; accuracy at each one's bf16 bound where it
+/// has one (`model_checks::transformers_checkpoints`; the MoE blocks are checked alone,
+/// step 2).
+fn checkpoint_serving(
     exec: Arc<dyn Exec>,
     make: &ServeEngineFactory<'_>,
     sanitize: bool,
 ) -> Result<Vec<CheckRow>> {
-    use super::model_checks::{qwen35_checkpoints, QWEN35_TOL};
+    use super::model_checks::transformers_checkpoints;
     let mut rows = Vec::new();
-    for (name, model, moe) in qwen35_checkpoints()? {
-        let tol = (!moe).then_some(QWEN35_TOL);
+    for (name, model, tol) in transformers_checkpoints()? {
         rows.push(batch_invariance_case_of(exec.clone(), name, &model, tol)?);
         rows.extend(serve_case_of(
             make,
@@ -596,7 +596,7 @@ pub fn serve_check_emulated() -> Result<Vec<CheckRow>> {
         rows.extend(serve_case(&emu, name, shape, true)?);
         rows.push(prompt_logprobs_case(&emu, name, shape)?);
     }
-    rows.extend(qwen35_serving(exec, &emu, true)?);
+    rows.extend(checkpoint_serving(exec, &emu, true)?);
     Ok(rows)
 }
 

@@ -52,7 +52,7 @@ pub struct Window {
 
 /// The MLP's gate activation: a device-level kind (each device's kernels pick by it), named
 /// here too because a config chooses it.
-pub use crate::device::MlpAct;
+pub use crate::device::{ExpertAct, MlpAct};
 
 /// RoPE frequency scaling.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -98,15 +98,6 @@ pub struct Moe {
     pub shared_intermediate: Option<usize>,
     /// The router and every expert's projections carry biases (gpt-oss; Qwen's do not).
     pub biases: bool,
-}
-
-/// An expert's gate activation.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum ExpertAct {
-    /// gpt-oss: `(clamp(up, ±limit) + 1) · g · σ(alpha · g)`, `g = min(gate, limit)`.
-    ClampedSwiglu { alpha: f32, limit: f32 },
-    /// SwiGLU, `SiLU(gate) · up` (Qwen3.5 MoE).
-    Silu,
 }
 
 /// Plausible upper bounds for sizes read from a model file: far above any released model

@@ -422,6 +422,7 @@ impl CudaModel {
                     q_stride: c.attn_qkv_dim(),
                     scale: c.attn_scale,
                     window: None, // the layer's
+                    sinks: None,  // the layer's
                 },
             },
         };
@@ -517,6 +518,7 @@ impl CudaModel {
                     max_ctx: ctx,
                     scale: c.attn_scale,
                     window: None, // the layer's
+                    sinks: None,  // the layer's
                 },
                 scratch,
             ),
@@ -759,7 +761,7 @@ impl CudaModel {
         // 5. Store the new K/V at their cache rows (a ring's: position modulo its rows),
         //    attend (a sliding-window layer: its window).
         let (kp, vp) = (a.qkv.at(qd), a.qkv.at(qd + kvd));
-        let window = c.window(l);
+        let (window, sinks) = (c.window(l), self.w.layer_f32[l].sinks);
         let pool_rows = step.window.filter(|_| window.is_some());
         let slots = selected.map_or(step.cache_rows, |(_, at)| at);
         let slots = pool_rows.map_or(slots, |w| w.cache_rows);
@@ -774,6 +776,7 @@ impl CudaModel {
                     v: slot.v,
                     capacity: slot.rows,
                     window,
+                    sinks,
                     scale: c.layer_attn_scale(l), // YaRN's factor folded in
                     ..*args
                 };
@@ -803,6 +806,7 @@ impl CudaModel {
                     v: slot.v,
                     tables: pool_rows.map_or(paged.tables, |w| w.tables),
                     window,
+                    sinks,
                     scale: c.layer_attn_scale(l), // YaRN's factor folded in
                     ..*paged
                 };
@@ -825,6 +829,7 @@ impl CudaModel {
                     v: slot.v,
                     block_size: slot.rows,
                     window,
+                    sinks,
                     scale: c.layer_attn_scale(l), // YaRN's factor folded in
                     ..*paged
                 };
@@ -858,6 +863,9 @@ impl CudaModel {
         let linear = |x, w, out, s| self.gemm(gemm, x, w, GemmOut::Bf16(out), s);
         self.range("out_proj");
         linear(a.attn, lw.wo.ptr, a.proj, shape(t, width, h))?;
+        if let Some(bo) = &lw.bo {
+            exec.launch(&ops::add_bias(a.proj, bo.ptr, t, h))?;
+        }
         let post = lw.post_norms.as_ref().map(|(at, mlp)| (at.ptr, mlp.ptr));
         let add_norm = |x, d, post: Option<DevPtr<bf16>>, w, out, n| {
             exec.launch(&ops::add_rms_norm(x, d, post, w, out, n, h, eps))
@@ -903,7 +911,7 @@ impl CudaModel {
                     .launch(&ops::gated_mul(c.mlp_act, a.gu, a.act, n, inter))?;
                 linear(a.act, down.ptr, out, shape(n, inter, h))
             }
-            MlpOf::Experts(x) => self.experts(x, gemm, hn, out, n),
+            MlpOf::Experts(x) => self.experts(l, x, gemm, hn, out, n),
         }
     }
 
@@ -940,11 +948,13 @@ impl CudaModel {
     }
 
     /// A mixture of experts on `n` normalised rows `x` → `out` `[n, hidden]`: the router
-    /// (f32 logits), each row's experts (`moe_route`), each (row, expert) pair through
-    /// its expert's gate/up, SwiGLU and down (`moe_matvec`: only the chosen experts'
-    /// rows are read), the shared expert over every row, and the weighted sum.
+    /// (f32 logits, gpt-oss's bias added), each row's experts (`moe_route`), each (row,
+    /// expert) pair through its expert's gate/up, activation (SwiGLU, gpt-oss's clamped
+    /// one) and down (`moe_matvec`: only the chosen experts' rows are read, gpt-oss's
+    /// biases added), the shared expert over every row, and the weighted sum.
     fn experts(
         &self,
+        l: usize,
         x: &ExpertsOf<Tensor>,
         gemm: Gemm,
         hn: DevPtr<bf16>,
@@ -972,22 +982,34 @@ impl CudaModel {
             GemmOut::F32(m.logits),
             shape(n, h, e),
         )?;
-        exec.launch(&ops::moe_route(m.logits, m.ids, m.weights, n, e, k))?;
+        let router_bias = self.w.layer_f32[l].router_bias;
+        exec.launch(&ops::moe_route(
+            m.logits,
+            router_bias,
+            m.ids,
+            m.weights,
+            n,
+            e,
+            k,
+        ))?;
+        let (gu_bias, down_bias) = x.biases.as_ref().map(|(g, d)| (g.ptr, d.ptr)).unzip();
         exec.launch(&ops::moe_matvec(
             hn,
             m.ids,
             x.gate_up.ptr,
+            gu_bias,
             m.gu,
             n * k,
             2 * inter,
             h,
             k,
         ))?;
-        exec.launch(&ops::gated_mul(MlpAct::Silu, m.gu, m.act, n * k, inter))?;
+        exec.launch(&ops::expert_act(moe.act, m.gu, m.act, n * k, inter))?;
         exec.launch(&ops::moe_matvec(
             m.act,
             m.ids,
             x.down.ptr,
+            down_bias,
             m.y,
             n * k,
             h,

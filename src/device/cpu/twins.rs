@@ -125,7 +125,8 @@ pub struct PagedShape {
 /// tables. Sequence `b` has queries
 /// `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` (the last tokens of its `context_lens[b]` keys).
 /// `q[total_q, num_heads, head_dim]`; caches `[slots, num_kv_heads, head_dim]`;
-/// `block_tables[batch, max_blocks]`; `out[total_q, num_heads, head_dim]`.
+/// `block_tables[batch, max_blocks]`; `out[total_q, num_heads, head_dim]`; `sinks[num_heads]`
+/// (gpt-oss's attention sinks, as `ops::attention_batch` takes them).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &[f32],
@@ -135,6 +136,7 @@ pub fn paged_attention(
     context_lens: &[i32],
     block_tables: &[i32],
     s: PagedShape,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     let kv_dim = s.num_kv_heads * s.head_dim;
@@ -171,7 +173,7 @@ pub fn paged_attention(
             KvRows::from_slices(&k, &v),
             &mut out[q0 * q_dim..q1 * q_dim],
             heads,
-            None,
+            sinks,
             &[seq],
         );
     }
@@ -268,7 +270,7 @@ mod tests {
         let (kc, vc) = (rnd(&mut rng, slots * kv_dim), rnd(&mut rng, slots * kv_dim));
         let q = rnd(&mut rng, 6 * nh * hd);
         let mut out = vec![0.0; 6 * nh * hd];
-        paged_attention(&q, &kc, &vc, &cu, &ctx, &tables, s, &mut out);
+        paged_attention(&q, &kc, &vc, &cu, &ctx, &tables, s, None, &mut out);
         // Sequence 0 by hand: gather its keys, run the naive reference.
         let mut k = vec![0.0; 11 * kv_dim];
         let mut v = vec![0.0; 11 * kv_dim];

@@ -15,7 +15,7 @@
 use super::context::CudaDevice;
 use crate::device::delta::{DeltaShape, ValueHeadOrder};
 use crate::device::DevPtr;
-use crate::device::MlpAct;
+use crate::device::{ExpertAct, MlpAct};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{self, CudaBlas};
 use cudarc::driver::{
@@ -34,6 +34,11 @@ pub fn dptr<T>(s: &CudaSlice<T>, st: &Arc<CudaStream>) -> DevPtr<T> {
 /// A pointer argument.
 pub(super) fn arg<T>(p: DevPtr<T>) -> KArg {
     KArg::Ptr(p.addr())
+}
+
+/// An optional pointer argument: null for `None`.
+fn opt<T>(p: Option<DevPtr<T>>) -> KArg {
+    KArg::Ptr(p.map_or(0, |p| p.addr()))
 }
 
 fn drv<T>(what: &str, r: Result<T, cudarc::driver::DriverError>) -> Result<T> {
@@ -117,7 +122,12 @@ pub struct Launch {
 pub const KERNELS: &[(&str, &[&str])] = &[
     (
         "activation.cu",
-        &["silu_mul", "gelu_tanh_mul", "sigmoid_gate"],
+        &[
+            "silu_mul",
+            "gelu_tanh_mul",
+            "sigmoid_gate",
+            "clamped_swiglu_mul",
+        ],
     ),
     (
         "attention_decode.cu",
@@ -380,17 +390,20 @@ pub fn delta_gated_norm(
 
 /// moe.cu `moe_route`: each token's `top_k` experts (the largest logits, a NaN below any
 /// number, a tie to the lower expert) and their softmax weights, in ascending expert
-/// order (`model::moe::route`); one thread per token.
+/// order (`model::moe::route`); one thread per token. A router `bias` (gpt-oss) is
+/// added to `logits` in place first.
 pub fn moe_route(
-    logits: DevPtr<f32>,  // f32 [tokens, experts]
-    ids: DevPtr<i32>,     // i32 [tokens, top_k]
-    weights: DevPtr<f32>, // f32 [tokens, top_k]
+    logits: DevPtr<f32>,       // f32 [tokens, experts]
+    bias: Option<DevPtr<f32>>, // f32 [experts]
+    ids: DevPtr<i32>,          // i32 [tokens, top_k]
+    weights: DevPtr<f32>,      // f32 [tokens, top_k]
     tokens: usize,
     experts: usize,
     top_k: usize,
 ) -> Launch {
     let args = vec![
         arg(logits),
+        opt(bias),
         arg(ids),
         arg(weights),
         i(tokens),
@@ -403,13 +416,15 @@ pub fn moe_route(
 /// moe.cu `moe_matvec`: `out[r] = w[ids[r]] · x[r / x_div]` for each of `rows` (token,
 /// chosen expert) rows, `w` a stack of every expert's `[n, kdim]` matrix; one warp per
 /// output, a fixed-order reduction (batch-invariant). `x_div`: `top_k` when a token's
-/// chosen rows all read its input (gate/up), 1 when each reads its own (down).
+/// chosen rows all read its input (gate/up), 1 when each reads its own (down). `bias`
+/// (gpt-oss): each expert's output bias.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_matvec(
-    x: DevPtr<bf16>,   // bf16 [rows / x_div, kdim]
-    ids: DevPtr<i32>,  // i32 [rows]
-    w: DevPtr<bf16>,   // bf16 [experts, n, kdim]
-    out: DevPtr<bf16>, // bf16 [rows, n]
+    x: DevPtr<bf16>,            // bf16 [rows / x_div, kdim]
+    ids: DevPtr<i32>,           // i32 [rows]
+    w: DevPtr<bf16>,            // bf16 [experts, n, kdim]
+    bias: Option<DevPtr<bf16>>, // bf16 [experts, n]
+    out: DevPtr<bf16>,          // bf16 [rows, n]
     rows: usize,
     n: usize,
     kdim: usize,
@@ -419,6 +434,7 @@ pub fn moe_matvec(
         arg(x),
         arg(ids),
         arg(w),
+        opt(bias),
         arg(out),
         i(rows),
         i(n),
@@ -544,6 +560,32 @@ pub fn gated_mul(
     launch("activation.cu", func, grid1(tokens * inter, EW), args)
 }
 
+/// An expert's activation as `act` says: SwiGLU (`gated_mul`), or gpt-oss's
+/// `clamped_swiglu_mul(gu, out, tokens, inter, alpha, limit)`.
+pub fn expert_act(
+    act: ExpertAct,
+    gu: DevPtr<bf16>,  // bf16 [tokens, 2 × inter]: gate then up
+    out: DevPtr<bf16>, // bf16 [tokens, inter]
+    tokens: usize,
+    inter: usize,
+) -> Launch {
+    match act {
+        ExpertAct::Silu => gated_mul(MlpAct::Silu, gu, out, tokens, inter),
+        ExpertAct::ClampedSwiglu { alpha, limit } => {
+            let args = vec![
+                arg(gu),
+                arg(out),
+                i(tokens),
+                i(inter),
+                F32(alpha),
+                F32(limit),
+            ];
+            let grid = grid1(tokens * inter, EW);
+            launch("activation.cu", "clamped_swiglu_mul", grid, args)
+        }
+    }
+}
+
 /// bias.cu `add_bias(x, b, rows, n)`: `x[t, j] += b[j]` in place.
 pub fn add_bias(
     x: DevPtr<bf16>, // bf16 [rows, n]
@@ -647,6 +689,7 @@ pub struct PagedAttn {
     pub max_ctx: usize,   // longest context (host copy, sizes the decode grid)
     pub scale: f32,       // score scale (`ModelConfig::attn_scale`)
     pub window: Option<usize>, // a sliding-window layer's window (`ModelConfig::window`)
+    pub sinks: Option<DevPtr<f32>>, // f32 [num_heads]: gpt-oss's attention sinks
 }
 
 impl PagedAttn {
@@ -692,6 +735,7 @@ pub struct AttnArgs {
     pub q_stride: usize,
     pub scale: f32,
     pub window: Option<usize>,
+    pub sinks: Option<DevPtr<f32>>, // f32 [num_heads]
 }
 
 impl AttnArgs {
@@ -716,6 +760,7 @@ impl AttnArgs {
             max_ctx: self.ctx,
             scale: self.scale,
             window: self.window,
+            sinks: self.sinks,
         }
     }
 }
@@ -732,7 +777,7 @@ pub struct DecodeScratch {
 
 /// attention_prefill.cu `attn_prefill_hd{64,96,128,256}(q, k_cache, v_cache, out,
 /// cu_seqlens_q, context_lens, block_tables, max_blocks, block_size, num_heads,
-/// num_kv_heads, q_stride, window, scale)`: causal flash attention; grid
+/// num_kv_heads, q_stride, window, scale, sinks)`: causal flash attention; grid
 /// (⌈max_q_len / BQ⌉, num_heads, batch) with BQ `prefill_queries_per_block`, 128 threads
 /// (blocks past a sequence's queries return at once).
 pub fn attn_prefill(a: &PagedAttn) -> Launch {
@@ -745,6 +790,7 @@ pub fn attn_prefill(a: &PagedAttn) -> Launch {
     ]);
     args.extend(a.shape());
     args.extend(a.mask());
+    args.push(opt(a.sinks));
     let bq = prefill_queries_per_block(a.head_dim) as u32;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -764,7 +810,8 @@ pub fn attn_prefill(a: &PagedAttn) -> Launch {
 /// q_stride, split_len, max_splits, window, scale)`, one query per sequence split over
 /// `split_len` keys per block, grid (num_heads, ⌈max_ctx / split_len⌉, batch); then
 /// `attn_decode_reduce(part_o, part_ml, out, context_lens, num_heads, head_dim, split_len,
-/// max_splits, window)` merging the splits, grid (num_heads, batch). Both 128 threads.
+/// max_splits, window, sinks)` merging the splits (and the sinks), grid (num_heads, batch).
+/// Both 128 threads.
 /// Partials are laid out with stride `max_splits`; only the splits the longest context
 /// needs are launched (a window's: those before it return at once and are not merged).
 pub fn attn_decode(a: &PagedAttn, s: &DecodeScratch) -> Result<[Launch; 2]> {
@@ -803,6 +850,7 @@ pub fn attn_decode(a: &PagedAttn, s: &DecodeScratch) -> Result<[Launch; 2]> {
         i(s.split_len),
         i(s.max_splits),
         i(a.window.unwrap_or(0)),
+        opt(a.sinks),
     ];
     let reduce_cfg = LaunchConfig {
         grid_dim: (a.num_heads as u32, a.batch as u32, 1),
@@ -1101,6 +1149,7 @@ mod tests {
                 q_stride: 12 * hd,
                 scale: 0.125,
                 window: None,
+                sinks: Some(p(9)),
             }
             .paged(hd);
             launches.push(attn_prefill(&a));
@@ -1119,8 +1168,8 @@ mod tests {
             delta_conv(p(1), p(2), p(3), p(4), 5, 400, s),
             delta_rule(p(1), p(2), p(3), p(4), p(5), p(6), 5, 8, s),
             delta_gated_norm(p(1), p(2), p(3), p(4), 5, 400, s, 1e-6),
-            moe_route(p(1), p(2), p(3), 5, 16, 4),
-            moe_matvec(p(1), p(2), p(3), p(4), 20, 64, 32, 4),
+            moe_route(p(1), Some(p(2)), p(3), p(4), 5, 16, 4),
+            moe_matvec(p(1), p(2), p(3), None, p(4), 20, 64, 32, 4),
             moe_combine(p(1), p(2), Some((p(3), p(4))), p(5), 5, 4, 32),
         ]);
         for l in &launches {
@@ -1145,6 +1194,7 @@ mod tests {
             q_stride: 768,
             scale: 0.125,
             window: None,
+            sinks: None,
         };
         assert!(attn_decode(&long.paged(64), &scratch).is_err());
         long.ctx = 2048;
@@ -1154,8 +1204,8 @@ mod tests {
     }
 
     /// The contiguous form is the paged one with one block of `capacity` tokens, the
-    /// prefill grid covers its queries in tiles of 16 (8 at head_dim 256), and the window
-    /// and scale are the last arguments.
+    /// prefill grid covers its queries in tiles of 16 (8 at head_dim 256), and the window,
+    /// scale and sinks are the last arguments.
     #[test]
     fn contiguous_attention_is_one_block() {
         let a = AttnArgs {
@@ -1174,6 +1224,7 @@ mod tests {
             q_stride: 960,
             scale: 0.0625,
             window: Some(512),
+            sinks: None,
         };
         let l = attn_prefill(&a.paged(64));
         assert_eq!(l.func, "attn_prefill_hd64");
@@ -1183,7 +1234,7 @@ mod tests {
         let want: Vec<KArg> = want
             .into_iter()
             .chain([1, 300, 9, 3, 960, 512].map(KArg::I32))
-            .chain([F32(0.0625)])
+            .chain([F32(0.0625), KArg::Ptr(0)]) // scale, no sinks
             .collect();
         assert_eq!(l.args, want);
         assert_eq!(attn_prefill(&a.paged(256)).cfg.grid_dim, (5, 9, 1));

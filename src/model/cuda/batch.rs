@@ -161,6 +161,7 @@ impl CudaModel {
                     max_ctx,
                     scale: c.attn_scale,
                     window: None, // the layer's
+                    sinks: None,  // the layer's
                 },
                 scratch,
             ),

@@ -10,9 +10,8 @@
 use crate::device::bf16::f32_to_bf16;
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
-use crate::model::config::ExpertAct;
 use crate::model::weights::DeltaWeights;
-use crate::model::weights::{Expert, Mlp, Weight};
+use crate::model::weights::{Expert, LayerWeights, Mlp, Weight};
 use crate::model::{Model, ModelConfig};
 use anyhow::{bail, Result};
 use half::bf16;
@@ -49,6 +48,7 @@ pub struct LayerOf<T> {
     pub bqkv: Option<T>,         // [q_dim + 2 kv_dim] (Qwen2-style bias)
     pub qk_norm: Option<(T, T)>, // [head_dim] each (Qwen3, Gemma 3)
     pub wo: T,                   // [hidden, q_dim]
+    pub bo: Option<T>,           // [hidden] (gpt-oss's output-projection bias)
     /// Gemma 3's norms of the attention and MLP outputs before their residual adds,
     /// [hidden] each.
     pub post_norms: Option<(T, T)>,
@@ -65,12 +65,14 @@ pub enum MlpOf<T> {
     Experts(ExpertsOf<T>),
 }
 
-/// A mixture of experts (Qwen3.5 MoE): every expert's matrices stacked in one tensor, so
-/// a kernel reaches expert `e` at an offset (`ops::moe_matvec`).
+/// A mixture of experts (Qwen3.5 MoE, gpt-oss): every expert's matrices stacked in one
+/// tensor, so a kernel reaches expert `e` at an offset (`ops::moe_matvec`).
 pub struct ExpertsOf<T> {
     pub router: T,  // [experts, hidden]
     pub gate_up: T, // [experts, 2 inter, hidden]  rows: gate, then up
     pub down: T,    // [experts, hidden, inter]
+    /// gpt-oss's expert biases: [experts, 2 inter] and [experts, hidden].
+    pub biases: Option<(T, T)>,
     /// An expert every token runs, scaled by σ(`gate` · x).
     pub shared: Option<SharedOf<T>>,
 }
@@ -100,18 +102,7 @@ pub fn convert_each<T>(
     let w = &model.weights;
     let bf16 = |x: &[f32]| x.iter().map(|&x| f32_to_bf16(x)).collect::<Vec<_>>();
     let mut layers = Vec::with_capacity(w.layers.len());
-    if model
-        .cfg
-        .moe
-        .is_some_and(|m| m.biases || m.act != ExpertAct::Silu)
-    {
-        bail!("the CUDA device does not run gpt-oss's experts (biases, clamped SwiGLU) yet: use --device cpu");
-    }
     for l in &w.layers {
-        // gpt-oss's attention sinks and output bias have no CUDA kernels yet.
-        if l.sinks.is_some() || l.bo.is_some() {
-            bail!("the CUDA device does not run attention sinks or an output-projection bias yet: use --device cpu");
-        }
         let attn_norm = sink(&bf16(&l.attn_norm))?;
         let bqkv = l.bqkv.as_deref().map(|b| sink(&bf16(b))).transpose()?;
         let qk_norm = match (&l.q_norm, &l.k_norm) {
@@ -141,10 +132,32 @@ pub fn convert_each<T>(
                     }),
                     None => None,
                 };
+                // Both biases or none (`Moe::biases`); zeros stand in for one a file lacks.
+                let biases = if x
+                    .experts
+                    .iter()
+                    .any(|e| e.gate_up_bias.is_some() || e.down_bias.is_some())
+                {
+                    // Each expert's bias `f(e)`, `n` wide, stacked.
+                    let stack_bias = |f: fn(&Expert) -> Option<&[f32]>, n: usize| {
+                        x.experts
+                            .iter()
+                            .flat_map(|e| f(e).map_or_else(|| vec![0; n], bf16))
+                            .collect::<Vec<u16>>()
+                    };
+                    let (h, inter2) = (model.cfg.hidden_size, 2 * model.cfg.intermediate_size);
+                    Some((
+                        sink(&stack_bias(|e| e.gate_up_bias.as_deref(), inter2))?,
+                        sink(&stack_bias(|e| e.down_bias.as_deref(), h))?,
+                    ))
+                } else {
+                    None
+                };
                 MlpOf::Experts(ExpertsOf {
                     router: sink(&x.router.to_bf16_bits())?,
                     gate_up: sink(&stack(&|e| &e.gate_up))?,
                     down: sink(&stack(&|e| &e.down))?,
+                    biases,
                     shared,
                 })
             }
@@ -155,6 +168,7 @@ pub fn convert_each<T>(
             bqkv,
             qk_norm,
             wo: sink(&l.wo.to_bf16_bits())?,
+            bo: l.bo.as_deref().map(|b| sink(&bf16(b))).transpose()?,
             post_norms,
             mlp_norm,
             mlp,
@@ -184,15 +198,55 @@ pub struct DeltaW {
     pub norm: DevPtr<f32>,       // [dv]
 }
 
+/// Uploads `v` as f32, keeping its buffer in `bufs`.
+fn upload_f32(exec: &dyn Exec, bufs: &mut Vec<Buf>, v: &[f32]) -> Result<DevPtr<f32>> {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let (b, p) = exec.upload(&bytes)?;
+    bufs.push(b);
+    Ok(p.cast())
+}
+
+/// gpt-oss's f32 parameters of a layer, kept f32 as the CPU model uses them: a sink is a
+/// logit beside the scores, a router bias joins the f32 router logits (bf16 rounding of
+/// either could change a softmax or a routing tie).
+pub struct LayerF32 {
+    _bufs: Vec<Buf>,
+    pub sinks: Option<DevPtr<f32>>,       // [num_heads]
+    pub router_bias: Option<DevPtr<f32>>, // [experts]
+}
+
+impl LayerF32 {
+    fn upload(exec: &dyn Exec, l: &LayerWeights) -> Result<Self> {
+        let mut bufs = Vec::new();
+        let sinks = l.sinks.as_deref();
+        let sinks = sinks.map(|s| upload_f32(exec, &mut bufs, s)).transpose()?;
+        let router_bias = match &l.mlp {
+            Mlp::Experts(x) => x.router_bias.as_deref(),
+            Mlp::Dense { .. } => None,
+        };
+        let router_bias = router_bias
+            .map(|b| upload_f32(exec, &mut bufs, b))
+            .transpose()?;
+        Ok(Self {
+            _bufs: bufs,
+            sinks,
+            router_bias,
+        })
+    }
+
+    fn none() -> Self {
+        Self {
+            _bufs: Vec::new(),
+            sinks: None,
+            router_bias: None,
+        }
+    }
+}
+
 impl DeltaW {
     fn upload(exec: &dyn Exec, d: &DeltaWeights) -> Result<Self> {
         let mut bufs = Vec::with_capacity(4);
-        let mut up = |v: &[f32]| -> Result<DevPtr<f32>> {
-            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            let (b, p) = exec.upload(&bytes)?;
-            bufs.push(b);
-            Ok(p.cast())
-        };
+        let mut up = |v: &[f32]| upload_f32(exec, &mut bufs, v);
         let (conv, decay_rate) = (up(&d.conv)?, up(&d.decay_rate)?);
         let (dt_bias, norm) = (up(&d.dt_bias)?, up(&d.norm)?);
         Ok(Self {
@@ -210,6 +264,8 @@ pub struct CudaWeights {
     pub layers: Vec<Arc<LayerW>>,
     /// Per layer: a state layer's recurrence parameters (`None`: attention).
     pub delta: Vec<Option<DeltaW>>,
+    /// Per layer: its f32 parameters (gpt-oss's sinks and router bias; none elsewhere).
+    pub layer_f32: Vec<LayerF32>,
     pub final_norm: Tensor,      // [hidden]
     pub lm_head: Option<Tensor>, // [vocab, hidden]; None = tied to embed
     pub bytes: usize,            // distinct bytes uploaded
@@ -240,10 +296,17 @@ impl CudaWeights {
                     .transpose()
             })
             .collect::<Result<_>>()?;
+        let layer_f32 = model
+            .weights
+            .layers
+            .iter()
+            .map(|l| LayerF32::upload(exec, l))
+            .collect::<Result<_>>()?;
         Ok(Self {
             embed: m.embed,
             layers: m.layers.into_iter().map(Arc::new).collect(),
             delta,
+            layer_f32,
             final_norm: m.final_norm,
             lm_head: m.lm_head,
             bytes,
@@ -255,6 +318,9 @@ impl CudaWeights {
     pub fn random_shared(exec: &dyn Exec, cfg: &ModelConfig, seed: u64) -> Result<Self> {
         if cfg.has_state_layers() || cfg.attn_output_gate || cfg.moe.is_some() {
             bail!("random shared weights are attention layers without output gates only");
+        }
+        if cfg.attn_sinks || cfg.out_bias {
+            bail!("random shared weights have no attention sinks or output-projection bias");
         }
         let (h, qd, kvd, inter, hd) = (
             cfg.hidden_size,
@@ -290,6 +356,7 @@ impl CudaWeights {
                 None
             },
             wo: gen(h * qd, 0.0, s(qd))?,
+            bo: None,
             post_norms: if cfg.sandwich_norms {
                 Some((gen(h, 1.0, 0.1)?, gen(h, 1.0, 0.1)?))
             } else {
@@ -310,6 +377,7 @@ impl CudaWeights {
             embed: gen(cfg.vocab_size * h, 0.0, 1.0)?,
             layers: vec![layer; cfg.num_layers],
             delta: (0..cfg.num_layers).map(|_| None).collect(),
+            layer_f32: (0..cfg.num_layers).map(|_| LayerF32::none()).collect(),
             final_norm: gen(h, 1.0, 0.1)?,
             lm_head: None,
             bytes: layer_bytes + 2 * (cfg.vocab_size * h + h),

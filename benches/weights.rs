@@ -634,11 +634,15 @@ fn cuda_host(dir: &Path) -> Value {
     let w = weights::load_safetensors(dir, &mut cfg, false).unwrap();
     let model = Model::new(cfg, w);
     let mut converted = 0usize;
-    strata::model::cuda::weights::convert_each(&model, |bits| {
-        converted += 2 * bits.len();
-        // What an upload reads: touch every element so nothing is optimised away.
-        Ok(bits.iter().fold(0u16, |a, &b| a ^ b))
-    })
+    strata::model::cuda::weights::convert_each(
+        &model,
+        strata::model::cuda::weights::ExpertPlace::Resident,
+        |bits| {
+            converted += 2 * bits.len();
+            // What an upload reads: touch every element so nothing is optimised away.
+            Ok(bits.iter().fold(0u16, |a, &b| a ^ b))
+        },
+    )
     .unwrap();
     json!({
         "layers": model.cfg.num_layers,

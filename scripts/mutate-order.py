@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where cross-stream ordering is decided.
 FILES = [
     "src/offload/engine.rs",
+    "src/offload/experts.rs",
     "src/serve/device_pages.rs",
     "src/serve/disk/backend.rs",
 ]

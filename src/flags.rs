@@ -58,6 +58,11 @@ pub fn kv_buffers() -> RangedU64ValueParser<usize> {
     ranged(2, MAX_KV_BUFFERS)
 }
 
+/// `--num-expert-buffers`: one slot is allowed (each layer's experts copied, then used).
+pub fn expert_buffers() -> RangedU64ValueParser<usize> {
+    ranged(1, MAX_KV_BUFFERS)
+}
+
 pub fn block_size() -> RangedU64ValueParser<usize> {
     ranged(1, MAX_BLOCK_SIZE)
 }

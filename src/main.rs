@@ -11,7 +11,7 @@ use strata::device::{self, DeviceKind};
 use strata::engine::{self, GenerateOptions, GenerationOutput, SamplingParams};
 use strata::model::tokenizer::StreamDecoder;
 use strata::model::{Model, Tokenizer};
-use strata::offload::OffloadConfig;
+use strata::offload::{experts::ExpertOffload, OffloadConfig};
 use strata::session::ProfileSteps;
 use strata::{errors, flags, output, Session, SessionConfig};
 
@@ -126,6 +126,13 @@ struct GenerateArgs {
     /// Write a Chrome/Perfetto trace of every op on every stream.
     #[arg(long, requires = "enable_offload")]
     trace_out: Option<PathBuf>,
+    /// CUDA, a mixture of experts: keep the routed experts in host memory and stream them
+    /// to the GPU a layer at a time (for models whose experts do not fit; docs/cuda.md).
+    #[arg(long)]
+    offload_experts: bool,
+    /// Device slots for streamed experts, each one layer's (prefetch depth = slots - 1).
+    #[arg(long, default_value_t = 2, requires = "offload_experts", value_parser = flags::expert_buffers())]
+    num_expert_buffers: usize,
     #[command(flatten)]
     sparse: strata::sparse::SparseArgs,
     /// CUDA: run decode steps A..B (0-based, B exclusive) between cuProfilerStart/Stop, for
@@ -269,6 +276,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         trace_out: args.trace_out.clone(),
         profile: args.profile_steps,
         sparse_verify: args.sparse.verify()?,
+        offload_experts: args.offload_experts.then_some(ExpertOffload {
+            slots: args.num_expert_buffers,
+            check_order: strata::device::order::on_by_default(),
+            sanitize,
+        }),
     };
     let plan = session_cfg.plan(cfg)?;
     session_cfg.check_prompt(cfg, prompt.len())?;

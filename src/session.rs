@@ -20,9 +20,10 @@ use crate::device::{DeviceKind, Feature, KvDtype, KvElem};
 use crate::engine::{self, GenerateOptions, GenerationOutput};
 use crate::kv::cuda::ResidentKv;
 use crate::kv::{ContiguousKv, KvCache};
-use crate::model::cuda::weights::CudaWeights;
-use crate::model::cuda::CudaModel;
+use crate::model::cuda::weights::{CudaWeights, ExpertPlace};
+use crate::model::cuda::{CudaModel, ExpertSource};
 use crate::model::{Model, ModelConfig};
+use crate::offload::experts::{ExpertOffload, ExpertStream};
 use crate::offload::{
     CpuOffloadDevice, MemoryPlan, OffloadConfig, OffloadControl, OffloadEngine, OffloadKv,
 };
@@ -44,6 +45,8 @@ pub struct SessionConfig {
     /// per round, full attention checks them (greedy: exactly; sampled: speculative
     /// sampling).
     pub sparse_verify: Option<usize>,
+    /// CUDA: the routed experts in host memory, streamed per layer (`--offload-experts`).
+    pub offload_experts: Option<ExpertOffload>,
 }
 
 impl SessionConfig {
@@ -59,6 +62,7 @@ impl SessionConfig {
             trace_out: None,
             profile: None,
             sparse_verify: None,
+            offload_experts: None,
         }
     }
 
@@ -75,6 +79,14 @@ impl SessionConfig {
             self.device.require(Feature::ProfilerRange)?;
         }
         self.device.kv_dtype(Some(self.kv_dtype))?;
+        if self.offload_experts.is_some() {
+            if self.device != DeviceKind::Cuda {
+                bail!("--offload-experts streams experts to the GPU: add --device cuda (the CPU device reads them where they are)");
+            }
+            if model.moe.is_none() {
+                bail!("--offload-experts: this model has no experts");
+            }
+        }
         if self.sparse_verify.is_some() {
             if self.offload.as_ref().and_then(|o| o.sparse).is_none() {
                 bail!("--sparse-verify checks sparse decode's tokens: add --enable-offload and --sparse-budget");
@@ -114,6 +126,11 @@ impl SessionConfig {
         }
     }
 }
+
+/// Makes the CUDA model's expert stream (`--offload-experts`): on the GPU, or on the CPU
+/// device in bf16 for the kernel emulator.
+pub type ExpertStreamFactory<'a> =
+    dyn Fn(&Model, ExpertOffload) -> Result<Box<dyn ExpertSource>> + 'a;
 
 /// Makes the CUDA model's offload engine (on the GPU, or on the CPU device in bf16 for the
 /// kernel emulator).
@@ -242,21 +259,47 @@ impl Session {
                 d, st, m, o,
             )?))
         };
-        Self::on_exec(model, cfg, exec, &engine)
+        let experts = |m: &Model, o: ExpertOffload| -> Result<Box<dyn ExpertSource>> {
+            let (d, st) = (dev.clone(), compute.clone());
+            let d = crate::offload::cuda_device::CudaOffloadDevice::new(d, st, 1)?;
+            Ok(Box::new(ExpertStream::new(d, m, o)?))
+        };
+        Self::on_exec_streaming(model, cfg, exec, &engine, &experts)
     }
 
     /// The CUDA model on any executor (the GPU, or the kernel emulator in tests), with
-    /// offload engines from `engine`.
+    /// offload engines from `engine`; no expert stream.
     pub fn on_exec(
         model: Arc<Model>,
         cfg: SessionConfig,
         exec: Arc<dyn Exec>,
         engine: &EngineFactory<'_>,
     ) -> Result<Self> {
+        let none = |_: &Model, _: ExpertOffload| -> Result<Box<dyn ExpertSource>> {
+            bail!("this executor has no expert stream")
+        };
+        Self::on_exec_streaming(model, cfg, exec, engine, &none)
+    }
+
+    /// `on_exec`, with the expert stream (`--offload-experts`) from `experts`.
+    pub fn on_exec_streaming(
+        model: Arc<Model>,
+        cfg: SessionConfig,
+        exec: Arc<dyn Exec>,
+        engine: &EngineFactory<'_>,
+        experts: &ExpertStreamFactory<'_>,
+    ) -> Result<Self> {
         let capacity = cfg.capacity(&model.cfg)?;
         let c = &model.cfg;
-        let w = CudaWeights::from_model(&*exec, &model)?;
-        let gpu = CudaModel::new(exec, c.clone(), w, capacity)?;
+        let place = match cfg.offload_experts {
+            Some(_) => ExpertPlace::Streamed,
+            None => ExpertPlace::Resident,
+        };
+        let w = CudaWeights::from_model_placed(&*exec, &model, place)?;
+        let mut gpu = CudaModel::new(exec, c.clone(), w, capacity)?;
+        if let Some(o) = cfg.offload_experts {
+            gpu.stream_experts(experts(&model, o)?);
+        }
         let offload = cfg.offload.clone().map(|o| engine(c, o)).transpose()?;
         let caches = Caches::new(offload, cfg.sparse_verify);
         Ok(Self {

@@ -285,6 +285,36 @@ fn profile_steps_need_cuda() {
     );
 }
 
+/// `--offload-experts` streams experts to a GPU: on the CPU device, or for a model without
+/// experts, it is one line naming the cause, before anything loads onto a device.
+#[test]
+fn offload_experts_needs_cuda_and_experts() {
+    generate_err(
+        &tiny_dir("err_experts_cpu"),
+        &["--offload-experts"],
+        "--offload-experts streams experts to the GPU: add --device cuda",
+    );
+    // A dense model (the check the CLI reaches once a GPU is found).
+    let dense = strata::model::Model::peek_config(&tiny_dir("err_experts_dense")).unwrap();
+    let mut scfg = strata::SessionConfig::new(strata::device::DeviceKind::Cuda, 64);
+    scfg.offload_experts = Some(strata::offload::experts::ExpertOffload {
+        slots: 2,
+        check_order: false,
+        sanitize: false,
+    });
+    let e = scfg.plan(&dense).unwrap_err().to_string();
+    assert!(e.contains("this model has no experts"), "{e}");
+    let gpt_oss = common::tiny_gpt_oss_dir("err_experts_gpt_oss");
+    let zero = [
+        "--offload-experts",
+        "--num-expert-buffers",
+        "0",
+        "--device",
+        "cuda",
+    ];
+    generate_err_code(&gpt_oss, &zero, "--num-expert-buffers", 2);
+}
+
 /// The gpu-check subcommands fail with one line, never a panic, without a GPU.
 #[test]
 fn cuda_subcommands_without_driver() {

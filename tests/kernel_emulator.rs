@@ -561,6 +561,49 @@ fn qwen3_5_offload_on_the_emulator_matches_resident() {
     }
 }
 
+/// Routed experts streamed from host memory (`--offload-experts`, `offload::experts`)
+/// give the resident run's tokens and log-probs bit for bit on the emulator, gpt-oss and
+/// Qwen3.5 MoE: 1 and 2 slots (fewer than the experts layers: refilled every step, the
+/// next step's first layers prefetched during this one's last), one per layer (each
+/// filled once), then the fewest slots with the KV offloaded too; copies delayed at random,
+/// the ordering checker on.
+#[test]
+fn streamed_experts_on_the_emulator_match_resident() {
+    use rand::SeedableRng;
+    use strata::gpucheck::emu::{emulator_expert_stream, emulator_offload_engine};
+    use strata::gpucheck::model_checks::expert_stream_case;
+    for (name, model) in [
+        (
+            "gpt-oss tiny",
+            common::tiny_gpt_oss("gpt_oss_emulator_experts"),
+        ),
+        (
+            "qwen3.5 MoE tiny",
+            common::tiny_qwen35_moe("qwen35_moe_emulator_experts"),
+        ),
+    ] {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let prompt = common::random_prompt(&mut rng, 40, model.cfg.vocab_size);
+        let slots = [1, 2, model.cfg.num_layers];
+        let rows = expert_stream_case(
+            emu_exec(),
+            &emulator_offload_engine,
+            &emulator_expert_stream,
+            name,
+            &model,
+            &prompt,
+            &common::greedy(16),
+            &slots,
+        )
+        .unwrap();
+        assert_eq!(rows.len(), 4);
+        for r in rows {
+            eprintln!("{r:?}");
+            assert!(r.pass, "{r:?}");
+        }
+    }
+}
+
 /// gpt-oss the same way: its windowed layers' rings and full layers' KV moved by the
 /// offload engine, sinks in every attention, experts in every MLP.
 #[test]

@@ -168,6 +168,31 @@ fn verified_sparse_decode_extensions_and_rewinds_are_proven_ordered() {
 }
 
 /// The CPU model over pages on the CPU device: what `strata serve` runs without a GPU.
+/// Routed experts streamed to the (emulated) GPU a layer at a time: a slot refilled while
+/// the step goes on (1 and 3 slots for gpt-oss's 4 experts layers), the next step's
+/// first layers prefetched during this one's last, with the KV offloaded too.
+#[test]
+fn streamed_experts_are_proven_ordered() {
+    use strata::gpucheck::emu::{emulator_expert_stream, emulator_offload_engine, EmuExec};
+    use strata::gpucheck::model_checks::expert_stream_case;
+    let model = common::tiny_gpt_oss("stream_order_experts");
+    let mut rng = StdRng::seed_from_u64(3);
+    let p = prompt(&mut rng, 20, model.cfg.vocab_size);
+    let exec = Arc::new(EmuExec::new().unwrap());
+    let rows = expert_stream_case(
+        exec,
+        &emulator_offload_engine,
+        &emulator_expert_stream,
+        "gpt-oss tiny",
+        &model,
+        &p,
+        &greedy(6),
+        &[1, 3],
+    )
+    .unwrap();
+    all_pass(&rows);
+}
+
 fn cpu_engine(m: &Arc<Model>, c: &EngineConfig) -> anyhow::Result<Engine> {
     Engine::new(Arc::clone(m), c.clone())
 }

@@ -462,6 +462,18 @@ pub fn emulator_offload_engine(
     Ok(Box::new(OffloadEngine::new(d, model, cfg)?))
 }
 
+/// The expert stream the emulated CUDA model pairs with (`--offload-experts`): the CPU
+/// device in bf16 (host memory the emulated kernels read), random copy delays under the
+/// sanitizer.
+pub fn emulator_expert_stream(
+    model: &crate::model::Model,
+    cfg: crate::offload::experts::ExpertOffload,
+) -> Result<Box<dyn crate::model::cuda::ExpertSource>> {
+    use crate::offload::{experts::ExpertStream, CpuOffloadDevice};
+    let d = CpuOffloadDevice::<half::bf16>::new(0.0, cfg.sanitize, 1)?;
+    Ok(Box::new(ExpertStream::new(d, model, cfg)?))
+}
+
 /// The serving engine the emulated CUDA model pairs with: its KV pages on the CPU device
 /// in bf16 (host memory the emulated kernels read; copy streams on worker threads, random
 /// copy delays under the sanitizer, the link throttled as configured).

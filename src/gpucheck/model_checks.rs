@@ -375,7 +375,12 @@ pub fn offload_check() -> Result<Vec<CheckRow>> {
         let e = offload_engine(dev.clone(), compute.clone(), cfg, o)?;
         Ok(Box::new(e) as Box<dyn OffloadKv<bf16>>)
     };
-    rows.extend(checkpoint_offload(exec, &engine));
+    let experts = |m: &Model, o: crate::offload::experts::ExpertOffload| {
+        use crate::offload::{cuda_device::CudaOffloadDevice, experts::ExpertStream};
+        let d = CudaOffloadDevice::new(dev.clone(), compute.clone(), 1)?;
+        Ok(Box::new(ExpertStream::new(d, m, o)?) as Box<dyn crate::model::cuda::ExpertSource>)
+    };
+    rows.extend(checkpoint_offload(exec, &engine, &experts));
     Ok(rows)
 }
 
@@ -406,29 +411,49 @@ pub fn offload_check_emulated() -> Result<Vec<CheckRow>> {
                 .unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
-    rows.extend(checkpoint_offload(exec, &engine));
+    let experts = super::emu::emulator_expert_stream;
+    rows.extend(checkpoint_offload(exec, &engine, &experts));
     Ok(rows)
 }
 
 /// Step 3's rows on transformers' checkpoints (Qwen3.5 dense and MoE, gpt-oss): offload
 /// (the attention layers' KV moved, the state layers' recurrent states kept with the
 /// compute) equals resident, with and without the sanitizer; a random 100-token prompt,
-/// 40 greedy tokens.
-fn checkpoint_offload(exec: Arc<dyn Exec>, engine: &EngineFactory<'_>) -> Vec<CheckRow> {
+/// 40 greedy tokens. The MoE checkpoints' experts also streamed from host memory
+/// (`expert_stream_case`: 1 slot, 2, one per layer).
+fn checkpoint_offload(
+    exec: Arc<dyn Exec>,
+    engine: &EngineFactory<'_>,
+    experts: &crate::session::ExpertStreamFactory<'_>,
+) -> Vec<CheckRow> {
     let run = || -> Result<Vec<CheckRow>> {
         let mut rows = Vec::new();
         for (name, model, _) in transformers_checkpoints()? {
             let mut rng = StdRng::seed_from_u64(9);
             let vocab = model.cfg.vocab_size as u32;
             let prompt: Vec<u32> = (0..100).map(|_| rng.random_range(0..vocab)).collect();
+            let opts = greedy(40);
             rows.extend(offload_case_of(
                 exec.clone(),
                 engine,
                 name,
                 &model,
                 &prompt,
-                &greedy(40),
+                &opts,
             )?);
+            if model.cfg.moe.is_some() {
+                let slots = [1, 2, model.cfg.num_layers];
+                rows.extend(expert_stream_case(
+                    exec.clone(),
+                    engine,
+                    experts,
+                    name,
+                    &model,
+                    &prompt[..40],
+                    &greedy(16),
+                    &slots,
+                )?);
+            }
         }
         Ok(rows)
     };
@@ -508,6 +533,63 @@ pub fn offload_case_of(
         let label = if sanitize { " + sanitizer" } else { "" };
         let base = base.as_ref().expect("set above");
         rows.push(equal_row(&format!("{name}: offload{label}"), base, &out));
+    }
+    Ok(rows)
+}
+
+/// Routed experts streamed from host memory (`--offload-experts`) against the resident
+/// run on `exec`, bit for bit: for each slot count of `slots` (fewer than the experts
+/// layers: slots refilled every step, the next step's first layers prefetched during this
+/// one's last; as many: each filled once), with the KV resident, then with the fewest
+/// slots and the KV offloaded too; the stream's ordering checker on, the sanitizer's
+/// random copy delays on where the device has them. A missing wait is a checker error,
+/// which fails the row.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_stream_case(
+    exec: Arc<dyn Exec>,
+    engine: &EngineFactory<'_>,
+    experts: &crate::session::ExpertStreamFactory<'_>,
+    name: &str,
+    model: &Arc<Model>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    slots: &[usize],
+) -> Result<Vec<CheckRow>> {
+    use crate::offload::experts::ExpertOffload;
+    let cap = prompt.len() + opts.max_tokens;
+    let plain = SessionConfig::new(DeviceKind::Cuda, cap);
+    let mut s = Session::on_exec(model.clone(), plain.clone(), exec.clone(), engine)?;
+    let base = s.generate(prompt, opts, &mut |_| Ok(()))?;
+    drop(s);
+    let kv_offload = OffloadConfig {
+        num_kv_buffers: 3,
+        block_size: 16,
+        max_model_len: cap,
+        ..OffloadConfig::default()
+    };
+    let fewest = slots.iter().copied().min().unwrap_or(1);
+    let runs = slots
+        .iter()
+        .map(|&n| (n, false))
+        .chain(std::iter::once((fewest, true)));
+    let mut rows = Vec::new();
+    for (n, offload) in runs {
+        let scfg = SessionConfig {
+            offload: offload.then(|| kv_offload.clone()),
+            offload_experts: Some(ExpertOffload {
+                slots: n,
+                check_order: true,
+                sanitize: true,
+            }),
+            ..plain.clone()
+        };
+        let mut s = Session::on_exec_streaming(model.clone(), scfg, exec.clone(), engine, experts)?;
+        let label = if offload { ", KV offloaded" } else { "" };
+        let row_name = format!("{name}: experts streamed, {n} slots{label}");
+        rows.push(match s.generate(prompt, opts, &mut |_| Ok(())) {
+            Ok(out) => equal_row(&row_name, &base, &out),
+            Err(e) => failed(&row_name, e),
+        });
     }
     Ok(rows)
 }

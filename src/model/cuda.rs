@@ -102,6 +102,34 @@ struct WindowRows {
 
 mod batch;
 
+/// Where a streamed layer's routed experts are for its MLP (`weights::ExpertMats`'
+/// layout, one layer's).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertPtrs {
+    pub gate_up: DevPtr<bf16>, // [experts, 2 inter, hidden]
+    pub down: DevPtr<bf16>,    // [experts, hidden, inter]
+    pub biases: Option<(DevPtr<bf16>, DevPtr<bf16>)>, // [experts, 2 inter], [experts, hidden]
+}
+
+impl ExpertPtrs {
+    fn of(m: &weights::ExpertMats<Tensor>) -> Self {
+        Self {
+            gate_up: m.gate_up.ptr,
+            down: m.down.ptr,
+            biases: m.biases.as_ref().map(|(g, d)| (g.ptr, d.ptr)),
+        }
+    }
+}
+
+/// Routed experts kept in host memory and brought to the device a layer at a time (the
+/// mirror of layerwise KV offload; `offload::experts::ExpertStream`). The model calls
+/// `begin` before an experts layer's MLP and `end` after its last kernel is queued; the
+/// pointers are valid in between, for work on the compute stream.
+pub trait ExpertSource: Send {
+    fn begin(&mut self, layer: usize) -> Result<ExpertPtrs>;
+    fn end(&mut self, layer: usize) -> Result<()>;
+}
+
 /// Queues `v` → `dst` on the model's stream, in stream order (a pageable source: the
 /// driver stages it before returning, so `v` may go at once).
 ///
@@ -132,6 +160,8 @@ pub struct CudaModel {
     batch: batch::BatchBufs,
     /// NVTX ranges around each layer, attention and MLP (host enqueue side).
     pub nvtx: bool,
+    /// The routed experts' stream when they live in host memory (`ExpertPlace::Streamed`).
+    experts: Option<std::sync::Mutex<Box<dyn ExpertSource>>>,
 }
 
 /// A mixture of experts' buffers for one MLP chunk of `chunk` rows (`k` = top_k).
@@ -222,6 +252,7 @@ impl CudaModel {
             acts: None,
             batch: Default::default(),
             nvtx: true,
+            experts: None,
         })
     }
 
@@ -879,18 +910,45 @@ impl CudaModel {
             .layers
             .get(l + 1)
             .map_or(self.w.final_norm.ptr, |n| n.attn_norm.ptr);
+        let streamed = self.begin_experts(l)?;
         for r0 in (0..t).step_by(a.chunk) {
             let n = a.chunk.min(t - r0);
             let row = |p: DevPtr<bf16>| p.at(r0 * h);
-            self.mlp(l, gemm, row(a.hn), row(a.proj), n)?;
+            self.mlp(l, gemm, row(a.hn), row(a.proj), n, streamed)?;
             let (x, d, out) = (row(a.x), row(a.proj), row(a.hn));
             add_norm(x, d, post.map(|p| p.1), next_norm, out, n)?;
         }
+        self.end_experts(l, streamed)?;
         self.pop();
         Ok(())
     }
 
-    /// Layer `l`'s MLP on `n` ≤ `MLP_CHUNK` normalised rows `hn` → `out` `[n, hidden]`.
+    /// Streams routed experts from host memory through `source` (the model's weights
+    /// were uploaded without them: `ExpertPlace::Streamed`).
+    pub fn stream_experts(&mut self, source: Box<dyn ExpertSource>) {
+        self.experts = Some(std::sync::Mutex::new(source));
+    }
+
+    /// Layer `l`'s streamed experts, if it has experts and they are streamed.
+    fn begin_experts(&self, l: usize) -> Result<Option<ExpertPtrs>> {
+        let streamed = matches!(&self.w.layers[l].mlp, MlpOf::Experts(x) if x.mats.is_none());
+        match (&self.experts, streamed) {
+            (Some(s), true) => Ok(Some(s.lock().expect("expert stream").begin(l)?)),
+            (None, true) => bail!("layer {l}: its experts are streamed, and no stream was set"),
+            _ => Ok(None),
+        }
+    }
+
+    /// Hands layer `l`'s streamed experts back after its MLP's work is queued.
+    fn end_experts(&self, l: usize, streamed: Option<ExpertPtrs>) -> Result<()> {
+        match (&self.experts, streamed) {
+            (Some(s), Some(_)) => s.lock().expect("expert stream").end(l),
+            _ => Ok(()),
+        }
+    }
+
+    /// Layer `l`'s MLP on `n` ≤ `MLP_CHUNK` normalised rows `hn` → `out` `[n, hidden]`;
+    /// `streamed`: where its routed experts are when they are streamed.
     fn mlp(
         &self,
         l: usize,
@@ -898,6 +956,7 @@ impl CudaModel {
         hn: DevPtr<bf16>,
         out: DevPtr<bf16>,
         n: usize,
+        streamed: Option<ExpertPtrs>,
     ) -> Result<()> {
         let c = &self.cfg;
         let a = self.acts.as_ref().expect("allocated by the step");
@@ -911,7 +970,14 @@ impl CudaModel {
                     .launch(&ops::gated_mul(c.mlp_act, a.gu, a.act, n, inter))?;
                 linear(a.act, down.ptr, out, shape(n, inter, h))
             }
-            MlpOf::Experts(x) => self.experts(l, x, gemm, hn, out, n),
+            MlpOf::Experts(x) => {
+                let mats = match (&x.mats, streamed) {
+                    (Some(m), _) => ExpertPtrs::of(m),
+                    (None, Some(p)) => p,
+                    (None, None) => bail!("layer {l}: streamed experts outside begin_experts"),
+                };
+                self.experts(l, x, mats, gemm, hn, out, n)
+            }
         }
     }
 
@@ -931,13 +997,15 @@ impl CudaModel {
         self.ensure_acts(rows)?;
         let a = self.acts.as_ref().expect("allocated above");
         let (hn, out) = (a.hn, a.proj);
+        let streamed = self.begin_experts(l)?;
         let bits: Vec<u8> = x
             .iter()
             .flat_map(|&v| crate::device::bf16::f32_to_bf16(v).to_le_bytes())
             .collect();
         // SAFETY: `hn` holds `rows · hidden` bf16.
         unsafe { self.exec.htod(hn.cast(), &bits)? };
-        self.mlp(l, Gemm::Fast, hn, out, rows)?;
+        self.mlp(l, Gemm::Fast, hn, out, rows, streamed)?;
+        self.end_experts(l, streamed)?;
         let mut raw = vec![0u8; 2 * x.len()];
         // SAFETY: `out` holds `rows · hidden` bf16; `download` waits for the work.
         unsafe { self.exec.download(out.cast(), &mut raw)? };
@@ -952,10 +1020,12 @@ impl CudaModel {
     /// expert) pair through its expert's gate/up, activation (SwiGLU, gpt-oss's clamped
     /// one) and down (`moe_matvec`: only the chosen experts' rows are read, gpt-oss's
     /// biases added), the shared expert over every row, and the weighted sum.
+    #[allow(clippy::too_many_arguments)]
     fn experts(
         &self,
         l: usize,
         x: &ExpertsOf<Tensor>,
+        mats: ExpertPtrs,
         gemm: Gemm,
         hn: DevPtr<bf16>,
         out: DevPtr<bf16>,
@@ -992,11 +1062,11 @@ impl CudaModel {
             e,
             k,
         ))?;
-        let (gu_bias, down_bias) = x.biases.as_ref().map(|(g, d)| (g.ptr, d.ptr)).unzip();
+        let (gu_bias, down_bias) = mats.biases.unzip();
         exec.launch(&ops::moe_matvec(
             hn,
             m.ids,
-            x.gate_up.ptr,
+            mats.gate_up,
             gu_bias,
             m.gu,
             n * k,
@@ -1008,7 +1078,7 @@ impl CudaModel {
         exec.launch(&ops::moe_matvec(
             m.act,
             m.ids,
-            x.down.ptr,
+            mats.down,
             down_bias,
             m.y,
             n * k,

@@ -23,6 +23,7 @@ pub mod cpu_device;
 pub mod cuda_device;
 pub mod device;
 pub mod engine;
+pub mod experts;
 pub mod ring;
 pub mod trace;
 

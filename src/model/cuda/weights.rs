@@ -11,7 +11,7 @@ use crate::device::bf16::f32_to_bf16;
 use crate::device::cuda::exec::{Buf, Exec};
 use crate::device::DevPtr;
 use crate::model::weights::DeltaWeights;
-use crate::model::weights::{Expert, LayerWeights, Mlp, Weight};
+use crate::model::weights::{Expert, Experts, LayerWeights, Mlp, Weight};
 use crate::model::{Model, ModelConfig};
 use anyhow::{bail, Result};
 use half::bf16;
@@ -65,16 +65,68 @@ pub enum MlpOf<T> {
     Experts(ExpertsOf<T>),
 }
 
-/// A mixture of experts (Qwen3.5 MoE, gpt-oss): every expert's matrices stacked in one
-/// tensor, so a kernel reaches expert `e` at an offset (`ops::moe_matvec`).
+/// A mixture of experts (Qwen3.5 MoE, gpt-oss).
 pub struct ExpertsOf<T> {
-    pub router: T,  // [experts, hidden]
+    pub router: T, // [experts, hidden]
+    /// The routed experts' tensors on the device; `None`: kept in host memory and
+    /// streamed per layer (`model::cuda::ExpertSource`, `--offload-experts`).
+    pub mats: Option<ExpertMats<T>>,
+    /// An expert every token runs, scaled by σ(`gate` · x).
+    pub shared: Option<SharedOf<T>>,
+}
+
+/// Every routed expert's matrices stacked in one tensor each, so a kernel reaches expert
+/// `e` at an offset (`ops::moe_matvec`).
+pub struct ExpertMats<T> {
     pub gate_up: T, // [experts, 2 inter, hidden]  rows: gate, then up
     pub down: T,    // [experts, hidden, inter]
     /// gpt-oss's expert biases: [experts, 2 inter] and [experts, hidden].
     pub biases: Option<(T, T)>,
-    /// An expert every token runs, scaled by σ(`gate` · x).
-    pub shared: Option<SharedOf<T>>,
+}
+
+/// A layer's routed experts in bf16, stacked as `ExpertMats` holds them.
+pub type ExpertStacks = ExpertMats<Vec<u16>>;
+
+impl ExpertStacks {
+    /// The experts of `x` (a layer of `model`), converted and stacked on the host.
+    pub fn of(model: &Model, x: &Experts) -> Self {
+        let bf16 = |v: &[f32]| v.iter().map(|&x| f32_to_bf16(x)).collect::<Vec<_>>();
+        let stack = |f: fn(&Expert) -> &Weight| -> Vec<u16> {
+            x.experts.iter().flat_map(|e| f(e).to_bf16_bits()).collect()
+        };
+        // Both biases or none (`Moe::biases`); zeros stand in for one a file lacks.
+        let biased = x
+            .experts
+            .iter()
+            .any(|e| e.gate_up_bias.is_some() || e.down_bias.is_some());
+        // Each expert's bias `f(e)`, `n` wide, stacked.
+        let stack_bias = |f: fn(&Expert) -> Option<&[f32]>, n: usize| {
+            x.experts
+                .iter()
+                .flat_map(|e| f(e).map_or_else(|| vec![0; n], bf16))
+                .collect::<Vec<u16>>()
+        };
+        let (h, inter2) = (model.cfg.hidden_size, 2 * model.cfg.intermediate_size);
+        Self {
+            gate_up: stack(|e| &e.gate_up),
+            down: stack(|e| &e.down),
+            biases: biased.then(|| {
+                (
+                    stack_bias(|e| e.gate_up_bias.as_deref(), inter2),
+                    stack_bias(|e| e.down_bias.as_deref(), h),
+                )
+            }),
+        }
+    }
+
+    /// Each tensor in order (gate/up, down, then the biases).
+    pub fn parts(&self) -> Vec<&[u16]> {
+        let mut v = vec![self.gate_up.as_slice(), self.down.as_slice()];
+        if let Some((g, d)) = &self.biases {
+            v.extend([g.as_slice(), d.as_slice()]);
+        }
+        v
+    }
 }
 
 pub struct SharedOf<T> {
@@ -85,6 +137,15 @@ pub struct SharedOf<T> {
 
 pub type LayerW = LayerOf<Tensor>;
 
+/// Where a mixture of experts' routed experts live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertPlace {
+    /// In device memory, uploaded with the rest.
+    Resident,
+    /// In host memory, streamed per layer (`--offload-experts`).
+    Streamed,
+}
+
 /// A model's tensors, each a `T`, in upload order.
 pub struct ModelOf<T> {
     pub embed: T, // [vocab, hidden]
@@ -94,9 +155,11 @@ pub struct ModelOf<T> {
 }
 
 /// Converts every tensor of `model` to bf16, one at a time, handing each to `sink` (an
-/// upload, or a host-side measurement) before converting the next.
+/// upload, or a host-side measurement) before converting the next; the routed experts
+/// only when `experts` says they are resident.
 pub fn convert_each<T>(
     model: &Model,
+    experts: ExpertPlace,
     mut sink: impl FnMut(&[u16]) -> Result<T>,
 ) -> Result<ModelOf<T>> {
     let w = &model.weights;
@@ -120,10 +183,6 @@ pub fn convert_each<T>(
                 down: sink(&down.to_bf16_bits())?,
             },
             Mlp::Experts(x) => {
-                // Stacked: the host holds one layer's experts in bf16 while converting.
-                let stack = |f: &dyn Fn(&Expert) -> &Weight| -> Vec<u16> {
-                    x.experts.iter().flat_map(|e| f(e).to_bf16_bits()).collect()
-                };
                 let shared = match &x.shared {
                     Some(s) => Some(SharedOf {
                         gate_up: sink(&s.gate_up.to_bf16_bits())?,
@@ -132,32 +191,24 @@ pub fn convert_each<T>(
                     }),
                     None => None,
                 };
-                // Both biases or none (`Moe::biases`); zeros stand in for one a file lacks.
-                let biases = if x
-                    .experts
-                    .iter()
-                    .any(|e| e.gate_up_bias.is_some() || e.down_bias.is_some())
-                {
-                    // Each expert's bias `f(e)`, `n` wide, stacked.
-                    let stack_bias = |f: fn(&Expert) -> Option<&[f32]>, n: usize| {
-                        x.experts
-                            .iter()
-                            .flat_map(|e| f(e).map_or_else(|| vec![0; n], bf16))
-                            .collect::<Vec<u16>>()
-                    };
-                    let (h, inter2) = (model.cfg.hidden_size, 2 * model.cfg.intermediate_size);
-                    Some((
-                        sink(&stack_bias(|e| e.gate_up_bias.as_deref(), inter2))?,
-                        sink(&stack_bias(|e| e.down_bias.as_deref(), h))?,
-                    ))
-                } else {
-                    None
+                // Stacked: the host holds one layer's experts in bf16 while converting.
+                let mats = match experts {
+                    ExpertPlace::Resident => {
+                        let st = ExpertStacks::of(model, x);
+                        Some(ExpertMats {
+                            gate_up: sink(&st.gate_up)?,
+                            down: sink(&st.down)?,
+                            biases: match &st.biases {
+                                Some((g, d)) => Some((sink(g)?, sink(d)?)),
+                                None => None,
+                            },
+                        })
+                    }
+                    ExpertPlace::Streamed => None,
                 };
                 MlpOf::Experts(ExpertsOf {
                     router: sink(&x.router.to_bf16_bits())?,
-                    gate_up: sink(&stack(&|e| &e.gate_up))?,
-                    down: sink(&stack(&|e| &e.down))?,
-                    biases,
+                    mats,
                     shared,
                 })
             }
@@ -278,10 +329,15 @@ impl CudaWeights {
 
     /// Uploads a loaded model's weights, converted to bf16 tensor by tensor.
     pub fn from_model(exec: &dyn Exec, model: &Model) -> Result<Self> {
+        Self::from_model_placed(exec, model, ExpertPlace::Resident)
+    }
+
+    /// `from_model`, the routed experts uploaded or left for a stream as `experts` says.
+    pub fn from_model_placed(exec: &dyn Exec, model: &Model, experts: ExpertPlace) -> Result<Self> {
         // Before uploading gigabytes (`CudaModel::new` checks it again for any weights).
         crate::device::cuda::ops::check_head_dim(model.cfg.head_dim)?;
         let mut bytes = 0;
-        let m = convert_each(model, |bits| {
+        let m = convert_each(model, experts, |bits| {
             bytes += 2 * bits.len();
             Tensor::from_bf16(exec, bits)
         })?;

@@ -97,17 +97,23 @@ fn gemma3_270m_on_the_emulator_matches_the_cpu_model() {
 /// skipped 23–40%, the matrix state or the conv tail lost between steps 110–150%.
 #[test]
 fn qwen3_5_on_the_emulator_matches_the_cpu_model() {
+    use strata::gpucheck::model_checks::QWEN35_TOL;
+    checkpoint_matches_the_cpu_model(&common::tiny_qwen35("qwen35_emulator"), QWEN35_TOL);
+}
+
+/// `model` through the real kernels against the f32 CPU model: a random 300-token prompt
+/// (seed 7), then 4 decode steps, every step within `tol` (rel rms, rel max).
+fn checkpoint_matches_the_cpu_model(model: &std::sync::Arc<strata::model::Model>, tol: (f32, f32)) {
     use rand::SeedableRng;
-    let model = common::tiny_qwen35("qwen35_emulator");
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let prompt = common::random_prompt(&mut rng, 300, model.cfg.vocab_size);
     let x = emu_exec();
-    let steps = strata::gpucheck::model_checks::compare_loaded(x, &model, &prompt, 4).unwrap();
+    let steps = strata::gpucheck::model_checks::compare_loaded(x, model, &prompt, 4).unwrap();
     for s in &steps {
         eprintln!("{s:?}");
     }
     for s in &steps {
-        assert!(s.rel_rms < 0.10 && s.rel_max < 0.10, "{s:?}");
+        assert!(s.rel_rms < tol.0 && s.rel_max < tol.1, "{s:?}");
     }
 }
 
@@ -132,22 +138,8 @@ fn qwen3_5_moe_block_on_the_emulator_matches_the_cpu_model() {
 /// `GPT_OSS_TOL` (its bf16 noise: see the constant).
 #[test]
 fn gpt_oss_on_the_emulator_matches_the_cpu_model() {
-    use rand::SeedableRng;
     use strata::gpucheck::model_checks::GPT_OSS_TOL;
-    let model = common::tiny_gpt_oss("gpt_oss_emulator");
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let prompt = common::random_prompt(&mut rng, 300, model.cfg.vocab_size);
-    let x = emu_exec();
-    let steps = strata::gpucheck::model_checks::compare_loaded(x, &model, &prompt, 4).unwrap();
-    for s in &steps {
-        eprintln!("{s:?}");
-    }
-    for s in &steps {
-        assert!(
-            s.rel_rms < GPT_OSS_TOL.0 && s.rel_max < GPT_OSS_TOL.1,
-            "{s:?}"
-        );
-    }
+    checkpoint_matches_the_cpu_model(&common::tiny_gpt_oss("gpt_oss_emulator"), GPT_OSS_TOL);
 }
 
 /// gpt-oss's expert block through the real kernels (router GEMM and bias, `moe_route`,

@@ -968,13 +968,7 @@ fn check_window(
     window: Option<usize>,
     layout: Layout,
 ) -> Result<CheckRow> {
-    let (q_lens, ctx): (Vec<i32>, Vec<i32>) = match attn {
-        Attn::Prefill => {
-            let (q, c) = z.pick(([100, 37, 1], [357, 302, 20]), ([40, 3, 20], [101, 70, 20]));
-            (q.to_vec(), c.to_vec())
-        }
-        Attn::Decode => (vec![1; 3], z.pick([1, 700, 5000], [1, 300, 1100]).to_vec()),
-    };
+    let (q_lens, ctx) = window_runs(z, attn);
     let case = AttnCase {
         attn,
         q_lens,
@@ -988,17 +982,23 @@ fn check_window(
     attn_check(exec, rng, heads(z, hd), hd, case)
 }
 
-/// gpt-oss's attention: head_dim 64, 64 query heads over 8 KV heads (4 and 2 small), a
-/// window, and per-head sinks from −4 to 8 (the scores' own range and well above it: some
-/// heads' sinks take most of the weight), at `check_window`'s tight tolerance.
-fn check_sinks(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes, attn: Attn) -> Result<CheckRow> {
-    let (q_lens, ctx): (Vec<i32>, Vec<i32>) = match attn {
+/// `check_window`'s and `check_sinks`' (query lengths, contexts): prefill chunks after a
+/// prefix at positions ≡ 1 mod 4; decode contexts over several splits.
+fn window_runs(z: CheckSizes, attn: Attn) -> (Vec<i32>, Vec<i32>) {
+    match attn {
         Attn::Prefill => {
             let (q, c) = z.pick(([100, 37, 1], [357, 302, 20]), ([40, 3, 20], [101, 70, 20]));
             (q.to_vec(), c.to_vec())
         }
         Attn::Decode => (vec![1; 3], z.pick([1, 700, 5000], [1, 300, 1100]).to_vec()),
-    };
+    }
+}
+
+/// gpt-oss's attention: head_dim 64, 64 query heads over 8 KV heads (4 and 2 small), a
+/// window, and per-head sinks from −4 to 8 (the scores' own range and well above it: some
+/// heads' sinks take most of the weight), at `check_window`'s tight tolerance.
+fn check_sinks(exec: &dyn Exec, rng: &mut StdRng, z: CheckSizes, attn: Attn) -> Result<CheckRow> {
+    let (q_lens, ctx) = window_runs(z, attn);
     let case = AttnCase {
         attn,
         q_lens,
